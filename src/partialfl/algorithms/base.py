@@ -1,0 +1,107 @@
+"""The algorithm interface (FedJAX-like).
+
+An algorithm is ``init`` (server state from θ⁰), a pure ``client_update`` run on a cohort of
+clients, and ``server_update`` (aggregate and step). A runtime — synchronous rounds,
+asynchronous events, Flower — only calls these; an algorithm never knows which runtime or
+backend runs it. Stateful baselines declare ``init_client_state``: that state is held by the
+runtime's client side (one row per client), handed to ``client_update`` for the cohort and
+written back from :attr:`ClientResult.client_state` — it never reaches the server.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+
+from partialfl.aggregation import Mean, aggregate_tree
+from partialfl.server import SGD
+from partialfl.types import ClientUpdates, Params
+
+
+@dataclass
+class ServerState:
+    """θ (or the shared model), the server optimizer's state and algorithm extras."""
+
+    theta: Params
+    opt_state: Any = None
+    round: int = 0
+    extra: dict[str, Any] = field(default_factory=dict)
+
+
+@dataclass(frozen=True)
+class RoundContext:
+    """What a client update may know about the round besides θ: for deriving randomness."""
+
+    seed: int
+    round: int
+
+
+@dataclass(frozen=True)
+class ClientResult:
+    """``updates`` go to the server; ``client_state`` stays on the clients (or is None)."""
+
+    updates: ClientUpdates
+    client_state: Params | None = None
+
+
+@dataclass(frozen=True)
+class Deployed:
+    """The model each client would use: θ shared ``[d]`` or per client ``[M, d]``, and w."""
+
+    theta: Params
+    w: Params
+    personalized_theta: bool = False
+
+
+class Algorithm:
+    """Base class. Subclasses implement ``client_update`` and set ``pseudo_gradient``:
+
+    * ``"gradient"`` — clients send ∇_θ (FFGG): the server steps θ ← opt(θ, agg(g)).
+    * ``"delta"`` — clients send a model change Δ: the server steps with g = −agg(Δ), so
+      SGD with lr 1 is plain averaging θ ← θ + mean(Δ) (FedAvg) and Adam gives FedAdam.
+    """
+
+    name: str = "algorithm"
+    pseudo_gradient: str = "gradient"
+    stateful_clients: bool = False
+
+    def __init__(self, server_opt=None, aggregator=None) -> None:
+        self.server_opt = server_opt if server_opt is not None else SGD(lr=1.0)
+        self.aggregator = aggregator if aggregator is not None else Mean()
+
+    # -- server ------------------------------------------------------------------------
+    def init(self, problem, theta0: Params) -> ServerState:
+        return ServerState(theta=theta0, opt_state=self.server_opt.init(theta0))
+
+    def aggregate(self, updates: ClientUpdates) -> Params:
+        return aggregate_tree(self.aggregator, updates.vectors, updates.weights)
+
+    def server_update(
+        self, state: ServerState, updates: ClientUpdates, ctx: RoundContext
+    ) -> ServerState:
+        agg = self.aggregate(updates)
+        g = agg if self.pseudo_gradient == "gradient" else {k: -v for k, v in agg.items()}
+        theta, opt_state = self.server_opt.step(state.theta, g, state.opt_state, state.round)
+        return ServerState(theta, opt_state, state.round + 1, dict(state.extra))
+
+    # -- clients -----------------------------------------------------------------------
+    def init_client_state(self, problem) -> Params | None:
+        return None
+
+    def client_update(
+        self, state: ServerState, problem, cohort: np.ndarray, ctx: RoundContext,
+        client_state: Params | None = None,
+    ) -> ClientResult:
+        raise NotImplementedError
+
+    # -- evaluation --------------------------------------------------------------------
+    def deployed(self, state: ServerState, problem, client_state: Params | None,
+                 ctx: RoundContext) -> Deployed:
+        """The model every client would deploy after this round (for metrics)."""
+        raise NotImplementedError
+
+    def global_theta(self, state: ServerState) -> Params:
+        """The global parameters θ to compare with θ* (the θ part of a shared model)."""
+        return {"theta": state.theta["theta"]} if "theta" in state.theta else state.theta

@@ -1,0 +1,40 @@
+"""FFGG — Fine-tuning Followed by Global Gradient (the paper's Algorithm 1).
+
+Round r, for each sampled client m ∈ C_r (stateless):
+    w_m ≈ argmin_w f_m(θʳ, w)        (any local solver, started afresh)
+    g_m = ∇₁ f_m(θʳ, w_m)            (sent to the server)
+Server: θʳ⁺¹ = θʳ − γ · agg({g_m}),  γ = 1/L by default (Theorem 1), agg = mean.
+With exact fine-tuning g_m = F_m(θʳ), so FFGG is (stochastic) gradient descent on the
+personalized risk (1/M)Σ_m min_w f_m(θ, w) (Theorem 4).
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+from partialfl.algorithms.base import Algorithm, ClientResult, Deployed, RoundContext
+from partialfl.types import ClientUpdates
+
+
+class FFGG(Algorithm):
+    name = "ffgg"
+    pseudo_gradient = "gradient"
+
+    def __init__(self, solver, server_opt=None, aggregator=None, weighting: str = "uniform"):
+        super().__init__(server_opt, aggregator)
+        if weighting not in ("uniform", "examples"):
+            raise ValueError(f"unknown weighting {weighting!r}; allowed: 'uniform', 'examples'")
+        self.solver = solver
+        self.weighting = weighting
+
+    def client_update(self, state, problem, cohort, ctx: RoundContext, client_state=None):
+        theta = state.theta
+        sol = self.solver(problem, cohort, theta, ctx.seed, ctx.round)
+        g = problem.grad_theta(cohort, theta, sol.w)
+        weights = (problem.num_examples(cohort) if self.weighting == "examples"
+                   else np.ones(len(cohort)))
+        return ClientResult(ClientUpdates(g, weights, np.asarray(cohort), sol.grad_evals + 1))
+
+    def deployed(self, state, problem, client_state, ctx):
+        allc = np.arange(problem.num_clients)
+        return Deployed(state.theta, self.solver(problem, allc, state.theta, ctx.seed, -1).w)

@@ -1,0 +1,113 @@
+"""Non-personalized baselines on the shared model x = (θ, w) with full local gradients.
+
+* :class:`LocalGD` — FedAvg / Local GD: each client runs τ steps x ← x − η∇f_m(x) from the
+  server model and sends Δ = x_τ − x⁰; the server averages, x ← x + mean(Δ) (server SGD lr 1).
+  η = 1/L_m with L_m the joint smoothness of f_m in (θ, w) unless given.
+* :class:`Scaffold` — Karimireddy et al. (2020), option II control variates, global step 1:
+  y ← y − η(∇f_m(y) − c_m + c) for τ steps; c_m⁺ = c_m − c + (x − y)/(τη);
+  the client sends Δy and Δc_m = c_m⁺ − c_m; x ← x + mean(Δy), c ← c + (|C|/M)·mean(Δc).
+  η as for LocalGD. c_m lives on the client (runtime-held state); c on the server.
+
+The deployed model is the shared (θ, w) for every client.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+from partialfl.algorithms.base import Algorithm, ClientResult, Deployed
+from partialfl.types import ClientUpdates, Params
+
+
+def _joint_grad(problem, cohort, x: Params) -> Params:
+    """∇f_m at per-client joint points x = {"theta": [k, dθ], "w": [k, dw]}."""
+    th, w = {"theta": x["theta"]}, {"w": x["w"]}
+    return {**problem.grad_theta(cohort, th, w), **problem.grad_w(cohort, th, w)}
+
+
+def _broadcast(x: Params, k: int) -> Params:
+    return {n: np.repeat(v[None], k, 0) for n, v in x.items()}
+
+
+def _lr(problem, cohort, lr):
+    return np.full(len(cohort), lr) if lr is not None else 1.0 / problem.L_joint_clients[cohort]
+
+
+def shared_model(problem, theta0: Params) -> Params:
+    """The non-personalized model x = (θ, w): θ⁰ plus a shared w⁰ = 0."""
+    if "w" in theta0:
+        return theta0
+    return {**theta0, "w": problem.init_w(np.arange(1), "zero", 0, 0)["w"][0]}
+
+
+def _check_tau(tau):
+    if not isinstance(tau, int | np.integer) or tau < 1:
+        raise ValueError(f"local steps tau must be an integer >= 1, got {tau!r}")
+
+
+class LocalGD(Algorithm):
+    name = "local-gd"
+    pseudo_gradient = "delta"
+
+    def __init__(self, tau: int, lr: float | None = None, server_opt=None, aggregator=None):
+        super().__init__(server_opt, aggregator)
+        _check_tau(tau)
+        self.tau, self.lr = int(tau), lr
+
+    def init(self, problem, theta0):
+        return super().init(problem, shared_model(problem, theta0))
+
+    def client_update(self, state, problem, cohort, ctx, client_state=None):
+        x0 = _broadcast(state.theta, len(cohort))
+        eta = _lr(problem, cohort, self.lr)[:, None]
+        x = {n: v.copy() for n, v in x0.items()}
+        for _ in range(self.tau):
+            g = _joint_grad(problem, cohort, x)
+            for n in x:
+                x[n] -= eta * g[n]
+        delta = {n: x[n] - x0[n] for n in x}
+        return ClientResult(ClientUpdates(delta, np.ones(len(cohort)), np.asarray(cohort),
+                                          self.tau))
+
+    def deployed(self, state, problem, client_state, ctx):
+        M = problem.num_clients
+        return Deployed({"theta": state.theta["theta"]}, {"w": np.repeat(state.theta["w"][None], M, 0)})
+
+
+class Scaffold(LocalGD):
+    name = "scaffold"
+    stateful_clients = True
+
+    def init(self, problem, theta0):
+        s = super().init(problem, theta0)
+        s.extra["c"] = {n: np.zeros_like(v) for n, v in s.theta.items()}
+        s.extra["num_clients"] = problem.num_clients
+        return s
+
+    def init_client_state(self, problem) -> Params:
+        M = problem.num_clients
+        return {"c_theta": np.zeros((M, problem.d_theta)), "c_w": np.zeros((M, problem.d_w))}
+
+    def client_update(self, state, problem, cohort, ctx, client_state=None):
+        k = len(cohort)
+        x0 = _broadcast(state.theta, k)
+        c = state.extra["c"]
+        cm = {"theta": client_state["c_theta"], "w": client_state["c_w"]}
+        eta = _lr(problem, cohort, self.lr)[:, None]
+        y = {n: v.copy() for n, v in x0.items()}
+        for _ in range(self.tau):
+            g = _joint_grad(problem, cohort, y)
+            for n in y:
+                y[n] -= eta * (g[n] - cm[n] + c[n])
+        cm_new = {n: cm[n] - c[n] + (x0[n] - y[n]) / (self.tau * eta) for n in y}
+        dy = {n: y[n] - x0[n] for n in y}
+        dc = {n: cm_new[n] - cm[n] for n in y}
+        up = ClientUpdates(dy, np.ones(k), np.asarray(cohort), self.tau, extra={"dc": dc})
+        return ClientResult(up, {"c_theta": cm_new["theta"], "c_w": cm_new["w"]})
+
+    def server_update(self, state, updates, ctx):
+        new = super().server_update(state, updates, ctx)
+        frac = len(updates.cohort) / state.extra["num_clients"]
+        dc = updates.extra["dc"]
+        new.extra["c"] = {n: state.extra["c"][n] + frac * dc[n].mean(0) for n in dc}
+        return new

@@ -1,0 +1,80 @@
+"""L2GD — Loopless Local GD (Hanzely & Richtárik 2020), fully personalized baseline.
+
+Each client owns a full model x_m = (θ_m, w_m) and the method minimises
+    (1/M)Σ_m f_m(x_m) + λ/(2M) Σ_m ‖x_m − x̄‖².
+At every iteration a shared coin ξ ~ Bernoulli(p) picks a local step
+    x_m ← x_m − α/(M(1−p)) ∇f_m(x_m)                     (ξ = 0, no communication)
+or an averaging step
+    x_m ← x_m − αλ/(Mp) (x_m − x̄)                         (ξ = 1, one communication).
+Defaults follow the paper's Sec. 4.2: λ = 0.1, p = 1/τ, and α = 1/(2L_F) with
+L_F = (1/M)·max(L/(1−p), λ/p), L = max_m joint smoothness of f_m (Hanzely & Richtárik's
+theory). A *round* here is one communication: the run of local steps drawn until the next
+ξ = 1 (geometric, mean (1−p)/p), then the averaging step, which uses the x̄ the server
+broadcast. All clients participate. Each client deploys its own x_m.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+from partialfl import rng as prng
+from partialfl.algorithms.base import Algorithm, ClientResult, Deployed
+from partialfl.algorithms.joint import _joint_grad, shared_model
+from partialfl.types import ClientUpdates, Params
+
+
+class L2GD(Algorithm):
+    name = "l2gd"
+    pseudo_gradient = "delta"
+    stateful_clients = True
+
+    def __init__(self, tau: int, lam: float = 0.1, p: float | None = None,
+                 alpha_scale: float = 0.5) -> None:
+        super().__init__()
+        if not isinstance(tau, int | np.integer) or tau < 1:
+            raise ValueError(f"local steps tau must be an integer >= 1, got {tau!r}")
+        p = 1.0 / tau if p is None else p
+        if not 0 < p <= 1:
+            raise ValueError(f"communication probability p must be in (0, 1], got {p}")
+        if p == 1 and tau != 1:
+            raise ValueError("p = 1 leaves no local steps")
+        if not lam > 0:
+            raise ValueError(f"penalty lambda must be positive, got {lam}")
+        self.tau, self.lam, self.p, self.alpha_scale = int(tau), float(lam), float(p), alpha_scale
+
+    def _steps(self, problem) -> tuple[float, float]:
+        M, p, lam = problem.num_clients, self.p, self.lam
+        L = float(problem.L_joint_clients.max())
+        L_F = max(L / (1 - p) if p < 1 else L, lam / p) / M
+        alpha = self.alpha_scale / L_F
+        local = alpha / (M * (1 - p)) if p < 1 else 0.0
+        return local, alpha * lam / (M * p)
+
+    def init(self, problem, theta0):
+        return super().init(problem, shared_model(problem, theta0))
+
+    def init_client_state(self, problem) -> Params:
+        M = problem.num_clients
+        return {"theta": np.zeros((M, problem.d_theta)), "w": np.zeros((M, problem.d_w))}
+
+    def client_update(self, state, problem, cohort, ctx, client_state=None):
+        if len(cohort) != problem.num_clients:
+            raise ValueError("L2GD needs full participation (clients_per_round = all)")
+        local, avg = self._steps(problem)
+        x = {n: client_state[n].copy() for n in ("theta", "w")}
+        if ctx.round > 0:  # the averaging step that closed the previous round
+            for n in x:
+                x[n] -= avg * (x[n] - state.theta[n][None])
+        g = prng.generator(ctx.seed, "l2gd-coin", ctx.round)
+        k = int(g.geometric(self.p)) - 1 if self.p < 1 else 0  # local steps before ξ = 1
+        for _ in range(k):
+            gr = _joint_grad(problem, cohort, x)
+            for n in x:
+                x[n] -= local * gr[n]
+        delta = {n: x[n] - state.theta[n][None] for n in x}
+        up = ClientUpdates(delta, np.ones(len(cohort)), np.asarray(cohort), k)
+        return ClientResult(up, x)
+
+    def deployed(self, state, problem, client_state, ctx):
+        return Deployed({"theta": client_state["theta"]}, {"w": client_state["w"]},
+                        personalized_theta=True)

@@ -1,0 +1,157 @@
+"""Closed-form-problem local solvers (numpy, batched over a cohort).
+
+* :class:`GradientDescent` — the paper's Algorithm 2: τ steps w ← w − η∇₂f_m(θ, w), with
+  η = 1/L_w,m (the smoothness of w ↦ f_m) unless given.
+* :class:`ConjugateGradient` — τ CG iterations on Q_m w = c_m(θ) (quadratic-in-w problems),
+  the same recurrence as SciPy's ``cg`` (Hestenes–Stiefel), batched over clients.
+* :class:`ExactSolver` — w*_m(θ) in closed form (quadratic problems) or to machine precision
+  (the problem's own ``w_star``).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Protocol
+
+import numpy as np
+
+from partialfl.types import Params
+
+INITS = ("zero", "random")
+
+
+@dataclass(frozen=True)
+class SolverResult:
+    w: Params
+    grad_evals: int
+
+
+class LocalSolver(Protocol):
+    def __call__(
+        self, problem, cohort: np.ndarray, theta: Params, seed: int, round_: int
+    ) -> SolverResult: ...
+
+
+def _check_tau(tau: int) -> int:
+    if not isinstance(tau, int | np.integer) or tau < 1:
+        raise ValueError(f"local steps tau must be an integer >= 1, got {tau!r}")
+    return int(tau)
+
+
+def _check_init(init: str) -> str:
+    if init not in INITS:
+        raise ValueError(f"unknown w initialisation {init!r}; allowed: {', '.join(INITS)}")
+    return init
+
+
+@dataclass(frozen=True)
+class GradientDescent:
+    """Algorithm 2 (GD fine-tuning): w^{t+1} = w^t − η ∇₂f_m(θ, w^t), t < τ."""
+
+    tau: int
+    lr: float | None = None
+    init: str = "zero"
+
+    def __post_init__(self) -> None:
+        _check_tau(self.tau)
+        _check_init(self.init)
+        if self.lr is not None and not self.lr > 0:
+            raise ValueError(f"local stepsize lr must be positive, got {self.lr!r}")
+
+    def __call__(self, problem, cohort, theta, seed=0, round_=0) -> SolverResult:
+        w = problem.init_w(cohort, self.init, seed, round_)
+        eta = (
+            np.full(len(cohort), self.lr) if self.lr is not None
+            else 1.0 / problem.lipschitz_w(cohort)
+        )
+        if hasattr(problem, "w_system"):
+            # Same iterates, one batched mat-vec per step: ∇₂f = Qw − c(θ).
+            Q, c = problem.w_system(cohort, theta)
+            W = w["w"].copy()
+            e = eta[:, None]
+            if Q.ndim == 2:  # diagonal Q (eigenbasis): w ← w − η(Λw − c), elementwise
+                for _ in range(self.tau):
+                    W -= e * (Q * W - c)
+            else:
+                for _ in range(self.tau):
+                    W -= e * (np.einsum("kij,kj->ki", Q, W) - c)
+            return SolverResult({"w": W}, self.tau)
+        for _ in range(self.tau):
+            g = problem.grad_w(cohort, theta, w)
+            w = {n: v - _bcast(eta, v) * g[n] for n, v in w.items()}
+        return SolverResult(w, self.tau)
+
+
+@dataclass(frozen=True)
+class ConjugateGradient:
+    """τ iterations of conjugate gradient on Q_m w = c_m(θ), from w⁰ = 0 or random.
+
+    r⁰ = c − Qw⁰, p⁰ = r⁰; α = ‖r‖²/pᵀQp; w += αp; r −= αQp; β = ‖r_new‖²/‖r‖²; p = r + βp.
+    A client whose residual is exactly zero stops moving (α = 0).
+    """
+
+    tau: int
+    init: str = "zero"
+
+    def __post_init__(self) -> None:
+        _check_tau(self.tau)
+        _check_init(self.init)
+
+    def __call__(self, problem, cohort, theta, seed=0, round_=0) -> SolverResult:
+        if not hasattr(problem, "w_system"):
+            raise TypeError(
+                f"conjugate gradient needs a problem quadratic in w; {type(problem).__name__} "
+                "is not (use the 'gd' or 'exact' solver)"
+            )
+        Q, c = problem.w_system(cohort, theta)
+        diag = Q.ndim == 2
+
+        def matvec(v):
+            return Q * v if diag else np.einsum("kij,kj->ki", Q, v)
+
+        W = problem.init_w(cohort, self.init, seed, round_)["w"].copy()
+        r = c - matvec(W) if self.init != "zero" else c.copy()
+        p = r.copy()
+        # Scalars are [k, 1] columns. A client with r = 0 (hence p = 0) must stop: adding the
+        # smallest normal float to denominators makes α = β = 0 there and changes nothing
+        # for any denominator above 1e-292.
+        tiny = np.finfo(np.float64).tiny
+        rho = np.vecdot(r, r, keepdims=True)
+        for _ in range(self.tau):
+            q = matvec(p)
+            alpha = rho / (np.vecdot(p, q, keepdims=True) + tiny)
+            W += alpha * p
+            r -= alpha * q
+            rho_new = np.vecdot(r, r, keepdims=True)
+            p *= rho_new / (rho + tiny)
+            p += r
+            rho = rho_new
+        return SolverResult({"w": W}, self.tau)
+
+
+@dataclass(frozen=True)
+class ExactSolver:
+    """w*_m(θ) from the problem's own exact solve (counted as one local computation)."""
+
+    def __call__(self, problem, cohort, theta, seed=0, round_=0) -> SolverResult:
+        if not hasattr(problem, "w_star"):
+            raise TypeError(f"{type(problem).__name__} has no exact w*(θ); use 'gd' or 'cg'")
+        return SolverResult(problem.w_star(cohort, theta), 1)
+
+
+SOLVERS = ("gd", "cg", "exact")
+
+
+def make_solver(name: str, tau: int = 1, lr: float | None = None, init: str = "zero"):
+    """Build a solver by name: one of ``gd``, ``cg``, ``exact``."""
+    if name == "gd":
+        return GradientDescent(tau=tau, lr=lr, init=init)
+    if name == "cg":
+        return ConjugateGradient(tau=tau, init=init)
+    if name == "exact":
+        return ExactSolver()
+    raise ValueError(f"unknown local solver {name!r}; allowed: {', '.join(SOLVERS)}")
+
+
+def _bcast(eta: np.ndarray, v: np.ndarray) -> np.ndarray:
+    return eta.reshape((-1,) + (1,) * (v.ndim - 1))

@@ -1,0 +1,1 @@
+"""Model architectures written in plain torch (no torchvision)."""

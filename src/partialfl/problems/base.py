@@ -1,0 +1,84 @@
+"""The problem layer: clients, their private data and the loss f_m(θ, w).
+
+Every method is *batched over a cohort* of client ids: personal trees carry a leading client
+axis, and returned per-client quantities have shape ``[k, ...]``. A problem whose w-subproblem is
+quadratic also implements :class:`QuadraticInW`, which unlocks the conjugate-gradient and exact
+local solvers.
+"""
+
+from __future__ import annotations
+
+from typing import Protocol, runtime_checkable
+
+import numpy as np
+
+from partialfl.types import Params
+
+
+@runtime_checkable
+class Problem(Protocol):
+    """A federated problem  min_θ (1/M) Σ_m min_w f_m(θ, w)  (the paper's Eq. (1))."""
+
+    num_clients: int
+
+    def init_theta(self, rng: np.random.Generator) -> Params: ...
+
+    def init_w(self, cohort: np.ndarray, how: str, seed: int, round_: int) -> Params:
+        """Fresh personal parameters for ``cohort`` ("zero" or "random")."""
+        ...
+
+    def loss(self, cohort: np.ndarray, theta: Params, w: Params) -> np.ndarray:
+        """f_m(θ, w_m) for each m in the cohort: ``[k]``."""
+        ...
+
+    def grad_theta(self, cohort: np.ndarray, theta: Params, w: Params) -> Params:
+        """∇₁ f_m(θ, w_m), stacked ``[k, ...]``."""
+        ...
+
+    def grad_w(self, cohort: np.ndarray, theta: Params, w: Params) -> Params:
+        """∇₂ f_m(θ, w_m), stacked ``[k, ...]``."""
+        ...
+
+    def lipschitz_w(self, cohort: np.ndarray) -> np.ndarray:
+        """Smoothness constant of w ↦ f_m(θ, w) for each client: ``[k]``."""
+        ...
+
+    def num_examples(self, cohort: np.ndarray) -> np.ndarray: ...
+
+
+@runtime_checkable
+class QuadraticInW(Protocol):
+    """Problems where ∇₂ f_m(θ, w) = Q_m w − c_m(θ) with Q_m symmetric positive definite."""
+
+    def w_system(self, cohort: np.ndarray, theta: Params) -> tuple[np.ndarray, np.ndarray]:
+        """``(Q [k, d_w, d_w], c [k, d_w])`` of the w-subproblem."""
+        ...
+
+    def w_star(self, cohort: np.ndarray, theta: Params) -> Params:
+        """The exact w*_m(θ) = argmin_w f_m(θ, w)."""
+        ...
+
+
+@runtime_checkable
+class ClosedForm(Protocol):
+    """Problems that expose the exact operator F and its root θ* (for metrics and tests)."""
+
+    def F(self, theta: Params) -> np.ndarray:
+        """F(θ) = (1/M) Σ_m ∇₁ f_m(θ, w*_m(θ)), flattened."""
+        ...
+
+    def theta_star(self) -> Params: ...
+
+    def f_star(self) -> np.ndarray:
+        """min_{θ,w} f_m(θ, w) per client ``[M]`` (the fully personalized optimum)."""
+        ...
+
+
+def check_cohort(cohort: np.ndarray, num_clients: int) -> np.ndarray:
+    """Validate client ids; returns an int64 array."""
+    c = np.asarray(cohort, dtype=np.int64)
+    if c.ndim != 1:
+        raise ValueError(f"cohort must be 1-D, got shape {c.shape}")
+    if c.size and (c.min() < 0 or c.max() >= num_clients):
+        raise ValueError(f"client ids must be in [0, {num_clients}), got {c.min()}..{c.max()}")
+    return c

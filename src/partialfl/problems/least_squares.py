@@ -1,0 +1,252 @@
+"""The paper's Example 1: partially personalized least squares.
+
+    f_m(θ, w) = ½‖H_m θ − b_m‖² + ½‖A_m θ + B_m w − y_m‖²
+
+with H_m, A_m ∈ R^{n×d_θ}, B_m ∈ R^{n×d_w}. Generator (Sec. 4.2 of the paper): every entry of
+every matrix and vector is U[0, 1], and each matrix is divided by its second dimension. Per
+client, in this order, from ``rng.generator(seed, "least-squares")``: H_m, b_m, A_m, B_m, y_m.
+
+Only sufficient statistics are kept (Gram matrices), so no round touches an n×d matrix:
+
+    P_m = H_mᵀH_m + A_mᵀA_m,  p_m = H_mᵀb_m + A_mᵀy_m,  G_m = A_mᵀB_m,  Q_m = B_mᵀB_m,
+    q_m = B_mᵀy_m,  c_m = ½(‖b_m‖² + ‖y_m‖²)
+
+    f_m   = ½θᵀP_mθ + θᵀG_m w + ½wᵀQ_m w − θᵀp_m − wᵀq_m + c_m
+    ∇₁f_m = P_mθ + G_m w − p_m,      ∇₂f_m = Q_m w + G_mᵀθ − q_m
+    w*_m(θ) = Q_m⁻¹(q_m − G_mᵀθ)
+    F_m(θ) = ∇₁f_m(θ, w*_m(θ)) = S_mθ − s_m,  S_m = P_m − G_mQ_m⁻¹G_mᵀ,  s_m = p_m − G_mQ_m⁻¹q_m
+
+F = (1/M)Σ F_m is affine, θ* = S̄⁻¹ s̄. The constant of Example 1 is
+L = max_m λ_max(H_mᵀH_m + A_mᵀA_m) ≥ max_m λ_max(S_m), so every F_m is L-cocoercive.
+
+Personal coordinates. With ``basis="eigen"`` (the default) each client keeps its w in the
+eigenbasis of its own Q_m = V_mΛ_mV_mᵀ, i.e. the personal variable is ŵ = V_mᵀw. This is an
+orthogonal change of variables that GD and CG are equivariant to, so θ-iterates are the same
+as in the standard basis (up to rounding, checked in the tests), while every local mat-vec
+becomes an elementwise product: Q̂_m = Λ_m is diagonal (``w_system`` returns it as ``[k, d_w]``).
+``to_standard_w`` maps ŵ back to w.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+
+from partialfl import rng as prng
+from partialfl.problems.base import check_cohort
+from partialfl.types import Params
+
+
+@dataclass(frozen=True)
+class LeastSquaresSpec:
+    """Sizes of Example 1 (defaults are the paper's)."""
+
+    num_clients: int = 32
+    n: int = 10_000
+    d_theta: int = 100
+    d_w: int = 50
+    seed: int = 0
+
+    def __post_init__(self) -> None:
+        for name in ("num_clients", "n", "d_theta", "d_w"):
+            v = getattr(self, name)
+            if not isinstance(v, int | np.integer) or v < 1:
+                raise ValueError(f"least-squares size {name} must be a positive integer, got {v!r}")
+        if self.n < self.d_w:
+            raise ValueError(
+                f"n={self.n} < d_w={self.d_w}: B_m would be rank deficient and w*(θ) not unique"
+            )
+
+
+def generate_raw(spec: LeastSquaresSpec, m: int | None = None):
+    """Yield ``(H, b, A, B, y)`` for each client in order (or only client ``m``).
+
+    The raw n×d matrices exist only here and in the paper-faithful reference path.
+    """
+    g = prng.generator(spec.seed, "least-squares")
+    n, dt, dw = spec.n, spec.d_theta, spec.d_w
+    for i in range(spec.num_clients):
+        H = g.random((n, dt)) / dt
+        b = g.random(n)
+        A = g.random((n, dt)) / dt
+        B = g.random((n, dw)) / dw
+        y = g.random(n)
+        if m is None or i == m:
+            yield H, b, A, B, y
+
+
+class LeastSquaresProblem:
+    """Example 1 with batched closed forms; θ = {"theta": [d_θ]}, w = {"w": [k, d_w]}."""
+
+    def __init__(
+        self, spec: LeastSquaresSpec | None = None, basis: str = "eigen", **sizes: int
+    ) -> None:
+        if basis not in ("eigen", "standard"):
+            raise ValueError(f"unknown basis {basis!r}; allowed: 'eigen', 'standard'")
+        spec = spec or LeastSquaresSpec(**sizes)
+        self.basis = basis
+        self.spec = spec
+        M, dt, dw = spec.num_clients, spec.d_theta, spec.d_w
+        self.num_clients = M
+        self.d_theta, self.d_w = dt, dw
+        P = np.empty((M, dt, dt))
+        p = np.empty((M, dt))
+        G = np.empty((M, dt, dw))
+        Q = np.empty((M, dw, dw))
+        q = np.empty((M, dw))
+        c = np.empty(M)
+        lam_h_a = np.empty(M)
+        for m, (H, b, A, B, y) in enumerate(generate_raw(spec)):
+            HtH, AtA = H.T @ H, A.T @ A
+            P[m] = HtH + AtA
+            p[m] = H.T @ b + A.T @ y
+            G[m] = A.T @ B
+            Q[m] = B.T @ B
+            q[m] = B.T @ y
+            c[m] = 0.5 * (b @ b + y @ y)
+            lam_h_a[m] = np.linalg.eigvalsh(P[m])[-1]
+        self.P, self.p, self.G, self.Q, self.q, self.c = P, p, G, Q, q, c
+        self._init_derived(lam_h_a)
+        self.V = None
+        if basis == "eigen":
+            lam, V = np.linalg.eigh(Q)
+            self.V = V
+            self.G = G @ V
+            self.Gt = np.ascontiguousarray(self.G.transpose(0, 2, 1))
+            self.q = np.einsum("mji,mj->mi", V, q)
+            self.Q = lam  # diagonal, [M, d_w]
+
+    def _init_derived(self, lam_h_a: np.ndarray) -> None:
+        P, p, G, Q, q = self.P, self.p, self.G, self.Q, self.q
+        self.Gt = np.ascontiguousarray(G.transpose(0, 2, 1))
+        QinvGt = np.linalg.solve(Q, self.Gt)  # [M, dw, dt]
+        Qinvq = np.linalg.solve(Q, q[..., None])[..., 0]
+        self.S = P - G @ QinvGt
+        self.s = p - np.einsum("mij,mj->mi", G, Qinvq)
+        self.S_bar = self.S.mean(0)
+        self.s_bar = self.s.mean(0)
+        self._theta_star = np.linalg.solve(self.S_bar, self.s_bar)
+        #: Example 1's constant: max_m λ_max(H_mᵀH_m + A_mᵀA_m).
+        self.L = float(lam_h_a.max())
+        #: the tight cocoercivity constant of each F_m, λ_max(S_m) ≤ L.
+        self.L_F_clients = np.linalg.eigvalsh(self.S)[:, -1]
+        self._Lw = np.linalg.eigvalsh(Q)[:, -1]
+        # f_m* = min over (θ, w) jointly: the fully personalized optimum.
+        K = np.concatenate(
+            [np.concatenate([P, G], 2), np.concatenate([self.Gt, Q], 2)], 1
+        )  # [M, dt+dw, dt+dw]
+        rhs = np.concatenate([p, q], 1)
+        z = np.linalg.solve(K, rhs[..., None])[..., 0]
+        self._f_star = self.c - 0.5 * np.einsum("mi,mi->m", z, rhs)
+        #: smoothness of f_m in the joint variable (θ, w), per client.
+        self.L_joint_clients = np.linalg.eigvalsh(K)[:, -1]
+
+    # ---- Problem protocol -------------------------------------------------------------
+    def init_theta(self, rng: np.random.Generator | None = None) -> Params:
+        """θ⁰ = 0 (the paper's initialisation)."""
+        return {"theta": np.zeros(self.d_theta)}
+
+    def init_w(self, cohort: np.ndarray, how: str, seed: int, round_: int) -> Params:
+        cohort = np.asarray(cohort)
+        if how == "zero":
+            return {"w": np.zeros((len(cohort), self.d_w))}
+        if how == "random":
+            return {
+                "w": np.stack(
+                    [prng.generator(seed, "init-w", round_, int(m)).standard_normal(self.d_w)
+                     for m in cohort]
+                ).reshape(len(cohort), self.d_w)
+            }
+        raise ValueError(f"unknown w initialisation {how!r}; allowed: 'zero', 'random'")
+
+    def num_examples(self, cohort: np.ndarray) -> np.ndarray:
+        return np.full(len(cohort), float(self.spec.n))
+
+    def lipschitz_w(self, cohort: np.ndarray) -> np.ndarray:
+        return self._Lw[self._ix(cohort)]
+
+    def _ix(self, cohort) -> np.ndarray | slice:
+        """Index for a cohort; the full ordered cohort becomes a slice (no copies)."""
+        c = np.asarray(cohort)
+        M = self.num_clients
+        if len(c) == M and c[0] == 0 and c[-1] == M - 1 and (M < 3 or (np.diff(c) > 0).all()):
+            return slice(None)
+        return check_cohort(c, M)
+
+    def qmul(self, cohort, W: np.ndarray) -> np.ndarray:
+        """Q_m w_m for each client of the cohort."""
+        Q = self.Q[self._ix(cohort)]
+        return Q * W if Q.ndim == 2 else np.einsum("kij,kj->ki", Q, W)
+
+    def to_standard_w(self, cohort, w: Params) -> Params:
+        """Personal parameters in the standard basis of Example 1 (w = V_m ŵ)."""
+        if self.V is None:
+            return w
+        return {"w": np.einsum("kij,kj->ki", self.V[self._ix(cohort)], w["w"])}
+
+    def loss(self, cohort: np.ndarray, theta: Params, w: Params) -> np.ndarray:
+        """f_m(θ, w_m); θ may be shared ``[d_θ]`` or per client ``[k, d_θ]``."""
+        c = self._ix(cohort)
+        k = len(w["w"])
+        t = _per_client(theta["theta"], k)
+        W = w["w"]
+        quad_t = np.einsum("ki,kij,kj->k", t, self.P[c], t)
+        cross = np.einsum("ki,kij,kj->k", t, self.G[c], W)
+        quad_w = np.vecdot(W, self.qmul(cohort, W))
+        lin = np.einsum("ki,ki->k", t, self.p[c]) + np.einsum("ki,ki->k", W, self.q[c])
+        return 0.5 * quad_t + cross + 0.5 * quad_w - lin + self.c[c]
+
+    def grad_theta(self, cohort: np.ndarray, theta: Params, w: Params) -> Params:
+        c = self._ix(cohort)
+        t = theta["theta"]
+        Pt = self.P[c] @ t if t.ndim == 1 else np.matmul(self.P[c], t[..., None])[..., 0]
+        Gw = np.matmul(self.G[c], w["w"][..., None])[..., 0]
+        return {"theta": Pt + Gw - self.p[c]}
+
+    def grad_w(self, cohort: np.ndarray, theta: Params, w: Params) -> Params:
+        return {"w": self.qmul(cohort, w["w"]) - self.w_system(cohort, theta)[1]}
+
+    # ---- QuadraticInW -------------------------------------------------------------------
+    def w_system(self, cohort: np.ndarray, theta: Params) -> tuple[np.ndarray, np.ndarray]:
+        """``(Q, c(θ))`` with ∇₂f_m = Q_m w − c_m(θ); Q is ``[k, d_w]`` (diagonal) in the
+        eigenbasis, else ``[k, d_w, d_w]``."""
+        c = self._ix(cohort)
+        t = theta["theta"]
+        if t.ndim == 1:
+            Gt = self.Gt[c]
+            rhs = self.q[c] - (Gt.reshape(-1, Gt.shape[-1]) @ t).reshape(Gt.shape[:2])
+        else:
+            rhs = self.q[c] - np.matmul(self.Gt[c], t[..., None])[..., 0]
+        return self.Q[c], rhs
+
+    def w_star(self, cohort: np.ndarray, theta: Params) -> Params:
+        Q, rhs = self.w_system(cohort, theta)
+        if Q.ndim == 2:
+            return {"w": rhs / Q}
+        return {"w": np.linalg.solve(Q, rhs[..., None])[..., 0]}
+
+    # ---- ClosedForm ---------------------------------------------------------------------
+    def F_clients(self, cohort: np.ndarray, theta: Params) -> np.ndarray:
+        """F_m(θ) = S_mθ − s_m for each m in the cohort ``[k, d_θ]``."""
+        c = self._ix(cohort)
+        return self.S[c] @ theta["theta"] - self.s[c]
+
+    def F(self, theta: Params) -> np.ndarray:
+        return self.S_bar @ theta["theta"] - self.s_bar
+
+    def theta_star(self) -> Params:
+        return {"theta": self._theta_star.copy()}
+
+    def f_star(self) -> np.ndarray:
+        return self._f_star.copy()
+
+    def personalized_risk(self, theta: Params) -> float:
+        """(1/M) Σ_m min_w f_m(θ, w): the objective FFGG minimises (Theorem 4)."""
+        allc = np.arange(self.num_clients)
+        return float(self.loss(allc, theta, self.w_star(allc, theta)).mean())
+
+
+def _per_client(t: np.ndarray, k: int) -> np.ndarray:
+    return np.broadcast_to(t, (k, t.shape[-1])) if t.ndim == 1 else t
+

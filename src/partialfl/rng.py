@@ -1,0 +1,41 @@
+"""Explicit randomness.
+
+Every random choice is drawn from a generator derived from the run seed and a *purpose path*
+(e.g. ``("client", round, cid)``), so results do not depend on the execution backend, the
+order in which clients run, or how many clients share a batch.
+"""
+
+from __future__ import annotations
+
+import hashlib
+
+import numpy as np
+
+_PURPOSES: dict[str, int] = {}
+
+
+def _purpose_int(p: int | str) -> int:
+    if isinstance(p, int | np.integer):
+        if p < 0:
+            raise ValueError(f"purpose ints must be non-negative, got {p}")
+        return int(p)
+    h = _PURPOSES.get(p)
+    if h is None:
+        h = int.from_bytes(hashlib.blake2b(p.encode(), digest_size=4).digest(), "little")
+        _PURPOSES[p] = h
+    return h
+
+
+def seed_sequence(seed: int, *path: int | str) -> np.random.SeedSequence:
+    """The seed sequence for ``path`` under the run ``seed``."""
+    return np.random.SeedSequence([int(seed), *(_purpose_int(p) for p in path)])
+
+
+def generator(seed: int, *path: int | str) -> np.random.Generator:
+    """A numpy generator for one purpose, e.g. ``generator(seed, "client", r, cid)``."""
+    return np.random.default_rng(seed_sequence(seed, *path))
+
+
+def torch_seed(seed: int, *path: int | str) -> int:
+    """A 63-bit seed for ``torch.Generator().manual_seed`` for one purpose."""
+    return int(seed_sequence(seed, *path).generate_state(1, np.uint64)[0] >> np.uint64(1))

@@ -1,0 +1,70 @@
+"""Small helpers on parameter trees (dicts name -> numpy array or torch tensor)."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import numpy as np
+
+from partialfl.types import Params
+
+
+def tree_map(fn: Callable, *trees: Params) -> Params:
+    """Apply ``fn`` leafwise over trees that share the same keys."""
+    first = trees[0]
+    for t in trees[1:]:
+        if t.keys() != first.keys():
+            raise KeyError(f"trees have different keys: {sorted(first)} vs {sorted(t)}")
+    return {k: fn(*(t[k] for t in trees)) for k in first}
+
+
+def tree_add(a: Params, b: Params, scale: float = 1.0) -> Params:
+    """a + scale·b."""
+    return {k: a[k] + scale * b[k] for k in a}
+
+
+def tree_sub(a: Params, b: Params) -> Params:
+    return {k: a[k] - b[k] for k in a}
+
+
+def tree_scale(a: Params, s: float) -> Params:
+    return {k: s * v for k, v in a.items()}
+
+
+def tree_sq_norm(a: Params) -> float:
+    return float(sum(float((v * v).sum()) for v in a.values()))
+
+
+def tree_copy(a: Params) -> Params:
+    return {k: (v.clone() if hasattr(v, "clone") else np.array(v, copy=True)) for k, v in a.items()}
+
+
+def tree_stack_index(a: Params, idx) -> Params:
+    """Leading-axis selection of a stacked tree."""
+    return {k: v[idx] for k, v in a.items()}
+
+
+def flatten_stacked(tree: Params) -> tuple[object, Callable[[object], Params]]:
+    """Concatenate the leaves of a stacked tree ``[k, ...]`` into ``[k, D]``.
+
+    Returns the matrix and a function mapping a ``[D]`` vector back to an unstacked tree.
+    """
+    names = list(tree)
+    shapes = [tuple(tree[n].shape[1:]) for n in names]
+    sizes = [int(np.prod(s)) if s else 1 for s in shapes]
+    leaves = [tree[n].reshape(tree[n].shape[0], -1) for n in names]
+    if hasattr(leaves[0], "detach"):
+        import torch
+
+        mat = torch.cat(leaves, 1)
+    else:
+        mat = np.concatenate(leaves, 1)
+
+    def unflatten(vec) -> Params:
+        out, i = {}, 0
+        for n, s, z in zip(names, shapes, sizes):
+            out[n] = vec[i : i + z].reshape(s)
+            i += z
+        return out
+
+    return mat, unflatten
