@@ -46,7 +46,9 @@ class ClientUpdates:
             raise ValueError(f"weights has {len(self.weights)} entries for a cohort of {k}")
         for name, v in self.vectors.items():
             if v.shape[0] != k:
-                raise ValueError(f"update vector {name!r} has leading size {v.shape[0]}, expected {k}")
+                raise ValueError(
+                    f"update vector {name!r} has leading size {v.shape[0]}, expected {k}"
+                )
 
     def select(self, idx: np.ndarray) -> ClientUpdates:
         """The updates of a subset of the cohort (positions ``idx``)."""

@@ -29,7 +29,7 @@ class L2GD(Algorithm):
     stateful_clients = True
 
     def __init__(self, tau: int, lam: float = 0.1, p: float | None = None,
-                 alpha_scale: float = 0.5) -> None:
+                 alpha_scale: float = 0.5, fast: bool = True) -> None:
         super().__init__()
         if not isinstance(tau, int | np.integer) or tau < 1:
             raise ValueError(f"local steps tau must be an integer >= 1, got {tau!r}")
@@ -41,6 +41,7 @@ class L2GD(Algorithm):
         if not lam > 0:
             raise ValueError(f"penalty lambda must be positive, got {lam}")
         self.tau, self.lam, self.p, self.alpha_scale = int(tau), float(lam), float(p), alpha_scale
+        self.fast = fast
 
     def _steps(self, problem) -> tuple[float, float]:
         M, p, lam = problem.num_clients, self.p, self.lam
@@ -67,10 +68,13 @@ class L2GD(Algorithm):
                 x[n] -= avg * (x[n] - state.theta[n][None])
         g = prng.generator(ctx.seed, "l2gd-coin", ctx.round)
         k = int(g.geometric(self.p)) - 1 if self.p < 1 else 0  # local steps before ξ = 1
-        for _ in range(k):
-            gr = _joint_grad(problem, cohort, x)
-            for n in x:
-                x[n] -= local * gr[n]
+        if self.fast and hasattr(problem, "joint_gd") and k > 0:
+            x = problem.joint_gd(cohort, x, np.full(len(cohort), local), k)
+        else:
+            for _ in range(k):
+                gr = _joint_grad(problem, cohort, x)
+                for n in x:
+                    x[n] -= local * gr[n]
         delta = {n: x[n] - state.theta[n][None] for n in x}
         up = ClientUpdates(delta, np.ones(len(cohort)), np.asarray(cohort), k)
         return ClientResult(up, x)

@@ -46,11 +46,17 @@ def _check_init(init: str) -> str:
 
 @dataclass(frozen=True)
 class GradientDescent:
-    """Algorithm 2 (GD fine-tuning): w^{t+1} = w^t − η ∇₂f_m(θ, w^t), t < τ."""
+    """Algorithm 2 (GD fine-tuning): w^{t+1} = w^t − η ∇₂f_m(θ, w^t), t < τ.
+
+    On a problem whose w-system is diagonal (least squares in its eigenbasis) and with
+    ``closed_form=True``, the τ steps are evaluated in closed form,
+    w^τ = w* + (1 − ηΛ)^τ (w⁰ − w*), w* = c/Λ — the same iterates up to rounding.
+    """
 
     tau: int
     lr: float | None = None
     init: str = "zero"
+    closed_form: bool = True
 
     def __post_init__(self) -> None:
         _check_tau(self.tau)
@@ -69,7 +75,10 @@ class GradientDescent:
             Q, c = problem.w_system(cohort, theta)
             W = w["w"].copy()
             e = eta[:, None]
-            if Q.ndim == 2:  # diagonal Q (eigenbasis): w ← w − η(Λw − c), elementwise
+            if Q.ndim == 2 and self.closed_form:
+                ws = c / Q
+                W = ws + (1.0 - e * Q) ** self.tau * (W - ws)
+            elif Q.ndim == 2:  # diagonal Q (eigenbasis): w ← w − η(Λw − c), elementwise
                 for _ in range(self.tau):
                     W -= e * (Q * W - c)
             else:

@@ -54,7 +54,9 @@ class SequentialBackend:
     def run(self, algorithm, state, problem, cohort, ctx, client_state=None) -> ClientResult:
         out = []
         for i, m in enumerate(cohort):
-            cs = None if client_state is None else {n: v[i : i + 1] for n, v in client_state.items()}
+            cs = None
+            if client_state is not None:
+                cs = {n: v[i : i + 1] for n, v in client_state.items()}
             out.append(algorithm.client_update(state, problem, np.asarray([m]), ctx, cs))
         return concat_results(out)
 

@@ -1,0 +1,5 @@
+import sys
+
+from partialfl.cli import main
+
+sys.exit(main())

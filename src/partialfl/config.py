@@ -1,0 +1,153 @@
+"""Configuration as data: frozen dataclasses loaded from TOML (or dicts) and validated on load.
+
+:func:`from_dict` builds any (nested) frozen dataclass from a mapping; an unknown key, a value
+of the wrong type or a bad choice gives a :class:`ConfigError` that names the key (with its
+dotted path) and what is allowed. :func:`apply_overrides` applies ``a.b=value`` strings (the
+command line's ``--set``).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import tomllib
+import types
+import typing
+from collections.abc import Mapping
+from pathlib import Path
+from typing import Any, TypeVar
+
+T = TypeVar("T")
+
+
+class ConfigError(ValueError):
+    """A configuration value is unknown, of the wrong type, or not allowed."""
+
+
+def _type_name(tp) -> str:
+    return getattr(tp, "__name__", str(tp))
+
+
+def _coerce(value: Any, tp, where: str):
+    origin = typing.get_origin(tp)
+    if origin in (typing.Union, types.UnionType):
+        args = typing.get_args(tp)
+        if value is None and type(None) in args:
+            return None
+        errors = []
+        for a in args:
+            if a is type(None):
+                continue
+            try:
+                return _coerce(value, a, where)
+            except ConfigError as e:
+                errors.append(str(e))
+        allowed = " or ".join(_type_name(a) for a in args)
+        raise ConfigError(f"{where}: expected {allowed}, got {value!r}")
+    if origin is typing.Literal:
+        allowed = typing.get_args(tp)
+        if value not in allowed:
+            raise ConfigError(
+                f"{where}: {value!r} is not allowed; allowed: {', '.join(map(repr, allowed))}"
+            )
+        return value
+    if origin in (tuple, list):
+        if not isinstance(value, list | tuple):
+            raise ConfigError(f"{where}: expected a list, got {value!r}")
+        (inner, *rest) = typing.get_args(tp) or (Any,)
+        return tuple(_coerce(v, inner, f"{where}[{i}]") for i, v in enumerate(value))
+    if dataclasses.is_dataclass(tp):
+        if not isinstance(value, Mapping):
+            raise ConfigError(f"{where}: expected a table, got {value!r}")
+        return from_dict(tp, value, where)
+    if tp is Any:
+        return value
+    if tp is float:
+        if isinstance(value, bool) or not isinstance(value, int | float):
+            raise ConfigError(f"{where}: expected a number, got {value!r}")
+        return float(value)
+    if tp is int:
+        if isinstance(value, bool) or not isinstance(value, int):
+            raise ConfigError(f"{where}: expected an integer, got {value!r}")
+        return value
+    if tp is bool:
+        if not isinstance(value, bool):
+            raise ConfigError(f"{where}: expected true or false, got {value!r}")
+        return value
+    if tp is str:
+        if not isinstance(value, str):
+            raise ConfigError(f"{where}: expected a string, got {value!r}")
+        return value
+    return value
+
+
+def from_dict(cls: type[T], data: Mapping[str, Any], where: str = "") -> T:
+    """Build dataclass ``cls`` from ``data``, validating keys and types recursively.
+
+    ``__post_init__`` validation errors are re-raised as :class:`ConfigError` with the path.
+    """
+    hints = typing.get_type_hints(cls)
+    fields = {f.name: f for f in dataclasses.fields(cls) if f.init}
+    unknown = sorted(set(data) - set(fields))
+    if unknown:
+        prefix = f"{where}." if where else ""
+        raise ConfigError(
+            f"unknown key {prefix}{unknown[0]!r}; allowed keys"
+            f"{' in [' + where + ']' if where else ''}: {', '.join(sorted(fields))}"
+        )
+    kwargs = {}
+    for name, value in data.items():
+        kwargs[name] = _coerce(value, hints[name], f"{where}.{name}" if where else name)
+    try:
+        return cls(**kwargs)
+    except ConfigError:
+        raise
+    except (ValueError, TypeError) as e:
+        raise ConfigError(f"{where or cls.__name__}: {e}") from e
+
+
+def to_dict(obj) -> dict[str, Any]:
+    """The plain-dict form of a config dataclass (for logging next to results)."""
+    return dataclasses.asdict(obj)
+
+
+def load_toml(path: str | Path) -> dict[str, Any]:
+    path = Path(path)
+    if not path.exists():
+        raise ConfigError(f"config file {path} does not exist")
+    try:
+        with open(path, "rb") as f:
+            return tomllib.load(f)
+    except tomllib.TOMLDecodeError as e:
+        raise ConfigError(f"config file {path} is not valid TOML: {e}") from e
+
+
+def _parse_scalar(text: str) -> Any:
+    try:
+        return tomllib.loads(f"v = {text}")["v"]
+    except tomllib.TOMLDecodeError:
+        return text  # a bare string
+
+
+def apply_overrides(data: dict[str, Any], overrides: list[str]) -> dict[str, Any]:
+    """Apply ``section.key=value`` overrides (value parsed as TOML, else a string)."""
+    out = {k: (dict(v) if isinstance(v, dict) else v) for k, v in data.items()}
+    for ov in overrides:
+        if "=" not in ov:
+            raise ConfigError(f"override {ov!r} is not of the form key=value")
+        key, text = ov.split("=", 1)
+        parts = key.strip().split(".")
+        node = out
+        for p in parts[:-1]:
+            node = node.setdefault(p, {})
+            if not isinstance(node, dict):
+                raise ConfigError(f"override {ov!r}: {p!r} is not a table")
+        node[parts[-1]] = _parse_scalar(text.strip())
+    return out
+
+
+def deep_merge(base: dict[str, Any], over: Mapping[str, Any]) -> dict[str, Any]:
+    out = dict(base)
+    for k, v in over.items():
+        out[k] = deep_merge(out[k], v) if isinstance(v, Mapping) and isinstance(
+            out.get(k), dict) else v
+    return out
