@@ -38,7 +38,16 @@ def _lr(problem, cohort, lr):
 
 
 def shared_model(problem, theta0: Params) -> Params:
-    """The non-personalized model x = (θ, w): θ⁰ plus a shared w⁰ = 0."""
+    """The non-personalized model x = (θ, w): θ⁰ plus a shared w⁰ = 0.
+
+    A shared w must mean the same thing on every client, so problems that store personal
+    parameters in per-client coordinates (least squares with ``basis="eigen"``) are refused.
+    """
+    if getattr(problem, "V", None) is not None:
+        raise ValueError(
+            "this baseline shares w across clients, but the problem keeps w in per-client "
+            "eigen-coordinates; build it with LeastSquaresProblem(..., basis='standard')"
+        )
     if "w" in theta0:
         return theta0
     return {**theta0, "w": problem.init_w(np.arange(1), "zero", 0, 0)["w"][0]}

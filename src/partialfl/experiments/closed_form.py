@@ -6,6 +6,7 @@ A config file has the tables ``[problem]``, ``[algorithm]``, ``[server]``, ``[ru
 
 from __future__ import annotations
 
+import dataclasses
 import math
 import re
 from dataclasses import dataclass, field
@@ -120,19 +121,29 @@ _CACHE: dict = {}
 
 
 def build_problem(cfg: ProblemConfig):
-    """The problem (cached per configuration: building least squares reads n×d data once)."""
-    key = cfg
-    if key not in _CACHE:
-        if cfg.kind == "least-squares":
-            spec = LeastSquaresSpec(cfg.num_clients, cfg.n, cfg.d_theta, cfg.d_w, cfg.seed)
-            _CACHE.clear()
-            _CACHE[key] = LeastSquaresProblem(spec, basis=cfg.basis)
-        else:
-            spec = GLMSpec(cfg.num_clients, cfg.n, cfg.d_theta, cfg.d_w, cfg.psi,
-                           cfg.huber_delta, cfg.ridge, seed=cfg.seed)
-            _CACHE.clear()
-            _CACHE[key] = GeneralizedLinearProblem(spec)
-    return _CACHE[key]
+    """The problem (the two most recent are cached: building least squares reads n×d data)."""
+    if cfg not in _CACHE:
+        try:
+            if cfg.kind == "least-squares":
+                spec = LeastSquaresSpec(cfg.num_clients, cfg.n, cfg.d_theta, cfg.d_w, cfg.seed)
+                problem = LeastSquaresProblem(spec, basis=cfg.basis)
+            else:
+                spec = GLMSpec(cfg.num_clients, cfg.n, cfg.d_theta, cfg.d_w, cfg.psi,
+                               cfg.huber_delta, cfg.ridge, seed=cfg.seed)
+                problem = GeneralizedLinearProblem(spec)
+        except ValueError as e:
+            raise ConfigError(f"problem: {e}") from e
+        while len(_CACHE) >= 2:
+            _CACHE.pop(next(iter(_CACHE)))
+        _CACHE[cfg] = problem
+    return _CACHE[cfg]
+
+
+def problem_config_for(cfg: ClosedFormConfig) -> ProblemConfig:
+    """Non-personalized baselines share w across clients, so they need the standard basis."""
+    if cfg.algorithm.name != "ffgg" and cfg.problem.basis != "standard":
+        return dataclasses.replace(cfg.problem, basis="standard")
+    return cfg.problem
 
 
 def build_algorithm(cfg: ClosedFormConfig, problem):
@@ -154,7 +165,7 @@ def load_closed_form(data: dict, where: str = "") -> ClosedFormConfig:
 
 def run_closed_form(cfg: ClosedFormConfig, out: Path | None = None, progress: bool | str = False):
     """Run one configuration; metrics go to ``out/<name>.jsonl`` when ``out`` is given."""
-    problem = build_problem(cfg.problem)
+    problem = build_problem(problem_config_for(cfg))
     algorithm = build_algorithm(cfg, problem)
     if cfg.run.clients_per_round is not None and not (
         1 <= cfg.run.clients_per_round <= problem.num_clients
