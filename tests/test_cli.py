@@ -100,3 +100,16 @@ def test_module_entry_point_runs():
     r = subprocess.run([sys.executable, "-m", "partialfl", "list"], capture_output=True,
                        text=True, timeout=120)
     assert r.returncode == 0 and "ls-tau" in r.stdout
+
+
+def test_every_shipped_config_is_valid():
+    from pathlib import Path
+
+    from partialfl.config import load_toml
+
+    root = Path(__file__).resolve().parents[1] / "configs"
+    files = sorted(root.glob("*.toml"))
+    assert files, "no configs shipped"
+    for f in files:
+        cfg = load_closed_form({**load_toml(f), "name": f.stem})
+        assert cfg.run.rounds > 0
