@@ -2,7 +2,10 @@
 
 from partialfl.data.federated import DataFormatError, FederatedDataset
 from partialfl.data.femnist import load_femnist_npz
+from partialfl.data.gldv2 import load_gldv2
+from partialfl.data.leaf import load_leaf_femnist
 from partialfl.data.paths import DataNotFoundError, default_data_dir, resolve_data_file
+from partialfl.data.tff_emnist import load_tff_emnist_h5
 
 __all__ = [
     "DataFormatError",
@@ -10,5 +13,8 @@ __all__ = [
     "FederatedDataset",
     "default_data_dir",
     "load_femnist_npz",
+    "load_gldv2",
+    "load_leaf_femnist",
+    "load_tff_emnist_h5",
     "resolve_data_file",
 ]

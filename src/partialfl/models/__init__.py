@@ -39,20 +39,23 @@ MODELS: dict[str, Any] = {
 def make_model(name: str, num_classes: int, *, seed: int | None = None, **kw: Any) -> nn.Module:
     """Build model ``name`` with ``num_classes`` outputs; extra keywords go to its constructor.
 
+    Names may use hyphens instead of underscores (``"leaf-cnn"`` is ``"leaf_cnn"``).
+
     With ``seed`` the initial weights are drawn from ``partialfl.rng.torch_seed(seed,
     "model_init")`` inside ``torch.random.fork_rng`` (the global torch RNG is left untouched);
     without it they come from the global torch RNG. For ``resnet18_224``, ``pretrained=PATH``
     loads a state_dict file (see :func:`partialfl.models.resnet.load_pretrained`).
     """
-    if name not in MODELS:
+    key = name.replace("-", "_")  # "emnist-cnn" (CLI / config style) == "emnist_cnn"
+    if key not in MODELS:
         raise ValueError(f"unknown model {name!r}; available: {', '.join(sorted(MODELS))}")
     if int(num_classes) < 1:
         raise ValueError(f"num_classes must be >= 1, got {num_classes}")
     if seed is None:
-        return MODELS[name](num_classes=int(num_classes), **kw)
+        return MODELS[key](num_classes=int(num_classes), **kw)
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(torch_seed(seed, "model_init"))
-        return MODELS[name](num_classes=int(num_classes), **kw)
+        return MODELS[key](num_classes=int(num_classes), **kw)
 
 
 __all__ = ["MODELS", "EmnistCNN", "LeafCNN", "NamedLayersMixin", "ResNet18GN", "load_pretrained",
