@@ -137,10 +137,18 @@ class LeastSquaresProblem:
             [np.concatenate([P, G], 2), np.concatenate([self.Gt, Q], 2)], 1
         )  # [M, dt+dw, dt+dw]
         rhs = np.concatenate([p, q], 1)
-        z = np.linalg.solve(K, rhs[..., None])[..., 0]
+        lam_K = np.linalg.eigvalsh(K)
+        # A client with n < d_θ + d_w examples cannot identify (θ, w) alone: K_m is singular
+        # and any solution of the (consistent) system gives f_m*; use the pseudo-inverse there.
+        full = lam_K[:, 0] > 1e-12 * lam_K[:, -1]
+        z = np.empty_like(rhs)
+        z[full] = np.linalg.solve(K[full], rhs[full][..., None])[..., 0]
+        if not full.all():
+            z[~full] = np.einsum("mij,mj->mi", np.linalg.pinv(K[~full], hermitian=True),
+                                 rhs[~full])
         self._f_star = self.c - 0.5 * np.einsum("mi,mi->m", z, rhs)
         #: smoothness of f_m in the joint variable (θ, w), per client.
-        self.L_joint_clients = np.linalg.eigvalsh(K)[:, -1]
+        self.L_joint_clients = lam_K[:, -1]
 
     # ---- Problem protocol -------------------------------------------------------------
     def init_theta(self, rng: np.random.Generator | None = None) -> Params:
@@ -251,6 +259,9 @@ class LeastSquaresProblem:
         lam, U, zstar, dt = self._joint_eig()
         c = self._ix(cohort)
         lam, U, zbar = lam[c], U[c], zstar[c]
+        if not (lam[:, 0] > 1e-12 * lam[:, -1]).all():
+            raise ValueError("joint_gd: some client's K_m is singular (n < (d_θ + d_w)/2), the "
+                             "closed form needs it invertible; use fast=False")
         z = np.concatenate([z0["theta"], z0["w"]], 1)
         if shift is not None:
             sv = np.concatenate([shift["theta"], shift["w"]], 1)

@@ -1,0 +1,129 @@
+"""Server rules for asynchronous training and the asynchronous baselines.
+
+An asynchronous runtime (:mod:`partialfl.runtime.asynchronous`,
+:mod:`partialfl.runtime.processes`) calls ``server_update`` once per arriving client update
+and records its staleness τ (server steps since the client received θ) in
+``updates.metrics["staleness"]``.
+
+* **Asynchronous FFGG** (the paper's Algorithm 3) is plain :class:`~partialfl.algorithms.FFGG`
+  run by an asynchronous runtime: θ^{k+1} = θ^k − γ ∇₁f_{m_k}(θ^{k−τ_k}, w_{m_k}), w_{m_k}
+  fine-tuned for the stale θ^{k−τ_k} it received.
+* :func:`joint_sgd` — SGD on the *non-personalized* problem, shared x = (θ, w): the client
+  sends Δ = −∇f_m(x) (Local GD with one step of size 1, :class:`~partialfl.algorithms.LocalGD`),
+  the server steps x ← x − γ·(−Δ). Run asynchronously it is asynchronous SGD.
+* :class:`FedAsync` — staleness-weighted application (Xie et al., 2019, in the delta form of
+  FLSim): the arriving update is scaled by s(τ) before the base server step, so with Local GD
+  x ← x + α·s(τ)·Δ. s: ``constant`` 1, ``polynomial`` (1 + τ)^(−a),
+  ``hinge`` 1 if τ ≤ b else 1/(a(τ − b) + 1).
+* :class:`FedBuff` — buffered asynchronous aggregation (Nguyen et al., 2022): arriving
+  (s(τ)-scaled) updates wait in a buffer; every K-th arrival the base server steps once on the
+  K of them (mean), e.g. x ← x + η_g·(1/K)Σ s(τ_i)Δ_i. θ changes only every K arrivals.
+"""
+
+from __future__ import annotations
+
+import math
+
+import numpy as np
+
+from partialfl.algorithms.base import Algorithm, ServerState
+from partialfl.algorithms.joint import LocalGD
+from partialfl.algorithms.wrapper import AlgorithmWrapper
+from partialfl.server import SGD
+from partialfl.types import ClientUpdates
+
+STALENESS_FUNCTIONS = ("constant", "polynomial", "hinge")
+
+
+def joint_sgd(lr: float, aggregator=None) -> LocalGD:
+    """Gradient steps on the shared model x = (θ, w): client m sends Δ = −∇f_m(x) (one local
+    step of size 1), the server steps x ← x − lr·(−mean Δ) = x − lr·mean ∇f_m(x)."""
+    return LocalGD(tau=1, lr=1.0, server_opt=SGD(lr=lr), aggregator=aggregator)
+
+
+def staleness_weight(tau, kind: str = "constant", a: float = 0.5, b: float = 4.0):
+    """FedAsync's s(τ) (elementwise over an array of staleness values)."""
+    t = np.asarray(tau, dtype=np.float64)
+    if kind == "constant":
+        return np.ones_like(t)
+    if kind == "polynomial":
+        return (1.0 + t) ** (-a)
+    if kind == "hinge":
+        return np.where(t <= b, 1.0, 1.0 / (a * (t - b) + 1.0))
+    raise ValueError(f"unknown staleness function {kind!r}; allowed: "
+                     f"{', '.join(STALENESS_FUNCTIONS)}")
+
+
+def _check_staleness_args(kind: str, a: float, b: float) -> None:
+    if kind not in STALENESS_FUNCTIONS:
+        raise ValueError(f"unknown staleness function {kind!r}; allowed: "
+                         f"{', '.join(STALENESS_FUNCTIONS)}")
+    if not (a > 0 and math.isfinite(a)) or not (b >= 0 and math.isfinite(b)):
+        raise ValueError(f"staleness parameters need a > 0 and b >= 0, got a={a!r}, b={b!r}")
+
+
+def _staleness(updates: ClientUpdates, who: str) -> np.ndarray:
+    if "staleness" not in updates.metrics:
+        raise ValueError(f"{who} needs the staleness of each update in "
+                         "updates.metrics['staleness']: run it with an asynchronous runtime")
+    return np.asarray(updates.metrics["staleness"], dtype=np.float64)
+
+
+def _scaled(updates: ClientUpdates, s: np.ndarray) -> ClientUpdates:
+    if np.all(s == 1.0):
+        return updates
+    vecs = {}
+    for n, v in updates.vectors.items():
+        f = s.reshape((-1,) + (1,) * (v.ndim - 1))
+        vecs[n] = v * (f if not hasattr(v, "detach") else v.new_tensor(f))
+    return ClientUpdates(vecs, updates.weights, updates.cohort, updates.grad_evals,
+                         updates.metrics, updates.extra)
+
+
+class FedAsync(AlgorithmWrapper):
+    """Each arriving update is scaled by s(τ) and applied at once by the base server."""
+
+    def __init__(self, base: Algorithm, staleness: str = "polynomial", a: float = 0.5,
+                 b: float = 4.0) -> None:
+        super().__init__(base)
+        _check_staleness_args(staleness, a, b)
+        self.staleness, self.a, self.b = staleness, float(a), float(b)
+        self.name = f"fedasync-{base.name}"
+
+    def server_update(self, state, updates, ctx) -> ServerState:
+        s = staleness_weight(_staleness(updates, "FedAsync"), self.staleness, self.a, self.b)
+        return self.base.server_update(state, _scaled(updates, s), ctx)
+
+
+class FedBuff(AlgorithmWrapper):
+    """Buffer ``buffer_size`` = K arriving updates (scaled by s(τ)), then step once on all."""
+
+    def __init__(self, base: Algorithm, buffer_size: int, staleness: str = "constant",
+                 a: float = 0.5, b: float = 4.0) -> None:
+        super().__init__(base)
+        if not (isinstance(buffer_size, int | np.integer) and buffer_size >= 1):
+            raise ValueError(f"FedBuff buffer size K must be an integer >= 1, "
+                             f"got {buffer_size!r}")
+        _check_staleness_args(staleness, a, b)
+        self.K = int(buffer_size)
+        self.staleness, self.a, self.b = staleness, float(a), float(b)
+        self.name = f"fedbuff{self.K}-{base.name}"
+
+    def init(self, problem, theta0) -> ServerState:
+        state = self.base.init(problem, theta0)
+        state.extra["buffer"] = ()
+        return state
+
+    def server_update(self, state, updates, ctx) -> ServerState:
+        s = staleness_weight(_staleness(updates, "FedBuff"), self.staleness, self.a, self.b)
+        buffer = (*state.extra.get("buffer", ()), _scaled(updates, s))
+        if len(buffer) < self.K:
+            return ServerState(state.theta, state.opt_state, state.round,
+                               {**state.extra, "buffer": buffer})
+        from partialfl.algorithms.base import ClientResult
+        from partialfl.runtime.backends import concat_results
+
+        merged = concat_results([ClientResult(u) for u in buffer]).updates
+        new = self.base.server_update(state, merged, ctx)
+        new.extra["buffer"] = ()
+        return new

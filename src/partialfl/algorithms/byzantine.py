@@ -1,0 +1,179 @@
+"""Byzantine-robust training: BR-FFGG (the paper's Algorithm 5) and robust baselines.
+
+:class:`ByzantineRobust` wraps any :class:`~partialfl.algorithms.base.Algorithm`:
+
+1. clients run the base algorithm's ``client_update`` (Byzantine clients too: an omniscient
+   adversary knows what they would honestly send);
+2. the adversary replaces the rows of the Byzantine clients of the cohort by
+   ``attack(honest rows, Byzantine rows' honest values, rng)`` with
+   ``rng = generator(seed, "attack", round)``;
+3. the server drops every update containing NaN or ±inf, aggregates the rest with the robust
+   ``aggregator`` (randomized rules such as bucketing are bound to the round), and steps with
+   the base algorithm's own server update; a step that would make θ non-finite is rejected
+   (θ is kept). So a non-finite value sent by a client never reaches θ.
+
+BR-FFGG is ``ByzantineRobust(FFGG(solver, SGD(γ)), aggregator, byzantine, attack)``
+(:func:`br_ffgg`): g_m = ∇₁f_m(θ, w_m) after fine-tuning, θ ← θ − γ·Agg({g_m}). The robust
+non-personalized baseline wraps gradient steps on the shared model x = (θ, w)
+(:func:`partialfl.algorithms.asynchronous.joint_sgd`), so the same aggregators see full
+gradients ∇f_m(x).
+
+The set of Byzantine clients and their attack are part of the run's configuration
+(:class:`ByzantineConfig`). Counters in ``state.extra``: ``byz_dropped`` (non-finite updates
+dropped so far) and ``byz_rejected`` (server steps rejected).
+"""
+
+from __future__ import annotations
+
+import copy
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+
+from partialfl import rng as prng
+from partialfl.aggregation.robust import bind, finite_rows, to_numpy
+from partialfl.algorithms.base import Algorithm, ServerState
+from partialfl.algorithms.wrapper import AlgorithmWrapper
+from partialfl.attacks import Attack, NoAttack
+from partialfl.types import ClientUpdates, Params
+
+
+@dataclass(frozen=True)
+class ByzantineConfig:
+    """Which clients are Byzantine and what they send."""
+
+    clients: tuple[int, ...] = ()
+    attack: Any = field(default_factory=NoAttack)
+
+    def __post_init__(self) -> None:
+        ids = tuple(int(c) for c in self.clients)
+        if any(c < 0 for c in ids) or len(set(ids)) != len(ids):
+            raise ValueError(f"Byzantine client ids must be distinct and non-negative, got {ids}")
+        object.__setattr__(self, "clients", tuple(sorted(ids)))
+        if not callable(self.attack):
+            raise TypeError(f"attack must be callable (honest, own, rng) -> [b, d], "
+                            f"got {self.attack!r}")
+
+    @staticmethod
+    def sample(num_clients: int, fraction: float, seed: int, attack: Attack) -> ByzantineConfig:
+        """⌊fraction·M⌋ Byzantine clients drawn from generator(seed, "byzantine")."""
+        if not 0 <= fraction < 0.5:
+            raise ValueError(f"Byzantine fraction must be in [0, 0.5), got {fraction!r}")
+        b = int(np.floor(fraction * num_clients + 1e-9))
+        ids = prng.generator(seed, "byzantine").choice(num_clients, b, replace=False)
+        return ByzantineConfig(tuple(int(i) for i in ids), attack)
+
+
+def _flat(vectors: Params) -> tuple[Any, list[tuple[str, tuple, int]]]:
+    """``[k, D]`` matrix of a stacked tree plus the layout to undo it."""
+    layout, leaves = [], []
+    for n, v in vectors.items():
+        shape = tuple(v.shape[1:])
+        size = int(np.prod(shape)) if shape else 1
+        layout.append((n, shape, size))
+        leaves.append(v.reshape(v.shape[0], -1))
+    if hasattr(leaves[0], "detach"):
+        import torch
+
+        return torch.cat(leaves, 1), layout
+    return np.concatenate(leaves, 1), layout
+
+
+def _unflat(mat, layout) -> Params:
+    out, i = {}, 0
+    for n, shape, size in layout:
+        out[n] = mat[:, i : i + size].reshape((mat.shape[0], *shape))
+        i += size
+    return out
+
+
+class ByzantineRobust(AlgorithmWrapper):
+    """Any algorithm, with an adversary between clients and server and a robust server.
+
+    Args:
+        base: the algorithm whose clients compute and whose server steps (FFGG for BR-FFGG).
+        aggregator: any aggregator (see :func:`partialfl.aggregation.make_aggregator`).
+        byzantine: a :class:`ByzantineConfig` (or None: no Byzantine clients).
+    """
+
+    def __init__(self, base: Algorithm, aggregator, byzantine: ByzantineConfig | None = None):
+        if isinstance(base, ByzantineRobust):
+            raise TypeError("ByzantineRobust wraps a plain algorithm, not another wrapper")
+        if not callable(aggregator):
+            raise TypeError(f"aggregator must be callable, got {aggregator!r}")
+        super().__init__(base)
+        self.aggregator = aggregator
+        self.byzantine = byzantine or ByzantineConfig()
+        self._byz = np.asarray(self.byzantine.clients, dtype=np.int64)
+        self.name = f"br-{base.name}"
+
+    def init(self, problem, theta0: Params) -> ServerState:
+        if len(self._byz) and self._byz.max() >= problem.num_clients:
+            raise ValueError(f"Byzantine client ids {self.byzantine.clients} outside "
+                             f"[0, {problem.num_clients})")
+        state = self.base.init(problem, theta0)
+        state.extra.setdefault("byz_dropped", 0)
+        state.extra.setdefault("byz_rejected", 0)
+        return state
+
+    # -- adversary -----------------------------------------------------------------------
+    def corrupt(self, updates: ClientUpdates, ctx) -> ClientUpdates:
+        """The updates as the server receives them: Byzantine rows replaced by the attack."""
+        bad = np.isin(np.asarray(updates.cohort), self._byz)
+        if not bad.any():
+            return updates
+        mat, layout = _flat(updates.vectors)
+        arr, restore = to_numpy(mat)
+        arr = np.array(arr, dtype=np.float64)
+        sent = self.byzantine.attack(arr[~bad], arr[bad],
+                                     prng.generator(ctx.seed, "attack", ctx.round))
+        sent = np.asarray(sent, dtype=np.float64)
+        if sent.shape != arr[bad].shape:
+            raise ValueError(f"attack returned shape {sent.shape}, expected {arr[bad].shape}")
+        arr[bad] = sent
+        out = restore(arr if hasattr(mat, "detach") else arr.astype(mat.dtype, copy=False))
+        return ClientUpdates(_unflat(out, layout), updates.weights, updates.cohort,
+                             updates.grad_evals, updates.metrics, updates.extra)
+
+    # -- robust server -------------------------------------------------------------------
+    def server_update(self, state: ServerState, updates: ClientUpdates, ctx) -> ServerState:
+        updates = self.corrupt(updates, ctx)
+        mat, _ = _flat(updates.vectors)
+        ok = finite_rows(mat)
+        for tree in updates.extra.values():  # extras (e.g. Scaffold's Δc) must be finite too
+            if tree:
+                ok &= finite_rows(_flat(tree)[0])
+        dropped = int((~ok).sum())
+        extra = dict(state.extra)
+        extra["byz_dropped"] = extra.get("byz_dropped", 0) + dropped
+        if not ok.any():
+            extra["byz_rejected"] = extra.get("byz_rejected", 0) + 1
+            return ServerState(state.theta, state.opt_state, state.round + 1, extra)
+        kept = updates if ok.all() else updates.select(np.flatnonzero(ok))
+        server = copy.copy(self.base)
+        server.aggregator = bind(self.aggregator, ctx.seed, ctx.round)
+        new = server.server_update(ServerState(state.theta, state.opt_state, state.round, extra),
+                                   kept, ctx)
+        if not _all_finite(new.theta):
+            extra["byz_rejected"] = extra.get("byz_rejected", 0) + 1
+            return ServerState(state.theta, state.opt_state, state.round + 1, extra)
+        return new
+
+
+def _all_finite(tree: Params) -> bool:
+    for v in tree.values():
+        arr, _ = to_numpy(v)
+        if not np.isfinite(arr).all():
+            return False
+    return True
+
+
+def br_ffgg(solver, lr: float, aggregator, byzantine: ByzantineConfig | None = None,
+            **ffgg_kw) -> ByzantineRobust:
+    """BR-FFGG (Algorithm 5): FFGG with server SGD(γ = ``lr``) and a robust aggregator."""
+    from partialfl.algorithms.ffgg import FFGG
+    from partialfl.server import SGD
+
+    return ByzantineRobust(FFGG(solver, SGD(lr=lr), **ffgg_kw), aggregator, byzantine)
+

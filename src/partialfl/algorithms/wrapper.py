@@ -1,0 +1,39 @@
+"""A base class for algorithms that wrap another one (Byzantine robustness, staleness
+weighting, buffering): everything except what the wrapper overrides is delegated."""
+
+from __future__ import annotations
+
+from partialfl.algorithms.base import Algorithm, ServerState
+from partialfl.types import Params
+
+
+class AlgorithmWrapper(Algorithm):
+    """Delegates ``init``, client work, deployment and the server optimizer to ``base``."""
+
+    def __init__(self, base: Algorithm) -> None:
+        if not isinstance(base, Algorithm):
+            raise TypeError(f"can only wrap an Algorithm, got {type(base).__name__}")
+        self.base = base
+        self.name = base.name
+        self.pseudo_gradient = base.pseudo_gradient
+        self.stateful_clients = base.stateful_clients
+        self.server_opt = base.server_opt
+        self.aggregator = base.aggregator
+
+    def init(self, problem, theta0: Params) -> ServerState:
+        return self.base.init(problem, theta0)
+
+    def init_client_state(self, problem):
+        return self.base.init_client_state(problem)
+
+    def client_update(self, state, problem, cohort, ctx, client_state=None):
+        return self.base.client_update(state, problem, cohort, ctx, client_state)
+
+    def server_update(self, state, updates, ctx) -> ServerState:
+        return self.base.server_update(state, updates, ctx)
+
+    def deployed(self, state, problem, client_state, ctx):
+        return self.base.deployed(state, problem, client_state, ctx)
+
+    def global_theta(self, state: ServerState) -> Params:
+        return self.base.global_theta(state)

@@ -1,0 +1,258 @@
+"""What Byzantine clients send instead of their honest update.
+
+Attacks are *omniscient*: an attack sees the honest updates of the good clients of the round
+(``honest [h, d]``) and what the Byzantine clients themselves would have sent honestly
+(``own [b, d]``), and returns the b vectors they send: ``attack(honest, own, rng) -> [b, d]``.
+When no good client is visible in a round, attacks that need the good updates use ``own`` as
+their estimate of them.
+
+* :class:`ALIE` — A Little Is Enough (Baruch et al., 2019): every Byzantine client sends
+  μ − z·σ (coordinate-wise mean and standard deviation of the good updates), with
+  z = Φ⁻¹((n − s)/n), s = ⌊n/2 + 1⌋ − b for n = h + b clients, unless z is given.
+* :class:`IPM` — Inner Product Manipulation (Xie et al., 2020): −ε·μ.
+* :class:`SignFlip` — −x for each Byzantine client's own honest update x.
+* :class:`GaussianNoise` — c + N(0, σ²I) with c = 0, μ or the own update.
+* :class:`BitFlip` — hardware-fault model: flips the given bits of the IEEE-754 float64
+  representation of a random ``fraction`` of the coordinates of the own update (the default,
+  bit 62 = top exponent bit, turns values into ~1e±300, inf or NaN).
+* :class:`Mimic` (Karimireddy et al., 2022) — every Byzantine client copies one good client:
+  the given position, or the one with the largest |projection| on the top principal direction
+  of the centred good updates (the most "heterogeneous" one).
+* :class:`NoAttack` — Byzantine clients behave honestly (control).
+
+Label flipping is a data-level attack on classification data: :func:`flip_labels`.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from statistics import NormalDist
+from typing import Protocol
+
+import numpy as np
+
+
+class Attack(Protocol):
+    def __call__(self, honest: np.ndarray, own: np.ndarray,
+                 rng: np.random.Generator) -> np.ndarray: ...
+
+
+def _inputs(honest, own) -> tuple[np.ndarray, np.ndarray]:
+    honest = np.asarray(honest, dtype=np.float64)
+    own = np.asarray(own, dtype=np.float64)
+    if own.ndim != 2 or honest.ndim != 2:
+        raise ValueError(f"attack inputs must be [h, d] and [b, d] matrices, got shapes "
+                         f"{honest.shape} and {own.shape}")
+    if len(honest) and honest.shape[1] != own.shape[1]:
+        raise ValueError(f"honest updates have dimension {honest.shape[1]}, the Byzantine "
+                         f"clients' own ones {own.shape[1]}")
+    return honest, own
+
+
+def _reference(honest: np.ndarray, own: np.ndarray) -> np.ndarray:
+    return honest if len(honest) else own
+
+
+def _finite_positive(value, name: str) -> float:
+    if not (isinstance(value, int | float) and value > 0 and math.isfinite(value)):
+        raise ValueError(f"{name} must be a positive finite number, got {value!r}")
+    return float(value)
+
+
+def alie_z(n: int, b: int) -> float:
+    """Baruch et al.'s z_max: s = ⌊n/2 + 1⌋ − b, z = Φ⁻¹((n − s)/n)."""
+    if not (isinstance(n, int | np.integer) and isinstance(b, int | np.integer) and 0 <= b <= n
+            and n >= 1):
+        raise ValueError(f"ALIE needs 0 <= b <= n clients, got n={n!r}, b={b!r}")
+    s = math.floor(n / 2 + 1) - b
+    p = (n - s) / n
+    if not 0 < p < 1:
+        raise ValueError(f"ALIE's z formula is undefined for n={n}, b={b} "
+                         f"((n − s)/n = {p:.3g}); pass z explicitly")
+    return NormalDist().inv_cdf(p)
+
+
+@dataclass(frozen=True)
+class NoAttack:
+    name = "none"
+
+    def __call__(self, honest, own, rng=None):
+        return _inputs(honest, own)[1].copy()
+
+
+@dataclass(frozen=True)
+class ALIE:
+    """μ − z·σ; z from :func:`alie_z` (n = h + b) when ``z`` is None."""
+
+    z: float | None = None
+    name = "alie"
+
+    def __post_init__(self) -> None:
+        if self.z is not None and not (isinstance(self.z, int | float) and math.isfinite(self.z)):
+            raise ValueError(f"ALIE: z must be a finite number or None, got {self.z!r}")
+
+    def z_for(self, h: int, b: int) -> float:
+        return float(self.z) if self.z is not None else alie_z(h + b, b)
+
+    def __call__(self, honest, own, rng=None):
+        honest, own = _inputs(honest, own)
+        ref = _reference(honest, own)
+        mu, sd = ref.mean(0), ref.std(0)
+        z = self.z_for(len(honest), len(own))
+        return np.repeat((mu - z * sd)[None], len(own), 0)
+
+
+@dataclass(frozen=True)
+class IPM:
+    """−ε·μ (ε small: a slightly negative inner product with the true mean; ε large: a big
+    reversal)."""
+
+    epsilon: float = 0.1
+    name = "ipm"
+
+    def __post_init__(self) -> None:
+        _finite_positive(self.epsilon, "IPM epsilon")
+
+    def __call__(self, honest, own, rng=None):
+        honest, own = _inputs(honest, own)
+        return np.repeat((-self.epsilon * _reference(honest, own).mean(0))[None], len(own), 0)
+
+
+@dataclass(frozen=True)
+class SignFlip:
+    """−x: each Byzantine client sends the negation of its own honest update."""
+
+    name = "sign-flip"
+
+    def __call__(self, honest, own, rng=None):
+        return -_inputs(honest, own)[1]
+
+
+@dataclass(frozen=True)
+class GaussianNoise:
+    """c + σ·N(0, I): c = 0 (``center="zero"``), the good mean μ, or the own update."""
+
+    sigma: float = 1.0
+    center: str = "zero"
+    name = "gaussian"
+
+    def __post_init__(self) -> None:
+        _finite_positive(self.sigma, "Gaussian attack sigma")
+        if self.center not in ("zero", "mean", "own"):
+            raise ValueError(f"Gaussian attack: unknown center {self.center!r}; allowed: "
+                             "'zero', 'mean', 'own'")
+
+    def __call__(self, honest, own, rng):
+        honest, own = _inputs(honest, own)
+        if self.center == "zero":
+            c = np.zeros_like(own)
+        elif self.center == "mean":
+            c = np.repeat(_reference(honest, own).mean(0)[None], len(own), 0)
+        else:
+            c = own
+        return c + self.sigma * rng.standard_normal(own.shape)
+
+
+@dataclass(frozen=True)
+class BitFlip:
+    """Flip ``bits`` (0 = least significant mantissa bit, 63 = sign) of the float64
+    representation of a random ``fraction`` of the coordinates of the own update."""
+
+    bits: tuple[int, ...] = (62,)
+    fraction: float = 0.1
+    name = "bit-flip"
+
+    def __post_init__(self) -> None:
+        bits = tuple(self.bits)
+        if not bits or not all(isinstance(b, int | np.integer) and 0 <= b <= 63 for b in bits):
+            raise ValueError(f"bit flip: bits must be a non-empty tuple of ints in [0, 63], "
+                             f"got {self.bits!r}")
+        object.__setattr__(self, "bits", bits)
+        if not (isinstance(self.fraction, int | float) and 0 < self.fraction <= 1):
+            raise ValueError(f"bit flip: fraction must be in (0, 1], got {self.fraction!r}")
+
+    def __call__(self, honest, own, rng):
+        _, own = _inputs(honest, own)
+        out = np.ascontiguousarray(own, dtype=np.float64).copy()
+        u = out.view(np.uint64)
+        mask = np.uint64(0)
+        for b in self.bits:
+            mask |= np.uint64(1) << np.uint64(b)
+        hit = rng.random(out.shape) < self.fraction
+        u[hit] ^= mask
+        return out
+
+
+@dataclass(frozen=True)
+class Mimic:
+    """Copy one good client: position ``target`` in the honest stack, or (None) the one with
+    the largest |⟨x_i − μ, v⟩|, v the top right-singular vector of the centred good updates."""
+
+    target: int | None = None
+    name = "mimic"
+
+    def __post_init__(self) -> None:
+        if self.target is not None and not (isinstance(self.target, int) and self.target >= 0):
+            raise ValueError(f"mimic: target must be a non-negative position or None, "
+                             f"got {self.target!r}")
+
+    def choose(self, honest: np.ndarray) -> int:
+        if self.target is not None:
+            if self.target >= len(honest):
+                raise ValueError(f"mimic: target position {self.target} but only "
+                                 f"{len(honest)} good updates")
+            return self.target
+        C = honest - honest.mean(0)
+        if not np.any(C):
+            return 0
+        v = np.linalg.svd(C, full_matrices=False)[2][0]
+        return int(np.argmax(np.abs(C @ v)))
+
+    def __call__(self, honest, own, rng=None):
+        honest, own = _inputs(honest, own)
+        ref = _reference(honest, own)
+        return np.repeat(ref[self.choose(ref)][None], len(own), 0)
+
+
+ATTACKS: dict[str, tuple[type, tuple[str, ...]]] = {
+    "none": (NoAttack, ()),
+    "alie": (ALIE, ("z",)),
+    "ipm": (IPM, ("epsilon",)),
+    "sign-flip": (SignFlip, ()),
+    "gaussian": (GaussianNoise, ("sigma", "center")),
+    "bit-flip": (BitFlip, ("bits", "fraction")),
+    "mimic": (Mimic, ("target",)),
+}
+
+
+def make_attack(name: str, **kw) -> Attack:
+    """Build an attack by name: none, alie, ipm, sign-flip, gaussian, bit-flip, mimic."""
+    if name == "label-flip":
+        raise ValueError("label flipping acts on the data, not on updates: apply "
+                         "partialfl.attacks.flip_labels to the Byzantine clients' labels")
+    if name not in ATTACKS:
+        raise ValueError(f"unknown attack {name!r}; allowed: {', '.join(ATTACKS)}")
+    cls, allowed = ATTACKS[name]
+    bad = sorted(set(kw) - set(allowed))
+    if bad:
+        raise ValueError(f"attack {name!r} got unknown option(s) {', '.join(bad)}; allowed: "
+                         f"{', '.join(allowed) or 'none'}")
+    return cls(**kw)
+
+
+def flip_labels(labels, num_classes: int, mode: str = "reverse", shift: int = 1):
+    """Label flipping for classification data: y ↦ C − 1 − y (``"reverse"``) or
+    y ↦ (y + shift) mod C (``"shift"``). Works on numpy arrays and torch tensors."""
+    if not (isinstance(num_classes, int | np.integer) and num_classes >= 2):
+        raise ValueError(f"label flipping needs num_classes >= 2, got {num_classes!r}")
+    if mode not in ("reverse", "shift"):
+        raise ValueError(f"label flipping: unknown mode {mode!r}; allowed: 'reverse', 'shift'")
+    arr = labels.detach().cpu().numpy() if hasattr(labels, "detach") else np.asarray(labels)
+    if arr.size and (not np.issubdtype(arr.dtype, np.integer) or arr.min() < 0
+                     or arr.max() >= num_classes):
+        raise ValueError(f"labels must be integers in [0, {num_classes}), got dtype "
+                         f"{arr.dtype} with range [{arr.min()}, {arr.max()}]")
+    if mode == "reverse":
+        return (num_classes - 1) - labels
+    return (labels + shift) % num_classes

@@ -1,0 +1,404 @@
+"""Asynchronous training on a simulated clock (the paper's Algorithm 3).
+
+``concurrency`` clients are active at any time. Each active client computes its update from
+the θ it received (``algorithm.client_update`` on a cohort of one, with
+``RoundContext(seed, job)``); when it finishes, the server applies the update at once
+(``algorithm.server_update``) and hands the free slot to a newly sampled client, uniformly
+among the clients not currently active (``generator(seed, "sample", job)``). With
+``concurrency = M`` every client restarts as soon as it finishes.
+
+Compute times come from a :class:`ComputeTimeModel`: a per-job distribution (one for all
+clients, or one per client), an optional per-example distribution summed over the client's
+examples, and a per-client device speed (time = work / speed), each drawn from
+``generator(seed, "compute-time", job)``. Distributions: constant, exponential, half-normal,
+log-normal, Pareto.
+
+The *staleness* (delay) of an applied update is the number of server steps (changes of
+``state.round``) between the moment its client received θ and the moment it arrived. It is
+recorded for every arrival, and the event log lists every dispatch and arrival in order, so
+delays can be recounted independently. The bookkeeping (:class:`AsyncServer`) is shared with
+the worker-process runtime (:mod:`partialfl.runtime.processes`).
+"""
+
+from __future__ import annotations
+
+import heapq
+import math
+import time as _time
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+
+from partialfl import rng as prng
+from partialfl.algorithms.base import Algorithm, RoundContext, ServerState
+from partialfl.runtime.sync import sample_cohort
+from partialfl.types import ClientUpdates, Params
+
+DISTRIBUTIONS = ("constant", "exponential", "half-normal", "log-normal", "pareto")
+
+
+@dataclass(frozen=True)
+class Distribution:
+    """A non-negative duration distribution.
+
+    * ``constant``: always ``scale``;   * ``exponential``: mean ``scale``;
+    * ``half-normal``: scale·|N(0, 1)|;  * ``log-normal``: scale·exp(shape·N(0, 1));
+    * ``pareto``: scale·(1 + Lomax(shape)), i.e. Pareto with minimum ``scale`` and tail index
+      ``shape`` (heavy-tailed; infinite mean for shape ≤ 1).
+    """
+
+    kind: str = "constant"
+    scale: float = 1.0
+    shape: float = 1.0
+
+    def __post_init__(self) -> None:
+        if self.kind not in DISTRIBUTIONS:
+            raise ValueError(f"unknown distribution {self.kind!r}; allowed: "
+                             f"{', '.join(DISTRIBUTIONS)}")
+        if not (isinstance(self.scale, int | float) and self.scale >= 0
+                and math.isfinite(self.scale)):
+            raise ValueError(f"{self.kind} distribution: scale must be finite and >= 0, "
+                             f"got {self.scale!r}")
+        if not (isinstance(self.shape, int | float) and self.shape > 0
+                and math.isfinite(self.shape)):
+            raise ValueError(f"{self.kind} distribution: shape must be finite and > 0, "
+                             f"got {self.shape!r}")
+
+    def sample(self, rng: np.random.Generator, size: int | None = None):
+        k, s = self.kind, self.scale
+        if k == "constant":
+            return s if size is None else np.full(size, float(s))
+        if k == "exponential":
+            return rng.exponential(s, size)
+        if k == "half-normal":
+            return s * np.abs(rng.standard_normal(size))
+        if k == "log-normal":
+            return s * np.exp(self.shape * rng.standard_normal(size))
+        return s * (1.0 + rng.pareto(self.shape, size))
+
+    def mean(self) -> float:
+        k, s = self.kind, self.scale
+        if k in ("constant", "exponential"):
+            return float(s)
+        if k == "half-normal":
+            return s * math.sqrt(2 / math.pi)
+        if k == "log-normal":
+            return s * math.exp(self.shape**2 / 2)
+        return math.inf if self.shape <= 1 else s * self.shape / (self.shape - 1)
+
+
+def device_speeds(num_clients: int, dist: Distribution, seed: int) -> np.ndarray:
+    """Per-client device speeds drawn from ``dist`` (``generator(seed, "device-speed")``)."""
+    v = np.asarray(dist.sample(prng.generator(seed, "device-speed"), num_clients), dtype=float)
+    if not (v > 0).all():
+        raise ValueError(f"device speeds must be positive; {dist} produced {v.min()}")
+    return v
+
+
+@dataclass(frozen=True)
+class ComputeTimeModel:
+    """duration(m) = (X + Σ_{i ≤ n_m} E_i) / speed_m with X ~ ``per_job`` (or
+    ``per_job[m]``), E_i ~ ``per_example`` (omitted if None) and n_m the number of examples
+    of client m; ``speed`` defaults to 1 for every client."""
+
+    per_job: Distribution | tuple[Distribution, ...] = Distribution("constant", 1.0)
+    per_example: Distribution | None = None
+    speed: tuple[float, ...] | None = None
+
+    def __post_init__(self) -> None:
+        pj = self.per_job
+        if not isinstance(pj, Distribution):
+            pj = tuple(pj)
+            if not pj or not all(isinstance(d, Distribution) for d in pj):
+                raise TypeError("per_job must be a Distribution or a sequence of them "
+                                "(one per client)")
+            object.__setattr__(self, "per_job", pj)
+        if self.per_example is not None and not isinstance(self.per_example, Distribution):
+            raise TypeError(f"per_example must be a Distribution or None, "
+                            f"got {self.per_example!r}")
+        if self.speed is not None:
+            sp = tuple(float(v) for v in np.asarray(self.speed, dtype=float).reshape(-1))
+            if not all(v > 0 and math.isfinite(v) for v in sp):
+                raise ValueError("device speeds must be positive and finite")
+            object.__setattr__(self, "speed", sp)
+
+    def check(self, num_clients: int) -> None:
+        for name, v in (("per_job", self.per_job), ("speed", self.speed)):
+            if isinstance(v, tuple) and len(v) != num_clients:
+                raise ValueError(f"compute-time model has {len(v)} {name} entries for "
+                                 f"{num_clients} clients")
+
+    def duration(self, client: int, num_examples: float, rng: np.random.Generator) -> float:
+        d = self.per_job[client] if isinstance(self.per_job, tuple) else self.per_job
+        work = float(d.sample(rng))
+        if self.per_example is not None:
+            work += float(np.sum(self.per_example.sample(rng, int(num_examples))))
+        return work / (self.speed[client] if self.speed is not None else 1.0)
+
+    def is_deterministic(self) -> bool:
+        dists = self.per_job if isinstance(self.per_job, tuple) else (self.per_job,)
+        if self.per_example is not None:
+            dists = (*dists, self.per_example)
+        return all(d.kind == "constant" for d in dists)
+
+    def job_duration(self, seed: int, job: int, client: int, num_examples: float) -> float:
+        """The duration of asynchronous job ``job`` (``generator(seed, "compute-time", job)``,
+        not even built when every distribution is constant)."""
+        rng = None if self.is_deterministic() else prng.generator(seed, "compute-time", job)
+        return self.duration(client, num_examples, rng)
+
+
+def synchronous_round_times(compute_time: ComputeTimeModel, problem, rounds: int,
+                            clients_per_round: int | None, seed: int) -> np.ndarray:
+    """Simulated wall-clock of synchronous rounds ``[rounds + 1]`` (0 first): a round lasts
+    as long as its slowest sampled client (cohorts as in :func:`run_rounds`, durations from
+    ``generator(seed, "compute-time-sync", round, client)``)."""
+    M = problem.num_clients
+    compute_time.check(M)
+    n = problem.num_examples(np.arange(M))
+    t = np.zeros(rounds + 1)
+    for r in range(rounds):
+        cohort = sample_cohort(seed, r, M, clients_per_round)
+        d = max(compute_time.duration(int(m), n[m],
+                                      prng.generator(seed, "compute-time-sync", r, int(m)))
+                for m in cohort)
+        t[r + 1] = t[r] + d
+    return t
+
+
+# ---------------------------------------------------------------------------------------------
+# bookkeeping shared by the simulated and the process runtimes
+
+
+@dataclass(frozen=True)
+class Job:
+    """One client computation: ``client`` received θ of server round ``version``."""
+
+    job: int
+    client: int
+    slot: int
+    dispatch_time: float
+    version: int
+
+
+#: event-log tuples: (kind, time, job, client, slot, round) where round is the θ version the
+#: client received for "dispatch", and the server round *after* applying for "arrive".
+EVENT_FIELDS = ("event", "time", "job", "client", "slot", "round")
+
+
+@dataclass
+class AsyncRunResult:
+    state: ServerState
+    client_state: Params | None
+    history: list[dict] = field(default_factory=list)
+    #: per arrival, in order: job, client, slot, dispatch_time, arrival_time, version,
+    #: round_before, round_after, staleness (arrays)
+    steps: dict[str, np.ndarray] = field(default_factory=dict)
+    events: list[tuple] = field(default_factory=list)
+    seconds: float = 0.0
+
+    @property
+    def staleness(self) -> np.ndarray:
+        return self.steps["staleness"]
+
+    def event_dicts(self) -> list[dict]:
+        return [dict(zip(EVENT_FIELDS, e)) for e in self.events]
+
+
+class AsyncServer:
+    """Server side of Algorithm 3 for any driver (simulated clock or real processes)."""
+
+    def __init__(self, problem, algorithm: Algorithm, *, concurrency: int, seed: int,
+                 theta0: Params | None, evaluate, eval_every: int, logger,
+                 record_events: bool = True) -> None:
+        M = problem.num_clients
+        if not (isinstance(concurrency, int | np.integer) and 1 <= concurrency <= M):
+            raise ValueError(f"concurrency must be an integer in [1, {M}] (number of "
+                             f"clients), got {concurrency!r}")
+        if not (isinstance(eval_every, int | np.integer) and eval_every >= 1):
+            raise ValueError(f"eval_every must be an integer >= 1, got {eval_every!r}")
+        self.problem, self.algorithm = problem, algorithm
+        self.seed, self.evaluate, self.eval_every, self.logger = seed, evaluate, eval_every, logger
+        theta0 = theta0 if theta0 is not None else problem.init_theta(prng.generator(seed, "init"))
+        self.state = algorithm.init(problem, theta0)
+        self.client_state = algorithm.init_client_state(problem)
+        self.busy = np.zeros(M, dtype=bool)
+        self.num_examples = problem.num_examples(np.arange(M))
+        self.next_job = 0
+        self.arrivals = 0
+        self.grad_evals = 0
+        self.record_events = record_events
+        self.events: list[tuple] = []
+        self._rows: list[tuple] = []
+        self.history: list[dict] = []
+        self.time = 0.0
+        self._eval(0.0)
+
+    def sample_client(self, job: int) -> int:
+        idle = np.flatnonzero(~self.busy)
+        if len(idle) == 1:  # concurrency = M: the client that just finished restarts
+            return int(idle[0])
+        g = prng.generator(self.seed, "sample", job)
+        return int(idle[g.choice(len(idle), 1, replace=False)[0]])
+
+    def dispatch(self, slot: int, time: float) -> Job:
+        """Sample an idle client for ``slot`` and send it the current θ."""
+        jid = self.next_job
+        self.next_job += 1
+        client = self.sample_client(jid)
+        self.busy[client] = True
+        job = Job(jid, client, slot, float(time), self.state.round)
+        if self.record_events:
+            self.events.append(("dispatch", float(time), jid, client, slot, self.state.round))
+        return job
+
+    def job_inputs(self, job: Job) -> tuple[ServerState, Params | None, RoundContext]:
+        """What the client of a just-dispatched job computes from."""
+        cs = None
+        if self.client_state is not None:
+            cs = {n: v[[job.client]] for n, v in self.client_state.items()}
+        return self.state, cs, RoundContext(self.seed, job.job)
+
+    def arrive(self, job: Job, result, time: float) -> None:
+        """Apply the update of ``job`` (a ClientResult) now, recording its staleness."""
+        before = self.state.round
+        tau = before - job.version
+        up: ClientUpdates = result.updates
+        up = ClientUpdates(up.vectors, up.weights, up.cohort, up.grad_evals,
+                           {**up.metrics, "staleness": np.array([tau])}, up.extra)
+        if result.client_state is not None and self.client_state is not None:
+            for n, v in result.client_state.items():
+                self.client_state[n][job.client] = v[0]
+        self.state = self.algorithm.server_update(self.state, up,
+                                                  RoundContext(self.seed, self.arrivals))
+        self.busy[job.client] = False
+        self.arrivals += 1
+        self.grad_evals += int(up.grad_evals)
+        self.time = float(time)
+        after = self.state.round
+        self._rows.append((job.job, job.client, job.slot, job.dispatch_time, float(time),
+                           job.version, before, after, tau))
+        if self.record_events:
+            self.events.append(("arrive", float(time), job.job, job.client, job.slot, after))
+        if self.arrivals % self.eval_every == 0:
+            self._eval(time)
+
+    def _eval(self, time: float) -> None:
+        rec: dict[str, Any] = {"step": self.arrivals, "round": self.state.round,
+                               "time": float(time), "grad_evals": self.grad_evals}
+        if self.evaluate is not None:
+            rec.update(self.evaluate(self.algorithm, self.state, self.problem,
+                                     self.client_state, RoundContext(self.seed,
+                                                                     self.state.round)))
+        self.history.append(rec)
+        if self.logger is not None:
+            self.logger.log(rec)
+
+    def result(self, seconds: float) -> AsyncRunResult:
+        if not self.history or self.history[-1]["step"] != self.arrivals:
+            self._eval(self.time)
+        names = ("job", "client", "slot", "dispatch_time", "arrival_time", "version",
+                 "round_before", "round_after", "staleness")
+        cols = list(zip(*self._rows)) if self._rows else [()] * len(names)
+        steps = {n: np.asarray(c, dtype=float if "time" in n else np.int64)
+                 for n, c in zip(names, cols)}
+        return AsyncRunResult(self.state, self.client_state, self.history, steps,
+                              self.events, seconds)
+
+
+def _check_budget(steps: int | None, max_time: float | None) -> None:
+    if steps is None and max_time is None:
+        raise ValueError("give steps (number of applied updates) and/or max_time")
+    if steps is not None and not (isinstance(steps, int | np.integer) and steps >= 0):
+        raise ValueError(f"steps must be a non-negative integer, got {steps!r}")
+    if max_time is not None and not (max_time >= 0 and math.isfinite(max_time)):
+        raise ValueError(f"max_time must be finite and >= 0, got {max_time!r}")
+
+
+def _progress(progress, steps, max_time, name):
+    if not progress:
+        return None
+    from tqdm.auto import tqdm
+
+    return tqdm(total=steps if steps is not None else max_time, mininterval=0.5, leave=False,
+                desc=progress if isinstance(progress, str) else f"async {name}")
+
+
+def run_async(
+    problem,
+    algorithm: Algorithm,
+    *,
+    steps: int | None = None,
+    max_time: float | None = None,
+    concurrency: int = 1,
+    compute_time: ComputeTimeModel | None = None,
+    seed: int = 0,
+    theta0: Params | None = None,
+    evaluate=None,
+    eval_every: int = 1,
+    logger=None,
+    progress: bool | str = False,
+    record_events: bool = True,
+) -> AsyncRunResult:
+    """Run Algorithm 3 on a simulated clock until ``steps`` updates were applied or the next
+    arrival would come after ``max_time``.
+
+    ``evaluate(algorithm, state, problem, client_state, ctx)`` is logged (with ``step``,
+    ``round``, simulated ``time``) before the first and after every ``eval_every``-th arrival
+    and at the end.
+    """
+    _check_budget(steps, max_time)
+    model = compute_time or ComputeTimeModel()
+    model.check(problem.num_clients)
+    t0 = _time.perf_counter()
+    server = AsyncServer(problem, algorithm, concurrency=concurrency, seed=seed, theta0=theta0,
+                         evaluate=evaluate, eval_every=eval_every, logger=logger,
+                         record_events=record_events)
+    heap: list = []
+
+    def launch(slot: int, now: float) -> None:
+        job = server.dispatch(slot, now)
+        state, cs, ctx = server.job_inputs(job)
+        result = algorithm.client_update(state, problem, np.asarray([job.client]), ctx, cs)
+        d = model.job_duration(seed, job.job, job.client, server.num_examples[job.client])
+        heapq.heappush(heap, (now + d, job.job, job, result))
+
+    for slot in range(concurrency):
+        launch(slot, 0.0)
+    bar = _progress(progress, steps, max_time, algorithm.name)
+    while heap:
+        t, _, job, result = heap[0]
+        if (max_time is not None and t > max_time) or (steps is not None
+                                                       and server.arrivals >= steps):
+            break
+        heapq.heappop(heap)
+        server.arrive(job, result, t)
+        if bar is not None:
+            bar.update(1 if steps is not None else t - bar.n)
+        launch(job.slot, t)
+    if bar is not None:
+        bar.close()
+    return server.result(_time.perf_counter() - t0)
+
+
+def recount_staleness(events: Sequence[tuple]) -> dict[int, int]:
+    """Staleness per job recounted from an event log alone: the number of arrivals that
+    changed the server round between the job's dispatch and its arrival (log order)."""
+    changes = 0
+    last_round = None
+    at_dispatch: dict[int, int] = {}
+    out: dict[int, int] = {}
+    for kind, _, job, _, _, rnd in events:
+        if kind == "dispatch":
+            at_dispatch[job] = changes
+            last_round = rnd if last_round is None else last_round
+        elif kind == "arrive":
+            out[job] = changes - at_dispatch[job]
+            if last_round is None or rnd != last_round:
+                changes += 1
+            last_round = rnd
+        else:
+            raise ValueError(f"unknown event kind {kind!r}")
+    return out
