@@ -119,3 +119,24 @@ def make_optimizer(name: str, lr: float, schedule: Schedule | None = None, **kw)
     if name == "adam":
         return Adam(lr=lr, schedule=schedule, **kw)
     raise ValueError(f"unknown server optimizer {name!r}; allowed: {', '.join(OPTIMIZERS)}")
+
+
+@dataclass(frozen=True)
+class Clipped:
+    """Gradient-norm clipping of the server's pseudo-gradient before ``inner``'s step:
+    g ← g · min(1, max_norm / ‖g‖) with ‖·‖ the Euclidean norm over all leaves of θ."""
+
+    inner: Any
+    max_norm: float
+
+    def __post_init__(self) -> None:
+        if not (isinstance(self.max_norm, int | float) and self.max_norm > 0):
+            raise ValueError(f"max_norm must be a positive number, got {self.max_norm!r}")
+
+    def init(self, theta: Params) -> Any:
+        return self.inner.init(theta)
+
+    def step(self, theta: Params, grad: Params, state: Any, r: int) -> tuple[Params, Any]:
+        norm = math.sqrt(sum(float((g * g).sum()) for g in grad.values()))
+        scale = min(1.0, self.max_norm / norm) if norm > 0 else 1.0
+        return self.inner.step(theta, {k: scale * g for k, g in grad.items()}, state, r)

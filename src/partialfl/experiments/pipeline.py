@@ -1,0 +1,520 @@
+"""The paper's three-stage pipeline for partially personalized models (after Pillutla et al.
+2022), for any task: a model factory, a FederatedDataset, a loss and a metric (:class:`Task`).
+
+1. **Pre-training**: non-personalized FedAvg on every parameter (split ``none``).
+2. **Personalization**: the method (FedAvg, FFGG, Local FFGG, FedAlt, FedSim) with its split,
+   initialised from stage 1: θ⁰ = the stage-1 values of the global parameters and the personal
+   starting point w_pre = the stage-1 values of the personal ones (new adapters: their
+   zero-output initialisation).
+3. **Fine-tuning**: every client fine-tunes its w for ``finetune.epochs`` SGD epochs with θ
+   fixed, from the method's deployed start (FFGG / Local FFGG / stateless: the round start
+   w_pre; FedAlt / FedSim: the w_m kept on the client); then test and train metrics.
+
+Files in ``run_dir``: ``config.json``; ``stage2.jsonl`` (per-evaluation metrics: learning
+curves), ``stage2.ckpt`` (resumable run state), ``theta_stage2.pt`` (θ after stage 2),
+``client_state_stage2.pt`` (FedAlt/FedSim personal parameters, client-side), ``deploy.pt``
+(the split model with θ and w_pre, for :func:`evaluate_run` on new clients), ``metrics.json``
+(stage 3). Stage 1 lives in ``stage1_dir`` (default ``run_dir/stage1``; share it between
+methods and seeds with the same pre-training): ``stage1.jsonl``, ``stage1.ckpt``,
+``theta.pt``. A stage whose final file exists is skipped; an interrupted stage resumes from
+its last checkpoint (``checkpoint_every`` rounds) with bit-identical results, because all
+randomness derives from (seed, round, client).
+
+A text task reuses this unchanged: give a different ``Task`` (model factory, data, a token
+loss such as :func:`partialfl.lm.token_cross_entropy`, a masked metric and, if needed, a
+``split_fn`` that builds its splits).
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+from torch import nn
+
+from partialfl.algorithms.base import Algorithm
+from partialfl.algorithms.model import WEIGHTINGS, FedAlt, FedAvg, FedSim, LocalFFGG, model_ffgg
+from partialfl.config import ConfigError, from_dict, to_dict
+from partialfl.evaluation import (
+    evaluate_model,
+    evaluate_new_clients,
+    finetune_personal,
+    round_evaluator,
+)
+from partialfl.local.sgd import SGDConfig
+from partialfl.problems.model import W_INITS, ModelProblem, accuracy, cross_entropy
+from partialfl.rng import torch_seed
+from partialfl.runtime import BatchedBackend, JsonlLogger, SequentialBackend, run_rounds
+from partialfl.server import OPTIMIZERS, Clipped, Schedule, make_optimizer
+from partialfl.split import SPLIT_KINDS, Split, make_split
+from partialfl.types import Params
+
+ALGORITHMS = ("fedavg", "ffgg", "local-ffgg", "fedalt", "fedsim")
+BACKENDS = ("sequential", "vmap")
+SCHEDULES = Schedule.KINDS
+
+
+def _choice(key: str, value, allowed) -> None:
+    if value not in allowed:
+        raise ConfigError(f"{key}: {value!r} is not allowed; allowed: "
+                          f"{', '.join(map(str, allowed))}")
+
+
+# ----------------------------------------------------------------------------- configs
+@dataclass(frozen=True)
+class ClientConfig:
+    """Client SGD: stepsize, epochs (or exact steps), minibatch size, gradient clipping."""
+
+    lr: float = 0.01
+    epochs: int = 1
+    batch_size: int = 32
+    steps: int | None = None
+    clip_norm: float | None = None
+
+    def __post_init__(self) -> None:
+        try:
+            self.sgd()
+        except ValueError as e:
+            raise ConfigError(f"client: {e}") from None
+
+    def sgd(self, **over) -> SGDConfig:
+        kw = dict(lr=self.lr, epochs=self.epochs, batch_size=self.batch_size, steps=self.steps,
+                  clip_norm=self.clip_norm)
+        kw.update(over)
+        return SGDConfig(**kw)
+
+
+@dataclass(frozen=True)
+class ServerConfig:
+    """Server optimizer on the aggregated pseudo-gradient (``sgd`` lr 1 with a delta method =
+    FedAvg averaging; ``adam`` = FedAdam), its schedule and optional norm clipping."""
+
+    optimizer: str = "sgd"
+    lr: float = 1.0
+    momentum: float = 0.0
+    schedule: str = "constant"
+    warmup: int = 0
+    halve_every: int = 0
+    clip_norm: float | None = None
+
+    def __post_init__(self) -> None:
+        _choice("server.optimizer", self.optimizer, OPTIMIZERS)
+        _choice("server.schedule", self.schedule, SCHEDULES)
+        if not self.lr > 0:
+            raise ConfigError(f"server.lr must be > 0, got {self.lr}")
+        if self.optimizer != "sgd" and self.momentum:
+            raise ConfigError("server.momentum applies to optimizer 'sgd' only")
+        if self.clip_norm is not None and not self.clip_norm > 0:
+            raise ConfigError(f"server.clip_norm must be None or > 0, got {self.clip_norm}")
+
+    def build(self, rounds: int):
+        try:
+            sched = Schedule(self.schedule, total=max(rounds, 1), warmup=self.warmup,
+                             halve_every=self.halve_every)
+        except ValueError as e:
+            raise ConfigError(f"server.schedule: {e}") from None
+        kw = {"momentum": self.momentum} if self.optimizer == "sgd" else {}
+        opt = make_optimizer(self.optimizer, self.lr, sched, **kw)
+        return Clipped(opt, self.clip_norm) if self.clip_norm else opt
+
+
+@dataclass(frozen=True)
+class StageConfig:
+    """One federated training stage: rounds, clients per round, client and server optimizers,
+    evaluation every ``eval_every`` rounds (0: only before the first and after the last)."""
+
+    rounds: int = 0
+    clients_per_round: int | None = 10
+    client: ClientConfig = field(default_factory=ClientConfig)
+    server: ServerConfig = field(default_factory=ServerConfig)
+    eval_every: int = 0
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.rounds, int) or self.rounds < 0:
+            raise ConfigError(f"rounds must be a non-negative integer, got {self.rounds!r}")
+        if self.clients_per_round is not None and self.clients_per_round < 1:
+            raise ConfigError(f"clients_per_round must be >= 1, got {self.clients_per_round}")
+        if self.eval_every < 0:
+            raise ConfigError(f"eval_every must be >= 0, got {self.eval_every}")
+
+
+@dataclass(frozen=True)
+class MethodConfig:
+    """The stage-2 method and its split.
+
+    ``local_steps``: Local FFGG's K alternating steps (None: ``client.epochs`` passes).
+    ``finetune_split``: FedAvg only — the split whose w stage 3 fine-tunes (e.g. ``output``:
+    "FedAvg + fine-tuning"); None: FedAvg is evaluated as is.
+    """
+
+    algorithm: str = "ffgg"
+    split: str = "output"
+    split_options: dict[str, Any] = field(default_factory=dict)
+    w_init: str = "pretrained"
+    stateless: bool = False
+    local_steps: int | None = None
+    finetune_split: str | None = None
+    weighting: str = "uniform"
+    label: str = ""
+
+    def __post_init__(self) -> None:
+        _choice("method.algorithm", self.algorithm, ALGORITHMS)
+        _choice("method.split", self.split, SPLIT_KINDS)
+        _choice("method.w_init", self.w_init, W_INITS)
+        _choice("method.weighting", self.weighting, WEIGHTINGS)
+        if self.algorithm == "fedavg" and self.split != "none":
+            raise ConfigError(f"method.split: FedAvg trains every parameter globally; use "
+                              f"'none' (and finetune_split for stage 3), got {self.split!r}")
+        if self.algorithm != "fedavg" and self.split == "none":
+            raise ConfigError(f"method.split: {self.algorithm} needs personal parameters; "
+                              f"allowed: {', '.join(k for k in SPLIT_KINDS if k != 'none')}")
+        if self.finetune_split is not None:
+            if self.algorithm != "fedavg":
+                raise ConfigError("method.finetune_split applies to algorithm 'fedavg' only")
+            _choice("method.finetune_split", self.finetune_split,
+                    [k for k in SPLIT_KINDS if k not in ("none", "adapter")])
+        if self.stateless and self.algorithm not in ("fedalt", "fedsim"):
+            raise ConfigError("method.stateless applies to 'fedalt' and 'fedsim' only")
+        if self.local_steps is not None and (self.algorithm != "local-ffgg"
+                                             or self.local_steps < 1):
+            raise ConfigError("method.local_steps must be >= 1 and applies to 'local-ffgg' only")
+
+    @property
+    def name(self) -> str:
+        if self.label:
+            return self.label
+        s = self.algorithm + ("" if self.split == "none" else f"-{self.split}")
+        return s + ("-stateless" if self.stateless else "")
+
+
+@dataclass(frozen=True)
+class PipelineConfig:
+    """Everything one pipeline run needs besides the task.
+
+    ``seed`` drives stages 2 and 3 (sampling, minibatches, adapter initialisation);
+    ``pretrain_seed`` (default ``seed``) drives stage 1 and the model initialisation, so several
+    seeds can share one pre-training. ``backend``: ``vmap`` (clients batched with
+    torch.func.vmap) or ``sequential`` (one client at a time); both give the same θ.
+    """
+
+    method: MethodConfig = field(default_factory=MethodConfig)
+    pretrain: StageConfig = field(default_factory=StageConfig)
+    personalize: StageConfig = field(default_factory=StageConfig)
+    finetune: ClientConfig = field(default_factory=lambda: ClientConfig(lr=0.01, epochs=5))
+    seed: int = 0
+    pretrain_seed: int | None = None
+    backend: str = "sequential"
+    checkpoint_every: int = 10
+
+    def __post_init__(self) -> None:
+        _choice("backend", self.backend, BACKENDS)
+        if self.checkpoint_every < 1:
+            raise ConfigError(f"checkpoint_every must be >= 1, got {self.checkpoint_every}")
+
+    @property
+    def stage1_seed(self) -> int:
+        return self.seed if self.pretrain_seed is None else self.pretrain_seed
+
+    @classmethod
+    def from_dict(cls, data: Mapping[str, Any]) -> PipelineConfig:
+        """Validated config from a (TOML) dict; errors name the key and the allowed values."""
+        return from_dict(cls, data)
+
+    def to_dict(self) -> dict[str, Any]:
+        return to_dict(self)
+
+
+# ----------------------------------------------------------------------------- the task
+@dataclass(frozen=True)
+class Task:
+    """What the pipeline trains on: injectable model, data, loss, metric and split builder.
+
+    ``model_fn(seed)`` returns a freshly initialised model; ``split_fn(model, kind, options)``
+    builds a :class:`~partialfl.split.Split` (default :func:`~partialfl.split.make_split`).
+    """
+
+    data: Any
+    model_fn: Callable[[int], nn.Module]
+    loss_fn: Callable = cross_entropy
+    metric: Callable = accuracy
+    split_fn: Callable[[nn.Module, str, Mapping[str, Any]], Split] | None = None
+    name: str = "task"
+
+    def make_split(self, model: nn.Module, kind: str, options: Mapping[str, Any]) -> Split:
+        if self.split_fn is not None:
+            return self.split_fn(model, kind, dict(options))
+        return make_split(model, kind, **dict(options))
+
+
+@dataclass
+class PipelineResult:
+    metrics: dict[str, Any]
+    run_dir: Path
+    theta: Params
+    split: Split
+
+
+# ----------------------------------------------------------------------------- building blocks
+def build_algorithm(method: MethodConfig, stage: StageConfig) -> Algorithm:
+    """The stage-2 algorithm object for ``method`` with ``stage``'s optimizers."""
+    opt = stage.server.build(stage.rounds)
+    sgd = stage.client.sgd()
+    if method.algorithm == "fedavg":
+        return FedAvg(sgd, server_opt=opt, weighting=method.weighting)
+    if method.algorithm == "ffgg":
+        return model_ffgg(sgd, init=method.w_init, server_opt=opt, weighting=method.weighting)
+    if method.algorithm == "local-ffgg":
+        warm = stage.client.sgd(epochs=1, steps=None)
+        local = stage.client.sgd(steps=method.local_steps)
+        return LocalFFGG(warm, local, w_init=method.w_init, server_opt=opt,
+                         weighting=method.weighting)
+    cls = FedAlt if method.algorithm == "fedalt" else FedSim
+    return cls(sgd, w_init=method.w_init, stateless=method.stateless, server_opt=opt,
+               weighting=method.weighting)
+
+
+def _problem(task: Task, split: Split, backend: str, w_pretrained=None) -> ModelProblem:
+    return ModelProblem(split, task.data, loss_fn=task.loss_fn, metric=task.metric,
+                        w_pretrained=w_pretrained, vectorize=backend == "vmap")
+
+
+def _backend(name: str):
+    return BatchedBackend() if name == "vmap" else SequentialBackend()
+
+
+def load_params(model: nn.Module, params: Mapping[str, torch.Tensor]) -> nn.Module:
+    """Copy ``params`` (name → tensor) into ``model``'s parameters of the same names; every
+    name must exist in the model with the same shape."""
+    own = dict(model.named_parameters())
+    bad = [n for n in params if n not in own]
+    if bad:
+        raise KeyError(f"the model has no parameters {bad[:5]}")
+    with torch.no_grad():
+        for n, v in params.items():
+            if own[n].shape != v.shape:
+                raise ValueError(f"parameter {n!r}: shape {tuple(v.shape)} does not fit "
+                                 f"{tuple(own[n].shape)}")
+            own[n].copy_(v)
+    return model
+
+
+def _seeded_split(task: Task, model: nn.Module, kind: str, options, seed: int) -> Split:
+    """Build a split with the global torch RNG seeded from (seed, "split") (adapter init)."""
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(torch_seed(seed, "split"))
+        return task.make_split(model, kind, options)
+
+
+def _write_json(path: Path, obj) -> None:
+    tmp = path.with_suffix(path.suffix + ".tmp")
+    tmp.write_text(json.dumps(obj, indent=1, default=_json_default))
+    tmp.replace(path)
+
+
+def _json_default(o):
+    if isinstance(o, np.ndarray):
+        return o.tolist()
+    if isinstance(o, np.floating | np.integer):
+        return o.item()
+    raise TypeError(f"not JSON serialisable: {type(o).__name__}")
+
+
+def _check_config_file(path: Path, cfg_dict: dict, what: str) -> None:
+    if path.exists():
+        old = json.loads(path.read_text())
+        if old != json.loads(json.dumps(cfg_dict, default=_json_default)):
+            raise ConfigError(f"{path.parent} already holds a {what} with a different "
+                              "configuration; use a new folder (or delete it) to start over")
+    else:
+        _write_json(path, cfg_dict)
+
+
+def _run_stage(problem, algorithm, stage: StageConfig, seed: int, out: Path, tag: str,
+               checkpoint_every: int, backend: str, progress, theta0=None, on_round=None):
+    logger = JsonlLogger(out / f"{tag}.jsonl", stage=tag)
+    try:
+        return run_rounds(
+            problem, algorithm, stage.rounds,
+            clients_per_round=min(stage.clients_per_round or problem.num_clients,
+                                  problem.num_clients),
+            seed=seed, theta0=theta0, backend=_backend(backend),
+            evaluate=round_evaluator(("test",)),
+            eval_every=stage.eval_every or max(1, stage.rounds),
+            logger=logger, progress=(f"{tag}" if progress is True else progress),
+            checkpoint=out / f"{tag}.ckpt", checkpoint_every=checkpoint_every, resume=True,
+            on_round=on_round,
+        )
+    finally:
+        logger.close()
+
+
+# ----------------------------------------------------------------------------- stages
+def pretrain(cfg: PipelineConfig, task: Task, stage1_dir: Path, progress: bool | str = False,
+             on_round=None) -> Params:
+    """Stage 1 (FedAvg on every parameter); returns all parameters. Cached in
+    ``stage1_dir/theta.pt``; resumable."""
+    stage1_dir = Path(stage1_dir)
+    stage1_dir.mkdir(parents=True, exist_ok=True)
+    _check_config_file(stage1_dir / "config.json",
+                       {"pretrain": to_dict(cfg.pretrain), "seed": cfg.stage1_seed,
+                        "task": task.name}, "stage-1 pre-training")
+    final = stage1_dir / "theta.pt"
+    if final.exists():
+        return torch.load(final, weights_only=True)
+    model = task.model_fn(cfg.stage1_seed)
+    split = task.make_split(model, "none", {})
+    problem = _problem(task, split, cfg.backend)
+    alg = build_algorithm(MethodConfig(algorithm="fedavg", split="none"), cfg.pretrain)
+    t0 = time.perf_counter()
+    res = _run_stage(problem, alg, cfg.pretrain, cfg.stage1_seed, stage1_dir, "stage1",
+                     cfg.checkpoint_every, cfg.backend, progress, on_round=on_round)
+    theta = {n: v.detach().clone() for n, v in res.state.theta.items()}
+    torch.save(theta, final)
+    _write_json(stage1_dir / "timing.json", {"seconds": time.perf_counter() - t0,
+                                             "rounds": cfg.pretrain.rounds})
+    return theta
+
+
+@dataclass
+class _Stage2:
+    split: Split
+    problem: ModelProblem
+    algorithm: Algorithm
+    theta: Params
+    client_state: Params | None
+    seconds: float
+
+
+def personalize(cfg: PipelineConfig, task: Task, theta1: Params, run_dir: Path,
+                progress: bool | str = False, on_round=None) -> _Stage2:
+    """Stage 2: the method from the stage-1 parameters ``theta1``; resumable."""
+    run_dir = Path(run_dir)
+    model = load_params(task.model_fn(cfg.stage1_seed), theta1)
+    split = _seeded_split(task, model, cfg.method.split, cfg.method.split_options, cfg.seed)
+    theta_start, w_pre = split.params()
+    problem = _problem(task, split, cfg.backend, w_pre)
+    alg = build_algorithm(cfg.method, cfg.personalize)
+    final = run_dir / "theta_stage2.pt"
+    cs_file = run_dir / "client_state_stage2.pt"
+    if final.exists():
+        theta = torch.load(final, weights_only=True)
+        cs = torch.load(cs_file, weights_only=True) if cs_file.exists() else None
+        return _Stage2(split, problem, alg, theta, cs, float("nan"))
+    t0 = time.perf_counter()
+    res = _run_stage(problem, alg, cfg.personalize, cfg.seed, run_dir, "stage2",
+                     cfg.checkpoint_every, cfg.backend, progress, theta0=theta_start,
+                     on_round=on_round)
+    theta = {n: v.detach().clone() for n, v in res.state.theta.items()}
+    if res.client_state is not None:
+        torch.save(res.client_state, cs_file)
+    torch.save(theta, final)
+    return _Stage2(split, problem, alg, theta, res.client_state, time.perf_counter() - t0)
+
+
+def _deploy_start(cfg: PipelineConfig, s2: _Stage2) -> Params:
+    """w_m at the start of stage 3 (see the module docstring)."""
+    allc = np.arange(s2.problem.num_clients)
+    m = cfg.method
+    if m.algorithm in ("fedalt", "fedsim") and not m.stateless:
+        return {n: v.clone() for n, v in s2.client_state.items()}
+    return s2.problem.init_w(allc, m.w_init, cfg.seed, -1)
+
+
+def finetune_and_evaluate(cfg: PipelineConfig, task: Task, s2: _Stage2, run_dir: Path
+                          ) -> tuple[dict[str, Any], Split, Params]:
+    """Stage 3: fine-tune every client's w, evaluate; returns (metrics, split, θ)."""
+    split, problem, theta = s2.split, s2.problem, s2.theta
+    w0 = _deploy_start(cfg, s2)
+    if cfg.method.algorithm == "fedavg" and cfg.method.finetune_split:
+        # FedAvg + fine-tuning: a split of the trained shared model, w_pre = trained layers
+        model = load_params(task.model_fn(cfg.stage1_seed), theta)
+        split = _seeded_split(task, model, cfg.method.finetune_split,
+                              cfg.method.split_options, cfg.seed)
+        theta, w_pre = split.params()
+        problem = _problem(task, split, cfg.backend, w_pre)
+        w0 = problem.init_w(np.arange(problem.num_clients), "pretrained", cfg.seed, -1)
+    t0 = time.perf_counter()
+    before = evaluate_model(problem, theta, w0, "test")
+    w = finetune_personal(problem, theta, w0, cfg.finetune.sgd(), cfg.seed)
+    test = evaluate_model(problem, theta, w, "test")
+    train = evaluate_model(problem, theta, w, "train")
+    metrics = {
+        "method": cfg.method.name, "seed": cfg.seed, **test.as_dict("test"),
+        **train.as_dict("train"), "test_acc_before_ft": before.accuracy,
+        "per_client_test_acc": test.per_client, "client_ids": list(task.data.client_ids),
+        "test_sizes": problem.num_examples(np.arange(problem.num_clients), "test"),
+        "split_counts": split.counts(), "stage2_seconds": s2.seconds,
+        "stage3_seconds": time.perf_counter() - t0,
+    }
+    torch.save({"model": split.model, "kind": split.kind, "global_names": split.global_names,
+                "personal_names": split.personal_names, "theta": theta,
+                "w_pretrained": problem.w_pretrained}, run_dir / "deploy.pt")
+    return metrics, split, theta
+
+
+def run_pipeline(cfg: PipelineConfig, task: Task, run_dir: str | Path, *,
+                 stage1_dir: str | Path | None = None, progress: bool = True,
+                 on_round: Callable[[str, int], None] | None = None) -> PipelineResult:
+    """Run (or resume) the three stages; returns stage 3's metrics (also in metrics.json).
+
+    ``on_round(stage, round)`` is called after every round of stages 1 and 2 (for progress
+    reporting, or to simulate an interruption in tests)."""
+    run_dir = Path(run_dir)
+    run_dir.mkdir(parents=True, exist_ok=True)
+    _check_config_file(run_dir / "config.json", {**cfg.to_dict(), "task": task.name},
+                       "pipeline run")
+    s1 = Path(stage1_dir) if stage1_dir is not None else run_dir / "stage1"
+    hook1 = hook2 = None
+    if on_round is not None:
+        def hook1(r, _s):
+            on_round("stage1", r)
+
+        def hook2(r, _s):
+            on_round("stage2", r)
+    theta1 = pretrain(cfg, task, s1, progress and "stage 1 (FedAvg)", on_round=hook1)
+    s2 = personalize(cfg, task, theta1, run_dir,
+                     progress and f"stage 2 ({cfg.method.name})", on_round=hook2)
+    mfile = run_dir / "metrics.json"
+    if mfile.exists() and (run_dir / "deploy.pt").exists():
+        metrics = json.loads(mfile.read_text())
+        return PipelineResult(metrics, run_dir, s2.theta, s2.split)
+    metrics, split, theta = finetune_and_evaluate(cfg, task, s2, run_dir)
+    _write_json(mfile, metrics)
+    # the same plain-JSON values whether computed now or read back from a finished run
+    metrics = json.loads(json.dumps(metrics, default=_json_default))
+    return PipelineResult(metrics, run_dir, theta, split)
+
+
+def evaluate_run(run_dir: str | Path, data, *, finetune_epochs: int | None = None,
+                 lr: float | None = None, batch_size: int | None = None, seed: int | None = None,
+                 loss_fn=cross_entropy, metric=accuracy, vectorize: bool = False
+                 ) -> dict[str, Any]:
+    """Evaluate a finished run's θ on new clients (``data``, never seen in training): each
+    fine-tunes its w from the run's w_pre with the run's stage-3 settings (override with the
+    arguments), then :func:`partialfl.evaluation.evaluate_new_clients` metrics. Loads
+    ``deploy.pt`` (a pickled module: only open run folders you trust)."""
+    run_dir = Path(run_dir)
+    dep_file = run_dir / "deploy.pt"
+    if not dep_file.exists():
+        raise FileNotFoundError(f"{dep_file} not found: run the pipeline to the end first")
+    cfg = PipelineConfig.from_dict(
+        {k: v for k, v in json.loads((run_dir / "config.json").read_text()).items()
+         if k != "task"})
+    dep = torch.load(dep_file, weights_only=False)
+    split = Split(dep["model"], dep["kind"], tuple(dep["global_names"]),
+                  tuple(dep["personal_names"]))
+    ft = cfg.finetune
+    res = evaluate_new_clients(
+        dep["theta"], None, split, data,
+        ft.epochs if finetune_epochs is None else finetune_epochs,
+        lr=ft.lr if lr is None else lr, batch_size=batch_size or ft.batch_size,
+        clip_norm=ft.clip_norm, w_init="pretrained", w_pretrained=dep["w_pretrained"],
+        seed=cfg.seed if seed is None else seed, loss_fn=loss_fn, metric=metric,
+        vectorize=vectorize)
+    return res

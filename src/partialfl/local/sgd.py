@@ -1,0 +1,203 @@
+"""THE local SGD loop for model problems: epochs of minibatch SGD on any subset of parameters.
+
+Every model algorithm (FFGG's fine-tuner, Local FFGG, FedAvg, FedAlt, FedSim, stage-3
+fine-tuning, evaluation on new clients) trains through :func:`run_sgd`. One step on client m
+with minibatch b ⊂ D_m and trained variables x (w, θ or both):
+
+    g = ∇_x [ Σ_{i∈b} ℓ_i / Σ_{i∈b} d_i ],   g ← g · min(1, c / (‖g‖ + 1e-6))  (if clip c),
+    x ← x − η g.
+
+``train="alternate"`` (Local FFGG, Algorithm 4) does, per minibatch, a w-step and then a θ-step
+at the new w (both on the same minibatch, each clipped separately).
+
+Minibatches: for each epoch a permutation of the client's examples drawn from
+``partialfl.rng.generator(seed, stream, round, client)`` (one generator per client, epochs in
+sequence), cut into consecutive batches of ``batch_size`` (the last one may be smaller). With
+``steps`` given, exactly that many batches are taken, drawing further epochs as needed. The
+plan depends only on (seed, stream, round, client, n), never on the backend or on which
+other clients share the cohort, so the vectorised and the sequential paths take identical steps.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+
+from partialfl.local.solvers import SolverResult
+from partialfl.problems.model import W_INITS, round_path
+from partialfl.rng import generator
+from partialfl.types import Params
+
+TRAIN_MODES = ("w", "theta", "both", "alternate")
+
+
+@dataclass(frozen=True)
+class SGDConfig:
+    """Client optimizer: plain minibatch SGD.
+
+    Attributes:
+        lr: stepsize η.
+        epochs: passes over the client's data (ignored when ``steps`` is given).
+        batch_size: minibatch size.
+        steps: exact number of minibatch steps instead of epochs (None: use epochs).
+        clip_norm: clip each client's step gradient to this Euclidean norm (None: no clip).
+    """
+
+    lr: float
+    epochs: int = 1
+    batch_size: int = 32
+    steps: int | None = None
+    clip_norm: float | None = None
+
+    def __post_init__(self) -> None:
+        if not (isinstance(self.lr, int | float) and self.lr > 0 and math.isfinite(self.lr)):
+            raise ValueError(f"client lr must be a positive finite number, got {self.lr!r}")
+        if not isinstance(self.epochs, int) or self.epochs < 0:
+            raise ValueError(f"epochs must be a non-negative integer, got {self.epochs!r}")
+        if not isinstance(self.batch_size, int) or self.batch_size < 1:
+            raise ValueError(f"batch_size must be a positive integer, got {self.batch_size!r}")
+        if self.steps is not None and (not isinstance(self.steps, int) or self.steps < 0):
+            raise ValueError(f"steps must be None or a non-negative integer, got {self.steps!r}")
+        if self.clip_norm is not None and not self.clip_norm > 0:
+            raise ValueError(f"clip_norm must be None or > 0, got {self.clip_norm!r}")
+
+
+def batch_plan(n: int, batch_size: int, epochs: int, steps: int | None,
+               rng: np.random.Generator) -> list[np.ndarray]:
+    """The minibatches (index arrays into a client's n examples) of one local run."""
+    if n == 0:
+        return []
+    out: list[np.ndarray] = []
+    e = 0
+    while (steps is None and e < epochs) or (steps is not None and len(out) < steps):
+        perm = rng.permutation(n)
+        out.extend(perm[i:i + batch_size] for i in range(0, n, batch_size))
+        e += 1
+    return out if steps is None else out[:steps]
+
+
+def client_plans(problem, cohort, cfg: SGDConfig, seed: int, round_: int, stream: str
+                 ) -> list[list[np.ndarray]]:
+    sizes = problem.num_examples(cohort)
+    return [batch_plan(int(n), cfg.batch_size, cfg.epochs, cfg.steps,
+                       generator(seed, stream, *round_path(round_), int(m)))
+            for m, n in zip(cohort, sizes)]
+
+
+@dataclass(frozen=True)
+class SGDResult:
+    """``theta`` is per client ``[k, ...]`` if it was trained, else the θ that was given."""
+
+    theta: Params
+    w: Params
+    steps: int
+    loss: np.ndarray  # mean minibatch loss per client over the run ([k], nan if no step)
+
+
+def _clip(g: Params, c: float | None) -> Params:
+    if c is None:
+        return g
+    k = next(iter(g.values())).shape[0]
+    sq = torch.zeros(k)
+    for v in g.values():
+        sq += v.reshape(k, -1).pow(2).sum(1)
+    scale = torch.clamp(c / (sq.sqrt() + 1e-6), max=1.0)
+    return {n: v * scale.reshape((-1,) + (1,) * (v.dim() - 1)) for n, v in g.items()}
+
+
+def _step(x: Params, g: Params, lr: float) -> Params:
+    return {n: (x[n] - lr * g[n]) if n in g else x[n] for n in x}
+
+
+def _stack_theta(theta: Params, shapes: dict, k: int) -> Params:
+    return {n: (v.unsqueeze(0).repeat(k, *([1] * v.dim())) if tuple(v.shape) == shapes[n]
+                else v.clone()) for n, v in theta.items()}
+
+
+def run_sgd(problem, cohort, theta: Params, w: Params, *, train: str, cfg: SGDConfig,
+            seed: int, round_: int, stream: str) -> SGDResult:
+    """Run the local SGD loop on every client of the cohort (see the module docstring).
+
+    ``theta`` is shared or per client; ``w`` is stacked ``[k, ...]``. Vectorised problems
+    step all clients together (a client whose plan is over gets no batch, hence no change);
+    the plain path runs one client after the other. Large cohorts run in groups of clients.
+    """
+    if train not in TRAIN_MODES:
+        raise ValueError(f"unknown train mode {train!r}; allowed: {', '.join(TRAIN_MODES)}")
+    cohort = np.asarray(cohort, dtype=np.int64)
+    k = len(cohort)
+    if k == 0:
+        raise ValueError("run_sgd needs a non-empty cohort")
+    plans = client_plans(problem, cohort, cfg, seed, round_, stream)
+    if train in ("theta", "both", "alternate"):
+        theta = _stack_theta(theta, problem.theta_shapes, k)
+    if getattr(problem, "vectorize", False) and k > 1:
+        per = max(1, getattr(problem, "max_vmap_examples", k * cfg.batch_size) // cfg.batch_size)
+        groups = [np.arange(i, min(k, i + per)) for i in range(0, k, per)]
+    else:
+        groups = [np.array([i]) for i in range(k)]
+    th_rows, w_rows, losses = [], [], np.full(k, np.nan)
+    steps = 0
+    for g in groups:
+        th_g = {n: (v if tuple(v.shape) == problem.theta_shapes[n] else v[g])
+                for n, v in theta.items()}
+        w_g = {n: v[g] for n, v in w.items()}
+        th_g, w_g, s, lg = _loop(problem, cohort[g], th_g, w_g, [plans[i] for i in g], train, cfg)
+        th_rows.append(th_g)
+        w_rows.append(w_g)
+        losses[g] = lg
+        steps = max(steps, s)
+    w_out = {n: torch.cat([r[n] for r in w_rows]) for n in w}
+    if train == "w":
+        th_out = theta
+    else:
+        th_out = {n: torch.cat([r[n] for r in th_rows]) for n in theta}
+    return SGDResult(th_out, w_out, steps, losses)
+
+
+def _loop(problem, cohort, theta, w, plans, train, cfg):
+    k = len(cohort)
+    n_steps = max((len(p) for p in plans), default=0)
+    loss_sum = np.zeros(k)
+    for s in range(n_steps):
+        batches = [p[s] if s < len(p) else None for p in plans]
+        if train == "alternate":
+            gw, loss = problem.minibatch_grads(cohort, theta, w, batches, "w")
+            w = _step(w, _clip(gw, cfg.clip_norm), cfg.lr)
+            gt, _ = problem.minibatch_grads(cohort, theta, w, batches, "theta")
+            theta = _step(theta, _clip(gt, cfg.clip_norm), cfg.lr)
+        else:
+            g, loss = problem.minibatch_grads(cohort, theta, w, batches, train)
+            g = _clip(g, cfg.clip_norm)
+            if train in ("w", "both"):
+                w = _step(w, g, cfg.lr)
+            if train in ("theta", "both"):
+                theta = _step(theta, g, cfg.lr)
+        loss_sum += loss.double().numpy()
+    counts = np.array([len(p) for p in plans], dtype=float)
+    with np.errstate(invalid="ignore", divide="ignore"):
+        mean_loss = np.where(counts > 0, loss_sum / counts, np.nan)
+    return theta, w, n_steps, mean_loss
+
+
+@dataclass(frozen=True)
+class SGDFineTuner:
+    """FFGG's local solver for model problems: w ← init (``pretrained``/``zero``/``random``),
+    then ``cfg`` SGD epochs on w with θ fixed (stream ``"finetune"``). Stateless."""
+
+    cfg: SGDConfig
+    init: str = "pretrained"
+
+    def __post_init__(self) -> None:
+        if self.init not in W_INITS:
+            raise ValueError(f"unknown w initialisation {self.init!r}; allowed: "
+                             f"{', '.join(W_INITS)}")
+
+    def __call__(self, problem, cohort, theta, seed=0, round_=0) -> SolverResult:
+        w = problem.init_w(cohort, self.init, seed, round_)
+        res = run_sgd(problem, cohort, theta, w, train="w", cfg=self.cfg, seed=seed,
+                      round_=round_, stream="finetune")
+        return SolverResult(res.w, res.steps)

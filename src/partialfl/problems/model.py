@@ -1,0 +1,515 @@
+"""Model problems: a torch model, a split into global θ and personal w, and federated data.
+
+Client m's loss is the mean over its training examples,
+
+    f_m(θ, w) = Σ_i ℓ(h(x_i; θ, w), y_i) / Σ_i d_i,
+
+where ``loss_fn(output, y)`` returns per-example losses ℓ (then d_i = 1) or a pair
+``(ℓ_i, d_i)`` (e.g. summed token losses and token counts for next-word prediction). The model
+h is evaluated functionally on ONE shared module, ``torch.func.functional_call(module,
+{**θ, **w}, x)``, so every client uses the same module object and clients can be batched.
+
+Everything is batched over a *cohort* (positions 0..M-1 of the FederatedDataset): w trees carry
+a leading client axis ``[k, ...]``; θ is either shared (the parameter's own shape) or per
+client (``[k, ...]``, e.g. during local θ-steps). Two execution paths give the same numbers:
+
+* vectorised (``vectorize=True``, k > 1): ``torch.func.vmap`` over the clients, with each
+  client's minibatch padded to a common size and masked (masked examples add exact zeros to
+  the loss and its gradient; a client with nothing left this step gets a zero gradient);
+* plain (``vectorize=False`` or a single client): one client at a time, no padding.
+
+Dropout is off (the module is put in ``eval()`` mode) and buffers are not federated, so
+modules with BatchNorm running statistics are refused: use GroupNorm / LayerNorm.
+"""
+
+from __future__ import annotations
+
+import copy
+from collections.abc import Callable, Mapping, Sequence
+
+import numpy as np
+import torch
+import torch.nn.functional as F
+from torch import Tensor, nn
+from torch.func import functional_call, grad, vmap
+
+from partialfl.problems.base import check_cohort
+from partialfl.rng import torch_seed
+from partialfl.split import Split
+from partialfl.types import Params
+
+W_INITS = ("pretrained", "zero", "random")
+
+LossFn = Callable[[Tensor, Tensor], "Tensor | tuple[Tensor, Tensor]"]
+Metric = Callable[[Tensor, Tensor], "tuple[Tensor, Tensor]"]
+
+
+# ----------------------------------------------------------------------------- losses, metrics
+def cross_entropy(output: Tensor, y: Tensor) -> Tensor:
+    """Per-example cross-entropy of logits ``[B, C]`` against labels ``[B]``."""
+    return F.cross_entropy(output, y, reduction="none")
+
+
+def accuracy(output: Tensor, y: Tensor) -> tuple[Tensor, Tensor]:
+    """Per-example ``(correct, total)`` counts of a classifier: ``argmax == y`` and 1."""
+    return (output.argmax(-1) == y).to(output.dtype), torch.ones_like(y, dtype=output.dtype)
+
+
+def masked_token_accuracy(ignore_index: int = -100) -> Metric:
+    """Per-sequence ``(correct, total)`` token counts for outputs ``[B, T, V]`` and targets
+    ``[B, T]``; positions with target ``ignore_index`` are not counted (next-word tasks)."""
+
+    def metric(output: Tensor, y: Tensor) -> tuple[Tensor, Tensor]:
+        valid = (y != ignore_index).to(output.dtype)
+        hit = (output.argmax(-1) == y).to(output.dtype) * valid
+        return hit.sum(-1), valid.sum(-1)
+
+    return metric
+
+
+def _pair(v: Tensor | tuple[Tensor, Tensor]) -> tuple[Tensor, Tensor]:
+    if isinstance(v, tuple):
+        if len(v) != 2:
+            raise ValueError("a loss/metric that returns a tuple must return (value, weight)")
+        return v
+    return v, torch.ones_like(v)
+
+
+# ----------------------------------------------------------------------------- the problem
+class ModelProblem:
+    """A federated problem over a torch model (see the module docstring).
+
+    Args:
+        split: the model and its global / personal parameter names (:mod:`partialfl.split`).
+        data: a :class:`~partialfl.data.federated.FederatedDataset`; client m = position m.
+        loss_fn: ``(output, y) -> ℓ [B]`` or ``(ℓ [B], d [B])`` (default: cross-entropy).
+        metric: ``(output, y) -> (correct [B], total [B])`` (default: top-1 accuracy).
+        w_pretrained: the personal values that ``init_w(..., "pretrained")`` restarts from
+            (default: the split model's current values — after stage 1 of the pipeline, the
+            pre-trained layers; for inserted adapters, their zero-output initialisation).
+        vectorize: use ``torch.func.vmap`` across the clients of a cohort.
+        chunk: examples per client per forward pass in full-data passes (loss, ∇θ, metrics).
+        max_vmap_examples: at most this many examples in one vmapped call (clients × batch);
+            larger cohorts are processed in groups of clients.
+    """
+
+    def __init__(
+        self,
+        split: Split,
+        data,
+        *,
+        loss_fn: LossFn = cross_entropy,
+        metric: Metric = accuracy,
+        w_pretrained: Params | None = None,
+        vectorize: bool = True,
+        chunk: int = 256,
+        max_vmap_examples: int = 2048,
+    ) -> None:
+        if not isinstance(split, Split):
+            raise TypeError(f"split must be a partialfl.split.Split, got {type(split).__name__}")
+        for name, m in split.model.named_modules():
+            if isinstance(m, nn.modules.batchnorm._BatchNorm) and m.track_running_stats:
+                raise ValueError(
+                    f"module {name!r} is a BatchNorm with running statistics: buffers are not "
+                    "federated, use GroupNorm or LayerNorm (or track_running_stats=False)"
+                )
+        for v, what in ((chunk, "chunk"), (max_vmap_examples, "max_vmap_examples")):
+            if not isinstance(v, int) or v < 1:
+                raise ValueError(f"{what} must be a positive integer, got {v!r}")
+        self.split = split
+        self.module = split.model.eval()
+        self.data = data
+        self.loss_fn, self.metric = loss_fn, metric
+        self.vectorize = bool(vectorize)
+        self.chunk, self.max_vmap_examples = chunk, max_vmap_examples
+        self.theta_names = tuple(split.global_names)
+        self.w_names = tuple(split.personal_names)
+        theta0, w0 = split.params()
+        self._theta0 = theta0
+        self.theta_shapes = {n: tuple(v.shape) for n, v in theta0.items()}
+        self.w_shapes = {n: tuple(v.shape) for n, v in w0.items()}
+        self.w_pretrained = self._check_w(w0 if w_pretrained is None else w_pretrained)
+        self.num_clients = data.num_clients
+        self._store = {s: _FlatSplit(data, s) for s in ("train", "test")}
+        self._step_fn = self._build_step_fn()
+        self._sum_grad_fn = self._build_sum_grad_fn()
+        self._forward_fn = self._build_forward_fn()
+        self._vcache: dict = {}
+
+    def _check_w(self, w: Mapping[str, Tensor]) -> Params:
+        if set(w) != set(self.w_names):
+            raise KeyError(f"personal values must have exactly the names {list(self.w_names)}, "
+                           f"got {sorted(w)}")
+        out = {}
+        for n in self.w_names:
+            v = torch.as_tensor(w[n]).detach()
+            if tuple(v.shape) != self.w_shapes[n]:
+                raise ValueError(f"personal value {n!r} has shape {tuple(v.shape)}, expected "
+                                 f"{self.w_shapes[n]}")
+            out[n] = v.clone()
+        return out
+
+    # -- Problem protocol ----------------------------------------------------------------
+    def init_theta(self, rng: np.random.Generator | None = None) -> Params:
+        """θ⁰: the split model's current global values (seed the model when you build it)."""
+        return {n: v.clone() for n, v in self._theta0.items()}
+
+    def init_w(self, cohort: np.ndarray, how: str, seed: int, round_: int) -> Params:
+        """Personal parameters for the cohort, stacked ``[k, ...]``.
+
+        * ``pretrained`` — every client restarts from :attr:`w_pretrained`;
+        * ``zero`` — all zeros (note: a low-rank adapter with both factors 0 cannot move);
+        * ``random`` — a fresh initialisation as a newly built model would have it (each
+          module's own ``reset_parameters``), seeded per (seed, round, client).
+        """
+        cohort = check_cohort(cohort, self.num_clients)
+        k = len(cohort)
+        if how == "pretrained":
+            return {n: v.unsqueeze(0).repeat(k, *([1] * v.dim()))
+                    for n, v in self.w_pretrained.items()}
+        if how == "zero":
+            return {n: torch.zeros((k, *s), dtype=self.w_pretrained[n].dtype)
+                    for n, s in self.w_shapes.items()}
+        if how == "random":
+            rows = [self._random_w(seed, round_, int(m)) for m in cohort]
+            return {n: torch.stack([r[n] for r in rows]) for n in self.w_names}
+        raise ValueError(f"unknown personal initialisation {how!r}; allowed: {', '.join(W_INITS)}")
+
+    def _random_w(self, seed: int, round_: int, cid: int) -> Params:
+        owners = _resettable_owners(self.module, self.w_names)
+        mods = dict(self.module.named_modules())
+        out: Params = {}
+        with torch.random.fork_rng(devices=[]):
+            torch.manual_seed(torch_seed(seed, "init_w", *round_path(round_), cid))
+            for owner in owners:
+                fresh = copy.deepcopy(mods[owner])
+                fresh.reset_parameters()
+                for n, p in fresh.named_parameters():
+                    full = f"{owner}.{n}" if owner else n
+                    if full in self.w_shapes:
+                        out[full] = p.detach().clone()
+        return out
+
+    def num_examples(self, cohort: np.ndarray, split: str = "train") -> np.ndarray:
+        """Number of examples of each client: ``[k]``."""
+        cohort = check_cohort(cohort, self.num_clients)
+        return self._store[_check_split(split)].sizes[cohort].copy()
+
+    def loss(self, cohort, theta: Params, w: Params) -> np.ndarray:
+        """f_m(θ, w_m) on the full training data of each client: ``[k]``."""
+        num, den = self._full_pass(cohort, theta, w, "train", "loss")
+        return (num / np.maximum(den, 1e-12)).astype(np.float64)
+
+    def grad_theta(self, cohort, theta: Params, w: Params) -> Params:
+        """∇_θ f_m(θ, w_m) on the full training data, stacked ``[k, ...]``."""
+        return self._full_grad(cohort, theta, w, "theta")
+
+    def grad_w(self, cohort, theta: Params, w: Params) -> Params:
+        """∇_w f_m(θ, w_m) on the full training data, stacked ``[k, ...]``."""
+        return self._full_grad(cohort, theta, w, "w")
+
+    def lipschitz_w(self, cohort) -> np.ndarray:
+        raise TypeError("a neural-network problem has no known smoothness constant in w; give "
+                        "the local solver an explicit learning rate")
+
+    # -- evaluation ----------------------------------------------------------------------
+    def metric_counts(self, cohort, theta: Params, w: Params, split: str = "test"
+                      ) -> dict[str, np.ndarray]:
+        """Per-client sums on ``split``: ``correct``, ``total`` (from the metric) and
+        ``loss_sum``, ``loss_weight`` (from the loss), each ``[k]``."""
+        num, den, cor, tot = self._full_pass(cohort, theta, w, _check_split(split), "metric")
+        return {"correct": cor, "total": tot, "loss_sum": num, "loss_weight": den}
+
+    # -- minibatch gradients (used by partialfl.local.sgd) -----------------------------
+    def minibatch_grads(
+        self, cohort, theta: Params, w: Params, batches: Sequence[np.ndarray | None], wrt: str
+    ) -> tuple[Params, Tensor]:
+        """Gradients of each client's mean loss on its minibatch ``batches[i]`` (indices into
+        its training examples; ``None``/empty = no step) w.r.t. ``wrt`` ∈ {w, theta, both}.
+
+        Returns the stacked gradients ``[k, ...]`` (zeros for clients without a batch) and the
+        minibatch losses ``[k]``."""
+        cohort = check_cohort(cohort, self.num_clients)
+        if wrt not in ("w", "theta", "both"):
+            raise ValueError(f"wrt must be 'w', 'theta' or 'both', got {wrt!r}")
+        k = len(cohort)
+        theta_dims = self._theta_dims(theta, k)
+        store = self._store["train"]
+        if self.vectorize and k > 1:
+            b = max((len(x) for x in batches if x is not None), default=0)
+            if b == 0:
+                return self._zeros_like_wrt(theta, w, wrt, k), torch.zeros(k)
+            idx, mask = store.padded(cohort, batches, b)
+            train, frozen, tdims, fdims = self._arrange(theta, w, theta_dims, wrt)
+            fn = self._vmapped(self._step_fn, (tdims, fdims))
+            g, loss = fn(train, frozen, store.x[idx], store.y[idx], mask)
+            return g, loss.detach()
+        grads, losses = [], []
+        for i in range(k):
+            bi = batches[i]
+            if bi is None or len(bi) == 0:
+                grads.append(None)
+                losses.append(torch.zeros(()))
+                continue
+            gi = store.gather(int(cohort[i]), bi)
+            th_i = _row(theta, theta_dims, i)
+            train, frozen, _, _ = self._arrange(th_i, _row(w, None, i), None, wrt)
+            g, loss = self._step_fn(train, frozen, *gi, torch.ones(len(bi)))
+            grads.append(g)
+            losses.append(loss.detach())
+        if any(g is None for g in grads):
+            zero = {n: v[0] for n, v in self._zeros_like_wrt(theta, w, wrt, 1).items()}
+            grads = [zero if g is None else g for g in grads]
+        return {n: torch.stack([g[n] for g in grads]) for n in grads[0]}, torch.stack(losses)
+
+    # -- internals -----------------------------------------------------------------------
+    def _theta_dims(self, theta: Params, k: int) -> dict[str, int | None]:
+        dims = {}
+        for n, v in theta.items():
+            s = self.theta_shapes.get(n)
+            if s is None:
+                raise KeyError(f"{n!r} is not a global parameter of this problem")
+            if tuple(v.shape) == s:
+                dims[n] = None
+            elif tuple(v.shape) == (k, *s):
+                dims[n] = 0
+            else:
+                raise ValueError(f"θ leaf {n!r} has shape {tuple(v.shape)}; expected {s} "
+                                 f"(shared) or {(k, *s)} (per client)")
+        if set(theta) != set(self.theta_names):
+            raise KeyError(f"θ must have exactly the global names {list(self.theta_names)[:6]}…")
+        return dims
+
+    def _arrange(self, theta, w, theta_dims, wrt):
+        wd = {n: 0 for n in w}
+        td = theta_dims or {n: None for n in theta}
+        if wrt == "w":
+            return w, theta, wd, td
+        if wrt == "theta":
+            return theta, w, td, wd
+        return {**theta, **w}, {}, {**td, **wd}, {}
+
+    def _zeros_like_wrt(self, theta, w, wrt, k):
+        names = {"w": self.w_names, "theta": self.theta_names,
+                 "both": self.theta_names + self.w_names}[wrt]
+        shapes = {**self.theta_shapes, **self.w_shapes}
+        ref = {**theta, **w}
+        return {n: torch.zeros((k, *shapes[n]), dtype=ref[n].dtype) for n in names}
+
+    def _batch_loss(self, params: Params, x: Tensor, y: Tensor, mask: Tensor):
+        out = functional_call(self.module, params, (x,))
+        num, den = _pair(self.loss_fn(out, y))
+        m = mask.to(num.dtype)
+        return (num * m).sum(), (den * m).sum(), out
+
+    def _build_step_fn(self):
+        """``(train, frozen, x, y, mask) -> (∇_train mean loss, mean loss)``."""
+
+        def mean_loss(train, frozen, x, y, mask):
+            s, d, _ = self._batch_loss({**frozen, **train}, x, y, mask)
+            val = s / torch.clamp(d, min=1e-12)
+            return val, val.detach()
+
+        return grad(mean_loss, has_aux=True)
+
+    def _build_sum_grad_fn(self):
+        """``(train, frozen, x, y, mask) -> (∇_train Σ masked loss, Σ weights)``."""
+
+        def sum_loss(train, frozen, x, y, mask):
+            s, d, _ = self._batch_loss({**frozen, **train}, x, y, mask)
+            return s, d.detach()
+
+        return grad(sum_loss, has_aux=True)
+
+    def _build_forward_fn(self):
+        """``(params, x, y, mask) -> (Σ loss, Σ loss weight, Σ correct, Σ total)``."""
+
+        def fwd(params, x, y, mask):
+            s, d, out = self._batch_loss(params, x, y, mask)
+            c, t = self.metric(out, y)
+            m = mask.to(c.dtype)
+            return s, d, (c * m).sum(), (t * m).sum()
+
+        return fwd
+
+    def _vmapped(self, fn, dims: tuple[dict, dict]):
+        """vmap of ``fn(train, frozen, x, y, mask)`` over clients, cached per in_dims."""
+        key = (id(fn), tuple(sorted(dims[0].items())), tuple(sorted(dims[1].items())))
+        out = self._vcache.get(key)
+        if out is None:
+            out = self._vcache[key] = vmap(fn, in_dims=(dims[0], dims[1], 0, 0, 0))
+        return out
+
+    def _vmapped_fwd(self, fn, dims: dict):
+        key = (id(fn), "fwd", tuple(sorted(dims.items())))
+        out = self._vcache.get(key)
+        if out is None:
+            out = self._vcache[key] = vmap(fn, in_dims=(dims, 0, 0, 0))
+        return out
+
+    def _groups(self, k: int, per_client: int) -> list[slice]:
+        g = max(1, self.max_vmap_examples // max(1, per_client)) if self.vectorize else 1
+        return [slice(i, min(k, i + g)) for i in range(0, k, g)]
+
+    def _full_grad(self, cohort, theta, w, wrt) -> Params:
+        cohort = check_cohort(cohort, self.num_clients)
+        k = len(cohort)
+        theta_dims = self._theta_dims(theta, k)
+        store = self._store["train"]
+        out_rows: list[Params] = []
+        for sl in self._groups(k, self.chunk):
+            sub = cohort[sl]
+            th = {n: (v if theta_dims[n] is None else v[sl]) for n, v in theta.items()}
+            wi = {n: v[sl] for n, v in w.items()}
+            out_rows.append(self._full_grad_group(store, sub, th, wi, wrt))
+        return {n: torch.cat([r[n] for r in out_rows]) for n in out_rows[0]}
+
+    def _full_grad_group(self, store, cohort, theta, w, wrt) -> Params:
+        k = len(cohort)
+        theta_dims = self._theta_dims(theta, k)
+        sizes = store.sizes[cohort]
+        nchunks = int(np.ceil(sizes.max() / self.chunk)) if sizes.max() > 0 else 0
+        acc = self._zeros_like_wrt(theta, w, wrt, k)
+        den = torch.zeros(k)
+        if self.vectorize and k > 1:
+            train, frozen, tdims, fdims = self._arrange(theta, w, theta_dims, wrt)
+            fn = self._vmapped(self._sum_grad_fn, (tdims, fdims))
+            for j in range(nchunks):
+                batches = _chunk_batches(sizes, j, self.chunk)
+                idx, mask = store.padded(cohort, batches, max(len(b) for b in batches))
+                g, d = fn(train, frozen, store.x[idx], store.y[idx], mask)
+                for n in acc:
+                    acc[n] += g[n]
+                den += d
+        else:
+            for i in range(k):
+                th_i = _row(theta, theta_dims, i)
+                train, frozen, _, _ = self._arrange(th_i, _row(w, None, i), None, wrt)
+                n_i = int(sizes[i])
+                for j in range(0, n_i, self.chunk):
+                    bi = np.arange(j, min(n_i, j + self.chunk))
+                    g, d = self._sum_grad_fn(train, frozen, *store.gather(int(cohort[i]), bi),
+                                               torch.ones(len(bi)))
+                    for n in acc:
+                        acc[n][i] += g[n]
+                    den[i] += d
+        scale = 1.0 / torch.clamp(den, min=1e-12)
+        return {n: v * scale.reshape((-1,) + (1,) * (v.dim() - 1)) for n, v in acc.items()}
+
+    def _full_pass(self, cohort, theta, w, split, what):
+        """Forward-only sums over each client's data: loss (num, den) [+ metric counts]."""
+        cohort = check_cohort(cohort, self.num_clients)
+        k = len(cohort)
+        theta_dims = self._theta_dims(theta, k)
+        store = self._store[split]
+        sums = np.zeros((4, k))
+        fwd = self._forward_fn
+        with torch.no_grad():
+            for sl in self._groups(k, self.chunk):
+                sub = cohort[sl]
+                kk = len(sub)
+                th = {n: (v if theta_dims[n] is None else v[sl]) for n, v in theta.items()}
+                wi = {n: v[sl] for n, v in w.items()}
+                sizes = store.sizes[sub]
+                if self.vectorize and kk > 1:
+                    dims = {**{n: theta_dims[n] for n in th}, **{n: 0 for n in wi}}
+                    fn = self._vmapped_fwd(fwd, dims)
+                    params = {**th, **wi}
+                    nchunks = int(np.ceil(sizes.max() / self.chunk)) if sizes.max() > 0 else 0
+                    for j in range(nchunks):
+                        batches = _chunk_batches(sizes, j, self.chunk)
+                        idx, mask = store.padded(sub, batches, max(len(b) for b in batches))
+                        res = fn(params, store.x[idx], store.y[idx], mask)
+                        sums[:, sl] += torch.stack(res).numpy()
+                else:
+                    for i in range(kk):
+                        params = {**_row(th, {n: theta_dims[n] for n in th}, i),
+                                  **_row(wi, None, i)}
+                        n_i = int(sizes[i])
+                        for j in range(0, n_i, self.chunk):
+                            bi = np.arange(j, min(n_i, j + self.chunk))
+                            res = fwd(params, *store.gather(int(sub[i]), bi), torch.ones(len(bi)))
+                            sums[:, sl.start + i] += torch.stack(res).numpy()
+        if what == "loss":
+            return sums[0], sums[1]
+        return sums[0], sums[1], sums[2], sums[3]
+
+
+# ----------------------------------------------------------------------------- helpers
+def round_path(round_: int) -> tuple:
+    """The rng path component for a round: non-negative rounds as is, negative ones (used
+    for deployment / evaluation outside training) as ``("offline", -round_)``."""
+    r = int(round_)
+    return (r,) if r >= 0 else ("offline", -r)
+
+
+def _chunk_batches(sizes: np.ndarray, j: int, chunk: int) -> list[np.ndarray]:
+    """Chunk j (examples [j·chunk, (j+1)·chunk)) of every client; empty past its end."""
+    return [np.arange(min(int(n), j * chunk), min(int(n), (j + 1) * chunk)) for n in sizes]
+
+
+def _check_split(split: str) -> str:
+    if split not in ("train", "test"):
+        raise ValueError(f"split must be 'train' or 'test', got {split!r}")
+    return split
+
+
+class _FlatSplit:
+    """One split of a FederatedDataset as flat tensors + per-client offsets."""
+
+    def __init__(self, data, split: str) -> None:
+        xs, ys = getattr(data, f"{split}_x"), getattr(data, f"{split}_y")
+        self.sizes = np.array([y.shape[0] for y in ys], dtype=np.int64)
+        self.offsets = np.concatenate([[0], np.cumsum(self.sizes)[:-1]]).astype(np.int64)
+        self.x = torch.cat(list(xs)) if self.sizes.sum() else xs[0][:0]
+        self.y = torch.cat(list(ys)) if self.sizes.sum() else ys[0][:0]
+        if self.x.shape[0] == 0:  # keep indexing valid for all-empty splits
+            self.x = torch.zeros((1, *xs[0].shape[1:]), dtype=xs[0].dtype)
+            self.y = torch.zeros((1, *ys[0].shape[1:]), dtype=ys[0].dtype)
+
+    def gather(self, m: int, idx: np.ndarray) -> tuple[Tensor, Tensor]:
+        g = torch.from_numpy(self.offsets[m] + np.asarray(idx, dtype=np.int64))
+        return self.x[g], self.y[g]
+
+    def padded(self, cohort: np.ndarray, batches, b: int) -> tuple[Tensor, Tensor]:
+        """Global indices ``[k, b]`` (padding repeats the client's first example, or example 0)
+        and the float mask ``[k, b]``."""
+        k = len(cohort)
+        idx = np.zeros((k, b), dtype=np.int64)
+        mask = np.zeros((k, b), dtype=np.float32)
+        for i, (m, bi) in enumerate(zip(cohort, batches)):
+            base = self.offsets[m] if self.sizes[m] > 0 else 0
+            idx[i] = base
+            if bi is not None and len(bi):
+                idx[i, : len(bi)] = base + np.asarray(bi)
+                mask[i, : len(bi)] = 1.0
+        return torch.from_numpy(idx), torch.from_numpy(mask)
+
+
+def _row(tree: Params, dims: Mapping[str, int | None] | None, i: int) -> Params:
+    """Client i's leaves of a tree whose leaves are stacked (dim 0) or shared (None)."""
+    if dims is None:
+        return {n: v[i] for n, v in tree.items()}
+    return {n: (v if dims[n] is None else v[i]) for n, v in tree.items()}
+
+
+def _resettable_owners(module: nn.Module, names: Sequence[str]) -> list[str]:
+    """Maximal submodules whose parameters are all personal and that can re-initialise
+    themselves (``reset_parameters``), covering every personal name."""
+    wanted = set(names)
+    chosen: list[str] = []
+    covered: set[str] = set()
+    for mname, m in module.named_modules():
+        if any(mname == c or mname.startswith(c + ".") for c in chosen if c) or "" in chosen:
+            continue
+        pnames = [f"{mname}.{n}" if mname else n for n, _ in m.named_parameters()]
+        if pnames and set(pnames) <= wanted and hasattr(m, "reset_parameters"):
+            chosen.append(mname)
+            covered.update(pnames)
+    missing = sorted(wanted - covered)
+    if missing:
+        raise ValueError(
+            f"init 'random' needs reset_parameters() on a module owning only personal "
+            f"parameters; none for {missing[:6]}"
+        )
+    return chosen

@@ -1,0 +1,68 @@
+"""The femnist-table reproduction (real data: skipped without ../shared/data)."""
+
+from __future__ import annotations
+
+import json
+
+import numpy as np
+import pytest
+import torch
+from _nn_toy import one_thread
+
+from partialfl.data.femnist import load_femnist_npz, pixel_mean_std
+from partialfl.experiments import get_reproduction
+from partialfl.experiments.femnist import (
+    METHODS,
+    QUICK,
+    evaluate_new_writers,
+    load_data,
+    reproduce_table,
+)
+
+pytestmark = pytest.mark.data
+
+
+@pytest.fixture(autouse=True)
+def _single_thread():
+    with one_thread():
+        yield
+
+
+def test_load_data_holds_out_writers_and_normalises_with_training_stats(data_dir):
+    seen, new, info = load_data(data_dir, None, 10)
+    everyone = load_femnist_npz(data_dir, normalize="leaf")
+    assert seen.num_clients == everyone.num_clients - 10 and new.num_clients == 10
+    assert not set(seen.client_ids) & set(new.client_ids)
+    assert set(seen.client_ids) | set(new.client_ids) == set(everyone.client_ids)
+    ids = list(everyone.client_ids)
+    raw_seen = torch.cat([everyone.train_x[ids.index(c)] for c in seen.client_ids])
+    mean, std = pixel_mean_std(raw_seen.numpy()[:, 0])
+    np.testing.assert_allclose(info["pixel_mean"], mean, atol=1e-6)
+    x = torch.cat(list(seen.train_x))[:, 0].numpy()
+    ref = (raw_seen.numpy()[:, 0] - mean) / np.maximum(std, 0.1)
+    np.testing.assert_allclose(x, ref, atol=1e-5)
+    assert get_reproduction("femnist-table") is reproduce_table
+
+
+@pytest.mark.slow
+def test_quick_table_runs_resumes_and_evaluates_new_writers(tmp_path, data_dir):
+    path = reproduce_table(tmp_path, quick=True, data_dir=data_dir, progress=False)
+    text = path.read_text()
+    for label, _ in METHODS:
+        assert f"| {label} |" in text
+    assert "## Deviations from the paper" in text
+    for png in ("learning_curves.png", "per_client_accuracy.png"):
+        assert (tmp_path / png).stat().st_size > 1000
+    res = json.loads((tmp_path / "results.json").read_text())["results"]
+    for label, _ in METHODS:
+        (m,) = res[label]
+        assert 0 <= m["test_acc"] <= 1 and 0 <= m["new_test_acc"] <= 1
+        assert len(m["per_client_test_acc"]) == QUICK.num_writers - QUICK.holdout
+    # everything is checkpointed: a second call recomputes nothing and gives the same table
+    assert reproduce_table(tmp_path, quick=True, data_dir=data_dir,
+                           progress=False).read_text().split("Wall-clock")[0] == \
+        text.split("Wall-clock")[0]
+    run = tmp_path / "seed0" / "ffgg-adapter"
+    ev = evaluate_new_writers(run, data_dir)
+    assert ev["num_clients"] == QUICK.holdout
+    assert ev["test"].accuracy == pytest.approx(res["FFGG (adapter)"][0]["new_test_acc"])
