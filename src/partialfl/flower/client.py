@@ -1,0 +1,181 @@
+"""The ClientApp: one SuperNode serves the clients of its partition.
+
+A SuperNode started with ``--node-config 'partition-id=P num-partitions=N'`` (the simulation
+engine sets both) holds the clients :func:`~partialfl.flower.config.partition_clients` gives
+partition P. It answers three message types:
+
+* ``query.describe`` — its partition, client ids and example counts (and, when asked, the
+  initial server model ``algorithm.init(problem, problem.init_theta(...)).theta``, exactly as the
+  in-process simulator builds it);
+* ``train`` — θ and a list of its client ids → ``algorithm.client_update(state, problem,
+  cohort, RoundContext(seed, round))``: each client's personal parameters are re-initialised
+  and fine-tuned *here* (stateless clients), and only the resulting
+  :class:`~partialfl.types.ClientUpdates` goes back
+  (:func:`~partialfl.flower.codec.encode_updates`);
+* ``evaluate`` — θ → the personalized loss of its clients after fine-tuning w locally
+  (sums, so the server can average over all clients).
+
+The problem and algorithm are built from the run config with the same builders as the
+server (:mod:`partialfl.flower.config`) and cached per process.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+from flwr.app import ConfigRecord, Context, Message, MetricRecord, RecordDict
+from flwr.clientapp import ClientApp
+
+from partialfl import rng as prng
+from partialfl.algorithms.base import RoundContext, ServerState
+from partialfl.flower.codec import (
+    decode_params,
+    encode_updates,
+    params_to_record,
+)
+from partialfl.flower.config import (
+    FlowerConfig,
+    build_algorithm,
+    build_problem,
+    node_partition,
+    parse_fault_injection,
+    parse_run_config,
+    partition_clients,
+)
+
+
+@dataclass
+class NodeRuntime:
+    """What one SuperNode holds for a run: its problem, algorithm and client ids."""
+
+    cfg: FlowerConfig
+    partition: int
+    num_partitions: int
+    problem: Any
+    algorithm: Any
+    clients: np.ndarray
+    torch: bool
+
+    def check_clients(self, cohort: np.ndarray) -> np.ndarray:
+        foreign = np.setdiff1d(cohort, self.clients)
+        if foreign.size:
+            raise ValueError(
+                f"partition {self.partition} holds clients {self.clients.min()}.."
+                f"{self.clients.max()}, was asked for {foreign.tolist()}"
+            )
+        return cohort
+
+
+_CACHE: dict[tuple, NodeRuntime] = {}
+
+
+def node_runtime(context: Context, msg: Message | None = None) -> NodeRuntime:
+    """The (cached) runtime of this SuperNode: the run config is the one the server sent with
+    the message (the server's validated copy of ``flwr run``'s config), else
+    ``context.run_config``; the partition comes from the SuperNode's node config."""
+    if msg is not None and "run-config" in msg.content:
+        cfg = parse_run_config(dict(msg.content["run-config"]))
+    else:
+        cfg = parse_run_config(dict(context.run_config))
+    part, nparts = node_partition(context.node_config)
+    key = (tuple(sorted(cfg.to_run_config().items())), part, nparts)
+    rt = _CACHE.get(key)
+    if rt is None:
+        problem = build_problem(cfg)
+        algorithm = build_algorithm(cfg, problem)
+        if getattr(algorithm, "stateful_clients", False):
+            raise ValueError(f"algorithm {cfg.algorithm!r} keeps client state; the Flower app "
+                             "runs stateless algorithms only")
+        clients = partition_clients(problem.num_clients, nparts, part)
+        rt = NodeRuntime(cfg, part, nparts, problem, algorithm, clients,
+                         torch=cfg.problem != "least-squares")
+        _CACHE.clear()  # one run per process at a time
+        _CACHE[key] = rt
+    return rt
+
+
+app = ClientApp()
+
+
+@app.query("describe")
+def describe(msg: Message, context: Context) -> Message:
+    """Partition facts; the node of partition ``init-partition`` also sends θ⁰."""
+    rt = node_runtime(context, msg)
+    info = ConfigRecord({
+        "partition-id": rt.partition,
+        "num-partitions": rt.num_partitions,
+        "num-clients": int(rt.problem.num_clients),
+        "clients": [int(c) for c in rt.clients],
+        "num-examples": [float(x) for x in rt.problem.num_examples(rt.clients)],
+        "torch": int(rt.torch),
+    })
+    content = RecordDict({"info": info})
+    if int(msg.content["request"].get("init-partition", -1)) == rt.partition:
+        theta0 = rt.problem.init_theta(prng.generator(rt.cfg.seed, "init"))
+        content["theta0"] = params_to_record(rt.algorithm.init(rt.problem, theta0).theta)
+    return Message(content, reply_to=msg)
+
+
+@app.train()
+def train(msg: Message, context: Context) -> Message:
+    """One cohort's client updates at the θ the server sent."""
+    rt = node_runtime(context, msg)
+    task = msg.content["task"]
+    r = int(task["round"])
+    cohort = rt.check_clients(np.asarray(task["clients"], dtype=np.int64))
+    _inject_faults(rt, r)
+    theta = decode_params(msg.content["theta"], rt.torch)
+    state = ServerState(theta=theta, round=r)
+    result = rt.algorithm.client_update(state, rt.problem, cohort, RoundContext(rt.cfg.seed, r))
+    return Message(encode_updates(result.updates, theta.keys()), reply_to=msg)
+
+
+@app.evaluate()
+def evaluate(msg: Message, context: Context) -> Message:
+    """Personalized loss of this node's clients at θ (w fine-tuned here, never sent)."""
+    rt = node_runtime(context, msg)
+    r = int(msg.content["task"]["round"])
+    theta = decode_params(msg.content["theta"], rt.torch)
+    sums = evaluate_clients(rt, theta, r)
+    return Message(RecordDict({"eval": MetricRecord(sums)}), reply_to=msg)
+
+
+def evaluate_clients(rt: NodeRuntime, theta, round_: int) -> dict[str, list[float]]:
+    """Per-client metrics of this node's clients at θ, as lists (the server pools all nodes'
+    lists): least squares ``loss`` f_m(θ, w_m) and ``loss-gap`` f_m − min f_m; model
+    problems the test counts of :meth:`~partialfl.problems.model.ModelProblem.metric_counts`.
+    w_m is what the algorithm deploys, computed here and never sent."""
+    if rt.torch:
+        from partialfl.flower.models import evaluate_model_clients
+
+        return evaluate_model_clients(rt, theta, round_)
+    own = rt.clients
+    base = getattr(rt.algorithm, "base", rt.algorithm)
+    if hasattr(base, "solver"):  # FFGG family: w fine-tuned afresh by its own solver
+        th, w = {"theta": theta["theta"]}, base.solver(rt.problem, own, theta, rt.cfg.seed,
+                                                        -1).w
+    else:  # the model the algorithm deploys (e.g. FedAvg's shared (θ, w)), this node's rows
+        dep = base.deployed(ServerState(theta=theta, round=round_), rt.problem, None,
+                            RoundContext(rt.cfg.seed, -1))
+        th = ({n: v[own] for n, v in dep.theta.items()} if dep.personalized_theta
+              else dep.theta)
+        w = {n: v[own] for n, v in dep.w.items()}
+    loss = np.asarray(rt.problem.loss(own, th, w), dtype=np.float64)
+    out = {"loss": [float(x) for x in loss]}
+    if hasattr(rt.problem, "f_star"):
+        out["loss-gap"] = [float(x) for x in loss - rt.problem.f_star()[own]]
+    return out
+
+
+def _inject_faults(rt: NodeRuntime, round_: int) -> None:
+    for f in parse_fault_injection(rt.cfg.fault_injection):
+        if f.applies(rt.partition, round_):
+            if f.kind == "crash":
+                raise RuntimeError(f"injected crash: partition {rt.partition}, round {round_}")
+            time.sleep(f.seconds)
+
+
+__all__ = ["NodeRuntime", "app", "evaluate_clients", "node_runtime"]

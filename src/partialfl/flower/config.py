@@ -1,0 +1,573 @@
+"""The run configuration of the Flower app, mapped onto partialfl's own objects.
+
+``flwr run APP -c key=value`` overrides keys of ``[tool.flwr.app.config]`` in the app's
+``pyproject.toml``; Flower hands the fused flat dict to both the ServerApp and every ClientApp
+as ``context.run_config``. :func:`parse_run_config` validates that dict once (every error names
+the bad key, the bad value and what is allowed) into a frozen :class:`FlowerConfig`, and the
+builders below turn it into the *same* partialfl objects the in-process simulator uses:
+:func:`build_problem`, :func:`build_algorithm` (FFGG, BR-FFGG, Local FFGG, FedAvg with the
+server optimizer, schedule and aggregator), :func:`partition_clients`.
+
+This module does not import ``flwr``, so configs can be checked without the optional extra.
+Keys use Flower's kebab-case; :data:`FIELDS` is the single table of keys, types, defaults and
+allowed values from which the app's ``pyproject.toml`` is generated
+(:func:`partialfl.flower.project.app_pyproject`).
+"""
+
+from __future__ import annotations
+
+import math
+import re
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass, fields
+from typing import Any
+
+import numpy as np
+
+from partialfl.config import ConfigError as CoreConfigError
+
+ALGORITHMS = ("ffgg", "br-ffgg", "local-ffgg", "fedavg")
+PROBLEMS = ("least-squares", "femnist")
+MODES = ("sync", "async")
+
+
+@dataclass(frozen=True)
+class Field:
+    """One run-config key: its type, default, allowed values (or a check) and help text."""
+
+    key: str
+    type: type | tuple[type, ...]
+    default: Any
+    help: str
+    choices: tuple | None = None
+    check: Callable[[Any], bool] | None = None
+    requirement: str = ""
+
+    @property
+    def attr(self) -> str:
+        return self.key.replace("-", "_")
+
+
+def _pos(v) -> bool:
+    return v > 0 and math.isfinite(v)
+
+
+def _nonneg(v) -> bool:
+    return v >= 0 and math.isfinite(v)
+
+
+def _lr(v) -> bool:
+    if isinstance(v, str):
+        return v == "auto" or re.fullmatch(r"\s*[0-9.eE+-]+\s*/\s*L\s*", v) is not None
+    return _pos(v)
+
+
+def _unit(v) -> bool:
+    return 0 <= v < 1
+
+
+#: Every key of the app's run config. Order = order in the generated pyproject.toml.
+FIELDS: tuple[Field, ...] = (
+    # -- what to run ------------------------------------------------------------------
+    Field("algorithm", str, "ffgg", "FFGG (Alg. 1), BR-FFGG (Alg. 5), Local FFGG (Alg. 4), "
+          "FedAvg", choices=ALGORITHMS),
+    Field("problem", str, "least-squares", "the federated problem", choices=PROBLEMS),
+    Field("num-rounds", int, 10, "server steps (sync: rounds; async: applied buffers)",
+          check=_nonneg, requirement="an integer >= 0"),
+    Field("clients-per-round", int, 0, "clients sampled per round (0 = all)", check=_nonneg,
+          requirement="an integer >= 0 (0 = all clients)"),
+    Field("seed", int, 0, "run seed: cohorts, initialisation, local randomness",
+          check=_nonneg, requirement="an integer >= 0"),
+    Field("mode", str, "sync", "sync rounds, or async (server applies updates as they arrive)",
+          choices=MODES),
+    Field("buffer-size", int, 1, "async: updates per server step (FedBuff K; 1 = Algorithm 3)",
+          check=_pos, requirement="an integer >= 1"),
+    Field("concurrency", int, 0, "async: client updates in flight (0 = number of SuperNodes)",
+          check=_nonneg, requirement="an integer >= 0"),
+    # -- robustness of the transport ---------------------------------------------------
+    Field("round-timeout", float, 300.0, "seconds to wait for a round's replies (async: for "
+          "one task); late or missing replies count as failures", check=_pos,
+          requirement="a number > 0"),
+    Field("poll-interval", float, 0.05, "seconds between pulls of replies", check=_pos,
+          requirement="a number > 0"),
+    Field("min-nodes", int, 1, "SuperNodes to wait for before training", check=_pos,
+          requirement="an integer >= 1"),
+    Field("node-wait-timeout", float, 120.0, "seconds to wait for min-nodes SuperNodes and for "
+          "their first answer (ClientApp start-up)", check=_pos,
+          requirement="a number > 0"),
+    # -- server optimizer --------------------------------------------------------------
+    Field("server-opt", str, "sgd", "server optimizer on the aggregated θ-(pseudo-)gradient",
+          choices=("sgd", "adam")),
+    Field("server-lr", (float, str), "auto", "server stepsize: a number, 'c/L' (least "
+          "squares), or 'auto' = 1/L for the least-squares FFGG family (Theorem 1), 1.0 otherwise",
+          check=_lr, requirement="a number > 0, 'c/L' or 'auto'"),
+    Field("server-momentum", float, 0.0, "SGD heavy-ball momentum", check=_unit,
+          requirement="a number in [0, 1)"),
+    Field("server-clip", float, 0.0, "clip the aggregated pseudo-gradient to this norm before "
+          "the server step (0 = no clipping)", check=_nonneg, requirement="a number >= 0"),
+    Field("schedule", str, "constant", "server learning-rate schedule",
+          choices=("constant", "warmup-linear", "exponential")),
+    Field("warmup-rounds", int, 0, "warmup-linear: warm-up rounds (decay to 0 at num-rounds)",
+          check=_nonneg, requirement="an integer >= 0"),
+    Field("halve-every", int, 0, "exponential: halve the stepsize every k rounds",
+          check=_nonneg, requirement="an integer >= 0"),
+    # -- aggregation (BR-FFGG) ---------------------------------------------------------
+    Field("aggregator", str, "mean", "aggregation rule of the θ-vectors: mean, or a robust rule "
+          "for BR-FFGG (partialfl.aggregation.make_aggregator: cm, tm, gm, krum, multi-krum, cc)",
+          check=lambda v: bool(v.strip()), requirement="a non-empty aggregator name"),
+    Field("aggregator-delta", float, 0.0, "robust rules: assumed fraction δ of Byzantine "
+          "clients (0 = the rule's default)", check=lambda v: 0 <= v < 0.5,
+          requirement="a number in [0, 0.5)"),
+    Field("bucket-size", int, 1, "bucketing of the robust rule (s >= 2 buckets; 1 = none)",
+          check=_pos, requirement="an integer >= 1"),
+    Field("nnm", bool, False, "nearest-neighbour mixing before the robust rule"),
+    Field("byzantine-fraction", float, 0.0, "fraction of clients that are Byzantine (their "
+          "updates are replaced by the attack on the server, as an omniscient adversary)",
+          check=lambda v: 0 <= v < 0.5, requirement="a number in [0, 0.5)"),
+    Field("attack", str, "none", "what Byzantine clients send (partialfl.attacks.make_attack: "
+          "none, alie, ipm, sign-flip, gaussian, bit-flip, mimic)",
+          check=lambda v: bool(v.strip()), requirement="a non-empty attack name"),
+    Field("weighting", str, "uniform", "aggregation weights: uniform or number of examples",
+          choices=("uniform", "examples")),
+    # -- local work ---------------------------------------------------------------------
+    Field("solver", str, "gd", "least squares: fine-tuner of w (gd = Algorithm 2, cg, exact)",
+          choices=("gd", "cg", "exact")),
+    Field("local-steps", int, 10, "local steps τ (fine-tuning steps; FedAvg local steps)",
+          check=_pos, requirement="an integer >= 1"),
+    Field("local-lr", float, 0.0, "local stepsize (0 = 1/L per client on least squares; "
+          "model problems need a number > 0)", check=_nonneg, requirement="a number >= 0"),
+    Field("local-epochs", int, 1, "model problems: epochs of fine-tuning / local training",
+          check=_pos, requirement="an integer >= 1"),
+    Field("batch-size", int, 32, "model problems: minibatch size", check=_pos,
+          requirement="an integer >= 1"),
+    Field("w-init", str, "auto", "how w is re-initialised on every client at every round: "
+          "zero, random, pretrained (model problems); auto = zero for least squares, "
+          "pretrained for model problems", choices=("auto", "zero", "random", "pretrained")),
+    # -- least-squares problem (the paper's Example 1) ---------------------------------
+    Field("ls-clients", int, 32, "least squares: number of clients M", check=_pos,
+          requirement="an integer >= 1"),
+    Field("ls-n", int, 10000, "least squares: rows per client", check=_pos,
+          requirement="an integer >= 1"),
+    Field("ls-d-theta", int, 100, "least squares: dim θ", check=_pos,
+          requirement="an integer >= 1"),
+    Field("ls-d-w", int, 50, "least squares: dim w", check=_pos, requirement="an integer >= 1"),
+    Field("ls-seed", int, 0, "least squares: data seed", check=_nonneg,
+          requirement="an integer >= 0"),
+    # -- FEMNIST ------------------------------------------------------------------------
+    Field("data-file", str, "femnist_leaf_subset.npz", "FEMNIST: data file name or path "
+          "(resolved with partialfl.data.paths.resolve_data_file)",
+          check=lambda v: bool(v.strip()), requirement="a non-empty file name"),
+    Field("data-dir", str, "", "FEMNIST: data folder ('' = partialfl's default)"),
+    Field("model", str, "emnist-cnn", "FEMNIST: architecture (partialfl.models.make_model)",
+          check=lambda v: bool(v.strip()), requirement="a non-empty model name"),
+    Field("split", str, "output", "FEMNIST: which parameters are personal (partialfl.split: "
+          "input, output, adapter, norm; FedAvg always uses none)",
+          check=lambda v: bool(v.strip()), requirement="a non-empty split name"),
+    Field("init-from", str, "", "FEMNIST: start from this .npz of all model parameters (e.g. "
+          "theta.npz of a FedAvg run: the pipeline's stage 1); '' = the seeded initialisation"),
+    # -- output and testing -------------------------------------------------------------
+    Field("eval-every", int, 1, "evaluate on the SuperNodes every k server steps (0 = never)",
+          check=_nonneg, requirement="an integer >= 0"),
+    Field("out-dir", str, "", "server: write result.json, metrics.jsonl and theta.npz here "
+          "('' = do not write)"),
+    Field("fault-injection", str, "", "testing only: make ClientApps fail, e.g. "
+          "'crash:partition=1,round=1; slow:partition=0,round=2,seconds=5'"),
+)
+
+_BY_KEY = {f.key: f for f in FIELDS}
+
+
+@dataclass(frozen=True)
+class FlowerConfig:
+    """The validated run config (attribute = key with ``-`` → ``_``; see :data:`FIELDS`)."""
+
+    algorithm: str = "ffgg"
+    problem: str = "least-squares"
+    num_rounds: int = 10
+    clients_per_round: int = 0
+    seed: int = 0
+    mode: str = "sync"
+    buffer_size: int = 1
+    concurrency: int = 0
+    round_timeout: float = 300.0
+    poll_interval: float = 0.05
+    min_nodes: int = 1
+    node_wait_timeout: float = 120.0
+    server_opt: str = "sgd"
+    server_lr: float | str = "auto"
+    server_momentum: float = 0.0
+    server_clip: float = 0.0
+    schedule: str = "constant"
+    warmup_rounds: int = 0
+    halve_every: int = 0
+    aggregator: str = "mean"
+    aggregator_delta: float = 0.0
+    bucket_size: int = 1
+    nnm: bool = False
+    byzantine_fraction: float = 0.0
+    attack: str = "none"
+    weighting: str = "uniform"
+    solver: str = "gd"
+    local_steps: int = 10
+    local_lr: float = 0.0
+    local_epochs: int = 1
+    batch_size: int = 32
+    w_init: str = "auto"
+    ls_clients: int = 32
+    ls_n: int = 10000
+    ls_d_theta: int = 100
+    ls_d_w: int = 50
+    ls_seed: int = 0
+    data_file: str = "femnist_leaf_subset.npz"
+    data_dir: str = ""
+    model: str = "emnist-cnn"
+    split: str = "output"
+    init_from: str = ""
+    eval_every: int = 1
+    out_dir: str = ""
+    fault_injection: str = ""
+
+    def to_run_config(self) -> dict[str, Any]:
+        """The flat kebab-case dict Flower carries (inverse of :func:`parse_run_config`)."""
+        return {f.key: getattr(self, f.attr) for f in FIELDS}
+
+    def replace(self, **changes: Any) -> FlowerConfig:
+        """A copy with ``changes`` (kebab or snake keys), validated again."""
+        cfg = self.to_run_config()
+        cfg.update({k.replace("_", "-"): v for k, v in changes.items()})
+        return parse_run_config(cfg)
+
+
+assert [f.attr for f in FIELDS] == [f.name for f in fields(FlowerConfig)], "FIELDS out of sync"
+
+
+class ConfigError(CoreConfigError):
+    """A run-config key or value that partialfl cannot use (the message names it)."""
+
+
+def _coerce(f: Field, value: Any) -> Any:
+    types = f.type if isinstance(f.type, tuple) else (f.type,)
+    if isinstance(value, bool):  # bool is an int subclass: never accept it for numbers
+        if bool not in types:
+            raise ConfigError(f"run-config key {f.key!r}: got {value!r}; expected "
+                              f"{f.requirement or _type_names(types)}")
+        return value
+    if float in types and isinstance(value, int):
+        return float(value)
+    if int in types and isinstance(value, float) and value.is_integer() and float not in types:
+        return int(value)
+    if not isinstance(value, types):
+        raise ConfigError(
+            f"run-config key {f.key!r}: got {value!r} ({type(value).__name__}); expected "
+            f"{f.requirement or _type_names(types)}"
+        )
+    return value
+
+
+def _type_names(types) -> str:
+    return " or ".join(t.__name__ for t in types)
+
+
+def parse_run_config(run_config: Mapping[str, Any] | None = None, **overrides: Any
+                     ) -> FlowerConfig:
+    """Validate Flower's ``context.run_config`` (plus keyword ``overrides``) into a config.
+
+    Unknown keys, wrong types, values outside the allowed set and inconsistent combinations
+    raise :class:`ConfigError` naming the key, the value and what is allowed.
+    """
+    raw = dict(run_config or {})
+    raw.update({k.replace("_", "-"): v for k, v in overrides.items()})
+    unknown = sorted(set(raw) - set(_BY_KEY))
+    if unknown:
+        raise ConfigError(
+            f"unknown run-config key(s) {', '.join(map(repr, unknown))}; allowed keys: "
+            f"{', '.join(_BY_KEY)}"
+        )
+    values = {}
+    for f in FIELDS:
+        v = _coerce(f, raw[f.key]) if f.key in raw else f.default
+        if isinstance(v, str):
+            v = v.strip()
+        if f.choices is not None and v not in f.choices:
+            raise ConfigError(
+                f"run-config key {f.key!r}: unknown value {v!r}; allowed: "
+                f"{', '.join(map(str, f.choices))}"
+            )
+        if f.check is not None and not f.check(v):
+            raise ConfigError(f"run-config key {f.key!r}: got {v!r}; expected {f.requirement}")
+        values[f.attr] = v
+    cfg = FlowerConfig(**values)
+    _check_combinations(cfg)
+    parse_fault_injection(cfg.fault_injection)
+    return cfg
+
+
+def _check_combinations(cfg: FlowerConfig) -> None:
+    if cfg.schedule == "warmup-linear" and not cfg.warmup_rounds < max(cfg.num_rounds, 1):
+        raise ConfigError(
+            f"run-config key 'warmup-rounds': {cfg.warmup_rounds} must be < num-rounds "
+            f"({cfg.num_rounds}) for schedule 'warmup-linear'"
+        )
+    if cfg.server_opt != "sgd" and cfg.server_momentum:
+        raise ConfigError("run-config key 'server-momentum' applies to server-opt 'sgd' only")
+    if cfg.schedule == "exponential" and cfg.halve_every < 1:
+        raise ConfigError("run-config key 'halve-every' must be >= 1 for schedule 'exponential'")
+    if cfg.problem == "least-squares":
+        if cfg.ls_n < cfg.ls_d_w:
+            raise ConfigError(
+                f"run-config keys 'ls-n' ({cfg.ls_n}) < 'ls-d-w' ({cfg.ls_d_w}): every client "
+                "needs at least d_w rows (else w*(θ) is not unique)"
+            )
+        if cfg.w_init not in ("auto", "zero", "random"):
+            raise ConfigError(
+                f"run-config key 'w-init': unknown value {cfg.w_init!r} for least squares; "
+                "allowed: auto, zero, random"
+            )
+        if cfg.clients_per_round > cfg.ls_clients:
+            raise ConfigError(
+                f"run-config key 'clients-per-round': {cfg.clients_per_round} > ls-clients "
+                f"({cfg.ls_clients})"
+            )
+    elif cfg.local_lr == 0:
+        raise ConfigError(
+            f"run-config key 'local-lr': problem {cfg.problem!r} needs an explicit local "
+            "stepsize > 0 (0 = 1/L only exists for least squares)"
+        )
+    if cfg.algorithm == "br-ffgg" and cfg.aggregator == "mean":
+        raise ConfigError(
+            "run-config key 'aggregator': BR-FFGG needs a robust aggregator (cm, tm, gm, krum, "
+            "multi-krum, cc), got 'mean'; use algorithm 'ffgg' for mean aggregation"
+        )
+    if cfg.byzantine_fraction == 0 and cfg.attack != "none":
+        raise ConfigError(f"run-config key 'attack': {cfg.attack!r} needs byzantine-fraction > 0")
+
+
+# -- fault injection (testing the failure handling) ------------------------------------
+FAULT_KINDS = ("crash", "slow")
+
+
+@dataclass(frozen=True)
+class Fault:
+    """Make the ClientApp of SuperNode ``partition`` misbehave in ``round`` (-1 = every
+    round): ``crash`` raises, ``slow`` sleeps ``seconds`` before working."""
+
+    kind: str
+    partition: int
+    round: int = -1
+    seconds: float = 0.0
+
+    def applies(self, partition: int, round_: int) -> bool:
+        return self.partition == partition and self.round in (-1, round_)
+
+
+def parse_fault_injection(spec: str) -> tuple[Fault, ...]:
+    """``'crash:partition=1,round=1; slow:partition=0,round=2,seconds=5'`` → faults."""
+    out = []
+    for part in filter(None, (p.strip() for p in spec.split(";"))):
+        kind, _, rest = part.partition(":")
+        kind = kind.strip()
+        if kind not in FAULT_KINDS:
+            raise ConfigError(f"run-config key 'fault-injection': unknown fault {kind!r} in "
+                              f"{part!r}; allowed: {', '.join(FAULT_KINDS)}")
+        kw: dict[str, Any] = {}
+        for item in filter(None, (x.strip() for x in rest.split(","))):
+            k, eq, v = item.partition("=")
+            k = k.strip()
+            if not eq or k not in ("partition", "round", "seconds"):
+                raise ConfigError(
+                    f"run-config key 'fault-injection': bad item {item!r} in {part!r}; "
+                    "allowed: partition=INT, round=INT (-1 = every round), seconds=FLOAT"
+                )
+            try:
+                kw[k] = float(v) if k == "seconds" else int(v)
+            except ValueError:
+                raise ConfigError(
+                    f"run-config key 'fault-injection': {k}={v!r} in {part!r} is not a number"
+                ) from None
+        if "partition" not in kw:
+            raise ConfigError(f"run-config key 'fault-injection': {part!r} needs partition=INT")
+        if kind == "slow" and kw.get("seconds", 0) <= 0:
+            raise ConfigError(f"run-config key 'fault-injection': {part!r} needs seconds > 0")
+        out.append(Fault(kind, **kw))
+    return tuple(out)
+
+
+# -- partitions: which clients each SuperNode holds ------------------------------------
+def partition_clients(num_clients: int, num_partitions: int, partition_id: int) -> np.ndarray:
+    """The client ids SuperNode ``partition_id`` holds: contiguous, near-equal blocks
+    (``np.array_split`` of ``0..M-1``), so every client lives on exactly one node."""
+    if not isinstance(num_partitions, int | np.integer) or num_partitions < 1:
+        raise ConfigError(f"node-config 'num-partitions' must be an integer >= 1, got "
+                          f"{num_partitions!r}")
+    if not isinstance(partition_id, int | np.integer) or not 0 <= partition_id < num_partitions:
+        raise ConfigError(f"node-config 'partition-id' must be in [0, {num_partitions}), got "
+                          f"{partition_id!r}")
+    if num_partitions > num_clients:
+        raise ConfigError(f"node-config 'num-partitions' ({num_partitions}) exceeds the number "
+                          f"of clients ({num_clients}): some SuperNode would hold no client")
+    return np.array_split(np.arange(num_clients), num_partitions)[int(partition_id)]
+
+
+def node_partition(node_config: Mapping[str, Any]) -> tuple[int, int]:
+    """``(partition-id, num-partitions)`` from a SuperNode's ``--node-config``."""
+    missing = [k for k in ("partition-id", "num-partitions") if k not in node_config]
+    if missing:
+        raise ConfigError(
+            f"SuperNode node-config lacks {', '.join(missing)}: start it with "
+            "--node-config 'partition-id=P num-partitions=N' (simulation sets both)"
+        )
+    return int(node_config["partition-id"]), int(node_config["num-partitions"])
+
+
+# -- builders: the same objects as the in-process simulator ---------------------------
+def closed_form_config(cfg: FlowerConfig):
+    """The least-squares part of the run mapped onto partialfl's own experiment config
+    (:class:`partialfl.experiments.closed_form.ClosedFormConfig`, what ``partialfl run``
+    reads from ``configs/*.toml``), validated by it."""
+    from partialfl.config import ConfigError as CoreConfigError
+    from partialfl.config import from_dict
+    from partialfl.experiments.closed_form import ClosedFormConfig
+
+    name = {"ffgg": "ffgg", "br-ffgg": "ffgg", "fedavg": "local-gd"}.get(cfg.algorithm, "ffgg")
+    data = {
+        "problem": {"kind": "least-squares", "num_clients": cfg.ls_clients, "n": cfg.ls_n,
+                    "d_theta": cfg.ls_d_theta, "d_w": cfg.ls_d_w, "seed": cfg.ls_seed},
+        "algorithm": {"name": name, "solver": cfg.solver, "tau": cfg.local_steps,
+                      "local_lr": cfg.local_lr or None, "init": w_init(cfg)},
+        "server": {"optimizer": cfg.server_opt, "momentum": cfg.server_momentum,
+                   "lr": "1/L" if cfg.server_lr == "auto" else cfg.server_lr},
+        "run": {"rounds": cfg.num_rounds, "clients_per_round": cfg.clients_per_round or None,
+                "seed": cfg.seed},
+    }
+    try:
+        return from_dict(ClosedFormConfig, data)
+    except CoreConfigError as e:
+        raise ConfigError(f"least-squares run config: {e}") from None
+
+
+def build_problem(cfg: FlowerConfig):
+    """The federated problem of the run (all of it; a node only serves its partition).
+    Least squares is built by partialfl's experiment builder (cached; FedAvg, which shares
+    w across clients, gets the standard basis)."""
+    if cfg.problem == "least-squares":
+        from partialfl.experiments.closed_form import build_problem as build_cf
+        from partialfl.experiments.closed_form import problem_config_for
+
+        return build_cf(problem_config_for(closed_form_config(cfg)))
+    from partialfl.flower.models import build_model_problem
+
+    return build_model_problem(cfg)
+
+
+def build_server_opt(cfg: FlowerConfig, problem=None):
+    """The server optimizer (SGD or Adam) with its schedule; ``server-lr = 'auto'`` is 1/L
+    (Theorem 1) for the least-squares FFGG family and 1 otherwise (FedAvg: plain averaging)."""
+    from partialfl.server import Clipped, Schedule, make_optimizer
+
+    lr = cfg.server_lr
+    L = getattr(problem, "L", None)
+    if lr == "auto":
+        lr = 1.0 / L if (L is not None and cfg.algorithm in ("ffgg", "br-ffgg")) else 1.0
+    elif isinstance(lr, str):
+        if L is None:
+            raise ConfigError(f"run-config key 'server-lr': {lr!r} needs a problem with a "
+                              "known constant L (least squares); give a number")
+        from partialfl.experiments.closed_form import parse_lr
+
+        lr = parse_lr(lr, L)
+    schedule = Schedule(kind=cfg.schedule, total=cfg.num_rounds, warmup=cfg.warmup_rounds,
+                        halve_every=cfg.halve_every)
+    kw = {"momentum": cfg.server_momentum} if cfg.server_opt == "sgd" else {}
+    opt = make_optimizer(cfg.server_opt, float(lr), schedule, **kw)
+    return Clipped(opt, cfg.server_clip) if cfg.server_clip else opt
+
+
+def w_init(cfg: FlowerConfig) -> str:
+    """The personal initialisation: ``auto`` = zero (least squares) / pretrained (models)."""
+    if cfg.w_init != "auto":
+        return cfg.w_init
+    return "zero" if cfg.problem == "least-squares" else "pretrained"
+
+
+def build_aggregator(cfg: FlowerConfig, seed: int | None = None):
+    """The aggregation rule: :func:`partialfl.aggregation.make_aggregator` (issue 5) with the
+    configured δ, bucketing and nearest-neighbour mixing."""
+    from partialfl.aggregation import Mean, make_aggregator
+
+    if cfg.aggregator == "mean" and cfg.bucket_size == 1 and not cfg.nnm:
+        return Mean(weighted=cfg.weighting == "examples")
+    kw: dict[str, Any] = {"bucketing": cfg.bucket_size, "nnm": cfg.nnm,
+                          "seed": cfg.seed if seed is None else seed}
+    if cfg.aggregator_delta:
+        kw["delta"] = cfg.aggregator_delta
+    try:
+        return make_aggregator(cfg.aggregator, **kw)
+    except (ValueError, TypeError) as e:
+        raise ConfigError(f"run-config key 'aggregator': {e}") from None
+
+
+def build_byzantine(cfg: FlowerConfig, num_clients: int):
+    """Which clients are Byzantine (``byzantine-fraction`` of them, drawn from the run seed)
+    and the attack their updates are replaced with (:class:`ByzantineConfig`)."""
+    from partialfl.algorithms.byzantine import ByzantineConfig
+    from partialfl.attacks import make_attack
+
+    try:
+        attack = make_attack(cfg.attack)
+    except ValueError as e:
+        raise ConfigError(f"run-config key 'attack': {e}") from None
+    return ByzantineConfig.sample(num_clients, cfg.byzantine_fraction, cfg.seed, attack)
+
+
+def build_algorithm(cfg: FlowerConfig, problem, aggregator=None, num_clients: int | None = None):
+    """The algorithm object whose ``client_update`` runs on the SuperNodes and whose
+    ``server_update`` runs in the ServerApp — the same object the in-process simulator runs.
+
+    FFGG / FedAvg / Local FFGG with mean aggregation are the plain algorithms; any other
+    aggregator, or Byzantine clients, wraps them in
+    :class:`~partialfl.algorithms.byzantine.ByzantineRobust` (BR-FFGG = robust FFGG, the
+    paper's Algorithm 5). ``aggregator`` (a callable ``(vectors [k, d], weights [k]) -> [d]``)
+    replaces the configured rule (programmatic use); ``num_clients`` is needed when
+    ``problem`` is None (a server that holds no data).
+    """
+    robust = (aggregator is not None or cfg.aggregator != "mean" or cfg.bucket_size > 1
+              or cfg.nnm or cfg.byzantine_fraction > 0 or cfg.algorithm == "br-ffgg")
+    if robust and cfg.algorithm == "ffgg" and aggregator is None and cfg.aggregator != "mean":
+        raise ConfigError(f"run-config key 'aggregator': {cfg.aggregator!r} is a robust rule; "
+                          "robust FFGG is algorithm 'br-ffgg' (Algorithm 5)")
+    base_agg = None if robust else build_aggregator(cfg)
+    if cfg.problem != "least-squares":
+        from partialfl.flower.models import build_model_algorithm
+
+        base = build_model_algorithm(cfg, base_agg)
+    else:
+        base = _least_squares_algorithm(cfg, build_server_opt(cfg, problem), base_agg)
+    if not robust:
+        return base
+    from partialfl.algorithms.byzantine import ByzantineRobust
+
+    M = problem.num_clients if problem is not None else num_clients
+    if M is None:
+        raise ValueError("build_algorithm needs problem or num_clients")
+    agg = aggregator if aggregator is not None else build_aggregator(cfg)
+    byz = build_byzantine(cfg, M) if cfg.byzantine_fraction > 0 else None
+    return ByzantineRobust(base, agg, byz)
+
+
+def _least_squares_algorithm(cfg: FlowerConfig, opt, agg):
+    from partialfl.local.solvers import make_solver
+
+    local_lr = cfg.local_lr or None
+    if cfg.algorithm in ("ffgg", "br-ffgg"):
+        from partialfl.algorithms import FFGG
+
+        solver = make_solver(cfg.solver, tau=cfg.local_steps, lr=local_lr, init=w_init(cfg))
+        return FFGG(solver, server_opt=opt, aggregator=agg, weighting=cfg.weighting)
+    if cfg.algorithm == "fedavg":
+        from partialfl.algorithms import LocalGD
+
+        return LocalGD(tau=cfg.local_steps, lr=local_lr, server_opt=opt, aggregator=agg)
+    raise ConfigError(
+        "run-config key 'algorithm': 'local-ffgg' (Algorithm 4) is implemented for model "
+        "problems (problem 'femnist'); allowed for least squares: ffgg, br-ffgg, fedavg"
+    )

@@ -1,0 +1,42 @@
+"""Environment for Flower processes started by partialfl.
+
+* ``FLWR_TELEMETRY_ENABLED=0`` — Flower sends anonymous usage events to
+  telemetry.flower.ai by default (``flwr.supercore.telemetry``); offline machines would wait
+  for each event's timeout and we do not want training runs to phone home.
+* ``FLWR_DISABLE_UPDATE_CHECK=1`` — the CLI and SuperLink check PyPI for a newer Flower.
+* ``FLWR_DISABLE_RUNTIME_DEPENDENCY_INSTALLATION=1`` (and ``--disable-runtime-dependency-
+  installation`` on the SuperLink) — by default a SuperLink runs ``uv sync`` on the app's
+  dependencies before every ServerApp; the environment already has partialfl and the
+  machines may be offline, so installing at run time would fail or change the environment.
+  SuperNodes only install when started with ``--allow-runtime-dependency-installation``.
+* ``FLWR_SUPEREXEC_TASK_POLL_INTERVAL`` — how often SuperExec looks for new ClientApp /
+  ServerApp tasks (Flower's default is 1 s; 0.2 s shortens every deployment round).
+
+The variable names were checked against flwr 1.42 (``flwr/supercore/telemetry.py``,
+``flwr/supercore/update_check.py``, ``flwr/common/constant.py``,
+``flwr/supercore/superexec/run_superexec.py``).
+"""
+
+from __future__ import annotations
+
+import os
+
+FLOWER_ENV: dict[str, str] = {
+    "FLWR_TELEMETRY_ENABLED": "0",
+    "FLWR_DISABLE_UPDATE_CHECK": "1",
+    "FLWR_DISABLE_RUNTIME_DEPENDENCY_INSTALLATION": "1",
+    "FLWR_SUPEREXEC_TASK_POLL_INTERVAL": "0.2",
+}
+
+
+def flower_env(base: dict[str, str] | None = None, **extra: str) -> dict[str, str]:
+    """``base`` (default: ``os.environ``) with :data:`FLOWER_ENV` and ``extra`` applied."""
+    env = dict(os.environ if base is None else base)
+    env.update(FLOWER_ENV)
+    env.update(extra)
+    return env
+
+
+def apply_flower_env() -> None:
+    """Set :data:`FLOWER_ENV` in this process (before flwr reads it at import)."""
+    os.environ.update(FLOWER_ENV)

@@ -1,0 +1,141 @@
+"""Model problems (FEMNIST) on Flower: the builders and the per-node evaluation.
+
+The run config is mapped onto the three-stage pipeline's own config
+(:class:`partialfl.experiments.pipeline.MethodConfig` and ``StageConfig``, validated there) and
+the algorithm is built by :func:`partialfl.experiments.pipeline.build_algorithm` — FFGG with
+the SGD fine-tuner, Local FFGG (Algorithm 4) or FedAvg, with the server optimizer, schedule
+and clipping of ``ServerConfig``. The problem is
+:class:`partialfl.problems.model.ModelProblem` over
+:func:`partialfl.data.femnist.load_femnist_npz`, :func:`partialfl.models.make_model` (seeded
+with the run seed, optionally loaded from ``init-from`` = stage 1) and
+:func:`partialfl.split.make_split` (seeded like the pipeline's stage 2).
+
+Every SuperNode builds the same problem from the same file and serves only the writers of its
+partition (client ids are positions in the file's ``writers`` array, so seeds match the
+in-process simulator); on a real deployment each machine's file may hold only its own
+writers' rows as long as the ``writers`` array is the shared list.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import numpy as np
+
+from partialfl.flower.config import ConfigError, FlowerConfig, w_init
+
+
+def _core(fn, *args, **kw):
+    from partialfl.config import ConfigError as CoreConfigError
+
+    try:
+        return fn(*args, **kw)
+    except (CoreConfigError, ValueError) as e:
+        raise ConfigError(f"run config: {e}") from None
+
+
+def pipeline_configs(cfg: FlowerConfig):
+    """``(MethodConfig, StageConfig)`` of the pipeline for this run (stage 2 for FFGG /
+    Local FFGG, stage 1 for FedAvg, which trains every parameter)."""
+    from partialfl.experiments.pipeline import (
+        ClientConfig,
+        MethodConfig,
+        ServerConfig,
+        StageConfig,
+    )
+
+    algo = "ffgg" if cfg.algorithm == "br-ffgg" else cfg.algorithm
+    method = _core(MethodConfig, algorithm=algo,
+                   split="none" if algo == "fedavg" else cfg.split, w_init=w_init(cfg),
+                   local_steps=cfg.local_steps if algo == "local-ffgg" else None,
+                   weighting=cfg.weighting)
+    lr = 1.0 if cfg.server_lr == "auto" else cfg.server_lr
+    if isinstance(lr, str):
+        raise ConfigError(f"run-config key 'server-lr': {lr!r} needs a problem with a known "
+                          "constant L (least squares); give a number")
+    server = _core(ServerConfig, optimizer=cfg.server_opt, lr=float(lr),
+                   momentum=cfg.server_momentum, schedule=cfg.schedule,
+                   warmup=cfg.warmup_rounds, halve_every=cfg.halve_every,
+                   clip_norm=cfg.server_clip or None)
+    client = _core(ClientConfig, lr=cfg.local_lr, epochs=cfg.local_epochs,
+                   batch_size=cfg.batch_size)
+    stage = _core(StageConfig, rounds=cfg.num_rounds,
+                  clients_per_round=cfg.clients_per_round or None, client=client,
+                  server=server)
+    return method, stage
+
+
+def build_model_problem(cfg: FlowerConfig):
+    """The FEMNIST :class:`~partialfl.problems.model.ModelProblem` of the run."""
+    if cfg.problem != "femnist":
+        raise ConfigError(f"run-config key 'problem': unknown model problem {cfg.problem!r}; "
+                          "allowed: femnist")
+    import torch
+
+    from partialfl.data.femnist import load_femnist_npz
+    from partialfl.experiments.pipeline import load_params
+    from partialfl.models import make_model
+    from partialfl.problems.model import ModelProblem
+    from partialfl.rng import torch_seed
+    from partialfl.split import SplitError, make_split
+
+    method, _ = pipeline_configs(cfg)
+    data = load_femnist_npz(cfg.data_dir or None, file_name=cfg.data_file)
+    try:
+        model = make_model(cfg.model, data.num_classes, seed=cfg.seed)
+    except ValueError as e:
+        raise ConfigError(f"run-config key 'model': {e}") from None
+    if cfg.init_from:
+        with np.load(cfg.init_from) as z:
+            params = {n: torch.from_numpy(z[n]) for n in z.files}
+        missing = sorted(set(dict(model.named_parameters())) - set(params))
+        if missing:
+            raise ConfigError(
+                f"run-config key 'init-from': {cfg.init_from} lacks parameters {missing[:5]} of "
+                f"model {cfg.model!r}; it must hold every parameter (e.g. theta.npz of a "
+                "FedAvg run)")
+        try:
+            load_params(model, params)
+        except (KeyError, ValueError) as e:
+            raise ConfigError(f"run-config key 'init-from': {e}") from None
+    # seeded as the pipeline's stage 2 does (adapter initialisation)
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(torch_seed(cfg.seed, "split"))
+        try:
+            split = make_split(model, method.split)
+        except SplitError as e:
+            raise ConfigError(f"run-config key 'split': {e}") from None
+    return ModelProblem(split, data)
+
+
+def build_model_algorithm(cfg: FlowerConfig, aggregator=None):
+    """The pipeline's algorithm for this run; ``aggregator`` replaces its mean."""
+    from partialfl.experiments.pipeline import build_algorithm
+
+    method, stage = pipeline_configs(cfg)
+    algorithm = build_algorithm(method, stage)
+    if aggregator is not None:
+        algorithm.aggregator = aggregator
+    return algorithm
+
+
+def personal_for(algorithm, problem, cohort: np.ndarray, theta, seed: int):
+    """The personal parameters each client of ``cohort`` deploys at θ — fine-tuned afresh on
+    the client, exactly as the algorithm's ``deployed`` does for all clients (round -1)."""
+    from partialfl.local.sgd import SGDFineTuner
+
+    base = getattr(algorithm, "base", algorithm)
+    if hasattr(base, "solver"):  # FFGG: its own fine-tuner
+        return base.solver(problem, cohort, theta, seed, -1).w
+    if hasattr(base, "finetune"):  # Local FFGG: deployed() fine-tunes with its warm-up config
+        return SGDFineTuner(base.finetune, base.w_init)(problem, cohort, theta, seed, -1).w
+    return {}  # FedAvg: no personal parameters
+
+
+def evaluate_model_clients(rt, theta, round_: int) -> dict[str, Any]:
+    """Per-client test counts of this node's clients (lists; the server pools them with
+    :func:`partialfl.evaluation.summarize_counts`)."""
+    own = rt.clients
+    w = personal_for(rt.algorithm, rt.problem, own, theta, rt.cfg.seed)
+    counts = rt.problem.metric_counts(own, theta, w, "test")
+    return {k: [float(x) for x in np.asarray(v, dtype=np.float64)] for k, v in counts.items()}

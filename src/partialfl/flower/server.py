@@ -1,0 +1,514 @@
+"""The ServerApp: θ, the server optimizer and the aggregation live here; data never does.
+
+Synchronous mode (the loop of :func:`partialfl.runtime.sync.run_rounds`, over the network):
+round r samples the cohort with the simulator's own ``sample_cohort(seed, r, M, k)``, sends
+each SuperNode θ and the ids of its sampled clients (``train`` messages, pushed with
+``grid.push_messages``), pulls the replies until all arrived or ``round-timeout`` passed, and
+applies ``algorithm.server_update(state, updates, RoundContext(seed, r))`` — the same server
+step (aggregator, SGD/Adam, schedule) as in-process — to the updates that arrived. A SuperNode
+whose ClientApp raised, returned a malformed update or did not answer in time is logged and
+counted (:class:`FlowerRunReport`); the round aggregates the others, and a round with no
+update at all leaves θ unchanged.
+
+Asynchronous mode (the paper's Algorithm 3, FedBuff-style): ``concurrency`` single-client
+tasks are kept in flight; the j-th task trains client ``sample_cohort(seed, j, M, 1)`` at the θ
+current when it was sent; replies are pulled as they arrive, and every ``buffer-size`` = K
+arrived updates the server applies ``server_update`` once to the K of them (K = 1: each update
+applied the moment it arrives, θ ← θ − γ g_m(θ_stale)). The staleness (server steps between
+sending θ and applying the update) of every applied update is recorded. Flower has no
+asynchronous strategy; this loop only uses ``push_messages``/``pull_messages``.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import time
+from collections.abc import Callable
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+from flwr.app import ConfigRecord, Context, Message, RecordDict
+from flwr.serverapp import Grid, ServerApp
+
+from partialfl.algorithms.base import ClientResult, RoundContext, ServerState
+from partialfl.flower.codec import WireFormatError, decode_params, decode_updates, params_to_record
+from partialfl.flower.config import (
+    ConfigError,
+    FlowerConfig,
+    build_algorithm,
+    build_problem,
+    parse_run_config,
+)
+from partialfl.runtime.backends import concat_results
+from partialfl.runtime.sync import sample_cohort
+from partialfl.types import ClientUpdates, Params
+
+log = logging.getLogger("flwr.partialfl")
+
+MessageHook = Callable[[Message], None]
+
+
+@dataclass
+class Failure:
+    """One SuperNode reply that did not yield updates."""
+
+    round: int
+    kind: str  # "error" (the ClientApp raised), "timeout", "invalid" (malformed reply)
+    partition: int
+    clients: list[int]
+    reason: str
+
+
+@dataclass
+class FlowerRunReport:
+    """What a Flower run produced: final θ, per-round metrics and every failure."""
+
+    config: dict[str, Any]
+    theta: Params
+    history: list[dict[str, Any]] = field(default_factory=list)
+    failures: list[Failure] = field(default_factory=list)
+    server_steps: int = 0
+    skipped_rounds: int = 0
+    seconds: float = 0.0
+    nodes: list[dict[str, Any]] = field(default_factory=list)
+    stopped: str = ""  # why training stopped early ("" = it ran all rounds)
+    setup_seconds: float = 0.0  # waiting for SuperNodes, describing them, building θ⁰
+
+    @property
+    def failure_counts(self) -> dict[str, int]:
+        out: dict[str, int] = {}
+        for f in self.failures:
+            out[f.kind] = out.get(f.kind, 0) + 1
+        return out
+
+    @property
+    def failed_client_updates(self) -> int:
+        return sum(len(f.clients) for f in self.failures)
+
+    def summary(self) -> dict[str, Any]:
+        rounds = max(1, self.config.get("num-rounds", 1))
+        return {
+            "server_steps": self.server_steps,
+            "skipped_rounds": self.skipped_rounds,
+            "failures": len(self.failures),
+            "failure_counts": self.failure_counts,
+            "failed_client_updates": self.failed_client_updates,
+            "seconds": self.seconds,
+            "setup_seconds": self.setup_seconds,
+            "seconds_per_round": (self.seconds - self.setup_seconds) / rounds,
+            "stopped_early": self.stopped,
+        }
+
+    def to_json(self) -> dict[str, Any]:
+        return {"summary": self.summary(), "config": self.config, "nodes": self.nodes,
+                "history": self.history, "failures": [asdict(f) for f in self.failures]}
+
+    def write(self, out_dir: str | Path) -> Path:
+        """``result.json``, ``metrics.jsonl`` (one line per evaluated round), ``theta.npz``."""
+        out = Path(out_dir)
+        out.mkdir(parents=True, exist_ok=True)
+        (out / "result.json").write_text(json.dumps(self.to_json(), indent=1, default=float))
+        with open(out / "metrics.jsonl", "w") as f:
+            for rec in self.history:
+                f.write(json.dumps(rec, default=float) + "\n")
+        np.savez(out / "theta.npz", **{n: _np(v) for n, v in self.theta.items()})
+        return out / "result.json"
+
+
+def _np(v) -> np.ndarray:
+    return v.detach().cpu().numpy() if hasattr(v, "detach") else np.asarray(v)
+
+
+class _Link:
+    """push/pull with our own polling (``send_and_receive`` of the deployment Grid sleeps 3 s
+    between pulls); every received message goes through ``hook`` first."""
+
+    def __init__(self, grid: Grid, cfg: FlowerConfig, hook: MessageHook | None) -> None:
+        self.grid, self.cfg, self.hook = grid, cfg, hook
+        self.ttl = max(cfg.round_timeout, cfg.node_wait_timeout) + 60.0
+        # The server's validated config travels with every message, so all SuperNodes run
+        # exactly the server's configuration (and simulation needs no app folder).
+        self.run_config = ConfigRecord(cfg.to_run_config())
+
+    def push(self, items: list[tuple[int, str, RecordDict, int]]) -> list[str]:
+        msgs = []
+        for node, mtype, content, group in items:
+            content["run-config"] = self.run_config
+            msgs.append(Message(content, node, mtype, ttl=self.ttl, group_id=str(group)))
+        ids = [str(i) if i is not None else "" for i in self.grid.push_messages(msgs)]
+        return ids
+
+    def pull(self, ids) -> dict[str, Message]:
+        if not ids:
+            return {}
+        out = {}
+        for m in self.grid.pull_messages(list(ids)):
+            if self.hook is not None:
+                self.hook(m)
+            out[m.metadata.reply_to_message_id] = m
+        return out
+
+    def exchange(self, items, timeout: float) -> tuple[list[str], dict[str, Message]]:
+        """Push ``items`` and pull until every reply arrived or ``timeout`` seconds passed."""
+        ids = self.push(items)
+        pending = {i for i in ids if i}
+        got: dict[str, Message] = {}
+        deadline = time.monotonic() + timeout
+        while pending:
+            new = self.pull(pending)
+            got.update(new)
+            pending -= set(new)
+            if not pending or time.monotonic() >= deadline:
+                break
+            time.sleep(self.cfg.poll_interval)
+        return ids, got
+
+
+@dataclass
+class _Federation:
+    nodes: dict[int, dict[str, Any]]  # node id -> describe info
+    order: list[int]  # node ids by partition
+    owner: np.ndarray  # client id -> position in `order` (node ids exceed int64)
+    num_clients: int
+    theta0: Params
+    torch: bool
+
+    def partition(self, node: int) -> int:
+        return int(self.nodes[node]["partition-id"])
+
+
+def _wait_for_nodes(grid: Grid, cfg: FlowerConfig) -> list[int]:
+    deadline = time.monotonic() + cfg.node_wait_timeout
+    while True:
+        nodes = sorted(int(n) for n in grid.get_node_ids())
+        if len(nodes) >= cfg.min_nodes:
+            return nodes
+        if time.monotonic() >= deadline:
+            raise TimeoutError(f"only {len(nodes)} SuperNode(s) connected after "
+                               f"{cfg.node_wait_timeout}s; min-nodes = {cfg.min_nodes}")
+        time.sleep(min(0.5, cfg.poll_interval * 5))
+
+
+def _describe(link: _Link, cfg: FlowerConfig, node_ids: list[int]) -> _Federation:
+    """Ask every SuperNode which clients it holds (partition 0 also sends θ⁰); SuperNodes
+    that connect later are asked too, until every partition has one or ``node-wait-timeout``
+    passed."""
+    request = RecordDict({"request": ConfigRecord({"init-partition": 0})})
+    deadline = time.monotonic() + cfg.node_wait_timeout
+    nodes: dict[int, dict[str, Any]] = {}
+    seen: dict[int, int] = {}  # partition -> node
+    asked: set[int] = set()
+    theta0 = None
+    while True:
+        new = [n for n in node_ids if n not in asked]
+        asked.update(new)
+        # Starting ClientApps (Ray actors, processes, data) can take longer than a round.
+        ids, got = link.exchange([(n, "query.describe", request, -1) for n in new],
+                                 max(cfg.round_timeout, cfg.node_wait_timeout))
+        for node, mid in zip(new, ids):
+            m = got.get(mid)
+            if m is None or m.has_error():
+                reason = "no reply" if m is None else _short(m.error.reason)
+                log.warning("SuperNode %s did not describe itself (%s); it is left out", node,
+                            reason)
+                continue
+            info = dict(m.content["info"])
+            p = int(info["partition-id"])
+            if p in seen:
+                log.warning("SuperNodes %s and %s both hold partition %d; using %s", seen[p],
+                            node, p, seen[p])
+                continue
+            seen[p], nodes[node] = node, info
+            if "theta0" in m.content:
+                theta0 = decode_params(m.content["theta0"], bool(int(info["torch"])))
+        infos = list(nodes.values())
+        nparts = {int(i["num-partitions"]) for i in infos}
+        M = int(infos[0]["num-clients"]) if infos else 0
+        if len(nparts) > 1 or any(int(i["num-clients"]) != M for i in infos):
+            raise ConfigError(f"SuperNodes disagree on num-partitions {sorted(nparts)} or the "
+                              "number of clients: start them with the same node config")
+        missing = sorted(set(range(nparts.pop())) - set(seen)) if nparts else None
+        if missing == []:
+            break
+        if time.monotonic() >= deadline:
+            if missing is None:
+                raise RuntimeError("no SuperNode answered the describe query")
+            raise RuntimeError(f"no SuperNode holds partition(s) {missing} after "
+                               f"{cfg.node_wait_timeout}s; partitions present: {sorted(seen)}")
+        time.sleep(min(1.0, 20 * cfg.poll_interval))
+        node_ids = sorted(int(n) for n in link.grid.get_node_ids())
+    order = sorted(nodes, key=lambda n: int(nodes[n]["partition-id"]))
+    owner = np.full(M, -1, dtype=np.int64)  # client id -> position in `order`
+    for pos, node in enumerate(order):
+        owner[np.asarray(nodes[node]["clients"], dtype=np.int64)] = pos
+    if (owner < 0).any():
+        raise RuntimeError(f"clients {np.flatnonzero(owner < 0).tolist()} are on no SuperNode")
+    if theta0 is None:
+        raise RuntimeError("the SuperNode of partition 0 did not send the initial model")
+    return _Federation(nodes, order, owner, M, theta0, bool(int(nodes[order[0]]["torch"])))
+
+
+class _ServerProblem:
+    """What the server knows of the problem when it holds no data: the number of clients."""
+
+    def __init__(self, num_clients: int) -> None:
+        self.num_clients = num_clients
+
+
+def run_server(grid: Grid, run_config: dict[str, Any], *, aggregator=None,
+               message_hook: MessageHook | None = None) -> FlowerRunReport:
+    """Run the configured training over ``grid`` and return the report (also written to
+    ``out-dir`` when set). ``aggregator`` overrides the configured aggregation rule;
+    ``message_hook`` sees every message the server receives (before it is decoded)."""
+    cfg = parse_run_config(run_config)
+    t0 = time.perf_counter()
+    link = _Link(grid, cfg, message_hook)
+    fed = _describe(link, cfg, _wait_for_nodes(grid, cfg))
+    # Only the synthetic least-squares problem (public generator and seed) is rebuilt on the
+    # server: for 'server-lr = auto' (1/L) and the reference metrics ‖θ − θ*‖², ‖F(θ)‖².
+    ref = build_problem(cfg) if cfg.problem == "least-squares" else None
+    algorithm = build_algorithm(cfg, ref, aggregator=aggregator, num_clients=fed.num_clients)
+    state = algorithm.init(ref if ref is not None else _ServerProblem(fed.num_clients),
+                           fed.theta0)
+    report = FlowerRunReport(cfg.to_run_config(), state.theta,
+                             nodes=[{"node": n, **i} for n, i in fed.nodes.items()],
+                             setup_seconds=time.perf_counter() - t0)
+    log.info("partialfl: %s (%s) on %d SuperNodes holding %d clients", cfg.algorithm, cfg.mode,
+             len(fed.nodes), fed.num_clients)
+    loop = _run_sync if cfg.mode == "sync" else _run_async
+    state = loop(link, cfg, fed, algorithm, state, ref, report, t0)
+    report.theta = {n: _np(v) for n, v in state.theta.items()}
+    report.server_steps = state.round
+    report.seconds = time.perf_counter() - t0
+    if report.failures:
+        log.warning("partialfl: %d failed replies (%s), %d client updates lost, %d rounds "
+                    "skipped", len(report.failures), report.failure_counts,
+                    report.failed_client_updates, report.skipped_rounds)
+    if cfg.out_dir:
+        path = report.write(cfg.out_dir)
+        log.info("partialfl: wrote %s", path)
+    return report
+
+
+def _train_content(theta: Params, round_: int, clients) -> RecordDict:
+    return RecordDict({
+        "theta": params_to_record(theta),
+        "task": ConfigRecord({"round": int(round_), "clients": [int(c) for c in clients]}),
+    })
+
+
+def _decode_reply(m: Message | None, theta, clients, fed, node, round_, report
+                  ) -> ClientUpdates | None:
+    part = fed.partition(node)
+    if m is None:
+        kind, reason = "timeout", "no reply within round-timeout"
+    elif m.has_error():
+        kind, reason = "error", m.error.reason
+    else:
+        try:
+            return decode_updates(m.content, theta, clients, fed.torch)
+        except (WireFormatError, KeyError, TypeError, ValueError) as e:
+            kind, reason = "invalid", str(e)
+    f = Failure(int(round_), kind, part, [int(c) for c in clients], _short(reason))
+    report.failures.append(f)
+    log.warning("partialfl: round %d: SuperNode %s (partition %d, %d clients) failed: %s: %s",
+                round_, node, part, len(clients), kind, f.reason)
+    return None
+
+
+def _short(reason: str, n: int = 600) -> str:
+    """Long reasons (e.g. a remote traceback) keep their head and their tail (the error)."""
+    reason = reason.strip()
+    return reason if len(reason) <= n else f"{reason[:200]} ... {reason[-(n - 205):]}"
+
+
+def _merge(ups: list[ClientUpdates]) -> ClientUpdates:
+    merged = concat_results([ClientResult(u) for u in ups]).updates
+    order = np.argsort(np.asarray(merged.cohort), kind="stable")
+    return merged.select(order) if not np.array_equal(order, np.arange(len(order))) else merged
+
+
+def _eval_due(cfg: FlowerConfig, round_: int) -> bool:
+    return bool(cfg.eval_every) and (round_ % cfg.eval_every == 0 or round_ == cfg.num_rounds)
+
+
+def _eval_items(fed, theta: Params, round_: int) -> list[tuple[int, str, RecordDict, int]]:
+    content = RecordDict({"theta": params_to_record(theta),
+                          "task": ConfigRecord({"round": int(round_)})})
+    return [(n, "evaluate", content, round_) for n in fed.order]
+
+
+def _eval_reduce(fed, ids, got, round_, report) -> dict[str, Any]:
+    """Pool the nodes' per-client evaluation lists: model problems →
+    :func:`partialfl.evaluation.summarize_counts` (pooled test accuracy, its 10/50/90th
+    client percentiles, loss); least squares → means over clients."""
+    pooled: dict[str, list[float]] = {}
+    for node, mid in zip(fed.order, ids):
+        m = got.get(mid)
+        if m is None or m.has_error():
+            report.failures.append(Failure(
+                int(round_), "eval-timeout" if m is None else "eval-error", fed.partition(node),
+                [], "no reply" if m is None else _short(m.error.reason)))
+            continue
+        for k, v in m.content["eval"].items():
+            pooled.setdefault(k, []).extend(float(x) for x in v)
+    if not pooled:
+        return {}
+    if "correct" in pooled:
+        from partialfl.evaluation import summarize_counts
+
+        ev = summarize_counts({k: np.asarray(v) for k, v in pooled.items()})
+        return {"eval_clients": len(pooled["correct"]), **ev.as_dict("eval")}
+    out: dict[str, Any] = {"eval_clients": len(next(iter(pooled.values())))}
+    for k, v in pooled.items():
+        out["eval_" + k.replace("-", "_")] = float(np.mean(v))
+    return out
+
+
+def _record(cfg, algorithm, state, ref, report, t0, round_, extra) -> None:
+    """Append the metrics of the server state after ``round_`` rounds (steps) to the report."""
+    rec: dict[str, Any] = {"round": round_, "server_steps": state.round,
+                           "time": time.perf_counter() - t0, **extra}
+    if ref is not None:
+        from partialfl.metrics import closed_form_metrics
+
+        rec.update(closed_form_metrics(algorithm, state, ref, None,
+                                       RoundContext(cfg.seed, state.round), with_loss=False))
+    report.history.append(rec)
+    shown = {k: (f"{v:.4g}" if isinstance(v, float) else v) for k, v in rec.items()
+             if k not in ("staleness",)}
+    log.info("partialfl: %s", shown)
+
+
+def _run_sync(link, cfg, fed, algorithm, state, ref, report, t0) -> ServerState:
+    """Round r sends θ_r with the cohort's train tasks and, when due, evaluate tasks for θ_r
+    in the same exchange (both depend on θ_r only), so evaluation costs no extra round trip."""
+    k = cfg.clients_per_round or None
+    M = fed.num_clients
+    if k is not None and k > M:
+        raise ConfigError(f"run-config key 'clients-per-round': {k} > number of clients {M}")
+    grads = 0
+    extra: dict[str, Any] = {"local_grads": 0}
+    for r in range(cfg.num_rounds + 1):
+        items, nodes, parts, cohort = [], [], {}, np.zeros(0, dtype=np.int64)
+        if r < cfg.num_rounds:
+            cohort = sample_cohort(cfg.seed, r, M, k)
+            pos = fed.owner[cohort]
+            nodes = [fed.order[i] for i in sorted(set(pos.tolist()))]
+            parts = {n: cohort[pos == fed.order.index(n)] for n in nodes}
+            items = [(n, "train", _train_content(state.theta, r, parts[n]), r) for n in nodes]
+        evaluate = _eval_due(cfg, r)
+        if evaluate:
+            items += _eval_items(fed, state.theta, r)
+        if not items:
+            _record(cfg, algorithm, state, ref, report, t0, r, extra)
+            continue
+        ids, got = link.exchange(items, cfg.round_timeout)
+        if evaluate:
+            extra.update(_eval_reduce(fed, ids[len(nodes):], got, r, report))
+        _record(cfg, algorithm, state, ref, report, t0, r, extra)
+        if r == cfg.num_rounds:
+            break
+        ups = [u for n, mid in zip(nodes, ids)
+               if (u := _decode_reply(got.get(mid), state.theta, parts[n], fed, n, r, report))
+               is not None]
+        done = int(sum(len(u.cohort) for u in ups))
+        extra = {"clients": done, "failed_clients": len(cohort) - done, "local_grads": grads}
+        if not ups:
+            report.skipped_rounds += 1
+            log.warning("partialfl: round %d: no update arrived; θ unchanged", r)
+            continue
+        updates = _merge(ups)
+        grads += updates.grad_evals
+        extra["local_grads"] = grads
+        if "loss" in updates.metrics:
+            extra["train_loss"] = float(np.mean(updates.metrics["loss"]))
+        state = algorithm.server_update(state, updates, RoundContext(cfg.seed, r))
+    return state
+
+
+def _evaluate_now(link, cfg, fed, state, round_, report) -> dict[str, Any]:
+    if not _eval_due(cfg, round_):
+        return {}
+    ids, got = link.exchange(_eval_items(fed, state.theta, round_), cfg.round_timeout)
+    return _eval_reduce(fed, ids, got, round_, report)
+
+
+def _run_async(link, cfg, fed, algorithm, state, ref, report, t0) -> ServerState:
+    M, K = fed.num_clients, cfg.buffer_size
+    conc = cfg.concurrency or len(fed.nodes)
+    need = cfg.num_rounds * K
+    inflight: dict[str, tuple[int, int, int, np.ndarray, Params, float]] = {}
+    buffer: list[tuple[ClientUpdates, int]] = []
+    applied, task, grads, streak = 0, 0, 0, 0
+    max_streak = max(10, 3 * conc)
+    _record(cfg, algorithm, state, ref, report, t0, 0,
+            {"local_grads": 0, **_evaluate_now(link, cfg, fed, state, 0, report)})
+    while state.round < cfg.num_rounds:
+        while len(inflight) < conc and applied + len(buffer) + len(inflight) < need:
+            client = sample_cohort(cfg.seed, task, M, 1)
+            node = fed.order[int(fed.owner[client[0]])]
+            (mid,) = link.push([(node, "train", _train_content(state.theta, task, client), task)])
+            inflight[mid] = (task, node, state.round, client, state.theta,
+                             time.monotonic() + cfg.round_timeout)
+            task += 1
+        got = link.pull(set(inflight))
+        now = time.monotonic()
+        for mid in [m for m, v in inflight.items() if m in got or v[5] <= now]:
+            tsk, node, version, client, theta, _ = inflight.pop(mid)
+            u = _decode_reply(got.get(mid), theta, client, fed, node, tsk, report)
+            if u is not None:
+                buffer.append((u, version))
+                streak = 0
+            else:
+                streak += 1
+        if streak >= max_streak:
+            report.stopped = (f"{streak} consecutive client tasks failed (last: "
+                              f"{report.failures[-1].kind}: {report.failures[-1].reason})")
+            log.error("partialfl: async training stopped early: %s", report.stopped)
+            break
+        while len(buffer) >= K and state.round < cfg.num_rounds:
+            batch, buffer = buffer[:K], buffer[K:]
+            updates = _merge_in_order([u for u, _ in batch])
+            stale = [state.round - v for _, v in batch]
+            grads += updates.grad_evals
+            state = algorithm.server_update(state, updates, RoundContext(cfg.seed, state.round))
+            applied += K
+            _record(cfg, algorithm, state, ref, report, t0, state.round,
+                    {"local_grads": grads, "clients": K, "staleness": stale,
+                     "max_staleness": max(stale),
+                     **_evaluate_now(link, cfg, fed, state, state.round, report)})
+        if not got:
+            time.sleep(cfg.poll_interval)
+    return state
+
+
+def _merge_in_order(ups: list[ClientUpdates]) -> ClientUpdates:
+    """Arrival order (not client order): the buffer of an asynchronous server step."""
+    return concat_results([ClientResult(u) for u in ups]).updates
+
+
+def make_server_app(*, run_config: dict[str, Any] | None = None, aggregator=None,
+                    message_hook: MessageHook | None = None,
+                    on_report: Callable[[FlowerRunReport], None] | None = None) -> ServerApp:
+    """A ServerApp running :func:`run_server` on ``context.run_config`` (what ``flwr run -c``
+    fused), or on ``run_config`` when given. The keyword arguments are for programmatic use
+    (Python simulation, custom aggregator callables, message capture, getting the report)."""
+    server = ServerApp()
+
+    @server.main()
+    def main(grid: Grid, context: Context) -> None:
+        cfg = dict(context.run_config) if run_config is None else dict(run_config)
+        report = run_server(grid, cfg, aggregator=aggregator, message_hook=message_hook)
+        if on_report is not None:
+            on_report(report)
+
+    return server
+
+
+app = make_server_app()
+
+__all__ = ["Failure", "FlowerRunReport", "app", "make_server_app", "run_server"]
