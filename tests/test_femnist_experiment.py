@@ -66,3 +66,11 @@ def test_quick_table_runs_resumes_and_evaluates_new_writers(tmp_path, data_dir):
     ev = evaluate_new_writers(run, data_dir)
     assert ev["num_clients"] == QUICK.holdout
     assert ev["test"].accuracy == pytest.approx(res["FFGG (adapter)"][0]["new_test_acc"])
+    # the same through the command line
+    from partialfl.cli import main
+
+    out = tmp_path / "eval.json"
+    assert main(["evaluate", str(run), "--data-dir", str(data_dir), "--json", str(out)]) == 0
+    cli = json.loads(out.read_text())
+    assert cli["num_clients"] == QUICK.holdout
+    assert cli["test"]["accuracy"] == pytest.approx(ev["test"].accuracy)

@@ -45,6 +45,30 @@ def _cmd_run(args) -> int:
     return 0
 
 
+def _jsonable(o):
+    import dataclasses
+
+    if dataclasses.is_dataclass(o):
+        return dataclasses.asdict(o)
+    if hasattr(o, "tolist"):
+        return o.tolist()
+    return str(o)
+
+
+def _cmd_evaluate(args) -> int:
+    import json
+
+    from partialfl.experiments.femnist import evaluate_new_writers
+
+    res = evaluate_new_writers(args.run, args.data_dir, finetune_epochs=args.finetune_epochs,
+                               lr=args.lr)
+    text = json.dumps(res, indent=2, default=_jsonable)
+    if args.json:
+        Path(args.json).write_text(text)
+    print(text)
+    return 0
+
+
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(
         prog="partialfl",
@@ -64,6 +88,18 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--seeds", type=int, nargs="+", help="seeds (default: the reproduction's)")
     s.add_argument("--no-progress", action="store_true", help="no progress bars")
     s.set_defaults(fn=_cmd_reproduce)
+
+    s = sub.add_parser(
+        "evaluate",
+        help="fine-tune w on new clients (writers held out of a femnist-table run) for a "
+             "trained θ and report pooled accuracy and its distribution over clients")
+    s.add_argument("run", help="a finished run folder, e.g. runs/femnist-table/ffgg-output/"
+                   "seed0 (it holds deploy.pt and config.json)")
+    s.add_argument("--data-dir", help="folder with femnist_leaf_subset.npz")
+    s.add_argument("--finetune-epochs", type=int, help="default: the run's stage-3 epochs")
+    s.add_argument("--lr", type=float, help="default: the run's stage-3 learning rate")
+    s.add_argument("--json", help="also write the metrics to this file")
+    s.set_defaults(fn=_cmd_evaluate)
 
     s = sub.add_parser("run", help="run one closed-form experiment from a TOML config")
     s.add_argument("config")
