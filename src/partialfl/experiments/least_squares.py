@@ -12,12 +12,19 @@ come from ``configs/ls-tau.toml`` and ``configs/ls-compare.toml`` (``[quick]`` i
 
 from __future__ import annotations
 
+import multiprocessing as mp
+import os
 import time
 from importlib import resources
 from pathlib import Path
 
 from partialfl.config import ConfigError, deep_merge, load_toml
-from partialfl.experiments.closed_form import load_closed_form, run_closed_form
+from partialfl.experiments.closed_form import (
+    build_problem,
+    load_closed_form,
+    problem_config_for,
+    run_closed_form,
+)
 from partialfl.experiments.report import markdown_table, plot_curves
 
 
@@ -37,11 +44,33 @@ def load_sweep(name: str, quick: bool) -> tuple[list[str], list[int], dict]:
     return methods, taus, base
 
 
-def run_sweep(name: str, out_dir: Path, quick: bool, seeds, progress: bool) -> list[dict]:
+def _single_thread() -> None:
+    """Worker initialiser: one BLAS thread per worker process (the workers share the cores)."""
+    from threadpoolctl import threadpool_limits
+
+    threadpool_limits(1)
+
+
+def _run_job(job: tuple[dict, str, bool]) -> tuple[list[dict], float]:
+    cfg_dict, out_dir, progress = job
+    cfg = load_closed_form(cfg_dict)
+    t0 = time.perf_counter()
+    res = run_closed_form(cfg, Path(out_dir), progress=cfg.name if progress else False)
+    return res.history, time.perf_counter() - t0
+
+
+def run_sweep(name: str, out_dir: Path, quick: bool, seeds, progress: bool,
+              workers: int | None = None) -> list[dict]:
+    """Run every (seed, method, τ) of a packaged sweep; returns one row per run.
+
+    Runs are independent, so they are spread over ``workers`` processes (default: one per
+    core, at most 2), each limited to one BLAS thread. Problems are built once in this
+    process before the workers fork, so the workers share them.
+    """
     methods, taus, base = load_sweep(name, quick)
     out_dir = Path(out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
-    rows = []
+    rows, jobs = [], []
     for seed in seeds or [0]:
         for method in methods:
             for tau in taus:
@@ -49,11 +78,28 @@ def run_sweep(name: str, out_dir: Path, quick: bool, seeds, progress: bool) -> l
                                              "run": {"seed": seed},
                                              "problem": {"seed": seed}})
                 run_name = f"{method}-tau{tau}" + (f"-seed{seed}" if seeds else "")
-                cfg = load_closed_form({**cfg_dict, "name": run_name})
-                t0 = time.perf_counter()
-                res = run_closed_form(cfg, out_dir, progress=run_name if progress else False)
-                rows.append({"method": method, "tau": tau, "seed": seed, "name": run_name,
-                             "history": res.history, "seconds": time.perf_counter() - t0})
+                cfg_dict = {**cfg_dict, "name": run_name}
+                load_closed_form(cfg_dict)  # validate everything before running anything
+                rows.append({"method": method, "tau": tau, "seed": seed, "name": run_name})
+                jobs.append(cfg_dict)
+    if workers is None:
+        workers = min(2, os.cpu_count() or 1)
+    workers = max(1, min(workers, len(jobs)))
+    if workers == 1:
+        results = [_run_job((j, str(out_dir), progress)) for j in jobs]
+    else:
+        for j in jobs:  # build (and cache) each problem once, before forking
+            build_problem(problem_config_for(load_closed_form(j)))
+        ctx = mp.get_context("fork")
+        with ctx.Pool(workers, initializer=_single_thread) as pool:
+            it = pool.imap(_run_job, [(j, str(out_dir), False) for j in jobs])
+            if progress:
+                from tqdm.auto import tqdm
+
+                it = tqdm(it, total=len(jobs), desc=name, leave=False)
+            results = list(it)
+    for row, (history, seconds) in zip(rows, results):
+        row["history"], row["seconds"] = history, seconds
     return rows
 
 
