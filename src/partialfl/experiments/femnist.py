@@ -55,7 +55,7 @@ from partialfl.experiments.pipeline import (
     pretrain,
     run_pipeline,
 )
-from partialfl.experiments.report import markdown_table
+from partialfl.experiments.report import docstring_bullets, markdown_table, percent_mean_std
 from partialfl.models import make_model
 from partialfl.runtime import read_jsonl
 
@@ -143,12 +143,7 @@ def femnist_task(data) -> Task:
                 name=f"femnist-{MODEL}")
 
 
-def _mean_std(xs) -> str:
-    xs = np.asarray([x for x in xs if x == x], dtype=float)
-    if xs.size == 0:
-        return "–"
-    return f"{100 * xs.mean():.2f} ± {100 * xs.std():.2f}" if xs.size > 1 else \
-        f"{100 * xs.mean():.2f}"
+_mean_std = percent_mean_std
 
 
 def _pipeline_config(size: Size, method: MethodConfig, seed: int) -> PipelineConfig:
@@ -333,18 +328,7 @@ def _summary(results, size: Size, info, seconds: float, quick: bool) -> str:
 
 
 def _deviations() -> list[str]:
-    doc = __doc__.split("Deviations, and why (also written into the summary):")[1]
-    items, cur = [], []
-    for line in doc.strip().splitlines():
-        if line.startswith("* "):
-            if cur:
-                items.append(" ".join(cur))
-            cur = [line[2:].strip()]
-        elif line.strip():
-            cur.append(line.strip())
-    if cur:
-        items.append(" ".join(cur))
-    return [f"- {i}" for i in items]
+    return docstring_bullets(__doc__, "Deviations, and why (also written into the summary):")
 
 
 def _plots(out_dir: Path, results, size: Size) -> None:

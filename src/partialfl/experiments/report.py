@@ -13,6 +13,35 @@ def markdown_table(header: Sequence[str], rows: Sequence[Sequence]) -> str:
     return "\n".join(lines)
 
 
+def percent_mean_std(xs) -> str:
+    """``"mean ± std"`` of fractions in percent (NaNs ignored; one value: no ± part)."""
+    import numpy as np
+
+    xs = np.asarray([x for x in xs if x == x], dtype=float)
+    if xs.size == 0:
+        return "–"
+    if xs.size == 1:
+        return f"{100 * xs.mean():.2f}"
+    return f"{100 * xs.mean():.2f} ± {100 * xs.std():.2f}"
+
+
+def docstring_bullets(doc: str, heading: str) -> list[str]:
+    """The ``* `` bullets after ``heading`` in a module docstring, as markdown ``- `` items
+    (so a reproduction's documented deviations are written into its summary verbatim)."""
+    items: list[str] = []
+    cur: list[str] = []
+    for line in doc.split(heading, 1)[1].strip().splitlines():
+        if line.startswith("* "):
+            if cur:
+                items.append(" ".join(cur))
+            cur = [line[2:].strip()]
+        elif line.strip():
+            cur.append(line.strip())
+    if cur:
+        items.append(" ".join(cur))
+    return [f"- {i}" for i in items]
+
+
 def plot_curves(path: Path, panels: list[dict[str, list[dict]]], titles: Sequence[str], *,
                 x: str, y: str, ylabel: str, xlabel: str | None = None,
                 logy: bool = True) -> Path:

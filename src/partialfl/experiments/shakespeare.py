@@ -57,7 +57,12 @@ from partialfl.experiments.pipeline import (
     Task,
     run_pipeline,
 )
-from partialfl.experiments.report import markdown_table, plot_curves
+from partialfl.experiments.report import (
+    docstring_bullets,
+    markdown_table,
+    percent_mean_std,
+    plot_curves,
+)
 from partialfl.lm import NextWordAccuracy, token_cross_entropy
 from partialfl.models.transformer import TransformerConfig, TransformerLM, transformer_split
 from partialfl.rng import torch_seed
@@ -176,12 +181,7 @@ def shakespeare_task(size: Size, data_dir=None):
     return task, tf
 
 
-def _mean_std(xs) -> str:
-    xs = np.asarray([x for x in xs if x == x], dtype=float)
-    if xs.size == 0:
-        return "–"
-    return f"{100 * xs.mean():.2f} ± {100 * xs.std():.2f}" if xs.size > 1 else \
-        f"{100 * xs.mean():.2f}"
+_mean_std = percent_mean_std
 
 
 def _jsonable(v):
@@ -310,18 +310,7 @@ def _summary(results, size: Size, tf, seconds: float, quick: bool) -> str:
 
 
 def _deviations() -> list[str]:
-    doc = __doc__.split("Deviations, and why (also written into the summary):")[1]
-    items, cur = [], []
-    for line in doc.strip().splitlines():
-        if line.startswith("* "):
-            if cur:
-                items.append(" ".join(cur))
-            cur = [line[2:].strip()]
-        elif line.strip():
-            cur.append(line.strip())
-    if cur:
-        items.append(" ".join(cur))
-    return [f"- {i}" for i in items]
+    return docstring_bullets(__doc__, "Deviations, and why (also written into the summary):")
 
 
 def _plots(out_dir: Path, results, size: Size) -> None:
