@@ -27,10 +27,16 @@ Deviations, and why (also written into the summary):
   the vocabulary to the 2,000 most frequent words (90% of the word occurrences; the rest are
   OOV and, as in the paper, not counted). The output softmax dominates the cost, so the
   vocabulary is the main knob.
-* Round counts scaled to the corpus and budget: 150 pre-training and 50 personalization
-  rounds with 10 of the 64 clients per round; server Adam lr raised accordingly
-  (:data:`FULL`). One pre-training (seed 0) is shared by all methods and seeds; stages 2 and
-  3 use seeds 0, 1, 2.
+* Round counts scaled to the corpus and budget (:data:`FULL`): 200 pre-training rounds at
+  server Adam lr 1e-2 and 50 personalization rounds at 1e-3 (the paper's 10:1 ratio of the
+  two stages' server lrs), 10 of the 64 clients per round. Measured on this corpus: 200
+  rounds reach 11.2% test accuracy (test loss 4.32); pre-training longer does not help — a
+  500-round run peaks at 11.7% around rounds 150-200 while its test loss climbs from 4.30 to
+  5.33 (the 460k-parameter model over-fits 130k training tokens). For scale: always
+  predicting ',' scores 9.2%, a bigram count model 14.4%. One pre-training (seed 0) is
+  shared by all methods and seeds; stages 2 and 3 use seeds 0, 1, 2.
+* Fine-tuning (stage 3) uses the personalization stage's client lr 0.1 with clipping 0.1,
+  as in the paper; on the 200-round model, lr 1.0 was no better for any split (measured).
 * FedAvg is reported as is (column "before stage 3") and with stage-3 fine-tuning of its
   last transformer block ("FedAvg + FT", the final column), so FFGG is compared with both.
 * Learning curves evaluate the deployed models only every ``eval_every`` rounds: for FFGG,
@@ -118,15 +124,16 @@ PAPER = Size(vocab_size=10_000, max_clients=None, max_train=1000, d_model=256, d
 #: the table: under an hour on 2 CPU cores (see the module docstring for the scaling)
 FULL = Size(vocab_size=2000, max_clients=None, max_train=None, d_model=64, d_ff=256,
             num_layers=4, num_heads=4, adapter_dim=8, clients_per_round=10,
-            pretrain_rounds=150, rounds=50, pretrain_server_lr=3e-3, server_lr=1e-3,
+            pretrain_rounds=200, rounds=50, pretrain_server_lr=1e-2, server_lr=1e-3,
             pretrain_client_lr=1.0, client_lr=0.1, finetune_epochs=5, finetune_lr=0.1,
-            eval_every=25, pretrain_eval_every=25, seeds=DEFAULT_SEEDS, threads=2)
-#: CI: a tiny model on the 8 largest roles, a few rounds, one seed
+            eval_every=25, pretrain_eval_every=50, seeds=DEFAULT_SEEDS, threads=2)
+#: CI: a tiny model on the 8 largest roles, a few rounds, one seed (one thread: faster for a
+#: model this small, and robust to a busy machine)
 QUICK = Size(vocab_size=300, max_clients=8, max_train=96, d_model=16, d_ff=32, num_layers=2,
              num_heads=2, adapter_dim=4, clients_per_round=4, pretrain_rounds=3, rounds=2,
              pretrain_server_lr=3e-3, server_lr=1e-3, pretrain_client_lr=1.0, client_lr=0.1,
              finetune_epochs=1, finetune_lr=0.1, eval_every=0, pretrain_eval_every=0,
-             seeds=(0,), threads=2)
+             seeds=(0,), threads=1)
 
 #: (row label, method) of the table, in order
 METHODS: tuple[tuple[str, MethodConfig], ...] = (
