@@ -87,6 +87,20 @@ def test_tiny_table_runs_and_resumes(tmp_path):
         assert [m["test_acc"] for m in first[label]] == [m["test_acc"] for m in again[label]]
 
 
+def test_worker_processes_give_the_same_table(tmp_path):
+    """Runs in two spawned worker processes reproduce the in-process numbers exactly (all
+    randomness derives from (seed, round, client), never from the process)."""
+    _data_dir()
+    size = replace(TINY, seeds=(0,), rounds=1)
+    reproduce_table(tmp_path / "one", size=size, progress=False)
+    reproduce_table(tmp_path / "two", size=replace(size, workers=2), progress=False)
+    one, two = (json.loads((tmp_path / d / "results.json").read_text())["results"]
+                for d in ("one", "two"))
+    for label, _ in METHODS:
+        assert [m["test_acc"] for m in one[label]] == [m["test_acc"] for m in two[label]]
+        assert [m["train_acc"] for m in one[label]] == [m["train_acc"] for m in two[label]]
+
+
 def test_registered_and_settings():
     assert get_reproduction("shakespeare-table") is reproduce_table
     pre, pers, ft = stage_configs(FULL)

@@ -53,9 +53,16 @@ from partialfl.experiments.pipeline import (
     Task,
     evaluate_run,
     pretrain,
+    run_jobs,
     run_pipeline,
 )
-from partialfl.experiments.report import docstring_bullets, markdown_table, percent_mean_std
+from partialfl.experiments.report import (
+    accuracy_cells,
+    docstring_bullets,
+    markdown_table,
+    percent_mean_std,
+    versus_fedavg,
+)
 from partialfl.models import make_model
 from partialfl.runtime import read_jsonl
 
@@ -143,7 +150,6 @@ def femnist_task(data) -> Task:
                 name=f"femnist-{MODEL}")
 
 
-_mean_std = percent_mean_std
 
 
 def _pipeline_config(size: Size, method: MethodConfig, seed: int) -> PipelineConfig:
@@ -210,7 +216,7 @@ def reproduce_table(out_dir: Path, *, quick: bool = False, seeds: list[int] | No
                  out_dir / "stage1", progress and "stage 1 (FedAvg)")
         jobs = [(out_dir, data_dir, size, seed, i, progress and size.workers == 1)
                 for seed in size.seeds for i in range(len(METHODS))]
-        done = _map(jobs, size.workers, progress)
+        done = run_jobs(_run_one, jobs, size.workers, progress and "femnist-table runs")
         results: dict[str, list[dict]] = {label: [] for label, _ in METHODS}
         timings: dict[str, float] = {}
         for label, seed, m, sec in sorted(done, key=lambda t: t[1]):
@@ -224,25 +230,6 @@ def reproduce_table(out_dir: Path, *, quick: bool = False, seeds: list[int] | No
         return path
     finally:
         torch.set_num_threads(old_threads)
-
-
-def _map(jobs: list, workers: int, progress: bool) -> list:
-    if workers <= 1:
-        return [_run_one(j) for j in jobs]
-    import multiprocessing as mp
-    from concurrent.futures import ProcessPoolExecutor, as_completed
-
-    out = []
-    with ProcessPoolExecutor(workers, mp_context=mp.get_context("spawn")) as ex:
-        futs = [ex.submit(_run_one, j) for j in jobs]
-        it = as_completed(futs)
-        if progress:
-            from tqdm.auto import tqdm
-
-            it = tqdm(it, total=len(futs), desc="femnist-table runs")
-        for f in it:
-            out.append(f.result())
-    return out
 
 
 def _write_results(out_dir: Path, results, timings, seconds) -> None:
@@ -260,38 +247,13 @@ def _write_results(out_dir: Path, results, timings, seconds) -> None:
 
 
 def _summary(results, size: Size, info, seconds: float, quick: bool) -> str:
-    rows = []
-    for label, ms in results.items():
-        if not ms:
-            continue
-        sc = ms[0].get("split_counts", {})
-        rows.append([
-            label,
-            _mean_std([m["test_acc"] for m in ms]),
-            _mean_std([m["test_acc_before_ft"] for m in ms]),
-            " / ".join(_mean_std([m[f"test_acc_p{q}"] for m in ms]).split(" ±")[0]
-                       for q in (10, 50, 90)),
-            _mean_std([m["train_acc"] for m in ms]),
-            _mean_std([m.get("new_test_acc", float("nan")) for m in ms]),
-            f"{sc.get('personal_params', 0):,}",
-        ])
+    rows = [[label, *accuracy_cells(ms),
+             percent_mean_std([m.get("new_test_acc", float("nan")) for m in ms]),
+             f"{ms[0].get('split_counts', {}).get('personal_params', 0):,}"]
+            for label, ms in results.items() if ms]
     header = ["method", "test acc % (final)", "before stage 3", "per-client p10 / p50 / p90",
               "train acc %", f"new writers ({len(info['new_writers'])})", "personal params"]
-    fedavg = np.mean([m["test_acc_before_ft"] for m in results["FedAvg"]])
-    fedavg_ft = np.mean([m["test_acc"] for m in results["FedAvg"]])
-    ffgg = {lab: np.mean([m["test_acc"] for m in ms]) for lab, ms in results.items()
-            if lab.startswith("FFGG")}
-    best = max(ffgg, key=ffgg.get)
-    verdict = [
-        f"- FedAvg (no fine-tuning): {100 * fedavg:.2f}%; FedAvg + fine-tuned output layer: "
-        f"{100 * fedavg_ft:.2f}%.",
-        *(f"- {lab}: {100 * v:.2f}% ({100 * (v - fedavg):+.2f} points vs FedAvg, "
-          f"{100 * (v - fedavg_ft):+.2f} vs FedAvg + FT)" for lab, v in ffgg.items()),
-        f"- Best FFGG split: {best}, {100 * (ffgg[best] - fedavg):+.2f} points over FedAvg "
-        f"(the paper's claim: ≥ 1 point): "
-        f"{'holds' if ffgg[best] - fedavg >= 0.01 else 'does NOT hold'} here; every FFGG split "
-        f"{'beats' if min(ffgg.values()) > fedavg else 'does NOT beat'} FedAvg.",
-    ]
+    verdict = versus_fedavg(results, "output layer", claim_margin=0.01)
     n_train = len(info["train_writers"])
     lines = [
         f"# femnist-table: partial personalization on FEMNIST{' (quick)' if quick else ''}",

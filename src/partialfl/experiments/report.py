@@ -25,6 +25,53 @@ def percent_mean_std(xs) -> str:
     return f"{100 * xs.mean():.2f} ± {100 * xs.std():.2f}"
 
 
+def accuracy_cells(runs: Sequence[dict]) -> list[str]:
+    """The table cells shared by the neural-network reproductions for one method's runs (one
+    metrics dict per seed): final test accuracy, test accuracy before stage 3, the per-client
+    p10 / p50 / p90 test accuracy (means over seeds) and train accuracy, in percent."""
+    def col(key: str) -> str:
+        return percent_mean_std([m.get(key, float("nan")) for m in runs])
+
+    return [col("test_acc"), col("test_acc_before_ft"),
+            " / ".join(col(f"test_acc_p{q}").split(" ±")[0] for q in (10, 50, 90)),
+            col("train_acc")]
+
+
+def versus_fedavg(results: dict[str, Sequence[dict]], ft_what: str,
+                  claim_margin: float | None = None) -> list[str]:
+    """Markdown bullets comparing every ``FFGG …`` row of ``results`` (label -> runs) with the
+    ``FedAvg`` row, both before its stage-3 fine-tuning (``test_acc_before_ft``) and after
+    it (``ft_what`` names what FedAvg fine-tunes), and checking the paper's claims: every FFGG
+    split above FedAvg, and (with ``claim_margin``) the best one by at least that much."""
+    import numpy as np
+
+    def mean(label: str, key: str) -> float:
+        return float(np.mean([m[key] for m in results[label]]))
+
+    fedavg, fedavg_ft = mean("FedAvg", "test_acc_before_ft"), mean("FedAvg", "test_acc")
+    ffgg = {lab: mean(lab, "test_acc") for lab in results if lab.startswith("FFGG")}
+    best = max(ffgg, key=ffgg.get)
+
+    def holds(ok: bool) -> str:
+        return "holds" if ok else "does NOT hold"
+
+    lines = [f"- FedAvg (no fine-tuning): {100 * fedavg:.2f}%; FedAvg + fine-tuned {ft_what}: "
+             f"{100 * fedavg_ft:.2f}%.",
+             *(f"- {lab}: {100 * v:.2f}% ({100 * (v - fedavg):+.2f} points vs FedAvg, "
+               f"{100 * (v - fedavg_ft):+.2f} vs FedAvg + FT)" for lab, v in ffgg.items()),
+             f"- Paper's claim: every FFGG split above FedAvg: "
+             f"{holds(min(ffgg.values()) > fedavg)} here vs FedAvg, "
+             f"{holds(min(ffgg.values()) > fedavg_ft)} vs FedAvg + FT.",
+             f"- Ranking of the splits: {' > '.join(sorted(ffgg, key=ffgg.get, reverse=True))}; "
+             f"best {best}, {100 * (ffgg[best] - fedavg):+.2f} points over FedAvg, "
+             f"{100 * (ffgg[best] - fedavg_ft):+.2f} over FedAvg + FT."]
+    if claim_margin is not None:
+        lines.append(f"- Paper's claim: the best split beats FedAvg by ≥ {100 * claim_margin:g} "
+                     f"point(s): {holds(ffgg[best] - fedavg >= claim_margin)} here vs FedAvg, "
+                     f"{holds(ffgg[best] - fedavg_ft >= claim_margin)} vs FedAvg + FT.")
+    return lines
+
+
 def docstring_bullets(doc: str, heading: str) -> list[str]:
     """The ``* `` bullets after ``heading`` in a module docstring, as markdown ``- `` items
     (so a reproduction's documented deviations are written into its summary verbatim)."""

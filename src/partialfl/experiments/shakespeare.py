@@ -61,13 +61,16 @@ from partialfl.experiments.pipeline import (
     ServerConfig,
     StageConfig,
     Task,
+    pretrain,
+    run_jobs,
     run_pipeline,
 )
 from partialfl.experiments.report import (
+    accuracy_cells,
     docstring_bullets,
     markdown_table,
-    percent_mean_std,
     plot_curves,
+    versus_fedavg,
 )
 from partialfl.lm import NextWordAccuracy, token_cross_entropy
 from partialfl.models.transformer import TransformerConfig, TransformerLM, transformer_split
@@ -107,7 +110,8 @@ class Size:
     eval_every: int               # stage-2 learning-curve points (0: first and last only)
     pretrain_eval_every: int
     seeds: tuple[int, ...]
-    threads: int
+    threads: int                  # torch threads of each (method, seed) run
+    workers: int                  # runs in parallel processes (stage 1: threads × workers)
 
     def model_config(self, vocab_ids: int) -> TransformerConfig:
         return TransformerConfig(vocab_size=vocab_ids, seq_len=20, num_layers=self.num_layers,
@@ -120,20 +124,22 @@ PAPER = Size(vocab_size=10_000, max_clients=None, max_train=1000, d_model=256, d
              num_layers=4, num_heads=4, adapter_dim=16, clients_per_round=50,
              pretrain_rounds=1000, rounds=500, pretrain_server_lr=5e-4, server_lr=5e-5,
              pretrain_client_lr=1.0, client_lr=0.1, finetune_epochs=5, finetune_lr=0.1,
-             eval_every=50, pretrain_eval_every=100, seeds=DEFAULT_SEEDS, threads=2)
+             eval_every=50, pretrain_eval_every=100, seeds=DEFAULT_SEEDS, threads=2,
+             workers=1)
 #: the table: under an hour on 2 CPU cores (see the module docstring for the scaling)
 FULL = Size(vocab_size=2000, max_clients=None, max_train=None, d_model=64, d_ff=256,
             num_layers=4, num_heads=4, adapter_dim=8, clients_per_round=10,
             pretrain_rounds=200, rounds=50, pretrain_server_lr=1e-2, server_lr=1e-3,
             pretrain_client_lr=1.0, client_lr=0.1, finetune_epochs=5, finetune_lr=0.1,
-            eval_every=25, pretrain_eval_every=50, seeds=DEFAULT_SEEDS, threads=2)
+            eval_every=25, pretrain_eval_every=50, seeds=DEFAULT_SEEDS, threads=1,
+            workers=2)
 #: CI: a tiny model on the 8 largest roles, a few rounds, one seed (one thread: faster for a
 #: model this small, and robust to a busy machine)
 QUICK = Size(vocab_size=300, max_clients=8, max_train=96, d_model=16, d_ff=32, num_layers=2,
              num_heads=2, adapter_dim=4, clients_per_round=4, pretrain_rounds=3, rounds=2,
              pretrain_server_lr=3e-3, server_lr=1e-3, pretrain_client_lr=1.0, client_lr=0.1,
              finetune_epochs=1, finetune_lr=0.1, eval_every=0, pretrain_eval_every=0,
-             seeds=(0,), threads=1)
+             seeds=(0,), threads=1, workers=1)
 
 #: (row label, method) of the table, in order
 METHODS: tuple[tuple[str, MethodConfig], ...] = (
@@ -188,7 +194,6 @@ def shakespeare_task(size: Size, data_dir=None):
     return task, tf
 
 
-_mean_std = percent_mean_std
 
 
 def _jsonable(v):
@@ -203,36 +208,69 @@ def _jsonable(v):
     return v
 
 
+_TASKS: dict = {}
+
+
+def _task(size: Size, data_dir):
+    """The task of ``size`` (built once per process: workers rebuild it from the job)."""
+    key = (str(data_dir), replace(size, seeds=()))
+    if key not in _TASKS:
+        _TASKS.clear()
+        _TASKS[key] = shakespeare_task(size, data_dir)
+    return _TASKS[key]
+
+
+def _pipeline_config(size: Size, method: MethodConfig, seed: int) -> PipelineConfig:
+    pre, pers, ft = stage_configs(size)
+    return PipelineConfig(method=method, pretrain=pre, personalize=pers, finetune=ft,
+                          seed=seed, pretrain_seed=0, backend="sequential")
+
+
+def _run_one(job: tuple) -> tuple[str, int, dict, float]:
+    """One (method, seed) pipeline run (stages 2-3); runs in a worker."""
+    out_dir, data_dir, size, seed, idx, progress = job
+    torch.set_num_threads(size.threads)
+    task, _ = _task(size, data_dir)
+    label, method = METHODS[idx]
+    t0 = time.perf_counter()
+    res = run_pipeline(_pipeline_config(size, method, seed), task,
+                       out_dir / f"seed{seed}" / method.name, stage1_dir=out_dir / "stage1",
+                       progress=progress)
+    return label, seed, dict(res.metrics), time.perf_counter() - t0
+
+
 def reproduce_table(out_dir: Path, *, quick: bool = False, seeds: list[int] | None = None,
                     data_dir: Path | None = None, progress: bool = True,
                     size: Size | None = None) -> Path:
     """Run (or resume) the table; writes ``summary.md`` (returned), ``results.json``,
-    per-run JSONL learning curves, ``learning_curves.png`` and ``per_client_accuracy.png``."""
+    per-run JSONL learning curves, ``learning_curves.png`` and ``per_client_accuracy.png``.
+
+    Stage 1 runs once with ``threads × workers`` torch threads, then the (method, seed) runs
+    go in ``workers`` processes of ``threads`` threads each (:func:`run_jobs`)."""
     size = size or (QUICK if quick else FULL)
     if seeds:
         size = replace(size, seeds=tuple(int(s) for s in seeds))
     out_dir = Path(out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
     old_threads = torch.get_num_threads()
-    torch.set_num_threads(size.threads)
+    torch.set_num_threads(size.threads * size.workers)
     t_start = time.perf_counter()
     try:
-        task, tf = shakespeare_task(size, data_dir)
+        task, tf = _task(size, data_dir)
         (out_dir / "data.json").write_text(json.dumps(_jsonable(
             {"stats": tf.stats, "clients": list(tf.dataset.client_ids),
              "size": asdict(size)}), indent=1))
-        pre, pers, ft = stage_configs(size)
+        pretrain(_pipeline_config(size, METHODS[0][1], size.seeds[0]), task,
+                 out_dir / "stage1", progress and "stage 1 (FedAvg)")
+        torch.set_num_threads(size.threads)
+        jobs = [(out_dir, data_dir, size, seed, i, progress and size.workers == 1)
+                for seed in size.seeds for i in range(len(METHODS))]
+        done = run_jobs(_run_one, jobs, size.workers, progress and "shakespeare-table runs")
         results: dict[str, list[dict]] = {label: [] for label, _ in METHODS}
         timings: dict[str, float] = {}
-        for seed in size.seeds:
-            for label, method in METHODS:
-                cfg = PipelineConfig(method=method, pretrain=pre, personalize=pers, finetune=ft,
-                                     seed=seed, pretrain_seed=0, backend="sequential")
-                t0 = time.perf_counter()
-                res = run_pipeline(cfg, task, out_dir / f"seed{seed}" / method.name,
-                                   stage1_dir=out_dir / "stage1", progress=progress)
-                timings[f"seed{seed}/{method.name}"] = time.perf_counter() - t0
-                results[label].append(dict(res.metrics))
+        for label, seed, m, sec in sorted(done, key=lambda t: t[1]):
+            results[label].append(m)
+            timings[f"seed{seed}/{label}"] = sec
         seconds = time.perf_counter() - t_start
         (out_dir / "results.json").write_text(json.dumps(_jsonable(
             {"results": results, "timings": timings, "total_seconds": seconds}), indent=1))
@@ -248,33 +286,11 @@ def _summary(results, size: Size, tf, seconds: float, quick: bool) -> str:
     rows = []
     for label, ms in results.items():
         sc = ms[0].get("split_counts", {})
-        rows.append([
-            label + (" + FT" if label == "FedAvg" else ""),
-            _mean_std([m["test_acc"] for m in ms]),
-            _mean_std([m["test_acc_before_ft"] for m in ms]),
-            " / ".join(_mean_std([m[f"test_acc_p{q}"] for m in ms]).split(" ±")[0]
-                       for q in (10, 50, 90)),
-            _mean_std([m["train_acc"] for m in ms]),
-            f"{sc.get('personal_params', 0):,} / {sc.get('global_params', 0):,}",
-        ])
+        rows.append([label + (" + FT" if label == "FedAvg" else ""), *accuracy_cells(ms),
+                     f"{sc.get('personal_params', 0):,} / {sc.get('global_params', 0):,}"])
     header = ["method", "test acc % (after stage 3)", "before stage 3",
               "per-client p10 / p50 / p90", "train acc %", "personal / global params"]
-    fedavg = np.mean([m["test_acc_before_ft"] for m in results["FedAvg"]])
-    fedavg_ft = np.mean([m["test_acc"] for m in results["FedAvg"]])
-    ffgg = {lab: float(np.mean([m["test_acc"] for m in ms])) for lab, ms in results.items()
-            if lab.startswith("FFGG")}
-    best = max(ffgg, key=ffgg.get)
-    order = " > ".join(sorted(ffgg, key=ffgg.get, reverse=True))
-    verdict = [
-        f"- FedAvg (no fine-tuning): {100 * fedavg:.2f}%; FedAvg + fine-tuned last block: "
-        f"{100 * fedavg_ft:.2f}%.",
-        *(f"- {lab}: {100 * v:.2f}% ({100 * (v - fedavg):+.2f} points vs FedAvg, "
-          f"{100 * (v - fedavg_ft):+.2f} vs FedAvg + FT)" for lab, v in ffgg.items()),
-        f"- Paper's claim 1 (every FFGG split above FedAvg): "
-        f"{'holds' if min(ffgg.values()) > fedavg else 'does NOT hold'} here vs FedAvg, "
-        f"{'holds' if min(ffgg.values()) > fedavg_ft else 'does NOT hold'} vs FedAvg + FT.",
-        f"- Paper's claim 2 (output and adapter best): ranking here {order}; best {best}.",
-    ]
+    verdict = versus_fedavg(results, "last block")
     st = tf.stats
     lines = [
         f"# shakespeare-table: next-word prediction with a partially personalized transformer"
@@ -301,8 +317,9 @@ def _summary(results, size: Size, tf, seconds: float, quick: bool) -> str:
         "linear decay. 'before stage 3': the deployed model before fine-tuning (FedAvg: the "
         "global model; FFGG: w at its restart value, the stage-1 values).",
         "",
-        f"Wall-clock: {seconds / 60:.1f} min with torch threads = {size.threads} (per-run "
-        "times in `results.json`).",
+        f"Wall-clock: {seconds / 60:.1f} min: stage 1 with {size.threads * size.workers} "
+        f"torch thread(s), then {size.workers} worker process(es) with {size.threads} "
+        "thread(s) each (per-run times in `results.json`).",
         "",
         "Plots: `learning_curves.png` (test accuracy of the deployed models during stages 1 "
         "and 2, mean over seeds), `per_client_accuracy.png` (CDF of the final per-client "
