@@ -89,7 +89,7 @@ class Size:
     workers: int
 
 
-#: the table (about an hour on 2 CPU cores, see the summary for the measured time)
+#: the table (49 min measured on a quiet 2-core machine; the summary records each run's time)
 FULL = Size(pretrain_rounds=300, rounds=200, eval_every=50, finetune_epochs=5,
             num_writers=None, holdout=HOLDOUT_WRITERS, seeds=DEFAULT_SEEDS, threads=1,
             workers=2)
