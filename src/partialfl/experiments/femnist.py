@@ -59,12 +59,13 @@ from partialfl.experiments.pipeline import (
 from partialfl.experiments.report import (
     accuracy_cells,
     docstring_bullets,
+    jsonable,
     markdown_table,
     percent_mean_std,
+    pipeline_plots,
     versus_fedavg,
 )
 from partialfl.models import make_model
-from partialfl.runtime import read_jsonl
 
 MODEL = "emnist_cnn"
 FFGG_SERVER_LR = 0.05
@@ -223,27 +224,15 @@ def reproduce_table(out_dir: Path, *, quick: bool = False, seeds: list[int] | No
             results[label].append(m)
             timings[f"seed{seed}/{label}"] = sec
         seconds = time.perf_counter() - t_start
-        _write_results(out_dir, results, timings, seconds)
-        _plots(out_dir, results, size)
+        (out_dir / "results.json").write_text(json.dumps(jsonable(
+            {"results": results, "timings": timings, "total_seconds": seconds}), indent=1))
+        pipeline_plots(out_dir, METHODS, size.seeds, results, ylabel="test accuracy (%)",
+                       clients="writers")
         path = out_dir / "summary.md"
         path.write_text(_summary(results, size, info, seconds, quick))
         return path
     finally:
         torch.set_num_threads(old_threads)
-
-
-def _write_results(out_dir: Path, results, timings, seconds) -> None:
-    def clean(v):
-        if isinstance(v, np.ndarray):
-            return v.tolist()
-        if isinstance(v, np.floating | np.integer):
-            return v.item()
-        return v
-
-    out = {label: [{k: clean(v) for k, v in m.items()} for m in ms]
-           for label, ms in results.items()}
-    (out_dir / "results.json").write_text(json.dumps(
-        {"results": out, "timings": timings, "total_seconds": seconds}, indent=1))
 
 
 def _summary(results, size: Size, info, seconds: float, quick: bool) -> str:
@@ -291,56 +280,6 @@ def _summary(results, size: Size, info, seconds: float, quick: bool) -> str:
 
 def _deviations() -> list[str]:
     return docstring_bullets(__doc__, "Deviations, and why (also written into the summary):")
-
-
-def _plots(out_dir: Path, results, size: Size) -> None:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    fig, axes = plt.subplots(1, 2, figsize=(10, 3.6))
-    s1 = out_dir / "stage1" / "stage1.jsonl"
-    if s1.exists():
-        h = [r for r in read_jsonl(s1) if "test_acc" in r]
-        axes[0].plot([r["round"] for r in h], [100 * r["test_acc"] for r in h], "k-o", ms=3)
-    axes[0].set_title("stage 1: FedAvg pre-training")
-    for label, method in METHODS:
-        curves = []
-        for seed in size.seeds:
-            f = out_dir / f"seed{seed}" / method.name / "stage2.jsonl"
-            if f.exists():
-                curves.append({r["round"]: r["test_acc"] for r in read_jsonl(f)
-                               if "test_acc" in r})
-        if not curves:
-            continue
-        rounds = sorted(set.intersection(*(set(c) for c in curves)))
-        ys = [100 * np.mean([c[r] for c in curves]) for r in rounds]
-        axes[1].plot(rounds, ys, "-o", ms=3, label=label)
-    axes[1].set_title("stage 2: deployed test accuracy")
-    for ax in axes:
-        ax.set_xlabel("round")
-        ax.set_ylabel("test accuracy (%)")
-        ax.grid(alpha=0.3)
-    axes[1].legend(fontsize=7)
-    fig.tight_layout()
-    fig.savefig(out_dir / "learning_curves.png", dpi=120)
-    plt.close(fig)
-
-    fig, ax = plt.subplots(figsize=(5.5, 3.8))
-    for label, ms in results.items():
-        accs = np.sort(np.concatenate([np.asarray(m["per_client_test_acc"], float)
-                                       for m in ms]))
-        accs = accs[~np.isnan(accs)]
-        if accs.size:
-            ax.plot(100 * accs, np.linspace(0, 1, accs.size), label=label)
-    ax.set_xlabel("per-client test accuracy (%)")
-    ax.set_ylabel("fraction of clients (CDF, all seeds)")
-    ax.grid(alpha=0.3)
-    ax.legend(fontsize=7)
-    fig.tight_layout()
-    fig.savefig(out_dir / "per_client_accuracy.png", dpi=120)
-    plt.close(fig)
 
 
 def evaluate_new_writers(run_dir: str | Path, data_dir=None, *, finetune_epochs: int | None = None,

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from pathlib import Path
+from typing import Any
 
 
 def markdown_table(header: Sequence[str], rows: Sequence[Sequence]) -> str:
@@ -119,3 +120,75 @@ def plot_curves(path: Path, panels: list[dict[str, list[dict]]], titles: Sequenc
     fig.savefig(path, dpi=120)
     plt.close(fig)
     return path
+
+
+def jsonable(v):
+    """``v`` with numpy arrays / scalars (also nested in dicts, lists, tuples) made JSON-able."""
+    import numpy as np
+
+    if isinstance(v, np.ndarray):
+        return v.tolist()
+    if isinstance(v, np.floating | np.integer):
+        return v.item()
+    if isinstance(v, dict):
+        return {k: jsonable(x) for k, x in v.items()}
+    if isinstance(v, list | tuple):
+        return [jsonable(x) for x in v]
+    return v
+
+
+def pipeline_plots(out_dir: Path, methods: Sequence[tuple[str, Any]], seeds: Sequence[int],
+                   results: dict[str, Sequence[dict]], *, ylabel: str, clients: str,
+                   rename: dict[str, str] | None = None) -> None:
+    """The two plots of a three-stage-pipeline table in ``out_dir``:
+
+    * ``learning_curves.png``: stage-1 test accuracy (``stage1/stage1.jsonl``) and, per method
+      (``(label, MethodConfig)``), the stage-2 deployed test accuracy averaged over ``seeds``
+      at the rounds every seed evaluated (``seed{s}/{method.name}/stage2.jsonl``);
+    * ``per_client_accuracy.png``: the CDF of the final per-client test accuracy over all
+      seeds (``per_client_test_acc`` of each run in ``results``).
+
+    ``rename`` maps a row label to its legend label."""
+    import matplotlib
+    import numpy as np
+
+    from partialfl.runtime import read_jsonl
+
+    rename = rename or {}
+
+    def percent(hist: list[dict]) -> list[dict]:
+        return [{"round": r["round"], "test_acc": 100 * r["test_acc"]} for r in hist
+                if "test_acc" in r]
+
+    s1 = out_dir / "stage1" / "stage1.jsonl"
+    stage1 = {"FedAvg pre-training": percent(read_jsonl(s1))} if s1.exists() else {}
+    stage2 = {}
+    for label, method in methods:
+        curves = [{r["round"]: r["test_acc"] for r in percent(read_jsonl(f))}
+                  for f in (out_dir / f"seed{s}" / method.name / "stage2.jsonl" for s in seeds)
+                  if f.exists()]
+        if curves:
+            rounds = sorted(set.intersection(*(set(c) for c in curves)))
+            stage2[rename.get(label, label)] = [
+                {"round": r, "test_acc": float(np.mean([c[r] for c in curves]))} for r in rounds]
+    plot_curves(out_dir / "learning_curves.png", [stage1, stage2],
+                ["stage 1: FedAvg pre-training", "stage 2: deployed test accuracy"],
+                x="round", y="test_acc", ylabel=ylabel, logy=False)
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(5.5, 3.8))
+    for label, ms in results.items():
+        accs = np.sort(np.concatenate([np.asarray(m["per_client_test_acc"], float)
+                                       for m in ms])) if ms else np.zeros(0)
+        accs = accs[~np.isnan(accs)]
+        if accs.size:
+            ax.plot(100 * accs, np.linspace(0, 1, accs.size), label=rename.get(label, label))
+    ax.set_xlabel("per-client test accuracy (%)")
+    ax.set_ylabel(f"fraction of {clients} (CDF, all seeds)")
+    ax.grid(alpha=0.3)
+    ax.legend(fontsize=7)
+    fig.tight_layout()
+    fig.savefig(out_dir / "per_client_accuracy.png", dpi=120)
+    plt.close(fig)

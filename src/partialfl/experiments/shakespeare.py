@@ -50,7 +50,6 @@ import time
 from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 
-import numpy as np
 import torch
 
 from partialfl.data.shakespeare import load_shakespeare
@@ -68,14 +67,14 @@ from partialfl.experiments.pipeline import (
 from partialfl.experiments.report import (
     accuracy_cells,
     docstring_bullets,
+    jsonable,
     markdown_table,
-    plot_curves,
+    pipeline_plots,
     versus_fedavg,
 )
 from partialfl.lm import NextWordAccuracy, token_cross_entropy
 from partialfl.models.transformer import TransformerConfig, TransformerLM, transformer_split
 from partialfl.rng import torch_seed
-from partialfl.runtime import read_jsonl
 
 DEFAULT_SEEDS = (0, 1, 2)
 WARMUP_FRACTION = 0.1
@@ -196,18 +195,6 @@ def shakespeare_task(size: Size, data_dir=None):
 
 
 
-def _jsonable(v):
-    if isinstance(v, np.ndarray):
-        return v.tolist()
-    if isinstance(v, np.floating | np.integer):
-        return v.item()
-    if isinstance(v, dict):
-        return {k: _jsonable(x) for k, x in v.items()}
-    if isinstance(v, list | tuple):
-        return [_jsonable(x) for x in v]
-    return v
-
-
 _TASKS: dict = {}
 
 
@@ -257,7 +244,7 @@ def reproduce_table(out_dir: Path, *, quick: bool = False, seeds: list[int] | No
     t_start = time.perf_counter()
     try:
         task, tf = _task(size, data_dir)
-        (out_dir / "data.json").write_text(json.dumps(_jsonable(
+        (out_dir / "data.json").write_text(json.dumps(jsonable(
             {"stats": tf.stats, "clients": list(tf.dataset.client_ids),
              "size": asdict(size)}), indent=1))
         pretrain(_pipeline_config(size, METHODS[0][1], size.seeds[0]), task,
@@ -272,9 +259,11 @@ def reproduce_table(out_dir: Path, *, quick: bool = False, seeds: list[int] | No
             results[label].append(m)
             timings[f"seed{seed}/{label}"] = sec
         seconds = time.perf_counter() - t_start
-        (out_dir / "results.json").write_text(json.dumps(_jsonable(
+        (out_dir / "results.json").write_text(json.dumps(jsonable(
             {"results": results, "timings": timings, "total_seconds": seconds}), indent=1))
-        _plots(out_dir, results, size)
+        pipeline_plots(out_dir, METHODS, size.seeds, results,
+                       ylabel="next-word test accuracy (%)", clients="roles",
+                       rename={"FedAvg": "FedAvg + FT"})
         path = out_dir / "summary.md"
         path.write_text(_summary(results, size, tf, seconds, quick))
         return path
@@ -337,43 +326,3 @@ def _deviations() -> list[str]:
     return docstring_bullets(__doc__, "Deviations, and why (also written into the summary):")
 
 
-def _plots(out_dir: Path, results, size: Size) -> None:
-    s1 = out_dir / "stage1" / "stage1.jsonl"
-    stage1 = {"FedAvg pre-training": [r for r in read_jsonl(s1) if "test_acc" in r]
-              } if s1.exists() else {}
-    stage2 = {}
-    for label, method in METHODS:
-        curves = []
-        for seed in size.seeds:
-            f = out_dir / f"seed{seed}" / method.name / "stage2.jsonl"
-            if f.exists():
-                curves.append({r["round"]: r["test_acc"] for r in read_jsonl(f)
-                               if "test_acc" in r})
-        if curves:
-            rounds = sorted(set.intersection(*(set(c) for c in curves)))
-            stage2[label] = [{"round": r, "test_acc": float(np.mean([c[r] for c in curves]))}
-                             for r in rounds]
-    plot_curves(out_dir / "learning_curves.png", [stage1, stage2],
-                ["stage 1: FedAvg pre-training", "stage 2: deployed test accuracy"],
-                x="round", y="test_acc", ylabel="next-word test accuracy", logy=False)
-
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    fig, ax = plt.subplots(figsize=(5.5, 3.8))
-    for label, ms in results.items():
-        accs = np.sort(np.concatenate([np.asarray(m["per_client_test_acc"], float)
-                                       for m in ms]))
-        accs = accs[~np.isnan(accs)]
-        if accs.size:
-            ax.plot(100 * accs, np.linspace(0, 1, accs.size),
-                    label=label + (" + FT" if label == "FedAvg" else ""))
-    ax.set_xlabel("per-client test accuracy (%)")
-    ax.set_ylabel("fraction of roles (CDF, all seeds)")
-    ax.grid(alpha=0.3)
-    ax.legend(fontsize=7)
-    fig.tight_layout()
-    fig.savefig(out_dir / "per_client_accuracy.png", dpi=120)
-    plt.close(fig)
