@@ -120,6 +120,8 @@ def evaluate_new_clients(
     loss_fn=cross_entropy,
     metric=accuracy,
     vectorize: bool = True,
+    device: str | torch.device = "cpu",
+    precision: str = "fp32",
 ) -> dict[str, Any]:
     """Evaluate a trained θ on clients never seen in training, after fine-tuning their w.
 
@@ -136,7 +138,8 @@ def evaluate_new_clients(
         w_init: where w starts: ``pretrained`` (``w_pretrained``, default the model's own
             personal values), ``zero`` or ``random``.
         seed: seeds the minibatches (and a random w).
-        loss_fn, metric: as in :class:`~partialfl.problems.model.ModelProblem`.
+        loss_fn, metric, vectorize, device, precision: as in
+            :class:`~partialfl.problems.model.ModelProblem`.
 
     Returns:
         ``{"test": Evaluation, "train": Evaluation, "before": Evaluation (test, w at its
@@ -156,8 +159,9 @@ def evaluate_new_clients(
     if not isinstance(finetune_epochs, int) or finetune_epochs < 0:
         raise ValueError(f"finetune_epochs must be a non-negative integer, got {finetune_epochs!r}")
     problem = ModelProblem(sp, data, loss_fn=loss_fn, metric=metric, w_pretrained=w_pretrained,
-                           vectorize=vectorize)
-    th = {n: torch.as_tensor(theta[n]).detach().clone() for n in sp.global_names}
+                           vectorize=vectorize, device=device, precision=precision)
+    th = {n: torch.as_tensor(theta[n]).detach().to(problem.device).clone()
+          for n in sp.global_names}
     allc = np.arange(problem.num_clients)
     w0 = problem.init_w(allc, w_init, seed, -1)
     before = evaluate_model(problem, th, w0, "test")

@@ -28,6 +28,7 @@ loss such as :func:`partialfl.lm.token_cross_entropy`, a masked metric and, if n
 from __future__ import annotations
 
 import json
+import re
 import time
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
@@ -41,6 +42,7 @@ from torch import nn
 from partialfl.algorithms.base import Algorithm
 from partialfl.algorithms.model import WEIGHTINGS, FedAlt, FedAvg, FedSim, LocalFFGG, model_ffgg
 from partialfl.config import ConfigError, from_dict, to_dict
+from partialfl.devices import DEVICES, PRECISIONS
 from partialfl.evaluation import (
     evaluate_model,
     evaluate_new_clients,
@@ -201,6 +203,9 @@ class PipelineConfig:
     ``pretrain_seed`` (default ``seed``) drives stage 1 and the model initialisation, so several
     seeds can share one pre-training. ``backend``: ``vmap`` (clients batched with
     torch.func.vmap) or ``sequential`` (one client at a time); both give the same θ.
+    ``device`` (cpu, cuda, cuda:N, mps, auto) is where the model runs: it is not part of a
+    run's identity, so a run started on one device resumes on another (same steps, results
+    equal up to floating-point rounding). ``precision``: fp32, bf16 or fp16 (autocast).
     """
 
     method: MethodConfig = field(default_factory=MethodConfig)
@@ -211,9 +216,16 @@ class PipelineConfig:
     pretrain_seed: int | None = None
     backend: str = "sequential"
     checkpoint_every: int = 10
+    device: str = "cpu"
+    precision: str = "fp32"
 
     def __post_init__(self) -> None:
         _choice("backend", self.backend, BACKENDS)
+        _choice("precision", self.precision, PRECISIONS)
+        if not isinstance(self.device, str) or not re.fullmatch(r"cpu|cuda(:\d+)?|mps|auto",
+                                                                self.device):
+            raise ConfigError(f"device: {self.device!r} is not allowed; allowed: "
+                              f"{', '.join(DEVICES)}")
         if self.checkpoint_every < 1:
             raise ConfigError(f"checkpoint_every must be >= 1, got {self.checkpoint_every}")
 
@@ -279,9 +291,20 @@ def build_algorithm(method: MethodConfig, stage: StageConfig) -> Algorithm:
                weighting=method.weighting)
 
 
-def _problem(task: Task, split: Split, backend: str, w_pretrained=None) -> ModelProblem:
+def _problem(task: Task, split: Split, cfg: PipelineConfig, w_pretrained=None) -> ModelProblem:
     return ModelProblem(split, task.data, loss_fn=task.loss_fn, metric=task.metric,
-                        w_pretrained=w_pretrained, vectorize=backend == "vmap")
+                        w_pretrained=w_pretrained, vectorize=cfg.backend == "vmap",
+                        device=cfg.device, precision=cfg.precision)
+
+
+def _host(params: Params) -> Params:
+    """Detached CPU copies (what is written to disk)."""
+    return {n: v.detach().cpu().clone() for n, v in params.items()}
+
+
+def _on(params: Params, problem: ModelProblem) -> Params:
+    """``params`` on the problem's device."""
+    return {n: v.to(problem.device) for n, v in params.items()}
 
 
 def _backend(name: str):
@@ -397,12 +420,12 @@ def pretrain(cfg: PipelineConfig, task: Task, stage1_dir: Path, progress: bool |
         return torch.load(final, weights_only=True)
     model = task.model_fn(cfg.stage1_seed)
     split = task.make_split(model, "none", {})
-    problem = _problem(task, split, cfg.backend)
+    problem = _problem(task, split, cfg)
     alg = build_algorithm(MethodConfig(algorithm="fedavg", split="none"), cfg.pretrain)
     t0 = time.perf_counter()
     res = _run_stage(problem, alg, cfg.pretrain, cfg.stage1_seed, stage1_dir, "stage1",
                      cfg.checkpoint_every, cfg.backend, progress, on_round=on_round)
-    theta = {n: v.detach().clone() for n, v in res.state.theta.items()}
+    theta = _host(res.state.theta)
     torch.save(theta, final)
     _write_json(stage1_dir / "timing.json", {"seconds": time.perf_counter() - t0,
                                              "rounds": cfg.pretrain.rounds})
@@ -426,22 +449,22 @@ def personalize(cfg: PipelineConfig, task: Task, theta1: Params, run_dir: Path,
     model = load_params(task.model_fn(cfg.stage1_seed), theta1)
     split = _seeded_split(task, model, cfg.method.split, cfg.method.split_options, cfg.seed)
     theta_start, w_pre = split.params()
-    problem = _problem(task, split, cfg.backend, w_pre)
+    problem = _problem(task, split, cfg, w_pre)
     alg = build_algorithm(cfg.method, cfg.personalize)
     final = run_dir / "theta_stage2.pt"
     cs_file = run_dir / "client_state_stage2.pt"
     if final.exists():
-        theta = torch.load(final, weights_only=True)
-        cs = torch.load(cs_file, weights_only=True) if cs_file.exists() else None
+        theta = _on(torch.load(final, weights_only=True), problem)
+        cs = _on(torch.load(cs_file, weights_only=True), problem) if cs_file.exists() else None
         return _Stage2(split, problem, alg, theta, cs, float("nan"))
     t0 = time.perf_counter()
     res = _run_stage(problem, alg, cfg.personalize, cfg.seed, run_dir, "stage2",
-                     cfg.checkpoint_every, cfg.backend, progress, theta0=theta_start,
-                     on_round=on_round)
+                     cfg.checkpoint_every, cfg.backend, progress,
+                     theta0=_on(theta_start, problem), on_round=on_round)
     theta = {n: v.detach().clone() for n, v in res.state.theta.items()}
     if res.client_state is not None:
-        torch.save(res.client_state, cs_file)
-    torch.save(theta, final)
+        torch.save(_host(res.client_state), cs_file)
+    torch.save(_host(theta), final)
     return _Stage2(split, problem, alg, theta, res.client_state, time.perf_counter() - t0)
 
 
@@ -465,7 +488,8 @@ def finetune_and_evaluate(cfg: PipelineConfig, task: Task, s2: _Stage2, run_dir:
         split = _seeded_split(task, model, cfg.method.finetune_split,
                               cfg.method.split_options, cfg.seed)
         theta, w_pre = split.params()
-        problem = _problem(task, split, cfg.backend, w_pre)
+        problem = _problem(task, split, cfg, w_pre)
+        theta = _on(theta, problem)
         w0 = problem.init_w(np.arange(problem.num_clients), "pretrained", cfg.seed, -1)
     t0 = time.perf_counter()
     before = evaluate_model(problem, theta, w0, "test")
@@ -481,8 +505,8 @@ def finetune_and_evaluate(cfg: PipelineConfig, task: Task, s2: _Stage2, run_dir:
         "stage3_seconds": time.perf_counter() - t0,
     }
     torch.save({"model": split.model, "kind": split.kind, "global_names": split.global_names,
-                "personal_names": split.personal_names, "theta": theta,
-                "w_pretrained": problem.w_pretrained}, run_dir / "deploy.pt")
+                "personal_names": split.personal_names, "theta": _host(theta),
+                "w_pretrained": _host(problem.w_pretrained)}, run_dir / "deploy.pt")
     return metrics, split, theta
 
 
@@ -495,8 +519,8 @@ def run_pipeline(cfg: PipelineConfig, task: Task, run_dir: str | Path, *,
     reporting, or to simulate an interruption in tests)."""
     run_dir = Path(run_dir)
     run_dir.mkdir(parents=True, exist_ok=True)
-    _check_config_file(run_dir / "config.json", {**cfg.to_dict(), "task": task.name},
-                       "pipeline run")
+    ident = {k: v for k, v in cfg.to_dict().items() if k != "device"}
+    _check_config_file(run_dir / "config.json", {**ident, "task": task.name}, "pipeline run")
     s1 = Path(stage1_dir) if stage1_dir is not None else run_dir / "stage1"
     hook1 = hook2 = None
     if on_round is not None:
@@ -521,8 +545,8 @@ def run_pipeline(cfg: PipelineConfig, task: Task, run_dir: str | Path, *,
 
 def evaluate_run(run_dir: str | Path, data, *, finetune_epochs: int | None = None,
                  lr: float | None = None, batch_size: int | None = None, seed: int | None = None,
-                 loss_fn=cross_entropy, metric=accuracy, vectorize: bool = False
-                 ) -> dict[str, Any]:
+                 loss_fn=cross_entropy, metric=accuracy, vectorize: bool = False,
+                 device: str = "cpu") -> dict[str, Any]:
     """Evaluate a finished run's θ on new clients (``data``, never seen in training): each
     fine-tunes its w from the run's w_pre with the run's stage-3 settings (override with the
     arguments), then :func:`partialfl.evaluation.evaluate_new_clients` metrics. Loads
@@ -544,5 +568,5 @@ def evaluate_run(run_dir: str | Path, data, *, finetune_epochs: int | None = Non
         lr=ft.lr if lr is None else lr, batch_size=batch_size or ft.batch_size,
         clip_norm=ft.clip_norm, w_init="pretrained", w_pretrained=dep["w_pretrained"],
         seed=cfg.seed if seed is None else seed, loss_fn=loss_fn, metric=metric,
-        vectorize=vectorize)
+        vectorize=vectorize, device=device, precision=cfg.precision)
     return res

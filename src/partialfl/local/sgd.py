@@ -100,8 +100,9 @@ class SGDResult:
 def _clip(g: Params, c: float | None) -> Params:
     if c is None:
         return g
-    k = next(iter(g.values())).shape[0]
-    sq = torch.zeros(k)
+    v0 = next(iter(g.values()))
+    k = v0.shape[0]
+    sq = torch.zeros(k, device=v0.device)
     for v in g.values():
         sq += v.reshape(k, -1).pow(2).sum(1)
     scale = torch.clamp(c / (sq.sqrt() + 1e-6), max=1.0)
@@ -161,7 +162,10 @@ def run_sgd(problem, cohort, theta: Params, w: Params, *, train: str, cfg: SGDCo
 def _loop(problem, cohort, theta, w, plans, train, cfg):
     k = len(cohort)
     n_steps = max((len(p) for p in plans), default=0)
-    loss_sum = np.zeros(k)
+    # summed on the problem's device (no host sync per step); float64 where it exists
+    dev = getattr(problem, "device", torch.device("cpu"))
+    loss_sum = torch.zeros(k, dtype=torch.float32 if dev.type == "mps" else torch.float64,
+                           device=dev)
     for s in range(n_steps):
         batches = [p[s] if s < len(p) else None for p in plans]
         if train == "alternate":
@@ -176,7 +180,8 @@ def _loop(problem, cohort, theta, w, plans, train, cfg):
                 w = _step(w, g, cfg.lr)
             if train in ("theta", "both"):
                 theta = _step(theta, g, cfg.lr)
-        loss_sum += loss.double().numpy()
+        loss_sum += loss.to(loss_sum.dtype)
+    loss_sum = loss_sum.cpu().numpy().astype(np.float64)
     counts = np.array([len(p) for p in plans], dtype=float)
     with np.errstate(invalid="ignore", divide="ignore"):
         mean_loss = np.where(counts > 0, loss_sum / counts, np.nan)

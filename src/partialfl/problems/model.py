@@ -20,6 +20,13 @@ client (``[k, ...]``, e.g. during local θ-steps). Two execution paths give the 
 
 Dropout is off (the module is put in ``eval()`` mode) and buffers are not federated, so
 modules with BatchNorm running statistics are refused: use GroupNorm / LayerNorm.
+
+Devices and precision (:mod:`partialfl.devices`): the module, θ and w live on ``device``; the
+data stays in (pinned) host memory and each minibatch is copied with a non-blocking transfer,
+unless it is small enough to be kept on the device whole (``data_on_device``). ``precision``
+``bf16``/``fp16`` runs the forward pass under ``torch.autocast`` (fp16 with dynamic loss
+scaling); parameters and gradients stay fp32. All randomness comes from CPU generators, so a
+run takes the same steps on every device.
 """
 
 from __future__ import annotations
@@ -33,6 +40,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 from torch.func import functional_call, grad, vmap
 
+from partialfl.devices import LossScaler, amp_dtype, check_precision, resolve_device
 from partialfl.problems.base import check_cohort
 from partialfl.rng import torch_seed
 from partialfl.split import Split
@@ -91,6 +99,12 @@ class ModelProblem:
         chunk: examples per client per forward pass in full-data passes (loss, ∇θ, metrics).
         max_vmap_examples: at most this many examples in one vmapped call (clients × batch);
             larger cohorts are processed in groups of clients.
+        device: where the module, θ and w live (``cpu``, ``cuda``, ``cuda:N``, ``mps``,
+            ``auto``); the split's module is moved there.
+        precision: ``fp32``, ``bf16`` or ``fp16`` (autocast of the forward pass).
+        data_on_device: keep the whole dataset on ``device`` (True), in pinned host memory with
+            per-batch copies (False), or decide by size (None: on the device when it takes
+            under 1 GiB there).
     """
 
     def __init__(
@@ -104,6 +118,9 @@ class ModelProblem:
         vectorize: bool = True,
         chunk: int = 256,
         max_vmap_examples: int = 2048,
+        device: str | torch.device = "cpu",
+        precision: str = "fp32",
+        data_on_device: bool | None = None,
     ) -> None:
         if not isinstance(split, Split):
             raise TypeError(f"split must be a partialfl.split.Split, got {type(split).__name__}")
@@ -116,8 +133,13 @@ class ModelProblem:
         for v, what in ((chunk, "chunk"), (max_vmap_examples, "max_vmap_examples")):
             if not isinstance(v, int) or v < 1:
                 raise ValueError(f"{what} must be a positive integer, got {v!r}")
+        self.device = resolve_device(device)
+        self.precision = check_precision(precision, self.device)
+        self._amp = amp_dtype(self.precision)
+        self._acc = torch.float32 if self.device.type == "mps" else torch.float64
+        self.scaler = LossScaler() if self.precision == "fp16" else None
         self.split = split
-        self.module = split.model.eval()
+        self.module = split.model.to(self.device).eval()
         self.data = data
         self.loss_fn, self.metric = loss_fn, metric
         self.vectorize = bool(vectorize)
@@ -130,7 +152,8 @@ class ModelProblem:
         self.w_shapes = {n: tuple(v.shape) for n, v in w0.items()}
         self.w_pretrained = self._check_w(w0 if w_pretrained is None else w_pretrained)
         self.num_clients = data.num_clients
-        self._store = {s: _FlatSplit(data, s) for s in ("train", "test")}
+        self._store = {s: _FlatSplit(data, s, self.device, data_on_device)
+                       for s in ("train", "test")}
         self._step_fn = self._build_step_fn()
         self._sum_grad_fn = self._build_sum_grad_fn()
         self._forward_fn = self._build_forward_fn()
@@ -142,7 +165,7 @@ class ModelProblem:
                            f"got {sorted(w)}")
         out = {}
         for n in self.w_names:
-            v = torch.as_tensor(w[n]).detach()
+            v = torch.as_tensor(w[n]).detach().to(self.device)
             if tuple(v.shape) != self.w_shapes[n]:
                 raise ValueError(f"personal value {n!r} has shape {tuple(v.shape)}, expected "
                                  f"{self.w_shapes[n]}")
@@ -168,11 +191,12 @@ class ModelProblem:
             return {n: v.unsqueeze(0).repeat(k, *([1] * v.dim()))
                     for n, v in self.w_pretrained.items()}
         if how == "zero":
-            return {n: torch.zeros((k, *s), dtype=self.w_pretrained[n].dtype)
+            return {n: torch.zeros((k, *s), dtype=self.w_pretrained[n].dtype,
+                                   device=self.device)
                     for n, s in self.w_shapes.items()}
         if how == "random":
             rows = [self._random_w(seed, round_, int(m)) for m in cohort]
-            return {n: torch.stack([r[n] for r in rows]) for n in self.w_names}
+            return {n: torch.stack([r[n] for r in rows]).to(self.device) for n in self.w_names}
         raise ValueError(f"unknown personal initialisation {how!r}; allowed: {', '.join(W_INITS)}")
 
     def _random_w(self, seed: int, round_: int, cid: int) -> Params:
@@ -182,7 +206,8 @@ class ModelProblem:
         with torch.random.fork_rng(devices=[]):
             torch.manual_seed(torch_seed(seed, "init_w", *round_path(round_), cid))
             for owner in owners:
-                fresh = copy.deepcopy(mods[owner])
+                # re-initialise a CPU copy: the CPU generator, hence the same w on every device
+                fresh = copy.deepcopy(mods[owner]).to("cpu")
                 fresh.reset_parameters()
                 for n, p in fresh.named_parameters():
                     full = f"{owner}.{n}" if owner else n
@@ -238,23 +263,26 @@ class ModelProblem:
         if self.vectorize and k > 1:
             b = max((len(x) for x in batches if x is not None), default=0)
             if b == 0:
-                return self._zeros_like_wrt(theta, w, wrt, k), torch.zeros(k)
+                return (self._zeros_like_wrt(theta, w, wrt, k),
+                        torch.zeros(k, device=self.device))
             idx, mask = store.padded(cohort, batches, b)
             train, frozen, tdims, fdims = self._arrange(theta, w, theta_dims, wrt)
             fn = self._vmapped(self._step_fn, (tdims, fdims))
-            g, loss = fn(train, frozen, store.x[idx], store.y[idx], mask)
+            x, y = store.take(idx)
+            g, loss = self._scaled(fn, train, frozen, x, y, mask)
             return g, loss.detach()
         grads, losses = [], []
         for i in range(k):
             bi = batches[i]
             if bi is None or len(bi) == 0:
                 grads.append(None)
-                losses.append(torch.zeros(()))
+                losses.append(torch.zeros((), device=self.device))
                 continue
             gi = store.gather(int(cohort[i]), bi)
             th_i = _row(theta, theta_dims, i)
             train, frozen, _, _ = self._arrange(th_i, _row(w, None, i), None, wrt)
-            g, loss = self._step_fn(train, frozen, *gi, torch.ones(len(bi)))
+            ones = torch.ones(len(bi), device=self.device)
+            g, loss = self._scaled(self._step_fn, train, frozen, *gi, ones)
             grads.append(g)
             losses.append(loss.detach())
         if any(g is None for g in grads):
@@ -294,30 +322,46 @@ class ModelProblem:
                  "both": self.theta_names + self.w_names}[wrt]
         shapes = {**self.theta_shapes, **self.w_shapes}
         ref = {**theta, **w}
-        return {n: torch.zeros((k, *shapes[n]), dtype=ref[n].dtype) for n in names}
+        return {n: torch.zeros((k, *shapes[n]), dtype=ref[n].dtype, device=ref[n].device)
+                for n in names}
 
     def _batch_loss(self, params: Params, x: Tensor, y: Tensor, mask: Tensor):
-        out = functional_call(self.module, params, (x,))
-        num, den = _pair(self.loss_fn(out, y))
+        if self._amp is None:
+            out = functional_call(self.module, params, (x,))
+            num, den = _pair(self.loss_fn(out, y))
+        else:
+            with torch.autocast(self.device.type, dtype=self._amp):
+                out = functional_call(self.module, params, (x,))
+                num, den = _pair(self.loss_fn(out, y))
+            num, den = num.float(), den.float()
         m = mask.to(num.dtype)
         return (num * m).sum(), (den * m).sum(), out
 
-    def _build_step_fn(self):
-        """``(train, frozen, x, y, mask) -> (∇_train mean loss, mean loss)``."""
+    def _scaled(self, fn, *args):
+        """``fn(*args, scale) -> (grads of scale·loss, aux)``, unscaled: fp16 runs it under
+        the dynamic loss scaler, other precisions with scale None (= 1)."""
+        if self.scaler is None:
+            return fn(*args, None)
+        return self.scaler.run(lambda scale: fn(*args, scale))
 
-        def mean_loss(train, frozen, x, y, mask):
+    def _build_step_fn(self):
+        """``(train, frozen, x, y, mask, scale) -> (∇_train scale·mean loss, mean loss)``
+        (``scale`` None: 1)."""
+
+        def mean_loss(train, frozen, x, y, mask, scale):
             s, d, _ = self._batch_loss({**frozen, **train}, x, y, mask)
             val = s / torch.clamp(d, min=1e-12)
-            return val, val.detach()
+            return (val if scale is None else val * scale), val.detach()
 
         return grad(mean_loss, has_aux=True)
 
     def _build_sum_grad_fn(self):
-        """``(train, frozen, x, y, mask) -> (∇_train Σ masked loss, Σ weights)``."""
+        """``(train, frozen, x, y, mask, scale) -> (∇_train scale·Σ masked loss, Σ weights)``.
+        """
 
-        def sum_loss(train, frozen, x, y, mask):
+        def sum_loss(train, frozen, x, y, mask, scale):
             s, d, _ = self._batch_loss({**frozen, **train}, x, y, mask)
-            return s, d.detach()
+            return (s if scale is None else s * scale), d.detach()
 
         return grad(sum_loss, has_aux=True)
 
@@ -337,7 +381,7 @@ class ModelProblem:
         key = (id(fn), tuple(sorted(dims[0].items())), tuple(sorted(dims[1].items())))
         out = self._vcache.get(key)
         if out is None:
-            out = self._vcache[key] = vmap(fn, in_dims=(dims[0], dims[1], 0, 0, 0))
+            out = self._vcache[key] = vmap(fn, in_dims=(dims[0], dims[1], 0, 0, 0, None))
         return out
 
     def _vmapped_fwd(self, fn, dims: dict):
@@ -370,14 +414,15 @@ class ModelProblem:
         sizes = store.sizes[cohort]
         nchunks = int(np.ceil(sizes.max() / self.chunk)) if sizes.max() > 0 else 0
         acc = self._zeros_like_wrt(theta, w, wrt, k)
-        den = torch.zeros(k)
+        den = torch.zeros(k, device=self.device)
         if self.vectorize and k > 1:
             train, frozen, tdims, fdims = self._arrange(theta, w, theta_dims, wrt)
             fn = self._vmapped(self._sum_grad_fn, (tdims, fdims))
             for j in range(nchunks):
                 batches = _chunk_batches(sizes, j, self.chunk)
                 idx, mask = store.padded(cohort, batches, max(len(b) for b in batches))
-                g, d = fn(train, frozen, store.x[idx], store.y[idx], mask)
+                x, y = store.take(idx)
+                g, d = self._scaled(fn, train, frozen, x, y, mask)
                 for n in acc:
                     acc[n] += g[n]
                 den += d
@@ -388,8 +433,9 @@ class ModelProblem:
                 n_i = int(sizes[i])
                 for j in range(0, n_i, self.chunk):
                     bi = np.arange(j, min(n_i, j + self.chunk))
-                    g, d = self._sum_grad_fn(train, frozen, *store.gather(int(cohort[i]), bi),
-                                               torch.ones(len(bi)))
+                    xy = store.gather(int(cohort[i]), bi)
+                    ones = torch.ones(len(bi), device=self.device)
+                    g, d = self._scaled(self._sum_grad_fn, train, frozen, *xy, ones)
                     for n in acc:
                         acc[n][i] += g[n]
                     den[i] += d
@@ -402,7 +448,7 @@ class ModelProblem:
         k = len(cohort)
         theta_dims = self._theta_dims(theta, k)
         store = self._store[split]
-        sums = np.zeros((4, k))
+        sums = torch.zeros((4, k), dtype=self._acc, device=self.device)
         fwd = self._forward_fn
         with torch.no_grad():
             for sl in self._groups(k, self.chunk):
@@ -419,8 +465,8 @@ class ModelProblem:
                     for j in range(nchunks):
                         batches = _chunk_batches(sizes, j, self.chunk)
                         idx, mask = store.padded(sub, batches, max(len(b) for b in batches))
-                        res = fn(params, store.x[idx], store.y[idx], mask)
-                        sums[:, sl] += torch.stack(res).numpy()
+                        res = fn(params, *store.take(idx), mask)
+                        sums[:, sl] += torch.stack(res).to(self._acc)
                 else:
                     for i in range(kk):
                         params = {**_row(th, {n: theta_dims[n] for n in th}, i),
@@ -428,8 +474,10 @@ class ModelProblem:
                         n_i = int(sizes[i])
                         for j in range(0, n_i, self.chunk):
                             bi = np.arange(j, min(n_i, j + self.chunk))
-                            res = fwd(params, *store.gather(int(sub[i]), bi), torch.ones(len(bi)))
-                            sums[:, sl.start + i] += torch.stack(res).numpy()
+                            res = fwd(params, *store.gather(int(sub[i]), bi),
+                                      torch.ones(len(bi), device=self.device))
+                            sums[:, sl.start + i] += torch.stack(res).to(self._acc)
+        sums = sums.cpu().numpy()
         if what == "loss":
             return sums[0], sums[1]
         return sums[0], sums[1], sums[2], sums[3]
@@ -455,9 +503,17 @@ def _check_split(split: str) -> str:
 
 
 class _FlatSplit:
-    """One split of a FederatedDataset as flat tensors + per-client offsets."""
+    """One split of a FederatedDataset as flat tensors + per-client offsets.
 
-    def __init__(self, data, split: str) -> None:
+    On a CPU device the tensors are used in place. On an accelerator they are either moved to
+    the device whole (``on_device``; None: when they take under 1 GiB) or kept in pinned host
+    memory, and each gathered batch is copied with a non-blocking transfer."""
+
+    DEVICE_BUDGET = 1 << 30
+
+    def __init__(self, data, split: str, device: torch.device | None = None,
+                 on_device: bool | None = None) -> None:
+        device = torch.device("cpu") if device is None else device
         xs, ys = getattr(data, f"{split}_x"), getattr(data, f"{split}_y")
         self.sizes = np.array([y.shape[0] for y in ys], dtype=np.int64)
         self.offsets = np.concatenate([[0], np.cumsum(self.sizes)[:-1]]).astype(np.int64)
@@ -466,14 +522,34 @@ class _FlatSplit:
         if self.x.shape[0] == 0:  # keep indexing valid for all-empty splits
             self.x = torch.zeros((1, *xs[0].shape[1:]), dtype=xs[0].dtype)
             self.y = torch.zeros((1, *ys[0].shape[1:]), dtype=ys[0].dtype)
+        self.device = device
+        self.resident = True
+        if device.type != "cpu":
+            nbytes = sum(t.element_size() * t.numel() for t in (self.x, self.y))
+            self.resident = nbytes < self.DEVICE_BUDGET if on_device is None else bool(on_device)
+            if self.resident:
+                self.x, self.y = self.x.to(device), self.y.to(device)
+            elif device.type == "cuda":
+                self.x, self.y = self.x.pin_memory(), self.y.pin_memory()
+
+    def take(self, idx: Tensor) -> tuple[Tensor, Tensor]:
+        """Examples at global indices ``idx`` (any shape), on the device."""
+        if self.device.type == "cpu":
+            return self.x[idx], self.y[idx]
+        if self.resident:
+            idx = idx.to(self.device, non_blocking=True)
+            return self.x[idx], self.y[idx]
+        x, y = self.x[idx], self.y[idx]
+        if self.device.type == "cuda":
+            x, y = x.pin_memory(), y.pin_memory()
+        return x.to(self.device, non_blocking=True), y.to(self.device, non_blocking=True)
 
     def gather(self, m: int, idx: np.ndarray) -> tuple[Tensor, Tensor]:
-        g = torch.from_numpy(self.offsets[m] + np.asarray(idx, dtype=np.int64))
-        return self.x[g], self.y[g]
+        return self.take(torch.from_numpy(self.offsets[m] + np.asarray(idx, dtype=np.int64)))
 
     def padded(self, cohort: np.ndarray, batches, b: int) -> tuple[Tensor, Tensor]:
-        """Global indices ``[k, b]`` (padding repeats the client's first example, or example 0)
-        and the float mask ``[k, b]``."""
+        """Global indices ``[k, b]`` (padding repeats the client's first example, or example 0;
+        on the host) and the float mask ``[k, b]`` (on the device)."""
         k = len(cohort)
         idx = np.zeros((k, b), dtype=np.int64)
         mask = np.zeros((k, b), dtype=np.float32)
@@ -483,7 +559,10 @@ class _FlatSplit:
             if bi is not None and len(bi):
                 idx[i, : len(bi)] = base + np.asarray(bi)
                 mask[i, : len(bi)] = 1.0
-        return torch.from_numpy(idx), torch.from_numpy(mask)
+        mask_t = torch.from_numpy(mask)
+        if self.device.type != "cpu":
+            mask_t = mask_t.to(self.device, non_blocking=True)
+        return torch.from_numpy(idx), mask_t
 
 
 def _row(tree: Params, dims: Mapping[str, int | None] | None, i: int) -> Params:

@@ -1,0 +1,187 @@
+"""One-call check of the accelerator path: CPU-vs-GPU agreement of θ and backend timings.
+
+1. **Agreement.** The same FFGG run (output-layer split, 10 clients per round, one epoch of
+   SGD fine-tuning, then ∇_θ on each client's data) for ``--rounds`` rounds (default 20) on
+   the CPU (sequential backend, the reference path) and on the GPU (sequential and vmap
+   backends, fp32 with TF32 off; and bf16 autocast, reported, not checked). Every random draw
+   comes from CPU generators derived from (seed, round, client), so the runs take the same
+   steps; θ must agree to ``--tol`` (relative L2 distance).
+2. **Timing.** Seconds per FFGG round of the sequential and the vmap backend for 10 and 100
+   clients per round (on the GPU with default TF32 settings; and on the CPU for 10 clients),
+   one warm-up round then ``--repeats`` timed rounds, in this one process, and the
+   vmap/sequential ratio.
+
+On a machine without a GPU the CPU half runs and the GPU half is reported as skipped.
+
+Data: synthetic FEMNIST-shaped clients (28×28 images in [0, 1], 62 classes, 100–180 training
+examples per client, class prototypes plus noise, a per-client label shift) so that 100
+clients per round exist; or the shared FEMNIST writers with ``--data-dir`` (84 clients).
+
+    python benchmarks/device_check.py [--quick] [--json out.json] [--model leaf_cnn]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import time
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from partialfl.algorithms.model import model_ffgg
+from partialfl.data.federated import FederatedDataset
+from partialfl.local.sgd import SGDConfig
+from partialfl.models import make_model
+from partialfl.problems.model import ModelProblem
+from partialfl.runtime import BatchedBackend, SequentialBackend, run_rounds
+from partialfl.server import SGD
+from partialfl.split import make_split
+
+
+def synthetic_femnist(num_clients: int, seed: int = 0, classes: int = 62) -> FederatedDataset:
+    """FEMNIST-shaped clients: x = prototype[y] + noise, labels shifted per client."""
+    rng = np.random.default_rng(seed)
+    protos = rng.random((classes, 1, 28, 28)).astype(np.float32)
+    tx, ty, vx, vy = [], [], [], []
+    for _ in range(num_clients):
+        shift = int(rng.integers(classes))
+        for xs, ys, n in ((tx, ty, int(rng.integers(100, 181))), (vx, vy, 20)):
+            y = rng.integers(0, classes, n)
+            x = protos[(y + shift) % classes] + 0.5 * rng.standard_normal((n, 1, 28, 28))
+            xs.append(torch.from_numpy(np.clip(x, 0, 1).astype(np.float32)))
+            ys.append(torch.from_numpy(y.astype(np.int64)))
+    return FederatedDataset(tx, ty, vx, vy, [f"s{i}" for i in range(num_clients)], classes,
+                            "synthetic FEMNIST-shaped clients")
+
+
+def load_data(args) -> FederatedDataset:
+    if args.data_dir:
+        from partialfl.data.femnist import load_femnist_npz
+
+        return load_femnist_npz(data_dir=args.data_dir)
+    return synthetic_femnist(args.clients)
+
+
+def _problem(data, args, device: str, vectorize: bool, precision: str = "fp32") -> ModelProblem:
+    model = make_model(args.model, data.num_classes, seed=0)
+    split = make_split(model, "output")
+    big = device != "cpu"
+    return ModelProblem(split, data, vectorize=vectorize, device=device, precision=precision,
+                        chunk=args.chunk, max_vmap_examples=(1 << 15) if big else 2048)
+
+
+def _algorithm():
+    return model_ffgg(SGDConfig(lr=0.05, epochs=1, batch_size=32), server_opt=SGD(lr=0.5))
+
+
+def _sync(device: str) -> None:
+    if device.startswith("cuda"):
+        torch.cuda.synchronize()
+
+
+def ffgg_theta(data, args, device: str, backend: str, rounds: int, k: int,
+               precision: str = "fp32") -> dict[str, torch.Tensor]:
+    """θ after ``rounds`` FFGG rounds (k clients per round), on the host."""
+    p = _problem(data, args, device, backend == "vmap", precision)
+    be = BatchedBackend() if backend == "vmap" else SequentialBackend()
+    res = run_rounds(p, _algorithm(), rounds, clients_per_round=k, seed=args.seed, backend=be)
+    return {n: v.detach().cpu().double() for n, v in res.state.theta.items()}
+
+
+def rel_dist(a: dict, b: dict) -> float:
+    num = sum(float(((a[n] - b[n]) ** 2).sum()) for n in a)
+    den = sum(float((a[n] ** 2).sum()) for n in a)
+    return math.sqrt(num / max(den, 1e-300))
+
+
+def round_seconds(data, args, device: str, backend: str, k: int) -> float:
+    """Mean seconds of one FFGG round with k clients (after one warm-up round)."""
+    p = _problem(data, args, device, backend == "vmap")
+    be = BatchedBackend() if backend == "vmap" else SequentialBackend()
+    alg = _algorithm()
+    run_rounds(p, alg, 1, clients_per_round=k, seed=args.seed, backend=be)  # warm-up
+    _sync(device)
+    t = time.perf_counter()
+    run_rounds(p, alg, args.repeats, clients_per_round=k, seed=args.seed + 1, backend=be)
+    _sync(device)
+    return (time.perf_counter() - t) / args.repeats
+
+
+def main(argv: list[str] | None = None) -> dict:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--model", default="leaf_cnn")
+    ap.add_argument("--clients", type=int, default=120, help="synthetic clients (>= 100)")
+    ap.add_argument("--data-dir", default=None, help="use the shared FEMNIST writers instead")
+    ap.add_argument("--rounds", type=int, default=20, help="rounds of the agreement check")
+    ap.add_argument("--repeats", type=int, default=3, help="timed rounds per measurement")
+    ap.add_argument("--cohorts", type=int, nargs="+", default=[10, 100])
+    ap.add_argument("--chunk", type=int, default=256)
+    ap.add_argument("--tol", type=float, default=1e-4)
+    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--quick", action="store_true",
+                    help="smoke size: 12 clients, 2 rounds, cohorts 4, emnist_cnn")
+    ap.add_argument("--json", default=None, help="also write the results to this JSON file")
+    args = ap.parse_args(argv)
+    if args.quick:
+        args.clients, args.rounds, args.repeats, args.cohorts = 12, 2, 1, [4]
+        args.model = "emnist_cnn"
+    data = load_data(args)
+    M = data.num_clients
+    cohorts = [k for k in args.cohorts if k <= M]
+    k_agree = min(10, M)
+    gpu = torch.cuda.is_available()
+    out: dict = {"model": args.model, "clients": M, "rounds": args.rounds,
+                 "torch": torch.__version__, "cpu_threads": torch.get_num_threads(),
+                 "gpu": torch.cuda.get_device_name(0) if gpu else None}
+    print(f"device check: {args.model}, {M} clients, torch {torch.__version__}, "
+          f"{'GPU ' + out['gpu'] if gpu else 'no GPU'}", flush=True)
+
+    # 1. agreement ----------------------------------------------------------------------
+    t = time.perf_counter()
+    ref = ffgg_theta(data, args, "cpu", "sequential", args.rounds, k_agree)
+    print(f"  CPU sequential reference: {args.rounds} rounds in "
+          f"{time.perf_counter() - t:.1f} s", flush=True)
+    agree: dict = {"cpu_vmap": rel_dist(ref, ffgg_theta(data, args, "cpu", "vmap",
+                                                         args.rounds, k_agree))}
+    if gpu:
+        torch.backends.cuda.matmul.allow_tf32 = False
+        torch.backends.cudnn.allow_tf32 = False
+        for be in ("sequential", "vmap"):
+            agree[f"cuda_{be}"] = rel_dist(ref, ffgg_theta(data, args, "cuda", be, args.rounds,
+                                                           k_agree))
+        agree["cuda_vmap_bf16 (not checked)"] = rel_dist(
+            ref, ffgg_theta(data, args, "cuda", "vmap", args.rounds, k_agree, "bf16"))
+        torch.backends.cuda.matmul.allow_tf32 = True
+        torch.backends.cudnn.allow_tf32 = True
+    out["agreement_rel_l2"] = agree
+    checked = {n: v for n, v in agree.items() if "not checked" not in n}
+    out["agreement_ok"] = all(v <= args.tol for v in checked.values())
+    for n, v in agree.items():
+        print(f"  ‖θ_{n} − θ_cpu‖/‖θ_cpu‖ after {args.rounds} rounds: {v:.2e}", flush=True)
+    print(f"  agreement {'OK' if out['agreement_ok'] else 'FAILED'} (tolerance {args.tol:g})")
+
+    # 2. timing -------------------------------------------------------------------------
+    timing: dict = {}
+    for dev in (["cuda"] if gpu else []) + ["cpu"]:
+        for k in cohorts if dev != "cpu" else cohorts[:1]:
+            row = {be: round_seconds(data, args, dev, be, k) for be in ("sequential", "vmap")}
+            row["vmap_speedup"] = row["sequential"] / row["vmap"]
+            timing[f"{dev} k={k}"] = row
+            print(f"  {dev:4s} {k:3d} clients/round: sequential {row['sequential']:.3f} s, "
+                  f"vmap {row['vmap']:.3f} s per round → vmap/sequential speed "
+                  f"{row['vmap_speedup']:.2f}×", flush=True)
+    out["seconds_per_round"] = timing
+    if not gpu:
+        out["gpu_half"] = "skipped: no CUDA GPU on this machine"
+        print("  GPU half skipped: no CUDA GPU on this machine")
+    if args.json:
+        Path(args.json).write_text(json.dumps(out, indent=1))
+    return out
+
+
+if __name__ == "__main__":
+    res = main()
+    raise SystemExit(0 if res["agreement_ok"] else 1)
