@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import re
 import subprocess
 import sys
 
@@ -60,7 +61,10 @@ def test_run_config_with_overrides(tmp_path, capsys):
 
 
 @pytest.mark.parametrize("data,match", [
-    ({"problem": {"nn": 3}}, "unknown key problem.'nn'"),
+    ({"problem": {"nn": 3}}, "unknown key 'problem.nn' (did you mean 'n'?)"),
+    ({"algorithm": {"tua": 3}}, "unknown key 'algorithm.tua' (did you mean 'tau'?); allowed "
+                                "keys in [algorithm]"),
+    ({"algorithm": {"name": "scafold"}}, "'scafold' is not allowed (did you mean 'scaffold'?)"),
     ({"problem": {"n": -4}}, "n must be a positive integer"),
     ({"algorithm": {"tau": 0}}, "algorithm.tau"),
     ({"algorithm": {"name": "fedprox"}}, "allowed: ffgg, local-gd, scaffold, l2gd"),
@@ -71,7 +75,7 @@ def test_run_config_with_overrides(tmp_path, capsys):
     ({"runs": {}}, "allowed keys"),
 ])
 def test_config_errors_name_the_problem(data, match):
-    with pytest.raises(ConfigError, match=match.replace("(", r"\(").replace(".", r"\.")):
+    with pytest.raises(ConfigError, match=re.escape(match)):
         cfg = load_closed_form(data)
         from partialfl.experiments.closed_form import build_problem, problem_config_for
 

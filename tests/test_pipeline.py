@@ -68,7 +68,8 @@ def test_config_validation_names_key_and_allowed_values():
     with pytest.raises(ConfigError, match=r"method.algorithm: 'fedprox' is not allowed; "
                                           r"allowed: fedavg, ffgg, local-ffgg, fedalt, fedsim"):
         PipelineConfig.from_dict({"method": {"algorithm": "fedprox"}})
-    with pytest.raises(ConfigError, match=r"unknown key method.'spilt'; allowed keys in "
+    with pytest.raises(ConfigError, match=r"unknown key 'method.spilt' \(did you mean "
+                                          r"'split'\?\); allowed keys in "
                                           r"\[method\]: algorithm, finetune_split"):
         PipelineConfig.from_dict({"method": {"spilt": "output"}})
     with pytest.raises(ConfigError, match="backend: 'gpu' is not allowed; allowed: "

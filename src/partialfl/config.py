@@ -9,6 +9,7 @@ command line's ``--set``).
 from __future__ import annotations
 
 import dataclasses
+import difflib
 import tomllib
 import types
 import typing
@@ -21,6 +22,31 @@ T = TypeVar("T")
 
 class ConfigError(ValueError):
     """A configuration value is unknown, of the wrong type, or not allowed."""
+
+
+def did_you_mean(value: object, allowed) -> str:
+    """``" (did you mean 'x'?)"`` naming the entry of ``allowed`` closest to ``value`` (by
+    :func:`difflib.get_close_matches`), or ``""`` when none is close."""
+    close = difflib.get_close_matches(str(value), [str(a) for a in allowed], n=1, cutoff=0.6)
+    return f" (did you mean {close[0]!r}?)" if close else ""
+
+
+def unknown_key_error(key: str, allowed, where: str = "") -> ConfigError:
+    """The error for a key that is not allowed: its dotted name quoted as a whole, the closest
+    allowed key (if any), then every allowed key, e.g. ``unknown key 'algorithm.tua' (did you
+    mean 'tau'?); allowed keys in [algorithm]: name, tau``."""
+    dotted = f"{where}.{key}" if where else key
+    table = f" in [{where}]" if where else ""
+    return ConfigError(f"unknown key {dotted!r}{did_you_mean(key, allowed)}; allowed keys"
+                       f"{table}: {', '.join(sorted(allowed))}")
+
+
+def check_choice(key: str, value, allowed) -> None:
+    """Raise a :class:`ConfigError` naming ``key``, the closest allowed value and all of them
+    unless ``value`` is one of ``allowed``."""
+    if value not in allowed:
+        raise ConfigError(f"{key}: {value!r} is not allowed{did_you_mean(value, allowed)}; "
+                          f"allowed: {', '.join(map(str, allowed))}")
 
 
 def _type_name(tp) -> str:
@@ -47,7 +73,8 @@ def _coerce(value: Any, tp, where: str):
         allowed = typing.get_args(tp)
         if value not in allowed:
             raise ConfigError(
-                f"{where}: {value!r} is not allowed; allowed: {', '.join(map(repr, allowed))}"
+                f"{where}: {value!r} is not allowed{did_you_mean(value, allowed)}; allowed: "
+                f"{', '.join(map(repr, allowed))}"
             )
         return value
     if origin in (tuple, list):
@@ -89,11 +116,7 @@ def from_dict(cls: type[T], data: Mapping[str, Any], where: str = "") -> T:
     fields = {f.name: f for f in dataclasses.fields(cls) if f.init}
     unknown = sorted(set(data) - set(fields))
     if unknown:
-        prefix = f"{where}." if where else ""
-        raise ConfigError(
-            f"unknown key {prefix}{unknown[0]!r}; allowed keys"
-            f"{' in [' + where + ']' if where else ''}: {', '.join(sorted(fields))}"
-        )
+        raise unknown_key_error(unknown[0], fields, where)
     kwargs = {}
     for name, value in data.items():
         kwargs[name] = _coerce(value, hints[name], f"{where}.{name}" if where else name)

@@ -13,7 +13,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from partialfl.algorithms import FFGG, L2GD, LocalGD, Scaffold
-from partialfl.config import ConfigError, from_dict, to_dict
+from partialfl.config import ConfigError, check_choice, from_dict, to_dict
 from partialfl.local import make_solver
 from partialfl.local.solvers import INITS, SOLVERS
 from partialfl.metrics import closed_form_metrics
@@ -26,9 +26,7 @@ PROBLEMS = ("least-squares", "glm")
 METHODS = ("ffgg", "local-gd", "scaffold", "l2gd")
 
 
-def _choice(name: str, value, allowed) -> None:
-    if value not in allowed:
-        raise ConfigError(f"{name}: {value!r} is not allowed; allowed: {', '.join(allowed)}")
+_choice = check_choice
 
 
 @dataclass(frozen=True)

@@ -41,7 +41,7 @@ from torch import nn
 
 from partialfl.algorithms.base import Algorithm
 from partialfl.algorithms.model import WEIGHTINGS, FedAlt, FedAvg, FedSim, LocalFFGG, model_ffgg
-from partialfl.config import ConfigError, from_dict, to_dict
+from partialfl.config import ConfigError, check_choice, from_dict, to_dict
 from partialfl.devices import DEVICES, PRECISIONS
 from partialfl.evaluation import (
     evaluate_model,
@@ -62,10 +62,7 @@ BACKENDS = ("sequential", "vmap")
 SCHEDULES = Schedule.KINDS
 
 
-def _choice(key: str, value, allowed) -> None:
-    if value not in allowed:
-        raise ConfigError(f"{key}: {value!r} is not allowed; allowed: "
-                          f"{', '.join(map(str, allowed))}")
+_choice = check_choice
 
 
 # ----------------------------------------------------------------------------- configs
