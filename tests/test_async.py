@@ -327,6 +327,9 @@ def test_reproduce_async_quick(tmp_path):
     summary = reproduce_async(tmp_path, quick=True, progress=False)
     text = summary.read_text()
     assert "| async FFGG |" in text and "Real concurrency" in text
+    from _summaries import check_standalone_summary
+
+    check_standalone_summary(text, quick=True)
     for name in ("async_error_steps.png", "async_error_time.png", "async_delays.png"):
         assert (tmp_path / name).stat().st_size > 0
     recs = read_jsonl(tmp_path / "async_seed0.jsonl")

@@ -313,6 +313,9 @@ def test_reproduce_byzantine_quick(tmp_path):
     summary = reproduce_byzantine(tmp_path, quick=True, progress=False)
     text = summary.read_text()
     assert "## BR-FFGG" in text and "## robust SGD on the shared model" in text
+    from _summaries import check_standalone_summary
+
+    check_standalone_summary(text, quick=True)
     for kind in KINDS:
         assert (tmp_path / f"byzantine_{kind}_delta{QUICK.fractions[0]:g}.png").stat().st_size
     recs = read_jsonl(tmp_path / f"byzantine_delta{QUICK.fractions[0]:g}_seed0.jsonl")

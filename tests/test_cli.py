@@ -8,6 +8,7 @@ import subprocess
 import sys
 
 import pytest
+from _summaries import check_standalone_summary
 
 from partialfl.cli import main
 from partialfl.config import ConfigError, apply_overrides, from_dict
@@ -37,7 +38,12 @@ def test_reproduce_ls_tau_quick_writes_everything(tmp_path, capsys):
         lines = (out / f"ffgg-tau{tau}.jsonl").read_text().splitlines()
         final[tau] = json.loads(lines[-1])["rel_dist2"]
     assert max(final[5], final[40]) < final[1] / 100  # more local work, better
-    assert "| ffgg | 40 |" in (out / "summary.md").read_text()
+    text = (out / "summary.md").read_text()
+    assert "| ffgg | 40 |" in text
+    check_standalone_summary(text, quick=True)
+    assert "| ‖θʳ−θ*‖²/‖θ⁰−θ*‖² |" in text  # the column says what the plot's axis says
+    # the quick size's τ ≥ 10 solve d_w = 10 exactly: their curves coincide, and it says so
+    assert "τ ∈ {10, 20, 30, 40}" in text or "τ ∈ {5, 10, 20, 30, 40}" in text
 
 
 def test_reproduce_ls_compare_quick(tmp_path):
@@ -46,6 +52,7 @@ def test_reproduce_ls_compare_quick(tmp_path):
     text = (out / "summary.md").read_text()
     for m in ("ffgg", "scaffold", "local-gd", "l2gd"):
         assert f"| {m} | 100 |" in text
+    check_standalone_summary(text, quick=True)
     for f in ("ls_compare_rounds.png", "ls_compare_grads.png", "ls_compare_loss.png"):
         assert (out / f).stat().st_size > 0
 
@@ -117,3 +124,131 @@ def test_every_shipped_config_is_valid():
     for f in files:
         cfg = load_closed_form({**load_toml(f), "name": f.stem})
         assert cfg.run.rounds > 0
+
+
+# ----------------------------------------------------------------------- what a new user meets
+def test_no_arguments_prints_help_and_exits_0(capsys):
+    assert main([]) == 0
+    out = capsys.readouterr().out
+    assert out.startswith("usage: partialfl") and "reproduce" in out and "evaluate" in out
+
+
+def test_version(capsys):
+    from partialfl import __version__
+
+    with pytest.raises(SystemExit) as e:
+        main(["--version"])
+    assert e.value.code == 0
+    assert capsys.readouterr().out.strip() == f"partialfl {__version__}"
+
+
+def test_reproduce_help_lists_every_name_and_says_what_quick_does(capsys):
+    from partialfl.experiments import REPRODUCTIONS
+
+    with pytest.raises(SystemExit) as e:
+        main(["reproduce", "--help"])
+    assert e.value.code == 0
+    out = " ".join(capsys.readouterr().out.split())
+    for name in REPRODUCTIONS:
+        assert f" {name} " in out
+    assert "(what CI runs)" not in out
+    assert "reduced size (fewer clients, rounds and seeds)" in out
+
+
+def test_list_into_a_closed_pipe_has_no_traceback():
+    # the reader is gone before partialfl writes (as with `partialfl list | head -0`)
+    p = subprocess.Popen([sys.executable, "-m", "partialfl", "list"], stdout=subprocess.PIPE,
+                         stderr=subprocess.PIPE)
+    p.stdout.close()
+    err = p.stderr.read().decode()
+    assert p.wait(timeout=60) == 141
+    assert "Traceback" not in err and "BrokenPipeError" not in err and err == ""
+
+
+def test_list_head_two_lines_through_a_shell():
+    r = subprocess.run(f"'{sys.executable}' -m partialfl list | head -2", shell=True,
+                       capture_output=True, text=True, timeout=60)
+    assert len(r.stdout.splitlines()) == 2 and r.stdout.startswith("ls-tau")
+    assert r.stderr == ""
+
+
+def test_run_writes_plot_and_summary_like_a_reproduction(tmp_path, capsys):
+    cfg = tmp_path / "small.toml"
+    cfg.write_text('[problem]\nnum_clients = 4\nn = 30\nd_theta = 5\nd_w = 2\n'
+                   '[algorithm]\nname = "ffgg"\nsolver = "cg"\ntau = 2\n[run]\nrounds = 20\n')
+    out = tmp_path / "o"
+    assert main(["run", str(cfg), "--out", str(out), "--no-progress"]) == 0
+    assert (out / "small.png").stat().st_size > 1000
+    text = (out / "summary.md").read_text()
+    last = json.loads((out / "small.jsonl").read_text().splitlines()[-1])
+    assert text.startswith("# small: ffgg on least-squares")
+    assert f"| ffgg | 2 | 20 | {last['rel_dist2']:.3e} |" in text
+    # the configuration as run is in the summary, and parses back to the same config
+    import tomllib
+
+    toml = text.split("```toml\n", 1)[1].split("```", 1)[0]
+    assert load_closed_form(tomllib.loads(toml)) == load_closed_form(
+        {**tomllib.loads(cfg.read_text()), "name": "small"})
+    assert "small.png" in capsys.readouterr().out
+
+
+def test_run_shows_progress_while_building_the_problem(tmp_path):
+    cfg = tmp_path / "p.toml"
+    cfg.write_text('[problem]\nnum_clients = 3\nn = 30\nd_theta = 5\nd_w = 2\n[run]\n'
+                   'rounds = 2\n')
+    r = subprocess.run([sys.executable, "-m", "partialfl", "run", str(cfg), "--out",
+                        str(tmp_path / "o")], capture_output=True, text=True, timeout=120)
+    assert r.returncode == 0, r.stderr
+    assert "building the problem (3 clients × 30 rows)" in r.stderr
+
+
+def test_evaluate_names_what_to_pass_for_a_folder_without_runs(tmp_path, capsys):
+    (tmp_path / "seed0").mkdir()
+    assert main(["evaluate", str(tmp_path)]) == 2
+    err = capsys.readouterr().err
+    assert "no finished run" in err and "seed0" in err and "runs/femnist-table" in err
+    (tmp_path / "seed0" / "config.json").write_text("{}")
+    assert main(["evaluate", str(tmp_path / "seed0")]) == 2
+    assert "has not finished" in capsys.readouterr().err
+
+
+def test_evaluate_finds_every_run_of_a_table_folder(tmp_path):
+    from partialfl.experiments.evaluate import find_runs
+
+    for run in ("seed0/fedavg", "seed0/ffgg-output", "seed1/fedavg", "stage1"):
+        (tmp_path / run).mkdir(parents=True)
+    for run in ("seed0/fedavg", "seed0/ffgg-output", "seed1/fedavg"):
+        (tmp_path / run / "deploy.pt").write_bytes(b"")
+    assert find_runs(tmp_path) == [tmp_path / "seed0" / "fedavg",
+                                   tmp_path / "seed0" / "ffgg-output",
+                                   tmp_path / "seed1" / "fedavg"]
+    assert find_runs(tmp_path / "seed1" / "fedavg") == [tmp_path / "seed1" / "fedavg"]
+
+
+def _fake_evaluation(accs, total=10.0):
+    import numpy as np
+
+    from partialfl.evaluation import Evaluation
+
+    accs = np.asarray(accs, float)
+    return Evaluation(accuracy=float(accs.mean()), per_client=accs, p10=float(accs.min()),
+                      p50=float(np.median(accs)), p90=float(accs.max()),
+                      mean_client=float(accs.mean()), loss=0.5, total=total)
+
+
+def test_evaluation_table_and_json_carry_client_ids():
+    from partialfl.experiments.evaluate import evaluation_table, to_json
+
+    res = {f"seed0/{m}": {"test": _fake_evaluation(accs), "before": _fake_evaluation([0.1, 0.2]),
+                          "train": _fake_evaluation([0.9, 1.0]), "num_clients": 2,
+                          "split": "output", "client_ids": ["f0001_23", "f0042_07"]}
+           for m, accs in (("fedavg", [0.5, 0.75]), ("ffgg-output", [0.25, 1.0]))}
+    text = evaluation_table(res)
+    assert "| seed0/fedavg | 2 | 15.00 | 62.50 | 50.00 / 62.50 / 75.00 | 62.50 |" in text
+    assert "| client | seed0/fedavg | seed0/ffgg-output |" in text
+    assert "| f0042_07 | 75.00 | 100.00 |" in text
+    js = json.loads(to_json(res))
+    assert js["seed0/ffgg-output"]["test"]["per_client"] == {"f0001_23": 0.25, "f0042_07": 1.0}
+    assert js["seed0/fedavg"]["before"]["accuracy"] == pytest.approx(0.15)
+    many = {f"run{i}": res["seed0/fedavg"] for i in range(5)}
+    assert "`--json`" in evaluation_table(many) and "| client |" not in evaluation_table(many)

@@ -51,6 +51,10 @@ def test_quick_table_runs_resumes_and_evaluates_new_writers(tmp_path, data_dir):
     for label, _ in METHODS:
         assert f"| {label} |" in text
     assert "## Deviations from the paper" in text
+    from _summaries import check_standalone_summary
+
+    check_standalone_summary(text, quick=True)
+    assert "300 rounds" not in text and "stage 1 6 rounds, stage 2 3 rounds" in text
     for png in ("learning_curves.png", "per_client_accuracy.png"):
         assert (tmp_path / png).stat().st_size > 1000
     res = json.loads((tmp_path / "results.json").read_text())["results"]

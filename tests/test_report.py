@@ -52,3 +52,59 @@ def test_markdown_table_and_docstring_bullets():
                                                                  "| 1 | 2 |"]
     doc = "Intro.\n\nDeviations:\n\n* first line\n  continues\n* second\n"
     assert docstring_bullets(doc, "Deviations:") == ["- first line continues", "- second"]
+
+
+def _table_results(labels):
+    return {lab: [{**run(0.7 + 0.01 * i, 0.6), "new_test_acc": 0.5,
+                   "split_counts": {"personal_params": 10, "global_params": 90},
+                   "per_client_test_acc": [0.6, 0.8]}]
+            for i, lab in enumerate(labels)}
+
+
+def test_femnist_summary_describes_its_own_run_and_stands_alone():
+    from _summaries import check_standalone_summary
+
+    from partialfl.experiments import femnist
+
+    res = _table_results([lab for lab, _ in femnist.METHODS])
+    info = {"train_writers": list("abcdefghijkl"), "new_writers": ["m", "n"]}
+    quick = femnist._summary(res, femnist.QUICK, info, 60.0, True)
+    check_standalone_summary(quick, quick=True)
+    assert "300 rounds" not in quick and "10 of the 84 writers" not in quick
+    assert "stage 1 6 rounds, stage 2 3 rounds on 12 training writers" in quick
+    full = femnist._summary(res, femnist.FULL, info, 60.0, False)
+    check_standalone_summary(full, quick=False)
+    assert "stage 1 300 rounds" in full and "Paper's claim: every FFGG split" in full
+
+
+def test_shakespeare_summary_describes_its_own_run_and_stands_alone():
+    from types import SimpleNamespace
+
+    from _summaries import check_standalone_summary
+
+    from partialfl.experiments import shakespeare
+
+    res = _table_results([lab for lab, _ in shakespeare.METHODS])
+    tf = SimpleNamespace(stats={"clients": 8, "train_sequences": 700, "test_sequences": 90,
+                                "vocab_words": 300, "test_coverage": 0.8, "seq_len": 20})
+    quick = shakespeare._summary(res, shakespeare.QUICK, tf, 60.0, True)
+    check_standalone_summary(quick, quick=True)
+    assert "200 pre-training rounds" not in quick and "3 pre-training rounds" in quick
+    full = shakespeare._summary(res, shakespeare.FULL, tf, 60.0, False)
+    check_standalone_summary(full, quick=False)
+    assert "200 pre-training rounds" in full
+
+
+def test_plain_markdown_turns_sphinx_roles_into_code():
+    from partialfl.experiments.report import plain_markdown
+
+    assert plain_markdown("see :mod:`partialfl.split` and :data:`~a.b.FULL`, :func:`f`") == \
+        "see `partialfl.split` and `FULL`, `f`"
+
+
+def test_versus_fedavg_without_verdict_reports_numbers_only():
+    res = {"FedAvg": [run(0.8, 0.7)], "FFGG (output)": [run(0.6, 0.6)]}
+    lines = versus_fedavg(res, "head", claim_margin=0.01, verdict=False)
+    text = "\n".join(lines)
+    assert "FFGG (output): 60.00%" in text
+    assert "holds" not in text and "not judged" in text and "too small" in text

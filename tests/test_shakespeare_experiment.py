@@ -44,6 +44,9 @@ def _check_outputs(out, size):
     for label, _ in METHODS:
         assert f"| {label}" in summary
     assert "Deviations from the paper" in summary
+    from _summaries import check_standalone_summary
+
+    check_standalone_summary(summary, quick=size not in (FULL, PAPER))
     res = json.loads((out / "results.json").read_text())["results"]
     assert set(res) == {label for label, _ in METHODS}
     for label, method in METHODS:

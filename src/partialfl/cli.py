@@ -1,11 +1,14 @@
-"""Command line: ``partialfl reproduce NAME``, ``partialfl run CONFIG``, ``partialfl list``."""
+"""Command line: ``partialfl reproduce NAME``, ``partialfl run CONFIG``, ``partialfl list``,
+``partialfl evaluate RUN``."""
 
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 from pathlib import Path
 
+from partialfl import __version__
 from partialfl.config import ConfigError, apply_overrides, load_toml
 
 
@@ -31,42 +34,47 @@ def _cmd_reproduce(args) -> int:
 
 
 def _cmd_run(args) -> int:
-    from partialfl.experiments.closed_form import load_closed_form, run_closed_form
+    from partialfl.experiments.closed_form import load_closed_form, run_and_report
 
     data = apply_overrides(load_toml(args.config), args.set or [])
     data.setdefault("name", Path(args.config).stem)
     cfg = load_closed_form(data)
     out = Path(args.out or Path("runs") / cfg.name)
-    res = run_closed_form(cfg, out, progress=not args.no_progress)
+    res, summary = run_and_report(cfg, out, progress=not args.no_progress)
     last = res.history[-1]
     print(" ".join(f"{k}={v:.6g}" if isinstance(v, float) else f"{k}={v}"
                    for k, v in last.items()))
-    print(f"metrics written to {out / (cfg.name + '.jsonl')}")
+    print(f"results written to {out}/ ({cfg.name}.jsonl, {cfg.name}.png, {summary.name})")
     return 0
-
-
-def _jsonable(o):
-    import dataclasses
-
-    if dataclasses.is_dataclass(o):
-        return dataclasses.asdict(o)
-    if hasattr(o, "tolist"):
-        return o.tolist()
-    return str(o)
 
 
 def _cmd_evaluate(args) -> int:
-    import json
+    from partialfl.experiments.evaluate import evaluate_runs, evaluation_table, to_json
 
-    from partialfl.experiments.femnist import evaluate_new_writers
-
-    res = evaluate_new_writers(args.run, args.data_dir, finetune_epochs=args.finetune_epochs,
-                               lr=args.lr)
-    text = json.dumps(res, indent=2, default=_jsonable)
-    if args.json:
-        Path(args.json).write_text(text)
-    print(text)
+    results = evaluate_runs(args.run, args.data_dir, finetune_epochs=args.finetune_epochs,
+                            lr=args.lr, progress=not args.no_progress)
+    if args.json is None:
+        print(evaluation_table(results))
+        return 0
+    text = to_json(results)
+    if args.json == "-":
+        print(text)
+    else:
+        path = Path(args.json)
+        tmp = path.with_name(path.name + ".tmp")
+        tmp.write_text(text)
+        tmp.replace(path)
+        print(evaluation_table(results))
+        print(f"metrics written to {path}")
     return 0
+
+
+def _reproductions_epilog() -> str:
+    from partialfl.experiments import REPRODUCTIONS
+
+    width = max(map(len, REPRODUCTIONS))
+    return "reproductions (NAME):\n" + "\n".join(
+        f"  {name:<{width}}  {desc}" for name, (_, _, desc) in REPRODUCTIONS.items())
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -74,14 +82,20 @@ def build_parser() -> argparse.ArgumentParser:
         prog="partialfl",
         description="Partially personalized federated learning (FFGG and baselines).",
     )
-    sub = p.add_subparsers(dest="command", required=True)
+    p.add_argument("--version", action="version", version=f"%(prog)s {__version__}")
+    sub = p.add_subparsers(dest="command", metavar="COMMAND")
 
     s = sub.add_parser("list", help="list the reproductions")
     s.set_defaults(fn=_cmd_list)
 
-    s = sub.add_parser("reproduce", help="run a paper reproduction (see `partialfl list`)")
-    s.add_argument("name")
-    s.add_argument("--quick", action="store_true", help="reduced size (what CI runs)")
+    s = sub.add_parser("reproduce", help="run a paper reproduction (see `partialfl list`)",
+                       epilog=_reproductions_epilog(),
+                       formatter_class=argparse.RawDescriptionHelpFormatter)
+    s.add_argument("name", metavar="NAME", help="which reproduction (listed below)")
+    s.add_argument("--quick", action="store_true",
+                   help="a reduced size (fewer clients, rounds and seeds) that runs in seconds "
+                        "to minutes and checks that everything works; too small to support "
+                        "the paper's conclusions")
     s.add_argument("--out", help="output folder (default runs/NAME)")
     s.add_argument("--data-dir", help="folder with the real data (default: $PARTIALFL_DATA_DIR "
                    "or ../shared/data)")
@@ -93,12 +107,16 @@ def build_parser() -> argparse.ArgumentParser:
         "evaluate",
         help="fine-tune w on new clients (writers held out of a femnist-table run) for a "
              "trained θ and report pooled accuracy and its distribution over clients")
-    s.add_argument("run", help="a finished run folder, e.g. runs/femnist-table/ffgg-output/"
-                   "seed0 (it holds deploy.pt and config.json)")
+    s.add_argument("run", help="a finished run folder, e.g. runs/femnist-table/seed0/"
+                   "ffgg-output (it holds deploy.pt and config.json), or a whole table "
+                   "folder such as runs/femnist-table: every finished run in it is evaluated")
     s.add_argument("--data-dir", help="folder with femnist_leaf_subset.npz")
     s.add_argument("--finetune-epochs", type=int, help="default: the run's stage-3 epochs")
     s.add_argument("--lr", type=float, help="default: the run's stage-3 learning rate")
-    s.add_argument("--json", help="also write the metrics to this file")
+    s.add_argument("--json", nargs="?", const="-", metavar="FILE",
+                   help="print the metrics (per-client ones by client id) as JSON instead "
+                        "of a table; with FILE, write them there and print the table")
+    s.add_argument("--no-progress", action="store_true", help="no progress bar")
     s.set_defaults(fn=_cmd_evaluate)
 
     s = sub.add_parser("run", help="run one closed-form experiment from a TOML config")
@@ -111,10 +129,26 @@ def build_parser() -> argparse.ArgumentParser:
     return p
 
 
+def _stdout_closed() -> int:
+    """The reader of our stdout went away (``partialfl list | head -2``): stop quietly, as a
+    command-line tool does, instead of a BrokenPipeError traceback at exit."""
+    devnull = os.open(os.devnull, os.O_WRONLY)
+    os.dup2(devnull, sys.stdout.fileno())
+    return 141  # 128 + SIGPIPE, what the shell reports for a tool stopped this way
+
+
 def main(argv: list[str] | None = None) -> int:
-    args = build_parser().parse_args(argv)
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    if args.command is None:
+        parser.print_help()
+        return 0
     try:
-        return args.fn(args)
+        rc = args.fn(args)
+        sys.stdout.flush()
+        return rc
+    except BrokenPipeError:
+        return _stdout_closed()
     except (ConfigError, ValueError, NotImplementedError, FileNotFoundError) as e:
         print(f"partialfl: error: {e}", file=sys.stderr)
         return 2

@@ -39,7 +39,7 @@ import numpy as np
 from partialfl.algorithms.asynchronous import FedAsync, FedBuff, joint_sgd
 from partialfl.algorithms.ffgg import FFGG
 from partialfl.algorithms.joint import LocalGD
-from partialfl.experiments.report import markdown_table
+from partialfl.experiments.report import REL_DIST2, markdown_table, quick_note
 from partialfl.local import make_solver
 from partialfl.problems.overpersonalized import OverpersonalizedLeastSquares
 from partialfl.runtime import JsonlLogger, run_rounds
@@ -327,8 +327,11 @@ def _summary(results: list[dict], study: AsyncStudy, quick: bool, seconds: float
              "each method's stepsize is its best on the grid "
              f"{', '.join(f'{c:g}' for c in study.lr_grid)} (× 1/L, 1/L_joint, or η), per seed.",
              ""]
+    if quick:
+        lines += [quick_note(f"{study.num_clients} clients, budget T = {study.time_budget:g}, "
+                             f"{len(study.lr_grid)} stepsizes, {len(seeds)} seed(s)"), ""]
     header = ["method", "stepsize (seed " + str(seeds[0]) + ")", "server steps",
-              "client updates", "mean / max delay", "final ‖θ−θ*‖²/‖θ*‖² (median)",
+              "client updates", "mean / max delay", f"final {REL_DIST2} (median; θ⁰ = 0)",
               "time to 1e-8 (median)"]
     rows = []
     for method in METHODS:

@@ -35,7 +35,7 @@ from partialfl.algorithms.asynchronous import joint_sgd
 from partialfl.algorithms.byzantine import ByzantineConfig, ByzantineRobust
 from partialfl.algorithms.ffgg import FFGG
 from partialfl.attacks import make_attack
-from partialfl.experiments.report import markdown_table
+from partialfl.experiments.report import markdown_table, quick_note
 from partialfl.local import make_solver
 from partialfl.problems.overpersonalized import OverpersonalizedLeastSquares
 from partialfl.runtime import JsonlLogger, run_rounds
@@ -218,6 +218,9 @@ def _summary(rows, study, problem_stats, quick, seconds) -> str:
         "non-personalized floor).",
         "",
     ]
+    if quick:
+        lines += [quick_note(f"{study.num_clients} clients, {study.rounds} rounds, δ ∈ "
+                             f"{{{', '.join(f'{d:.0%}' for d in study.fractions)}}}"), ""]
     header = ["attack"] + [f"{a}{'+b' if s > 1 else ''}" for a in AGGREGATOR_GRID
                            for s in (1, study.bucket_size)]
     for delta in study.fractions:

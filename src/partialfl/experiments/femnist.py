@@ -8,9 +8,10 @@ pixels normalised with a per-pixel mean/std (``load_femnist_npz(normalize="emnis
 batch 32, 10 clients per round, 1 local epoch, FedAvg server (SGD, lr 1, on the mean model
 change), client lr 0.5 in pre-training (stage 1) and 0.01 in personalization (stage 2) and
 fine-tuning (stage 3: 5 epochs of w on every client). One pre-training (seed 0) is shared by
-all methods and seeds, as in the reference runs of TARGETS.md; stages 2–3 use seeds 0, 1, 2.
+all methods and seeds; stages 2–3 use seeds 0, 1, 2.
 
-Deviations, and why (also written into the summary):
+Deviations, and why (also written into the summary; the first two describe the full-size
+table :data:`FULL`, and a smaller run's summary states its own sizes instead):
 
 * Round counts are scaled to the 84-writer subset and a 2-core CPU budget of one hour for the
   whole table (:data:`FULL`): stage 1 300 rounds, stage 2 200 rounds (the paper runs
@@ -30,7 +31,7 @@ Deviations, and why (also written into the summary):
 * FedAvg is reported as is (column "before stage 3") and with stage-3 fine-tuning of its
   output layer ("FedAvg + FT", the final column).
 * Pixel std is floored at 0.1 (see :mod:`partialfl.data.femnist`); with this normalisation
-  client lr 0.5 trains stably (TARGETS.md: it diverged with 1 − x/255 pixels).
+  client lr 0.5 trains stably (it diverged in pre-training with pixels scaled as 1 − x/255).
 """
 
 from __future__ import annotations
@@ -63,6 +64,7 @@ from partialfl.experiments.report import (
     markdown_table,
     percent_mean_std,
     pipeline_plots,
+    quick_note,
     versus_fedavg,
 )
 from partialfl.models import make_model
@@ -95,7 +97,7 @@ FULL = Size(pretrain_rounds=300, rounds=200, eval_every=50, finetune_epochs=5,
             num_writers=None, holdout=HOLDOUT_WRITERS, seeds=DEFAULT_SEEDS, threads=1,
             workers=2)
 #: CI size: a few writers and rounds, one seed
-QUICK = Size(pretrain_rounds=6, rounds=3, eval_every=0, finetune_epochs=1, num_writers=14,
+QUICK = Size(pretrain_rounds=6, rounds=3, eval_every=1, finetune_epochs=1, num_writers=14,
              holdout=2, seeds=(0,), threads=1, workers=1)
 
 #: (row label, method) of the table, in order
@@ -242,8 +244,12 @@ def _summary(results, size: Size, info, seconds: float, quick: bool) -> str:
             for label, ms in results.items() if ms]
     header = ["method", "test acc % (final)", "before stage 3", "per-client p10 / p50 / p90",
               "train acc %", f"new writers ({len(info['new_writers'])})", "personal params"]
-    verdict = versus_fedavg(results, "output layer", claim_margin=0.01)
+    full = _full_size(size)
+    verdict = versus_fedavg(results, "output layer", claim_margin=0.01, verdict=full)
     n_train = len(info["train_writers"])
+    note = [quick_note(f"{size.pretrain_rounds} + {size.rounds} rounds, {n_train} + "
+                       f"{len(info['new_writers'])} writers, {size.finetune_epochs} fine-tuning "
+                       f"epoch(s), {len(size.seeds)} seed(s)"), ""] if not full else []
     lines = [
         f"# femnist-table: partial personalization on FEMNIST{' (quick)' if quick else ''}",
         "",
@@ -251,6 +257,7 @@ def _summary(results, size: Size, info, seconds: float, quick: bool) -> str:
         f"seeds {list(size.seeds)} (mean ± std over seeds of the pooled test accuracy, i.e. "
         "the example-weighted mean of per-client accuracies); percentiles are over clients.",
         "",
+        *note,
         markdown_table(header, rows),
         "",
         *verdict,
@@ -272,31 +279,55 @@ def _summary(results, size: Size, info, seconds: float, quick: bool) -> str:
         "",
         "## Deviations from the paper",
         "",
-        *_deviations(),
+        *_deviations(size, n_train),
         "",
     ]
     return "\n".join(lines)
 
 
-def _deviations() -> list[str]:
-    return docstring_bullets(__doc__, "Deviations, and why (also written into the summary):")
+def _full_size(size: Size) -> bool:
+    """Whether ``size`` is the full table's (any seeds, threads and workers)."""
+    return replace(size, seeds=FULL.seeds, threads=FULL.threads, workers=FULL.workers) == FULL
+
+
+#: how many of the docstring's deviations describe the full-size table's sizes
+_SIZE_DEVIATIONS = 2
+
+
+def _deviations(size: Size, n_train: int) -> list[str]:
+    """The module docstring's deviations; a run of another size than :data:`FULL` states its
+    own round counts and held-out writers instead of the full table's."""
+    bullets = docstring_bullets(__doc__, "Deviations, and why (also written into the summary;")
+    if _full_size(size):
+        return bullets
+    return [f"- Sizes of this run (smaller than the full-size table, to check that everything "
+            f"runs): stage 1 {size.pretrain_rounds} rounds, stage 2 {size.rounds} rounds on "
+            f"{n_train} training writers; {size.holdout} writers held out as new clients, each "
+            f"fine-tuning w for {size.finetune_epochs} epoch(s) on a trained θ (the `evaluate` "
+            "command).", *bullets[_SIZE_DEVIATIONS:]]
 
 
 def evaluate_new_writers(run_dir: str | Path, data_dir=None, *, finetune_epochs: int | None = None,
                          lr: float | None = None) -> dict:
     """The ``evaluate`` command for a table run: fine-tune w on the writers held out of the
-    run's training (listed in ``<table out>/data.json``) and report the same metrics."""
+    run's training (listed in ``<table out>/data.json``) and report the same metrics, plus
+    ``client_ids`` (the new writers, in the order of the per-client arrays)."""
     run_dir = Path(run_dir)
     info_file = next((p / "data.json" for p in (run_dir, *run_dir.parents)
                       if (p / "data.json").exists()), None)
     if info_file is None:
         raise FileNotFoundError(f"no data.json above {run_dir}: not a femnist-table run")
     info = json.loads(info_file.read_text())
+    if "new_writers" not in info:
+        raise ValueError(f"{run_dir} is not a femnist-table run ({info_file} lists no held-out "
+                         "writers); `evaluate` needs clients held out of training, which only "
+                         "the femnist-table reproduction keeps")
     if not info["new_writers"]:
         raise ValueError("this run held out no writers; nothing new to evaluate on")
     stats = (np.asarray(info["pixel_mean"], np.float32), np.asarray(info["pixel_std"], np.float32))
     full = load_femnist_npz(data_dir, normalize="emnist", pixel_stats=stats)
     ids = list(full.client_ids)
     new = full.subset([ids.index(c) for c in info["new_writers"]])
-    return evaluate_run(run_dir, new, finetune_epochs=finetune_epochs, lr=lr)
+    res = evaluate_run(run_dir, new, finetune_epochs=finetune_epochs, lr=lr)
+    return {**res, "client_ids": [str(c) for c in new.client_ids]}
 

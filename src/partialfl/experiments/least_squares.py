@@ -24,8 +24,9 @@ from partialfl.experiments.closed_form import (
     load_closed_form,
     problem_config_for,
     run_closed_form,
+    summary_markdown,
 )
-from partialfl.experiments.report import markdown_table, plot_curves
+from partialfl.experiments.report import REL_DIST2, plot_curves, quick_note
 
 
 def load_sweep(name: str, quick: bool) -> tuple[list[str], list[int], dict]:
@@ -103,26 +104,30 @@ def run_sweep(name: str, out_dir: Path, quick: bool, seeds, progress: bool,
     return rows
 
 
-def _first_round_below(history, key: str, thr: float):
-    for h in history:
-        if h[key] <= thr:
-            return h["round"]
-    return None
+def _size_notes(name: str, quick: bool, rows: list[dict]) -> list[str]:
+    """What this run was (sizes of the sweep's config), and for a quick run that its size
+    cannot support a verdict."""
+    _, _, base = load_sweep(name, quick)
+    p, r = base.get("problem", {}), base.get("run", {})
+    size = (f"{p.get('num_clients')} clients × {p.get('n'):,} rows, d_θ = {p.get('d_theta')}, "
+            f"d_w = {p.get('d_w')}, {r.get('rounds')} rounds, seeds "
+            f"{sorted({row['seed'] for row in rows})}")
+    return [quick_note(size) if quick else f"Size: {size} (the paper's Example 1).", ""]
 
 
-def _summary(rows: list[dict], title: str, notes: list[str]) -> str:
-    table = []
-    for r in rows:
-        last = r["history"][-1]
-        hit = _first_round_below(r["history"], "rel_dist2", 1e-8)
-        table.append([
-            r["method"], r["tau"], last["round"], f"{last['rel_dist2']:.3e}",
-            f"{last['F_norm2']:.3e}", f"{last['loss_gap']:.6g}", last["local_grads"],
-            "—" if hit is None else hit, f"{r['seconds']:.2f}",
-        ])
-    header = ["method", "τ", "rounds", "‖θ−θ*‖²/‖θ*‖²", "‖F(θ)‖²", "loss gap",
-              "local grads/client", "rounds to 1e-8", "seconds"]
-    return "\n".join([f"# {title}", "", markdown_table(header, table), "", *notes, ""])
+def _coinciding(rows: list[dict], rtol: float = 0.01) -> list[str]:
+    """A note naming the τ whose final distances agree within ``rtol`` (their curves lie on
+    top of each other; the plot staggers their markers)."""
+    groups: list[list[dict]] = []
+    for r in sorted(rows, key=lambda r: r["history"][-1]["rel_dist2"]):
+        v = r["history"][-1]["rel_dist2"]
+        if groups and abs(v - groups[-1][0]["history"][-1]["rel_dist2"]) <= rtol * v:
+            groups[-1].append(r)
+        else:
+            groups.append([r])
+    return [f"τ ∈ {{{', '.join(str(r['tau']) for r in sorted(g, key=lambda r: r['tau']))}}} "
+            f"end within {rtol:.0%} of each other, so their curves coincide in the plot (each "
+            "has its own line style and markers)." for g in groups if len(g) > 1]
 
 
 def reproduce_tau(out_dir: Path, *, quick: bool = False, seeds=None, data_dir=None,
@@ -133,13 +138,16 @@ def reproduce_tau(out_dir: Path, *, quick: bool = False, seeds=None, data_dir=No
     curves = {f"τ = {r['tau']}": r["history"] for r in rows}
     plot_curves(out_dir / "ls_tau.png", [curves],
                 titles=["FFGG (CG fine-tuning), Example 1"], x="round", y="rel_dist2",
-                ylabel="‖θʳ − θ*‖² / ‖θ⁰ − θ*‖²")
+                ylabel=REL_DIST2)
     plot_curves(out_dir / "ls_tau_F.png", [curves], titles=["FFGG (CG)"], x="round",
                 y="F_norm2", ylabel="‖F(θʳ)‖²")
     notes = ["Plots: `ls_tau.png` (relative squared distance to θ*), `ls_tau_F.png` (‖F‖²).",
+             *_coinciding(rows),
              "Loss gap: (1/M)Σ f_m(θ, w_m) − min_{θ,w} f_m with w_m from the CG fine-tuner."]
+    notes = _size_notes("ls-tau", quick, rows) + notes
     path = out_dir / "summary.md"
-    path.write_text(_summary(rows, "ls-tau: Figure 1(a)" + (" (quick)" if quick else ""), notes))
+    title = "ls-tau: Figure 1(a)" + (" (quick)" if quick else "")
+    path.write_text(summary_markdown(rows, title, notes))
     return path
 
 
@@ -152,9 +160,9 @@ def reproduce_compare(out_dir: Path, *, quick: bool = False, seeds=None, data_di
     panels = [{r["method"]: r["history"] for r in rows if r["tau"] == t} for t in taus]
     titles = [f"τ = {t}" for t in taus]
     plot_curves(out_dir / "ls_compare_rounds.png", panels, titles, x="round", y="rel_dist2",
-                ylabel="‖θʳ − θ*‖² / ‖θ⁰ − θ*‖²")
+                ylabel=REL_DIST2)
     plot_curves(out_dir / "ls_compare_grads.png", panels, titles, x="local_grads",
-                y="rel_dist2", ylabel="‖θʳ − θ*‖² / ‖θ⁰ − θ*‖²",
+                y="rel_dist2", ylabel=REL_DIST2,
                 xlabel="local gradient computations per client")
     plot_curves(out_dir / "ls_compare_loss.png", panels, titles, x="round", y="loss_gap",
                 ylabel="(1/M)Σ f_m(deployed) − min f_m")
@@ -165,7 +173,8 @@ def reproduce_compare(out_dir: Path, *, quick: bool = False, seeds=None, data_di
         "and is compared through the θ-part of its average model x̄ and its clients' own "
         "models. Only FFGG targets θ*, the solution of the partially personalized problem.",
     ]
+    notes = _size_notes("ls-compare", quick, rows) + notes
     path = out_dir / "summary.md"
     path.write_text(
-        _summary(rows, "ls-compare: Figure 1(b–d)" + (" (quick)" if quick else ""), notes))
+        summary_markdown(rows, "ls-compare: Figure 1(b–d)" + (" (quick)" if quick else ""), notes))
     return path

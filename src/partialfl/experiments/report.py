@@ -39,11 +39,13 @@ def accuracy_cells(runs: Sequence[dict]) -> list[str]:
 
 
 def versus_fedavg(results: dict[str, Sequence[dict]], ft_what: str,
-                  claim_margin: float | None = None) -> list[str]:
+                  claim_margin: float | None = None, verdict: bool = True) -> list[str]:
     """Markdown bullets comparing every ``FFGG …`` row of ``results`` (label -> runs) with the
     ``FedAvg`` row, both before its stage-3 fine-tuning (``test_acc_before_ft``) and after
     it (``ft_what`` names what FedAvg fine-tunes), and checking the paper's claims: every FFGG
-    split above FedAvg, and (with ``claim_margin``) the best one by at least that much."""
+    split above FedAvg, and (with ``claim_margin``) the best one by at least that much.
+    ``verdict=False`` (a run too small to tell) reports the numbers but no verdict on the
+    claims."""
     import numpy as np
 
     def mean(label: str, key: str) -> float:
@@ -66,6 +68,12 @@ def versus_fedavg(results: dict[str, Sequence[dict]], ft_what: str,
              f"- Ranking of the splits: {' > '.join(sorted(ffgg, key=ffgg.get, reverse=True))}; "
              f"best {best}, {100 * (ffgg[best] - fedavg):+.2f} points over FedAvg, "
              f"{100 * (ffgg[best] - fedavg_ft):+.2f} over FedAvg + FT."]
+    if not verdict:
+        claims = "every FFGG split above FedAvg" + (
+            f", the best by ≥ {100 * claim_margin:g} point(s)" if claim_margin is not None else "")
+        return [line for line in lines if not line.startswith("- Paper's claim")] + [
+            f"- Paper's claims ({claims}): not judged; this run is too small to support a "
+            "verdict."]
     if claim_margin is not None:
         lines.append(f"- Paper's claim: the best split beats FedAvg by ≥ {100 * claim_margin:g} "
                      f"point(s): {holds(ffgg[best] - fedavg >= claim_margin)} here vs FedAvg, "
@@ -73,44 +81,91 @@ def versus_fedavg(results: dict[str, Sequence[dict]], ft_what: str,
     return lines
 
 
+def quick_note(size: str) -> str:
+    """The line every quick run's summary carries: what its reduced ``size`` is and that it
+    cannot support a verdict on the paper's claims."""
+    return (f"**Quick run** ({size}): a reduced size that checks that everything runs end to "
+            "end; it is too small to support a verdict on the paper's claims (run without "
+            "`--quick` for the full size).")
+
+
+def plain_markdown(text: str) -> str:
+    """``text`` with Sphinx cross-reference roles (``:mod:`x```, ``:data:`~a.b```) turned
+    into plain markdown code (```x```, ```b```), so docstring prose reads well in a
+    summary."""
+    import re
+
+    def code(m: re.Match) -> str:
+        target = m.group(1)
+        if target.startswith("~"):
+            target = target.rsplit(".", 1)[-1]
+        return f"`{target}`"
+
+    return re.sub(r":(?:mod|data|func|class|meth|attr|obj|exc):`([^`]+)`", code, text)
+
+
 def docstring_bullets(doc: str, heading: str) -> list[str]:
     """The ``* `` bullets after ``heading`` in a module docstring, as markdown ``- `` items
     (so a reproduction's documented deviations are written into its summary verbatim)."""
     items: list[str] = []
     cur: list[str] = []
+    started = False
     for line in doc.split(heading, 1)[1].strip().splitlines():
         if line.startswith("* "):
             if cur:
                 items.append(" ".join(cur))
-            cur = [line[2:].strip()]
-        elif line.strip():
+            cur, started = [line[2:].strip()], True
+        elif line.strip() and started:
             cur.append(line.strip())
     if cur:
         items.append(" ".join(cur))
-    return [f"- {i}" for i in items]
+    return [f"- {plain_markdown(i).replace('``', '`')}" for i in items]
+
+
+#: the relative squared distance to θ* (``rel_dist2``), as plots and tables label it
+REL_DIST2 = "‖θʳ − θ*‖² / ‖θ⁰ − θ*‖²"
+
+#: (line style, marker) of the i-th curve of a panel: curves that coincide stay visible
+STYLES = (("-", "o"), ("--", "s"), ("-.", "^"), (":", "D"), ("-", "v"), ("--", "P"),
+          ("-.", "X"), (":", "*"))
 
 
 def plot_curves(path: Path, panels: list[dict[str, list[dict]]], titles: Sequence[str], *,
                 x: str, y: str, ylabel: str, xlabel: str | None = None,
-                logy: bool = True) -> Path:
-    """One panel per dict ``label -> history`` (list of metric records), shared y label."""
+                logy: bool = True, y_per_panel: Sequence[str] | None = None) -> Path:
+    """One panel per dict ``label -> history`` (list of metric records), shared y label
+    (``y_per_panel`` plots another metric in each panel). Every curve of a panel has its own
+    line style and hollow markers of decreasing size, placed at staggered points so that
+    curves lying on top of each other remain distinguishable; round axes get integer
+    ticks."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
+    from matplotlib.ticker import MaxNLocator
 
     fig, axes = plt.subplots(1, len(panels), figsize=(4.2 * len(panels), 3.4), squeeze=False)
-    for ax, curves, title in zip(axes[0], panels, titles):
-        for label, hist in curves.items():
-            xs = [h[x] for h in hist if y in h]
-            ys = [h[y] for h in hist if y in h]
+    ys_keys = list(y_per_panel) if y_per_panel is not None else [y] * len(panels)
+    for ax, curves, title, yk in zip(axes[0], panels, titles, ys_keys):
+        n = max(1, len(curves))
+        for i, (label, hist) in enumerate(curves.items()):
+            xs = [h[x] for h in hist if yk in h]
+            ys = [h[yk] for h in hist if yk in h]
             if logy:
                 ys = [max(v, 1e-300) if v == v else float("nan") for v in ys]
-            ax.plot(xs, ys, label=label, lw=1.4)
+            ls, marker = STYLES[i % len(STYLES)]
+            every = max(1, len(xs) // 8)
+            # hollow markers, the first curve's largest: equal points show as nested rings
+            ax.plot(xs, ys, label=label, lw=1.4, ls=ls, marker=marker, mfc="none",
+                    ms=4 + 6 * (n - 1 - i) / max(1, n - 1), mew=1.2,
+                    markevery=(min(i * every // n, len(xs) - 1) if xs else 0, every),
+                    alpha=0.9)
         if logy:
             ax.set_yscale("log")
         ax.set_title(title)
         ax.set_xlabel(xlabel or ("communication rounds" if x == "round" else x))
+        if x in ("round", "local_grads"):
+            ax.xaxis.set_major_locator(MaxNLocator(integer=True))
         ax.grid(alpha=0.3, which="both")
     axes[0][0].set_ylabel(ylabel)
     axes[0][-1].legend(fontsize=8)
@@ -179,12 +234,17 @@ def pipeline_plots(out_dir: Path, methods: Sequence[tuple[str, Any]], seeds: Seq
     import matplotlib.pyplot as plt
 
     fig, ax = plt.subplots(figsize=(5.5, 3.8))
-    for label, ms in results.items():
+    n = max(1, len(results) - 1)
+    for i, (label, ms) in enumerate(results.items()):
         accs = np.sort(np.concatenate([np.asarray(m["per_client_test_acc"], float)
                                        for m in ms])) if ms else np.zeros(0)
         accs = accs[~np.isnan(accs)]
         if accs.size:
-            ax.plot(100 * accs, np.linspace(0, 1, accs.size), label=rename.get(label, label))
+            # the empirical CDF as steps; earlier curves drawn wider so equal ones stay visible
+            ax.step(np.r_[100 * accs[0], 100 * accs], np.r_[0, np.arange(1, accs.size + 1)
+                                                             / accs.size], where="post",
+                    ls=STYLES[i % len(STYLES)][0], lw=1.2 + 2.0 * (n - i) / n, alpha=0.85,
+                    label=rename.get(label, label))
     ax.set_xlabel("per-client test accuracy (%)")
     ax.set_ylabel(f"fraction of {clients} (CDF, all seeds)")
     ax.grid(alpha=0.3)

@@ -18,7 +18,8 @@ et al.'s StackOverflow runs: transformer 4 blocks × 4 heads, hidden 256, feed-f
 10,000 words, 50 clients per round, 1000 pre-training and 500 personalization rounds, server
 Adam lr 5e-4 / 5e-5, client lr 1 / 0.1); ``reproduce_table(..., size=PAPER)`` runs it.
 
-Deviations, and why (also written into the summary):
+Deviations, and why (also written into the summary; the first three describe the full-size
+table :data:`FULL`, and a smaller run's summary states its own sizes instead):
 
 * Data: Shakespeare by role instead of StackOverflow (which needs a download), 64 roles
   with ≥ 64 train / ≥ 16 test lines (:mod:`partialfl.data.shakespeare`).
@@ -70,6 +71,7 @@ from partialfl.experiments.report import (
     jsonable,
     markdown_table,
     pipeline_plots,
+    quick_note,
     versus_fedavg,
 )
 from partialfl.lm import NextWordAccuracy, token_cross_entropy
@@ -137,7 +139,7 @@ FULL = Size(vocab_size=2000, max_clients=None, max_train=None, d_model=64, d_ff=
 QUICK = Size(vocab_size=300, max_clients=8, max_train=96, d_model=16, d_ff=32, num_layers=2,
              num_heads=2, adapter_dim=4, clients_per_round=4, pretrain_rounds=3, rounds=2,
              pretrain_server_lr=3e-3, server_lr=1e-3, pretrain_client_lr=1.0, client_lr=0.1,
-             finetune_epochs=1, finetune_lr=0.1, eval_every=0, pretrain_eval_every=0,
+             finetune_epochs=1, finetune_lr=0.1, eval_every=1, pretrain_eval_every=0,
              seeds=(0,), threads=1, workers=1)
 
 #: (row label, method) of the table, in order
@@ -279,8 +281,12 @@ def _summary(results, size: Size, tf, seconds: float, quick: bool) -> str:
                      f"{sc.get('personal_params', 0):,} / {sc.get('global_params', 0):,}"])
     header = ["method", "test acc % (after stage 3)", "before stage 3",
               "per-client p10 / p50 / p90", "train acc %", "personal / global params"]
-    verdict = versus_fedavg(results, "last block")
+    full = _full_size(size)
+    verdict = versus_fedavg(results, "last block", verdict=full)
     st = tf.stats
+    note = [quick_note(f"{st['clients']} roles, {size.pretrain_rounds} + {size.rounds} rounds, "
+                       f"a {size.num_layers}-block transformer of hidden size {size.d_model}, "
+                       f"{len(size.seeds)} seed(s)"), ""] if not full else []
     lines = [
         f"# shakespeare-table: next-word prediction with a partially personalized transformer"
         f"{' (quick)' if quick else ''}",
@@ -293,6 +299,7 @@ def _summary(results, size: Size, tf, seconds: float, quick: bool) -> str:
         f"Seeds {list(size.seeds)}: mean ± std over seeds of the pooled top-1 accuracy over "
         "non-special target tokens; percentiles are over clients.",
         "",
+        *note,
         markdown_table(header, rows),
         "",
         *verdict,
@@ -316,13 +323,35 @@ def _summary(results, size: Size, tf, seconds: float, quick: bool) -> str:
         "",
         "## Deviations from the paper",
         "",
-        *_deviations(),
+        *_deviations(size, st),
         "",
     ]
     return "\n".join(lines)
 
 
-def _deviations() -> list[str]:
-    return docstring_bullets(__doc__, "Deviations, and why (also written into the summary):")
+def _full_size(size: Size) -> bool:
+    """Whether ``size`` is the full table's or the paper's (any seeds, threads, workers)."""
+    return any(replace(size, seeds=s.seeds, threads=s.threads, workers=s.workers) == s
+               for s in (FULL, PAPER))
+
+
+#: how many of the docstring's deviations describe the full-size table's sizes
+_SIZE_DEVIATIONS = 3
+
+
+def _deviations(size: Size, stats: dict) -> list[str]:
+    """The module docstring's deviations; a run of another size than :data:`FULL` states its
+    own data, model and round counts instead of the full table's."""
+    bullets = docstring_bullets(__doc__, "Deviations, and why (also written into the summary;")
+    if _full_size(size):
+        return bullets
+    return [f"- Data: Shakespeare by speaking role instead of StackOverflow (which needs a "
+            f"download). Sizes of this run (not the full-size table): {stats['clients']} roles, "
+            f"vocabulary {stats['vocab_words']:,} words, transformer {size.num_layers} blocks × "
+            f"{size.num_heads} heads, hidden {size.d_model}, feed-forward {size.d_ff}; "
+            f"{size.pretrain_rounds} pre-training rounds at server Adam lr "
+            f"{size.pretrain_server_lr:g} and {size.rounds} personalization rounds at "
+            f"{size.server_lr:g}, {size.clients_per_round} clients per round.",
+            *bullets[_SIZE_DEVIATIONS:]]
 
 

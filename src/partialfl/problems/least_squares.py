@@ -80,8 +80,12 @@ class LeastSquaresProblem:
     """Example 1 with batched closed forms; θ = {"theta": [d_θ]}, w = {"w": [k, d_w]}."""
 
     def __init__(
-        self, spec: LeastSquaresSpec | None = None, basis: str = "eigen", **sizes: int
+        self, spec: LeastSquaresSpec | None = None, basis: str = "eigen",
+        progress: bool | str = False, **sizes: int
     ) -> None:
+        """Generate the clients' data of ``spec`` (or of the keyword ``sizes``) and keep only
+        their sufficient statistics; ``progress`` (True or a label) shows a bar over clients
+        (the paper's size takes tens of seconds)."""
         if basis not in ("eigen", "standard"):
             raise ValueError(f"unknown basis {basis!r}; allowed: 'eigen', 'standard'")
         spec = spec or LeastSquaresSpec(**sizes)
@@ -97,7 +101,13 @@ class LeastSquaresProblem:
         q = np.empty((M, dw))
         c = np.empty(M)
         lam_h_a = np.empty(M)
-        for m, (H, b, A, B, y) in enumerate(generate_raw(spec)):
+        clients = generate_raw(spec)
+        if progress:
+            from tqdm.auto import tqdm
+
+            clients = tqdm(clients, total=M, leave=False, desc=progress if isinstance(
+                progress, str) else "least-squares data")
+        for m, (H, b, A, B, y) in enumerate(clients):
             HtH, AtA = H.T @ H, A.T @ A
             P[m] = HtH + AtA
             p[m] = H.T @ b + A.T @ y

@@ -1,0 +1,124 @@
+"""``partialfl evaluate``: new-client evaluation of one finished run or of every run of a table.
+
+A *run folder* holds ``deploy.pt`` (the trained θ and the split) and ``config.json``; a *table
+folder* (``runs/femnist-table``) holds one run folder per seed and method
+(``seed0/ffgg-output``, …). Each run's θ is evaluated on the writers held out of the table's
+training (:func:`partialfl.experiments.femnist.evaluate_new_writers`): every new client
+fine-tunes its w, then pooled accuracy and its distribution over clients are reported, as a
+table (per-client accuracies by client id) or as JSON.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from partialfl.experiments.report import markdown_table
+
+#: with more runs than this, the per-client table is left to ``--json`` (it would be too wide)
+MAX_PER_CLIENT_COLUMNS = 4
+
+
+def find_runs(path: str | Path) -> list[Path]:
+    """The finished run folders at ``path`` or one or two levels below it (folders holding
+    ``deploy.pt``: a table's ``seed*/METHOD``), sorted; a clear error naming what to pass when
+    there is none."""
+    path = Path(path)
+    if not path.is_dir():
+        raise FileNotFoundError(f"{path} is not a folder: pass a run folder (e.g. "
+                                "runs/femnist-table/seed0/ffgg-output) or a table folder")
+    if (path / "deploy.pt").is_file():
+        return [path]
+    runs = sorted(p.parent for pattern in ("*/deploy.pt", "*/*/deploy.pt")
+                  for p in path.glob(pattern) if p.is_file())
+    if runs:
+        return runs
+    if (path / "config.json").is_file():
+        raise FileNotFoundError(f"{path / 'deploy.pt'} not found: the run has not finished "
+                                "(rerun its reproduction to complete it)")
+    subs = sorted(p.name for p in path.iterdir() if p.is_dir())
+    raise FileNotFoundError(
+        f"no finished run in {path} (no deploy.pt in it or below); pass a run folder such as "
+        "runs/femnist-table/seed0/ffgg-output or the table folder runs/femnist-table"
+        + (f" (sub-folders here: {', '.join(subs[:12])})" if subs else ""))
+
+
+def evaluate_runs(path: str | Path, data_dir=None, *, finetune_epochs: int | None = None,
+                  lr: float | None = None, progress: bool = False) -> dict[str, dict[str, Any]]:
+    """``label -> evaluation`` for every run of :func:`find_runs` (label: the run folder
+    relative to ``path``, or its name for a single run); each evaluation is
+    :func:`~partialfl.experiments.femnist.evaluate_new_writers`'s dict with ``client_ids``."""
+    from partialfl.experiments.femnist import evaluate_new_writers
+
+    path = Path(path)
+    runs = find_runs(path)
+    it = runs
+    if progress and len(runs) > 1:
+        from tqdm.auto import tqdm
+
+        it = tqdm(runs, desc="evaluating runs", leave=False)
+    out = {}
+    for run in it:
+        label = run.name if run == path else run.relative_to(path).as_posix()
+        out[label] = evaluate_new_writers(run, data_dir, finetune_epochs=finetune_epochs, lr=lr)
+    return out
+
+
+def _pct(v: float) -> str:
+    return "–" if v != v else f"{100 * v:.2f}"
+
+
+def evaluation_table(results: dict[str, dict[str, Any]]) -> str:
+    """Markdown tables of :func:`evaluate_runs`' results: one row per run (pooled test accuracy
+    before and after fine-tuning, percentiles over clients), then the per-client test accuracy
+    with client ids as rows and runs as columns (up to :data:`MAX_PER_CLIENT_COLUMNS` runs)."""
+    rows = []
+    for label, r in results.items():
+        t = r["test"]
+        rows.append([label, r["num_clients"], _pct(r["before"].accuracy), _pct(t.accuracy),
+                     f"{_pct(t.p10)} / {_pct(t.p50)} / {_pct(t.p90)}", _pct(t.mean_client)])
+    text = ["New clients: test accuracy (%) of clients never seen in training, after "
+            "fine-tuning their personal parameters on the trained θ.", "",
+            markdown_table(["run", "clients", "before fine-tuning", "after fine-tuning",
+                            "per-client p10 / p50 / p90", "mean over clients"], rows)]
+    if len(results) <= MAX_PER_CLIENT_COLUMNS:
+        labels = list(results)
+        ids = list(results[labels[0]]["client_ids"])
+        per = {lab: dict(zip(results[lab]["client_ids"], results[lab]["test"].per_client))
+               for lab in labels}
+        text += ["", "Per client (test accuracy % after fine-tuning):", "",
+                 markdown_table(["client", *labels],
+                                [[cid, *(_pct(per[lab].get(cid, float("nan")))
+                                         for lab in labels)] for cid in ids])]
+    else:
+        text += ["", f"Per-client accuracies of all {len(results)} runs: `--json`."]
+    return "\n".join(text)
+
+
+def _plain(v):
+    if isinstance(v, np.ndarray):
+        return [None if x != x else float(x) for x in v.tolist()]
+    if isinstance(v, np.floating | np.integer):
+        return v.item()
+    return v
+
+
+def to_json(results: dict[str, dict[str, Any]]) -> str:
+    """The results as JSON: per run, each evaluation (``test``, ``train``, ``before``) with its
+    scalars and ``per_client`` as ``{client id: accuracy}``."""
+    out = {}
+    for label, r in results.items():
+        ids = list(r["client_ids"])
+        run: dict[str, Any] = {"num_clients": r["num_clients"], "split": r.get("split")}
+        for key in ("before", "test", "train"):
+            if key not in r:
+                continue
+            ev = r[key]
+            run[key] = {"accuracy": ev.accuracy, "p10": ev.p10, "p50": ev.p50, "p90": ev.p90,
+                        "mean_client": ev.mean_client, "loss": ev.loss, "total": ev.total,
+                        "per_client": dict(zip(ids, _plain(ev.per_client)))}
+        out[label] = run
+    return json.dumps(out, indent=2, default=_plain)
