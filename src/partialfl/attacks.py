@@ -34,6 +34,9 @@ import numpy as np
 
 
 class Attack(Protocol):
+    """What Byzantine clients send: ``attack(honest [h, d], own [b, d], rng) -> [b, d]`` (an
+    omniscient adversary sees the honest updates)."""
+
     def __call__(self, honest: np.ndarray, own: np.ndarray,
                  rng: np.random.Generator) -> np.ndarray: ...
 
@@ -75,6 +78,8 @@ def alie_z(n: int, b: int) -> float:
 
 @dataclass(frozen=True)
 class NoAttack:
+    """Byzantine clients send their own honest update (a control)."""
+
     name = "none"
 
     def __call__(self, honest, own, rng=None):
@@ -93,6 +98,7 @@ class ALIE:
             raise ValueError(f"ALIE: z must be a finite number or None, got {self.z!r}")
 
     def z_for(self, h: int, b: int) -> float:
+        """The ALIE factor z for h honest and b Byzantine clients (the given ``z`` if set)."""
         return float(self.z) if self.z is not None else alie_z(h + b, b)
 
     def __call__(self, honest, own, rng=None):
@@ -198,6 +204,8 @@ class Mimic:
                              f"got {self.target!r}")
 
     def choose(self, honest: np.ndarray) -> int:
+        """The position of the honest update to copy: ``target``, else the one farthest along the
+        top principal direction of the centred honest updates."""
         if self.target is not None:
             if self.target >= len(honest):
                 raise ValueError(f"mimic: target position {self.target} but only "

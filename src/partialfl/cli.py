@@ -78,6 +78,7 @@ def _reproductions_epilog() -> str:
 
 
 def build_parser() -> argparse.ArgumentParser:
+    """The ``partialfl`` argument parser with its subcommands."""
     p = argparse.ArgumentParser(
         prog="partialfl",
         description="Partially personalized federated learning (FFGG and baselines).",
@@ -138,6 +139,8 @@ def _stdout_closed() -> int:
 
 
 def main(argv: list[str] | None = None) -> int:
+    """Run the command line with ``argv`` (default ``sys.argv[1:]``); returns the exit status (0
+    success, 2 bad input, 130 interrupted, 141 output pipe closed)."""
     parser = build_parser()
     args = parser.parse_args(argv)
     if args.command is None:

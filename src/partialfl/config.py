@@ -134,6 +134,7 @@ def to_dict(obj) -> dict[str, Any]:
 
 
 def load_toml(path: str | Path) -> dict[str, Any]:
+    """The mapping in the TOML file ``path``; a :class:`ConfigError` if it is missing or invalid."""
     path = Path(path)
     if not path.exists():
         raise ConfigError(f"config file {path} does not exist")
@@ -169,6 +170,8 @@ def apply_overrides(data: dict[str, Any], overrides: list[str]) -> dict[str, Any
 
 
 def deep_merge(base: dict[str, Any], over: Mapping[str, Any]) -> dict[str, Any]:
+    """``base`` with ``over`` merged in recursively (tables merged key by key, other values
+    replaced); neither input is changed."""
     out = dict(base)
     for k, v in over.items():
         out[k] = deep_merge(out[k], v) if isinstance(v, Mapping) and isinstance(

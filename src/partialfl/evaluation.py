@@ -44,6 +44,7 @@ class Evaluation:
     total: float
 
     def as_dict(self, prefix: str) -> dict[str, float]:
+        """The scalar metrics as ``{prefix}_acc``, ``{prefix}_acc_p10`` … ``{prefix}_loss``."""
         return {f"{prefix}_acc": self.accuracy, f"{prefix}_acc_p10": self.p10,
                 f"{prefix}_acc_p50": self.p50, f"{prefix}_acc_p90": self.p90,
                 f"{prefix}_acc_client_mean": self.mean_client, f"{prefix}_loss": self.loss}

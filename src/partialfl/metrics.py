@@ -13,6 +13,9 @@ import numpy as np
 
 
 def closed_form_metrics(algorithm, state, problem, client_state, ctx, with_loss: bool = True):
+    """An ``evaluate=`` callback for closed-form problems: ‖F(θ)‖², ‖θ − θ*‖², the relative
+    distance ‖θ − θ*‖²/‖θ*‖² and (``with_loss``) the personalized loss gap of the deployed
+    models."""
     theta = algorithm.global_theta(state)
     star = problem.theta_star()["theta"]
     d = theta["theta"] - star

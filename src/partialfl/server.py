@@ -44,6 +44,8 @@ class Schedule:
             raise ValueError(f"exponential schedule needs halve_every >= 1, got {self.halve_every}")
 
     def factor(self, r: int) -> float:
+        """The multiplier of the base stepsize at round ``r`` (1 for ``constant``; 0.5^⌊r/k⌋ for
+        ``exponential``; linear warm-up to 1, then linear decay to 0 at ``total``)."""
         if self.kind == "constant":
             return 1.0
         if self.kind == "exponential":
@@ -61,6 +63,9 @@ def _check_lr(lr: float) -> float:
 
 @dataclass(frozen=True)
 class SGD:
+    """Server SGD θ ← θ − η_r g (heavy-ball ``momentum`` m ← βm + g, step on m), η_r = lr ×
+    ``schedule``'s factor."""
+
     lr: float
     momentum: float = 0.0
     schedule: Schedule = Schedule()
@@ -71,9 +76,11 @@ class SGD:
             raise ValueError(f"momentum must be in [0, 1), got {self.momentum}")
 
     def init(self, theta: Params) -> Any:
+        """The momentum buffer (zeros like θ), or None without momentum."""
         return {k: 0 * v for k, v in theta.items()} if self.momentum else None
 
     def step(self, theta: Params, grad: Params, state: Any, r: int) -> tuple[Params, Any]:
+        """One step on the pseudo-gradient ``grad`` at round ``r``: ``(new θ, new state)``."""
         eta = self.lr * self.schedule.factor(r)
         if self.momentum:
             state = {k: self.momentum * state[k] + grad[k] for k in grad}
@@ -83,6 +90,9 @@ class SGD:
 
 @dataclass(frozen=True)
 class Adam:
+    """Server Adam (FedAdam on a model-change pseudo-gradient): bias-corrected first and second
+    moments, θ ← θ − η_r m̂ / (√v̂ + eps)."""
+
     lr: float
     beta1: float = 0.9
     beta2: float = 0.999
@@ -96,10 +106,12 @@ class Adam:
                 raise ValueError(f"Adam {name} must be in [0, 1), got {getattr(self, name)}")
 
     def init(self, theta: Params) -> Any:
+        """Zero moments and step count 0."""
         return {"m": {k: 0 * v for k, v in theta.items()},
                 "v": {k: 0 * v for k, v in theta.items()}, "t": 0}
 
     def step(self, theta: Params, grad: Params, state: Any, r: int) -> tuple[Params, Any]:
+        """One Adam step on the pseudo-gradient ``grad`` at round ``r``: ``(new θ, new state)``."""
         b1, b2, t = self.beta1, self.beta2, state["t"] + 1
         m = {k: b1 * state["m"][k] + (1 - b1) * grad[k] for k in grad}
         v = {k: b2 * state["v"][k] + (1 - b2) * grad[k] * grad[k] for k in grad}
@@ -113,6 +125,8 @@ OPTIMIZERS = ("sgd", "adam")
 
 
 def make_optimizer(name: str, lr: float, schedule: Schedule | None = None, **kw) -> SGD | Adam:
+    """The server optimizer ``name`` (one of :data:`OPTIMIZERS`) with stepsize ``lr``, a
+    ``schedule`` and extra keyword options (e.g. ``momentum``)."""
     schedule = schedule or Schedule()
     if name == "sgd":
         return SGD(lr=lr, schedule=schedule, **kw)
@@ -134,9 +148,11 @@ class Clipped:
             raise ValueError(f"max_norm must be a positive number, got {self.max_norm!r}")
 
     def init(self, theta: Params) -> Any:
+        """The inner optimizer's state."""
         return self.inner.init(theta)
 
     def step(self, theta: Params, grad: Params, state: Any, r: int) -> tuple[Params, Any]:
+        """The inner step on the clipped pseudo-gradient."""
         norm = math.sqrt(sum(float((g * g).sum()) for g in grad.values()))
         scale = min(1.0, self.max_norm / norm) if norm > 0 else 1.0
         return self.inner.step(theta, {k: scale * g for k, g in grad.items()}, state, r)

@@ -108,6 +108,8 @@ class Split:
         }
 
     def describe(self) -> str:
+        """A one-line summary: the kind, the numbers of global and personal parameters, the share
+        personal and the personal tensors' names."""
         c = self.counts()
         tot = c["global_params"] + c["personal_params"]
         return (f"split {self.kind!r}: {c['global_params']:,} global / "
@@ -257,11 +259,14 @@ class LowRankAdapter(nn.Module):
         self.reset_parameters()
 
     def reset_parameters(self) -> None:
+        """V (``down``): PyTorch's default Linear initialisation; U (``up``): zero, so the output
+        is 0 at start."""
         self.down.reset_parameters()
         nn.init.zeros_(self.up.weight)
         nn.init.zeros_(self.up.bias)
 
     def forward(self, z: Tensor) -> Tensor:
+        """u(z) = U V z + bias (the adapted module's hook adds z)."""
         return self.up(self.down(z))
 
 
@@ -275,10 +280,12 @@ class ConvAdapter(nn.Module):
         self.reset_parameters()
 
     def reset_parameters(self) -> None:
+        """Zero weight and bias: output 0 at start."""
         nn.init.zeros_(self.conv.weight)
         nn.init.zeros_(self.conv.bias)
 
     def forward(self, z: Tensor) -> Tensor:
+        """u(z) = A * z, the 1×1 convolution (the adapted module's hook adds z)."""
         return self.conv(z)
 
 

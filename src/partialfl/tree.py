@@ -24,18 +24,22 @@ def tree_add(a: Params, b: Params, scale: float = 1.0) -> Params:
 
 
 def tree_sub(a: Params, b: Params) -> Params:
+    """a − b, leaf by leaf."""
     return {k: a[k] - b[k] for k in a}
 
 
 def tree_scale(a: Params, s: float) -> Params:
+    """s·a, leaf by leaf."""
     return {k: s * v for k, v in a.items()}
 
 
 def tree_sq_norm(a: Params) -> float:
+    """Σ over leaves of ‖leaf‖², as a float."""
     return float(sum(float((v * v).sum()) for v in a.values()))
 
 
 def tree_copy(a: Params) -> Params:
+    """An independent copy of every leaf (torch tensors cloned, arrays copied)."""
     return {k: (v.clone() if hasattr(v, "clone") else np.array(v, copy=True)) for k, v in a.items()}
 
 

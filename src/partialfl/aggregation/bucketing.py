@@ -45,6 +45,7 @@ class Bucketing:
         return [perm[i : i + self.s] for i in range(0, k, self.s)]
 
     def bucket_means(self, X: np.ndarray) -> np.ndarray:
+        """The mean of every bucket of the rows of ``X`` ``[⌈k/s⌉, d]`` (overflow-safe)."""
         # Divide before summing: huge finite inputs (e.g. 1e308) must not overflow to inf.
         return np.stack([_safe_mean(X[b]) for b in self.buckets(len(X))])
 
@@ -54,5 +55,6 @@ class Bucketing:
         return restore(np.asarray(self.inner(Y, np.ones(len(Y)))))
 
     def bind(self, seed: int, round_: int) -> Bucketing:
+        """This wrapper (and its inner rule) with the buckets' randomness bound to (seed, round)."""
         return replace(self, seed=int(seed), round=int(round_),
                        inner=bind(self.inner, seed, round_))

@@ -370,6 +370,7 @@ class NearestNeighborMixing:
                             f"got {self.inner!r}")
 
     def mix(self, X: np.ndarray) -> np.ndarray:
+        """Every row replaced by the mean of its k − ⌊δk⌋ nearest rows (itself included)."""
         k = len(X)
         keep = k - count(self.delta, k)
         D = _sq_dists(X)
@@ -383,6 +384,7 @@ class NearestNeighborMixing:
         return restore(np.asarray(self.inner(self.mix(X), weights)))
 
     def bind(self, seed: int, round_: int) -> NearestNeighborMixing:
+        """This wrapper with its inner rule bound to (seed, round)."""
         return replace(self, inner=bind(self.inner, seed, round_))
 
 

@@ -91,6 +91,7 @@ class FedAsync(AlgorithmWrapper):
         self.name = f"fedasync-{base.name}"
 
     def server_update(self, state, updates, ctx) -> ServerState:
+        """The base algorithm's step on the update scaled by its staleness weight s(τ)."""
         s = staleness_weight(_staleness(updates, "FedAsync"), self.staleness, self.a, self.b)
         return self.base.server_update(state, _scaled(updates, s), ctx)
 
@@ -110,11 +111,14 @@ class FedBuff(AlgorithmWrapper):
         self.name = f"fedbuff{self.K}-{base.name}"
 
     def init(self, problem, theta0) -> ServerState:
+        """The base algorithm's state with an empty buffer."""
         state = self.base.init(problem, theta0)
         state.extra["buffer"] = ()
         return state
 
     def server_update(self, state, updates, ctx) -> ServerState:
+        """Buffers the staleness-weighted update; every K updates, one step of the base algorithm on
+        all of them."""
         s = staleness_weight(_staleness(updates, "FedBuff"), self.staleness, self.a, self.b)
         buffer = (*state.extra.get("buffer", ()), _scaled(updates, s))
         if len(buffer) < self.K:

@@ -73,14 +73,19 @@ class Algorithm:
 
     # -- server ------------------------------------------------------------------------
     def init(self, problem, theta0: Params) -> ServerState:
+        """The server state at round 0: θ⁰ and the server optimizer's state."""
         return ServerState(theta=theta0, opt_state=self.server_opt.init(theta0))
 
     def aggregate(self, updates: ClientUpdates) -> Params:
+        """The aggregate of the cohort's vectors (the algorithm's aggregator, with the clients'
+        weights)."""
         return aggregate_tree(self.aggregator, updates.vectors, updates.weights)
 
     def server_update(
         self, state: ServerState, updates: ClientUpdates, ctx: RoundContext
     ) -> ServerState:
+        """One server step: aggregate the cohort's updates into g (−aggregate for model changes) and
+        step θ ← opt(θ, g)."""
         agg = self.aggregate(updates)
         g = agg if self.pseudo_gradient == "gradient" else {k: -v for k, v in agg.items()}
         theta, opt_state = self.server_opt.step(state.theta, g, state.opt_state, state.round)
@@ -88,12 +93,17 @@ class Algorithm:
 
     # -- clients -----------------------------------------------------------------------
     def init_client_state(self, problem) -> Params | None:
+        """The state every client keeps between rounds, stacked over clients (None: stateless
+        clients)."""
         return None
 
     def client_update(
         self, state: ServerState, problem, cohort: np.ndarray, ctx: RoundContext,
         client_state: Params | None = None,
     ) -> ClientResult:
+        """What the sampled ``cohort`` sends for the round (a pure function of the server state, the
+        round context and the cohort's own client state); returns the updates and the new client
+        state."""
         raise NotImplementedError
 
     # -- evaluation --------------------------------------------------------------------

@@ -109,6 +109,8 @@ class ByzantineRobust(AlgorithmWrapper):
         self.name = f"br-{base.name}"
 
     def init(self, problem, theta0: Params) -> ServerState:
+        """The base algorithm's state (after checking the Byzantine ids), with counters of dropped
+        and rejected updates."""
         if len(self._byz) and self._byz.max() >= problem.num_clients:
             raise ValueError(f"Byzantine client ids {self.byzantine.clients} outside "
                              f"[0, {problem.num_clients})")
@@ -138,6 +140,9 @@ class ByzantineRobust(AlgorithmWrapper):
 
     # -- robust server -------------------------------------------------------------------
     def server_update(self, state: ServerState, updates: ClientUpdates, ctx) -> ServerState:
+        """Algorithm 5's server: the Byzantine rows replaced by the attack, non-finite rows dropped,
+        then the robust aggregate and the base algorithm's step (a step that would make θ
+        non-finite is rejected)."""
         updates = self.corrupt(updates, ctx)
         mat, _ = _flat(updates.vectors)
         ok = finite_rows(mat)

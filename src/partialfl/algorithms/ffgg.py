@@ -17,6 +17,12 @@ from partialfl.types import ClientUpdates
 
 
 class FFGG(Algorithm):
+    """FFGG (Algorithm 1): every sampled client fine-tunes its w from scratch for the current θ with
+    ``solver`` and sends ∇_θ f_m(θ, w); the server aggregates and steps with ``server_opt``.
+
+    ``weighting``: ``uniform`` (every client counts the same) or ``examples`` (by its number of
+    examples)."""
+
     name = "ffgg"
     pseudo_gradient = "gradient"
 
@@ -28,6 +34,7 @@ class FFGG(Algorithm):
         self.weighting = weighting
 
     def client_update(self, state, problem, cohort, ctx: RoundContext, client_state=None):
+        """∇_θ f_m(θ, ŵ_m) of every client of the cohort, with ŵ_m the solver's fine-tuned w."""
         theta = state.theta
         sol = self.solver(problem, cohort, theta, ctx.seed, ctx.round)
         g = problem.grad_theta(cohort, theta, sol.w)
@@ -36,5 +43,6 @@ class FFGG(Algorithm):
         return ClientResult(ClientUpdates(g, weights, np.asarray(cohort), sol.grad_evals + 1))
 
     def deployed(self, state, problem, client_state, ctx):
+        """θ with every client's w fine-tuned afresh by the solver (what a client would deploy)."""
         allc = np.arange(problem.num_clients)
         return Deployed(state.theta, self.solver(problem, allc, state.theta, ctx.seed, -1).w)

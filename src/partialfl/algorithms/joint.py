@@ -59,6 +59,10 @@ def _check_tau(tau):
 
 
 class LocalGD(Algorithm):
+    """Local GD on one shared model (θ, w) (the non-personalized baseline): τ local gradient
+    steps per round with stepsize ``lr`` (default 1/L_m per client), the server averages the
+    model changes."""
+
     name = "local-gd"
     pseudo_gradient = "delta"
 
@@ -83,9 +87,11 @@ class LocalGD(Algorithm):
         return x
 
     def init(self, problem, theta0):
+        """The server state with the shared model (θ⁰, w⁰)."""
         return super().init(problem, shared_model(problem, theta0))
 
     def client_update(self, state, problem, cohort, ctx, client_state=None):
+        """The model change after τ local GD steps on the joint variable, from the shared model."""
         x0 = _broadcast(state.theta, len(cohort))
         x = self._local_gd(problem, cohort, x0, _lr(problem, cohort, self.lr))
         delta = {n: x[n] - x0[n] for n in x}
@@ -93,26 +99,34 @@ class LocalGD(Algorithm):
                                           self.tau))
 
     def deployed(self, state, problem, client_state, ctx):
+        """The shared model on every client (its w copied to each)."""
         M = problem.num_clients
         w = np.repeat(state.theta["w"][None], M, 0)
         return Deployed({"theta": state.theta["theta"]}, {"w": w})
 
 
 class Scaffold(LocalGD):
+    """Scaffold (Karimireddy et al., 2020) on the shared model: local steps corrected by control
+    variates, x ← x − η(∇f_m(x) − c_m + c); clients keep c_m, the server c."""
+
     name = "scaffold"
     stateful_clients = True
 
     def init(self, problem, theta0):
+        """The shared model and the server's control variate c = 0."""
         s = super().init(problem, theta0)
         s.extra["c"] = {n: np.zeros_like(v) for n, v in s.theta.items()}
         s.extra["num_clients"] = problem.num_clients
         return s
 
     def init_client_state(self, problem) -> Params:
+        """Every client's control variate c_m = 0 (θ- and w-parts)."""
         M = problem.num_clients
         return {"c_theta": np.zeros((M, problem.d_theta)), "c_w": np.zeros((M, problem.d_w))}
 
     def client_update(self, state, problem, cohort, ctx, client_state=None):
+        """τ corrected local steps; sends the model change and the change of c_m (option II update
+        c_m ← c_m − c + (x − y)/(τη))."""
         k = len(cohort)
         x0 = _broadcast(state.theta, k)
         c = state.extra["c"]
@@ -126,6 +140,7 @@ class Scaffold(LocalGD):
         return ClientResult(up, {"c_theta": cm_new["theta"], "c_w": cm_new["w"]})
 
     def server_update(self, state, updates, ctx):
+        """Averages the model changes, then c ← c + (|S|/M)·mean Δc_m."""
         new = super().server_update(state, updates, ctx)
         frac = len(updates.cohort) / state.extra["num_clients"]
         dc = updates.extra["dc"]

@@ -24,6 +24,10 @@ from partialfl.types import ClientUpdates, Params
 
 
 class L2GD(Algorithm):
+    """L2GD (Hanzely & Richtárik, 2020): one full model x_m per client, pulled towards the average
+    with penalty ``lam``; each round makes a geometric number of local steps (communication
+    probability ``p``, default 1/τ), then averages."""
+
     name = "l2gd"
     pseudo_gradient = "delta"
     stateful_clients = True
@@ -52,13 +56,17 @@ class L2GD(Algorithm):
         return local, alpha * lam / (M * p)
 
     def init(self, problem, theta0):
+        """The server state with the average model x̄ = (θ⁰, w⁰)."""
         return super().init(problem, shared_model(problem, theta0))
 
     def init_client_state(self, problem) -> Params:
+        """Every client's own model x_m = 0 (θ- and w-parts)."""
         M = problem.num_clients
         return {"theta": np.zeros((M, problem.d_theta)), "w": np.zeros((M, problem.d_w))}
 
     def client_update(self, state, problem, cohort, ctx, client_state=None):
+        """The averaging step that closed the previous round, then local steps on x_m until the coin
+        says communicate; sends x_m − x̄. Needs full participation."""
         if len(cohort) != problem.num_clients:
             raise ValueError("L2GD needs full participation (clients_per_round = all)")
         local, avg = self._steps(problem)
@@ -80,5 +88,6 @@ class L2GD(Algorithm):
         return ClientResult(up, x)
 
     def deployed(self, state, problem, client_state, ctx):
+        """Every client's own model x_m (its θ-part is personal too)."""
         return Deployed({"theta": client_state["theta"]}, {"w": client_state["w"]},
                         personalized_theta=True)

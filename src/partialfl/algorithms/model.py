@@ -86,6 +86,7 @@ class FedAvg(Algorithm):
             )
 
     def client_update(self, state, problem, cohort, ctx: RoundContext, client_state=None):
+        """The model change after the local SGD epochs on every parameter (all global)."""
         self._check(problem)
         res = run_sgd(problem, cohort, state.theta, {}, train="theta", cfg=self.local,
                       seed=ctx.seed, round_=ctx.round, stream="local")
@@ -95,6 +96,7 @@ class FedAvg(Algorithm):
         return ClientResult(up)
 
     def deployed(self, state, problem, client_state, ctx):
+        """The global model on every client (no personal parameters)."""
         self._check(problem)
         return Deployed(state.theta, {})
 
@@ -119,6 +121,8 @@ class LocalFFGG(Algorithm):
         self.weighting = _check_weighting(weighting)
 
     def client_update(self, state, problem, cohort, ctx: RoundContext, client_state=None):
+        """Fine-tune w (``finetune``), then the alternating (w, θ) steps (``local``); sends the θ
+        change."""
         w = problem.init_w(cohort, self.w_init, ctx.seed, ctx.round)
         r1 = run_sgd(problem, cohort, state.theta, w, train="w", cfg=self.finetune,
                      seed=ctx.seed, round_=ctx.round, stream="finetune")
@@ -130,6 +134,7 @@ class LocalFFGG(Algorithm):
         return ClientResult(up)
 
     def deployed(self, state, problem, client_state, ctx):
+        """θ with every client's w fine-tuned by the ``finetune`` SGD."""
         allc = np.arange(problem.num_clients)
         sol = SGDFineTuner(self.finetune, self.w_init)(problem, allc, state.theta, ctx.seed, -1)
         return Deployed(state.theta, sol.w)

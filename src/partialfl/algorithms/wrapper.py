@@ -21,19 +21,25 @@ class AlgorithmWrapper(Algorithm):
         self.aggregator = base.aggregator
 
     def init(self, problem, theta0: Params) -> ServerState:
+        """The wrapped algorithm's initial state."""
         return self.base.init(problem, theta0)
 
     def init_client_state(self, problem):
+        """The wrapped algorithm's client state."""
         return self.base.init_client_state(problem)
 
     def client_update(self, state, problem, cohort, ctx, client_state=None):
+        """The wrapped algorithm's client update."""
         return self.base.client_update(state, problem, cohort, ctx, client_state)
 
     def server_update(self, state, updates, ctx) -> ServerState:
+        """The wrapped algorithm's server step."""
         return self.base.server_update(state, updates, ctx)
 
     def deployed(self, state, problem, client_state, ctx):
+        """The wrapped algorithm's deployed models."""
         return self.base.deployed(state, problem, client_state, ctx)
 
     def global_theta(self, state: ServerState) -> Params:
+        """The wrapped algorithm's global θ."""
         return self.base.global_theta(state)

@@ -56,6 +56,9 @@ from partialfl.server import SGD
 
 @dataclass(frozen=True)
 class AsyncStudy:
+    """Sizes, device model and stepsize grid of the ``async`` reproduction (see the module
+    docstring)."""
+
     num_clients: int = 30
     n: int = 6
     d_theta: int = 10
@@ -115,6 +118,8 @@ def _stepsize_label(method: str, c: float) -> str:
 
 
 def run_seed(study: AsyncStudy, out_dir: Path, seed: int, progress: bool) -> dict:
+    """Every method of the study for one seed, plus the worker-process run; writes
+    ``async_seed{seed}.jsonl`` and returns the seed's results."""
     problem = OverpersonalizedLeastSquares(
         num_clients=study.num_clients, n=study.n, d_theta=study.d_theta, d_w=study.d_w,
         heterogeneity=study.heterogeneity, seed=seed)

@@ -59,6 +59,9 @@ KINDS = {"br-ffgg": "BR-FFGG (partially personalized)",
 
 @dataclass(frozen=True)
 class ByzantineStudy:
+    """Sizes, Byzantine fractions, rounds and the success threshold of the ``byzantine``
+    reproduction (see the module docstring)."""
+
     num_clients: int = 30
     n: int = 6
     d_theta: int = 10

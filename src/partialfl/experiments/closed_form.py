@@ -33,6 +33,8 @@ _choice = check_choice
 
 @dataclass(frozen=True)
 class ProblemConfig:
+    """``[problem]``: which closed-form problem (``least-squares`` or ``glm``) and its sizes."""
+
     kind: str = "least-squares"
     num_clients: int = 32
     n: int = 10_000
@@ -51,6 +53,8 @@ class ProblemConfig:
 
 @dataclass(frozen=True)
 class AlgorithmConfig:
+    """``[algorithm]``: the method, its local solver or steps τ, local stepsize and options."""
+
     name: str = "ffgg"
     solver: str = "cg"            # ffgg: gd | cg | exact
     tau: int = 40                 # local steps (fine-tuning steps for FFGG)
@@ -69,6 +73,8 @@ class AlgorithmConfig:
 
 @dataclass(frozen=True)
 class ServerConfig:
+    """``[server]``: the server optimizer, its stepsize (a number or ``"c/L"``) and momentum."""
+
     optimizer: str = "sgd"
     lr: float | str = "1/L"       # a number, or "c/L" with L the problem's constant
     momentum: float = 0.0
@@ -80,6 +86,8 @@ class ServerConfig:
 
 @dataclass(frozen=True)
 class RunConfig:
+    """``[run]``: rounds, clients per round (all by default), seed, evaluation interval, backend."""
+
     rounds: int = 3000
     clients_per_round: int | None = None
     seed: int = 0
@@ -96,6 +104,8 @@ class RunConfig:
 
 @dataclass(frozen=True)
 class ClosedFormConfig:
+    """One closed-form experiment: the four tables and the run's name."""
+
     problem: ProblemConfig = field(default_factory=ProblemConfig)
     algorithm: AlgorithmConfig = field(default_factory=AlgorithmConfig)
     server: ServerConfig = field(default_factory=ServerConfig)

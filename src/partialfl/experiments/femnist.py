@@ -149,6 +149,8 @@ def load_data(data_dir=None, num_writers: int | None = None, holdout: int = HOLD
 
 
 def femnist_task(data) -> Task:
+    """The pipeline :class:`~partialfl.experiments.pipeline.Task` of the table on ``data``
+    (the EMNIST CNN with 62 classes)."""
     return Task(data=data, model_fn=lambda seed: make_model(MODEL, 62, seed=seed),
                 name=f"femnist-{MODEL}")
 

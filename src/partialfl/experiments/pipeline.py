@@ -83,6 +83,8 @@ class ClientConfig:
             raise ConfigError(f"client: {e}") from None
 
     def sgd(self, **over) -> SGDConfig:
+        """The client's :class:`~partialfl.local.sgd.SGDConfig`, with fields overridden by
+        ``over``."""
         kw = dict(lr=self.lr, epochs=self.epochs, batch_size=self.batch_size, steps=self.steps,
                   clip_norm=self.clip_norm)
         kw.update(over)
@@ -113,6 +115,7 @@ class ServerConfig:
             raise ConfigError(f"server.clip_norm must be None or > 0, got {self.clip_norm}")
 
     def build(self, rounds: int):
+        """The server optimizer for a stage of ``rounds`` rounds (schedule and clipping applied)."""
         try:
             sched = Schedule(self.schedule, total=max(rounds, 1), warmup=self.warmup,
                              halve_every=self.halve_every)
@@ -186,6 +189,7 @@ class MethodConfig:
 
     @property
     def name(self) -> str:
+        """The method's folder name: ``label``, or algorithm-split[-stateless]."""
         if self.label:
             return self.label
         s = self.algorithm + ("" if self.split == "none" else f"-{self.split}")
@@ -228,6 +232,7 @@ class PipelineConfig:
 
     @property
     def stage1_seed(self) -> int:
+        """The seed of the pre-training stage (``pretrain_seed``, default the run's seed)."""
         return self.seed if self.pretrain_seed is None else self.pretrain_seed
 
     @classmethod
@@ -236,6 +241,7 @@ class PipelineConfig:
         return from_dict(cls, data)
 
     def to_dict(self) -> dict[str, Any]:
+        """The configuration as a plain dict (written to ``config.json``)."""
         return to_dict(self)
 
 
@@ -256,6 +262,8 @@ class Task:
     name: str = "task"
 
     def make_split(self, model: nn.Module, kind: str, options: Mapping[str, Any]) -> Split:
+        """The split of ``model`` of kind ``kind`` with ``options`` (``split_fn`` or
+        ``make_split``)."""
         if self.split_fn is not None:
             return self.split_fn(model, kind, dict(options))
         return make_split(model, kind, **dict(options))
@@ -263,6 +271,8 @@ class Task:
 
 @dataclass
 class PipelineResult:
+    """A finished run: its metrics, folder, trained θ and split."""
+
     metrics: dict[str, Any]
     run_dir: Path
     theta: Params

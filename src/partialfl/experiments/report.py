@@ -8,6 +8,7 @@ from typing import Any
 
 
 def markdown_table(header: Sequence[str], rows: Sequence[Sequence]) -> str:
+    """A markdown table with ``header`` and one line per row."""
     lines = ["| " + " | ".join(map(str, header)) + " |",
              "| " + " | ".join("---" for _ in header) + " |"]
     lines += ["| " + " | ".join(map(str, r)) + " |" for r in rows]

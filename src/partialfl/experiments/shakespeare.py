@@ -115,6 +115,7 @@ class Size:
     workers: int                  # runs in parallel processes (stage 1: threads × workers)
 
     def model_config(self, vocab_ids: int) -> TransformerConfig:
+        """The transformer of this size for a vocabulary of ``vocab_ids`` token ids."""
         return TransformerConfig(vocab_size=vocab_ids, seq_len=20, num_layers=self.num_layers,
                                  num_heads=self.num_heads, d_model=self.d_model, d_ff=self.d_ff)
 

@@ -60,6 +60,7 @@ class NodeRuntime:
     torch: bool
 
     def check_clients(self, cohort: np.ndarray) -> np.ndarray:
+        """``cohort`` if this SuperNode holds every client in it, else a ValueError naming them."""
         foreign = np.setdiff1d(cohort, self.clients)
         if foreign.size:
             raise ValueError(

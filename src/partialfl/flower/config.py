@@ -45,6 +45,7 @@ class Field:
 
     @property
     def attr(self) -> str:
+        """The key as a Python attribute name (dashes to underscores)."""
         return self.key.replace("-", "_")
 
 
@@ -357,6 +358,7 @@ class Fault:
     seconds: float = 0.0
 
     def applies(self, partition: int, round_: int) -> bool:
+        """Whether the fault fires on ``partition`` in round ``round_`` (round −1: every round)."""
         return self.partition == partition and self.round in (-1, round_)
 
 

@@ -163,6 +163,7 @@ class LocalFederation:
         return p
 
     def start(self) -> LocalFederation:
+        """Start the SuperLink and the SuperNodes on 127.0.0.1 (insecure); returns ``self``."""
         self.home.mkdir(parents=True, exist_ok=True)
         self.port = free_port()
         link = ["flower-superlink", "--insecure", "--host", "127.0.0.1",
@@ -229,6 +230,7 @@ class LocalFederation:
         self.close()
 
     def log_tail(self, name: str, n: int = 40) -> str:
+        """The last ``n`` lines of the log of process ``name``."""
         path = self.logs / f"{name}.log"
         if not path.exists():
             return f"(no {path.name})"

@@ -81,6 +81,8 @@ def batch_plan(n: int, batch_size: int, epochs: int, steps: int | None,
 
 def client_plans(problem, cohort, cfg: SGDConfig, seed: int, round_: int, stream: str
                  ) -> list[list[np.ndarray]]:
+    """The minibatch plan of every client of the cohort for one call of the SGD loop (``cfg``'s
+    epochs or steps, batches drawn from (seed, stream, round, client))."""
     sizes = problem.num_examples(cohort)
     return [batch_plan(int(n), cfg.batch_size, cfg.epochs, cfg.steps,
                        generator(seed, stream, *round_path(round_), int(m)))

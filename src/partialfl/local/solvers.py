@@ -22,11 +22,17 @@ INITS = ("zero", "random")
 
 @dataclass(frozen=True)
 class SolverResult:
+    """A local solver's output: the fine-tuned w (stacked over the cohort) and the number of local
+    gradient evaluations per client."""
+
     w: Params
     grad_evals: int
 
 
 class LocalSolver(Protocol):
+    """Approximates w*(θ) for a cohort: ``solver(problem, cohort, θ, seed, round) ->
+    SolverResult``."""
+
     def __call__(
         self, problem, cohort: np.ndarray, theta: Params, seed: int, round_: int
     ) -> SolverResult: ...

@@ -42,6 +42,7 @@ class EmnistCNN(NamedLayersMixin, nn.Module):
         self.fc = nn.Linear(64 * 4 * 4, num_classes)
 
     def forward(self, x: Tensor) -> Tensor:
+        """Class logits ``[B, num_classes]`` of images ``[B, in_channels, 28, 28]``."""
         x = F.max_pool2d(F.relu(self.conv1(x)), 2)
         x = F.max_pool2d(F.relu(self.conv2(x)), 2)
         return self.fc(torch.flatten(x, 1))
@@ -67,6 +68,7 @@ class LeafCNN(NamedLayersMixin, nn.Module):
         self.fc = nn.Linear(hidden, num_classes)
 
     def forward(self, x: Tensor) -> Tensor:
+        """Class logits ``[B, num_classes]`` of images ``[B, in_channels, 28, 28]``."""
         x = F.max_pool2d(F.relu(self.conv1(x)), 2)
         x = F.max_pool2d(F.relu(self.conv2(x)), 2)
         x = F.relu(self.dense(torch.flatten(x, 1)))

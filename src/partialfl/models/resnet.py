@@ -65,6 +65,8 @@ class BasicBlock(nn.Module):
             )
 
     def forward(self, x: Tensor) -> Tensor:
+        """relu(GN(conv(relu(GN(conv(x))))) + shortcut(x)); the shortcut is a 1×1 convolution + GN
+        when the shape changes, else x."""
         out = F.relu(self.bn1(self.conv1(x)))
         out = self.bn2(self.conv2(out))
         identity = x if self.downsample is None else self.downsample(x)
@@ -118,6 +120,7 @@ class ResNet18GN(NamedLayersMixin, nn.Module):
             load_pretrained(self, pretrained)
 
     def forward(self, x: Tensor) -> Tensor:
+        """Class logits ``[B, num_classes]`` of images ``[B, C, H, W]``."""
         x = self.maxpool(F.relu(self.bn1(self.conv1(x))))
         x = self.layer4(self.layer3(self.layer2(self.layer1(x))))
         return self.fc(torch.flatten(F.adaptive_avg_pool2d(x, 1), 1))

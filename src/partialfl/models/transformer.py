@@ -85,6 +85,7 @@ class TransformerConfig:
         return replace(self, adapter_dim=adapter_dim)
 
     def to_dict(self) -> dict:
+        """The configuration as a plain dict."""
         return asdict(self)
 
 
@@ -115,6 +116,7 @@ class Adapter(nn.Module):
             nn.init.zeros_(lin.bias)
 
     def forward(self, u: Tensor) -> Tensor:
+        """u + up(relu(down(u))) (small initial weights: close to the identity at start)."""
         return u + self.up(F.relu(self.down(u)))
 
 
@@ -132,6 +134,7 @@ class CausalSelfAttention(nn.Module):
         self.proj = nn.Linear(d_model, d_model)
 
     def forward(self, x: Tensor) -> Tensor:
+        """Multi-head self-attention of ``x [B, T, d]`` where position t sees positions ≤ t."""
         B, T, D = x.shape
         H = self.num_heads
         q, k, v = self.qkv(x).split(D, dim=-1)
@@ -144,12 +147,15 @@ class CausalSelfAttention(nn.Module):
 
 
 class FeedForward(nn.Module):
+    """The block's position-wise MLP d → d_ff → d with ReLU."""
+
     def __init__(self, d_model: int, d_ff: int) -> None:
         super().__init__()
         self.fc1 = nn.Linear(d_model, d_ff)
         self.fc2 = nn.Linear(d_ff, d_model)
 
     def forward(self, x: Tensor) -> Tensor:
+        """The MLP applied to every position."""
         return self.fc2(F.relu(self.fc1(x)))
 
 
@@ -170,6 +176,8 @@ class Block(nn.Module):
             self.adapter1 = self.adapter2 = nn.Identity()
 
     def forward(self, h: Tensor) -> Tensor:
+        """Pre-LN: h + adapter(attn(LN(h))), then the same with the feed-forward; post-LN: LN(h +
+        adapter(attn(h))), then the same with the feed-forward (adapters: identity when absent)."""
         if self.norm_first:
             h = h + self.adapter1(self.attn(self.ln1(h)))
             return h + self.adapter2(self.ff(self.ln2(h)))
@@ -211,6 +219,7 @@ class TransformerLM(NamedLayersMixin, nn.Module):
         self.OUTPUT_LAYERS = (f"blocks.{cfg.num_layers - 1}",)
 
     def forward(self, x: Tensor) -> Tensor:
+        """Next-token logits ``[B, T, vocab]`` of token ids ``[B, T]``."""
         if x.dim() != 2:
             raise ValueError(f"TransformerLM expects token ids [B, T], got shape {tuple(x.shape)}")
         T = x.shape[1]

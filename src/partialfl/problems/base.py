@@ -21,7 +21,9 @@ class Problem(Protocol):
 
     num_clients: int
 
-    def init_theta(self, rng: np.random.Generator) -> Params: ...
+    def init_theta(self, rng: np.random.Generator) -> Params:
+        """The initial global parameters θ⁰."""
+        ...
 
     def init_w(self, cohort: np.ndarray, how: str, seed: int, round_: int) -> Params:
         """Fresh personal parameters for ``cohort`` ("zero" or "random")."""
@@ -43,7 +45,9 @@ class Problem(Protocol):
         """Smoothness constant of w ↦ f_m(θ, w) for each client: ``[k]``."""
         ...
 
-    def num_examples(self, cohort: np.ndarray) -> np.ndarray: ...
+    def num_examples(self, cohort: np.ndarray) -> np.ndarray:
+        """The number of training examples of each client of the cohort: ``[k]``."""
+        ...
 
 
 @runtime_checkable
@@ -67,7 +71,9 @@ class ClosedForm(Protocol):
         """F(θ) = (1/M) Σ_m ∇₁ f_m(θ, w*_m(θ)), flattened."""
         ...
 
-    def theta_star(self) -> Params: ...
+    def theta_star(self) -> Params:
+        """θ*, the root of F (the solution of the partially personalized problem)."""
+        ...
 
     def f_star(self) -> np.ndarray:
         """min_{θ,w} f_m(θ, w) per client ``[M]`` (the fully personalized optimum)."""

@@ -49,6 +49,10 @@ def _psi(kind: str, u: np.ndarray, delta: float):
 
 @dataclass(frozen=True)
 class GLMSpec:
+    """Sizes and link of Example 3 (a generalized linear model per client): ``psi`` is the
+    convex link on the personal residual (``logcosh``, ``huber`` with ``huber_delta``), ``ridge``
+    the ℓ2 weight on w, ``y_scale`` the scale of the targets."""
+
     num_clients: int = 16
     n: int = 400
     d_theta: int = 20
@@ -105,9 +109,12 @@ class GeneralizedLinearProblem:
 
     # ---- Problem protocol -------------------------------------------------------------
     def init_theta(self, rng=None) -> Params:
+        """θ⁰ = 0."""
         return {"theta": np.zeros(self.d_theta)}
 
     def init_w(self, cohort, how: str, seed: int, round_: int) -> Params:
+        """Fresh w for ``cohort``: zeros, or standard normal drawn from (seed, "init-w", round,
+        client)."""
         cohort = np.asarray(cohort)
         if how == "zero":
             return {"w": np.zeros((len(cohort), self.d_w))}
@@ -117,12 +124,15 @@ class GeneralizedLinearProblem:
         raise ValueError(f"unknown w initialisation {how!r}; allowed: 'zero', 'random'")
 
     def num_examples(self, cohort) -> np.ndarray:
+        """n for every client of the cohort."""
         return np.full(len(cohort), float(self.spec.n))
 
     def lipschitz_w(self, cohort) -> np.ndarray:
+        """The smoothness constant of w ↦ f_m(θ, w) for each client of the cohort."""
         return self._Lw[np.asarray(cohort)]
 
     def loss(self, cohort, theta: Params, w: Params) -> np.ndarray:
+        """f_m(θ, w_m) = ½‖H_mθ − b_m‖² + Σ ψ(A_mθ + B_m w_m − y_m) + (ρ/2)‖w_m‖² per client."""
         c = check_cohort(cohort, self.num_clients)
         t, W = theta["theta"], w["w"]
         Ht = self.H[c] @ t if t.ndim == 1 else np.einsum("knd,kd->kn", self.H[c], t)
@@ -131,6 +141,7 @@ class GeneralizedLinearProblem:
         return 0.5 * (r * r).sum(1) + val.sum(1) + 0.5 * self.spec.ridge * (W * W).sum(1)
 
     def grad_theta(self, cohort, theta: Params, w: Params) -> Params:
+        """∇₁f_m = H_mᵀ(H_mθ − b_m) + A_mᵀψ′(u_m), stacked over the cohort."""
         c = np.asarray(cohort)
         t = theta["theta"]
         HtHt = self.HtH[c] @ t if t.ndim == 1 else np.einsum("kij,kj->ki", self.HtH[c], t)
@@ -138,6 +149,7 @@ class GeneralizedLinearProblem:
         return {"theta": HtHt - self.Htb[c] + np.einsum("knd,kn->kd", self.A[c], d1)}
 
     def grad_w(self, cohort, theta: Params, w: Params) -> Params:
+        """∇₂f_m = B_mᵀψ′(u_m) + ρw_m, stacked over the cohort."""
         c = np.asarray(cohort)
         _, d1, _ = self._psi(self._u(c, theta["theta"], w["w"]))
         return {"w": np.einsum("knd,kn->kd", self.B[c], d1) + self.spec.ridge * w["w"]}
@@ -172,10 +184,12 @@ class GeneralizedLinearProblem:
 
     # ---- ClosedForm ---------------------------------------------------------------------
     def F_clients(self, cohort, theta: Params) -> np.ndarray:
+        """F_m(θ) = ∇₁f_m(θ, w*_m(θ)) for each client of the cohort ``[k, d_θ]``."""
         c = np.asarray(cohort)
         return self.grad_theta(c, theta, self.w_star(c, theta))["theta"]
 
     def F(self, theta: Params) -> np.ndarray:
+        """F(θ) = (1/M) Σ_m F_m(θ)."""
         return self.F_clients(np.arange(self.num_clients), theta).mean(0)
 
     def _envelope_jacobian(self, theta: np.ndarray) -> np.ndarray:

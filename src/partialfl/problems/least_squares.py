@@ -166,6 +166,8 @@ class LeastSquaresProblem:
         return {"theta": np.zeros(self.d_theta)}
 
     def init_w(self, cohort: np.ndarray, how: str, seed: int, round_: int) -> Params:
+        """Fresh w for ``cohort``: zeros, or standard normal drawn from (seed, "init-w", round,
+        client)."""
         cohort = np.asarray(cohort)
         if how == "zero":
             return {"w": np.zeros((len(cohort), self.d_w))}
@@ -179,9 +181,11 @@ class LeastSquaresProblem:
         raise ValueError(f"unknown w initialisation {how!r}; allowed: 'zero', 'random'")
 
     def num_examples(self, cohort: np.ndarray) -> np.ndarray:
+        """n for every client of the cohort."""
         return np.full(len(cohort), float(self.spec.n))
 
     def lipschitz_w(self, cohort: np.ndarray) -> np.ndarray:
+        """λ_max(B_mᵀB_m), the smoothness constant of w ↦ f_m(θ, w), per client of the cohort."""
         return self._Lw[self._ix(cohort)]
 
     def _ix(self, cohort) -> np.ndarray | slice:
@@ -216,6 +220,7 @@ class LeastSquaresProblem:
         return 0.5 * quad_t + cross + 0.5 * quad_w - lin + self.c[c]
 
     def grad_theta(self, cohort: np.ndarray, theta: Params, w: Params) -> Params:
+        """∇₁f_m = P_mθ + G_m w_m − p_m (P = HᵀH + AᵀA, G = AᵀB, p = Hᵀb + Aᵀy), stacked."""
         c = self._ix(cohort)
         t = theta["theta"]
         Pt = self.P[c] @ t if t.ndim == 1 else np.matmul(self.P[c], t[..., None])[..., 0]
@@ -223,6 +228,7 @@ class LeastSquaresProblem:
         return {"theta": Pt + Gw - self.p[c]}
 
     def grad_w(self, cohort: np.ndarray, theta: Params, w: Params) -> Params:
+        """∇₂f_m = Q_m w_m − c_m(θ) (Q = BᵀB, c(θ) = Bᵀy − Gᵀθ), stacked."""
         return {"w": self.qmul(cohort, w["w"]) - self.w_system(cohort, theta)[1]}
 
     # ---- QuadraticInW -------------------------------------------------------------------
@@ -239,6 +245,7 @@ class LeastSquaresProblem:
         return self.Q[c], rhs
 
     def w_star(self, cohort: np.ndarray, theta: Params) -> Params:
+        """w*_m(θ) = Q_m⁻¹c_m(θ) (elementwise in the eigenbasis)."""
         Q, rhs = self.w_system(cohort, theta)
         if Q.ndim == 2:
             return {"w": rhs / Q}
@@ -287,12 +294,15 @@ class LeastSquaresProblem:
         return self.S[c] @ theta["theta"] - self.s[c]
 
     def F(self, theta: Params) -> np.ndarray:
+        """F(θ) = S̄θ − s̄ with S_m = P_m − G_mQ_m⁻¹G_mᵀ (the Schur complement), averaged."""
         return self.S_bar @ theta["theta"] - self.s_bar
 
     def theta_star(self) -> Params:
+        """θ* = S̄⁻¹s̄, the root of F (a copy)."""
         return {"theta": self._theta_star.copy()}
 
     def f_star(self) -> np.ndarray:
+        """min_{θ,w} f_m(θ, w) per client (the fully personalized optimum; a copy)."""
         return self._f_star.copy()
 
     def personalized_risk(self, theta: Params) -> float:

@@ -234,6 +234,7 @@ class ModelProblem:
         return self._full_grad(cohort, theta, w, "w")
 
     def lipschitz_w(self, cohort) -> np.ndarray:
+        """Not available for a neural network: raises TypeError (give the solver a stepsize)."""
         raise TypeError("a neural-network problem has no known smoothness constant in w; give "
                         "the local solver an explicit learning rate")
 

@@ -67,6 +67,7 @@ class Distribution:
                              f"got {self.shape!r}")
 
     def sample(self, rng: np.random.Generator, size: int | None = None):
+        """One draw (``size=None``) or ``size`` draws from the distribution with ``rng``."""
         k, s = self.kind, self.scale
         if k == "constant":
             return s if size is None else np.full(size, float(s))
@@ -79,6 +80,7 @@ class Distribution:
         return s * (1.0 + rng.pareto(self.shape, size))
 
     def mean(self) -> float:
+        """The distribution's mean (inf for a Pareto shape ≤ 1)."""
         k, s = self.kind, self.scale
         if k in ("constant", "exponential"):
             return float(s)
@@ -125,12 +127,14 @@ class ComputeTimeModel:
             object.__setattr__(self, "speed", sp)
 
     def check(self, num_clients: int) -> None:
+        """Raise if a per-client table does not have one entry per client."""
         for name, v in (("per_job", self.per_job), ("speed", self.speed)):
             if isinstance(v, tuple) and len(v) != num_clients:
                 raise ValueError(f"compute-time model has {len(v)} {name} entries for "
                                  f"{num_clients} clients")
 
     def duration(self, client: int, num_examples: float, rng: np.random.Generator) -> float:
+        """The compute time of one job of ``client`` on ``num_examples`` examples."""
         d = self.per_job[client] if isinstance(self.per_job, tuple) else self.per_job
         work = float(d.sample(rng))
         if self.per_example is not None:
@@ -138,6 +142,7 @@ class ComputeTimeModel:
         return work / (self.speed[client] if self.speed is not None else 1.0)
 
     def is_deterministic(self) -> bool:
+        """Whether every distribution of the model is constant (no randomness in durations)."""
         dists = self.per_job if isinstance(self.per_job, tuple) else (self.per_job,)
         if self.per_example is not None:
             dists = (*dists, self.per_example)
@@ -190,6 +195,9 @@ EVENT_FIELDS = ("event", "time", "job", "client", "slot", "round")
 
 @dataclass
 class AsyncRunResult:
+    """What an asynchronous run returns: final server state, client states, evaluation records,
+    one row per applied update (``steps``), the event log and the wall-clock seconds."""
+
     state: ServerState
     client_state: Params | None
     history: list[dict] = field(default_factory=list)
@@ -201,9 +209,11 @@ class AsyncRunResult:
 
     @property
     def staleness(self) -> np.ndarray:
+        """The delay τ of every applied update (server steps between its dispatch and arrival)."""
         return self.steps["staleness"]
 
     def event_dicts(self) -> list[dict]:
+        """The event log as dicts with the keys :data:`EVENT_FIELDS`."""
         return [dict(zip(EVENT_FIELDS, e)) for e in self.events]
 
 
@@ -237,6 +247,8 @@ class AsyncServer:
         self._eval(0.0)
 
     def sample_client(self, job: int) -> int:
+        """The client that gets job ``job``: uniform among the idle clients, drawn from (seed,
+        "sample", job)."""
         idle = np.flatnonzero(~self.busy)
         if len(idle) == 1:  # concurrency = M: the client that just finished restarts
             return int(idle[0])
@@ -297,6 +309,7 @@ class AsyncServer:
             self.logger.log(rec)
 
     def result(self, seconds: float) -> AsyncRunResult:
+        """The run's :class:`AsyncRunResult` (evaluating the final state if not yet done)."""
         if not self.history or self.history[-1]["step"] != self.arrivals:
             self._eval(self.time)
         names = ("job", "client", "slot", "dispatch_time", "arrival_time", "version",

@@ -42,16 +42,23 @@ def concat_results(results: list[ClientResult]) -> ClientResult:
 
 
 class BatchedBackend:
+    """Hands the whole cohort to the algorithm in one call (vectorised over clients)."""
+
     name = "batched"
 
     def run(self, algorithm, state, problem, cohort, ctx, client_state=None) -> ClientResult:
+        """The cohort's client update in one call."""
         return algorithm.client_update(state, problem, cohort, ctx, client_state)
 
 
 class SequentialBackend:
+    """Runs one client at a time and concatenates the results (the reference path; same result
+    as the batched backend)."""
+
     name = "sequential"
 
     def run(self, algorithm, state, problem, cohort, ctx, client_state=None) -> ClientResult:
+        """Each client's update on its own (with its row of the client state), concatenated."""
         out = []
         for i, m in enumerate(cohort):
             cs = None
@@ -65,6 +72,7 @@ BACKENDS = {"batched": BatchedBackend, "sequential": SequentialBackend}
 
 
 def make_backend(name: str):
+    """A backend by name (``batched`` or ``sequential``); a clear error for other names."""
     try:
         return BACKENDS[name]()
     except KeyError:

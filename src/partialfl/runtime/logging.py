@@ -27,10 +27,12 @@ class JsonlLogger:
         self.static = static
 
     def log(self, record: dict[str, Any]) -> None:
+        """Append one record (with the logger's static fields; values made JSON-safe) as a line."""
         rec = {**self.static, **{k: _clean(v) for k, v in record.items()}}
         self._f.write(json.dumps(rec) + "\n")
 
     def close(self) -> None:
+        """Close the file."""
         self._f.close()
 
     def __enter__(self) -> JsonlLogger:

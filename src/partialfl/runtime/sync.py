@@ -38,6 +38,9 @@ def sample_cohort(seed: int, round_: int, num_clients: int, k: int | None) -> np
 
 @dataclass
 class RunResult:
+    """What :func:`run_rounds` returns: the final server state, the client states (stateful
+    algorithms), the metric records of every evaluation and the wall-clock seconds."""
+
     state: ServerState
     client_state: Params | None
     history: list[dict] = field(default_factory=list)
