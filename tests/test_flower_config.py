@@ -144,3 +144,52 @@ def test_example_pyproject_is_valid_and_complete():
     assert sorted(conf) == sorted(f.key for f in FIELDS)
     cfg = parse_run_config(conf)
     assert cfg.problem == "femnist"
+
+
+def test_python_femnist_defaults_are_the_example_apps():
+    """run_simulation({"problem": "femnist"}) trains as `flwr run examples/flower` does; the
+    bare run-config defaults would fail (no local stepsize) and train every client."""
+    pytest.importorskip("flwr", reason="needs the flower extra")
+    from partialfl.flower.simulation import FEMNIST_DEFAULTS, with_app_defaults
+
+    with pytest.raises(ConfigError, match="local-lr"):
+        parse_run_config({"problem": "femnist"})
+    cfg = parse_run_config(with_app_defaults({"problem": "femnist"}))
+    app = tomllib.loads((ROOT / "examples" / "flower" / "pyproject.toml").read_text())
+    app = parse_run_config(app["tool"]["flwr"]["app"]["config"])
+    for key in ("local-lr", "server-lr", "clients-per-round", "num-rounds", "eval-every",
+                "split", "algorithm", "round-timeout"):
+        attr = key.replace("-", "_")
+        assert getattr(cfg, attr) == getattr(app, attr), key
+    assert cfg.clients_per_round == 10 and cfg.local_lr == 0.01
+    assert "min-nodes" not in FEMNIST_DEFAULTS and "out-dir" not in FEMNIST_DEFAULTS
+    # what the caller sets wins; other problems keep the plain defaults
+    assert parse_run_config(with_app_defaults({"problem": "femnist", "local-lr": 0.1})
+                            ).local_lr == 0.1
+    assert with_app_defaults(SMALL) == SMALL
+
+
+def test_flower_report_prints_a_summary_not_theta():
+    pytest.importorskip("flwr", reason="needs the flower extra")
+    from partialfl.flower.server import FlowerRunReport
+
+    theta = {"conv.weight": np.full((32, 1, 5, 5), 0.123456), "fc.bias": np.zeros(62)}
+    rep = FlowerRunReport(config={"algorithm": "ffgg", "problem": "femnist"}, theta=theta,
+                          history=[{"round": 2, "eval_acc": 0.61234567, "local_grads": 40}],
+                          server_steps=2, seconds=12.3)
+    text = repr(rep)
+    assert "0.123456" not in text and "array" not in text and len(text) < 400
+    assert "ffgg on femnist" in text and "2 server steps" in text and "862 values" in text
+    assert "'eval_acc': 0.6123" in text
+
+
+def test_local_federation_progress_echoes_the_server_round_lines(capfd, tmp_path):
+    import sys
+
+    from partialfl.flower.project import _run_echoing
+
+    code = "print('INFO : partialfl: {\"round\": 1}'); print('noise'); raise SystemExit(3)"
+    proc = _run_echoing([sys.executable, "-c", code], None, tmp_path, 60, "stage1")
+    assert proc.returncode == 3 and "noise" in proc.stdout and "partialfl:" in proc.stdout
+    err = capfd.readouterr().err
+    assert '[stage1] {"round": 1}' in err and "noise" not in err

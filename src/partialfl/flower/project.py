@@ -238,9 +238,11 @@ class LocalFederation:
 
     # -- runs --------------------------------------------------------------------------------
     def run(self, overrides: dict[str, Any] | None = None, *, timeout: float = 300.0,
-            out_dir: str | Path | None = None) -> dict[str, Any]:
+            out_dir: str | Path | None = None, progress: str | None = None) -> dict[str, Any]:
         """``flwr run APP local --stream -c k=v ...``; returns the ServerApp's result.json
-        (``summary``, ``history``, ``failures``, ...) with ``theta`` (numpy) added."""
+        (``summary``, ``history``, ``failures``, ...) with ``theta`` (numpy) added.
+        ``progress`` (a label): print the ServerApp's per-round lines to stderr as they
+        arrive."""
         import numpy as np
 
         out = Path(out_dir) if out_dir else self.work_dir / f"run-{time.monotonic_ns()}"
@@ -254,8 +256,11 @@ class LocalFederation:
             args += ["-c", f"{k}={_toml_value(v)}"]
         if self.simulation:
             args += ["--federation-config", f"num-supernodes={self.num_supernodes}"]
-        proc = subprocess.run(args, env=self.env, cwd=self.work_dir, capture_output=True,
-                              text=True, timeout=timeout)
+        if progress:
+            proc = _run_echoing(args, self.env, self.work_dir, timeout, progress)
+        else:
+            proc = subprocess.run(args, env=self.env, cwd=self.work_dir, capture_output=True,
+                                  text=True, timeout=timeout)
         result = out / "result.json"
         if proc.returncode != 0 or not result.exists():
             raise RuntimeError(
@@ -267,6 +272,35 @@ class LocalFederation:
             rep["theta"] = {n: z[n] for n in z.files}
         rep["flwr_output"] = proc.stdout
         return rep
+
+
+def _run_echoing(args: list[str], env, cwd, timeout: float, label: str
+                 ) -> subprocess.CompletedProcess:
+    """``subprocess.run(args)`` that also prints the ServerApp's ``partialfl:`` log lines
+    (one per round) to stderr as they arrive, prefixed with ``label``."""
+    import threading
+
+    proc = subprocess.Popen(args, env=env, cwd=cwd, stdout=subprocess.PIPE,
+                            stderr=subprocess.STDOUT, text=True)
+    lines: list[str] = []
+
+    def pump() -> None:
+        for line in proc.stdout:
+            lines.append(line)
+            if "partialfl:" in line:
+                print(f"[{label}] {line.split('partialfl:', 1)[1].strip()}", file=sys.stderr,
+                      flush=True)
+
+    reader = threading.Thread(target=pump, daemon=True)
+    reader.start()
+    try:
+        rc = proc.wait(timeout)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        proc.wait()
+        raise
+    reader.join(10)
+    return subprocess.CompletedProcess(args, rc, "".join(lines), "")
 
 
 def _group_members(pgid: int) -> list[int]:

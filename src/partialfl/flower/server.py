@@ -79,6 +79,7 @@ class FlowerRunReport:
 
     @property
     def failure_counts(self) -> dict[str, int]:
+        """Number of failures of each kind."""
         out: dict[str, int] = {}
         for f in self.failures:
             out[f.kind] = out.get(f.kind, 0) + 1
@@ -86,9 +87,11 @@ class FlowerRunReport:
 
     @property
     def failed_client_updates(self) -> int:
+        """Number of client updates lost to failures."""
         return sum(len(f.clients) for f in self.failures)
 
     def summary(self) -> dict[str, Any]:
+        """Server steps, skipped rounds, failures and timings of the run."""
         rounds = max(1, self.config.get("num-rounds", 1))
         return {
             "server_steps": self.server_steps,
@@ -102,7 +105,20 @@ class FlowerRunReport:
             "stopped_early": self.stopped,
         }
 
+    def __repr__(self) -> str:
+        """A summary (what ran, the last metrics, failures, the size of θ), not θ's values."""
+        c = self.config
+        size = sum(int(getattr(v, "size", 1)) for v in self.theta.values())
+        last = self.history[-1] if self.history else {}
+        shown = {k: (round(v, 4) if isinstance(v, float) else v) for k, v in last.items()
+                 if not isinstance(v, list | dict)}
+        return (f"FlowerRunReport({c.get('algorithm')} on {c.get('problem')}, "
+                f"{self.server_steps} server steps in {self.seconds:.1f} s, "
+                f"{len(self.failures)} failures, θ: {len(self.theta)} tensors / {size:,} "
+                f"values; last record {shown})")
+
     def to_json(self) -> dict[str, Any]:
+        """The report without θ, as JSON-ready dicts (written to ``result.json``)."""
         return {"summary": self.summary(), "config": self.config, "nodes": self.nodes,
                 "history": self.history, "failures": [asdict(f) for f in self.failures]}
 

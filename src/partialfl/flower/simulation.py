@@ -18,7 +18,23 @@ from collections.abc import Sequence
 from typing import Any
 
 from partialfl.flower.config import parse_run_config
+from partialfl.flower.project import FEMNIST_EXAMPLE
 from partialfl.flower.server import FlowerRunReport, MessageHook, run_server
+
+#: keys of the example app (``examples/flower/pyproject.toml``) that a FEMNIST run config
+#: takes from it when it leaves them out, so that Python and ``flwr run examples/flower``
+#: train the same way (not ``min-nodes`` and ``out-dir``: they belong to a deployment)
+FEMNIST_DEFAULTS: dict[str, Any] = {k: v for k, v in FEMNIST_EXAMPLE.items()
+                                    if k not in ("problem", "min-nodes", "out-dir")}
+
+
+def with_app_defaults(run_config: dict[str, Any]) -> dict[str, Any]:
+    """``run_config`` completed like the example app's: a FEMNIST run (``problem =
+    "femnist"``) gets :data:`FEMNIST_DEFAULTS` for the keys it does not set (local lr 0.01,
+    server lr 0.05, 10 clients per round, …); other problems keep the run-config defaults."""
+    if run_config.get("problem") == "femnist":
+        return {**FEMNIST_DEFAULTS, **run_config}
+    return dict(run_config)
 
 
 def run_simulations(run_configs: Sequence[dict[str, Any]], *, num_supernodes: int = 2,
@@ -26,7 +42,8 @@ def run_simulations(run_configs: Sequence[dict[str, Any]], *, num_supernodes: in
                     num_cpus: int | None = None, cpus_per_client: float = 1.0,
                     verbose: bool = False) -> list[FlowerRunReport]:
     """Simulate each run of ``run_configs`` (kebab-case keys, see
-    :data:`partialfl.flower.config.FIELDS`), in order, on ``num_supernodes`` SuperNodes.
+    :data:`partialfl.flower.config.FIELDS`; a FEMNIST run is completed by
+    :func:`with_app_defaults`), in order, on ``num_supernodes`` SuperNodes.
 
     ``message_hooks[i]`` sees every message the server receives in run i. ``num_cpus`` caps
     Ray's CPUs (default: all); ``cpus_per_client`` is what one ClientApp actor takes, so
@@ -42,7 +59,8 @@ def run_simulations(run_configs: Sequence[dict[str, Any]], *, num_supernodes: in
     # Ray >= 2.5x warns that it will stop overriding CUDA_VISIBLE_DEVICES for num_gpus=0;
     # opting in to the future behaviour silences it (CPU-only ClientApps either way).
     os.environ.setdefault("RAY_ACCEL_ENV_VAR_OVERRIDE_ON_ZERO", "0")
-    configs = [parse_run_config(c).to_run_config() for c in run_configs]  # fail fast
+    configs = [parse_run_config(with_app_defaults(c)).to_run_config()  # fail fast
+               for c in run_configs]
     hooks = list(message_hooks) if message_hooks is not None else [None] * len(configs)
     if len(hooks) != len(configs):
         raise ValueError(f"{len(hooks)} message hooks for {len(configs)} runs")
