@@ -130,3 +130,16 @@ def test_the_api_reference_builds_without_warnings(tmp_path):
                        cwd=ROOT, capture_output=True, text=True, timeout=300)
     assert r.returncode == 0, r.stderr[-3000:]
     assert "FFGG" in (tmp_path / "site" / "api" / "algorithms" / "index.html").read_text()
+
+
+def test_quick_start_is_two_commands_in_a_virtual_environment():
+    text = (ROOT / "README.md").read_text()
+    block = text.split("## Quick start", 1)[1].split("```bash\n", 1)[1].split("```", 1)[0]
+    commands = block.strip().splitlines()
+    assert len(commands) == 2
+    assert commands[0].startswith("python3 -m venv .venv && . .venv/bin/activate && ")
+    assert "partialfl reproduce ls-tau --quick" in commands[0] and "pytest" in commands[1]
+    # the torch pin is explained in general words: any torch >= 2.2, how to get a CPU build
+    quick = text.split("## Quick start", 1)[1].split("\n## ", 1)[0]
+    assert "any torch ≥ 2.2 works" in quick and "download.pytorch.org/whl/cpu" in quick
+    assert "these machines" not in quick

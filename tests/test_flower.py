@@ -293,6 +293,7 @@ def test_async_buffered_records_staleness(sims):
 
 
 # -- deployment: a SuperLink and two SuperNodes on 127.0.0.1 --------------------------------
+@pytest.mark.slow  # ~1 min: real SuperLink and SuperNode processes (CI runs `pytest -m slow`)
 def test_deployment_smoke():
     """`flwr run` against flower-superlink + 2 flower-supernode processes (insecure, loopback,
     free ports): two FFGG rounds give the simulator's θ and per-round metrics; every process

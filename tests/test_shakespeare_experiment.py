@@ -90,6 +90,7 @@ def test_tiny_table_runs_and_resumes(tmp_path):
         assert [m["test_acc"] for m in first[label]] == [m["test_acc"] for m in again[label]]
 
 
+@pytest.mark.slow  # ~40 s: the tiny table twice, once in worker processes
 def test_worker_processes_give_the_same_table(tmp_path):
     """Runs in two spawned worker processes reproduce the in-process numbers exactly (all
     randomness derives from (seed, round, client), never from the process)."""
