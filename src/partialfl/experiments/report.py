@@ -166,7 +166,8 @@ def plot_curves(path: Path, panels: list[dict[str, list[dict]]], titles: Sequenc
         ax.set_title(title)
         ax.set_xlabel(xlabel or ("communication rounds" if x == "round" else x))
         if x in ("round", "local_grads"):
-            ax.xaxis.set_major_locator(MaxNLocator(integer=True))
+            ax.xaxis.set_major_locator(MaxNLocator(nbins=6, integer=True))
+            ax.ticklabel_format(axis="x", style="sci", scilimits=(-4, 4))
         ax.grid(alpha=0.3, which="both")
     axes[0][0].set_ylabel(ylabel)
     axes[0][-1].legend(fontsize=8)
