@@ -75,6 +75,13 @@ def test_quick_table_runs_resumes_and_evaluates_new_writers(tmp_path, data_dir):
 
     out = tmp_path / "eval.json"
     assert main(["evaluate", str(run), "--data-dir", str(data_dir), "--json", str(out)]) == 0
-    cli = json.loads(out.read_text())
+    cli = json.loads(out.read_text())["ffgg-adapter"]
     assert cli["num_clients"] == QUICK.holdout
     assert cli["test"]["accuracy"] == pytest.approx(ev["test"].accuracy)
+    assert list(cli["test"]["per_client"]) == ev["client_ids"]
+    # the whole table folder: every run, by its folder
+    assert main(["evaluate", str(tmp_path), "--data-dir", str(data_dir), "--json",
+                 str(out)]) == 0
+    table = json.loads(out.read_text())
+    assert set(table) == {f"seed0/{m.name}" for _, m in METHODS}
+    assert table["seed0/ffgg-adapter"]["test"]["accuracy"] == pytest.approx(ev["test"].accuracy)

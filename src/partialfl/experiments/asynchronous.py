@@ -39,7 +39,7 @@ import numpy as np
 from partialfl.algorithms.asynchronous import FedAsync, FedBuff, joint_sgd
 from partialfl.algorithms.ffgg import FFGG
 from partialfl.algorithms.joint import LocalGD
-from partialfl.experiments.report import REL_DIST2, markdown_table, quick_note
+from partialfl.experiments.report import REL_DIST2, STYLES, markdown_table, quick_note
 from partialfl.local import make_solver
 from partialfl.problems.overpersonalized import OverpersonalizedLeastSquares
 from partialfl.runtime import JsonlLogger, run_rounds
@@ -260,7 +260,7 @@ def _plot_errors(seed_result: dict, path: Path, x: str, xlabel: str, T: float | 
     import matplotlib.pyplot as plt
 
     fig, ax = plt.subplots(figsize=(7.0, 4.2))
-    for method in METHODS:
+    for i, method in enumerate(METHODS):
         r = seed_result["runs"].get(method)
         if r is None:
             continue
@@ -268,7 +268,11 @@ def _plot_errors(seed_result: dict, path: Path, x: str, xlabel: str, T: float | 
         xs = [h[x] + 1 if x == "round" else h[x] for h in hist]  # log axis: steps + 1
         ys = [min(max(h["dist2"], 1e-32), 1e32) if h["dist2"] == h["dist2"] else np.nan
               for h in hist]
-        ax.plot(xs, ys, lw=1.4, label=f"{method} ({r['stepsize']})")
+        # own line style, earlier methods wider: curves that coincide stay visible
+        # (a marker at the last point shows where a run that lies under another one ends)
+        ax.plot(xs, ys, lw=1.2 + 0.5 * (len(METHODS) - 1 - i), ls=STYLES[i % len(STYLES)][0],
+                marker=STYLES[i % len(STYLES)][1], markevery=[len(xs) - 1], ms=7, mfc="none",
+                mew=1.5, alpha=0.85, label=f"{method} ({r['stepsize']})")
     ax.axhline(seed_result["shared_floor"], color="gray", ls=":", lw=1,
                label="‖θ̄* − θ*‖² of the best shared model")
     ax.set_yscale("log")
@@ -290,6 +294,7 @@ def _plot_delays(seed_result: dict, path: Path) -> None:
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
+    from matplotlib.ticker import MaxNLocator
 
     tau = seed_result["runs"]["async FFGG"]["staleness"]
     sp = np.sort(seed_result["speeds"])[::-1]
@@ -303,6 +308,7 @@ def _plot_delays(seed_result: dict, path: Path) -> None:
     a2.bar(np.arange(len(sp)), sp, color="C1")
     a2.set_yscale("log")
     a2.set_xlabel("client (sorted)")
+    a2.xaxis.set_major_locator(MaxNLocator(integer=True))
     a2.set_ylabel("device speed")
     a2.set_title(f"device speeds: max/min = {sp[0] / sp[-1]:.0f}×", fontsize=10)
     for a in (a1, a2):

@@ -183,8 +183,11 @@ def _plot(rows, study: ByzantineStudy, path: Path, delta: float, kind: str, seed
             xs = [h["round"] for h in r["history"]]
             ys = [min(max(h["dist2"], 1e-32), top) if h["dist2"] == h["dist2"] else top
                   for h in r["history"]]
+            # earlier aggregators drawn wider, so rules that coincide stay visible
+            width = 1.0 + 0.6 * (len(AGGREGATOR_GRID) - 1 - AGGREGATOR_GRID.index(
+                r["aggregator"]))
             ax.plot(xs, ys, color=colors[r["aggregator"]],
-                    ls="-" if r["bucketing"] == 1 else "--", lw=1.3,
+                    ls="-" if r["bucketing"] == 1 else "--", lw=width, alpha=0.85,
                     label=r["aggregator"] + (f" + bucketing s={r['bucketing']}"
                                              if r["bucketing"] > 1 else ""))
         ax.set_yscale("log")
