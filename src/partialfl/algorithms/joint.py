@@ -121,8 +121,12 @@ class Scaffold(LocalGD):
 
     def init_client_state(self, problem) -> Params:
         """Every client's control variate c_m = 0 (θ- and w-parts)."""
-        M = problem.num_clients
-        return {"c_theta": np.zeros((M, problem.d_theta)), "c_w": np.zeros((M, problem.d_w))}
+        return self.init_client_state_rows(problem, np.arange(problem.num_clients))
+
+    def init_client_state_rows(self, problem, cohort: np.ndarray) -> Params:
+        """Control variates c_m = 0 of the given clients."""
+        k = len(cohort)
+        return {"c_theta": np.zeros((k, problem.d_theta)), "c_w": np.zeros((k, problem.d_w))}
 
     def client_update(self, state, problem, cohort, ctx, client_state=None):
         """τ corrected local steps; sends the model change and the change of c_m (option II update

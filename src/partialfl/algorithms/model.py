@@ -158,9 +158,13 @@ class _PersonalState(Algorithm):
 
     def init_client_state(self, problem) -> Params | None:
         """w_m⁰ for every client (``w_init``, round 0 of ``init_seed``), or None if stateless."""
+        return self.init_client_state_rows(problem, np.arange(problem.num_clients))
+
+    def init_client_state_rows(self, problem, cohort: np.ndarray) -> Params | None:
+        """The rows of :meth:`init_client_state` for the given clients only."""
         if self.stateless:
             return None
-        return problem.init_w(np.arange(problem.num_clients), self.w_init, self.init_seed, 0)
+        return problem.init_w(np.asarray(cohort), self.w_init, self.init_seed, 0)
 
     def _start_w(self, problem, cohort, ctx, client_state) -> Params:
         if self.stateless:

@@ -152,7 +152,7 @@ class ModelProblem:
         self.w_shapes = {n: tuple(v.shape) for n, v in w0.items()}
         self.w_pretrained = self._check_w(w0 if w_pretrained is None else w_pretrained)
         self.num_clients = data.num_clients
-        self._store = {s: _FlatSplit(data, s, self.device, data_on_device)
+        self._store = {s: _flat_split(data, s, self.device, data_on_device)
                        for s in ("train", "test")}
         self._step_fn = self._build_step_fn()
         self._sum_grad_fn = self._build_sum_grad_fn()
@@ -509,6 +509,32 @@ def _check_split(split: str) -> str:
     return split
 
 
+def _flat_split(data, split: str, device: torch.device, on_device: bool | None):
+    """The flat view ModelProblem reads: the data's own (lazy, e.g. an on-disk
+    :class:`~partialfl.data.store.StoreDataset`, whose batches are copied to ``device``) if it
+    offers one, else tensors in memory."""
+    own = getattr(data, "flat_split", None)
+    if own is not None:
+        return own(split, device)
+    return _FlatSplit(data, split, device, on_device)
+
+
+def padded_rows(offsets: np.ndarray, sizes: np.ndarray, cohort: np.ndarray, batches, b: int
+                ) -> tuple[Tensor, Tensor]:
+    """Global row indices ``[k, b]`` of the cohort's minibatches (padding repeats the client's
+    first example, or row 0) and the float mask ``[k, b]``."""
+    k = len(cohort)
+    idx = np.zeros((k, b), dtype=np.int64)
+    mask = np.zeros((k, b), dtype=np.float32)
+    for i, (m, bi) in enumerate(zip(cohort, batches)):
+        base = offsets[m] if sizes[m] > 0 else 0
+        idx[i] = base
+        if bi is not None and len(bi):
+            idx[i, : len(bi)] = base + np.asarray(bi)
+            mask[i, : len(bi)] = 1.0
+    return torch.from_numpy(idx), torch.from_numpy(mask)
+
+
 class _FlatSplit:
     """One split of a FederatedDataset as flat tensors + per-client offsets.
 
@@ -555,21 +581,12 @@ class _FlatSplit:
         return self.take(torch.from_numpy(self.offsets[m] + np.asarray(idx, dtype=np.int64)))
 
     def padded(self, cohort: np.ndarray, batches, b: int) -> tuple[Tensor, Tensor]:
-        """Global indices ``[k, b]`` (padding repeats the client's first example, or example 0;
-        on the host) and the float mask ``[k, b]`` (on the device)."""
-        k = len(cohort)
-        idx = np.zeros((k, b), dtype=np.int64)
-        mask = np.zeros((k, b), dtype=np.float32)
-        for i, (m, bi) in enumerate(zip(cohort, batches)):
-            base = self.offsets[m] if self.sizes[m] > 0 else 0
-            idx[i] = base
-            if bi is not None and len(bi):
-                idx[i, : len(bi)] = base + np.asarray(bi)
-                mask[i, : len(bi)] = 1.0
-        mask_t = torch.from_numpy(mask)
+        """Global indices ``[k, b]`` (on the host) and the float mask ``[k, b]`` (on the
+        device); see :func:`padded_rows`."""
+        idx, mask = padded_rows(self.offsets, self.sizes, cohort, batches, b)
         if self.device.type != "cpu":
-            mask_t = mask_t.to(self.device, non_blocking=True)
-        return torch.from_numpy(idx), mask_t
+            mask = mask.to(self.device, non_blocking=True)
+        return idx, mask
 
 
 def _row(tree: Params, dims: Mapping[str, int | None] | None, i: int) -> Params:
