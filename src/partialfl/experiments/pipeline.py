@@ -58,7 +58,7 @@ from partialfl.split import SPLIT_KINDS, Split, make_split
 from partialfl.types import Params
 
 ALGORITHMS = ("fedavg", "ffgg", "local-ffgg", "fedalt", "fedsim")
-BACKENDS = ("sequential", "vmap")
+BACKENDS = ("sequential", "vmap", "processes")
 SCHEDULES = Schedule.KINDS
 
 
@@ -203,7 +203,8 @@ class PipelineConfig:
     ``seed`` drives stages 2 and 3 (sampling, minibatches, adapter initialisation);
     ``pretrain_seed`` (default ``seed``) drives stage 1 and the model initialisation, so several
     seeds can share one pre-training. ``backend``: ``vmap`` (clients batched with
-    torch.func.vmap) or ``sequential`` (one client at a time); both give the same θ.
+    torch.func.vmap), ``sequential`` (one client at a time) or ``processes`` (the cohort's
+    clients over worker processes, :mod:`partialfl.runtime.cohort_pool`); all give the same θ.
     ``device`` (cpu, cuda, cuda:N, mps, auto) is where the model runs: it is not part of a
     run's identity, so a run started on one device resumes on another (same steps, results
     equal up to floating-point rounding). ``precision``: fp32, bf16 or fp16 (autocast).
@@ -227,6 +228,9 @@ class PipelineConfig:
                                                                 self.device):
             raise ConfigError(f"device: {self.device!r} is not allowed; allowed: "
                               f"{', '.join(DEVICES)}")
+        if self.backend == "processes" and self.device != "cpu":
+            raise ConfigError(f"backend 'processes' runs clients in CPU worker processes; "
+                              f"device must be 'cpu', got {self.device!r}")
         if self.checkpoint_every < 1:
             raise ConfigError(f"checkpoint_every must be >= 1, got {self.checkpoint_every}")
 
@@ -315,6 +319,10 @@ def _on(params: Params, problem: ModelProblem) -> Params:
 
 
 def _backend(name: str):
+    if name == "processes":
+        from partialfl.runtime.cohort_pool import ProcessBackend
+
+        return ProcessBackend()
     return BatchedBackend() if name == "vmap" else SequentialBackend()
 
 
@@ -368,12 +376,13 @@ def _check_config_file(path: Path, cfg_dict: dict, what: str) -> None:
 def _run_stage(problem, algorithm, stage: StageConfig, seed: int, out: Path, tag: str,
                checkpoint_every: int, backend: str, progress, theta0=None, on_round=None):
     logger = JsonlLogger(out / f"{tag}.jsonl", stage=tag)
+    runner = _backend(backend)
     try:
         return run_rounds(
             problem, algorithm, stage.rounds,
             clients_per_round=min(stage.clients_per_round or problem.num_clients,
                                   problem.num_clients),
-            seed=seed, theta0=theta0, backend=_backend(backend),
+            seed=seed, theta0=theta0, backend=runner,
             evaluate=round_evaluator(("test",)),
             eval_every=stage.eval_every or max(1, stage.rounds),
             logger=logger, progress=(f"{tag}" if progress is True else progress),
@@ -382,6 +391,7 @@ def _run_stage(problem, algorithm, stage: StageConfig, seed: int, out: Path, tag
         )
     finally:
         logger.close()
+        getattr(runner, "close", lambda: None)()
 
 
 # ----------------------------------------------------------------------------- tables

@@ -5,6 +5,8 @@
   models where supported).
 * :class:`SequentialBackend` runs one client at a time and stacks the results — the
   reference path; results must agree with the batched one.
+* ``processes`` (:class:`partialfl.runtime.cohort_pool.ProcessBackend`) spreads the cohort's
+  clients over worker processes; same results as the sequential backend, bit for bit.
 """
 
 from __future__ import annotations
@@ -68,7 +70,13 @@ class SequentialBackend:
         return concat_results(out)
 
 
-BACKENDS = {"batched": BatchedBackend, "sequential": SequentialBackend}
+def _processes():
+    from partialfl.runtime.cohort_pool import ProcessBackend
+
+    return ProcessBackend()
+
+
+BACKENDS = {"batched": BatchedBackend, "sequential": SequentialBackend, "processes": _processes}
 
 
 def make_backend(name: str):
