@@ -283,12 +283,14 @@ class ModelProblem:
             th_i = _row(theta, theta_dims, i)
             train, frozen, _, _ = self._arrange(th_i, _row(w, None, i), None, wrt)
             ones = torch.ones(len(bi), device=self.device)
-            g, loss = self._scaled(self._step_fn, train, frozen, *gi, ones)
+            g, loss = self._scaled(self._plain_step, train, frozen, *gi, ones)
             grads.append(g)
             losses.append(loss.detach())
         if any(g is None for g in grads):
             zero = {n: v[0] for n, v in self._zeros_like_wrt(theta, w, wrt, 1).items()}
             grads = [zero if g is None else g for g in grads]
+        if k == 1:  # a view, no copy (the sequential backend's every call)
+            return {n: v.unsqueeze(0) for n, v in grads[0].items()}, losses[0].unsqueeze(0)
         return {n: torch.stack([g[n] for g in grads]) for n in grads[0]}, torch.stack(losses)
 
     # -- internals -----------------------------------------------------------------------
@@ -361,6 +363,26 @@ class ModelProblem:
             return (val if scale is None else val * scale), val.detach()
 
         return grad(mean_loss, has_aux=True)
+
+    def _plain_grad(self, train, frozen, x, y, mask, scale, *, mean: bool):
+        """ONE client's ``_step_fn`` (``mean``) or ``_sum_grad_fn`` with plain autograd: the
+        same backward arithmetic without a functorch transform per call (less overhead)."""
+        leaves = {n: v.detach().requires_grad_(True) for n, v in train.items()}
+        with torch.enable_grad():
+            s, d, _ = self._batch_loss({**frozen, **leaves}, x, y, mask)
+            val = s / torch.clamp(d, min=1e-12) if mean else s
+            out = val if scale is None else val * scale
+            gs = torch.autograd.grad(out, list(leaves.values()), allow_unused=True)
+        g = {n: torch.zeros_like(leaves[n]) if gi is None else gi for n, gi in zip(leaves, gs)}
+        return g, (val.detach() if mean else d.detach())
+
+    def _plain_step(self, train, frozen, x, y, mask, scale):
+        """:meth:`_plain_grad` of the mean loss (the plain twin of ``_step_fn``)."""
+        return self._plain_grad(train, frozen, x, y, mask, scale, mean=True)
+
+    def _plain_sum(self, train, frozen, x, y, mask, scale):
+        """:meth:`_plain_grad` of the summed loss (the plain twin of ``_sum_grad_fn``)."""
+        return self._plain_grad(train, frozen, x, y, mask, scale, mean=False)
 
     def _build_sum_grad_fn(self):
         """``(train, frozen, x, y, mask, scale) -> (∇_train scale·Σ masked loss, Σ weights)``.
@@ -442,7 +464,7 @@ class ModelProblem:
                     bi = np.arange(j, min(n_i, j + self.chunk))
                     xy = store.gather(int(cohort[i]), bi)
                     ones = torch.ones(len(bi), device=self.device)
-                    g, d = self._scaled(self._sum_grad_fn, train, frozen, *xy, ones)
+                    g, d = self._scaled(self._plain_sum, train, frozen, *xy, ones)
                     for n in acc:
                         acc[n][i] += g[n]
                     den[i] += d
