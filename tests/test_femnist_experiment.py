@@ -85,3 +85,27 @@ def test_quick_table_runs_resumes_and_evaluates_new_writers(tmp_path, data_dir):
     table = json.loads(out.read_text())
     assert set(table) == {f"seed0/{m.name}" for _, m in METHODS}
     assert table["seed0/ffgg-adapter"]["test"]["accuracy"] == pytest.approx(ev["test"].accuracy)
+
+
+@pytest.mark.slow
+def test_table_from_the_store_with_processes_matches_memory(tmp_path, data_dir):
+    """Reduced size: the table read from an on-disk store with the processes backend gives
+    the same numbers as in memory with the sequential backend."""
+    from dataclasses import replace
+
+    from partialfl.cli import main
+
+    size = replace(QUICK, pretrain_rounds=2, rounds=1, num_writers=6, holdout=2)
+    reproduce_table(tmp_path / "mem", data_dir=data_dir, progress=False, size=size)
+    reproduce_table(tmp_path / "disk", data_dir=data_dir, progress=False, size=size,
+                    backend="processes", store=tmp_path / "store")
+    a, b = (json.loads((tmp_path / d / "results.json").read_text())["results"]
+            for d in ("mem", "disk"))
+    for label, _ in METHODS:
+        for k in ("test_acc", "new_test_acc", "per_client_test_acc"):
+            assert a[label][0][k] == b[label][0][k], (label, k)
+    # a store written for other writers is refused
+    with pytest.raises(ValueError, match="holds the writers of num_writers"):
+        reproduce_table(tmp_path / "other", data_dir=data_dir, progress=False,
+                        size=replace(size, num_writers=7), store=tmp_path / "store")
+    assert main(["reproduce", "ls-compare", "--store", str(tmp_path / "store")]) == 2

@@ -26,8 +26,15 @@ def _cmd_reproduce(args) -> int:
 
     fn = get_reproduction(args.name)
     out = Path(args.out or Path("runs") / (args.name + ("-quick" if args.quick else "")))
+    import inspect
+
+    extra = {k: v for k, v in (("backend", args.backend), ("store", args.store)) if v}
+    takes = inspect.signature(fn).parameters
+    for k in extra:
+        if k not in takes:
+            raise ValueError(f"reproduction {args.name!r} does not take --{k}")
     summary = fn(out, quick=args.quick, seeds=args.seeds, data_dir=args.data_dir,
-                 progress=not args.no_progress)
+                 progress=not args.no_progress, **extra)
     print(Path(summary).read_text())
     print(f"results written to {out}/")
     return 0
@@ -142,6 +149,11 @@ def build_parser() -> argparse.ArgumentParser:
                    "or ../shared/data)")
     s.add_argument("--seeds", type=int, nargs="+", help="seeds (default: the reproduction's)")
     s.add_argument("--no-progress", action="store_true", help="no progress bars")
+    s.add_argument("--backend", choices=["sequential", "vmap", "processes"],
+                   help="client backend (femnist-table): processes = each round's clients "
+                        "over worker processes")
+    s.add_argument("--store", help="read the data through an on-disk client store in this "
+                   "folder, written on first use (femnist-table)")
     s.set_defaults(fn=_cmd_reproduce)
 
     s = sub.add_parser(

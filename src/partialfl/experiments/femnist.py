@@ -157,32 +157,73 @@ def femnist_task(data) -> Task:
 
 
 
-def _pipeline_config(size: Size, method: MethodConfig, seed: int) -> PipelineConfig:
+def _pipeline_config(size: Size, method: MethodConfig, seed: int,
+                     backend: str = "sequential") -> PipelineConfig:
     pre, stage2, ft = stage_configs(size)
     return PipelineConfig(method=method, pretrain=pre, personalize=stage2[method.algorithm],
-                          finetune=ft, seed=seed, pretrain_seed=0, backend="sequential")
+                          finetune=ft, seed=seed, pretrain_seed=0, backend=backend)
 
 
 _DATA: dict = {}
 
 
-def _data(data_dir, size: Size):
-    key = (str(data_dir), size.num_writers, size.holdout)
+def _data(data_dir, size: Size, store: Path | None = None):
+    key = (str(data_dir), size.num_writers, size.holdout, str(store))
     if key not in _DATA:
         _DATA.clear()
-        _DATA[key] = load_data(data_dir, size.num_writers, size.holdout)
+        _DATA[key] = (load_data(data_dir, size.num_writers, size.holdout) if store is None
+                      else store_data(store, data_dir, size.num_writers, size.holdout))
     return _DATA[key]
+
+
+def store_data(store: Path, data_dir=None, num_writers: int | None = None,
+               holdout: int = HOLDOUT_WRITERS, seed: int = 0):
+    """:func:`load_data` through an on-disk client store at ``store``: written once (training
+    writers, then the held-out ones, normalised as in :func:`load_data`), then only opened —
+    a run reads its cohorts' rows from disk. A store made for other writers or statistics is
+    refused."""
+    from partialfl.data.federated import FederatedDataset
+    from partialfl.data.store import open_store, write_store
+
+    store = Path(store)
+    if not store.exists():
+        seen, new, info = load_data(data_dir, num_writers, holdout, seed)
+        both = seen if new is None else FederatedDataset(
+            *(tuple(getattr(seen, f)) + tuple(getattr(new, f))
+              for f in ("train_x", "train_y", "test_x", "test_y")),
+            client_ids=tuple(seen.client_ids) + tuple(new.client_ids),
+            num_classes=seen.num_classes, description=seen.description, meta=seen.meta)
+        both = FederatedDataset(both.train_x, both.train_y, both.test_x, both.test_y,
+                                both.client_ids, both.num_classes, both.description,
+                                {**both.meta, "femnist_table": info, "femnist_table_args":
+                                 [num_writers, holdout, seed]})
+        write_store(store, both)
+    ds = open_store(store)
+    info = ds.meta.get("femnist_table")
+    if info is None:
+        raise ValueError(f"{store} is not a femnist-table store (no meta 'femnist_table'); "
+                         "give a new folder")
+    made = ds.meta.get("femnist_table_args")
+    if made != [num_writers, holdout, seed]:
+        raise ValueError(f"{store} holds the writers of num_writers, holdout, seed = {made}, "
+                         f"not {[num_writers, holdout, seed]}; give another folder")
+    k = len(info["train_writers"])
+    if list(ds.client_ids) != info["train_writers"] + info["new_writers"]:
+        raise ValueError(f"{store}: writers differ from its recorded table split")
+    new = ds.subset(np.arange(k, ds.num_clients)) if info["new_writers"] else None
+    return ds.subset(np.arange(k)), new, info
 
 
 def _run_one(job: tuple) -> tuple[str, int, dict, float]:
     """One (method, seed) pipeline run (stages 2-3 + new writers); runs in a worker."""
-    out_dir, data_dir, size, seed, idx, progress = job
+    out_dir, data_dir, size, seed, idx, progress, backend, store = job
     torch.set_num_threads(size.threads)
-    train, new, _ = _data(data_dir, size)
+    train, new, _ = _data(data_dir, size, store)
     label, method = METHODS[idx]
     run_dir = out_dir / f"seed{seed}" / method.name
     t0 = time.perf_counter()
-    res = run_pipeline(_pipeline_config(size, method, seed), femnist_task(train), run_dir,
+    res = run_pipeline(_pipeline_config(size, method, seed, backend), femnist_task(train),
+                       run_dir,
                        stage1_dir=out_dir / "stage1", progress=progress)
     m = dict(res.metrics)
     if new is not None:
@@ -194,7 +235,8 @@ def _run_one(job: tuple) -> tuple[str, int, dict, float]:
 
 def reproduce_table(out_dir: Path, *, quick: bool = False, seeds: list[int] | None = None,
                     data_dir: Path | None = None, progress: bool = True,
-                    size: Size | None = None) -> Path:
+                    size: Size | None = None, backend: str = "sequential",
+                    store: Path | None = None) -> Path:
     """Run (or resume) the table; writes ``summary.md``, ``results.json``, ``data.json``,
     per-run folders ``seed*/METHOD`` (JSONL metrics, θ checkpoints), ``stage1/``,
     ``learning_curves.png`` and ``per_client_accuracy.png``.
@@ -204,6 +246,11 @@ def reproduce_table(out_dir: Path, *, quick: bool = False, seeds: list[int] | No
     machine: 2 intra-op threads were up to 14× *slower* than 1 whenever other processes
     competed for the cores (OpenMP threads wait on each other), while separate processes
     degrade gracefully; see the report of the benchmark ``benchmarks/femnist_table_time.py``.
+
+    ``backend="processes"``: the runs go one after the other and each round's clients are
+    spread over worker processes instead (:mod:`partialfl.runtime.cohort_pool`).
+    ``store``: read the writers from an on-disk client store there (written on first use,
+    see :func:`store_data`) instead of holding them in memory.
     """
     size = size or (QUICK if quick else FULL)
     if seeds:
@@ -214,14 +261,15 @@ def reproduce_table(out_dir: Path, *, quick: bool = False, seeds: list[int] | No
     torch.set_num_threads(size.threads)
     t_start = time.perf_counter()
     try:
-        train, _, info = _data(data_dir, size)
+        train, _, info = _data(data_dir, size, store)
         (out_dir / "data.json").write_text(json.dumps(info))
         # stage 1 once, shared by every method and seed
-        pretrain(_pipeline_config(size, METHODS[0][1], size.seeds[0]), femnist_task(train),
-                 out_dir / "stage1", progress and "stage 1 (FedAvg)")
-        jobs = [(out_dir, data_dir, size, seed, i, progress and size.workers == 1)
-                for seed in size.seeds for i in range(len(METHODS))]
-        done = run_jobs(_run_one, jobs, size.workers, progress and "femnist-table runs")
+        pretrain(_pipeline_config(size, METHODS[0][1], size.seeds[0], backend),
+                 femnist_task(train), out_dir / "stage1", progress and "stage 1 (FedAvg)")
+        job_workers = 1 if backend == "processes" else size.workers
+        jobs = [(out_dir, data_dir, size, seed, i, progress and job_workers == 1, backend,
+                 store) for seed in size.seeds for i in range(len(METHODS))]
+        done = run_jobs(_run_one, jobs, job_workers, progress and "femnist-table runs")
         results: dict[str, list[dict]] = {label: [] for label, _ in METHODS}
         timings: dict[str, float] = {}
         for label, seed, m, sec in sorted(done, key=lambda t: t[1]):
