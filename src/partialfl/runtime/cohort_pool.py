@@ -17,6 +17,10 @@ workers would save the transfer of k rows but changes the floating-point summati
 hence is not done: the rows cost one shared-memory copy per client, small next to a client's
 local training.
 
+The workers hold copies of the problem and the algorithm as they were when the pool
+started: ``client_update`` must be pure (as :mod:`partialfl.algorithms.base` requires), i.e.
+not read algorithm attributes that the server side changes between rounds.
+
 A worker that raises reports its traceback (the parent raises :class:`WorkerError`); a worker
 that dies (killed, out of memory) is detected while the parent waits, and the pool is shut
 down. Workers use the ``fork`` start method (Linux/macOS); the parent should not hold
@@ -79,6 +83,7 @@ class _Pool:
 
         ctx = tmp.get_context("fork")
         self.key = (id(problem), id(algorithm))
+        self.owned = (problem, algorithm)  # keep them alive: their ids key the pool
         self.shared = all(_is_tensor(v) for v in theta.values())
         self.theta_shm = ({n: v.detach().clone().share_memory_() for n, v in theta.items()}
                           if self.shared else None)
