@@ -226,6 +226,10 @@ def test_client_state_store_get_put(tmp_path):
         st.put([1], {"w": torch.full((1, 3), float("inf"))})
     with pytest.raises(KeyError, match="'v'"):
         st["v"]
+    import pickle
+
+    with pytest.raises(TypeError, match="cannot be pickled.*checkpoint"):
+        pickle.dumps(st)
 
 
 @pytest.mark.parametrize("name", ["fedalt", "fedsim"])

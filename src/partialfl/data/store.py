@@ -669,6 +669,12 @@ class ClientStateStore:
             self._rows[n][c] = a
             self._written[n][c] = 1
 
+    def __reduce__(self):
+        raise TypeError(
+            f"the on-disk client state at {self.path} cannot be pickled (e.g. into a run "
+            "checkpoint): its rows live in files that keep changing. Run without "
+            "checkpoint_every, or keep the client state in memory")
+
     def flush(self) -> None:
         for n in self.names:
             self._rows[n].flush()
