@@ -80,6 +80,11 @@ def test_round_trip_and_dataset_queries(tmp_path):
     with pytest.raises(ValueError, match="repeat"):
         ds.subset([1, 1])
     ClientStore(tmp_path / "s").verify()
+    import pickle
+
+    blob = pickle.dumps(ds.subset([4, 0]))  # by reference: the folder, not the data
+    assert len(blob) < 2000
+    _same(pickle.loads(blob), d.subset([4, 0]))
 
 
 def test_uint8_store_with_scale(tmp_path):

@@ -341,6 +341,10 @@ class ClientStore:
         self.x_scale = h.get("x_scale")
         self.description = str(h.get("description", ""))
 
+    def __reduce__(self):
+        """Pickles as a reference (the folder), not as the mapped data."""
+        return (ClientStore, (str(self.path),))
+
     def _check_crc(self, name: str) -> None:
         fp = self.path / name
         if _crc_file(fp) != int(self.header["files"][name]["crc32"]):
