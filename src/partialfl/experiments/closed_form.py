@@ -99,7 +99,7 @@ class RunConfig:
             raise ConfigError(f"run.rounds must be >= 0, got {self.rounds}")
         if self.eval_every < 1:
             raise ConfigError(f"run.eval_every must be >= 1, got {self.eval_every}")
-        _choice("run.backend", self.backend, ("batched", "sequential"))
+        _choice("run.backend", self.backend, ("batched", "sequential", "processes"))
 
 
 @dataclass(frozen=True)
