@@ -363,7 +363,11 @@ class ClientStore:
             self._check_crc(name)
 
     def sizes(self, split: str) -> np.ndarray:
-        return np.diff(self.offsets[split])
+        """Examples per client, int64 ``[M]`` (computed once per split)."""
+        cache = self.__dict__.setdefault("_sizes", {})
+        if split not in cache:
+            cache[split] = np.diff(self.offsets[split])
+        return cache[split]
 
     def rows(self, field: str, idx: np.ndarray) -> np.ndarray:
         """A copy of the given global rows of a field."""
@@ -456,10 +460,12 @@ class StoreDataset:
         return t
 
     def train_sizes(self) -> np.ndarray:
-        return self.store.sizes("train")[self._positions()]
+        s = self.store.sizes("train")
+        return s.copy() if self._pos is None else s[self._pos]
 
     def test_sizes(self) -> np.ndarray:
-        return self.store.sizes("test")[self._positions()]
+        s = self.store.sizes("test")
+        return s.copy() if self._pos is None else s[self._pos]
 
     def subset(self, clients) -> StoreDataset:
         """A view with the clients at the given positions, in that order (no repeats)."""
@@ -511,11 +517,13 @@ class StoreSplit:
                  device: torch.device | str | None = None) -> None:
         ds._check_split(split)
         self.device = torch.device("cpu" if device is None else device)
-        pos = ds._positions()
         off = ds.store.offsets[split]
         self.ds, self.split = ds, split
-        self.sizes = (off[pos + 1] - off[pos]).astype(np.int64)
-        self.offsets = off[pos].astype(np.int64)
+        if ds._pos is None:  # the whole store: views, no O(M) copies
+            self.sizes, self.offsets = ds.store.sizes(split), off[:-1]
+        else:
+            self.sizes = (off[ds._pos + 1] - off[ds._pos]).astype(np.int64)
+            self.offsets = off[ds._pos].astype(np.int64)
         self._empty = int(off[-1]) == 0
         self._xshape = tuple(ds.store.fields[f"{split}_x"].shape[1:])
 
