@@ -14,9 +14,9 @@ from conftest import SMALL
 from partialfl.algorithms import Scaffold
 from partialfl.algorithms.disk_state import OnDiskClientState
 from partialfl.algorithms.model import FedAlt, FedAvg, FedSim, model_ffgg
+from partialfl.data.client_state import ClientStateStore
 from partialfl.data.federated import FederatedDataset
 from partialfl.data.store import (
-    ClientStateStore,
     ClientStore,
     StoreDataset,
     StoreError,

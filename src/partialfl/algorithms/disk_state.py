@@ -1,11 +1,12 @@
 """Stateful baselines with their client state on disk instead of in memory.
 
 ``OnDiskClientState(FedAlt(...), path)`` behaves exactly like the wrapped algorithm, but
-``init_client_state`` returns a :class:`~partialfl.data.store.ClientStateStore` under ``path``:
-the runtimes index it like in-memory state (``state[name][cohort]``, ``state[name][cohort] =
-rows``), a round reads and writes only its cohort's rows, and clients never sampled cost no
-memory (their rows come from the base algorithm's ``init_client_state_rows(problem, cohort)``
-when it has one — FedAlt, FedSim, Scaffold — and are written once at the start otherwise).
+``init_client_state`` returns a :class:`~partialfl.data.client_state.ClientStateStore` under
+``path``: the runtimes index it like in-memory state (``state[name][cohort]``,
+``state[name][cohort] = rows``), a round reads and writes only its cohort's rows, and clients
+never sampled cost no memory (their rows come from the base algorithm's
+``init_client_state_rows(problem, cohort)`` when it has one — FedAlt, FedSim, Scaffold — and
+are written once at the start otherwise). Not picklable, so not for runs with checkpoints.
 """
 
 from __future__ import annotations
@@ -15,7 +16,7 @@ from pathlib import Path
 import numpy as np
 
 from partialfl.algorithms.wrapper import AlgorithmWrapper
-from partialfl.data.store import ClientStateStore
+from partialfl.data.client_state import ClientStateStore
 
 
 class OnDiskClientState(AlgorithmWrapper):
