@@ -100,9 +100,22 @@ def child(store: str, algorithm: str, rounds: int, state_dir: str) -> None:
         if r:  # round 0 warms up
             times.append(time.perf_counter() - t)
             cpu.append(time.process_time() - c)
-    rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024  # KiB -> MiB on Linux
     print(json.dumps({"s_per_round": float(np.median(times)),
-                      "cpu_s_per_round": float(np.median(cpu)), "peak_rss_mib": rss}))
+                      "cpu_s_per_round": float(np.median(cpu)), "peak_rss_mib": peak_rss_mib()}))
+
+
+def peak_rss_mib() -> float:
+    """This process's peak resident memory: VmHWM (Linux; ru_maxrss would also count the
+    parent's memory at fork, inherited across exec), else ru_maxrss."""
+    try:
+        with open("/proc/self/status") as f:
+            for line in f:
+                if line.startswith("VmHWM:"):
+                    return int(line.split()[1]) / 1024
+    except OSError:
+        pass
+    scale = 1024 if sys.platform.startswith("linux") else 1024 * 1024  # KiB or bytes
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / scale
 
 
 def main() -> None:
