@@ -160,6 +160,8 @@ def main() -> None:
         print(f"{'threads':>7s} {'backend':12s} {'s/round':>8s} {'updates/s':>10s}")
         for threads in args.threads:
             torch.set_num_threads(threads)
+            for fn in runs.values():  # warm-up (kernel setup, first-call costs), not timed
+                fn()
             times: dict[str, list[float]] = {k: [] for k in runs}
             for _ in range(args.repeats):
                 for k, fn in runs.items():  # interleaved, so load changes hit all
