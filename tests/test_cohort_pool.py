@@ -160,3 +160,27 @@ def test_closed_form_config_runs_on_processes(tmp_path):
         out[b] = run_closed_form(cfg, tmp_path / b, progress=False).state.theta
     for n in out["sequential"]:
         assert np.array_equal(out["sequential"][n], out["processes"][n])
+
+
+def test_spawned_workers_equal_sequential_bit_for_bit():
+    """The start method used where torch sees a GPU (fork is unsafe there): the problem and
+    the algorithm travel pickled, and θ is still the sequential one bit for bit."""
+    make, kind = ALGOS["ffgg"]
+    data = toy_data()
+    seq = run_rounds(_problem(kind, False, data), make(), 2, clients_per_round=4, seed=3,
+                     backend=SequentialBackend())
+    with ProcessBackend(workers=2, start_method="spawn") as be:
+        par = run_rounds(_problem(kind, False, data), make(), 2, clients_per_round=4, seed=3,
+                         backend=be)
+    assert max_diff(seq.state.theta, par.state.theta) == 0
+
+
+def test_start_method_is_validated_and_defaults_to_fork_on_a_cpu_torch():
+    import torch
+
+    from partialfl.runtime.cohort_pool import default_start_method
+
+    with pytest.raises(ValueError, match="unknown start method 'thread'"):
+        ProcessBackend(start_method="thread")
+    if not torch.cuda.is_available():
+        assert default_start_method() == "fork"

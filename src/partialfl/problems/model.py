@@ -154,10 +154,24 @@ class ModelProblem:
         self.num_clients = data.num_clients
         self._store = {s: _flat_split(data, s, self.device, data_on_device)
                        for s in ("train", "test")}
+        self._build_fns()
+
+    def _build_fns(self) -> None:
         self._step_fn = self._build_step_fn()
         self._sum_grad_fn = self._build_sum_grad_fn()
         self._forward_fn = self._build_forward_fn()
         self._vcache: dict = {}
+
+    _DERIVED = ("_step_fn", "_sum_grad_fn", "_forward_fn", "_vcache")
+
+    def __getstate__(self) -> dict:
+        """Pickling (e.g. to spawned worker processes) leaves out the functorch transforms,
+        which are rebuilt on unpickling."""
+        return {k: v for k, v in self.__dict__.items() if k not in self._DERIVED}
+
+    def __setstate__(self, state: dict) -> None:
+        self.__dict__.update(state)
+        self._build_fns()
 
     def _check_w(self, w: Mapping[str, Tensor]) -> Params:
         if set(w) != set(self.w_names):

@@ -23,8 +23,15 @@ not read algorithm attributes that the server side changes between rounds.
 
 A worker that raises reports its traceback (the parent raises :class:`WorkerError`); a worker
 that dies (killed, out of memory) is detected while the parent waits, and the pool is shut
-down. Workers use the ``fork`` start method (Linux/macOS); the parent should not hold
-running threads of its own when the pool starts.
+down.
+
+Start method: ``fork`` where it is safe (Linux/macOS with a CPU-only torch: cheapest, the
+workers share the parent's module and data copy-on-write). A torch that sees a GPU runs
+autograd's device threads in the parent, and autograd then refuses to run in a forked child
+("Unable to handle autograd's threading in combination with fork-based multiprocessing", seen
+on an H200 machine), so there the workers are *spawned* and receive the problem and the
+algorithm pickled (``ModelProblem`` pickles without its functorch transforms and rebuilds
+them). ``ProcessBackend(start_method=...)`` forces one.
 """
 
 from __future__ import annotations
@@ -77,11 +84,28 @@ def _worker(problem, algorithm, theta_shm, tasks, results) -> None:
             results.put(("error", pos, traceback.format_exc()))
 
 
+START_METHODS = ("fork", "spawn", "forkserver")
+
+
+def default_start_method() -> str:
+    """``fork`` unless torch sees an accelerator (see the module docstring), then ``spawn``."""
+    import multiprocessing
+
+    import torch
+
+    if "fork" not in multiprocessing.get_all_start_methods():
+        return "spawn"
+    mps = getattr(torch.backends, "mps", None)
+    if torch.cuda.is_available() or (mps is not None and mps.is_available()):
+        return "spawn"
+    return "fork"
+
+
 class _Pool:
-    def __init__(self, problem, algorithm, theta, workers: int) -> None:
+    def __init__(self, problem, algorithm, theta, workers: int, start_method: str) -> None:
         import torch.multiprocessing as tmp
 
-        ctx = tmp.get_context("fork")
+        ctx = tmp.get_context(start_method)
         self.key = (id(problem), id(algorithm))
         self.owned = (problem, algorithm)  # keep them alive: their ids key the pool
         self.shared = all(_is_tensor(v) for v in theta.values())
@@ -173,10 +197,14 @@ class ProcessBackend:
 
     name = "processes"
 
-    def __init__(self, workers: int | None = None) -> None:
+    def __init__(self, workers: int | None = None, start_method: str | None = None) -> None:
         if workers is not None and (not isinstance(workers, int) or workers < 1):
             raise ValueError(f"workers must be a positive integer or None, got {workers!r}")
+        if start_method is not None and start_method not in START_METHODS:
+            raise ValueError(f"unknown start method {start_method!r}; allowed: "
+                             f"{', '.join(START_METHODS)}")
         self.workers = workers or default_workers()
+        self.start_method = start_method or default_start_method()
         self._pool: _Pool | None = None
         self._finalizer = None
 
@@ -188,7 +216,8 @@ class ProcessBackend:
                              f"problem is on {dev}: use device 'cpu' (or another backend)")
         if self._pool is None or not self._pool.fits(problem, algorithm, state.theta):
             self.close()
-            self._pool = _Pool(problem, algorithm, state.theta, self.workers)
+            self._pool = _Pool(problem, algorithm, state.theta, self.workers,
+                               self.start_method)
             self._finalizer = weakref.finalize(self, self._pool.close)
         return concat_results(self._pool.run(state, cohort, ctx, client_state))
 
