@@ -71,9 +71,11 @@ def test_krum_by_hand():
     np.testing.assert_array_equal(Krum(0.2)(X, None), [1.0])
     np.testing.assert_array_equal(Krum(0.2, m=3)(X, None), [1.0])  # mean of 1, 0, 2
     np.testing.assert_array_equal(Krum(0.2, m=None)(X, None), [13 / 4])  # k - f = 4 best
-    # δ = 0.4 would mean f = 2 > (k − 3)/2 = 1: Krum caps f at 1, same scores.
-    np.testing.assert_array_equal(Krum(0.4).scores(X), Krum(0.2).scores(X))
-    assert Krum(0.4).tolerated(5) == 1 and Krum(0.4).tolerated(3) == 0
+    # δ = 0.4 would mean f = 2 > (k − 3)/2 = 1: refused, unless capping is chosen explicitly.
+    with pytest.raises(ValueError, match="needs k ≥ 2f \\+ 3 = 7.*cap=True"):
+        Krum(0.4)(X, None)
+    np.testing.assert_array_equal(Krum(0.4, cap=True).scores(X), Krum(0.2).scores(X))
+    assert Krum(0.4, cap=True).tolerated(5) == 1 and Krum(0.4, cap=True).tolerated(3) == 0
 
 
 def test_centered_clipping_by_hand():
@@ -175,10 +177,11 @@ def test_against_brute_force(k, d, seed):
         fk = min(b, (k - 3) // 2)  # Krum's cap: k >= 2f + 3
         for m in (1, 2, None):
             mm = k - fk if m is None else m
-            np.testing.assert_allclose(Krum(delta, m=m)(X, None), brute_krum(X, fk, mm),
-                                       atol=1e-12)
-        np.testing.assert_allclose(NearestNeighborMixing(Mean(), delta).mix(X), brute_nnm(X, b),
-                                   atol=1e-12)
+            np.testing.assert_allclose(Krum(delta, m=m, cap=fk < b)(X, None),
+                                       brute_krum(X, fk, mm), atol=1e-12)
+        if delta > 0:  # NNM refuses δ = 0
+            np.testing.assert_allclose(NearestNeighborMixing(Mean(), delta).mix(X),
+                                       brute_nnm(X, b), atol=1e-12)
     v0 = np.median(X, 0)
     np.testing.assert_allclose(CenteredClipping(tau=0.7, iters=4)(X, None),
                                brute_cc(X, 0.7, 4, v0), atol=1e-12)
@@ -284,7 +287,8 @@ def test_factory_builds_every_rule_and_wrappers():
     b = make_aggregator("krum", delta=0.15, bucketing=2)
     assert isinstance(b.inner, Krum) and b.inner.delta == pytest.approx(0.3) and b.inner.m == 1
     assert make_aggregator("multi-krum", delta=0.1).m is None
-    assert make_aggregator("tm", delta=0.3, bucketing=2).inner.delta == 0.49
+    with pytest.raises(ValueError, match="s·delta = 0.6 of the bucket means"):
+        make_aggregator("tm", delta=0.3, bucketing=2)  # no silent cap at 0.49
     assert isinstance(make_aggregator("geometric-median"), GeometricMedian)
 
 

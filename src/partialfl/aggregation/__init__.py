@@ -1,27 +1,42 @@
 """Aggregation rules: (stacked update vectors [k, d], weights [k]) -> [d].
 
 The server applies an aggregator to the stacked θ-vectors its cohort sent. ``mean`` is the
-default; robust rules (for Byzantine-robust FFGG, Algorithm 5) live beside it.
+default (:mod:`~partialfl.aggregation.basic`); robust rules (for Byzantine-robust FFGG,
+Algorithm 5) are in :mod:`~partialfl.aggregation.rules`, the wrappers (bucketing, NNM, ARC,
+static clipping) in :mod:`~partialfl.aggregation.wrappers`, the names in
+:mod:`~partialfl.aggregation.registry`, shared helpers in :mod:`~partialfl.aggregation.common`.
 """
 
 from partialfl.aggregation.basic import Aggregator, Mean, aggregate_tree
-from partialfl.aggregation.bucketing import Bucketing
-from partialfl.aggregation.robust import (
-    AGGREGATORS,
+from partialfl.aggregation.common import (
+    NonFiniteInputError,
+    bind,
+    drop_nonfinite,
+    finite_rows,
+    to_numpy,
+)
+from partialfl.aggregation.registry import AGGREGATORS, PRE_AGGREGATORS, make_aggregator
+from partialfl.aggregation.rules import (
+    CAF,
+    MDA,
+    SMEA,
     CenteredClipping,
     CoordinateMedian,
     GeometricMedian,
     Krum,
-    NearestNeighborMixing,
+    Meamed,
+    MoNNA,
     TrimmedMean,
-    bind,
-    drop_nonfinite,
-    finite_rows,
-    make_aggregator,
 )
+from partialfl.aggregation.wrappers import ARC, Bucketing, NearestNeighborMixing, StaticClipping
 
 __all__ = [
     "AGGREGATORS",
+    "ARC",
+    "CAF",
+    "MDA",
+    "PRE_AGGREGATORS",
+    "SMEA",
     "Aggregator",
     "Bucketing",
     "CenteredClipping",
@@ -29,11 +44,16 @@ __all__ = [
     "GeometricMedian",
     "Krum",
     "Mean",
+    "Meamed",
+    "MoNNA",
     "NearestNeighborMixing",
+    "NonFiniteInputError",
+    "StaticClipping",
     "TrimmedMean",
     "aggregate_tree",
     "bind",
     "drop_nonfinite",
     "finite_rows",
     "make_aggregator",
+    "to_numpy",
 ]

@@ -1,4 +1,11 @@
-"""The aggregator interface and the (weighted) mean."""
+"""The aggregator interface and the (weighted) mean.
+
+Non-finite inputs are never averaged: :class:`Mean` skips every row that contains NaN or
+±inf (and, when weighted, every row whose weight is not a finite number ≥ 0), warns with the
+number skipped, and raises :class:`~partialfl.aggregation.common.NonFiniteInputError` when no
+row is left. Runtimes drop such rows where they enter and count them
+(:func:`~partialfl.aggregation.common.drop_nonfinite`); this guard is the last line.
+"""
 
 from __future__ import annotations
 
@@ -7,6 +14,7 @@ from typing import Protocol, runtime_checkable
 
 import numpy as np
 
+from partialfl.aggregation.common import NonFiniteInputError, to_numpy, warn_skipped
 from partialfl.tree import flatten_stacked
 from partialfl.types import Params
 
@@ -20,29 +28,81 @@ class Aggregator(Protocol):
 
 @dataclass(frozen=True)
 class Mean:
-    """(Weighted) mean Σ_i a_i x_i / Σ_i a_i; ``weighted=False`` uses a_i = 1."""
+    """(Weighted) mean Σ_i a_i x_i / Σ_i a_i over the finite rows; ``weighted=False`` uses
+    a_i = 1. Rows with NaN/inf (or a bad weight) are skipped with a warning, never averaged."""
 
     weighted: bool = False
 
-    def __call__(self, vectors, weights):
+    def usable(self, vectors, weights) -> np.ndarray:
+        """``[k]`` bool: rows that are finite (and, weighted, have a finite weight ≥ 0)."""
+        arr, _ = to_numpy(vectors)
+        ok = np.isfinite(arr.reshape(len(arr), -1)).all(1)
+        if self.weighted:
+            w = np.asarray(to_numpy(weights)[0], dtype=np.float64).reshape(-1)
+            if len(w) != len(ok):
+                raise ValueError(f"mean: {len(w)} weights for {len(ok)} input vectors")
+            ok &= np.isfinite(w) & (w >= 0)
+        return ok
+
+    def __call__(self, vectors, weights=None):
+        ok = self.usable(vectors, weights)
+        if not ok.all():
+            vectors, weights = _keep(vectors, weights, ok, "mean")
+        return self._mean(vectors, weights)
+
+    def _mean(self, vectors, weights):
         if not self.weighted:
             return vectors.mean(0)
         a = _as_like(weights, vectors)
+        if not float(a.sum()) > 0:
+            raise ValueError("mean: weighted mean with all weights zero")
         return (a.reshape((-1,) + (1,) * (vectors.ndim - 1)) * vectors).sum(0) / a.sum()
+
+
+def _check_some_left(ok: np.ndarray, name: str) -> None:
+    """Warn about the skipped rows; refuse when none is left."""
+    k = len(ok)
+    if not ok.any():
+        raise NonFiniteInputError(f"{name}: all {k} input rows contain NaN/inf (or a bad "
+                                  "weight); nothing to aggregate")
+    warn_skipped(name, int(k - ok.sum()), k)
+
+
+def _keep(vectors, weights, ok: np.ndarray, name: str):
+    """The rows ``ok`` of vectors (and weights); warns, and refuses when none is left."""
+    _check_some_left(ok, name)
+    weights = None if weights is None else np.asarray(to_numpy(weights)[0])[ok]
+    return _rows(vectors, ok), weights
 
 
 def _as_like(weights, vectors):
     if hasattr(vectors, "detach"):
         import torch
 
-        return torch.as_tensor(np.asarray(weights), dtype=vectors.dtype, device=vectors.device)
+        return torch.as_tensor(np.asarray(to_numpy(weights)[0]), dtype=vectors.dtype,
+                               device=vectors.device)
     return np.asarray(weights, dtype=vectors.dtype)
 
 
 def aggregate_tree(agg, vectors: Params, weights) -> Params:
-    """Aggregate a stacked tree. ``Mean`` runs leafwise; any other rule sees the whole
-    flattened vector per client (robust rules need the full geometry)."""
+    """Aggregate a stacked tree. ``Mean`` runs leafwise (after skipping, in every leaf, the
+    clients with a non-finite value in any leaf); any other rule sees the whole flattened
+    vector per client (robust rules need the full geometry)."""
     if isinstance(agg, Mean):
-        return {n: agg(v, weights) for n, v in vectors.items()}
+        ok = np.logical_and.reduce([agg.usable(v, weights) for v in vectors.values()])
+        if not ok.all():
+            _check_some_left(ok, "mean")
+            vectors = {n: _rows(v, ok) for n, v in vectors.items()}
+            weights = None if weights is None else np.asarray(to_numpy(weights)[0])[ok]
+        return {n: agg._mean(v, weights) for n, v in vectors.items()}
     mat, unflatten = flatten_stacked(vectors)
     return unflatten(agg(mat, weights))
+
+
+def _rows(v, ok: np.ndarray):
+    idx = np.flatnonzero(ok)
+    if hasattr(v, "detach"):
+        import torch
+
+        return v[torch.as_tensor(idx, device=v.device)]
+    return v[idx]

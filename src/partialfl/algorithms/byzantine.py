@@ -32,7 +32,7 @@ from typing import Any
 import numpy as np
 
 from partialfl import rng as prng
-from partialfl.aggregation.robust import bind, finite_rows, to_numpy
+from partialfl.aggregation import bind, finite_rows, to_numpy
 from partialfl.algorithms.base import Algorithm, ServerState
 from partialfl.algorithms.wrapper import AlgorithmWrapper
 from partialfl.attacks import Attack, NoAttack

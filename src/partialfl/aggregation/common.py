@@ -1,0 +1,171 @@
+"""Helpers shared by every aggregation rule and wrapper (no rule lives here).
+
+* input handling: :func:`to_numpy`, :func:`prepare` (validated float64 ``[k, d]``),
+  :func:`finite_rows`, :func:`drop_nonfinite`;
+* Byzantine counts: :func:`count` (f = ⌊δk⌋), :func:`check_delta`;
+* overflow-safe arithmetic: :func:`norms`, :func:`safe_mean`;
+* pairwise geometry: :func:`gram` — the Gram matrix of the inputs, centred at one input and
+  scaled, computed with one matrix product per column block (BLAS), from which
+  :func:`sq_dists` and the Weiszfeld iteration of the geometric median work in k dimensions.
+* :func:`bind` — fix a randomized rule's randomness for one round.
+"""
+
+from __future__ import annotations
+
+import math
+import warnings
+from typing import Any
+
+import numpy as np
+
+#: columns per block of the Gram computation (a block of 25 rows is ~6.5 MB of float64)
+_BLOCK = 1 << 15
+
+
+class NonFiniteInputError(ValueError):
+    """An aggregator was given NaN or ±inf (the caller must drop those rows first)."""
+
+
+def to_numpy(x) -> tuple[np.ndarray, Any]:
+    """``(array, restore)``: a numpy view of ``x`` and a function mapping a numpy result back
+    to ``x``'s type (torch dtype/device) — robust rules compute in numpy."""
+    if hasattr(x, "detach"):
+        import torch
+
+        dtype, device = x.dtype, x.device
+        arr = x.detach().cpu().numpy()
+
+        def restore(y):
+            return torch.as_tensor(np.asarray(y), dtype=dtype, device=device)
+
+        return arr, restore
+    return np.asarray(x), (lambda y: y)
+
+
+def finite_rows(vectors) -> np.ndarray:
+    """``[k]`` bool: the rows of ``vectors`` without NaN or ±inf."""
+    arr, _ = to_numpy(vectors)
+    return np.isfinite(arr.reshape(len(arr), -1)).all(1)
+
+
+def drop_nonfinite(vectors, weights=None):
+    """``(vectors, weights, mask)`` keeping only the finite rows (mask marks the kept ones)."""
+    mask = finite_rows(vectors)
+    if mask.all():
+        return vectors, weights, mask
+    idx = np.flatnonzero(mask)
+    w = None if weights is None else np.asarray(weights)[idx]
+    if hasattr(vectors, "detach"):
+        import torch
+
+        return vectors[torch.as_tensor(idx, device=vectors.device)], w, mask
+    return vectors[idx], w, mask
+
+
+def count(delta: float, k: int) -> int:
+    """f = ⌊δk⌋, the number of Byzantine inputs a rule tolerates among k (robust to the
+    rounding of δk, e.g. 0.15·20 = 3.0000000000000004)."""
+    return int(math.floor(delta * k + 1e-9))
+
+
+def check_delta(delta: float, name: str) -> None:
+    if isinstance(delta, bool) or not (isinstance(delta, int | float) and 0 <= delta < 0.5):
+        raise ValueError(f"{name}: Byzantine fraction delta must be in [0, 0.5), got {delta!r}")
+
+
+def prepare(vectors, weights, name: str) -> tuple[np.ndarray, np.ndarray, Any]:
+    """Validated float64 ``[k, d]`` matrix, ``[k]`` weights and the restore function."""
+    arr, restore = to_numpy(vectors)
+    if arr.ndim != 2:
+        raise ValueError(f"{name}: vectors must be a [k, d] matrix, got shape {arr.shape}")
+    k = arr.shape[0]
+    if k < 1:
+        raise ValueError(f"{name}: need at least one input vector, got 0")
+    X = arr.astype(np.float64, copy=False)
+    ok = finite_rows(X)
+    if not ok.all():
+        raise NonFiniteInputError(
+            f"{name}: input rows {np.flatnonzero(~ok).tolist()} contain NaN or inf; drop them "
+            "first (partialfl.aggregation.drop_nonfinite)"
+        )
+    if weights is None:
+        w = np.ones(k)
+    else:
+        w = np.asarray(to_numpy(weights)[0], dtype=np.float64).reshape(-1)
+        if len(w) != k:
+            raise ValueError(f"{name}: {len(w)} weights for {k} input vectors")
+        if not (np.isfinite(w).all() and (w >= 0).all() and w.sum() > 0):
+            raise ValueError(f"{name}: weights must be finite, non-negative, not all zero")
+    return X, w, restore
+
+
+def norms(D: np.ndarray) -> np.ndarray:
+    """Row norms that do not overflow for huge finite entries (e.g. 1e300)."""
+    scale = np.abs(D).max(1)
+    safe = np.where(scale > 0, scale, 1.0)
+    return scale * np.sqrt(((D / safe[:, None]) ** 2).sum(1))
+
+
+def coincide_tol(x: np.ndarray) -> float:
+    """Distance below which two points are the same point in float64 (relative to ‖x‖∞)."""
+    return 1e-12 * float(np.abs(x).max()) + np.finfo(np.float64).tiny
+
+
+def safe_mean(X: np.ndarray, axis: int = 0) -> np.ndarray:
+    """Mean that divides before summing, so huge finite inputs (1e308) cannot overflow."""
+    return (X / X.shape[axis]).sum(axis)
+
+
+def gram(X: np.ndarray) -> tuple[np.ndarray, float]:
+    """``(G, s)``: G_ij = ⟨x_i − c, x_j − c⟩ / s² with c the input of smallest ‖·‖∞; s = 1
+    unless the entries are so large (> 1e100) or small (< 1e-100) that squares could overflow
+    or underflow, then s = max_i ‖x_i‖∞ (every scaled entry is ≤ 2).
+
+    Centring at an input keeps the formula ‖x_i − x_j‖² = G_ii + G_jj − 2G_ij accurate where
+    the inputs share a large offset; choosing the input of smallest ‖·‖∞ means an outlier
+    (e.g. 1e30) never becomes the centre. One ``[k, b] @ [b, k]`` product per block of b
+    columns: O(k²d) flops in BLAS and O(kb) extra memory (no ``[k, d]`` copy)."""
+    k, d = X.shape
+    linf = np.zeros(k)
+    for j in range(0, d, _BLOCK):
+        np.maximum(linf, np.abs(X[:, j : j + _BLOCK]).max(1), out=linf)
+    c = X[int(np.argmin(linf))]
+    top = float(linf.max())
+    if top == 0.0:
+        return np.zeros((k, k)), 1.0
+    s = 1.0 if 1e-100 <= top <= 1e100 else top
+    G = np.zeros((k, k))
+    for j in range(0, d, _BLOCK):
+        if s == 1.0:
+            B = X[:, j : j + _BLOCK] - c[j : j + _BLOCK]
+        else:  # divide first: x − c may overflow near 1e308
+            B = X[:, j : j + _BLOCK] / s - c[j : j + _BLOCK] / s
+        G += B @ B.T
+    return (G + G.T) / 2, s
+
+
+def sq_dists(G: np.ndarray) -> np.ndarray:
+    """``[k, k]`` squared distances from a Gram matrix (clipped at 0, zero diagonal)."""
+    g = np.diag(G)
+    D = np.maximum(g[:, None] + g[None, :] - 2.0 * G, 0.0)
+    np.fill_diagonal(D, 0.0)
+    return D
+
+
+def sq_dists_of(X: np.ndarray) -> np.ndarray:
+    """Squared pairwise distances of the rows of X, in the (scaled) units of :func:`gram`;
+    only their order and ratios are meaningful (what Krum, NNM and MDA need)."""
+    return sq_dists(gram(X)[0])
+
+
+def bind(agg, seed: int, round_: int):
+    """The aggregator with its randomness fixed for one round (randomized rules such as
+    :class:`~partialfl.aggregation.wrappers.Bucketing` draw from
+    ``generator(seed, "bucketing", round)``); deterministic rules are returned unchanged."""
+    b = getattr(agg, "bind", None)
+    return b(seed, round_) if b is not None else agg
+
+
+def warn_skipped(name: str, bad: int, k: int) -> None:
+    warnings.warn(f"{name}: skipped {bad} of {k} input rows with NaN/inf (never averaged)",
+                  RuntimeWarning, stacklevel=3)

@@ -1,0 +1,133 @@
+"""The one registry of aggregation rules and :func:`make_aggregator`.
+
+``delta`` is always the fraction of Byzantine *clients*. Every wrapper derives its own δ from
+it (or, when no ``delta`` is given, from the rule's own default δ), so no wrapper silently
+runs with δ = 0:
+
+* the rule inside bucketing of size s sees s·δ of Byzantine bucket means (refused when
+  s·δ ≥ 1/2: the rule could then be outvoted — choose a smaller s or δ);
+* nearest-neighbour mixing uses the δ of the inputs it mixes and refuses δ = 0 (for cm, gm,
+  cc, which have no δ, pass ``delta``);
+* ARC clips with the client-level δ.
+
+Order of application: static clipping / ARC on the raw inputs, then bucketing, then NNM, then
+the rule.
+"""
+
+from __future__ import annotations
+
+from dataclasses import MISSING
+from typing import Any
+
+import numpy as np
+
+from partialfl.aggregation.basic import Mean
+from partialfl.aggregation.common import check_delta
+from partialfl.aggregation.rules import (
+    CAF,
+    MDA,
+    SMEA,
+    CenteredClipping,
+    CoordinateMedian,
+    GeometricMedian,
+    Krum,
+    Meamed,
+    MoNNA,
+    TrimmedMean,
+)
+from partialfl.aggregation.wrappers import ARC, Bucketing, NearestNeighborMixing, StaticClipping
+
+#: name -> (class, accepted keyword arguments besides delta and the wrappers')
+_RULES: dict[str, tuple[type, tuple[str, ...]]] = {
+    "mean": (Mean, ("weighted",)),
+    "cm": (CoordinateMedian, ()),
+    "tm": (TrimmedMean, ()),
+    "gm": (GeometricMedian, ("nu", "tol", "max_iter", "weighted")),
+    "krum": (Krum, ("cap",)),
+    "multi-krum": (Krum, ("m", "cap")),
+    "cc": (CenteredClipping, ("tau", "tau_scale", "iters", "init")),
+    "mda": (MDA, ("max_subsets",)),
+    "monna": (MoNNA, ("index",)),
+    "meamed": (Meamed, ()),
+    "caf": (CAF, ()),
+    "smea": (SMEA, ("max_subsets",)),
+}
+_ALIASES = {"median": "cm", "coordinate-median": "cm", "trimmed-mean": "tm",
+            "geometric-median": "gm", "geomed": "gm", "rfa": "gm", "centered-clipping": "cc",
+            "multikrum": "multi-krum", "minimum-diameter": "mda"}
+AGGREGATORS = tuple(_RULES)
+#: keyword arguments of make_aggregator that build wrappers (see the module docstring)
+PRE_AGGREGATORS = ("bucketing", "nnm", "arc", "clip")
+_WRAPPER_KW = (*PRE_AGGREGATORS, "seed")
+
+
+def default_delta(cls: type) -> float | None:
+    """The rule's own default Byzantine fraction, or None when it has no δ."""
+    f = getattr(cls, "__dataclass_fields__", {}).get("delta")
+    return None if f is None or f.default is MISSING else f.default
+
+
+def make_aggregator(name: str, **kw: Any):
+    """Build an aggregator by name, e.g. ``make_aggregator("krum", delta=0.2, bucketing=2)``.
+
+    Rules: mean, cm, tm, gm, krum, multi-krum, cc, mda, monna, meamed, caf, smea (aliases:
+    median, trimmed-mean, geometric-median, centered-clipping). Wrappers: ``bucketing=s``
+    (s ≥ 2; 1 = none), ``nnm=True`` (nearest-neighbour mixing), ``arc=True`` (adaptive
+    robust clipping), ``clip=c`` (static clipping to norm c), ``seed`` (bucketing randomness).
+    ``delta``: the fraction of Byzantine clients (default: the rule's own default δ).
+    """
+    key = _ALIASES.get(name, name)
+    if key not in _RULES:
+        raise ValueError(f"unknown aggregator {name!r}; allowed: {', '.join(AGGREGATORS)}")
+    cls, allowed = _RULES[key]
+    has_delta = default_delta(cls) is not None
+    delta = kw.pop("delta", None)
+    s = kw.pop("bucketing", 1)
+    nnm = kw.pop("nnm", False)
+    arc = kw.pop("arc", False)
+    clip = kw.pop("clip", None)
+    seed = kw.pop("seed", 0)
+    bad = sorted(set(kw) - set(allowed))
+    if bad:
+        raise ValueError(
+            f"aggregator {key!r} got unknown option(s) {', '.join(bad)}; allowed: "
+            f"{', '.join(sorted({*allowed, 'delta', *_WRAPPER_KW}))}"
+        )
+    if isinstance(s, bool) or not (isinstance(s, int | np.integer) and s >= 1):
+        raise ValueError(f"bucketing size must be an integer >= 1, got {s!r}")
+    for flag, value in (("nnm", nnm), ("arc", arc)):
+        if not isinstance(value, bool):
+            raise ValueError(f"aggregator option {flag!r} must be True or False, got {value!r}")
+    if delta is not None:
+        check_delta(delta, f"aggregator {key!r}")
+    elif has_delta:
+        delta = default_delta(cls)
+    inner = None if delta is None else s * delta
+    if inner is not None and s > 1 and inner >= 0.5:
+        raise ValueError(
+            f"aggregator {key!r}: with bucketing s = {s} and delta = {delta:g}, up to "
+            f"s·delta = {inner:g} of the bucket means may be Byzantine (must be < 0.5); use "
+            f"s < {0.5 / delta:g} or a smaller delta"
+        )
+    if has_delta:
+        kw["delta"] = inner
+    if key == "multi-krum":
+        kw.setdefault("m", None)
+    agg = cls(**kw)
+    if nnm:
+        if not inner:
+            raise ValueError(
+                f"aggregator {key!r} with nnm=True: nearest-neighbour mixing needs the "
+                f"Byzantine fraction delta > 0 (got {delta!r}; {key!r} has no δ of its own)"
+            )
+        agg = NearestNeighborMixing(agg, delta=inner)
+    if s > 1:
+        agg = Bucketing(agg, s=int(s), seed=int(seed))
+    if arc:
+        if delta is None:
+            raise ValueError(f"aggregator {key!r} with arc=True: ARC needs the Byzantine "
+                             "fraction delta")
+        agg = ARC(agg, delta=delta)
+    if clip is not None:
+        agg = StaticClipping(agg, c=clip)
+    return agg
