@@ -8,8 +8,16 @@ their estimate of them.
 
 * :class:`ALIE` — A Little Is Enough (Baruch et al., 2019): every Byzantine client sends
   μ − z·σ (coordinate-wise mean and standard deviation of the good updates), with
-  z = Φ⁻¹((n − s)/n), s = ⌊n/2 + 1⌋ − b for n = h + b clients, unless z is given.
+  z = Φ⁻¹((n − s)/n), s = ⌊n/2 + 1⌋ − b for n = h + b clients, unless z is given. σ is the
+  population standard deviation (``ddof=0``, divisor h) by default; byzfl's
+  ``ALittleIsEnough(tau)`` sends μ + τ·σ with the sample deviation (divisor h − 1), which is
+  ``ALIE(z=-tau, ddof=1)``.
 * :class:`IPM` — Inner Product Manipulation (Xie et al., 2020): −ε·μ.
+* :class:`OptimizedALIE`, :class:`OptimizedIPM` — the same attacks with their scale (z, ε)
+  tuned every round against the defence (byzfl's Optimal ALIE / Optimal IPM): a line search
+  maximising ‖Agg(good ∪ Byzantine) − μ‖ (see :func:`line_search`). The defence is the
+  server's aggregator of the round, handed over by the Byzantine wrapper (omniscient).
+* :class:`Inf` — every coordinate +inf (a server must drop it, byzfl's ``Inf``).
 * :class:`SignFlip` — −x for each Byzantine client's own honest update x.
 * :class:`GaussianNoise` — c + N(0, σ²I) with c = 0, μ or the own update.
 * :class:`BitFlip` — hardware-fault model: flips the given bits of the IEEE-754 float64
@@ -86,16 +94,29 @@ class NoAttack:
         return _inputs(honest, own)[1].copy()
 
 
+def _check_ddof(ddof) -> None:
+    if ddof not in (0, 1) or isinstance(ddof, bool):
+        raise ValueError(f"ALIE: ddof must be 0 (population deviation) or 1 (sample), "
+                         f"got {ddof!r}")
+
+
+def _alie_vector(ref: np.ndarray, z: float, ddof: int) -> np.ndarray:
+    sd = ref.std(0, ddof=ddof) if len(ref) > ddof else np.zeros(ref.shape[1])
+    return ref.mean(0) - z * sd
+
+
 @dataclass(frozen=True)
 class ALIE:
-    """μ − z·σ; z from :func:`alie_z` (n = h + b) when ``z`` is None."""
+    """μ − z·σ; z from :func:`alie_z` (n = h + b) when ``z`` is None; σ with ``ddof``."""
 
     z: float | None = None
+    ddof: int = 0
     name = "alie"
 
     def __post_init__(self) -> None:
         if self.z is not None and not (isinstance(self.z, int | float) and math.isfinite(self.z)):
             raise ValueError(f"ALIE: z must be a finite number or None, got {self.z!r}")
+        _check_ddof(self.ddof)
 
     def z_for(self, h: int, b: int) -> float:
         """The ALIE factor z for h honest and b Byzantine clients (the given ``z`` if set)."""
@@ -103,10 +124,8 @@ class ALIE:
 
     def __call__(self, honest, own, rng=None):
         honest, own = _inputs(honest, own)
-        ref = _reference(honest, own)
-        mu, sd = ref.mean(0), ref.std(0)
         z = self.z_for(len(honest), len(own))
-        return np.repeat((mu - z * sd)[None], len(own), 0)
+        return np.repeat(_alie_vector(_reference(honest, own), z, self.ddof)[None], len(own), 0)
 
 
 @dataclass(frozen=True)
@@ -123,6 +142,124 @@ class IPM:
     def __call__(self, honest, own, rng=None):
         honest, own = _inputs(honest, own)
         return np.repeat((-self.epsilon * _reference(honest, own).mean(0))[None], len(own), 0)
+
+
+@dataclass(frozen=True)
+class Inf:
+    """+inf in every coordinate."""
+
+    name = "inf"
+
+    def __call__(self, honest, own, rng=None):
+        return np.full_like(_inputs(honest, own)[1], np.inf)
+
+
+def line_search(objective, start: float, step: float, ratio: float, evals: int) -> float:
+    """byzfl's expansion/contraction search for the scale maximising ``objective``: from
+    ``start``, step forward while the objective grows (doubling the step), then try
+    best + step with the step shrunk by ``ratio`` each time, ``evals`` evaluations in all."""
+    best_x, best_y = start, objective(start)
+    left = evals - 1
+    while left > 0:  # expansion
+        y = objective(best_x + step)
+        left -= 1
+        if y > best_y:
+            best_x, best_y = best_x + step, y
+            step *= 2
+        else:
+            step *= ratio
+            break
+    while left > 0:  # contraction
+        y = objective(best_x + step)
+        left -= 1
+        if y > best_y:
+            best_x, best_y = best_x + step, y
+        step *= ratio
+    return best_x
+
+
+@dataclass(frozen=True)
+class _Optimized:
+    """An attack family x(s) whose scale s is tuned by :func:`line_search` against
+    ``aggregator`` (set by :meth:`against`): maximise ‖Agg(good ∪ b copies of x(s)) − μ‖."""
+
+    aggregator: object = None
+    evals: int = 20
+    start: float = 0.0
+    step: float = 10.0
+    ratio: float = 0.8
+
+    def __post_init__(self) -> None:
+        if isinstance(self.evals, bool) or not (isinstance(self.evals, int) and self.evals >= 1):
+            raise ValueError(f"{self.name}: evals must be an integer >= 1, got {self.evals!r}")
+        for key in ("start", "step"):
+            v = getattr(self, key)
+            if not (isinstance(v, int | float) and math.isfinite(v)):
+                raise ValueError(f"{self.name}: {key} must be a finite number, got {v!r}")
+        if self.step == 0:
+            raise ValueError(f"{self.name}: step must be non-zero")
+        if not (isinstance(self.ratio, int | float) and 0.5 < self.ratio < 1):
+            raise ValueError(f"{self.name}: ratio must be in (0.5, 1), got {self.ratio!r}")
+        if self.aggregator is not None and not callable(self.aggregator):
+            raise TypeError(f"{self.name}: aggregator must be callable, got {self.aggregator!r}")
+
+    def against(self, aggregator):
+        """This attack tuned against ``aggregator`` (the defence of the round)."""
+        from dataclasses import replace
+
+        return replace(self, aggregator=aggregator)
+
+    def vector(self, ref: np.ndarray, scale: float) -> np.ndarray:  # pragma: no cover
+        raise NotImplementedError
+
+    def scale(self, honest: np.ndarray, b: int) -> float:
+        """The tuned scale for b Byzantine clients beside the good updates ``honest``."""
+        if self.aggregator is None:
+            raise ValueError(f"{self.name}: no defence to optimise against; the Byzantine "
+                             "wrapper sets it (attack.against(aggregator))")
+        mu = honest.mean(0)
+
+        def objective(s: float) -> float:
+            X = np.concatenate([honest, np.repeat(self.vector(honest, s)[None], b, 0)])
+            with np.errstate(all="ignore"):
+                out = np.asarray(self.aggregator(X, np.ones(len(X))), dtype=np.float64)
+            dist = float(np.linalg.norm(out - mu))
+            return dist if math.isfinite(dist) else -math.inf
+
+        return line_search(objective, float(self.start), float(self.step), float(self.ratio),
+                           self.evals)
+
+    def __call__(self, honest, own, rng=None):
+        honest, own = _inputs(honest, own)
+        ref = _reference(honest, own)
+        s = self.scale(ref, len(own))
+        return np.repeat(self.vector(ref, s)[None], len(own), 0)
+
+
+@dataclass(frozen=True)
+class OptimizedALIE(_Optimized):
+    """μ − z·σ with z tuned against the defence (σ with ``ddof``; byzfl's Optimal ALIE is
+    ``step=-10.0, ddof=1``: its μ + τσ with τ searched upwards)."""
+
+    ddof: int = 0
+    name = "alie-opt"
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        _check_ddof(self.ddof)
+
+    def vector(self, ref, scale):
+        return _alie_vector(ref, scale, self.ddof)
+
+
+@dataclass(frozen=True)
+class OptimizedIPM(_Optimized):
+    """−ε·μ with ε tuned against the defence (byzfl's Optimal IPM)."""
+
+    name = "ipm-opt"
+
+    def vector(self, ref, scale):
+        return -scale * ref.mean(0)
 
 
 @dataclass(frozen=True)
@@ -225,8 +362,11 @@ class Mimic:
 
 ATTACKS: dict[str, tuple[type, tuple[str, ...]]] = {
     "none": (NoAttack, ()),
-    "alie": (ALIE, ("z",)),
+    "alie": (ALIE, ("z", "ddof")),
     "ipm": (IPM, ("epsilon",)),
+    "alie-opt": (OptimizedALIE, ("aggregator", "evals", "start", "step", "ratio", "ddof")),
+    "ipm-opt": (OptimizedIPM, ("aggregator", "evals", "start", "step", "ratio")),
+    "inf": (Inf, ()),
     "sign-flip": (SignFlip, ()),
     "gaussian": (GaussianNoise, ("sigma", "center")),
     "bit-flip": (BitFlip, ("bits", "fraction")),
@@ -235,7 +375,8 @@ ATTACKS: dict[str, tuple[type, tuple[str, ...]]] = {
 
 
 def make_attack(name: str, **kw) -> Attack:
-    """Build an attack by name: none, alie, ipm, sign-flip, gaussian, bit-flip, mimic."""
+    """Build an attack by name: none, alie, ipm, alie-opt, ipm-opt, inf, sign-flip, gaussian,
+    bit-flip, mimic."""
     if name == "label-flip":
         raise ValueError("label flipping acts on the data, not on updates: apply "
                          "partialfl.attacks.flip_labels to the Byzantine clients' labels")

@@ -106,11 +106,6 @@ def norms(D: np.ndarray) -> np.ndarray:
     return scale * np.sqrt(((D / safe[:, None]) ** 2).sum(1))
 
 
-def coincide_tol(x: np.ndarray) -> float:
-    """Distance below which two points are the same point in float64 (relative to ‖x‖∞)."""
-    return 1e-12 * float(np.abs(x).max()) + np.finfo(np.float64).tiny
-
-
 def safe_mean(X: np.ndarray, axis: int = 0) -> np.ndarray:
     """Mean that divides before summing, so huge finite inputs (1e308) cannot overflow."""
     return (X / X.shape[axis]).sum(axis)

@@ -45,7 +45,6 @@ import numpy as np
 
 from partialfl.aggregation.common import (
     check_delta,
-    coincide_tol,
     count,
     gram,
     norms,
@@ -402,8 +401,11 @@ class CAF:
     """Covariance-bound agnostic filter (Allouah et al., 2024), byzfl's iteration with the
     exact top eigenpair. Weights c = 1; while Σc > k − 2f: μ_c = Σc_i x_i / Σc, (λ, v) the top
     eigenpair of Σ_c = Σ_i c_i (x_i − μ_c)(x_i − μ_c)ᵀ / Σc, remember μ_c if λ is the smallest
-    so far, then c_i ← c_i (1 − τ_i / max τ) with τ_i = ⟨x_i − μ_c, v⟩². Returns the remembered
-    μ_c. All in k dimensions through the Gram matrix. f = ⌊δk⌋ (f = 0: the mean)."""
+    so far, then c_i ← c_i (1 − τ_i / max_j τ_j) with τ_i = ⟨x_i − μ_c, v⟩². When an input
+    already filtered out (c_j = 0) dominates so much that the total weight would drop by less
+    than 10⁻³, the max is taken over the inputs still weighted (byzfl never switches and can
+    stall for ~forever on a 1e30 input; the switch zeroes at least one weight). Returns the
+    remembered μ_c. All in k dimensions through the Gram matrix. f = ⌊δk⌋ (f = 0: the mean)."""
 
     delta: float = 0.1
     name = "caf"
@@ -428,7 +430,11 @@ class CAF:
                 break
             proj = H @ (sq * u) / math.sqrt(lam * c.sum())
             tau = proj**2
-            c = c * (1.0 - tau / tau.max())
+            new = np.maximum(c * (1.0 - tau / tau.max()), 0.0)
+            if c.sum() - new.sum() < 1e-3:  # a filtered-out input dominates: use the rest
+                tau = np.where(c > 0, tau, 0.0)
+                new = np.maximum(c * (1.0 - tau / tau.max()), 0.0)
+            c = new
         return best_c
 
     def __call__(self, vectors, weights=None):

@@ -6,7 +6,8 @@
    adversary knows what they would honestly send);
 2. the adversary replaces the rows of the Byzantine clients of the cohort by
    ``attack(honest rows, Byzantine rows' honest values, rng)`` with
-   ``rng = generator(seed, "attack", round)``;
+   ``rng = generator(seed, "attack", round)``; attacks that tune their scale against the
+   defence (``alie-opt``, ``ipm-opt``) are given the round's aggregator;
 3. the server drops every update containing NaN or ±inf, aggregates the rest with the robust
    ``aggregator`` (randomized rules such as bucketing are bound to the round), and steps with
    the base algorithm's own server update; a step that would make θ non-finite is rejected
@@ -128,8 +129,11 @@ class ByzantineRobust(AlgorithmWrapper):
         mat, layout = _flat(updates.vectors)
         arr, restore = to_numpy(mat)
         arr = np.array(arr, dtype=np.float64)
-        sent = self.byzantine.attack(arr[~bad], arr[bad],
-                                     prng.generator(ctx.seed, "attack", ctx.round))
+        attack = self.byzantine.attack
+        if hasattr(attack, "against") and getattr(attack, "aggregator", None) is None:
+            # Optimised attacks tune their scale against the round's defence (omniscient).
+            attack = attack.against(bind(self.aggregator, ctx.seed, ctx.round))
+        sent = attack(arr[~bad], arr[bad], prng.generator(ctx.seed, "attack", ctx.round))
         sent = np.asarray(sent, dtype=np.float64)
         if sent.shape != arr[bad].shape:
             raise ValueError(f"attack returned shape {sent.shape}, expected {arr[bad].shape}")
