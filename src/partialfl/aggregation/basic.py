@@ -14,7 +14,12 @@ from typing import Protocol, runtime_checkable
 
 import numpy as np
 
-from partialfl.aggregation.common import NonFiniteInputError, to_numpy, warn_skipped
+from partialfl.aggregation.common import (
+    NonFiniteInputError,
+    finite_rows,
+    to_numpy,
+    warn_skipped,
+)
 from partialfl.tree import flatten_stacked
 from partialfl.types import Params
 
@@ -35,8 +40,7 @@ class Mean:
 
     def usable(self, vectors, weights) -> np.ndarray:
         """``[k]`` bool: rows that are finite (and, weighted, have a finite weight ≥ 0)."""
-        arr, _ = to_numpy(vectors)
-        ok = np.isfinite(arr.reshape(len(arr), -1)).all(1)
+        ok = finite_rows(vectors)
         if self.weighted:
             w = np.asarray(to_numpy(weights)[0], dtype=np.float64).reshape(-1)
             if len(w) != len(ok):

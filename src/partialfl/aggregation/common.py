@@ -45,7 +45,14 @@ def to_numpy(x) -> tuple[np.ndarray, Any]:
 def finite_rows(vectors) -> np.ndarray:
     """``[k]`` bool: the rows of ``vectors`` without NaN or ±inf."""
     arr, _ = to_numpy(vectors)
-    return np.isfinite(arr.reshape(len(arr), -1)).all(1)
+    arr = arr.reshape(len(arr), -1)
+    if not np.issubdtype(arr.dtype, np.floating):
+        return np.isfinite(arr).all(1)
+    with np.errstate(over="ignore", invalid="ignore"):
+        ok = np.isfinite(arr.sum(1))  # NaN and ±inf propagate; one pass, no [k, d] mask
+    for i in np.flatnonzero(~ok):  # a finite row whose sum overflowed is still finite
+        ok[i] = bool(np.isfinite(arr[i]).all())
+    return ok
 
 
 def drop_nonfinite(vectors, weights=None):
@@ -100,10 +107,18 @@ def prepare(vectors, weights, name: str) -> tuple[np.ndarray, np.ndarray, Any]:
 
 
 def norms(D: np.ndarray) -> np.ndarray:
-    """Row norms that do not overflow for huge finite entries (e.g. 1e300)."""
-    scale = np.abs(D).max(1)
-    safe = np.where(scale > 0, scale, 1.0)
-    return scale * np.sqrt(((D / safe[:, None]) ** 2).sum(1))
+    """Row norms that do not overflow (entries near 1e300) or underflow (near 1e-300): one
+    pass of sums of squares; rows where that is not exact enough are recomputed scaled."""
+    sq = np.einsum("ij,ij->i", D, D)
+    bad = ~np.isfinite(sq) | (sq < 1e-280)
+    if bad.any():
+        B = D[bad]
+        scale = np.abs(B).max(1)
+        safe = np.where(scale > 0, scale, 1.0)
+        out = np.sqrt(sq)
+        out[bad] = scale * np.sqrt(((B / safe[:, None]) ** 2).sum(1))
+        return out
+    return np.sqrt(sq)
 
 
 def safe_mean(X: np.ndarray, axis: int = 0) -> np.ndarray:

@@ -291,7 +291,7 @@ class CenteredClipping:
             far = r > tau  # only these are clipped: τ/r < 1 there, never a division by ~0
             s = np.ones_like(r)
             s[far] = tau / r[far]
-            v = v + safe_mean(s[:, None] * D)
+            v = v + (s / len(X)) @ D  # terms ≤ ‖D‖∞/k: no overflow
         return restore(v)
 
 

@@ -182,10 +182,10 @@ class ARC(_Pre):
         order = np.argsort(r, kind="stable")
         thr = r[order[k - n - 1]]
         big = order[k - n:]
-        Y = X.copy()
         far = big[r[big] > thr]  # r > thr ≥ 0: a safe division
-        Y[far] *= (thr / r[far])[:, None]
-        return Y
+        factor = np.ones(k)
+        factor[far] = thr / r[far]
+        return X * factor[:, None]
 
 
 @dataclass(frozen=True)
@@ -210,6 +210,6 @@ class StaticClipping(_Pre):
         far = r > self.c
         if not far.any():
             return X
-        Y = X.copy()
-        Y[far] *= (self.c / r[far])[:, None]
-        return Y
+        factor = np.ones(len(X))
+        factor[far] = self.c / r[far]
+        return X * factor[:, None]

@@ -8,7 +8,9 @@ identify θ* alone. A fraction δ ∈ {10%, 20%} of the clients is Byzantine (id
 ``generator(seed, "byzantine")``), every client participates in every round.
 
 Grid: every attack (none, ALIE, IPM ε = 0.1, IPM ε = 10, sign flip, Gaussian σ = 1, bit flip,
-mimic) × aggregator (mean, CM, GM, Krum, CC) × {no bucketing, bucketing s = 2}, for
+mimic, Inf, and ALIE / IPM with their scale tuned against the defence of the round) ×
+aggregator (mean, CM, GM, Krum, CC, MDA, MoNNA, Meamed, CAF, SMEA) × {no bucketing, bucketing
+s = 2}, for
 
 * BR-FFGG: exact fine-tuning, g_m = ∇₁f_m(θ, w*_m(θ)), θ ← θ − Agg(g)/L (γ = 1/L of Example 1);
 * the robust non-personalized baseline: the same aggregators on full gradients ∇f_m(x) of one
@@ -31,6 +33,7 @@ from pathlib import Path
 import numpy as np
 
 from partialfl.aggregation import make_aggregator
+from partialfl.aggregation.common import count
 from partialfl.algorithms.asynchronous import joint_sgd
 from partialfl.algorithms.byzantine import ByzantineConfig, ByzantineRobust
 from partialfl.algorithms.ffgg import FFGG
@@ -51,8 +54,13 @@ ATTACK_GRID: tuple[tuple[str, str, dict], ...] = (
     ("Gaussian σ=1", "gaussian", {"sigma": 1.0}),
     ("bit flip", "bit-flip", {}),
     ("mimic", "mimic", {}),
+    ("Inf", "inf", {}),
+    ("ALIE-opt", "alie-opt", {}),
+    ("IPM-opt", "ipm-opt", {}),
 )
-AGGREGATOR_GRID = ("mean", "cm", "gm", "krum", "cc")
+AGGREGATOR_GRID = ("mean", "cm", "gm", "krum", "cc", "mda", "monna", "meamed", "caf", "smea")
+#: exhaustive rules (C(k, f) subsets per call) are skipped in cells with more subsets than this
+MAX_SUBSETS = 20_000
 KINDS = {"br-ffgg": "BR-FFGG (partially personalized)",
          "shared": "robust SGD on the shared model (non-personalized)"}
 
@@ -110,6 +118,14 @@ def _evaluator(problem):
     return evaluate
 
 
+def feasible(agg_name: str, num_clients: int, delta: float, s: int) -> bool:
+    """False for an exhaustive rule (MDA, SMEA) whose C(k, f) subsets exceed MAX_SUBSETS."""
+    if agg_name not in ("mda", "smea"):
+        return True
+    k = -(-num_clients // s)
+    return math.comb(k, k - count(s * delta, k)) <= MAX_SUBSETS
+
+
 def run_grid(study: ByzantineStudy, out_dir: Path, seed: int, progress: bool):
     """Every cell of the grid for one seed: ``(rows, problem)``, one row per cell."""
     problem = OverpersonalizedLeastSquares(
@@ -117,7 +133,8 @@ def run_grid(study: ByzantineStudy, out_dir: Path, seed: int, progress: bool):
         seed=seed, heterogeneity=study.heterogeneity)
     evaluate = _evaluator(problem)
     cells = [(delta, a, agg, s, kind) for delta in study.fractions for a in ATTACK_GRID
-             for agg in AGGREGATOR_GRID for s in (1, study.bucket_size) for kind in KINDS]
+             for agg in AGGREGATOR_GRID for s in (1, study.bucket_size) for kind in KINDS
+             if feasible(agg, study.num_clients, delta, s)]
     bar = None
     if progress:
         from tqdm.auto import tqdm
@@ -148,7 +165,9 @@ def run_grid(study: ByzantineStudy, out_dir: Path, seed: int, progress: bool):
     return rows, problem
 
 
-def _fmt(v: float) -> str:
+def _fmt(v: float | None) -> str:
+    if v is None:
+        return "–"
     if v != v:
         return "nan"
     if math.isinf(v):
@@ -156,11 +175,12 @@ def _fmt(v: float) -> str:
     return f"{v:.1e}"
 
 
-def _final(rows, rel: bool = False, **key) -> float:
-    """Median over seeds of the final ‖θ − θ*‖² (``rel``: divided by ‖θ*‖²) of one cell."""
+def _final(rows, rel: bool = False, **key) -> float | None:
+    """Median over seeds of the final ‖θ − θ*‖² (``rel``: divided by ‖θ*‖²) of one cell;
+    None for a cell that was not run."""
     vals = [r["history"][-1]["dist2"] / (r["theta_star2"] if rel else 1.0) for r in rows
             if all(r[k] == v for k, v in key.items())]
-    return float(np.median(vals)) if vals else float("nan")
+    return float(np.median(vals)) if vals else None
 
 
 def _plot(rows, study: ByzantineStudy, path: Path, delta: float, kind: str, seed: int) -> None:
@@ -171,9 +191,10 @@ def _plot(rows, study: ByzantineStudy, path: Path, delta: float, kind: str, seed
 
     n = len(ATTACK_GRID)
     ncol = 4
-    fig, axes = plt.subplots((n + ncol - 1) // ncol, ncol, figsize=(4.0 * ncol, 3.2 * 2),
+    nrow = (n + ncol - 1) // ncol
+    fig, axes = plt.subplots(nrow, ncol, figsize=(4.0 * ncol, 3.0 * nrow + 0.8),
                              squeeze=False, sharex=True)
-    colors = dict(zip(AGGREGATOR_GRID, plt.rcParams["axes.prop_cycle"].by_key()["color"]))
+    colors = dict(zip(AGGREGATOR_GRID, plt.get_cmap("tab10").colors))
     for ax, (label, _, _) in zip(axes.flat, ATTACK_GRID):
         top = None
         for r in rows:
@@ -199,10 +220,13 @@ def _plot(rows, study: ByzantineStudy, path: Path, delta: float, kind: str, seed
         ax.set_xlabel("rounds")
     for ax in axes[:, 0]:
         ax.set_ylabel("‖θ − θ*‖²")
-    axes.flat[0].legend(fontsize=6, ncol=2)
+    for ax in axes.flat[n:]:
+        ax.axis("off")
+    handles, labels = axes.flat[0].get_legend_handles_labels()
+    fig.legend(handles, labels, loc="lower center", ncol=5, fontsize=7, frameon=False)
     fig.suptitle(f"{KINDS[kind]}, {delta:.0%} Byzantine clients, seed {seed} (diverging "
                  "runs are drawn at 10³·‖θ⁰ − θ*‖², the top edge)", fontsize=11)
-    fig.tight_layout()
+    fig.tight_layout(rect=(0, 0.09, 1, 1))
     fig.savefig(path, dpi=110)
     plt.close(fig)
 
@@ -218,7 +242,9 @@ def _summary(rows, study, problem_stats, quick, seconds) -> str:
         f"{sorted({r['seed'] for r in rows})}); start ‖θ⁰ − θ*‖² = ‖θ*‖² = "
         f"{problem_stats['theta_star2']:.3g} (seed {problem_stats['seed']}). "
         "'+b' = with bucketing; 'inf': ‖θ − θ*‖² overflows (θ itself stays finite: "
-        "non-finite updates are dropped, steps that would make θ non-finite rejected).",
+        "non-finite updates are dropped, steps that would make θ non-finite rejected); "
+        f"'–': not run (MDA and SMEA are exhaustive: more than {MAX_SUBSETS:,} subsets). "
+        "ALIE-opt / IPM-opt tune their scale against the aggregator of the cell every round.",
         f"The best any shared model can do: its optimum x̄* has ‖θ̄* − θ*‖² = "
         f"{problem_stats['shared_floor']:.3g} (seed {problem_stats['seed']}; the "
         "non-personalized floor).",
@@ -247,6 +273,7 @@ def _summary(rows, study, problem_stats, quick, seconds) -> str:
         for kind, title in KINDS.items():
             for s in (1, study.bucket_size):
                 cells = [(a, lab) for a in AGGREGATOR_GRID if a != "mean"
+                         and feasible(a, study.num_clients, delta, s)
                          for lab, _, _ in ATTACK_GRID]
                 ok = [c for c in cells
                       if _final(rows, rel=True, delta=delta, kind=kind, attack=c[1],

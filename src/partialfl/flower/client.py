@@ -12,8 +12,8 @@ partition P. It answers three message types:
   and fine-tuned *here* (stateless clients), and only the resulting
   :class:`~partialfl.types.ClientUpdates` goes back
   (:func:`~partialfl.flower.codec.encode_updates`);
-* ``evaluate`` — θ → the personalized loss of its clients after fine-tuning w locally
-  (sums, so the server can average over all clients).
+* ``evaluate`` — θ → the personalized loss of its clients after fine-tuning w locally, as
+  sums and counts over the node's clients only (no per-client value leaves the node).
 
 The problem and algorithm are built from the run config with the same builders as the
 server (:mod:`partialfl.flower.config`) and cached per process.
@@ -131,7 +131,11 @@ def train(msg: Message, context: Context) -> Message:
     theta = decode_params(msg.content["theta"], rt.torch)
     state = ServerState(theta=theta, round=r)
     result = rt.algorithm.client_update(state, rt.problem, cohort, RoundContext(rt.cfg.seed, r))
-    return Message(encode_updates(result.updates, theta.keys()), reply_to=msg)
+    content = encode_updates(result.updates, theta.keys())
+    if any(f.kind == "nan" and f.applies(rt.partition, r)
+           for f in parse_fault_injection(rt.cfg.fault_injection)):
+        content["update"]["weights"] = [float("nan")] * len(cohort)  # testing: a bad client
+    return Message(content, reply_to=msg)
 
 
 @app.evaluate()
@@ -144,11 +148,11 @@ def evaluate(msg: Message, context: Context) -> Message:
     return Message(RecordDict({"eval": MetricRecord(sums)}), reply_to=msg)
 
 
-def evaluate_clients(rt: NodeRuntime, theta, round_: int) -> dict[str, list[float]]:
-    """Per-client metrics of this node's clients at θ, as lists (the server pools all nodes'
-    lists): least squares ``loss`` f_m(θ, w_m) and ``loss-gap`` f_m − min f_m; model
-    problems the test counts of :meth:`~partialfl.problems.model.ModelProblem.metric_counts`.
-    w_m is what the algorithm deploys, computed here and never sent."""
+def evaluate_clients(rt: NodeRuntime, theta, round_: int) -> dict[str, Any]:
+    """Sums over this node's clients at θ (the server adds all nodes' sums): least squares
+    ``clients``, ``loss.sum`` = Σ_m f_m(θ, w_m) and ``loss-gap.sum`` = Σ_m (f_m − min f_m);
+    model problems see :func:`~partialfl.flower.models.evaluate_model_clients`. w_m is what
+    the algorithm deploys, computed here and never sent; no per-client value is sent."""
     if rt.torch:
         from partialfl.flower.models import evaluate_model_clients
 
@@ -165,15 +169,15 @@ def evaluate_clients(rt: NodeRuntime, theta, round_: int) -> dict[str, list[floa
               else dep.theta)
         w = {n: v[own] for n, v in dep.w.items()}
     loss = np.asarray(rt.problem.loss(own, th, w), dtype=np.float64)
-    out = {"loss": [float(x) for x in loss]}
+    out = {"clients": float(len(own)), "loss.sum": float(loss.sum())}
     if hasattr(rt.problem, "f_star"):
-        out["loss-gap"] = [float(x) for x in loss - rt.problem.f_star()[own]]
+        out["loss-gap.sum"] = float((loss - rt.problem.f_star()[own]).sum())
     return out
 
 
 def _inject_faults(rt: NodeRuntime, round_: int) -> None:
     for f in parse_fault_injection(rt.cfg.fault_injection):
-        if f.applies(rt.partition, round_):
+        if f.kind in ("crash", "slow") and f.applies(rt.partition, round_):
             if f.kind == "crash":
                 raise RuntimeError(f"injected crash: partition {rt.partition}, round {round_}")
             time.sleep(f.seconds)

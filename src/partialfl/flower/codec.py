@@ -5,10 +5,17 @@ model) and ``content["task"]`` a :class:`ConfigRecord` ``{"round", "clients"}``.
 
 SuperNode → server: exactly one :class:`~partialfl.types.ClientUpdates` — the only thing that
 leaves a client — as ``content["vectors"]`` (stacked ``[k, *θ-shape]``), ``content["update"]``
-(``cohort``, ``weights``, ``grad-evals``), ``content["metrics"]`` (per-client scalars) and one
+(``cohort``, ``weights``, ``grad-evals``), ``content["metrics"]`` and one
 ``content["extra.<name>"]`` per algorithm extra. :func:`encode_updates` refuses any tree whose
 leaf names are not names of θ, so a personal parameter (whose name is never a θ name: the
 split is a partition) cannot be put on the wire even by a buggy algorithm.
+
+Metrics are aggregated on the SuperNode: for each metric allowed by name
+(:data:`ALLOWED_METRICS`) only its sum over the node's clients (``"<name>.sum"``) and the
+number of clients (``"<name>.count"``) travel, as two scalars — never a per-client list, never
+an unlisted name (e.g. a personal parameter smuggled as a "metric"). :func:`decode_updates`
+checks the same on the server (a reply that breaks it is refused and counted), and refuses
+non-finite vectors and weights that are not finite numbers ≥ 0.
 
 Arrays travel as numpy; torch leaves are converted on both ends (``torch=True``) in their own
 dtype, so a round trip is bit-exact.
@@ -30,6 +37,49 @@ class PrivacyError(RuntimeError):
 
 class WireFormatError(ValueError):
     """A reply that does not decode into the expected updates."""
+
+
+#: metric names a SuperNode may report (aggregated: sum and count over its clients)
+ALLOWED_METRICS: tuple[str, ...] = ("loss", "train_loss")
+
+
+def aggregate_metrics(metrics, allowed=ALLOWED_METRICS) -> dict[str, float]:
+    """``{"<name>.sum": Σ, "<name>.count": k}`` per metric; refuses unlisted names and
+    anything that is not one finite scalar per client."""
+    out: dict[str, float] = {}
+    for n, v in metrics.items():
+        if n not in allowed:
+            raise PrivacyError(f"refusing to send metric {n!r}: only the metrics "
+                               f"{sorted(allowed)} may leave a client (aggregated)")
+        arr = np.asarray(_to_numpy(v), dtype=np.float64)
+        if arr.ndim > 1:
+            raise PrivacyError(f"refusing to send metric {n!r} of shape {arr.shape}: metrics "
+                               "are one scalar per client")
+        arr = arr.reshape(-1)
+        out[f"{n}.sum"] = float(arr.sum())
+        out[f"{n}.count"] = float(arr.size)
+    return out
+
+
+def decode_metrics(record, allowed=ALLOWED_METRICS) -> dict[str, tuple[float, float]]:
+    """``{name: (sum, count)}`` from a reply's metric record; refuses lists, unlisted names,
+    a sum without its count and non-finite values (:class:`WireFormatError`)."""
+    sums: dict[str, dict[str, float]] = {}
+    for key, v in record.items():
+        name, _, part = key.rpartition(".")
+        if name not in allowed or part not in ("sum", "count"):
+            raise WireFormatError(f"reply metric {key!r} is not allowed: only "
+                                  f"'<name>.sum' / '<name>.count' for {sorted(allowed)}")
+        if isinstance(v, list | tuple) or not np.isfinite(float(v)):
+            raise WireFormatError(f"reply metric {key!r} must be one finite scalar, got "
+                                  f"{type(v).__name__}")
+        sums.setdefault(name, {})[part] = float(v)
+    out = {}
+    for name, parts in sums.items():
+        if set(parts) != {"sum", "count"} or parts["count"] < 0:
+            raise WireFormatError(f"reply metric {name!r} needs one sum and one count >= 0")
+        out[name] = (parts["sum"], parts["count"])
+    return out
 
 
 def _to_numpy(v) -> np.ndarray:
@@ -73,10 +123,7 @@ def encode_updates(updates: ClientUpdates, theta_names: Iterable[str]) -> Record
             "weights": [float(w) for w in np.asarray(updates.weights, dtype=np.float64)],
             "grad-evals": int(updates.grad_evals),
         }),
-        "metrics": MetricRecord({
-            n: [float(x) for x in np.asarray(_to_numpy(v), dtype=np.float64).reshape(-1)]
-            for n, v in updates.metrics.items()
-        }),
+        "metrics": MetricRecord(aggregate_metrics(updates.metrics)),
     })
     for name, tree in updates.extra.items():
         _check_names(tree, theta_names, f"extra {name!r}")
@@ -85,10 +132,11 @@ def encode_updates(updates: ClientUpdates, theta_names: Iterable[str]) -> Record
 
 
 def decode_updates(content: RecordDict, theta: Params, cohort: np.ndarray,
-                   torch: bool = False) -> ClientUpdates:
-    """Reply content → :class:`ClientUpdates`, checked against the θ the server sent and the
-    clients it asked for (names, shapes, cohort): a malformed reply raises
-    :class:`WireFormatError` and the server counts it as a failed update."""
+                   torch: bool = False) -> tuple[ClientUpdates, dict[str, tuple[float, float]]]:
+    """Reply content → ``(updates, metric sums)``, checked against the θ the server sent and
+    the clients it asked for (names, shapes, cohort, finite vectors, finite weights ≥ 0,
+    aggregated metrics): a malformed reply raises :class:`WireFormatError` and the server
+    counts it as a failed update. The updates carry no metrics (only the node's sums do)."""
     try:
         vec_rec, upd = content["vectors"], content["update"]
     except KeyError as e:
@@ -107,12 +155,19 @@ def decode_updates(content: RecordDict, theta: Params, cohort: np.ndarray,
                                   f"{(k, *tuple(theta[n].shape))}")
         if not bool(np.isfinite(_to_numpy(v)).all()):
             raise WireFormatError(f"reply vector {n!r} is not finite")
+    weights = np.asarray(upd["weights"], dtype=np.float64).reshape(-1)
+    if len(weights) != k or not (np.isfinite(weights).all() and (weights >= 0).all()):
+        raise WireFormatError(f"reply weights {weights.tolist()} must be {k} finite numbers "
+                              ">= 0")
     extra = {}
     for key in content.array_records:
         if key.startswith("extra."):
-            extra[key[len("extra."):]] = decode_params(content[key], torch)
-    metrics = {}
-    if "metrics" in content:
-        metrics = {n: np.asarray(v, dtype=np.float64) for n, v in content["metrics"].items()}
-    return ClientUpdates(vectors, np.asarray(upd["weights"], dtype=np.float64), got,
-                         int(upd["grad-evals"]), metrics, extra)
+            tree = decode_params(content[key], torch)
+            if set(tree) - set(theta):
+                raise WireFormatError(f"reply extra {key!r} has leaves "
+                                      f"{sorted(set(tree) - set(theta))} that are not θ leaves")
+            if not all(bool(np.isfinite(_to_numpy(v)).all()) for v in tree.values()):
+                raise WireFormatError(f"reply extra {key!r} is not finite")
+            extra[key[len("extra."):]] = tree
+    metrics = decode_metrics(content["metrics"]) if "metrics" in content else {}
+    return ClientUpdates(vectors, weights, got, int(upd["grad-evals"]), {}, extra), metrics

@@ -24,6 +24,8 @@ from typing import Any
 
 import numpy as np
 
+from partialfl.aggregation.registry import AGGREGATORS
+from partialfl.attacks import ATTACKS
 from partialfl.config import ConfigError as CoreConfigError
 
 ALGORITHMS = ("ffgg", "br-ffgg", "local-ffgg", "fedavg")
@@ -96,6 +98,11 @@ FIELDS: tuple[Field, ...] = (
     Field("node-wait-timeout", float, 120.0, "seconds to wait for min-nodes SuperNodes and for "
           "their first answer (ClientApp start-up)", check=_pos,
           requirement="a number > 0"),
+    Field("max-failure-fraction", float, 0.5, "abort the run (non-zero exit, result.json "
+          "records why) once more than this fraction of the requested client updates failed "
+          "(lost SuperNode, crash, timeout, invalid or non-finite reply); below it failing "
+          "nodes are skipped and counted", check=lambda v: 0 <= v <= 1,
+          requirement="a number in [0, 1]"),
     # -- server optimizer --------------------------------------------------------------
     Field("server-opt", str, "sgd", "server optimizer on the aggregated θ-(pseudo-)gradient",
           choices=("sgd", "adam")),
@@ -114,10 +121,12 @@ FIELDS: tuple[Field, ...] = (
           check=_nonneg, requirement="an integer >= 0"),
     # -- aggregation (BR-FFGG) ---------------------------------------------------------
     Field("aggregator", str, "mean", "aggregation rule of the θ-vectors: mean, or a robust rule "
-          "for BR-FFGG (partialfl.aggregation.make_aggregator: cm, tm, gm, krum, multi-krum, cc)",
+          "for BR-FFGG (partialfl.aggregation.make_aggregator: "
+          f"{', '.join(a for a in AGGREGATORS if a != 'mean')})",
           check=lambda v: bool(v.strip()), requirement="a non-empty aggregator name"),
     Field("aggregator-delta", float, 0.0, "robust rules: assumed fraction δ of Byzantine "
-          "clients (0 = the rule's default)", check=lambda v: 0 <= v < 0.5,
+          "clients (0 = the rule's default δ; bucketing and nnm derive theirs from it, nnm "
+          "refuses a rule without δ unless this is > 0)", check=lambda v: 0 <= v < 0.5,
           requirement="a number in [0, 0.5)"),
     Field("bucket-size", int, 1, "bucketing of the robust rule (s >= 2 buckets; 1 = none)",
           check=_pos, requirement="an integer >= 1"),
@@ -126,7 +135,7 @@ FIELDS: tuple[Field, ...] = (
           "updates are replaced by the attack on the server, as an omniscient adversary)",
           check=lambda v: 0 <= v < 0.5, requirement="a number in [0, 0.5)"),
     Field("attack", str, "none", "what Byzantine clients send (partialfl.attacks.make_attack: "
-          "none, alie, ipm, sign-flip, gaussian, bit-flip, mimic)",
+          f"{', '.join(ATTACKS)})",
           check=lambda v: bool(v.strip()), requirement="a non-empty attack name"),
     Field("weighting", str, "uniform", "aggregation weights: uniform or number of examples",
           choices=("uniform", "examples")),
@@ -171,8 +180,15 @@ FIELDS: tuple[Field, ...] = (
           check=_nonneg, requirement="an integer >= 0"),
     Field("out-dir", str, "", "server: write result.json, metrics.jsonl and theta.npz here "
           "('' = do not write)"),
+    Field("checkpoint-every", int, 0, "server (sync mode): write a checkpoint (safetensors + "
+          "JSON, atomic) to out-dir every k rounds (0 = never)", check=_nonneg,
+          requirement="an integer >= 0"),
+    Field("resume", bool, False, "server: continue from the checkpoint in out-dir (refused "
+          "when it was written by another configuration)"),
     Field("fault-injection", str, "", "testing only: make ClientApps fail, e.g. "
-          "'crash:partition=1,round=1; slow:partition=0,round=2,seconds=5'"),
+          "'crash:partition=1,round=1; slow:partition=0,round=2,seconds=5; "
+          "nan:partition=0,round=1' (non-finite weights), or the server stop after a round: "
+          "'stop:round=2'"),
 )
 
 _BY_KEY = {f.key: f for f in FIELDS}
@@ -194,6 +210,7 @@ class FlowerConfig:
     poll_interval: float = 0.05
     min_nodes: int = 1
     node_wait_timeout: float = 120.0
+    max_failure_fraction: float = 0.5
     server_opt: str = "sgd"
     server_lr: float | str = "auto"
     server_momentum: float = 0.0
@@ -226,6 +243,8 @@ class FlowerConfig:
     init_from: str = ""
     eval_every: int = 1
     out_dir: str = ""
+    checkpoint_every: int = 0
+    resume: bool = False
     fault_injection: str = ""
 
     def to_run_config(self) -> dict[str, Any]:
@@ -336,24 +355,35 @@ def _check_combinations(cfg: FlowerConfig) -> None:
         )
     if cfg.algorithm == "br-ffgg" and cfg.aggregator == "mean":
         raise ConfigError(
-            "run-config key 'aggregator': BR-FFGG needs a robust aggregator (cm, tm, gm, krum, "
-            "multi-krum, cc), got 'mean'; use algorithm 'ffgg' for mean aggregation"
+            "run-config key 'aggregator': BR-FFGG needs a robust aggregator "
+            f"({', '.join(a for a in AGGREGATORS if a != 'mean')}), got 'mean'; use algorithm "
+            "'ffgg' for mean aggregation"
         )
+    if cfg.aggregator != "mean" or cfg.bucket_size > 1 or cfg.nnm:
+        build_aggregator(cfg)  # δ derivation and every option checked now, not at round 0
+    if (cfg.checkpoint_every or cfg.resume) and not cfg.out_dir:
+        raise ConfigError("run-config keys 'checkpoint-every' / 'resume' need 'out-dir' (where "
+                          "the checkpoint lives)")
+    if (cfg.checkpoint_every or cfg.resume) and cfg.mode != "sync":
+        raise ConfigError("run-config keys 'checkpoint-every' / 'resume': checkpoints are "
+                          "written in mode 'sync' only")
     if cfg.byzantine_fraction == 0 and cfg.attack != "none":
         raise ConfigError(f"run-config key 'attack': {cfg.attack!r} needs byzantine-fraction > 0")
 
 
 # -- fault injection (testing the failure handling) ------------------------------------
-FAULT_KINDS = ("crash", "slow")
+FAULT_KINDS = ("crash", "slow", "nan", "stop")
 
 
 @dataclass(frozen=True)
 class Fault:
     """Make the ClientApp of SuperNode ``partition`` misbehave in ``round`` (-1 = every
-    round): ``crash`` raises, ``slow`` sleeps ``seconds`` before working."""
+    round): ``crash`` raises, ``slow`` sleeps ``seconds`` before working, ``nan`` sends NaN
+    weights; or (``stop``, no partition) make the ServerApp stop after ``round`` as a killed
+    server would (after that round's checkpoint)."""
 
     kind: str
-    partition: int
+    partition: int = -1
     round: int = -1
     seconds: float = 0.0
 
@@ -386,7 +416,10 @@ def parse_fault_injection(spec: str) -> tuple[Fault, ...]:
                 raise ConfigError(
                     f"run-config key 'fault-injection': {k}={v!r} in {part!r} is not a number"
                 ) from None
-        if "partition" not in kw:
+        if kind == "stop" and ("partition" in kw or kw.get("round", -1) < 0):
+            raise ConfigError(f"run-config key 'fault-injection': {part!r}: a server stop "
+                              "takes round=INT >= 0 and no partition")
+        if kind != "stop" and "partition" not in kw:
             raise ConfigError(f"run-config key 'fault-injection': {part!r} needs partition=INT")
         if kind == "slow" and kw.get("seconds", 0) <= 0:
             raise ConfigError(f"run-config key 'fault-injection': {part!r} needs seconds > 0")
@@ -505,7 +538,11 @@ def build_aggregator(cfg: FlowerConfig, seed: int | None = None):
     try:
         return make_aggregator(cfg.aggregator, **kw)
     except (ValueError, TypeError) as e:
-        raise ConfigError(f"run-config key 'aggregator': {e}") from None
+        hint = ""
+        if cfg.nnm and not cfg.aggregator_delta:
+            hint = " (run-config keys 'nnm' = true and 'aggregator-delta' = 0: set " \
+                   "aggregator-delta > 0)"
+        raise ConfigError(f"run-config key 'aggregator': {e}{hint}") from None
 
 
 def build_byzantine(cfg: FlowerConfig, num_clients: int):

@@ -132,10 +132,44 @@ def personal_for(algorithm, problem, cohort: np.ndarray, theta, seed: int):
     return {}  # FedAvg: no personal parameters
 
 
+#: bins of the per-client accuracy histogram a SuperNode sends (percentiles to ±1/(2·BINS))
+ACC_BINS = 1000
+
+
 def evaluate_model_clients(rt, theta, round_: int) -> dict[str, Any]:
-    """Per-client test counts of this node's clients (lists; the server pools them with
-    :func:`partialfl.evaluation.summarize_counts`)."""
+    """Sums over this node's clients of the test counts of
+    :meth:`~partialfl.problems.model.ModelProblem.metric_counts` (``correct.sum``,
+    ``total.sum``, ``loss_sum.sum``, ``loss_weight.sum``), ``acc.sum`` / ``acc.count`` (Σ and
+    number of per-client accuracies) and ``acc.hist``: how many clients fall in each of
+    :data:`ACC_BINS` accuracy bins (counts, for the server's percentiles). No per-client value
+    is sent."""
     own = rt.clients
     w = personal_for(rt.algorithm, rt.problem, own, theta, rt.cfg.seed)
-    counts = rt.problem.metric_counts(own, theta, w, "test")
-    return {k: [float(x) for x in np.asarray(v, dtype=np.float64)] for k, v in counts.items()}
+    counts = {k: np.asarray(v, dtype=np.float64)
+              for k, v in rt.problem.metric_counts(own, theta, w, "test").items()}
+    out: dict[str, Any] = {"clients": float(len(own))}
+    out.update({f"{k}.sum": float(v.sum()) for k, v in counts.items()})
+    t = counts["total"]
+    acc = counts["correct"][t > 0] / t[t > 0]
+    out["acc.sum"], out["acc.count"] = float(acc.sum()), float(acc.size)
+    hist = np.bincount(np.minimum((acc * ACC_BINS).astype(np.int64), ACC_BINS - 1),
+                       minlength=ACC_BINS)
+    out["acc.hist"] = [float(c) for c in hist]
+    return out
+
+
+def summarize_sums(sums: dict[str, Any]) -> dict[str, float]:
+    """The server's evaluation metrics from the nodes' summed counts: pooled accuracy, loss,
+    mean per-client accuracy (exact) and its 10/50/90th percentiles (from the histogram:
+    the centre of the bin where the cumulative count passes q, ±1/(2·ACC_BINS))."""
+    hist = np.asarray(sums["acc.hist"], dtype=np.float64)
+    cum = np.cumsum(hist)
+
+    def pct(q: float) -> float:
+        i = int(np.searchsorted(cum, q / 100 * cum[-1], side="left"))
+        return (min(i, ACC_BINS - 1) + 0.5) / ACC_BINS
+
+    return {"eval_acc": sums["correct.sum"] / max(sums["total.sum"], 1e-12),
+            "eval_acc_p10": pct(10), "eval_acc_p50": pct(50), "eval_acc_p90": pct(90),
+            "eval_acc_client_mean": sums["acc.sum"] / max(sums["acc.count"], 1.0),
+            "eval_loss": sums["loss_sum.sum"] / max(sums["loss_weight.sum"], 1e-12)}

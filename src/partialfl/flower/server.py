@@ -23,6 +23,8 @@ from __future__ import annotations
 
 import json
 import logging
+import os
+import tempfile
 import time
 from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
@@ -40,6 +42,7 @@ from partialfl.flower.config import (
     FlowerConfig,
     build_algorithm,
     build_problem,
+    parse_fault_injection,
     parse_run_config,
 )
 from partialfl.runtime.backends import concat_results
@@ -49,6 +52,14 @@ from partialfl.types import ClientUpdates, Params
 log = logging.getLogger("flwr.partialfl")
 
 MessageHook = Callable[[Message], None]
+
+
+class RunAborted(RuntimeError):
+    """Too many client updates failed (``max-failure-fraction``): the run stops, with a reason."""
+
+
+class ServerStopped(RuntimeError):
+    """Testing (fault injection ``stop:round=R``): the ServerApp stops as a killed one would."""
 
 
 @dataclass
@@ -76,6 +87,20 @@ class FlowerRunReport:
     nodes: list[dict[str, Any]] = field(default_factory=list)
     stopped: str = ""  # why training stopped early ("" = it ran all rounds)
     setup_seconds: float = 0.0  # waiting for SuperNodes, describing them, building θ⁰
+    requested_client_updates: int = 0
+    aborted: bool = False  # stopped by max-failure-fraction
+    resumed_from: int = -1  # the round a resumed run continued from (-1: not resumed)
+    last_round: int = -1  # the last round (async: task) whose updates were requested
+
+    @property
+    def lost_partitions(self) -> list[int]:
+        """Partitions whose last two or more requests all failed (a SuperNode that left)."""
+        last: dict[int, list[int]] = {}
+        for f in self.failures:
+            if f.kind in ("error", "timeout", "invalid"):
+                last.setdefault(f.partition, []).append(f.round)
+        return sorted(p for p, rounds in last.items() if len(rounds) >= 2
+                      and rounds[-1] == self.last_round and rounds[-2] == rounds[-1] - 1)
 
     @property
     def failure_counts(self) -> dict[str, int]:
@@ -103,6 +128,10 @@ class FlowerRunReport:
             "setup_seconds": self.setup_seconds,
             "seconds_per_round": (self.seconds - self.setup_seconds) / rounds,
             "stopped_early": self.stopped,
+            "aborted": self.aborted,
+            "requested_client_updates": self.requested_client_updates,
+            "lost_partitions": self.lost_partitions,
+            "resumed_from": self.resumed_from,
         }
 
     def __repr__(self) -> str:
@@ -123,15 +152,27 @@ class FlowerRunReport:
                 "history": self.history, "failures": [asdict(f) for f in self.failures]}
 
     def write(self, out_dir: str | Path) -> Path:
-        """``result.json``, ``metrics.jsonl`` (one line per evaluated round), ``theta.npz``."""
+        """``result.json``, ``metrics.jsonl`` (one line per evaluated round), ``theta.npz``;
+        every file written atomically (temp file + rename)."""
         out = Path(out_dir)
         out.mkdir(parents=True, exist_ok=True)
-        (out / "result.json").write_text(json.dumps(self.to_json(), indent=1, default=float))
-        with open(out / "metrics.jsonl", "w") as f:
-            for rec in self.history:
-                f.write(json.dumps(rec, default=float) + "\n")
-        np.savez(out / "theta.npz", **{n: _np(v) for n, v in self.theta.items()})
+        atomic_write(out / "metrics.jsonl", "".join(
+            json.dumps(rec, default=float) + "\n" for rec in self.history).encode())
+        with tempfile.NamedTemporaryFile(dir=out, suffix=".npz", delete=False) as f:
+            np.savez(f, **{n: _np(v) for n, v in self.theta.items()})
+        os.replace(f.name, out / "theta.npz")
+        atomic_write(out / "result.json",
+                     json.dumps(self.to_json(), indent=1, default=float).encode())
         return out / "result.json"
+
+
+def atomic_write(path: Path, data: bytes) -> None:
+    """Write ``data`` to ``path`` so that a crash never leaves a truncated file."""
+    with tempfile.NamedTemporaryFile(dir=path.parent, prefix=f".{path.name}.", delete=False) as f:
+        f.write(data)
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(f.name, path)
 
 
 def _np(v) -> np.ndarray:
@@ -295,7 +336,15 @@ def run_server(grid: Grid, run_config: dict[str, Any], *, aggregator=None,
     log.info("partialfl: %s (%s) on %d SuperNodes holding %d clients", cfg.algorithm, cfg.mode,
              len(fed.nodes), fed.num_clients)
     loop = _run_sync if cfg.mode == "sync" else _run_async
-    state = loop(link, cfg, fed, algorithm, state, ref, report, t0)
+    try:
+        state = loop(link, cfg, fed, algorithm, state, ref, report, t0)
+    except RunAborted as e:
+        report.aborted, report.stopped = True, str(e)
+        report.seconds = time.perf_counter() - t0
+        log.error("partialfl: %s", e)
+        if cfg.out_dir:
+            report.write(cfg.out_dir)
+        raise
     report.theta = {n: _np(v) for n, v in state.theta.items()}
     report.server_steps = state.round
     report.seconds = time.perf_counter() - t0
@@ -317,7 +366,7 @@ def _train_content(theta: Params, round_: int, clients) -> RecordDict:
 
 
 def _decode_reply(m: Message | None, theta, clients, fed, node, round_, report
-                  ) -> ClientUpdates | None:
+                  ) -> tuple[ClientUpdates, dict[str, tuple[float, float]]] | None:
     part = fed.partition(node)
     if m is None:
         kind, reason = "timeout", "no reply within round-timeout"
@@ -333,6 +382,17 @@ def _decode_reply(m: Message | None, theta, clients, fed, node, round_, report
     log.warning("partialfl: round %d: SuperNode %s (partition %d, %d clients) failed: %s: %s",
                 round_, node, part, len(clients), kind, f.reason)
     return None
+
+
+def _check_failures(cfg: FlowerConfig, report: FlowerRunReport) -> None:
+    """Abort once more than ``max-failure-fraction`` of the requested updates failed."""
+    asked = report.requested_client_updates
+    lost = report.failed_client_updates
+    if asked and lost / asked > cfg.max_failure_fraction:
+        raise RunAborted(
+            f"{lost} of {asked} requested client updates failed ({lost / asked:.0%} > "
+            f"max-failure-fraction {cfg.max_failure_fraction:g}); failures by kind "
+            f"{report.failure_counts}, partitions lost: {report.lost_partitions or 'none'}")
 
 
 def _short(reason: str, n: int = 600) -> str:
@@ -358,10 +418,11 @@ def _eval_items(fed, theta: Params, round_: int) -> list[tuple[int, str, RecordD
 
 
 def _eval_reduce(fed, ids, got, round_, report) -> dict[str, Any]:
-    """Pool the nodes' per-client evaluation lists: model problems →
-    :func:`partialfl.evaluation.summarize_counts` (pooled test accuracy, its 10/50/90th
-    client percentiles, loss); least squares → means over clients."""
-    pooled: dict[str, list[float]] = {}
+    """Add up the nodes' evaluation sums (``clients``, ``<metric>.sum``, ``<metric>.count``,
+    ``acc.hist``: counts only, never a per-client value): least squares → means over all
+    clients; model problems → :func:`partialfl.flower.models.summarize_sums`. A reply with
+    any other entry (e.g. a per-client list) is refused and counted (``eval-invalid``)."""
+    pooled: dict[str, Any] = {}
     for node, mid in zip(fed.order, ids):
         m = got.get(mid)
         if m is None or m.has_error():
@@ -369,18 +430,46 @@ def _eval_reduce(fed, ids, got, round_, report) -> dict[str, Any]:
                 int(round_), "eval-timeout" if m is None else "eval-error", fed.partition(node),
                 [], "no reply" if m is None else _short(m.error.reason)))
             continue
-        for k, v in m.content["eval"].items():
-            pooled.setdefault(k, []).extend(float(x) for x in v)
+        try:
+            sums = _eval_sums(dict(m.content["eval"]))
+        except (KeyError, TypeError, ValueError) as e:
+            report.failures.append(Failure(int(round_), "eval-invalid", fed.partition(node),
+                                           [], _short(str(e))))
+            continue
+        for k, v in sums.items():
+            pooled[k] = pooled[k] + v if k in pooled else v
     if not pooled:
         return {}
-    if "correct" in pooled:
-        from partialfl.evaluation import summarize_counts
+    if "acc.hist" in pooled:
+        from partialfl.flower.models import summarize_sums
 
-        ev = summarize_counts({k: np.asarray(v) for k, v in pooled.items()})
-        return {"eval_clients": len(pooled["correct"]), **ev.as_dict("eval")}
-    out: dict[str, Any] = {"eval_clients": len(next(iter(pooled.values())))}
+        return {"eval_clients": int(pooled["clients"]), **summarize_sums(pooled)}
+    n = max(pooled["clients"], 1.0)
+    out: dict[str, Any] = {"eval_clients": int(pooled["clients"])}
     for k, v in pooled.items():
-        out["eval_" + k.replace("-", "_")] = float(np.mean(v))
+        if k.endswith(".sum"):
+            out["eval_" + k[: -len(".sum")].replace("-", "_")] = float(v) / n
+    return out
+
+
+def _eval_sums(record: dict[str, Any]) -> dict[str, Any]:
+    out: dict[str, Any] = {}
+    for k, v in record.items():
+        if k == "acc.hist":
+            arr = np.asarray(v, dtype=np.float64)
+            if arr.ndim != 1 or not (np.isfinite(arr).all() and (arr >= 0).all()):
+                raise ValueError("evaluation histogram must be finite counts >= 0")
+            out[k] = arr
+        elif k == "clients" or k.endswith((".sum", ".count")):
+            if isinstance(v, list | tuple) or not np.isfinite(float(v)):
+                raise ValueError(f"evaluation entry {k!r} must be one finite scalar (no "
+                                 "per-client list reaches the server)")
+            out[k] = float(v)
+        else:
+            raise ValueError(f"evaluation entry {k!r} is not allowed: only 'clients', "
+                             "'<metric>.sum', '<metric>.count' and 'acc.hist'")
+    if "clients" not in out:
+        raise ValueError("evaluation reply lacks 'clients'")
     return out
 
 
@@ -399,16 +488,56 @@ def _record(cfg, algorithm, state, ref, report, t0, round_, extra) -> None:
     log.info("partialfl: %s", shown)
 
 
+def _train_loss(sums: list[dict[str, tuple[float, float]]]) -> float | None:
+    """Mean training loss over the clients that reported one (node sums and counts)."""
+    tot = cnt = 0.0
+    for m in sums:
+        for name in ("loss", "train_loss"):
+            if name in m:
+                tot, cnt = tot + m[name][0], cnt + m[name][1]
+    return tot / cnt if cnt else None
+
+
+def _resume(cfg, state, report) -> tuple[ServerState, int, int, dict[str, Any]]:
+    """``(state, first round, local grads, extra)``: fresh, or from out-dir's checkpoint."""
+    if not cfg.resume:
+        return state, 0, 0, {"local_grads": 0}
+    from partialfl.flower import checkpoint
+
+    loaded, start, rep = checkpoint.load(cfg)
+    if set(loaded.theta) != set(state.theta):
+        raise checkpoint.CheckpointError(f"checkpoint θ leaves {sorted(loaded.theta)} differ "
+                                         f"from the model's {sorted(state.theta)}")
+    report.history = list(rep["history"])
+    report.failures = [Failure(**f) for f in rep["failures"]]
+    report.skipped_rounds = int(rep["skipped_rounds"])
+    report.requested_client_updates = int(rep["requested"])
+    report.resumed_from = start
+    log.info("partialfl: resuming from the checkpoint of round %d in %s", start, cfg.out_dir)
+    return loaded, start, int(rep["grads"]), dict(rep["extra"])
+
+
+def _save(cfg, state, next_round, report, grads, extra) -> None:
+    from partialfl.flower import checkpoint
+
+    checkpoint.save(cfg, state, next_round, {
+        "history": report.history, "failures": [asdict(f) for f in report.failures],
+        "skipped_rounds": report.skipped_rounds, "requested": report.requested_client_updates,
+        "grads": grads, "extra": extra})
+
+
 def _run_sync(link, cfg, fed, algorithm, state, ref, report, t0) -> ServerState:
     """Round r sends θ_r with the cohort's train tasks and, when due, evaluate tasks for θ_r
-    in the same exchange (both depend on θ_r only), so evaluation costs no extra round trip."""
+    in the same exchange (both depend on θ_r only), so evaluation costs no extra round trip.
+    With ``checkpoint-every`` = c, the state after every c-th round is checkpointed; with
+    ``resume`` the loop continues from the checkpoint (same θ as an uninterrupted run)."""
     k = cfg.clients_per_round or None
     M = fed.num_clients
     if k is not None and k > M:
         raise ConfigError(f"run-config key 'clients-per-round': {k} > number of clients {M}")
-    grads = 0
-    extra: dict[str, Any] = {"local_grads": 0}
-    for r in range(cfg.num_rounds + 1):
+    stops = {f.round for f in parse_fault_injection(cfg.fault_injection) if f.kind == "stop"}
+    state, start, grads, extra = _resume(cfg, state, report)
+    for r in range(start, cfg.num_rounds + 1):
         items, nodes, parts, cohort = [], [], {}, np.zeros(0, dtype=np.int64)
         if r < cfg.num_rounds:
             cohort = sample_cohort(cfg.seed, r, M, k)
@@ -428,21 +557,31 @@ def _run_sync(link, cfg, fed, algorithm, state, ref, report, t0) -> ServerState:
         _record(cfg, algorithm, state, ref, report, t0, r, extra)
         if r == cfg.num_rounds:
             break
-        ups = [u for n, mid in zip(nodes, ids)
-               if (u := _decode_reply(got.get(mid), state.theta, parts[n], fed, n, r, report))
-               is not None]
+        replies = [rep for n, mid in zip(nodes, ids)
+                   if (rep := _decode_reply(got.get(mid), state.theta, parts[n], fed, n, r,
+                                            report)) is not None]
+        report.requested_client_updates += len(cohort)
+        report.last_round = r
+        ups = [u for u, _ in replies]
         done = int(sum(len(u.cohort) for u in ups))
         extra = {"clients": done, "failed_clients": len(cohort) - done, "local_grads": grads}
+        _check_failures(cfg, report)
         if not ups:
             report.skipped_rounds += 1
             log.warning("partialfl: round %d: no update arrived; θ unchanged", r)
-            continue
-        updates = _merge(ups)
-        grads += updates.grad_evals
-        extra["local_grads"] = grads
-        if "loss" in updates.metrics:
-            extra["train_loss"] = float(np.mean(updates.metrics["loss"]))
-        state = algorithm.server_update(state, updates, RoundContext(cfg.seed, r))
+        else:
+            updates = _merge(ups)
+            grads += updates.grad_evals
+            extra["local_grads"] = grads
+            loss = _train_loss([m for _, m in replies])
+            if loss is not None:
+                extra["train_loss"] = loss
+            state = algorithm.server_update(state, updates, RoundContext(cfg.seed, r))
+        if cfg.checkpoint_every and ((r + 1) % cfg.checkpoint_every == 0
+                                     or r + 1 == cfg.num_rounds):
+            _save(cfg, state, r + 1, report, grads, extra)
+        if r in stops:
+            raise ServerStopped(f"injected server stop after round {r}")
     return state
 
 
@@ -475,12 +614,15 @@ def _run_async(link, cfg, fed, algorithm, state, ref, report, t0) -> ServerState
         now = time.monotonic()
         for mid in [m for m, v in inflight.items() if m in got or v[5] <= now]:
             tsk, node, version, client, theta, _ = inflight.pop(mid)
-            u = _decode_reply(got.get(mid), theta, client, fed, node, tsk, report)
-            if u is not None:
-                buffer.append((u, version))
+            rep = _decode_reply(got.get(mid), theta, client, fed, node, tsk, report)
+            report.requested_client_updates += len(client)
+            report.last_round = max(report.last_round, tsk)
+            if rep is not None:
+                buffer.append((rep[0], version))
                 streak = 0
             else:
                 streak += 1
+        _check_failures(cfg, report)
         if streak >= max_streak:
             report.stopped = (f"{streak} consecutive client tasks failed (last: "
                               f"{report.failures[-1].kind}: {report.failures[-1].reason})")
@@ -527,4 +669,5 @@ def make_server_app(*, run_config: dict[str, Any] | None = None, aggregator=None
 
 app = make_server_app()
 
-__all__ = ["Failure", "FlowerRunReport", "app", "make_server_app", "run_server"]
+__all__ = ["Failure", "FlowerRunReport", "RunAborted", "ServerStopped", "app",
+           "make_server_app", "run_server"]

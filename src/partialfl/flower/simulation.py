@@ -40,7 +40,8 @@ def with_app_defaults(run_config: dict[str, Any]) -> dict[str, Any]:
 def run_simulations(run_configs: Sequence[dict[str, Any]], *, num_supernodes: int = 2,
                     aggregator=None, message_hooks: Sequence[MessageHook | None] | None = None,
                     num_cpus: int | None = None, cpus_per_client: float = 1.0,
-                    verbose: bool = False) -> list[FlowerRunReport]:
+                    verbose: bool = False, raise_errors: bool = True
+                    ) -> list[FlowerRunReport | Exception]:
     """Simulate each run of ``run_configs`` (kebab-case keys, see
     :data:`partialfl.flower.config.FIELDS`; a FEMNIST run is completed by
     :func:`with_app_defaults`), in order, on ``num_supernodes`` SuperNodes.
@@ -49,6 +50,10 @@ def run_simulations(run_configs: Sequence[dict[str, Any]], *, num_supernodes: in
     Ray's CPUs (default: all); ``cpus_per_client`` is what one ClientApp actor takes, so
     ``num_cpus / cpus_per_client`` ClientApps run at once. Ray stays initialised afterwards
     (reused by the next call); ``ray.shutdown()`` stops it.
+
+    A run that raises (e.g. :class:`~partialfl.flower.server.RunAborted` past
+    ``max-failure-fraction``) does not stop the next ones; its error is raised at the end, or,
+    with ``raise_errors=False``, returned in its place.
     """
     from flwr.app import Context
     from flwr.serverapp import Grid, ServerApp
@@ -72,7 +77,10 @@ def run_simulations(run_configs: Sequence[dict[str, Any]], *, num_supernodes: in
     @server.main()
     def main(grid: Grid, context: Context) -> None:
         for cfg, hook in zip(configs, hooks):
-            reports.append(run_server(grid, cfg, aggregator=aggregator, message_hook=hook))
+            try:
+                reports.append(run_server(grid, cfg, aggregator=aggregator, message_hook=hook))
+            except Exception as e:  # noqa: BLE001 - reported to the caller below
+                reports.append(e)
 
     init_args: dict[str, Any] = {"include_dashboard": False, "logging_level": logging.ERROR}
     if num_cpus is not None:
@@ -84,6 +92,9 @@ def run_simulations(run_configs: Sequence[dict[str, Any]], *, num_supernodes: in
     if len(reports) != len(configs):
         raise RuntimeError(f"the ServerApp finished {len(reports)} of {len(configs)} runs "
                            "(see the log above)")
+    errors = [r for r in reports if isinstance(r, Exception)]
+    if errors and raise_errors:
+        raise errors[0]
     return reports
 
 
@@ -93,4 +104,4 @@ def run_simulation(run_config: dict[str, Any], *, num_supernodes: int = 2, aggre
     """Simulate one run (see :func:`run_simulations`)."""
     return run_simulations([run_config], num_supernodes=num_supernodes, aggregator=aggregator,
                            message_hooks=[message_hook], num_cpus=num_cpus,
-                           cpus_per_client=cpus_per_client, verbose=verbose)[0]
+                           cpus_per_client=cpus_per_client, verbose=verbose)[0]  # type: ignore

@@ -1,0 +1,86 @@
+"""Flower privacy (issue 13): metrics leave a SuperNode only as allowed, aggregated scalars
+(checked when encoding on the client and when decoding on the server), and evaluation replies
+carry only counts and sums — no per-client value reaches the server."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+from _flower_sims import flower_runs  # noqa: F401 - session fixture
+
+pytest.importorskip("flwr", reason="flwr is not installed (pip install 'partialfl[flower]')")
+
+from flwr.app import MetricRecord  # noqa: E402
+
+from partialfl.flower.codec import (  # noqa: E402
+    PrivacyError,
+    WireFormatError,
+    decode_updates,
+    encode_updates,
+)
+from partialfl.types import ClientUpdates  # noqa: E402
+
+THETA = {"theta": np.zeros(4)}
+
+
+def _updates(metrics):
+    return ClientUpdates({"theta": np.ones((3, 4))}, np.ones(3), np.arange(3), 1, metrics)
+
+
+def test_client_cannot_send_personal_values_as_metrics():
+    w = np.arange(3.0)
+    with pytest.raises(PrivacyError, match="refusing to send metric 'w'"):
+        encode_updates(_updates({"w": w}), THETA)
+    with pytest.raises(PrivacyError, match="one scalar per client"):
+        encode_updates(_updates({"loss": np.ones((3, 5))}), THETA)
+    content = encode_updates(_updates({"loss": np.array([1.0, 2.0, 4.0])}), THETA)
+    assert dict(content["metrics"]) == {"loss.sum": 7.0, "loss.count": 3.0}
+
+
+@pytest.mark.parametrize("record,match", [
+    ({"w": [0.1, 0.2, 0.3]}, "metric 'w' is not allowed"),
+    ({"loss.sum": [1.0, 2.0, 4.0], "loss.count": 3.0}, "must be one finite scalar"),
+    ({"loss.sum": 7.0}, "needs one sum and one count"),
+    ({"loss": [1.0, 2.0, 4.0]}, "metric 'loss' is not allowed"),
+])
+def test_server_refuses_unaggregated_or_unlisted_metrics(record, match):
+    content = encode_updates(_updates({}), THETA)
+    content["metrics"] = MetricRecord(record)
+    with pytest.raises(WireFormatError, match=match):
+        decode_updates(content, THETA, np.arange(3))
+
+
+def test_evaluation_replies_are_sums_and_refused_otherwise(flower_runs):  # noqa: F811
+    from partialfl.flower.server import _eval_sums
+
+    _, report, received = flower_runs["nan"]
+    evals = [m for m in received if m.metadata.message_type == "evaluate"]
+    assert len(evals) == 2 * 4
+    for m in evals:
+        rec = dict(m.content["eval"])
+        assert set(rec) == {"clients", "loss.sum", "loss-gap.sum"}
+        assert all(isinstance(v, float | int) for v in rec.values())
+    for m in [m for m in received if m.metadata.message_type == "train" and not m.has_error()]:
+        assert all(k.endswith((".sum", ".count")) for k in m.content["metrics"])
+    assert report.history[-1]["eval_clients"] == 8 and np.isfinite(
+        report.history[-1]["eval_loss_gap"])
+    with pytest.raises(ValueError, match="no per-client list"):
+        _eval_sums({"clients": 4.0, "loss.sum": [1.0, 2.0]})
+    with pytest.raises(ValueError, match="'correct' is not allowed"):
+        _eval_sums({"clients": 4.0, "correct": 3.0})
+
+
+def test_evaluation_means_equal_the_in_process_per_client_means(flower_runs):  # noqa: F811
+    from partialfl.flower.config import build_algorithm, build_problem, parse_run_config
+
+    run, report, _ = flower_runs["nan"]
+    cfg = parse_run_config(run)
+    problem = build_problem(cfg)
+    alg = build_algorithm(cfg, problem)
+    theta = {"theta": problem.init_theta()["theta"]}
+    own = np.arange(problem.num_clients)
+    w = alg.solver(problem, own, theta, cfg.seed, -1).w
+    loss = np.asarray(problem.loss(own, theta, w))
+    np.testing.assert_allclose(report.history[0]["eval_loss"], loss.mean(), rtol=1e-12)
+    np.testing.assert_allclose(report.history[0]["eval_loss_gap"],
+                               (loss - problem.f_star()).mean(), rtol=1e-9)
