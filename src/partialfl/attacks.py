@@ -220,10 +220,16 @@ class _Optimized:
         mu = honest.mean(0)
 
         def objective(s: float) -> float:
-            X = np.concatenate([honest, np.repeat(self.vector(honest, s)[None], b, 0)])
             with np.errstate(all="ignore"):
-                out = np.asarray(self.aggregator(X, np.ones(len(X))), dtype=np.float64)
-            dist = float(np.linalg.norm(out - mu))
+                X = np.concatenate([honest, np.repeat(self.vector(honest, s)[None], b, 0)])
+                X = X[np.isfinite(X).all(1)]  # what the server drops before aggregating
+                if not len(X):
+                    return -math.inf
+                try:
+                    out = np.asarray(self.aggregator(X, np.ones(len(X))), dtype=np.float64)
+                except ValueError:  # the defence refuses these inputs: no damage
+                    return -math.inf
+                dist = float(np.linalg.norm(out - mu))
             return dist if math.isfinite(dist) else -math.inf
 
         return line_search(objective, float(self.start), float(self.step), float(self.ratio),

@@ -131,67 +131,116 @@ class GeometricMedian:
                              f"got {self.max_iter!r}")
 
     def solve(self, vectors, weights=None) -> tuple[np.ndarray, int, float]:
-        """``(z, iterations, residual)`` in numpy (for tests and diagnostics)."""
+        """``(z, iterations, residual)`` in numpy (for tests and diagnostics). The iteration
+        runs on the Gram matrix; should float64 cancellation there stall it (e.g. inputs
+        spread over many orders of magnitude), it continues with exact distances in ℝ^d."""
         X, a, _ = prepare(vectors, weights, "geometric median")
-        alpha, it, resid = self.solve_gram(gram(X)[0], a if self.weighted else np.ones(len(X)))
-        return alpha @ X if np.count_nonzero(alpha) > 1 else X[int(np.argmax(alpha))].copy(), \
-            it, resid
-
-    def solve_gram(self, G: np.ndarray, a: np.ndarray) -> tuple[np.ndarray, int, float]:
-        """``(α, iterations, residual)``: the median is Σ_i α_i x_i (G: Gram matrix)."""
-        k = len(G)
-        g = np.diag(G)
+        a = a if self.weighted else np.ones(len(X))
+        G = gram(X)[0]
         D = np.sqrt(sq_dists(G))
         j0 = int(np.argmin(D @ a))
-        alpha = np.zeros(k)
+        alpha = np.zeros(len(X))
         alpha[j0] = 1.0
-        r = D[j0]
-        scale = float(np.median(r))
-        if scale <= 1e-12 * max(float(np.sqrt(g.max())), np.finfo(np.float64).tiny):
+        scale = float(np.median(D[j0]))
+        if scale <= 1e-12 * max(float(np.sqrt(np.diag(G).max())), np.finfo(np.float64).tiny):
             # At least half of the inputs coincide with the medoid: their mass outweighs the
             # pull of all others (unweighted), so that point is the geometric median.
-            return alpha, 0, 0.0
+            return X[j0].copy(), 0, 0.0
         nu = self.nu * scale
+        alpha, it, resid, done = self._iterate(_GramGeometry(G, D), a, alpha, nu, scale,
+                                               self.max_iter)
+        if not done:
+            alpha, more, resid, done = self._iterate(_ExactGeometry(X), a, alpha, nu, scale,
+                                                     self.max_iter)
+            it += more
+        if not done:
+            warnings.warn(
+                f"geometric median: smoothed Weiszfeld did not reach tol={self.tol} in "
+                f"{self.max_iter} iterations (residual {resid:.2e})", RuntimeWarning,
+                stacklevel=3,
+            )
+        if np.count_nonzero(alpha) == 1:
+            return X[int(np.argmax(alpha))].copy(), it, resid
+        return alpha @ X, it, resid
+
+    def _iterate(self, geo, a, alpha, nu: float, scale: float, max_iter: int):
+        """Weiszfeld on α from ``alpha``: ``(α, iterations, residual, converged)``."""
         total = a.sum()
+        r = geo.dists(alpha)
         resid = math.inf
-        for it in range(1, self.max_iter + 1):
+        for it in range(1, max_iter + 1):
             j = int(np.argmin(r))
-            if r[j] <= 1e-3 * scale and self._optimal_at_input(G, D, a, j, nu):
-                alpha = np.zeros(k)
+            if r[j] <= 1e-3 * scale and self._optimal_at_input(geo, a, j, nu):
+                alpha = np.zeros(len(a))
                 alpha[j] = 1.0
-                return alpha, it, 0.0
+                return alpha, it, 0.0, True
             beta = a / np.maximum(nu, r)
             new = beta / beta.sum()
-            step = alpha - new
             # Residual at z (before the step): Σβ_i (z − x_i) = Σβ · (z − z_new).
-            resid = float(beta.sum() * np.sqrt(max(step @ G @ step, 0.0)) / total)
+            resid = float(beta.sum() * geo.norm(alpha - new) / total)
             alpha = new
-            Ga = G @ alpha
-            r = np.sqrt(np.maximum(g - 2.0 * Ga + alpha @ Ga, 0.0))
+            r = geo.dists(alpha)
             if resid <= self.tol:
-                return alpha, it, resid
-        warnings.warn(
-            f"geometric median: smoothed Weiszfeld did not reach tol={self.tol} in "
-            f"{self.max_iter} iterations (residual {resid:.2e})", RuntimeWarning, stacklevel=3,
-        )
-        return alpha, self.max_iter, resid
+                return alpha, it, resid, True
+        return alpha, max_iter, resid, False
 
     @staticmethod
-    def _optimal_at_input(G, D, a, j: int, nu: float) -> bool:
+    def _optimal_at_input(geo, a, j: int, nu: float) -> bool:
         """Is the input x_j itself the minimiser? 0 ∈ ∂g(x_j) iff
-        ‖Σ_{i ∉ C} a_i (x_j − x_i)/‖x_j − x_i‖‖ ≤ Σ_{i ∈ C} a_i for the inputs C within ν of
-        x_j; the norm is a quadratic form in G."""
-        on = D[j] <= nu
+        ‖Σ_{i ∉ C} a_i (x_j − x_i)/‖x_j − x_i‖‖ ≤ Σ_{i ∈ C} a_i for the inputs C that
+        coincide with x_j (within ν or the geometry's precision)."""
+        d = geo.row(j)
+        on = d <= np.maximum(nu, geo.precision(j))
         if on.all():
             return True
-        c = np.where(on, 0.0, a / np.where(on, 1.0, D[j]))
+        c = np.where(on, 0.0, a / np.where(on, 1.0, d))
         v = -c
         v[j] += c.sum()
-        return float(np.sqrt(max(v @ G @ v, 0.0))) <= a[on].sum()
+        return geo.norm(v) <= a[on].sum()
 
     def __call__(self, vectors, weights=None):
         _, restore = to_numpy(vectors)
         return restore(self.solve(vectors, weights)[0])
+
+
+class _GramGeometry:
+    """Distances of convex combinations z = Xᵀα from the Gram matrix (O(k²) each)."""
+
+    def __init__(self, G: np.ndarray, D: np.ndarray) -> None:
+        self.G, self.D, self.g = G, D, np.diag(G)
+
+    def dists(self, alpha):
+        Ga = self.G @ alpha
+        return np.sqrt(np.maximum(self.g - 2.0 * Ga + alpha @ Ga, 0.0))
+
+    def row(self, j: int):
+        return self.D[j]
+
+    def norm(self, v) -> float:
+        return float(np.sqrt(max(v @ self.G @ v, 0.0)))
+
+    def precision(self, j: int):
+        """Distances this small are float64 noise of G_ii + G_jj − 2G_ij."""
+        return 1e-7 * np.sqrt(np.maximum(self.g, self.g[j]))
+
+
+class _ExactGeometry:
+    """The same quantities computed in ℝ^d (O(kd) each): the fallback."""
+
+    def __init__(self, X: np.ndarray) -> None:
+        self.X = X
+
+    def dists(self, alpha):
+        return norms(self.X - alpha @ self.X)
+
+    def row(self, j: int):
+        return norms(self.X - self.X[j])
+
+    def norm(self, v) -> float:
+        return float(norms((v @ self.X)[None])[0])
+
+    def precision(self, j: int):
+        return 1e-12 * float(np.abs(self.X[j]).max()) + np.finfo(np.float64).tiny
 
 
 @dataclass(frozen=True)
