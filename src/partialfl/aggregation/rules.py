@@ -399,7 +399,9 @@ class MDA:
 @dataclass(frozen=True)
 class MoNNA:
     """Mean of the k − f inputs nearest to the input at position ``index`` (itself included):
-    the server's trusted vector, e.g. its own update (byzfl's ``idx``). f = ⌊δk⌋."""
+    the server's trusted vector, e.g. its own update (byzfl's ``idx``). f = ⌊δk⌋. Its
+    guarantee needs that input to be honest: under bucketing it is a bucket mean, which may
+    contain a Byzantine input (the Byzantine table shows bucketed MoNNA failing)."""
 
     delta: float = 0.1
     index: int = 0
