@@ -84,3 +84,30 @@ def test_evaluation_means_equal_the_in_process_per_client_means(flower_runs):  #
     np.testing.assert_allclose(report.history[0]["eval_loss"], loss.mean(), rtol=1e-12)
     np.testing.assert_allclose(report.history[0]["eval_loss_gap"],
                                (loss - problem.f_star()).mean(), rtol=1e-9)
+
+
+def test_model_evaluation_sums_give_the_pooled_metrics():
+    """FEMNIST path without data: a node's reply from per-client counts is sums and a
+    histogram only; the server's metrics from two nodes' replies equal the pooled ones
+    (accuracy, loss, client mean exactly; percentiles to the histogram's resolution)."""
+    from partialfl.evaluation import summarize_counts
+    from partialfl.flower.models import ACC_BINS, count_sums
+    from partialfl.flower.server import _eval_sums
+
+    g = np.random.default_rng(0)
+    total = g.integers(0, 60, 400).astype(float)
+    counts = {"correct": np.floor(total * g.random(400)), "total": total,
+              "loss_sum": g.random(400) * total, "loss_weight": total}
+    parts = [{k: v[:150] for k, v in counts.items()}, {k: v[150:] for k, v in counts.items()}]
+    replies = [_eval_sums(count_sums(p)) for p in parts]
+    assert all(not isinstance(v, list) or k == "acc.hist" for r in replies for k, v in r.items())
+    pooled = {k: replies[0][k] + replies[1][k] for k in replies[0]}
+    from partialfl.flower.models import summarize_sums
+
+    got = summarize_sums(pooled)
+    ref = summarize_counts(counts)
+    assert got["eval_acc"] == pytest.approx(ref.accuracy, rel=1e-12)
+    assert got["eval_loss"] == pytest.approx(ref.loss, rel=1e-12)
+    assert got["eval_acc_client_mean"] == pytest.approx(ref.mean_client, rel=1e-12)
+    for q, name in ((ref.p10, "p10"), (ref.p50, "p50"), (ref.p90, "p90")):
+        assert abs(got[f"eval_acc_{name}"] - q) <= 5.0 / ACC_BINS + 0.01, name

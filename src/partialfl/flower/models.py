@@ -145,11 +145,15 @@ def evaluate_model_clients(rt, theta, round_: int) -> dict[str, Any]:
     is sent."""
     own = rt.clients
     w = personal_for(rt.algorithm, rt.problem, own, theta, rt.cfg.seed)
-    counts = {k: np.asarray(v, dtype=np.float64)
-              for k, v in rt.problem.metric_counts(own, theta, w, "test").items()}
-    out: dict[str, Any] = {"clients": float(len(own))}
-    out.update({f"{k}.sum": float(v.sum()) for k, v in counts.items()})
+    return count_sums(rt.problem.metric_counts(own, theta, w, "test"))
+
+
+def count_sums(per_client: dict[str, Any]) -> dict[str, Any]:
+    """The node's evaluation reply from its per-client counts (which stay on the node)."""
+    counts = {k: np.asarray(v, dtype=np.float64) for k, v in per_client.items()}
     t = counts["total"]
+    out: dict[str, Any] = {"clients": float(len(t))}
+    out.update({f"{k}.sum": float(v.sum()) for k, v in counts.items()})
     acc = counts["correct"][t > 0] / t[t > 0]
     out["acc.sum"], out["acc.count"] = float(acc.sum()), float(acc.size)
     hist = np.bincount(np.minimum((acc * ACC_BINS).astype(np.int64), ACC_BINS - 1),
