@@ -181,7 +181,8 @@ def line_search(objective, start: float, step: float, ratio: float, evals: int) 
 @dataclass(frozen=True)
 class _Optimized:
     """An attack family x(s) whose scale s is tuned by :func:`line_search` against
-    ``aggregator`` (set by :meth:`against`): maximise ‖Agg(good ∪ b copies of x(s)) − μ‖."""
+    ``aggregator`` (set by :meth:`against`; None: the mean, byzfl's default): maximise
+    ‖Agg(good ∪ b copies of x(s)) − μ‖."""
 
     aggregator: object = None
     evals: int = 20
@@ -214,9 +215,11 @@ class _Optimized:
 
     def scale(self, honest: np.ndarray, b: int) -> float:
         """The tuned scale for b Byzantine clients beside the good updates ``honest``."""
-        if self.aggregator is None:
-            raise ValueError(f"{self.name}: no defence to optimise against; the Byzantine "
-                             "wrapper sets it (attack.against(aggregator))")
+        agg = self.aggregator
+        if agg is None:  # byzfl's default defence; the Byzantine wrapper sets the real one
+            from partialfl.aggregation import Mean
+
+            agg = Mean()
         mu = honest.mean(0)
 
         def objective(s: float) -> float:
@@ -226,7 +229,7 @@ class _Optimized:
                 if not len(X):
                     return -math.inf
                 try:
-                    out = np.asarray(self.aggregator(X, np.ones(len(X))), dtype=np.float64)
+                    out = np.asarray(agg(X, np.ones(len(X))), dtype=np.float64)
                 except ValueError:  # the defence refuses these inputs: no damage
                     return -math.inf
                 dist = float(np.linalg.norm(out - mu))
