@@ -209,7 +209,8 @@ DELTA_MAX = 0.4  # bucket size s = ⌊δ_max / δ⌋ (Karimireddy et al., 2022)
 ROBUSTNESS_ATTACKS = [("none", {}), ("alie", {}), ("ipm", {"epsilon": 0.1}),
                       ("ipm", {"epsilon": 100.0}), ("sign-flip", {}),
                       ("gaussian", {"sigma": 100.0}), ("bit-flip", {"fraction": 0.5}),
-                      ("mimic", {})]
+                      ("mimic", {}), ("inf", {}), ("alie-opt", {"evals": 8}),
+                      ("ipm-opt", {"evals": 8})]
 
 
 def _ratio(agg, delta, attack, n=25, d=8, draws=3, rounds=12) -> float:
@@ -217,6 +218,8 @@ def _ratio(agg, delta, attack, n=25, d=8, draws=3, rounds=12) -> float:
     b = int(round(delta * n))
     h = n - b
     worst = 0.0
+    if hasattr(attack, "against"):  # optimised attacks tune their scale against this defence
+        attack = attack.against(agg)
     for t in range(draws):
         g = np.random.default_rng(100 + t)
         scale = np.linspace(0.2, 2.0, d)
