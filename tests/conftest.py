@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
+from _flower_sims import flower_runs  # noqa: F401 - one simulated federation, shared
 
 from partialfl.data.paths import default_data_dir
 from partialfl.problems.least_squares import LeastSquaresProblem, LeastSquaresSpec, generate_raw

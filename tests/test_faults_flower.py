@@ -9,7 +9,6 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-from _flower_sims import flower_runs  # noqa: F401 - session fixture
 
 pytest.importorskip("flwr", reason="flwr is not installed (pip install 'partialfl[flower]')")
 
@@ -17,7 +16,7 @@ from partialfl.flower.config import ConfigError, parse_run_config  # noqa: E402
 from partialfl.flower.server import FlowerRunReport, RunAborted, ServerStopped  # noqa: E402
 
 
-def test_lost_supernode_is_skipped_counted_and_recorded(flower_runs):  # noqa: F811
+def test_lost_supernode_is_skipped_counted_and_recorded(flower_runs):
     run, report, _ = flower_runs["lost"]
     assert isinstance(report, FlowerRunReport) and not report.aborted
     assert report.server_steps == 3 and report.failed_client_updates == 8
@@ -28,7 +27,7 @@ def test_lost_supernode_is_skipped_counted_and_recorded(flower_runs):  # noqa: F
     assert np.isfinite(report.theta["theta"]).all()
 
 
-def test_too_many_failures_abort_with_a_reason(flower_runs):  # noqa: F811
+def test_too_many_failures_abort_with_a_reason(flower_runs):
     run, err, _ = flower_runs["abort"]
     assert isinstance(err, RunAborted)
     assert "8 of 24 requested client updates failed (33% > max-failure-fraction 0.3)" in str(err)
@@ -38,7 +37,7 @@ def test_too_many_failures_abort_with_a_reason(flower_runs):  # noqa: F811
     assert res["summary"]["lost_partitions"] == [1]
 
 
-def test_interrupted_run_resumes_to_the_same_theta(flower_runs):  # noqa: F811
+def test_interrupted_run_resumes_to_the_same_theta(flower_runs):
     _, full, _ = flower_runs["full"]
     run, err, _ = flower_runs["interrupted"]
     assert isinstance(err, ServerStopped)
@@ -52,7 +51,7 @@ def test_interrupted_run_resumes_to_the_same_theta(flower_runs):  # noqa: F811
     assert [h["round"] for h in resumed.history] == [h["round"] for h in full.history]
 
 
-def test_resume_refuses_another_configuration_and_damaged_files(flower_runs, tmp_path):  # noqa: F811
+def test_resume_refuses_another_configuration_and_damaged_files(flower_runs, tmp_path):
     from partialfl.flower import checkpoint
 
     run, _, _ = flower_runs["resumed"]

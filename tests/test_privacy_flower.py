@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
-from _flower_sims import flower_runs  # noqa: F401 - session fixture
 
 pytest.importorskip("flwr", reason="flwr is not installed (pip install 'partialfl[flower]')")
 
@@ -50,7 +49,7 @@ def test_server_refuses_unaggregated_or_unlisted_metrics(record, match):
         decode_updates(content, THETA, np.arange(3))
 
 
-def test_evaluation_replies_are_sums_and_refused_otherwise(flower_runs):  # noqa: F811
+def test_evaluation_replies_are_sums_and_refused_otherwise(flower_runs):
     from partialfl.flower.server import _eval_sums
 
     _, report, received = flower_runs["nan"]
@@ -70,7 +69,7 @@ def test_evaluation_replies_are_sums_and_refused_otherwise(flower_runs):  # noqa
         _eval_sums({"clients": 4.0, "correct": 3.0})
 
 
-def test_evaluation_means_equal_the_in_process_per_client_means(flower_runs):  # noqa: F811
+def test_evaluation_means_equal_the_in_process_per_client_means(flower_runs):
     from partialfl.flower.config import build_algorithm, build_problem, parse_run_config
 
     run, report, _ = flower_runs["nan"]

@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
-from _flower_sims import flower_runs  # noqa: F401 - session fixture
 
 pytest.importorskip("flwr", reason="flwr is not installed (pip install 'partialfl[flower]')")
 
@@ -45,7 +44,7 @@ def test_codec_refuses_nonfinite_or_foreign_extras():
         decode_updates(content, THETA, np.arange(3))
 
 
-def test_nan_weight_client_is_rejected_counted_and_skipped(flower_runs):  # noqa: F811
+def test_nan_weight_client_is_rejected_counted_and_skipped(flower_runs):
     _, report, _ = flower_runs["nan"]
     (f,) = report.failures
     assert (f.round, f.kind, f.partition, f.clients) == (1, "invalid", 1, [4, 5, 6, 7])
