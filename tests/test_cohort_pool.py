@@ -10,7 +10,7 @@ from _nn_toy import max_diff, one_thread, toy_data
 from conftest import SMALL
 from test_nn_algorithms import ALGOS, _problem
 
-from partialfl.aggregation.robust import CoordinateMedian
+from partialfl.aggregation import CoordinateMedian
 from partialfl.algorithms import Scaffold
 from partialfl.algorithms.byzantine import ByzantineRobust
 from partialfl.algorithms.model import model_ffgg

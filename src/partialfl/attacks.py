@@ -211,6 +211,7 @@ class _Optimized:
         return replace(self, aggregator=aggregator)
 
     def vector(self, ref: np.ndarray, scale: float) -> np.ndarray:  # pragma: no cover
+        """The vector every Byzantine client sends at scale ``scale``."""
         raise NotImplementedError
 
     def scale(self, honest: np.ndarray, b: int) -> float:
@@ -258,6 +259,7 @@ class OptimizedALIE(_Optimized):
         _check_ddof(self.ddof)
 
     def vector(self, ref, scale):
+        """μ − scale·σ."""
         return _alie_vector(ref, scale, self.ddof)
 
 
@@ -268,6 +270,7 @@ class OptimizedIPM(_Optimized):
     name = "ipm-opt"
 
     def vector(self, ref, scale):
+        """−scale·μ."""
         return -scale * ref.mean(0)
 
 

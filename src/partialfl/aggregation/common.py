@@ -76,6 +76,7 @@ def count(delta: float, k: int) -> int:
 
 
 def check_delta(delta: float, name: str) -> None:
+    """A ValueError naming ``name`` unless 0 ≤ δ < 1/2."""
     if isinstance(delta, bool) or not (isinstance(delta, int | float) and 0 <= delta < 0.5):
         raise ValueError(f"{name}: Byzantine fraction delta must be in [0, 0.5), got {delta!r}")
 
@@ -177,5 +178,6 @@ def bind(agg, seed: int, round_: int):
 
 
 def warn_skipped(name: str, bad: int, k: int) -> None:
+    """RuntimeWarning: ``bad`` of ``k`` rows were skipped for NaN/inf."""
     warnings.warn(f"{name}: skipped {bad} of {k} input rows with NaN/inf (never averaged)",
                   RuntimeWarning, stacklevel=3)

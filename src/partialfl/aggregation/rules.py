@@ -210,13 +210,16 @@ class _GramGeometry:
         self.G, self.D, self.g = G, D, np.diag(G)
 
     def dists(self, alpha):
+        """‖z − x_i‖ for z = Xᵀα, every i."""
         Ga = self.G @ alpha
         return np.sqrt(np.maximum(self.g - 2.0 * Ga + alpha @ Ga, 0.0))
 
     def row(self, j: int):
+        """‖x_j − x_i‖, every i."""
         return self.D[j]
 
     def norm(self, v) -> float:
+        """‖Xᵀv‖."""
         return float(np.sqrt(max(v @ self.G @ v, 0.0)))
 
     def precision(self, j: int):
@@ -231,15 +234,19 @@ class _ExactGeometry:
         self.X = X
 
     def dists(self, alpha):
+        """‖z − x_i‖ for z = Xᵀα, every i."""
         return norms(self.X - alpha @ self.X)
 
     def row(self, j: int):
+        """‖x_j − x_i‖, every i."""
         return norms(self.X - self.X[j])
 
     def norm(self, v) -> float:
+        """‖Xᵀv‖."""
         return float(norms((v @ self.X)[None])[0])
 
     def precision(self, j: int):
+        """Distances this small are float64 noise around x_j."""
         return 1e-12 * float(np.abs(self.X[j]).max()) + np.finfo(np.float64).tiny
 
 
@@ -378,6 +385,7 @@ class MDA:
         _check_limit(self.max_subsets, "mda")
 
     def select(self, X: np.ndarray) -> np.ndarray:
+        """The indices of the minimum-diameter subset S (sorted)."""
         k = len(X)
         m = k - _f_below_half(self.delta, k, "mda")
         if m == k:
@@ -510,6 +518,7 @@ class SMEA:
         _check_limit(self.max_subsets, "smea")
 
     def select(self, X: np.ndarray) -> np.ndarray:
+        """The indices of the subset of smallest top covariance eigenvalue (sorted)."""
         k = len(X)
         m = k - _f_below_half(self.delta, k, "smea")
         if m == k:

@@ -98,6 +98,7 @@ class Bucketing:
         return [perm[i : i + self.s] for i in range(0, k, self.s)]
 
     def bucket_means(self, X: np.ndarray) -> np.ndarray:
+        """The mean of every bucket of the rows of ``X`` ``[⌈k/s⌉, d]`` (overflow-safe)."""
         # Divide before summing: huge finite inputs (e.g. 1e308) must not overflow to inf.
         return np.stack([safe_mean(X[b]) for b in self.buckets(len(X))])
 
@@ -107,6 +108,7 @@ class Bucketing:
         return restore(np.asarray(self.inner(Y, np.ones(len(Y)))))
 
     def bind(self, seed: int, round_: int) -> Bucketing:
+        """This wrapper (and its inner rule) with the buckets' randomness bound to (seed, round)."""
         return replace(self, seed=int(seed), round=int(round_),
                        inner=bind(self.inner, seed, round_))
 
@@ -116,6 +118,7 @@ class _Pre:
     """A pre-aggregation: ``inner(transform(X))``; randomness of ``inner`` bound per round."""
 
     def transform(self, X: np.ndarray) -> np.ndarray:  # pragma: no cover - abstract
+        """The transformed inputs the inner rule aggregates."""
         raise NotImplementedError
 
     def __call__(self, vectors, weights=None):
@@ -123,6 +126,7 @@ class _Pre:
         return restore(np.asarray(self.inner(self.transform(X), weights)))
 
     def bind(self, seed: int, round_: int):
+        """This wrapper with its inner rule bound to (seed, round)."""
         return replace(self, inner=bind(self.inner, seed, round_))
 
 
@@ -150,6 +154,7 @@ class NearestNeighborMixing(_Pre):
         return W
 
     def transform(self, X: np.ndarray) -> np.ndarray:
+        """Every row replaced by the mean of its k − ⌊δk⌋ nearest rows (itself included)."""
         # W has entries 1/(k − f) ≤ 1 summing to 1 per row: no overflow for finite X.
         return self.mixing_matrix(X) @ X
 
@@ -170,10 +175,12 @@ class ARC(_Pre):
         _wrapper_delta(self, "arc", zero_ok=True)
 
     def clipped(self, k: int) -> int:
+        """How many of k inputs are clipped: ⌊2(f/k)(k − f)⌋."""
         f = count(self.delta, k)
         return int(math.floor(2 * f / k * (k - f) + 1e-9))
 
     def transform(self, X: np.ndarray) -> np.ndarray:
+        """The inputs with the n largest clipped to the (k − n)-th smallest norm."""
         k = len(X)
         n = self.clipped(k)
         if n == 0:
@@ -206,6 +213,7 @@ class StaticClipping(_Pre):
                              f"got {self.c!r}")
 
     def transform(self, X: np.ndarray) -> np.ndarray:
+        """The inputs clipped to norm c."""
         r = norms(X)
         far = r > self.c
         if not far.any():
