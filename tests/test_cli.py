@@ -218,7 +218,7 @@ def test_evaluate_finds_every_run_of_a_table_folder(tmp_path):
     for run in ("seed0/fedavg", "seed0/ffgg-output", "seed1/fedavg", "stage1"):
         (tmp_path / run).mkdir(parents=True)
     for run in ("seed0/fedavg", "seed0/ffgg-output", "seed1/fedavg"):
-        (tmp_path / run / "deploy.pt").write_bytes(b"")
+        (tmp_path / run / "deploy.safetensors").write_bytes(b"")
     assert find_runs(tmp_path) == [tmp_path / "seed0" / "fedavg",
                                    tmp_path / "seed0" / "ffgg-output",
                                    tmp_path / "seed1" / "fedavg"]

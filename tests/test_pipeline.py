@@ -19,8 +19,10 @@ from partialfl.experiments.pipeline import (
     StageConfig,
     Task,
     evaluate_run,
+    read_deploy,
     run_pipeline,
 )
+from partialfl.io import load_tensors
 from partialfl.local.sgd import SGDConfig, run_sgd
 from partialfl.problems.model import ModelProblem
 from partialfl.split import make_split
@@ -104,8 +106,8 @@ def test_pipeline_end_to_end(tmp_path, algorithm, split, extra):
         assert key in m
     assert 0 <= m["test_acc"] <= 1 and len(m["per_client_test_acc"]) == 8
     # θ checkpoints after each stage
-    s1 = torch.load(tmp_path / "run" / "stage1" / "theta.pt")
-    s2 = torch.load(tmp_path / "run" / "theta_stage2.pt")
+    s1 = load_tensors(tmp_path / "run" / "stage1" / "theta.safetensors")[0]
+    s2 = load_tensors(tmp_path / "run" / "theta_stage2.safetensors")[0]
     assert set(s1) == {n for n, _ in toy_model().named_parameters()}
     assert set(s2) == set(res.split.global_names) if algorithm != "fedavg" else set(s1)
     assert json.loads((tmp_path / "run" / "metrics.json").read_text())["test_acc"] == \
@@ -114,7 +116,7 @@ def test_pipeline_end_to_end(tmp_path, algorithm, split, extra):
     assert [h["round"] for h in h2] == [0, 2, 4] and all("test_acc" in h for h in h2)
     # stage 2 starts from stage 1: w_pre holds the stage-1 values of the personal layers
     # and the round-0 model of FedAvg / FedAlt is exactly the final stage-1 model
-    dep = torch.load(tmp_path / "run" / "deploy.pt", weights_only=False)
+    dep = read_deploy(tmp_path / "run")[0]
     for n, v in dep["w_pretrained"].items():
         if n in s1 and algorithm != "fedavg":
             assert torch.equal(v, s1[n])
@@ -180,12 +182,12 @@ def test_evaluate_run_on_new_clients(tmp_path):
     data = toy_data(10, seed=3)
     seen, new = data.split_clients(num_new=3, seed=0)
     run_pipeline(_cfg("ffgg", "output"), _task(seen), tmp_path / "r", progress=False)
-    res = evaluate_run(tmp_path / "r", new)
+    res = evaluate_run(tmp_path / "r", new, model_fn=toy_model)
     assert res["num_clients"] == 3 and res["split"] == "output"
-    zero = evaluate_run(tmp_path / "r", new, finetune_epochs=0)
+    zero = evaluate_run(tmp_path / "r", new, model_fn=toy_model, finetune_epochs=0)
     assert zero["test"].accuracy == zero["before"].accuracy == res["before"].accuracy
     # brute force: fine-tune by hand with the run's settings and count hits
-    dep = torch.load(tmp_path / "r" / "deploy.pt", weights_only=False)
+    dep = read_deploy(tmp_path / "r")[0]
     split = make_split(toy_model(), "output")
     pb = ModelProblem(split, new, w_pretrained=dep["w_pretrained"], vectorize=False)
     c = np.arange(3)
@@ -200,7 +202,7 @@ def test_evaluate_run_on_new_clients(tmp_path):
         tot += len(new.test_y[m])
     assert res["test"].accuracy == pytest.approx(hits / tot)
     with pytest.raises(FileNotFoundError, match="run the pipeline"):
-        evaluate_run(tmp_path / "nothing", new)
+        evaluate_run(tmp_path / "nothing", new, model_fn=toy_model)
 
 
 def test_evaluate_new_clients_argument_errors():

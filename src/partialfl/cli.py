@@ -67,10 +67,10 @@ def _cmd_evaluate(args) -> int:
     if args.json == "-":
         print(text)
     else:
+        from partialfl import io as pio
+
         path = Path(args.json)
-        tmp = path.with_name(path.name + ".tmp")
-        tmp.write_text(text)
-        tmp.replace(path)
+        pio.write_text(path, text)
         print(evaluation_table(results))
         print(f"metrics written to {path}")
     return 0
@@ -161,7 +161,7 @@ def build_parser() -> argparse.ArgumentParser:
         help="fine-tune w on new clients (writers held out of a femnist-table run) for a "
              "trained θ and report pooled accuracy and its distribution over clients")
     s.add_argument("run", help="a finished run folder, e.g. runs/femnist-table/seed0/"
-                   "ffgg-output (it holds deploy.pt and config.json), or a whole table "
+                   "ffgg-output (it holds deploy.safetensors and config.json), or a whole table "
                    "folder such as runs/femnist-table: every finished run in it is evaluated")
     s.add_argument("--data-dir", help="folder with femnist_leaf_subset.npz")
     s.add_argument("--finetune-epochs", type=int, help="default: the run's stage-3 epochs")

@@ -36,6 +36,7 @@ from pathlib import Path
 
 import numpy as np
 
+from partialfl import io as pio
 from partialfl.algorithms.asynchronous import FedAsync, FedBuff, joint_sgd
 from partialfl.algorithms.ffgg import FFGG
 from partialfl.algorithms.joint import LocalGD
@@ -285,7 +286,7 @@ def _plot_errors(seed_result: dict, path: Path, x: str, xlabel: str, T: float | 
     ax.grid(alpha=0.3, which="both")
     ax.legend(fontsize=7)
     fig.tight_layout()
-    fig.savefig(path, dpi=120)
+    pio.savefig(fig, path, dpi=120)
     plt.close(fig)
 
 
@@ -314,7 +315,7 @@ def _plot_delays(seed_result: dict, path: Path) -> None:
     for a in (a1, a2):
         a.grid(alpha=0.3, which="both")
     fig.tight_layout()
-    fig.savefig(path, dpi=120)
+    pio.savefig(fig, path, dpi=120)
     plt.close(fig)
 
 
@@ -407,5 +408,5 @@ def reproduce_async(out_dir: Path, *, quick: bool = False, seeds: list[int] | No
                  study.time_budget)
     _plot_delays(first, out_dir / "async_delays.png")
     path = out_dir / "summary.md"
-    path.write_text(_summary(results, study, quick, time.perf_counter() - t0))
+    pio.write_text(path, _summary(results, study, quick, time.perf_counter() - t0))
     return path

@@ -32,6 +32,7 @@ from pathlib import Path
 
 import numpy as np
 
+from partialfl import io as pio
 from partialfl.aggregation import make_aggregator
 from partialfl.aggregation.common import count
 from partialfl.algorithms.asynchronous import joint_sgd
@@ -231,7 +232,7 @@ def _plot(rows, study: ByzantineStudy, path: Path, delta: float, kind: str, seed
     fig.suptitle(f"{KINDS[kind]}, {delta:.0%} Byzantine clients, seed {seed} (diverging "
                  "runs are drawn at 10³·‖θ⁰ − θ*‖², the top edge)", fontsize=11)
     fig.tight_layout(rect=(0, 0.09, 1, 1))
-    fig.savefig(path, dpi=110)
+    pio.savefig(fig, path, dpi=110)
     plt.close(fig)
 
 
@@ -323,5 +324,5 @@ def reproduce_byzantine(out_dir: Path, *, quick: bool = False, seeds: list[int] 
             _plot(rows, study, out_dir / f"byzantine_{kind}_delta{delta:g}.png", delta, kind,
                   seeds[0])
     path = out_dir / "summary.md"
-    path.write_text(_summary(rows, study, stats, quick, time.perf_counter() - t0))
+    pio.write_text(path, _summary(rows, study, stats, quick, time.perf_counter() - t0))
     return path

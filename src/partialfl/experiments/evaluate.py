@@ -1,6 +1,7 @@
 """``partialfl evaluate``: new-client evaluation of one finished run or of every run of a table.
 
-A *run folder* holds ``deploy.pt`` (the trained θ and the split) and ``config.json``; a *table
+A *run folder* holds ``deploy.safetensors`` (the trained θ and the split's tensors) and
+``config.json``; a *table
 folder* (``runs/femnist-table``) holds one run folder per seed and method
 (``seed0/ffgg-output``, …). Each run's θ is evaluated on the writers held out of the table's
 training (:func:`partialfl.experiments.femnist.evaluate_new_writers`): every new client
@@ -18,30 +19,35 @@ import numpy as np
 
 from partialfl.experiments.report import markdown_table
 
+#: the deployed-model file of a finished run, and its pickle-based name in older versions
+DEPLOY_NAMES = ("deploy.safetensors", "deploy.pt")
+
 #: with more runs than this, the per-client table is left to ``--json`` (it would be too wide)
 MAX_PER_CLIENT_COLUMNS = 4
 
 
 def find_runs(path: str | Path) -> list[Path]:
     """The finished run folders at ``path`` or one or two levels below it (folders holding
-    ``deploy.pt``: a table's ``seed*/METHOD``), sorted; a clear error naming what to pass when
-    there is none."""
+    ``deploy.safetensors``: a table's ``seed*/METHOD``), sorted; a clear error naming what to
+    pass when there is none. A folder holding a pickle-based ``deploy.pt`` (older version, or
+    planted) is listed too, so that evaluating it refuses that file by name."""
     path = Path(path)
     if not path.is_dir():
         raise FileNotFoundError(f"{path} is not a folder: pass a run folder (e.g. "
                                 "runs/femnist-table/seed0/ffgg-output) or a table folder")
-    if (path / "deploy.pt").is_file():
+    if any((path / name).is_file() for name in DEPLOY_NAMES):
         return [path]
-    runs = sorted(p.parent for pattern in ("*/deploy.pt", "*/*/deploy.pt")
-                  for p in path.glob(pattern) if p.is_file())
+    runs = sorted({p.parent for name in DEPLOY_NAMES for pattern in (f"*/{name}", f"*/*/{name}")
+                   for p in path.glob(pattern) if p.is_file()})
     if runs:
         return runs
     if (path / "config.json").is_file():
-        raise FileNotFoundError(f"{path / 'deploy.pt'} not found: the run has not finished "
+        raise FileNotFoundError(f"{path / DEPLOY_NAMES[0]} not found: the run has not finished "
                                 "(rerun its reproduction to complete it)")
     subs = sorted(p.name for p in path.iterdir() if p.is_dir())
     raise FileNotFoundError(
-        f"no finished run in {path} (no deploy.pt in it or below); pass a run folder such as "
+        f"no finished run in {path} (no {DEPLOY_NAMES[0]} in it or below); pass a run folder "
+        "such as "
         "runs/femnist-table/seed0/ffgg-output or the table folder runs/femnist-table"
         + (f" (sub-folders here: {', '.join(subs[:12])})" if subs else ""))
 

@@ -36,7 +36,6 @@ table :data:`FULL`, and a smaller run's summary states its own sizes instead):
 
 from __future__ import annotations
 
-import json
 import time
 from dataclasses import dataclass, replace
 from pathlib import Path
@@ -44,6 +43,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
+from partialfl import io as pio
 from partialfl.data.femnist import load_femnist_npz, pixel_mean_std
 from partialfl.experiments.pipeline import (
     ClientConfig,
@@ -52,8 +52,10 @@ from partialfl.experiments.pipeline import (
     ServerConfig,
     StageConfig,
     Task,
+    check_or_write_json,
     evaluate_run,
     pretrain,
+    read_deploy,
     run_jobs,
     run_pipeline,
 )
@@ -148,11 +150,15 @@ def load_data(data_dir=None, num_writers: int | None = None, holdout: int = HOLD
     return seen, new, info
 
 
+def femnist_model(seed: int):
+    """The table's architecture (also what ``evaluate`` rebuilds a run's model with)."""
+    return make_model(MODEL, 62, seed=seed)
+
+
 def femnist_task(data) -> Task:
     """The pipeline :class:`~partialfl.experiments.pipeline.Task` of the table on ``data``
     (the EMNIST CNN with 62 classes)."""
-    return Task(data=data, model_fn=lambda seed: make_model(MODEL, 62, seed=seed),
-                name=f"femnist-{MODEL}")
+    return Task(data=data, model_fn=femnist_model, name=f"femnist-{MODEL}")
 
 
 
@@ -227,7 +233,7 @@ def _run_one(job: tuple) -> tuple[str, int, dict, float]:
                        stage1_dir=out_dir / "stage1", progress=progress)
     m = dict(res.metrics)
     if new is not None:
-        ev = evaluate_run(run_dir, new)
+        ev = evaluate_run(run_dir, new, model_fn=femnist_model)
         m.update({"new_" + k: v for k, v in ev["test"].as_dict("test").items()})
         m["new_test_acc_before_ft"] = ev["before"].accuracy
     return label, seed, m, time.perf_counter() - t0
@@ -262,7 +268,7 @@ def reproduce_table(out_dir: Path, *, quick: bool = False, seeds: list[int] | No
     t_start = time.perf_counter()
     try:
         train, _, info = _data(data_dir, size, store)
-        (out_dir / "data.json").write_text(json.dumps(info))
+        check_or_write_json(out_dir / "data.json", info, "table run's data selection")
         # stage 1 once, shared by every method and seed
         pretrain(_pipeline_config(size, METHODS[0][1], size.seeds[0], backend),
                  femnist_task(train), out_dir / "stage1", progress and "stage 1 (FedAvg)")
@@ -276,12 +282,12 @@ def reproduce_table(out_dir: Path, *, quick: bool = False, seeds: list[int] | No
             results[label].append(m)
             timings[f"seed{seed}/{label}"] = sec
         seconds = time.perf_counter() - t_start
-        (out_dir / "results.json").write_text(json.dumps(jsonable(
-            {"results": results, "timings": timings, "total_seconds": seconds}), indent=1))
+        pio.write_json(out_dir / "results.json", jsonable(
+            {"results": results, "timings": timings, "total_seconds": seconds}), indent=1)
         pipeline_plots(out_dir, METHODS, size.seeds, results, ylabel="test accuracy (%)",
                        clients="writers")
         path = out_dir / "summary.md"
-        path.write_text(_summary(results, size, info, seconds, quick))
+        pio.write_text(path, _summary(results, size, info, seconds, quick))
         return path
     finally:
         torch.set_num_threads(old_threads)
@@ -367,17 +373,19 @@ def evaluate_new_writers(run_dir: str | Path, data_dir=None, *, finetune_epochs:
                       if (p / "data.json").exists()), None)
     if info_file is None:
         raise FileNotFoundError(f"no data.json above {run_dir}: not a femnist-table run")
-    info = json.loads(info_file.read_text())
+    info = pio.read_json(info_file)
     if "new_writers" not in info:
         raise ValueError(f"{run_dir} is not a femnist-table run ({info_file} lists no held-out "
                          "writers); `evaluate` needs clients held out of training, which only "
                          "the femnist-table reproduction keeps")
+    read_deploy(run_dir)  # refuse an unfinished run or an unsafe file before loading data
     if not info["new_writers"]:
         raise ValueError("this run held out no writers; nothing new to evaluate on")
     stats = (np.asarray(info["pixel_mean"], np.float32), np.asarray(info["pixel_std"], np.float32))
     full = load_femnist_npz(data_dir, normalize="emnist", pixel_stats=stats)
     ids = list(full.client_ids)
     new = full.subset([ids.index(c) for c in info["new_writers"]])
-    res = evaluate_run(run_dir, new, finetune_epochs=finetune_epochs, lr=lr)
+    res = evaluate_run(run_dir, new, model_fn=femnist_model,
+                       finetune_epochs=finetune_epochs, lr=lr)
     return {**res, "client_ids": [str(c) for c in new.client_ids]}
 

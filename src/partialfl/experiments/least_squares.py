@@ -18,6 +18,7 @@ import time
 from importlib import resources
 from pathlib import Path
 
+from partialfl import io as pio
 from partialfl.config import ConfigError, deep_merge, load_toml
 from partialfl.experiments.closed_form import (
     build_problem,
@@ -147,7 +148,7 @@ def reproduce_tau(out_dir: Path, *, quick: bool = False, seeds=None, data_dir=No
     notes = _size_notes("ls-tau", quick, rows) + notes
     path = out_dir / "summary.md"
     title = "ls-tau: Figure 1(a)" + (" (quick)" if quick else "")
-    path.write_text(summary_markdown(rows, title, notes))
+    pio.write_text(path, summary_markdown(rows, title, notes))
     return path
 
 
@@ -175,6 +176,6 @@ def reproduce_compare(out_dir: Path, *, quick: bool = False, seeds=None, data_di
     ]
     notes = _size_notes("ls-compare", quick, rows) + notes
     path = out_dir / "summary.md"
-    path.write_text(
-        summary_markdown(rows, "ls-compare: Figure 1(b–d)" + (" (quick)" if quick else ""), notes))
+    title = "ls-compare: Figure 1(b–d)" + (" (quick)" if quick else "")
+    pio.write_text(path, summary_markdown(rows, title, notes))
     return path

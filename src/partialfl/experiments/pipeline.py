@@ -11,14 +11,18 @@
    w_pre; FedAlt / FedSim: the w_m kept on the client); then test and train metrics.
 
 Files in ``run_dir``: ``config.json``; ``stage2.jsonl`` (per-evaluation metrics: learning
-curves), ``stage2.ckpt`` (resumable run state), ``theta_stage2.pt`` (θ after stage 2),
-``client_state_stage2.pt`` (FedAlt/FedSim personal parameters, client-side), ``deploy.pt``
-(the split model with θ and w_pre, for :func:`evaluate_run` on new clients), ``metrics.json``
-(stage 3). Stage 1 lives in ``stage1_dir`` (default ``run_dir/stage1``; share it between
-methods and seeds with the same pre-training): ``stage1.jsonl``, ``stage1.ckpt``,
-``theta.pt``. A stage whose final file exists is skipped; an interrupted stage resumes from
-its last checkpoint (``checkpoint_every`` rounds) with bit-identical results, because all
-randomness derives from (seed, round, client).
+curves), ``stage2.ckpt`` (resumable server state) and ``stage2.client-side.ckpt`` (the
+clients' state, e.g. FedAlt's w_m: never in a server file), ``theta_stage2.safetensors`` (θ
+after stage 2), ``client_state_stage2.client-side.safetensors`` (FedAlt/FedSim personal
+parameters), ``deploy.safetensors`` (the split model's tensors with θ and w_pre, for
+:func:`evaluate_run` on new clients), ``metrics.json`` (stage 3). Stage 1 lives in
+``stage1_dir`` (default ``run_dir/stage1``; share it between methods and seeds with the same
+pre-training): ``stage1.jsonl``, ``stage1.ckpt``, ``theta.safetensors``. A stage whose final
+file exists is skipped; an interrupted stage resumes from its last checkpoint
+(``checkpoint_every`` rounds) with bit-identical results, because all randomness derives
+from (seed, round, client). Every file is written atomically and holds tensors
+(safetensors) or plain JSON, never a pickle (:mod:`partialfl.io`); a pickle-based file of an
+older version (``*.pt``) is refused with a message naming it, never loaded.
 
 A text task reuses this unchanged: give a different ``Task`` (model factory, data, a token
 loss such as :func:`partialfl.lm.token_cross_entropy`, a masked metric and, if needed, a
@@ -28,8 +32,10 @@ loss such as :func:`partialfl.lm.token_cross_entropy`, a masked metric and, if n
 from __future__ import annotations
 
 import json
+import math
 import re
 import time
+import warnings
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -39,6 +45,7 @@ import numpy as np
 import torch
 from torch import nn
 
+from partialfl import io as pio
 from partialfl.algorithms.base import Algorithm
 from partialfl.algorithms.model import WEIGHTINGS, FedAlt, FedAvg, FedSim, LocalFFGG, model_ffgg
 from partialfl.config import ConfigError, check_choice, from_dict, to_dict
@@ -350,9 +357,35 @@ def _seeded_split(task: Task, model: nn.Module, kind: str, options, seed: int) -
 
 
 def _write_json(path: Path, obj) -> None:
-    tmp = path.with_suffix(path.suffix + ".tmp")
-    tmp.write_text(json.dumps(obj, indent=1, default=_json_default))
-    tmp.replace(path)
+    pio.write_json(path, obj, indent=1, default=_json_default)
+
+
+#: tensor files of the pipeline (safetensors) and the pickle-based names of older versions
+THETA1, THETA2, CLIENT_STATE, DEPLOY = ("theta.safetensors", "theta_stage2.safetensors",
+                                        "client_state_stage2.client-side.safetensors",
+                                        "deploy.safetensors")
+_LEGACY = {THETA1: "theta.pt", THETA2: "theta_stage2.pt",
+           CLIENT_STATE: "client_state_stage2.pt", DEPLOY: "deploy.pt"}
+
+
+def _tensor_file(folder: Path, name: str) -> Path | None:
+    """``folder/name`` if it exists; None if not; a pickle-based file of an older version
+    (or a planted one) in its place is refused, never loaded."""
+    path = folder / name
+    if path.exists():
+        return path
+    legacy = folder / _LEGACY[name]
+    if legacy.exists():
+        raise pio.UnsafeFileError(
+            f"{legacy} is a pickle-based file (from an older partialfl or put there by "
+            f"someone else): pickle files can run arbitrary code when loaded, so it is not "
+            f"loaded; delete it and re-run the stage to write {name}")
+    return None
+
+
+def _load_params(folder: Path, name: str) -> Params | None:
+    path = _tensor_file(folder, name)
+    return None if path is None else pio.load_tensors(path, name)[0]
 
 
 def _json_default(o):
@@ -363,9 +396,11 @@ def _json_default(o):
     raise TypeError(f"not JSON serialisable: {type(o).__name__}")
 
 
-def _check_config_file(path: Path, cfg_dict: dict, what: str) -> None:
+def check_or_write_json(path: Path, cfg_dict: dict, what: str) -> None:
+    """Write ``cfg_dict`` to ``path`` (atomically), or, if the file exists, refuse
+    (:class:`ConfigError`) unless it holds the same: a rejected re-run never overwrites it."""
     if path.exists():
-        old = json.loads(path.read_text())
+        old = pio.read_json(path)
         if old != json.loads(json.dumps(cfg_dict, default=_json_default)):
             raise ConfigError(f"{path.parent} already holds a {what} with a different "
                               "configuration; use a new folder (or delete it) to start over")
@@ -429,12 +464,12 @@ def pretrain(cfg: PipelineConfig, task: Task, stage1_dir: Path, progress: bool |
     ``stage1_dir/theta.pt``; resumable."""
     stage1_dir = Path(stage1_dir)
     stage1_dir.mkdir(parents=True, exist_ok=True)
-    _check_config_file(stage1_dir / "config.json",
+    check_or_write_json(stage1_dir / "config.json",
                        {"pretrain": to_dict(cfg.pretrain), "seed": cfg.stage1_seed,
                         "task": task.name}, "stage-1 pre-training")
-    final = stage1_dir / "theta.pt"
-    if final.exists():
-        return torch.load(final, weights_only=True)
+    done = _load_params(stage1_dir, THETA1)
+    if done is not None:
+        return done
     model = task.model_fn(cfg.stage1_seed)
     split = task.make_split(model, "none", {})
     problem = _problem(task, split, cfg)
@@ -443,7 +478,8 @@ def pretrain(cfg: PipelineConfig, task: Task, stage1_dir: Path, progress: bool |
     res = _run_stage(problem, alg, cfg.pretrain, cfg.stage1_seed, stage1_dir, "stage1",
                      cfg.checkpoint_every, cfg.backend, progress, on_round=on_round)
     theta = _host(res.state.theta)
-    torch.save(theta, final)
+    _check_finite(theta, "stage 1")
+    pio.save_tensors(stage1_dir / THETA1, theta)
     _write_json(stage1_dir / "timing.json", {"seconds": time.perf_counter() - t0,
                                              "rounds": cfg.pretrain.rounds})
     return theta
@@ -468,20 +504,22 @@ def personalize(cfg: PipelineConfig, task: Task, theta1: Params, run_dir: Path,
     theta_start, w_pre = split.params()
     problem = _problem(task, split, cfg, w_pre)
     alg = build_algorithm(cfg.method, cfg.personalize)
-    final = run_dir / "theta_stage2.pt"
-    cs_file = run_dir / "client_state_stage2.pt"
-    if final.exists():
-        theta = _on(torch.load(final, weights_only=True), problem)
-        cs = _on(torch.load(cs_file, weights_only=True), problem) if cs_file.exists() else None
+    theta = _load_params(run_dir, THETA2)
+    if theta is not None:
+        theta = _on(theta, problem)
+        cs = _load_params(run_dir, CLIENT_STATE)
+        cs = None if cs is None else _on(cs, problem)
         return _Stage2(split, problem, alg, theta, cs, float("nan"))
     t0 = time.perf_counter()
     res = _run_stage(problem, alg, cfg.personalize, cfg.seed, run_dir, "stage2",
                      cfg.checkpoint_every, cfg.backend, progress,
                      theta0=_on(theta_start, problem), on_round=on_round)
     theta = {n: v.detach().clone() for n, v in res.state.theta.items()}
+    _check_finite(theta, "stage 2")
     if res.client_state is not None:
-        torch.save(_host(res.client_state), cs_file)
-    torch.save(_host(theta), final)
+        pio.save_tensors(run_dir / CLIENT_STATE, _host(res.client_state),
+                         {"side": "client", "note": "client-side state: stays on the clients"})
+    pio.save_tensors(run_dir / THETA2, _host(theta))
     return _Stage2(split, problem, alg, theta, res.client_state, time.perf_counter() - t0)
 
 
@@ -521,9 +559,8 @@ def finetune_and_evaluate(cfg: PipelineConfig, task: Task, s2: _Stage2, run_dir:
         "split_counts": split.counts(), "stage2_seconds": s2.seconds,
         "stage3_seconds": time.perf_counter() - t0,
     }
-    torch.save({"model": split.model, "kind": split.kind, "global_names": split.global_names,
-                "personal_names": split.personal_names, "theta": _host(theta),
-                "w_pretrained": _host(problem.w_pretrained)}, run_dir / "deploy.pt")
+    save_deploy(run_dir, split, _host(theta), _host(problem.w_pretrained),
+                cfg.method.split_options)
     return metrics, split, theta
 
 
@@ -537,7 +574,7 @@ def run_pipeline(cfg: PipelineConfig, task: Task, run_dir: str | Path, *,
     run_dir = Path(run_dir)
     run_dir.mkdir(parents=True, exist_ok=True)
     ident = {k: v for k, v in cfg.to_dict().items() if k != "device"}
-    _check_config_file(run_dir / "config.json", {**ident, "task": task.name}, "pipeline run")
+    check_or_write_json(run_dir / "config.json", {**ident, "task": task.name}, "pipeline run")
     s1 = Path(stage1_dir) if stage1_dir is not None else run_dir / "stage1"
     hook1 = hook2 = None
     if on_round is not None:
@@ -550,8 +587,8 @@ def run_pipeline(cfg: PipelineConfig, task: Task, run_dir: str | Path, *,
     s2 = personalize(cfg, task, theta1, run_dir,
                      progress and f"stage 2 ({cfg.method.name})", on_round=hook2)
     mfile = run_dir / "metrics.json"
-    if mfile.exists() and (run_dir / "deploy.pt").exists():
-        metrics = json.loads(mfile.read_text())
+    if mfile.exists() and _tensor_file(run_dir, DEPLOY) is not None:
+        metrics = pio.read_json(mfile)
         return PipelineResult(metrics, run_dir, s2.theta, s2.split)
     metrics, split, theta = finetune_and_evaluate(cfg, task, s2, run_dir)
     _write_json(mfile, metrics)
@@ -560,30 +597,85 @@ def run_pipeline(cfg: PipelineConfig, task: Task, run_dir: str | Path, *,
     return PipelineResult(metrics, run_dir, theta, split)
 
 
-def evaluate_run(run_dir: str | Path, data, *, finetune_epochs: int | None = None,
+def _check_finite(theta: Params, stage: str) -> None:
+    """A diverged stage is not hidden: warn (the CLI exits non-zero on it)."""
+    bad = [n for n, v in theta.items() if not torch.isfinite(v).all()]
+    if bad:
+        warnings.warn(f"{stage} diverged: θ has non-finite values in {bad[:4]}; lower the "
+                      "learning rates", RuntimeWarning, stacklevel=3)
+
+
+def save_deploy(run_dir: Path, split: Split, theta: Params, w_pretrained: Params | None,
+                split_options: Mapping[str, Any] | None = None) -> None:
+    """``deploy.safetensors``: every tensor of the split model (``model/…``), θ
+    (``theta/…``), w_pre (``w_pretrained/…``) and the split's description as JSON."""
+    tensors = {f"model/{n}": v for n, v in split.model.state_dict().items()}
+    tensors.update({f"theta/{n}": v for n, v in theta.items()})
+    tensors.update({f"w_pretrained/{n}": v for n, v in (w_pretrained or {}).items()})
+    pio.save_tensors(Path(run_dir) / DEPLOY, tensors, {
+        "kind": split.kind, "global_names": list(split.global_names),
+        "personal_names": list(split.personal_names),
+        "split_options": dict(split_options or {})})
+
+
+def read_deploy(run_dir: str | Path) -> tuple[dict[str, dict[str, torch.Tensor]], dict]:
+    """The tensors of ``deploy.safetensors`` grouped by prefix (model, theta, w_pretrained)
+    and its metadata; a missing, pickle-based or corrupt file gives a named error."""
+    run_dir = Path(run_dir)
+    path = _tensor_file(run_dir, DEPLOY)
+    if path is None:
+        raise FileNotFoundError(f"{run_dir / DEPLOY} not found: run the pipeline to the end "
+                                "first")
+    tensors, meta = pio.load_tensors(path, "deployed model")
+    groups: dict[str, dict[str, torch.Tensor]] = {"model": {}, "theta": {}, "w_pretrained": {}}
+    for key, v in tensors.items():
+        group, _, name = key.partition("/")
+        if group not in groups:
+            raise pio.FileFormatError(f"{path}: unexpected tensor {key!r}")
+        groups[group][name] = v
+    return groups, meta
+
+
+def _deployed_split(run_dir: Path, cfg: PipelineConfig, model_fn, split_fn) -> tuple:
+    groups, meta = read_deploy(run_dir)
+    task = Task(data=None, model_fn=model_fn, split_fn=split_fn)
+    model = task.model_fn(cfg.stage1_seed)
+    split = _seeded_split(task, model, meta["kind"], meta.get("split_options", {}), cfg.seed)
+    if (list(split.global_names), list(split.personal_names)) != (meta["global_names"],
+                                                                  meta["personal_names"]):
+        raise pio.FileFormatError(f"{run_dir / DEPLOY} does not fit the model: its split has "
+                                  "other global/personal parameters than the one rebuilt")
+    try:
+        split.model.load_state_dict(groups["model"], strict=True)
+    except RuntimeError as e:
+        raise pio.FileFormatError(f"{run_dir / DEPLOY} does not fit the model: {e}") from None
+    return split, groups["theta"], groups["w_pretrained"] or None
+
+
+def evaluate_run(run_dir: str | Path, data, *, model_fn: Callable[[int], nn.Module],
+                 split_fn=None, finetune_epochs: int | None = None,
                  lr: float | None = None, batch_size: int | None = None, seed: int | None = None,
                  loss_fn=cross_entropy, metric=accuracy, vectorize: bool = False,
                  device: str = "cpu") -> dict[str, Any]:
     """Evaluate a finished run's θ on new clients (``data``, never seen in training): each
     fine-tunes its w from the run's w_pre with the run's stage-3 settings (override with the
-    arguments), then :func:`partialfl.evaluation.evaluate_new_clients` metrics. Loads
-    ``deploy.pt`` (a pickled module: only open run folders you trust)."""
+    arguments), then :func:`partialfl.evaluation.evaluate_new_clients` metrics. The
+    architecture comes from ``model_fn`` (and ``split_fn``) of the run's task; its tensors
+    from ``deploy.safetensors`` (no code is loaded from the run folder)."""
     run_dir = Path(run_dir)
-    dep_file = run_dir / "deploy.pt"
-    if not dep_file.exists():
-        raise FileNotFoundError(f"{dep_file} not found: run the pipeline to the end first")
+    read_deploy(run_dir)  # a clear error first if the run is unfinished or the file unsafe
     cfg = PipelineConfig.from_dict(
-        {k: v for k, v in json.loads((run_dir / "config.json").read_text()).items()
-         if k != "task"})
-    dep = torch.load(dep_file, weights_only=False)
-    split = Split(dep["model"], dep["kind"], tuple(dep["global_names"]),
-                  tuple(dep["personal_names"]))
+        {k: v for k, v in pio.read_json(run_dir / "config.json").items() if k != "task"})
+    split, theta, w_pre = _deployed_split(run_dir, cfg, model_fn, split_fn)
     ft = cfg.finetune
+    lr = ft.lr if lr is None else lr
+    if not (isinstance(lr, int | float) and math.isfinite(lr) and lr > 0):
+        raise ValueError(f"lr must be a positive finite number, got {lr!r}")
     res = evaluate_new_clients(
-        dep["theta"], None, split, data,
+        theta, None, split, data,
         ft.epochs if finetune_epochs is None else finetune_epochs,
-        lr=ft.lr if lr is None else lr, batch_size=batch_size or ft.batch_size,
-        clip_norm=ft.clip_norm, w_init="pretrained", w_pretrained=dep["w_pretrained"],
+        lr=lr, batch_size=batch_size or ft.batch_size,
+        clip_norm=ft.clip_norm, w_init="pretrained", w_pretrained=w_pre,
         seed=cfg.seed if seed is None else seed, loss_fn=loss_fn, metric=metric,
         vectorize=vectorize, device=device, precision=cfg.precision)
     return res

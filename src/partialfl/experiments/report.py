@@ -6,6 +6,8 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
+from partialfl import io as pio
+
 
 def markdown_table(header: Sequence[str], rows: Sequence[Sequence]) -> str:
     """A markdown table with ``header`` and one line per row."""
@@ -174,7 +176,7 @@ def plot_curves(path: Path, panels: list[dict[str, list[dict]]], titles: Sequenc
     fig.tight_layout()
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
-    fig.savefig(path, dpi=120)
+    pio.savefig(fig, path, dpi=120)
     plt.close(fig)
     return path
 
@@ -252,5 +254,5 @@ def pipeline_plots(out_dir: Path, methods: Sequence[tuple[str, Any]], seeds: Seq
     ax.grid(alpha=0.3)
     ax.legend(fontsize=7)
     fig.tight_layout()
-    fig.savefig(out_dir / "per_client_accuracy.png", dpi=120)
+    pio.savefig(fig, out_dir / "per_client_accuracy.png", dpi=120)
     plt.close(fig)

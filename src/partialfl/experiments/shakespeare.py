@@ -46,13 +46,13 @@ table :data:`FULL`, and a smaller run's summary states its own sizes instead):
 
 from __future__ import annotations
 
-import json
 import time
 from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 
 import torch
 
+from partialfl import io as pio
 from partialfl.data.shakespeare import load_shakespeare
 from partialfl.experiments.pipeline import (
     ClientConfig,
@@ -61,6 +61,7 @@ from partialfl.experiments.pipeline import (
     ServerConfig,
     StageConfig,
     Task,
+    check_or_write_json,
     pretrain,
     run_jobs,
     run_pipeline,
@@ -247,9 +248,9 @@ def reproduce_table(out_dir: Path, *, quick: bool = False, seeds: list[int] | No
     t_start = time.perf_counter()
     try:
         task, tf = _task(size, data_dir)
-        (out_dir / "data.json").write_text(json.dumps(jsonable(
+        check_or_write_json(out_dir / "data.json", jsonable(
             {"stats": tf.stats, "clients": list(tf.dataset.client_ids),
-             "size": asdict(size)}), indent=1))
+             "size": asdict(replace(size, seeds=()))}), "table run's data selection")
         pretrain(_pipeline_config(size, METHODS[0][1], size.seeds[0]), task,
                  out_dir / "stage1", progress and "stage 1 (FedAvg)")
         torch.set_num_threads(size.threads)
@@ -262,13 +263,13 @@ def reproduce_table(out_dir: Path, *, quick: bool = False, seeds: list[int] | No
             results[label].append(m)
             timings[f"seed{seed}/{label}"] = sec
         seconds = time.perf_counter() - t_start
-        (out_dir / "results.json").write_text(json.dumps(jsonable(
-            {"results": results, "timings": timings, "total_seconds": seconds}), indent=1))
+        pio.write_json(out_dir / "results.json", jsonable(
+            {"results": results, "timings": timings, "total_seconds": seconds}), indent=1)
         pipeline_plots(out_dir, METHODS, size.seeds, results,
                        ylabel="next-word test accuracy (%)", clients="roles",
                        rename={"FedAvg": "FedAvg + FT"})
         path = out_dir / "summary.md"
-        path.write_text(_summary(results, size, tf, seconds, quick))
+        pio.write_text(path, _summary(results, size, tf, seconds, quick))
         return path
     finally:
         torch.set_num_threads(old_threads)

@@ -18,6 +18,10 @@ The *staleness* (delay) of an applied update is the number of server steps (chan
 recorded for every arrival, and the event log lists every dispatch and arrival in order, so
 delays can be recounted independently. The bookkeeping (:class:`AsyncServer`) is shared with
 the worker-process runtime (:mod:`partialfl.runtime.processes`).
+
+Faults (:mod:`partialfl.runtime.faults`): a client that raises, or whose update is not
+finite, is skipped and counted (event ``lost``, counters in every record), its slot goes to
+a newly sampled client at once; the run aborts only past ``max_failure_fraction``.
 """
 
 from __future__ import annotations
@@ -33,6 +37,7 @@ import numpy as np
 
 from partialfl import rng as prng
 from partialfl.algorithms.base import Algorithm, RoundContext, ServerState
+from partialfl.runtime.faults import ClientFaultError, FaultLog, receive
 from partialfl.runtime.sync import sample_cohort
 from partialfl.types import ClientUpdates, Params
 
@@ -189,7 +194,8 @@ class Job:
 
 
 #: event-log tuples: (kind, time, job, client, slot, round) where round is the θ version the
-#: client received for "dispatch", and the server round *after* applying for "arrive".
+#: client received for "dispatch", and the server round *after* applying for "arrive";
+#: "lost": the job's client failed or sent a non-finite update (nothing applied).
 EVENT_FIELDS = ("event", "time", "job", "client", "slot", "round")
 
 
@@ -222,7 +228,7 @@ class AsyncServer:
 
     def __init__(self, problem, algorithm: Algorithm, *, concurrency: int, seed: int,
                  theta0: Params | None, evaluate, eval_every: int, logger,
-                 record_events: bool = True) -> None:
+                 record_events: bool = True, max_failure_fraction: float = 0.5) -> None:
         M = problem.num_clients
         if not (isinstance(concurrency, int | np.integer) and 1 <= concurrency <= M):
             raise ValueError(f"concurrency must be an integer in [1, {M}] (number of "
@@ -244,6 +250,7 @@ class AsyncServer:
         self._rows: list[tuple] = []
         self.history: list[dict] = []
         self.time = 0.0
+        self.faults = FaultLog(max_failure_fraction, min_attempts=min(10, M))
         self._eval(0.0)
 
     def sample_client(self, job: int) -> int:
@@ -273,8 +280,30 @@ class AsyncServer:
             cs = {n: v[[job.client]] for n, v in self.client_state.items()}
         return self.state, cs, RoundContext(self.seed, job.job)
 
-    def arrive(self, job: Job, result, time: float) -> None:
-        """Apply the update of ``job`` (a ClientResult) now, recording its staleness."""
+    def lost(self, job: Job, time: float, error: BaseException | str | None = None,
+             death: bool = False) -> None:
+        """``job`` produced nothing usable: its client raised (``error``), its worker died
+        (``death``) or (``error`` None) its update was rejected by :func:`receive`. The
+        client is freed; nothing is applied. Aborts past the failure fraction."""
+        where = f"client {job.client} (job {job.job})"
+        if death:
+            self.faults.worker_death(where)
+        elif error is not None:
+            self.faults.client_error(where, error)
+        self.busy[job.client] = False
+        if self.record_events:
+            self.events.append(("lost", float(time), job.job, job.client, job.slot,
+                                self.state.round))
+        self.faults.check()
+
+    def arrive(self, job: Job, result, time: float) -> bool:
+        """Apply the update of ``job`` (a ClientResult) now, recording its staleness; a
+        message rejected by :func:`receive` is counted as lost (returns False)."""
+        result, _ = receive(result, self.state, self.algorithm, self.faults,
+                            f"client {job.client} (job {job.job})")
+        if result is None:
+            self.lost(job, time)
+            return False
         before = self.state.round
         tau = before - job.version
         up: ClientUpdates = result.updates
@@ -296,6 +325,7 @@ class AsyncServer:
             self.events.append(("arrive", float(time), job.job, job.client, job.slot, after))
         if self.arrivals % self.eval_every == 0:
             self._eval(time)
+        return True
 
     def _eval(self, time: float) -> None:
         rec: dict[str, Any] = {"step": self.arrivals, "round": self.state.round,
@@ -304,6 +334,7 @@ class AsyncServer:
             rec.update(self.evaluate(self.algorithm, self.state, self.problem,
                                      self.client_state, RoundContext(self.seed,
                                                                      self.state.round)))
+        rec.update(self.faults.record())
         self.history.append(rec)
         if self.logger is not None:
             self.logger.log(rec)
@@ -354,9 +385,11 @@ def run_async(
     logger=None,
     progress: bool | str = False,
     record_events: bool = True,
+    max_failure_fraction: float = 0.5,
 ) -> AsyncRunResult:
     """Run Algorithm 3 on a simulated clock until ``steps`` updates were applied or the next
-    arrival would come after ``max_time``.
+    arrival would come after ``max_time`` (lost jobs, see the module docstring, do not
+    count as steps).
 
     ``evaluate(algorithm, state, problem, client_state, ctx)`` is logged (with ``step``,
     ``round``, simulated ``time``) before the first and after every ``eval_every``-th arrival
@@ -368,15 +401,25 @@ def run_async(
     t0 = _time.perf_counter()
     server = AsyncServer(problem, algorithm, concurrency=concurrency, seed=seed, theta0=theta0,
                          evaluate=evaluate, eval_every=eval_every, logger=logger,
-                         record_events=record_events)
+                         record_events=record_events,
+                         max_failure_fraction=max_failure_fraction)
     heap: list = []
 
     def launch(slot: int, now: float) -> None:
-        job = server.dispatch(slot, now)
-        state, cs, ctx = server.job_inputs(job)
-        result = algorithm.client_update(state, problem, np.asarray([job.client]), ctx, cs)
-        d = model.job_duration(seed, job.job, job.client, server.num_examples[job.client])
-        heapq.heappush(heap, (now + d, job.job, job, result))
+        for _ in range(10 * problem.num_clients + 10):
+            job = server.dispatch(slot, now)
+            state, cs, ctx = server.job_inputs(job)
+            try:
+                result = algorithm.client_update(state, problem, np.asarray([job.client]),
+                                                 ctx, cs)
+            except Exception as e:  # noqa: BLE001 - a failing client is skipped
+                server.lost(job, now, e)
+                continue
+            d = model.job_duration(seed, job.job, job.client, server.num_examples[job.client])
+            heapq.heappush(heap, (now + d, job.job, job, result))
+            return
+        raise ClientFaultError(f"slot {slot}: every client dispatched failed; first: "
+                               f"{server.faults.first_error_text}")
 
     for slot in range(concurrency):
         launch(slot, 0.0)
@@ -387,8 +430,7 @@ def run_async(
                                                        and server.arrivals >= steps):
             break
         heapq.heappop(heap)
-        server.arrive(job, result, t)
-        if bar is not None:
+        if server.arrive(job, result, t) and bar is not None:
             bar.update(1 if steps is not None else t - bar.n)
         launch(job.slot, t)
     if bar is not None:
@@ -412,6 +454,8 @@ def recount_staleness(events: Sequence[tuple]) -> dict[int, int]:
             if last_round is None or rnd != last_round:
                 changes += 1
             last_round = rnd
+        elif kind == "lost":
+            at_dispatch.pop(job, None)
         else:
             raise ValueError(f"unknown event kind {kind!r}")
     return out

@@ -5,12 +5,21 @@ r); all clients in order under full participation), run the clients' updates on 
 apply the server update; every ``eval_every`` rounds evaluate and log. Client state of
 stateful baselines is held here, on the client side. Runs can checkpoint and resume exactly:
 all randomness is derived from (seed, round, client), never from a running generator.
+
+Trust (see :mod:`partialfl.runtime.faults` and :mod:`partialfl.io`): every cohort's result
+goes through the message path :func:`~partialfl.runtime.faults.receive` (privacy check,
+non-finite updates skipped); a client that raises is skipped (the cohort is re-run one
+client at a time to isolate it); the run aborts only past ``max_failure_fraction``.
+Checkpoints are safetensors + JSON (never pickle), validated on resume against the run's
+fingerprint (problem, algorithm, seed, cohort size); with ``private_checkpoints`` (default)
+the clients' state (e.g. FedAlt's w_m, Scaffold's c_m) goes to a separate file labelled
+``.client-side`` and never into the server's checkpoint.
 """
 
 from __future__ import annotations
 
-import os
-import pickle
+import hashlib
+import json
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -19,9 +28,11 @@ from typing import Any
 
 import numpy as np
 
+from partialfl import io as pio
 from partialfl import rng as prng
 from partialfl.algorithms.base import Algorithm, RoundContext, ServerState
-from partialfl.runtime.backends import BatchedBackend
+from partialfl.runtime.backends import BatchedBackend, concat_results
+from partialfl.runtime.faults import FaultLog, receive
 from partialfl.types import Params
 
 Evaluator = Callable[[Algorithm, ServerState, Any, "Params | None", RoundContext], dict]
@@ -45,6 +56,87 @@ class RunResult:
     client_state: Params | None
     history: list[dict] = field(default_factory=list)
     seconds: float = 0.0
+    faults: FaultLog | None = None
+
+
+class ResumeError(ValueError):
+    """A checkpoint does not belong to the run that tries to resume it."""
+
+
+def _describe(o: Any, depth: int = 0) -> Any:
+    """A stable, JSON-able description of a configuration object: public attributes,
+    recursively; arrays by shape, dtype and a hash of their bytes."""
+    if o is None or isinstance(o, bool | int | str):
+        return o
+    if isinstance(o, float):
+        return repr(o)
+    if isinstance(o, np.generic):
+        return repr(o.item())
+    if isinstance(o, np.ndarray) or hasattr(o, "detach"):
+        a = o.detach().cpu().numpy() if hasattr(o, "detach") else o
+        a = np.ascontiguousarray(a)
+        return [list(a.shape), str(a.dtype), hashlib.sha256(a.tobytes()).hexdigest()[:16]]
+    if depth > 4:
+        return type(o).__qualname__
+    if isinstance(o, list | tuple):
+        return [_describe(v, depth + 1) for v in o]
+    if isinstance(o, dict):
+        return {str(k): _describe(v, depth + 1) for k, v in o.items()}
+    if callable(o) and not hasattr(o, "__dict__") or isinstance(o, type):
+        return getattr(o, "__qualname__", type(o).__qualname__)
+    if hasattr(o, "named_parameters"):  # a torch module: its architecture, not its values
+        return [type(o).__qualname__, [(n, list(p.shape)) for n, p in o.named_parameters()]]
+    attrs = getattr(o, "__dict__", None)
+    if attrs is None:
+        return type(o).__qualname__
+    return {"class": type(o).__qualname__,
+            **{k: _describe(v, depth + 1) for k, v in sorted(attrs.items())
+               if not k.startswith("_") and not callable(v)}}
+
+
+def _digest(o: Any) -> str:
+    return hashlib.sha256(json.dumps(_describe(o), sort_keys=True, default=str)
+                          .encode()).hexdigest()[:16]
+
+
+def run_fingerprint(problem, algorithm, seed: int, clients_per_round: int | None,
+                    extra: dict | None = None) -> dict[str, Any]:
+    """What a checkpoint must match to be resumed: the problem (its data and settings), the
+    algorithm (its solver, optimizer, aggregator and hyper-parameters), the seed and the
+    cohort size (plus ``extra``, e.g. a configuration dict)."""
+    return {"problem": f"{type(problem).__qualname__}:{_digest(problem)}",
+            "algorithm": f"{algorithm.name}:{_digest(algorithm)}", "seed": int(seed),
+            "clients_per_round": clients_per_round, "num_clients": int(problem.num_clients),
+            **({"config": _digest(extra)} if extra else {})}
+
+
+def client_side_path(path: Path) -> Path:
+    """Where a checkpoint's client state goes with private checkpoints: ``X.client-side.ckpt``
+    next to ``X.ckpt`` — held by the clients in a deployment, never sent to the server."""
+    return path.with_name(f"{path.stem}.client-side{path.suffix}")
+
+
+def _run_cohort(backend, algorithm, state, problem, cohort, ctx, cs, faults: FaultLog
+                ) -> tuple[Any, np.ndarray]:
+    """The cohort's ClientResult (None if nobody succeeded) and the cohort positions it
+    holds. A cohort that raises is re-run one client at a time; raising clients are skipped
+    and counted."""
+    try:
+        res = backend.run(algorithm, state, problem, cohort, ctx, cs)
+        return res, np.arange(len(cohort))
+    except Exception as e:  # noqa: BLE001 - isolate the failing client(s)
+        if len(cohort) == 1:
+            faults.client_error(f"client {int(cohort[0])} in round {ctx.round}", e)
+            return None, np.arange(0)
+    out, pos = [], []
+    for i, m in enumerate(cohort):
+        one = None if cs is None else {n: v[i:i + 1] for n, v in cs.items()}
+        try:
+            out.append(backend.run(algorithm, state, problem, cohort[i:i + 1], ctx, one))
+            pos.append(i)
+        except Exception as e:  # noqa: BLE001
+            faults.client_error(f"client {int(m)} in round {ctx.round}", e)
+    return (concat_results(out) if out else None), np.asarray(pos, dtype=np.int64)
 
 
 def run_rounds(
@@ -64,11 +156,16 @@ def run_rounds(
     checkpoint_every: int = 0,
     resume: bool = False,
     on_round: Callable[[int, ServerState], None] | None = None,
+    max_failure_fraction: float = 0.5,
+    private_checkpoints: bool = True,
+    fingerprint: dict | None = None,
 ) -> RunResult:
     """Run ``rounds`` synchronous rounds; returns the final server state and metric history.
 
     ``evaluate(algorithm, state, problem, client_state, ctx)`` returns a dict that is logged
-    at round 0 (before training) and after every ``eval_every``-th round and the last.
+    at round 0 (before training) and after every ``eval_every``-th round and the last (with
+    the fault counters of :class:`~partialfl.runtime.faults.FaultLog`). ``fingerprint``: extra
+    configuration a resumed checkpoint must match (see :func:`run_fingerprint`).
     """
     if not isinstance(rounds, int | np.integer) or rounds < 0:
         raise ValueError(f"rounds must be a non-negative integer, got {rounds!r}")
@@ -79,11 +176,17 @@ def run_rounds(
         sample_cohort(seed, 0, M, clients_per_round)  # validate early
     backend = backend or BatchedBackend()
     ckpt = Path(checkpoint) if checkpoint else None
+    faults = FaultLog(max_failure_fraction, min_attempts=min(10, M))
+    fp = run_fingerprint(problem, algorithm, seed, clients_per_round, fingerprint) \
+        if ckpt is not None else None
 
     if resume and ckpt is not None and ckpt.exists():
-        with open(ckpt, "rb") as f:
-            saved = pickle.load(f)
-        state, client_state, history = saved["state"], saved["client_state"], saved["history"]
+        state, client_state, history, grad_evals, saved_faults = load_checkpoint(ckpt, fp)
+        faults.restore(saved_faults)
+        if client_state is None and algorithm.init_client_state(problem) is not None:
+            raise pio.FileFormatError(
+                f"checkpoint {ckpt}: the clients' state is missing (expected in "
+                f"{client_side_path(ckpt)})")
         if logger is not None:
             for rec in history:
                 logger.log(rec)
@@ -92,13 +195,14 @@ def run_rounds(
         state = algorithm.init(problem, theta0)
         client_state = algorithm.init_client_state(problem)
         history = []
-    grad_evals = history[-1]["local_grads"] if history else 0
+        grad_evals = 0
 
     def _eval(st: ServerState, elapsed: float) -> None:
         rec: dict[str, Any] = {"round": st.round, "local_grads": grad_evals, "time": elapsed}
         if evaluate is not None:
             rec.update(evaluate(algorithm, st, problem, client_state,
                                 RoundContext(seed, st.round)))
+        rec.update(faults.record())
         history.append(rec)
         if logger is not None:
             logger.log(rec)
@@ -116,12 +220,20 @@ def run_rounds(
         ctx = RoundContext(seed, r)
         cohort = sample_cohort(seed, r, M, clients_per_round)
         cs = None if client_state is None else {n: v[cohort] for n, v in client_state.items()}
-        result = backend.run(algorithm, state, problem, cohort, ctx, cs)
-        if result.client_state is not None and client_state is not None:
-            for n, v in result.client_state.items():
-                client_state[n][cohort] = v
-        state = algorithm.server_update(state, result.updates, ctx)
-        grad_evals += result.updates.grad_evals
+        result, pos = _run_cohort(backend, algorithm, state, problem, cohort, ctx, cs, faults)
+        if result is not None:
+            result, kept = receive(result, state, algorithm, faults, f"round {r}")
+            pos = pos[kept]
+        if result is None:  # every client of the round was lost: θ stays
+            state = ServerState(state.theta, state.opt_state, state.round + 1,
+                                dict(state.extra))
+        else:
+            if result.client_state is not None and client_state is not None:
+                for n, v in result.client_state.items():
+                    client_state[n][cohort[pos]] = v
+            state = algorithm.server_update(state, result.updates, ctx)
+            grad_evals += result.updates.grad_evals
+        faults.check()
         if on_round is not None:
             on_round(r, state)
         if state.round % eval_every == 0 or state.round == rounds:
@@ -129,14 +241,59 @@ def run_rounds(
         if ckpt is not None and checkpoint_every and (
             state.round % checkpoint_every == 0 or state.round == rounds
         ):
-            save_checkpoint(ckpt, state, client_state, history)
-    return RunResult(state, client_state, history, time.perf_counter() - t0)
+            save_checkpoint(ckpt, state, client_state, history, fingerprint=fp,
+                            local_grads=grad_evals, faults=faults.state(),
+                            private=private_checkpoints)
+    return RunResult(state, client_state, history, time.perf_counter() - t0, faults)
 
 
-def save_checkpoint(path: Path, state, client_state, history) -> None:
-    """Atomic write: a crash mid-write never leaves a truncated checkpoint."""
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_suffix(path.suffix + ".tmp")
-    with open(tmp, "wb") as f:
-        pickle.dump({"state": state, "client_state": client_state, "history": history}, f)
-    os.replace(tmp, path)
+CHECKPOINT_FORMAT = "partialfl-checkpoint-2"
+
+
+def save_checkpoint(path: str | Path, state, client_state, history, *,
+                    fingerprint: dict | None = None, local_grads: int | None = None,
+                    faults: dict | None = None, private: bool = True) -> None:
+    """Write the run state atomically (safetensors + JSON, see :mod:`partialfl.io`). With
+    ``private`` the client state goes to :func:`client_side_path` (written first; the server
+    file records which round it belongs to)."""
+    path = Path(path)
+    grads = local_grads if local_grads is not None else (history[-1]["local_grads"]
+                                                         if history else 0)
+    meta = {"format": CHECKPOINT_FORMAT, "fingerprint": fingerprint, "round": state.round,
+            "private": bool(private)}
+    server: dict[str, Any] = {"state": state, "history": history, "local_grads": grads,
+                              "faults": faults or {}}
+    if client_state is not None and private:
+        pio.save_state(client_side_path(path), client_state, side="client",
+                       round=state.round, note="client-side state: stays on the clients")
+    else:
+        server["client_state"] = client_state
+    pio.save_state(path, server, side="server", **meta)
+
+
+def load_checkpoint(path: str | Path, fingerprint: dict | None = None
+                    ) -> tuple[ServerState, Params | None, list[dict], int, dict]:
+    """``(state, client_state, history, local_grads, fault counters)`` of a checkpoint,
+    after checking it against ``fingerprint`` (:class:`ResumeError` naming what differs)."""
+    path = Path(path)
+    saved, meta = pio.load_state(path, "checkpoint")
+    if meta.get("format") != CHECKPOINT_FORMAT:
+        raise pio.FileFormatError(f"checkpoint {path} has format {meta.get('format')!r}, "
+                                  f"expected {CHECKPOINT_FORMAT!r}")
+    old = meta.get("fingerprint")
+    if fingerprint is not None and old is not None and old != fingerprint:
+        diff = [f"{k}: {old.get(k)!r} in the checkpoint, {fingerprint.get(k)!r} now"
+                for k in sorted(set(old) | set(fingerprint)) if old.get(k) != fingerprint.get(k)]
+        raise ResumeError(f"checkpoint {path} belongs to a different run ({'; '.join(diff)}); "
+                          "use a new checkpoint path (or delete it) to start over")
+    client_state = saved.get("client_state")
+    if meta.get("private"):
+        cfile = client_side_path(path)
+        if cfile.exists():
+            client_state, cmeta = pio.load_state(cfile, "client-side checkpoint")
+            if cmeta.get("round") != meta.get("round"):
+                raise pio.FileFormatError(
+                    f"client-side checkpoint {cfile} is of round {cmeta.get('round')}, the "
+                    f"server checkpoint {path} of round {meta.get('round')}")
+    return (saved["state"], client_state, saved["history"], int(saved["local_grads"]),
+            saved.get("faults", {}))

@@ -1,0 +1,216 @@
+"""Client faults: isolation, non-finite screening, accounting — and fault injection.
+
+Every runtime (synchronous rounds, asynchronous simulated clock, worker processes) treats a
+client the same way (the simulator's *message path*, :func:`receive`):
+
+* a client whose computation **raises** (or whose worker process dies) is skipped;
+* a client whose update, weight or extra payload holds a **non-finite** value is skipped —
+  it is never averaged into θ;
+* the message is checked for privacy (:func:`partialfl.privacy.check_updates`) and the
+  server sees only :func:`partialfl.privacy.server_view`.
+
+Skipped clients are counted in a :class:`FaultLog` (written into every JSONL record:
+``clients_failed``, ``updates_nonfinite``, ``worker_deaths``) and logged with the
+``partialfl`` logger. The run aborts with :class:`ClientFaultError` only when the lost
+fraction exceeds ``max_failure_fraction`` (after ``min_attempts`` client computations); if
+no client computation ever succeeded the first client error is re-raised as is (a bug or a
+bad configuration, not a fault).
+
+:class:`FaultInjector` wraps an algorithm to inject faults at random, derived from
+``generator(seed, "fault", round, client)`` (for ``partialfl reproduce faults`` and tests).
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+import os
+from dataclasses import dataclass, field
+
+import numpy as np
+
+from partialfl import rng as prng
+from partialfl.algorithms.base import ClientResult
+from partialfl.algorithms.wrapper import AlgorithmWrapper
+from partialfl.privacy import check_updates, server_view
+from partialfl.types import ClientUpdates
+
+log = logging.getLogger("partialfl")
+
+
+class ClientFaultError(RuntimeError):
+    """Too many clients failed: the run is aborted."""
+
+
+class InjectedFault(RuntimeError):
+    """The exception :class:`FaultInjector` raises in a client."""
+
+
+def _rows_finite(v) -> np.ndarray:
+    if hasattr(v, "detach"):
+        import torch
+
+        return torch.isfinite(v.detach().reshape(v.shape[0], -1)).all(1).cpu().numpy()
+    a = np.asarray(v)
+    if a.dtype.kind not in "fc":
+        return np.ones(a.shape[0], dtype=bool)
+    return np.isfinite(a.reshape(a.shape[0], -1)).all(1)
+
+
+def finite_mask(updates: ClientUpdates) -> np.ndarray:
+    """``[k]`` True for the clients whose vectors, weight and extra payload are all finite."""
+    ok = np.isfinite(np.asarray(updates.weights, dtype=float))
+    for tree in (updates.vectors, *updates.extra.values()):
+        for v in tree.values():
+            ok &= _rows_finite(v)
+    return ok
+
+
+@dataclass
+class FaultLog:
+    """Counts of client computations and of those lost, with the abort rule."""
+
+    max_failure_fraction: float = 0.5
+    min_attempts: int = 10
+    attempted: int = 0
+    succeeded: int = 0
+    failed: int = 0
+    nonfinite: int = 0
+    worker_deaths: int = 0
+    first_error: BaseException | None = field(default=None, repr=False)
+    first_error_text: str = ""
+
+    def __post_init__(self) -> None:
+        f = self.max_failure_fraction
+        if not (isinstance(f, int | float) and math.isfinite(f) and 0 <= f <= 1):
+            raise ValueError(f"max_failure_fraction must be in [0, 1], got {f!r}")
+
+    @property
+    def lost(self) -> int:
+        return self.failed + self.nonfinite + self.worker_deaths
+
+    def record(self) -> dict[str, int]:
+        """The counters written into every metrics record."""
+        return {"clients_failed": self.failed, "updates_nonfinite": self.nonfinite,
+                "worker_deaths": self.worker_deaths}
+
+    def restore(self, rec: dict) -> None:
+        self.failed = int(rec.get("clients_failed", 0))
+        self.nonfinite = int(rec.get("updates_nonfinite", 0))
+        self.worker_deaths = int(rec.get("worker_deaths", 0))
+        self.attempted = int(rec.get("attempted", self.lost))
+        self.succeeded = int(rec.get("succeeded", self.attempted - self.lost))
+
+    def state(self) -> dict[str, int]:
+        return {**self.record(), "attempted": self.attempted, "succeeded": self.succeeded}
+
+    def client_error(self, where: str, err: BaseException | str) -> None:
+        self.attempted += 1
+        self.failed += 1
+        text = err if isinstance(err, str) else f"{type(err).__name__}: {err}"
+        if self.first_error is None and not self.first_error_text:
+            self.first_error = err if isinstance(err, BaseException) else None
+            self.first_error_text = f"{where}: {text}"
+        log.warning("skipping %s: it failed (%s)", where, text.strip().splitlines()[-1:])
+
+    def worker_death(self, where: str) -> None:
+        self.attempted += 1
+        self.worker_deaths += 1
+        if not self.first_error_text:
+            self.first_error_text = f"{where}: worker process died"
+        log.warning("skipping %s: its worker process died", where)
+
+    def rejected(self, where: str, n: int) -> None:
+        self.nonfinite += n
+        log.warning("skipping %d update(s) of %s: non-finite values", n, where)
+
+    def check(self) -> None:
+        """Abort (see the module docstring) when too many client computations were lost."""
+        if self.attempted < self.min_attempts or self.lost <= self.max_failure_fraction * \
+                self.attempted:
+            return
+        if self.succeeded == 0 and self.first_error is not None:
+            raise self.first_error
+        raise ClientFaultError(
+            f"{self.lost} of {self.attempted} client computations were lost "
+            f"({self.failed} raised, {self.nonfinite} non-finite, {self.worker_deaths} worker "
+            f"deaths), more than max_failure_fraction={self.max_failure_fraction}; first: "
+            f"{self.first_error_text}")
+
+
+def receive(result: ClientResult, state, algorithm, faults: FaultLog, where: str
+            ) -> tuple[ClientResult | None, np.ndarray]:
+    """The simulator's message path for one cohort's result: privacy check, non-finite
+    screening (counted in ``faults``), then the server's view. Returns ``(result with the
+    kept clients only, or None if none is left; kept positions)``."""
+    up = result.updates
+    check_updates(up, state.theta.keys(), algorithm)
+    ok = finite_mask(up)
+    k = len(ok)
+    faults.attempted += k
+    if not ok.all():
+        faults.rejected(where, int((~ok).sum()))
+    faults.succeeded += int(ok.sum())
+    keep = np.flatnonzero(ok)
+    if len(keep) == 0:
+        return None, keep
+    cs = result.client_state
+    if len(keep) < k:
+        up = up.select(keep)
+        if cs is not None:
+            cs = {n: v[keep] for n, v in cs.items()}
+    return ClientResult(server_view(up, algorithm), cs), keep
+
+
+# --------------------------------------------------------------------------- injection
+FAULT_KINDS = ("raise", "nan", "die")
+
+
+class FaultInjector(AlgorithmWrapper):
+    """Injects faults into ``base``'s client computations: each (round, client) fails with
+    probability ``rate`` (``generator(seed, "fault", round, client)``), with a kind drawn
+    uniformly from ``kinds``: ``raise`` (:class:`InjectedFault`), ``nan`` (the update is NaN)
+    or ``die`` (the worker process exits; outside a worker process it raises instead).
+    ``faults_at(round, client)`` says which fault (or None) hits that computation."""
+
+    def __init__(self, base, rate: float, kinds: tuple[str, ...] = ("raise", "nan"),
+                 seed: int = 0) -> None:
+        super().__init__(base)
+        if not (0 <= rate <= 1):
+            raise ValueError(f"fault rate must be in [0, 1], got {rate!r}")
+        bad = sorted(set(kinds) - set(FAULT_KINDS))
+        if bad or not kinds:
+            raise ValueError(f"unknown fault kinds {bad}; allowed: {', '.join(FAULT_KINDS)}")
+        self.rate, self.kinds, self.seed = float(rate), tuple(kinds), int(seed)
+
+    def faults_at(self, round_: int, client: int) -> str | None:
+        g = prng.generator(self.seed, "fault", int(round_), int(client))
+        hit, pick = g.random(), g.integers(len(self.kinds))
+        return self.kinds[pick] if hit < self.rate else None
+
+    def client_update(self, state, problem, cohort, ctx, client_state=None):
+        kinds = [self.faults_at(ctx.round, m) for m in cohort]
+        for m, kind in zip(cohort, kinds):
+            if kind == "die" and _in_worker():
+                os._exit(3)
+            if kind in ("raise", "die"):
+                raise InjectedFault(f"injected {kind} fault in client {int(m)}, round "
+                                    f"{ctx.round}")
+        res = self.base.client_update(state, problem, cohort, ctx, client_state)
+        bad = [i for i, kind in enumerate(kinds) if kind == "nan"]
+        if not bad:
+            return res
+        vec = {}
+        for n, v in res.updates.vectors.items():
+            v = v.clone() if hasattr(v, "clone") else np.array(v, dtype=float, copy=True)
+            v[bad] = float("nan")
+            vec[n] = v
+        u = res.updates
+        return ClientResult(ClientUpdates(vec, u.weights, u.cohort, u.grad_evals, u.metrics,
+                                          u.extra), res.client_state)
+
+
+def _in_worker() -> bool:
+    import multiprocessing as mp
+
+    return mp.current_process().name.startswith("partialfl-async")
