@@ -4,6 +4,7 @@
 from __future__ import annotations
 
 import argparse
+import math
 import os
 import sys
 from pathlib import Path
@@ -21,11 +22,23 @@ def _cmd_list(args) -> int:
     return 0
 
 
+def _out_dir(path) -> Path:
+    """An output folder: it may exist as a folder, never as a file."""
+    out = Path(path)
+    if out.exists() and not out.is_dir():
+        raise ConfigError(f"--out {out} is a file; give a folder")
+    return out
+
+
+def _diverged(record: dict) -> list[str]:
+    return [k for k, v in record.items() if isinstance(v, float) and not math.isfinite(v)]
+
+
 def _cmd_reproduce(args) -> int:
     from partialfl.experiments import get_reproduction
 
     fn = get_reproduction(args.name)
-    out = Path(args.out or Path("runs") / (args.name + ("-quick" if args.quick else "")))
+    out = _out_dir(args.out or Path("runs") / (args.name + ("-quick" if args.quick else "")))
     import inspect
 
     extra = {k: v for k, v in (("backend", args.backend), ("store", args.store)) if v}
@@ -46,12 +59,18 @@ def _cmd_run(args) -> int:
     data = apply_overrides(load_toml(args.config), args.set or [])
     data.setdefault("name", Path(args.config).stem)
     cfg = load_closed_form(data)
-    out = Path(args.out or Path("runs") / cfg.name)
+    out = _out_dir(args.out or Path("runs") / cfg.name)
     res, summary = run_and_report(cfg, out, progress=not args.no_progress)
     last = res.history[-1]
     print(" ".join(f"{k}={v:.6g}" if isinstance(v, float) else f"{k}={v}"
                    for k, v in last.items()))
     print(f"results written to {out}/ ({cfg.name}.jsonl, {cfg.name}.png, {summary.name})")
+    bad = _diverged(last)
+    if bad:
+        print(f"partialfl: warning: the run diverged ({', '.join(bad)} not finite at round "
+              f"{last.get('round')}); lower the step sizes (server.lr, algorithm.local_lr)",
+              file=sys.stderr)
+        return 1
     return 0
 
 
@@ -207,8 +226,9 @@ def main(argv: list[str] | None = None) -> int:
     except BrokenPipeError:
         return _stdout_closed()
     except (ConfigError, ValueError, NotImplementedError, FileNotFoundError,
-            FileExistsError) as e:
-        print(f"partialfl: error: {e}", file=sys.stderr)
+            FileExistsError, IsADirectoryError, NotADirectoryError, MemoryError) as e:
+        msg = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+        print(f"partialfl: error: {msg}", file=sys.stderr)
         return 2
     except KeyboardInterrupt:
         print("partialfl: interrupted", file=sys.stderr)

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import dataclasses
 import difflib
+import math
 import tomllib
 import types
 import typing
@@ -91,6 +92,8 @@ def _coerce(value: Any, tp, where: str):
     if tp is float:
         if isinstance(value, bool) or not isinstance(value, int | float):
             raise ConfigError(f"{where}: expected a number, got {value!r}")
+        if not math.isfinite(value):
+            raise ConfigError(f"{where}: expected a finite number, got {value!r}")
         return float(value)
     if tp is int:
         if isinstance(value, bool) or not isinstance(value, int):
@@ -138,10 +141,12 @@ def load_toml(path: str | Path) -> dict[str, Any]:
     path = Path(path)
     if not path.exists():
         raise ConfigError(f"config file {path} does not exist")
+    if not path.is_file():
+        raise ConfigError(f"config file {path} is not a file (a folder?); give a .toml file")
     try:
         with open(path, "rb") as f:
             return tomllib.load(f)
-    except tomllib.TOMLDecodeError as e:
+    except (tomllib.TOMLDecodeError, UnicodeDecodeError) as e:
         raise ConfigError(f"config file {path} is not valid TOML: {e}") from e
 
 

@@ -94,6 +94,10 @@ class FederatedDataset:
                     raise TypeError(f"{split} data of client {cid!r} must be torch tensors")
                 if y.dtype != torch.int64:
                     raise TypeError(f"{split}_y of client {cid!r} has dtype {y.dtype}; need int64")
+                if x.is_floating_point() and not bool(torch.isfinite(x).all()):
+                    raise ValueError(f"{split}_x of client {cid!r} has non-finite values (NaN "
+                                     "or inf): refused, it would spread into every client "
+                                     "through normalisation")
                 if x.dim() == 0 or y.dim() == 0 or x.shape[0] != y.shape[0]:
                     raise ValueError(
                         f"{split} data of client {cid!r}: x {tuple(x.shape)} and y "

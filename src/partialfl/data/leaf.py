@@ -107,6 +107,10 @@ def _images(u: str, xs: list, where: str) -> np.ndarray:
         raise DataFormatError(
             f"{where}: user {u!r} 'x' must be a list of 784-float images, got shape {a.shape}"
         )
+    if not np.isfinite(a).all():  # NaN slips through min/max comparisons
+        bad = int((~np.isfinite(a)).sum())
+        raise DataFormatError(f"{where}: user {u!r} has {bad} non-finite pixel value(s) "
+                              "(NaN or inf); pixels must be finite floats in [0, 1]")
     if a.size and (a.min() < 0 or a.max() > 1):
         raise DataFormatError(f"{where}: user {u!r} pixels outside [0, 1] (LEAF floats)")
     return a.reshape(-1, 28, 28)

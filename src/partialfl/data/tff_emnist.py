@@ -95,6 +95,10 @@ def _read_clients(
             if y.size and (y.min() < 0 or y.max() >= num_classes):
                 raise DataFormatError(f"{path}: client {cid!r} labels in [{y.min()}, "
                                       f"{y.max()}], outside 0..{num_classes - 1}")
+            if not np.isfinite(x).all():  # NaN slips through min/max comparisons
+                raise DataFormatError(f"{path}: client {cid!r} has "
+                                      f"{int((~np.isfinite(x)).sum())} non-finite pixel "
+                                      "value(s) (NaN or inf); pixels must be finite in [0, 1]")
             if x.size and (x.min() < 0 or x.max() > 1):
                 raise DataFormatError(f"{path}: client {cid!r} pixels outside [0, 1]")
             out[cid] = (x, y)

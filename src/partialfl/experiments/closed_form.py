@@ -25,6 +25,10 @@ from partialfl.runtime import JsonlLogger, make_backend, run_rounds
 from partialfl.server import OPTIMIZERS, make_optimizer
 
 PROBLEMS = ("least-squares", "glm")
+#: the largest closed-form problem a config may ask for (data and per-client matrices)
+MAX_PROBLEM_BYTES = 8 * 2**30
+#: what a run's name (its output file name) may look like
+NAME_PATTERN = r"[A-Za-z0-9][A-Za-z0-9._-]{0,99}"
 METHODS = ("ffgg", "local-gd", "scaffold", "l2gd")
 
 
@@ -49,6 +53,18 @@ class ProblemConfig:
     def __post_init__(self) -> None:
         _choice("problem.kind", self.kind, PROBLEMS)
         _choice("problem.basis", self.basis, ("eigen", "standard"))
+        for key in ("num_clients", "n", "d_theta", "d_w"):
+            if getattr(self, key) < 1:
+                raise ConfigError(f"problem.{key}: {key} must be a positive integer, got "
+                                  f"{getattr(self, key)}")
+        d = self.d_theta + self.d_w
+        need = 8 * self.num_clients * (self.n * d + d * d)
+        if need > MAX_PROBLEM_BYTES:
+            raise ConfigError(
+                f"problem: num_clients={self.num_clients}, n={self.n}, d_theta+d_w={d} need "
+                f"about {need / 2**30:.3g} GiB of data; the limit is "
+                f"{MAX_PROBLEM_BYTES / 2**30:.3g} GiB (partialfl.experiments.closed_form."
+                "MAX_PROBLEM_BYTES)")
 
 
 @dataclass(frozen=True)
@@ -69,6 +85,10 @@ class AlgorithmConfig:
         _choice("algorithm.init", self.init, INITS)
         if self.tau < 1:
             raise ConfigError(f"algorithm.tau must be >= 1, got {self.tau}")
+        for key in ("local_lr", "p"):
+            v = getattr(self, key)
+            if v is not None and not v > 0:
+                raise ConfigError(f"algorithm.{key} must be > 0, got {v}")
 
 
 @dataclass(frozen=True)
@@ -111,6 +131,11 @@ class ClosedFormConfig:
     server: ServerConfig = field(default_factory=ServerConfig)
     run: RunConfig = field(default_factory=RunConfig)
     name: str = "run"
+
+    def __post_init__(self) -> None:
+        if not re.fullmatch(NAME_PATTERN, self.name):
+            raise ConfigError(f"name: {self.name!r} is not allowed; a run's name is a plain "
+                              "file name (letters, digits, '.', '_', '-'; no folders)")
 
 
 def parse_lr(lr: float | str, L: float) -> float:
