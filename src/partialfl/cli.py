@@ -11,6 +11,7 @@ from pathlib import Path
 
 from partialfl import __version__
 from partialfl.config import ConfigError, apply_overrides, load_toml
+from partialfl.runtime.faults import ClientFaultError
 
 
 def _cmd_list(args) -> int:
@@ -65,6 +66,10 @@ def _cmd_run(args) -> int:
     print(" ".join(f"{k}={v:.6g}" if isinstance(v, float) else f"{k}={v}"
                    for k, v in last.items()))
     print(f"results written to {out}/ ({cfg.name}.jsonl, {cfg.name}.png, {summary.name})")
+    lost = {k: last[k] for k in ("clients_failed", "updates_nonfinite") if last.get(k)}
+    if lost:
+        print(f"partialfl: warning: client updates were lost ({lost}); see the JSONL",
+              file=sys.stderr)
     bad = _diverged(last)
     if bad:
         print(f"partialfl: warning: the run diverged ({', '.join(bad)} not finite at round "
@@ -230,6 +235,9 @@ def main(argv: list[str] | None = None) -> int:
         msg = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
         print(f"partialfl: error: {msg}", file=sys.stderr)
         return 2
+    except ClientFaultError as e:
+        print(f"partialfl: error: {str(e).splitlines()[0]}", file=sys.stderr)
+        return 1
     except KeyboardInterrupt:
         print("partialfl: interrupted", file=sys.stderr)
         return 130

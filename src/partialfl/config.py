@@ -68,6 +68,8 @@ def _coerce(value: Any, tp, where: str):
                 return _coerce(value, a, where)
             except ConfigError as e:
                 errors.append(str(e))
+        if len(errors) == 1:  # one candidate type (X | None): its own reason is clearest
+            raise ConfigError(errors[0])
         allowed = " or ".join(_type_name(a) for a in args)
         raise ConfigError(f"{where}: expected {allowed}, got {value!r}")
     if origin is typing.Literal:

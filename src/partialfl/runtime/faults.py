@@ -111,7 +111,8 @@ class FaultLog:
         if self.first_error is None and not self.first_error_text:
             self.first_error = err if isinstance(err, BaseException) else None
             self.first_error_text = f"{where}: {text}"
-        log.warning("skipping %s: it failed (%s)", where, text.strip().splitlines()[-1:])
+        lines = text.strip().splitlines() or [""]
+        log.warning("skipping %s: it failed (%s)", where, lines[-1])
 
     def worker_death(self, where: str) -> None:
         self.attempted += 1
@@ -144,6 +145,8 @@ def receive(result: ClientResult, state, algorithm, faults: FaultLog, where: str
     screening (counted in ``faults``), then the server's view. Returns ``(result with the
     kept clients only, or None if none is left; kept positions)``."""
     up = result.updates
+    if len(up.cohort) == 0:  # nothing was sent
+        return None, np.arange(0)
     check_updates(up, state.theta.keys(), algorithm)
     ok = finite_mask(up)
     k = len(ok)
@@ -171,19 +174,29 @@ class FaultInjector(AlgorithmWrapper):
     probability ``rate`` (``generator(seed, "fault", round, client)``), with a kind drawn
     uniformly from ``kinds``: ``raise`` (:class:`InjectedFault`), ``nan`` (the update is NaN)
     or ``die`` (the worker process exits; outside a worker process it raises instead).
-    ``faults_at(round, client)`` says which fault (or None) hits that computation."""
+    ``at`` fixes faults by hand: ``{(round, client): kind}`` (client None: any client of
+    that round; the asynchronous runtimes' round is the job number). ``faults_at(round,
+    client)`` says which fault (or None) hits that computation."""
 
-    def __init__(self, base, rate: float, kinds: tuple[str, ...] = ("raise", "nan"),
-                 seed: int = 0) -> None:
+    def __init__(self, base, rate: float = 0.0, kinds: tuple[str, ...] = ("raise", "nan"),
+                 seed: int = 0, at: dict | None = None) -> None:
         super().__init__(base)
         if not (0 <= rate <= 1):
             raise ValueError(f"fault rate must be in [0, 1], got {rate!r}")
-        bad = sorted(set(kinds) - set(FAULT_KINDS))
+        at = dict(at or {})
+        bad = sorted(set(kinds) - set(FAULT_KINDS)) + sorted(set(at.values()) -
+                                                             set(FAULT_KINDS))
         if bad or not kinds:
             raise ValueError(f"unknown fault kinds {bad}; allowed: {', '.join(FAULT_KINDS)}")
-        self.rate, self.kinds, self.seed = float(rate), tuple(kinds), int(seed)
+        self.rate, self.kinds, self.seed, self.at = float(rate), tuple(kinds), int(seed), at
+        self.name = base.name
 
     def faults_at(self, round_: int, client: int) -> str | None:
+        for key in ((int(round_), int(client)), (int(round_), None)):
+            if key in self.at:
+                return self.at[key]
+        if self.rate == 0:
+            return None
         g = prng.generator(self.seed, "fault", int(round_), int(client))
         hit, pick = g.random(), g.integers(len(self.kinds))
         return self.kinds[pick] if hit < self.rate else None
@@ -214,3 +227,23 @@ def _in_worker() -> bool:
     import multiprocessing as mp
 
     return mp.current_process().name.startswith("partialfl-async")
+
+
+class DropClients(AlgorithmWrapper):
+    """Fault-free reference: ``base`` with the updates of the (round, client) pairs in
+    ``drop`` removed before they are sent — the run a faulty run must equal when its lost
+    updates are exactly these (``partialfl reproduce faults``)."""
+
+    def __init__(self, base, drop) -> None:
+        super().__init__(base)
+        self.drop = {(int(r), int(m)) for r, m in drop}
+
+    def client_update(self, state, problem, cohort, ctx, client_state=None):
+        res = self.base.client_update(state, problem, cohort, ctx, client_state)
+        keep = np.asarray([i for i, m in enumerate(cohort)
+                           if (int(ctx.round), int(m)) not in self.drop], dtype=np.int64)
+        if len(keep) == len(cohort):
+            return res
+        cs = res.client_state
+        return ClientResult(res.updates.select(keep),
+                            None if cs is None else {n: v[keep] for n, v in cs.items()})

@@ -21,6 +21,7 @@ from __future__ import annotations
 import hashlib
 import json
 import time
+import types
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -63,6 +64,9 @@ class ResumeError(ValueError):
     """A checkpoint does not belong to the run that tries to resume it."""
 
 
+_FUNCTIONS = (types.FunctionType, types.MethodType, types.BuiltinFunctionType)
+
+
 def _describe(o: Any, depth: int = 0) -> Any:
     """A stable, JSON-able description of a configuration object: public attributes,
     recursively; arrays by shape, dtype and a hash of their bytes."""
@@ -91,7 +95,7 @@ def _describe(o: Any, depth: int = 0) -> Any:
         return type(o).__qualname__
     return {"class": type(o).__qualname__,
             **{k: _describe(v, depth + 1) for k, v in sorted(attrs.items())
-               if not k.startswith("_") and not callable(v)}}
+               if not k.startswith("_") and not isinstance(v, _FUNCTIONS)}}
 
 
 def _digest(o: Any) -> str:

@@ -1,0 +1,117 @@
+"""Faults: a failing, NaN-sending or dying client is skipped and counted, never averaged; the
+run aborts only past the failure fraction (sync, async, worker processes)."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+from conftest import SMALL
+
+from partialfl.algorithms import FFGG
+from partialfl.local import GradientDescent
+from partialfl.metrics import closed_form_metrics
+from partialfl.problems.least_squares import LeastSquaresProblem
+from partialfl.runtime import JsonlLogger, read_jsonl, run_rounds
+from partialfl.runtime.asynchronous import run_async
+from partialfl.runtime.faults import (
+    ClientFaultError,
+    DropClients,
+    FaultInjector,
+    finite_mask,
+)
+from partialfl.runtime.processes import run_processes
+from partialfl.server import SGD
+
+
+def _problem():
+    return LeastSquaresProblem(SMALL, basis="eigen")
+
+
+def _ffgg(p):
+    return FFGG(GradientDescent(3), SGD(0.5 / p.L))
+
+
+def _eval(*a):
+    return closed_form_metrics(*a, with_loss=False)
+
+
+def test_sync_failing_and_nan_clients_are_skipped_and_counted(tmp_path):
+    p = _problem()
+    at = {(1, 2): "raise", (3, 0): "nan", (3, 4): "nan", (5, 1): "raise"}
+    with JsonlLogger(tmp_path / "m.jsonl") as lg:
+        res = run_rounds(p, FaultInjector(_ffgg(p), at=at), 8, seed=3, evaluate=_eval,
+                         logger=lg)
+    ref = run_rounds(p, DropClients(_ffgg(p), at), 8, seed=3, evaluate=_eval)
+    theta, want = res.state.theta["theta"], ref.state.theta["theta"]
+    assert np.isfinite(theta).all()
+    np.testing.assert_allclose(theta, want, rtol=1e-10, atol=1e-12)
+    last = read_jsonl(tmp_path / "m.jsonl")[-1]
+    assert last["clients_failed"] == 2 and last["updates_nonfinite"] == 2
+    assert res.history[-1]["rel_dist2"] < res.history[0]["rel_dist2"]
+
+
+def test_sync_a_round_where_every_client_is_lost_keeps_theta():
+    p = _problem()
+    at = {(2, None): "nan"}
+    res = run_rounds(p, FaultInjector(_ffgg(p), at=at), 3, seed=0, max_failure_fraction=0.6)
+    ref = run_rounds(p, _ffgg(p), 2, seed=0)
+    np.testing.assert_array_equal(res.state.theta["theta"], ref.state.theta["theta"])
+    assert res.state.round == 3 and res.faults.nonfinite == p.num_clients
+
+
+def test_sync_aborts_past_the_failure_fraction():
+    p = _problem()
+    alg = FaultInjector(_ffgg(p), rate=0.7, kinds=("raise",), seed=1)
+    with pytest.raises(ClientFaultError, match="max_failure_fraction=0.5"):
+        run_rounds(p, alg, 20, seed=0)
+    # the same faults are tolerated when the user allows them
+    res = run_rounds(p, alg, 4, seed=0, max_failure_fraction=0.9)
+    assert res.faults.failed > 0 and np.isfinite(res.state.theta["theta"]).all()
+
+
+def test_a_bug_in_every_client_is_not_hidden():
+    p = _problem()
+
+    class Broken(FFGG):
+        def client_update(self, *a, **k):
+            raise TypeError("a bug")
+
+    with pytest.raises(TypeError, match="a bug"):
+        run_rounds(p, Broken(GradientDescent(1)), 5)
+
+
+def test_finite_mask_checks_vectors_weights_and_extra():
+    from partialfl.types import ClientUpdates
+
+    v = np.ones((3, 2))
+    v[1, 0] = np.inf
+    up = ClientUpdates({"theta": v}, np.array([1.0, 1.0, np.nan]), np.arange(3),
+                       extra={"dc": {"theta": np.array([[0.0], [0.0], [0.0]])}})
+    assert finite_mask(up).tolist() == [True, False, False]
+
+
+def test_async_skips_raising_and_nan_clients():
+    p = _problem()
+    at = {(2, None): "nan", (4, None): "raise", (7, None): "nan"}
+    res = run_async(p, FaultInjector(_ffgg(p), at=at), steps=20, concurrency=3, seed=1,
+                    evaluate=_eval, eval_every=5)
+    assert np.isfinite(res.state.theta["theta"]).all()
+    last = res.history[-1]
+    assert last["updates_nonfinite"] == 2 and last["clients_failed"] == 1
+    assert res.state.round == 20 and len(res.staleness) == 20
+    lost = [e for e in res.event_dicts() if e["event"] == "lost"]
+    assert sorted(e["job"] for e in lost) == [2, 4, 7]
+    assert res.history[-1]["rel_dist2"] < res.history[0]["rel_dist2"]
+
+
+@pytest.mark.timeout(60)
+def test_processes_detect_a_dead_worker_and_go_on():
+    p = _problem()
+    at = {(1, None): "die", (3, None): "raise"}
+    res = run_processes(p, FaultInjector(_ffgg(p), at=at), steps=8, concurrency=2,
+                        time_unit=0.0, seed=0, evaluate=_eval, eval_every=4,
+                        poll_seconds=0.2)
+    last = res.history[-1]
+    assert res.state.round == 8
+    assert last["worker_deaths"] == 1 and last["clients_failed"] == 1
+    assert np.isfinite(res.state.theta["theta"]).all()
