@@ -115,3 +115,14 @@ def test_processes_detect_a_dead_worker_and_go_on():
     assert res.state.round == 8
     assert last["worker_deaths"] == 1 and last["clients_failed"] == 1
     assert np.isfinite(res.state.theta["theta"]).all()
+
+
+@pytest.mark.slow
+def test_reproduce_faults_quick(tmp_path):
+    from partialfl.cli import main
+
+    assert main(["reproduce", "faults", "--quick", "--out", str(tmp_path), "--no-progress"]) == 0
+    text = (tmp_path / "summary.md").read_text()
+    assert "| least squares | sync | 30% |" in text and "| least squares | processes |" in text
+    assert ": yes" in text and ": NO" not in text
+    assert (tmp_path / "faults.png").stat().st_size > 0

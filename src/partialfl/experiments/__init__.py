@@ -23,6 +23,8 @@ REPRODUCTIONS: dict[str, tuple[str, str, str]] = {
               "Asynchronous FFGG vs sync FFGG, FedBuff, async SGD on least squares"),
     "byzantine": ("partialfl.experiments.byzantine", "reproduce_byzantine",
                   "Byzantine-robust FFGG: attacks x aggregators (+bucketing) on least squares"),
+    "faults": ("partialfl.experiments.faults", "reproduce_faults",
+               "Fault injection: FFGG with 0-30% of clients raising / NaN / dying workers"),
 }
 
 

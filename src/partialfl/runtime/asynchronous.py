@@ -212,6 +212,7 @@ class AsyncRunResult:
     steps: dict[str, np.ndarray] = field(default_factory=dict)
     events: list[tuple] = field(default_factory=list)
     seconds: float = 0.0
+    faults: FaultLog | None = None
 
     @property
     def staleness(self) -> np.ndarray:
@@ -250,7 +251,7 @@ class AsyncServer:
         self._rows: list[tuple] = []
         self.history: list[dict] = []
         self.time = 0.0
-        self.faults = FaultLog(max_failure_fraction, min_attempts=min(10, M))
+        self.faults = FaultLog(max_failure_fraction)
         self._eval(0.0)
 
     def sample_client(self, job: int) -> int:
@@ -349,7 +350,7 @@ class AsyncServer:
         steps = {n: np.asarray(c, dtype=float if "time" in n else np.int64)
                  for n, c in zip(names, cols)}
         return AsyncRunResult(self.state, self.client_state, self.history, steps,
-                              self.events, seconds)
+                              self.events, seconds, self.faults)
 
 
 def _check_budget(steps: int | None, max_time: float | None) -> None:

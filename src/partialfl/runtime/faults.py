@@ -71,7 +71,7 @@ class FaultLog:
     """Counts of client computations and of those lost, with the abort rule."""
 
     max_failure_fraction: float = 0.5
-    min_attempts: int = 10
+    min_attempts: int = 20
     attempted: int = 0
     succeeded: int = 0
     failed: int = 0

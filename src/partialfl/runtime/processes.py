@@ -6,7 +6,7 @@ torch is loaded). The server (this process) sends each worker the θ its new cli
 the worker really computes ``algorithm.client_update`` for that client and then sleeps until
 the client's compute time — ``compute_time.job_duration(...) × time_unit`` seconds, so slow
 devices are really slow — has passed, and returns the result. The server applies results in
-the order they arrive (a shared queue) and hands the slot to a newly sampled client. The
+the order they arrive (one pipe per worker) and hands the slot to a newly sampled client. The
 bookkeeping (sampling, staleness, event log, evaluation) is the one of
 :class:`partialfl.runtime.asynchronous.AsyncServer`; times are real seconds since the start.
 
@@ -22,10 +22,10 @@ from __future__ import annotations
 import contextlib
 import multiprocessing as mp
 import os
-import queue
 import sys
 import time as _time
 import traceback
+from multiprocessing import connection as mp_connection
 
 import numpy as np
 
@@ -60,11 +60,13 @@ def _single_threaded_children():
 
 
 def _worker(slot: int, problem, algorithm, tasks, results) -> None:
+    """``results``: this worker's own pipe (a shared queue's lock could be left held by a
+    worker that dies mid-write, silencing every other worker)."""
     if "torch" in sys.modules:
         import torch
 
         torch.set_num_threads(1)
-    results.put(("ready", slot))
+    results.send(("ready", slot))
     while True:
         task = tasks.get()
         if task is None:
@@ -74,12 +76,12 @@ def _worker(slot: int, problem, algorithm, tasks, results) -> None:
         try:
             res = algorithm.client_update(state, problem, np.asarray([client]), ctx, cs)
         except Exception:  # report and go on: the server skips this client
-            results.put(("error", slot, job_id, traceback.format_exc()))
+            results.send(("error", slot, job_id, traceback.format_exc()))
             continue
         busy = _time.perf_counter() - start
         if seconds > busy:
             _time.sleep(seconds - busy)
-        results.put(("ok", slot, job_id, res, busy))
+        results.send(("ok", slot, job_id, res, busy))
 
 
 def run_processes(
@@ -116,18 +118,20 @@ def run_processes(
                          record_events=record_events,
                          max_failure_fraction=max_failure_fraction)
     ctx_mp = mp.get_context("spawn")
-    results = ctx_mp.Queue()
     tasks: list = [None] * concurrency
+    readers: list = [None] * concurrency
     workers: list = [None] * concurrency
 
     def start(slot: int) -> None:
         tasks[slot] = ctx_mp.Queue()
+        reader, writer = ctx_mp.Pipe(duplex=False)
         with _single_threaded_children():
             w = ctx_mp.Process(target=_worker, args=(slot, problem, algorithm, tasks[slot],
-                                                     results),
+                                                     writer),
                                daemon=True, name=f"partialfl-async-{slot}")
             w.start()
-        workers[slot] = w
+        writer.close()  # the worker holds the only writing end: EOF when it dies
+        workers[slot], readers[slot] = w, reader
 
     for s in range(concurrency):
         start(s)
@@ -146,102 +150,116 @@ def run_processes(
         pending[slot] = job.job
         tasks[slot].put((job.job, job.client, state, ctx, cs, secs))
 
-    def reap() -> None:
-        """Detect dead workers: lose their job, start a fresh worker (or close the slot)."""
-        for slot, w in enumerate(workers):
-            if slot in closed or w.is_alive():
-                continue
-            now = _time.perf_counter() - t0
-            jid = pending.pop(slot, None)
-            if jid is not None:
-                server.lost(jobs.pop(jid), now, death=True)
-            w.join(0.1)
-            tasks[slot].cancel_join_thread()
-            tasks[slot].close()
-            if respawns[slot] < max_respawns:
-                respawns[slot] += 1
-                start(slot)  # it says "ready" through the results queue, then gets a job
-            else:
-                closed.add(slot)
-        if len(closed) == concurrency:
-            raise ClientFaultError(f"every asynchronous worker died ({max_respawns} restarts "
-                                   f"per slot); first: {server.faults.first_error_text}")
+    def bury(slot: int) -> None:
+        """Worker ``slot`` died: lose its job, start a fresh worker (or close the slot)."""
+        now = _time.perf_counter() - t0
+        jid = pending.pop(slot, None)
+        if jid is not None:
+            server.lost(jobs.pop(jid), now, death=True)
+        w = workers[slot]
+        w.join(0.5)
+        if w.is_alive():
+            w.terminate()
+            w.join(1.0)
+        readers[slot].close()
+        tasks[slot].cancel_join_thread()
+        tasks[slot].close()
+        if respawns[slot] < max_respawns:
+            respawns[slot] += 1
+            start(slot)  # it says "ready" through its pipe, then gets a job
+        else:
+            closed.add(slot)
+            if len(closed) == concurrency:
+                raise ClientFaultError(
+                    f"every asynchronous worker died ({max_respawns} restarts per slot); "
+                    f"first: {server.faults.first_error_text}")
 
     bar = None
     try:
-        _wait_ready(workers, results, poll_seconds)
+        _wait_ready(workers, readers, poll_seconds)
         t0 = _time.perf_counter()  # the clock starts once every worker is up
         bar = _progress(progress, steps, max_time, algorithm.name)
         for s in range(concurrency):
             launch(s)
         while steps is None or server.arrivals < steps:
-            reap()
-            try:
-                msg = results.get(timeout=poll_seconds)
-            except queue.Empty:
-                if max_time is not None and _time.perf_counter() - t0 > max_time:
-                    break
-                continue
-            now = _time.perf_counter() - t0
-            if max_time is not None and now > max_time:
+            live = {readers[s]: s for s in range(concurrency) if s not in closed}
+            for s in list(live.values()):  # dead without EOF yet (e.g. killed mid-send)
+                if not workers[s].is_alive() and not readers[s].poll():
+                    bury(s)
+            live = {readers[s]: s for s in range(concurrency) if s not in closed}
+            ready = mp_connection.wait(list(live), timeout=poll_seconds)
+            if max_time is not None and _time.perf_counter() - t0 > max_time:
                 break
-            if msg[0] == "ready":  # a restarted worker
-                launch(msg[1])
-                continue
-            slot, job_id = msg[1], msg[2]
-            if pending.get(slot) != job_id:
-                continue  # a late message of a job already counted as lost
-            del pending[slot]
-            if msg[0] == "error":
-                server.lost(jobs.pop(job_id), now, msg[3].strip().splitlines()[-1])
-            else:
-                res, secs = msg[3], msg[4]
-                if server.arrive(jobs.pop(job_id), res, now):
-                    busy.append(secs)
-                    if bar is not None:
-                        bar.update(1 if steps is not None else now - bar.n)
-            launch(slot)
+            for conn in ready:
+                slot = live[conn]
+                try:
+                    msg = conn.recv()
+                except (EOFError, OSError):
+                    bury(slot)
+                    continue
+                now = _time.perf_counter() - t0
+                if msg[0] == "ready":  # a restarted worker
+                    launch(slot)
+                    continue
+                job_id = msg[2]
+                if pending.get(slot) != job_id:
+                    continue  # a late message of a job already counted as lost
+                del pending[slot]
+                if msg[0] == "error":
+                    server.lost(jobs.pop(job_id), now, msg[3].strip().splitlines()[-1])
+                else:
+                    res, secs = msg[3], msg[4]
+                    if server.arrive(jobs.pop(job_id), res, now):
+                        busy.append(secs)
+                        if bar is not None:
+                            bar.update(1 if steps is not None else now - bar.n)
+                if steps is not None and server.arrivals >= steps:
+                    break
+                launch(slot)
     finally:
         if bar is not None:
             bar.close()
-        _shutdown(workers, tasks, results)
+        _shutdown(workers, tasks, readers)
     out = server.result(_time.perf_counter() - t0)
     out.steps["busy"] = np.asarray(busy, dtype=float)
     return out
 
 
-def _wait_ready(workers, results, poll_seconds: float) -> None:
-    ready = 0
-    while ready < len(workers):
-        try:
-            msg = results.get(timeout=poll_seconds)
-        except queue.Empty:
-            dead = [w.name for w in workers if not w.is_alive()]
-            if dead:
-                raise RuntimeError(f"asynchronous worker(s) {dead} died at start") from None
-            continue
-        if msg[0] != "ready":
-            raise RuntimeError(f"unexpected message from a starting worker: {msg[0]!r}")
-        ready += 1
+def _wait_ready(workers, readers, poll_seconds: float) -> None:
+    waiting = {r: w for r, w in zip(readers, workers)}
+    while waiting:
+        for conn in mp_connection.wait(list(waiting), timeout=poll_seconds):
+            try:
+                msg = conn.recv()
+            except (EOFError, OSError):
+                raise RuntimeError(f"asynchronous worker {waiting[conn].name} died at "
+                                   "start") from None
+            if msg[0] != "ready":
+                raise RuntimeError(f"unexpected message from a starting worker: {msg[0]!r}")
+            del waiting[conn]
+        dead = [w.name for w in waiting.values() if not w.is_alive()]
+        if dead and not any(r.poll() for r in waiting):
+            raise RuntimeError(f"asynchronous worker(s) {dead} died at start")
 
 
-def _shutdown(workers, tasks, results, timeout: float = 10.0) -> None:
-    """Stop our workers: a sentinel each, drain results so none blocks on a full pipe, then
-    join; a worker still alive after ``timeout`` seconds is terminated."""
+def _shutdown(workers, tasks, readers, timeout: float = 10.0) -> None:
+    """Stop our workers: a sentinel each, drain their pipes so none blocks on a full one,
+    then join; a worker still alive after ``timeout`` seconds is terminated."""
     for q in tasks:
         with contextlib.suppress(ValueError, OSError):  # the queue of a dead worker is closed
             q.put(None)
     deadline = _time.monotonic() + timeout
     while any(w.is_alive() for w in workers) and _time.monotonic() < deadline:
-        try:
-            results.get(timeout=0.05)
-        except queue.Empty:
-            pass
+        for conn in mp_connection.wait([r for r in readers if not r.closed], timeout=0.05):
+            with contextlib.suppress(EOFError, OSError):
+                conn.recv()
     for w in workers:
         if w.is_alive():
             w.terminate()
         w.join(1.0)
-    for q in (*tasks, results):
+    for q in tasks:
         with contextlib.suppress(ValueError, OSError):
             q.cancel_join_thread()  # never block on data nobody will read
             q.close()
+    for r in readers:
+        r.close()

@@ -180,7 +180,7 @@ def run_rounds(
         sample_cohort(seed, 0, M, clients_per_round)  # validate early
     backend = backend or BatchedBackend()
     ckpt = Path(checkpoint) if checkpoint else None
-    faults = FaultLog(max_failure_fraction, min_attempts=min(10, M))
+    faults = FaultLog(max_failure_fraction)
     fp = run_fingerprint(problem, algorithm, seed, clients_per_round, fingerprint) \
         if ckpt is not None else None
 
