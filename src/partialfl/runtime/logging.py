@@ -43,12 +43,19 @@ class JsonlLogger:
 
 
 def read_jsonl(path: str | Path) -> list[dict[str, Any]]:
-    """Read records back; string "nan"/"inf" become floats."""
+    """Read records back; string "nan"/"inf" become floats. A corrupt line (e.g. the last
+    one of an interrupted run: the log is appended line by line) gives a named error."""
+    from partialfl.io import FileFormatError
+
     out = []
     with open(path) as f:
-        for line in f:
+        for i, line in enumerate(f, 1):
             if line.strip():
-                rec = json.loads(line)
+                try:
+                    rec = json.loads(line)
+                except json.JSONDecodeError as e:
+                    raise FileFormatError(f"{path}, line {i}: not a JSON record (truncated?): "
+                                          f"{e}") from None
                 for k, v in rec.items():
                     if v in ("nan", "inf", "-inf"):
                         rec[k] = float(v)
