@@ -65,6 +65,9 @@ class ResumeError(ValueError):
 
 
 _FUNCTIONS = (types.FunctionType, types.MethodType, types.BuiltinFunctionType)
+#: attributes that are not part of a run's identity: the device (a run resumes on another one)
+#: and state that changes while training (fp16 loss scaling)
+_NOT_IDENTITY = frozenset({"device", "scaler"})
 
 
 def _describe(o: Any, depth: int = 0) -> Any:
@@ -95,7 +98,8 @@ def _describe(o: Any, depth: int = 0) -> Any:
         return type(o).__qualname__
     return {"class": type(o).__qualname__,
             **{k: _describe(v, depth + 1) for k, v in sorted(attrs.items())
-               if not k.startswith("_") and not isinstance(v, _FUNCTIONS)}}
+               if not k.startswith("_") and k not in _NOT_IDENTITY
+               and not isinstance(v, _FUNCTIONS)}}
 
 
 def _digest(o: Any) -> str:
