@@ -415,6 +415,7 @@ def run_async(
                                                  ctx, cs)
             except Exception as e:  # noqa: BLE001 - a failing client is skipped
                 server.lost(job, now, e)
+                server.faults.raise_if_systematic(concurrency)
                 continue
             d = model.job_duration(seed, job.job, job.client, server.num_examples[job.client])
             heapq.heappush(heap, (now + d, job.job, job, result))

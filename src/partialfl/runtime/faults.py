@@ -12,9 +12,9 @@ client the same way (the simulator's *message path*, :func:`receive`):
 Skipped clients are counted in a :class:`FaultLog` (written into every JSONL record:
 ``clients_failed``, ``updates_nonfinite``, ``worker_deaths``) and logged with the
 ``partialfl`` logger. The run aborts with :class:`ClientFaultError` only when the lost
-fraction exceeds ``max_failure_fraction`` (after ``min_attempts`` client computations); if
-no client computation ever succeeded the first client error is re-raised as is (a bug or a
-bad configuration, not a fault).
+fraction exceeds ``max_failure_fraction`` (after ``min_attempts`` client computations). If
+no client computation succeeded yet and a whole cohort (every slot, asynchronously) raised,
+the first client error is re-raised as is: a bug or a bad configuration, not a fault.
 
 :class:`FaultInjector` wraps an algorithm to inject faults at random, derived from
 ``generator(seed, "fault", round, client)`` (for ``partialfl reproduce faults`` and tests).
@@ -124,6 +124,13 @@ class FaultLog:
     def rejected(self, where: str, n: int) -> None:
         self.nonfinite += n
         log.warning("skipping %d update(s) of %s: non-finite values", n, where)
+
+    def raise_if_systematic(self, n: int) -> None:
+        """Before any client computation succeeded, ``n`` or more raising ones (a whole
+        cohort, every slot) are a bug or a bad configuration, not faults: re-raise the first
+        error as is."""
+        if self.succeeded == 0 and self.failed >= n and self.first_error is not None:
+            raise self.first_error
 
     def check(self) -> None:
         """Abort (see the module docstring) when too many client computations were lost."""

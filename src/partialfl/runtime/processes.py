@@ -207,6 +207,10 @@ def run_processes(
                 del pending[slot]
                 if msg[0] == "error":
                     server.lost(jobs.pop(job_id), now, msg[3].strip().splitlines()[-1])
+                    f = server.faults
+                    if f.succeeded == 0 and f.failed >= concurrency:  # a bug, not a fault
+                        raise RuntimeError(f"every worker's first client failed; first "
+                                           f"traceback:\n{msg[3]}")
                 else:
                     res, secs = msg[3], msg[4]
                     if server.arrive(jobs.pop(job_id), res, now):

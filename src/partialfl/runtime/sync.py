@@ -135,6 +135,7 @@ def _run_cohort(backend, algorithm, state, problem, cohort, ctx, cs, faults: Fau
     except Exception as e:  # noqa: BLE001 - isolate the failing client(s)
         if len(cohort) == 1:
             faults.client_error(f"client {int(cohort[0])} in round {ctx.round}", e)
+            faults.raise_if_systematic(1)
             return None, np.arange(0)
     out, pos = [], []
     for i, m in enumerate(cohort):
@@ -144,6 +145,8 @@ def _run_cohort(backend, algorithm, state, problem, cohort, ctx, cs, faults: Fau
             pos.append(i)
         except Exception as e:  # noqa: BLE001
             faults.client_error(f"client {int(m)} in round {ctx.round}", e)
+    if not out:
+        faults.raise_if_systematic(len(cohort))
     return (concat_results(out) if out else None), np.asarray(pos, dtype=np.int64)
 
 
