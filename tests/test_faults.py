@@ -108,11 +108,13 @@ def test_async_skips_raising_and_nan_clients():
 def test_processes_detect_a_dead_worker_and_go_on():
     p = _problem()
     at = {(1, None): "die", (3, None): "raise"}
-    res = run_processes(p, FaultInjector(_ffgg(p), at=at), steps=8, concurrency=2,
-                        time_unit=0.0, seed=0, evaluate=_eval, eval_every=4,
+    # jobs take 20 ms, so the surviving worker cannot finish the run before the death of
+    # the other is noticed (it is noticed within milliseconds of the exit)
+    res = run_processes(p, FaultInjector(_ffgg(p), at=at), steps=16, concurrency=2,
+                        time_unit=0.02, seed=0, evaluate=_eval, eval_every=8,
                         poll_seconds=0.2)
     last = res.history[-1]
-    assert res.state.round == 8
+    assert res.state.round == 16
     assert last["worker_deaths"] == 1 and last["clients_failed"] == 1
     assert np.isfinite(res.state.theta["theta"]).all()
 
