@@ -299,22 +299,23 @@ def test_cli_diverged_run_warns_and_exits_non_zero(tmp_path, capsys):
     assert code == 1 and "diverged" in err
 
 
-def test_pipeline_divergence_is_never_silent(tmp_path):
+def test_divergence_is_never_silent(tmp_path):
     from dataclasses import replace
 
-    from partialfl.experiments.pipeline import ServerConfig
+    from partialfl.experiments.pipeline import ServerConfig, pretrain
     from partialfl.runtime.faults import ClientFaultError
 
     cfg = _tiny_cfg("ffgg")
-    task = Task(toy_data(4), toy_model, name="toy")
-    # the server step overflows: θ is not finite after stage 1
+    # the server step overflows: θ is not finite after stage 1, a warning says so
     huge = replace(cfg.pretrain, server=ServerConfig("sgd", 1e300))
     with pytest.warns(RuntimeWarning, match="stage 1 diverged"):
-        run_pipeline(replace(cfg, pretrain=huge), task, tmp_path / "a", progress=False)
-    # the clients' updates overflow: they are rejected, then the run aborts
-    bad = replace(cfg.pretrain, rounds=3, client=ClientConfig(lr=1e30, batch_size=4))
-    with pytest.raises(ClientFaultError, match="non-finite"):
-        run_pipeline(replace(cfg, pretrain=bad), task, tmp_path / "b", progress=False)
+        pretrain(replace(cfg, pretrain=huge), Task(toy_data(4), toy_model, name="toy"),
+                 tmp_path / "s1")
+    # the clients' updates overflow: they are rejected (never averaged), then the run aborts
+    p = LeastSquaresProblem(SMALL)
+    with pytest.raises(ClientFaultError, match="non-finite"), \
+            np.errstate(over="ignore", invalid="ignore"):
+        run_rounds(p, FFGG(GradientDescent(2), SGD(1e30)), 60)
 
 
 def test_load_tensors_round_trip_keeps_kinds(tmp_path):
