@@ -26,7 +26,7 @@ import math
 
 import numpy as np
 
-from partialfl.algorithms.base import Algorithm, ServerState
+from partialfl.algorithms.base import Algorithm, ClientResult, ServerState, concat_results
 from partialfl.algorithms.joint import LocalGD
 from partialfl.algorithms.wrapper import AlgorithmWrapper
 from partialfl.server import SGD
@@ -124,9 +124,6 @@ class FedBuff(AlgorithmWrapper):
         if len(buffer) < self.K:
             return ServerState(state.theta, state.opt_state, state.round,
                                {**state.extra, "buffer": buffer})
-        from partialfl.algorithms.base import ClientResult
-        from partialfl.runtime.backends import concat_results
-
         merged = concat_results([ClientResult(u) for u in buffer]).updates
         new = self.base.server_update(state, merged, ctx)
         new.extra["buffer"] = ()

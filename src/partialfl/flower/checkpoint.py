@@ -18,6 +18,7 @@ from typing import Any
 
 import numpy as np
 
+from partialfl import io as pio
 from partialfl.flower.config import ConfigError, FlowerConfig
 
 FORMAT = "partialfl-flower-checkpoint/1"
@@ -79,7 +80,6 @@ def save(cfg: FlowerConfig, state, next_round: int, report: dict[str, Any]) -> P
     """Write the checkpoint of ``state`` (rounds < ``next_round`` done) into ``cfg.out_dir``."""
     from safetensors.numpy import save as st_save
 
-    from partialfl.flower.server import atomic_write
 
     out = Path(cfg.out_dir)
     out.mkdir(parents=True, exist_ok=True)
@@ -89,11 +89,11 @@ def save(cfg: FlowerConfig, state, next_round: int, report: dict[str, Any]) -> P
             "extra": _split(dict(state.extra), "extra", arrays)}
     blob = st_save(arrays) if arrays else st_save({"_": np.zeros(0)})
     name = f"checkpoint-{next_round}.safetensors"
-    atomic_write(out / name, blob)
+    pio.write_bytes(out / name, blob)
     meta = {"format": FORMAT, "config": cfg.to_run_config(), "next_round": int(next_round),
             "state_round": int(state.round), "state": skel, "tensors": name,
             "sha256": hashlib.sha256(blob).hexdigest(), "report": report}
-    atomic_write(out / "checkpoint.json", json.dumps(meta, default=float).encode())
+    pio.write_bytes(out / "checkpoint.json", json.dumps(meta, default=float).encode())
     for old in out.glob("checkpoint-*.safetensors"):
         if old.name != name:
             old.unlink(missing_ok=True)

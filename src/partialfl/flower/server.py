@@ -23,8 +23,6 @@ from __future__ import annotations
 
 import json
 import logging
-import os
-import tempfile
 import time
 from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
@@ -35,7 +33,8 @@ import numpy as np
 from flwr.app import ConfigRecord, Context, Message, RecordDict
 from flwr.serverapp import Grid, ServerApp
 
-from partialfl.algorithms.base import ClientResult, RoundContext, ServerState
+from partialfl import io as pio
+from partialfl.algorithms.base import ClientResult, RoundContext, ServerState, concat_results
 from partialfl.flower.codec import WireFormatError, decode_params, decode_updates, params_to_record
 from partialfl.flower.config import (
     ConfigError,
@@ -45,7 +44,6 @@ from partialfl.flower.config import (
     parse_fault_injection,
     parse_run_config,
 )
-from partialfl.runtime.backends import concat_results
 from partialfl.runtime.sync import sample_cohort
 from partialfl.types import ClientUpdates, Params
 
@@ -156,23 +154,13 @@ class FlowerRunReport:
         every file written atomically (temp file + rename)."""
         out = Path(out_dir)
         out.mkdir(parents=True, exist_ok=True)
-        atomic_write(out / "metrics.jsonl", "".join(
+        pio.write_bytes(out / "metrics.jsonl", "".join(
             json.dumps(rec, default=float) + "\n" for rec in self.history).encode())
-        with tempfile.NamedTemporaryFile(dir=out, suffix=".npz", delete=False) as f:
+        with pio.atomic_write(out / "theta.npz", "wb") as f:
             np.savez(f, **{n: _np(v) for n, v in self.theta.items()})
-        os.replace(f.name, out / "theta.npz")
-        atomic_write(out / "result.json",
-                     json.dumps(self.to_json(), indent=1, default=float).encode())
+        pio.write_bytes(out / "result.json",
+                        json.dumps(self.to_json(), indent=1, default=float).encode())
         return out / "result.json"
-
-
-def atomic_write(path: Path, data: bytes) -> None:
-    """Write ``data`` to ``path`` so that a crash never leaves a truncated file."""
-    with tempfile.NamedTemporaryFile(dir=path.parent, prefix=f".{path.name}.", delete=False) as f:
-        f.write(data)
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(f.name, path)
 
 
 def _np(v) -> np.ndarray:

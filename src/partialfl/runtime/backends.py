@@ -13,34 +13,8 @@ from __future__ import annotations
 
 import numpy as np
 
-from partialfl.algorithms.base import ClientResult
-from partialfl.types import ClientUpdates
-
-
-def _cat(xs):
-    if hasattr(xs[0], "detach"):
-        import torch
-
-        return torch.cat(xs, 0)
-    return np.concatenate(xs, 0)
-
-
-def concat_results(results: list[ClientResult]) -> ClientResult:
-    """Stack per-client results along the client axis (cohort order preserved)."""
-    ups = [r.updates for r in results]
-    u0 = ups[0]
-    updates = ClientUpdates(
-        vectors={n: _cat([u.vectors[n] for u in ups]) for n in u0.vectors},
-        weights=np.concatenate([np.asarray(u.weights) for u in ups]),
-        cohort=np.concatenate([np.asarray(u.cohort) for u in ups]),
-        grad_evals=max(u.grad_evals for u in ups),
-        metrics={n: np.concatenate([np.asarray(u.metrics[n]) for u in ups]) for n in u0.metrics},
-        extra={e: {n: _cat([u.extra[e][n] for u in ups]) for n in u0.extra[e]} for e in u0.extra},
-    )
-    cs = None
-    if results[0].client_state is not None:
-        cs = {n: _cat([r.client_state[n] for r in results]) for n in results[0].client_state}
-    return ClientResult(updates, cs)
+from partialfl.algorithms.base import ClientResult, concat_results
+from partialfl.runtime.cohort_pool import ProcessBackend
 
 
 class BatchedBackend:
@@ -70,13 +44,11 @@ class SequentialBackend:
         return concat_results(out)
 
 
-def _processes():
-    from partialfl.runtime.cohort_pool import ProcessBackend
+BACKENDS = {"batched": BatchedBackend, "sequential": SequentialBackend,
+            "processes": ProcessBackend}
 
-    return ProcessBackend()
-
-
-BACKENDS = {"batched": BatchedBackend, "sequential": SequentialBackend, "processes": _processes}
+__all__ = ["BACKENDS", "BatchedBackend", "ClientResult", "ProcessBackend", "SequentialBackend",
+           "concat_results", "make_backend"]
 
 
 def make_backend(name: str):

@@ -44,8 +44,7 @@ from dataclasses import replace
 
 import numpy as np
 
-from partialfl.algorithms.base import ClientResult
-from partialfl.runtime.backends import concat_results
+from partialfl.algorithms.base import ClientResult, concat_results
 
 _POLL_S = 0.2
 

@@ -31,8 +31,8 @@ import numpy as np
 
 from partialfl import io as pio
 from partialfl import rng as prng
-from partialfl.algorithms.base import Algorithm, RoundContext, ServerState
-from partialfl.runtime.backends import BatchedBackend, concat_results
+from partialfl.algorithms.base import Algorithm, RoundContext, ServerState, concat_results
+from partialfl.runtime.backends import BatchedBackend
 from partialfl.runtime.faults import FaultLog, receive
 from partialfl.types import Params
 
