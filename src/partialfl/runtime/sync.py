@@ -45,6 +45,7 @@ class RunResult:
     client_state: Params | None
     history: list[dict] = field(default_factory=list)
     seconds: float = 0.0
+    stopped: bool = False  # True: ``stop(history)`` ended the run before ``rounds``
 
 
 def run_rounds(
@@ -64,11 +65,15 @@ def run_rounds(
     checkpoint_every: int = 0,
     resume: bool = False,
     on_round: Callable[[int, ServerState], None] | None = None,
+    stop: Callable[[list[dict]], bool] | None = None,
 ) -> RunResult:
     """Run ``rounds`` synchronous rounds; returns the final server state and metric history.
 
     ``evaluate(algorithm, state, problem, client_state, ctx)`` returns a dict that is logged
     at round 0 (before training) and after every ``eval_every``-th round and the last.
+    ``stop(history)``, asked after every evaluation (and on resume), ends the run early when
+    it returns True (e.g. :func:`partialfl.experiments.stopping.plateaued`); a function of the
+    logged history only, so a resumed run stops at the same round.
     """
     if not isinstance(rounds, int | np.integer) or rounds < 0:
         raise ValueError(f"rounds must be a non-negative integer, got {rounds!r}")
@@ -106,7 +111,8 @@ def run_rounds(
     t0 = time.perf_counter()
     if not history:
         _eval(state, 0.0)
-    it = range(state.round, rounds)
+    stopped = stop is not None and bool(stop(history))
+    it = range(state.round, rounds) if not stopped else range(0)
     if progress:
         from tqdm.auto import tqdm
 
@@ -126,11 +132,14 @@ def run_rounds(
             on_round(r, state)
         if state.round % eval_every == 0 or state.round == rounds:
             _eval(state, time.perf_counter() - t0)
+            stopped = stop is not None and bool(stop(history))
         if ckpt is not None and checkpoint_every and (
-            state.round % checkpoint_every == 0 or state.round == rounds
+            state.round % checkpoint_every == 0 or state.round == rounds or stopped
         ):
             save_checkpoint(ckpt, state, client_state, history)
-    return RunResult(state, client_state, history, time.perf_counter() - t0)
+        if stopped:
+            break
+    return RunResult(state, client_state, history, time.perf_counter() - t0, stopped)
 
 
 def save_checkpoint(path: Path, state, client_state, history) -> None:
