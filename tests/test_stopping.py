@@ -213,3 +213,47 @@ def test_budget_plot_and_table(tmp_path):
     assert path.exists() and path.stat().st_size > 10_000
     table = plateau_table({"FFGG (output)": [res.metrics]}, {"seed0/FFGG (output)": 60.0})
     assert f"{res.metrics['stage2_rounds']} (" in table and "1.0" in table
+
+
+@pytest.mark.slow  # ~15 s on the shared machine
+@pytest.mark.data
+def test_shakespeare_tiny_table_under_the_rule(tmp_path):
+    """The table driver passes the rule, the validation split and the grid to every run and
+    reports where each method stopped (tiny size; needs the shared corpus)."""
+    from partialfl.data.paths import default_data_dir
+    from partialfl.data.shakespeare import FILE_NAME
+    from partialfl.experiments import shakespeare as sh
+    from partialfl.experiments.stopping import plateau_settings
+
+    d = default_data_dir()
+    if d is None or not (d / FILE_NAME).exists():
+        pytest.skip(f"{FILE_NAME} not found (set PARTIALFL_DATA_DIR to ../shared/data)")
+    # min_delta 1 (100 points): the rule fires at the first evaluation it may, round 1
+    size = replace(sh.QUICK, max_clients=4, max_train=64, vocab_size=100, pretrain_rounds=2,
+                   rounds=4, clients_per_round=2, d_model=8, d_ff=16, threads=1,
+                   plateau=plateau_settings(window=1, min_delta=1.0,
+                                            grid=FinetuneGrid(epochs=(0, 1), lr=(0.1,))))
+    path = sh.reproduce_table(tmp_path, size=size, progress=False)
+    res = json.loads((tmp_path / "results.json").read_text())["results"]
+    for label, _ in sh.METHODS:
+        (m,) = res[label]
+        assert m["stage2_rounds"] == 1 and m["stage2_stopped"] and m["stage2_cap"] == 4
+        assert m["finetune_choice"]["epochs"] in (0, 1) or label == "FedAvg"
+    text = path.read_text()
+    assert "Stage budgets (plateau rule" in text and "1 (plateau)" in text
+    assert (tmp_path / "budget_curves.png").stat().st_size > 10_000
+
+
+@pytest.mark.slow
+@pytest.mark.data
+def test_femnist_quick_table_under_the_rule(tmp_path, data_dir):
+    from partialfl.experiments.femnist import reproduce_table
+
+    path = reproduce_table(tmp_path, quick=True, data_dir=data_dir, progress=False,
+                           plateau=True)
+    res = json.loads((tmp_path / "results.json").read_text())["results"]
+    for ms in res.values():
+        (m,) = ms
+        assert 1 <= m["stage2_rounds"] <= m["stage2_cap"] and "val_acc" in m
+    assert "Stage budgets (plateau rule" in path.read_text()
+    assert (tmp_path / "budget_curves.png").exists()

@@ -68,13 +68,7 @@ from partialfl.experiments.report import (
     quick_note,
     versus_fedavg,
 )
-from partialfl.experiments.stopping import (
-    FinetuneGrid,
-    StopConfig,
-    ValidationConfig,
-    budget_plot,
-    plateau_table,
-)
+from partialfl.experiments.stopping import budget_plot, plateau_settings, plateau_table
 from partialfl.models import make_model
 
 MODEL = "emnist_cnn"
@@ -123,14 +117,6 @@ METHODS: tuple[tuple[str, MethodConfig], ...] = (
     ("FedAlt (output)", MethodConfig(algorithm="fedalt", split="output")),
     ("FedSim (output)", MethodConfig(algorithm="fedsim", split="output")),
 )
-
-
-def plateau_settings(stage1: bool = False, window: int = 3, min_delta: float = 0.002,
-                     grid: FinetuneGrid | None = None) -> tuple:
-    """The ``Size.plateau`` of a table under the plateau rule: (stage-1 rule or None, stage-2
-    rule, validation split, stage-3 grid); windows count evaluations."""
-    rule = StopConfig(metric="val_acc", mode="max", min_delta=min_delta, window=window)
-    return (rule if stage1 else None, rule, ValidationConfig(0.1, 2), grid or FinetuneGrid())
 
 
 def _methods(size: Size) -> tuple[tuple[str, MethodConfig], ...]:
@@ -270,7 +256,7 @@ def _run_one(job: tuple) -> tuple[str, int, dict, float]:
 def reproduce_table(out_dir: Path, *, quick: bool = False, seeds: list[int] | None = None,
                     data_dir: Path | None = None, progress: bool = True,
                     size: Size | None = None, backend: str = "sequential",
-                    store: Path | None = None) -> Path:
+                    store: Path | None = None, plateau: bool = False) -> Path:
     """Run (or resume) the table; writes ``summary.md``, ``results.json``, ``data.json``,
     per-run folders ``seed*/METHOD`` (JSONL metrics, θ checkpoints), ``stage1/``,
     ``learning_curves.png`` and ``per_client_accuracy.png``.
@@ -287,6 +273,8 @@ def reproduce_table(out_dir: Path, *, quick: bool = False, seeds: list[int] | No
     see :func:`store_data`) instead of holding them in memory.
     """
     size = size or (QUICK if quick else FULL)
+    if plateau and size.plateau is None:  # issue 17: rounds become caps
+        size = replace(size, plateau=plateau_settings())
     if seeds:
         size = replace(size, seeds=tuple(int(s) for s in seeds))
     out_dir = Path(out_dir)

@@ -89,6 +89,14 @@ class FinetuneGrid:
         return out + [(e, float(v)) for e in sorted(set(self.epochs)) if e > 0 for v in self.lr]
 
 
+def plateau_settings(stage1: bool = False, window: int = 3, min_delta: float = 0.002,
+                     grid: FinetuneGrid | None = None) -> tuple:
+    """The ``Size.plateau`` of a FEMNIST / Shakespeare table under the plateau rule: (stage-1
+    rule or None, stage-2 rule, validation split, stage-3 grid); windows count evaluations."""
+    rule = StopConfig(metric="val_acc", mode="max", min_delta=min_delta, window=window)
+    return (rule if stage1 else None, rule, ValidationConfig(0.1, 2), grid or FinetuneGrid())
+
+
 def plateaued(history: Sequence[dict[str, Any]], stop: StopConfig) -> bool:
     """Whether the plateau rule fires on the evaluation records ``history``."""
     if len(history) <= stop.window:
