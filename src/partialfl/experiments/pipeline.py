@@ -20,6 +20,11 @@ methods and seeds with the same pre-training): ``stage1.jsonl``, ``stage1.ckpt``
 its last checkpoint (``checkpoint_every`` rounds) with bit-identical results, because all
 randomness derives from (seed, round, client).
 
+Stage budgets: ``stage1/timing.json`` and ``stage2_timing.json`` record the rounds run, the
+cap and whether the plateau rule (``StageConfig.stop``, :mod:`partialfl.experiments.stopping`)
+stopped the stage; with ``PipelineConfig.validation`` every choice reads a validation split
+carved from the training data and the test split is read once, at the end.
+
 A text task reuses this unchanged: give a different ``Task`` (model factory, data, a token
 loss such as :func:`partialfl.lm.token_cross_entropy`, a masked metric and, if needed, a
 ``split_fn`` that builds its splits).
