@@ -153,8 +153,8 @@ def budget_plot(out_dir: Path, methods: Sequence[tuple[str, Any]], seeds: Sequen
     r1 = int(s1[-1]["round"])
     fig, ax = plt.subplots(figsize=(7.5, 4.2))
     ax.plot([h["round"] for h in s1], [100 * h[key] for h in s1], color="k", lw=1.4,
-            label=f"stage 1 FedAvg: {r1} rounds, {t1['seconds'] / 60:.1f} min"
-                  + (" (plateau)" if t1.get("stopped") else ""))
+            label=f"stage 1 FedAvg: {r1}{'' if t1.get('stopped') else ' (cap)'} rounds, "
+                  f"{t1['seconds'] / 60:.1f} min")
     ax.plot([r1], [100 * s1[-1][key]], "k*", ms=11)
     ax.axvline(r1, color="grey", lw=0.8, ls=":")
     for i, (label, method) in enumerate(methods):
@@ -180,7 +180,8 @@ def budget_plot(out_dir: Path, methods: Sequence[tuple[str, Any]], seeds: Sequen
                 label=f"{label}: " + ("; ".join(desc) if desc else "not run"))
     ax.set_xlabel("communication rounds (stage 1, then stage 2)")
     ax.set_ylabel(("validation" if key == "val_acc" else "test") + " accuracy (%)")
-    ax.set_title("stage budgets: filled marker = stopped by the plateau rule, hollow = cap")
+    ax.set_title("stage budgets (dotted: end of stage 1; filled marker: stopped by the "
+                 "plateau rule, hollow: cap)", fontsize=9)
     ax.grid(alpha=0.3)
     ax.legend(fontsize=7, loc="lower right")
     fig.tight_layout()
