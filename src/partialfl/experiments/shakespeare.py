@@ -250,7 +250,7 @@ def reproduce_table(out_dir: Path, *, quick: bool = False, seeds: list[int] | No
     go in ``workers`` processes of ``threads`` threads each (:func:`run_jobs`)."""
     size = size or (QUICK if quick else FULL)
     if plateau and size.plateau is None:  # issue 17: rounds become caps
-        size = replace(size, plateau=plateau_settings())
+        size = replace(size, plateau=plateau_settings(quick=quick))
     if seeds:
         size = replace(size, seeds=tuple(int(s) for s in seeds))
     out_dir = Path(out_dir)

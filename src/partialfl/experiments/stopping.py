@@ -89,12 +89,18 @@ class FinetuneGrid:
         return out + [(e, float(v)) for e in sorted(set(self.epochs)) if e > 0 for v in self.lr]
 
 
+#: stage 3's grid of a ``--quick --plateau`` table (CI): two settings
+QUICK_GRID = FinetuneGrid(epochs=(0, 1), lr=(0.01,))
+
+
 def plateau_settings(stage1: bool = False, window: int = 3, min_delta: float = 0.002,
-                     grid: FinetuneGrid | None = None) -> tuple:
+                     grid: FinetuneGrid | None = None, quick: bool = False) -> tuple:
     """The ``Size.plateau`` of a FEMNIST / Shakespeare table under the plateau rule: (stage-1
-    rule or None, stage-2 rule, validation split, stage-3 grid); windows count evaluations."""
+    rule or None, stage-2 rule, validation split, stage-3 grid); windows count evaluations
+    (``quick``: :data:`QUICK_GRID` unless ``grid`` is given)."""
     rule = StopConfig(metric="val_acc", mode="max", min_delta=min_delta, window=window)
-    return (rule if stage1 else None, rule, ValidationConfig(0.1, 2), grid or FinetuneGrid())
+    grid = grid or (QUICK_GRID if quick else FinetuneGrid())
+    return (rule if stage1 else None, rule, ValidationConfig(0.1, 2), grid)
 
 
 def plateaued(history: Sequence[dict[str, Any]], stop: StopConfig) -> bool:
