@@ -157,12 +157,21 @@ def budget_plot(out_dir: Path, methods: Sequence[tuple[str, Any]], seeds: Sequen
     key = "val_acc" if s1 and "val_acc" in s1[0] else "test_acc"
     t1 = json.loads((out_dir / "stage1" / "timing.json").read_text())
     r1 = int(s1[-1]["round"])
-    fig, ax = plt.subplots(figsize=(7.5, 4.2))
-    ax.plot([h["round"] for h in s1], [100 * h[key] for h in s1], color="k", lw=1.4,
-            label=f"stage 1 FedAvg: {r1}{'' if t1.get('stopped') else ' (cap)'} rounds, "
-                  f"{t1['seconds'] / 60:.1f} min")
-    ax.plot([r1], [100 * s1[-1][key]], "k*", ms=11)
-    ax.axvline(r1, color="grey", lw=0.8, ls=":")
+    fig, (ax, az) = plt.subplots(1, 2, figsize=(11, 4.2), width_ratios=(3, 2))
+
+    def draw(*args, **kw):  # on the full axis and on the zoom into stage 2
+        ax.plot(*args, **kw)
+        kw.pop("label", None)
+        az.plot(*args, **kw)
+
+    draw([h["round"] for h in s1], [100 * h[key] for h in s1], color="k", lw=1.4,
+         label=f"stage 1 FedAvg: {r1}{'' if t1.get('stopped') else ' (cap)'} rounds, "
+               f"{t1['seconds'] / 60:.1f} min")
+    draw([r1], [100 * s1[-1][key]], "k*", ms=11)
+    ys2 = [100 * s1[-1][key]]
+    xmax = r1 + 1
+    for a in (ax, az):
+        a.axvline(r1, color="grey", lw=0.8, ls=":")
     for i, (label, method) in enumerate(methods):
         ls, marker = STYLES[i % len(STYLES)]
         color = f"C{i}"
@@ -174,11 +183,13 @@ def budget_plot(out_dir: Path, methods: Sequence[tuple[str, Any]], seeds: Sequen
             h = read_jsonl(d / "stage2.jsonl")
             xs = [r1 + r["round"] for r in h]
             ys = [100 * r[key] for r in h]
-            ax.plot(xs, ys, ls=ls, color=color, lw=1.3)
+            draw(xs, ys, ls=ls, color=color, lw=1.3)
+            ys2 += ys
+            xmax = max(xmax, xs[-1])
             tf = d / "stage2_timing.json"
             t = json.loads(tf.read_text()) if tf.exists() else {}
-            ax.plot([xs[-1]], [ys[-1]], marker=marker, color=color, ms=9,
-                    mfc=color if t.get("stopped") else "none")
+            draw([xs[-1]], [ys[-1]], marker=marker, color=color, ms=9,
+                 mfc=color if t.get("stopped") else "none")
             if t:
                 desc.append(f"{t['rounds']}{'' if t.get('stopped') else ' (cap)'} rounds, "
                             f"{t['seconds'] / 60:.1f} min")
@@ -188,7 +199,13 @@ def budget_plot(out_dir: Path, methods: Sequence[tuple[str, Any]], seeds: Sequen
     ax.set_ylabel(("validation" if key == "val_acc" else "test") + " accuracy (%)")
     ax.set_title("stage budgets (dotted: end of stage 1; filled marker: stopped by the "
                  "plateau rule, hollow: cap)", fontsize=9)
-    ax.grid(alpha=0.3)
+    pad = max(0.5, 0.15 * (max(ys2) - min(ys2)))
+    az.set_xlim(r1 - 0.05 * (xmax - r1) - 1, xmax + 0.05 * (xmax - r1) + 1)
+    az.set_ylim(min(ys2) - pad, max(ys2) + pad)
+    az.set_title("zoom: stage 2", fontsize=9)
+    az.set_xlabel("communication rounds")
+    for a in (ax, az):
+        a.grid(alpha=0.3)
     ax.legend(fontsize=7, loc="lower right")
     fig.tight_layout()
     path = Path(path) if path else out_dir / "budget_curves.png"
