@@ -193,6 +193,13 @@ def test_plateau_run_resumes_at_the_same_stop(tmp_path):
                                                                  "stage2.jsonl")
 
 
+def test_validation_needs_an_in_memory_dataset():
+    from partialfl.experiments.pipeline import validation_tasks
+
+    with pytest.raises(ConfigError, match="FederatedDataset, got object"):
+        validation_tasks(_plateau_cfg(), Task(data=object(), model_fn=toy_model))
+
+
 def test_configs_without_the_rule_keep_their_identity():
     cfg = PipelineConfig()
     d = cfg.to_dict()

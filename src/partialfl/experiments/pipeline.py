@@ -47,6 +47,7 @@ from torch import nn
 from partialfl.algorithms.base import Algorithm
 from partialfl.algorithms.model import WEIGHTINGS, FedAlt, FedAvg, FedSim, LocalFFGG, model_ffgg
 from partialfl.config import ConfigError, check_choice, from_dict, to_dict
+from partialfl.data.federated import FederatedDataset
 from partialfl.data.validation import carve_validation
 from partialfl.devices import DEVICES, PRECISIONS
 from partialfl.evaluation import (
@@ -624,6 +625,9 @@ def validation_tasks(cfg: PipelineConfig, task: Task) -> tuple[Task, Task | None
     :func:`partialfl.data.validation.carve_validation`, else ``(task, None)``."""
     if cfg.validation is None:
         return task, None
+    if not isinstance(task.data, FederatedDataset):
+        raise ConfigError(f"validation needs the data in memory as a FederatedDataset, got "
+                          f"{type(task.data).__name__} (e.g. an on-disk store: load it first)")
     v = carve_validation(task.data, cfg.validation.fraction, cfg.validation.min_examples,
                          cfg.stage1_seed)
     return replace(task, data=v.val), replace(task, data=v.fit)
