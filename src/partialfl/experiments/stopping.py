@@ -231,6 +231,10 @@ def plateau_table(results: dict[str, Sequence[dict]], timings: dict[str, float])
                          f"{c['epochs']} ep, lr {c['lr']:g}" if c else "-",
                          f"{100 * m['val_acc']:.2f}" if "val_acc" in m else "-",
                          f"{100 * m['test_acc']:.2f}", f"{t / 60:.1f}"])
-    return "## Stage budgets (plateau rule on validation data)\n\n" + markdown_table(
+    note = ("Under the plateau rule the round counts stated above are caps and stage 3 uses "
+            "the epochs and lr chosen on validation data (below), not the fixed ones; the "
+            "validation split is carved from each client's training data, and the test split "
+            "is read once, by the final evaluation.\n\n")
+    return "## Stage budgets (plateau rule on validation data)\n\n" + note + markdown_table(
         ["method", "seed", "stage-2 rounds", "stage 3 (chosen on validation)",
          "val acc %", "test acc %", "run min"], rows)
