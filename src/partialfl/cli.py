@@ -35,6 +35,10 @@ def _diverged(record: dict) -> list[str]:
     return [k for k, v in record.items() if isinstance(v, float) and not math.isfinite(v)]
 
 
+#: reproductions that take ``--plateau``
+PLATEAU_TABLES = ("femnist-table", "shakespeare-table")
+
+
 def _cmd_reproduce(args) -> int:
     from partialfl.experiments import get_reproduction
 
@@ -42,7 +46,9 @@ def _cmd_reproduce(args) -> int:
     out = _out_dir(args.out or Path("runs") / (args.name + ("-quick" if args.quick else "")))
     import inspect
 
-    extra = {k: v for k, v in (("backend", args.backend), ("store", args.store)) if v}
+    # --plateau (issue 17): stage budgets by the plateau rule on validation data
+    extra = {k: v for k, v in (("backend", args.backend), ("store", args.store),
+                               ("plateau", args.plateau)) if v}
     takes = inspect.signature(fn).parameters
     for k in extra:
         if k not in takes:
@@ -178,6 +184,11 @@ def build_parser() -> argparse.ArgumentParser:
                         "over worker processes")
     s.add_argument("--store", help="read the data through an on-disk client store in this "
                    "folder, written on first use (femnist-table)")
+    s.add_argument("--plateau", action="store_true",
+                   help=f"{' / '.join(PLATEAU_TABLES)}: stop each stage when validation "
+                        "accuracy (on 10%% of each client's training data) plateaus, the "
+                        "round counts becoming caps, and choose stage 3's epochs and lr on "
+                        "validation data")
     s.set_defaults(fn=_cmd_reproduce)
 
     s = sub.add_parser(

@@ -58,6 +58,7 @@ from partialfl.experiments.pipeline import (
     read_deploy,
     run_jobs,
     run_pipeline,
+    validation_tasks,
 )
 from partialfl.experiments.report import (
     accuracy_cells,
@@ -69,6 +70,7 @@ from partialfl.experiments.report import (
     quick_note,
     versus_fedavg,
 )
+from partialfl.experiments.stopping import budget_plot, plateau_settings, plateau_table
 from partialfl.models import make_model
 
 MODEL = "emnist_cnn"
@@ -92,6 +94,11 @@ class Size:
     seeds: tuple[int, ...]
     threads: int
     workers: int
+    #: stage budgets by the plateau rule (``rounds`` are caps) and stage 3 chosen on
+    #: validation data (see :func:`plateau_settings`); None: fixed rounds and stage 3
+    plateau: tuple | None = None
+    #: row labels of :data:`METHODS` to run (None: all)
+    methods: tuple[str, ...] | None = None
 
 
 #: the table (49 min measured on a quiet 2-core machine; the summary records each run's time)
@@ -114,14 +121,25 @@ METHODS: tuple[tuple[str, MethodConfig], ...] = (
 )
 
 
+def _methods(size: Size) -> tuple[tuple[str, MethodConfig], ...]:
+    if size.methods is None:
+        return METHODS
+    labels = [m for m, _ in METHODS]
+    bad = [m for m in size.methods if m not in labels]
+    if bad:
+        raise ValueError(f"unknown methods {bad}; allowed: {', '.join(labels)}")
+    return tuple(m for m in METHODS if m[0] in size.methods)
+
+
 def stage_configs(size: Size) -> tuple[StageConfig, dict[str, StageConfig], ClientConfig]:
     """(stage 1, stage 2 per algorithm, stage 3 client config) of the table."""
-    pre = StageConfig(rounds=size.pretrain_rounds, clients_per_round=10,
+    stop1, stop2 = size.plateau[:2] if size.plateau else (None, None)
+    pre = StageConfig(stop=stop1, rounds=size.pretrain_rounds, clients_per_round=10,
                       client=ClientConfig(lr=PRETRAIN_LR, epochs=1, batch_size=32),
                       server=ServerConfig("sgd", 1.0),
                       eval_every=max(1, size.pretrain_rounds // 6))
     client = ClientConfig(lr=PERSONAL_LR, epochs=1, batch_size=32)
-    delta = StageConfig(rounds=size.rounds, clients_per_round=10, client=client,
+    delta = StageConfig(rounds=size.rounds, clients_per_round=10, client=client, stop=stop2,
                         server=ServerConfig("sgd", 1.0), eval_every=size.eval_every)
     stage2 = {a: delta for a in ("fedavg", "local-ffgg", "fedalt", "fedsim")}
     stage2["ffgg"] = replace(delta, server=ServerConfig("sgd", FFGG_SERVER_LR))
@@ -166,8 +184,10 @@ def femnist_task(data) -> Task:
 def _pipeline_config(size: Size, method: MethodConfig, seed: int,
                      backend: str = "sequential") -> PipelineConfig:
     pre, stage2, ft = stage_configs(size)
+    val, grid = size.plateau[2:] if size.plateau else (None, None)
     return PipelineConfig(method=method, pretrain=pre, personalize=stage2[method.algorithm],
-                          finetune=ft, seed=seed, pretrain_seed=0, backend=backend)
+                          finetune=ft, seed=seed, pretrain_seed=0, backend=backend,
+                          validation=val, finetune_grid=grid)
 
 
 _DATA: dict = {}
@@ -225,7 +245,7 @@ def _run_one(job: tuple) -> tuple[str, int, dict, float]:
     out_dir, data_dir, size, seed, idx, progress, backend, store = job
     torch.set_num_threads(size.threads)
     train, new, _ = _data(data_dir, size, store)
-    label, method = METHODS[idx]
+    label, method = _methods(size)[idx]
     run_dir = out_dir / f"seed{seed}" / method.name
     t0 = time.perf_counter()
     res = run_pipeline(_pipeline_config(size, method, seed, backend), femnist_task(train),
@@ -242,7 +262,7 @@ def _run_one(job: tuple) -> tuple[str, int, dict, float]:
 def reproduce_table(out_dir: Path, *, quick: bool = False, seeds: list[int] | None = None,
                     data_dir: Path | None = None, progress: bool = True,
                     size: Size | None = None, backend: str = "sequential",
-                    store: Path | None = None) -> Path:
+                    store: Path | None = None, plateau: bool = False) -> Path:
     """Run (or resume) the table; writes ``summary.md``, ``results.json``, ``data.json``,
     per-run folders ``seed*/METHOD`` (JSONL metrics, θ checkpoints), ``stage1/``,
     ``learning_curves.png`` and ``per_client_accuracy.png``.
@@ -259,6 +279,8 @@ def reproduce_table(out_dir: Path, *, quick: bool = False, seeds: list[int] | No
     see :func:`store_data`) instead of holding them in memory.
     """
     size = size or (QUICK if quick else FULL)
+    if plateau and size.plateau is None:  # issue 17: rounds become caps
+        size = replace(size, plateau=plateau_settings(quick=quick))
     if seeds:
         size = replace(size, seeds=tuple(int(s) for s in seeds))
     out_dir = Path(out_dir)
@@ -270,13 +292,14 @@ def reproduce_table(out_dir: Path, *, quick: bool = False, seeds: list[int] | No
         train, _, info = _data(data_dir, size, store)
         check_or_write_json(out_dir / "data.json", info, "table run's data selection")
         # stage 1 once, shared by every method and seed
-        pretrain(_pipeline_config(size, METHODS[0][1], size.seeds[0], backend),
-                 femnist_task(train), out_dir / "stage1", progress and "stage 1 (FedAvg)")
+        cfg0 = _pipeline_config(size, METHODS[0][1], size.seeds[0], backend)
+        pretrain(cfg0, validation_tasks(cfg0, femnist_task(train))[0], out_dir / "stage1",
+                 progress and "stage 1 (FedAvg)")
         job_workers = 1 if backend == "processes" else size.workers
         jobs = [(out_dir, data_dir, size, seed, i, progress and job_workers == 1, backend,
-                 store) for seed in size.seeds for i in range(len(METHODS))]
+                 store) for seed in size.seeds for i in range(len(_methods(size)))]
         done = run_jobs(_run_one, jobs, job_workers, progress and "femnist-table runs")
-        results: dict[str, list[dict]] = {label: [] for label, _ in METHODS}
+        results: dict[str, list[dict]] = {label: [] for label, _ in _methods(size)}
         timings: dict[str, float] = {}
         for label, seed, m, sec in sorted(done, key=lambda t: t[1]):
             results[label].append(m)
@@ -284,10 +307,16 @@ def reproduce_table(out_dir: Path, *, quick: bool = False, seeds: list[int] | No
         seconds = time.perf_counter() - t_start
         pio.write_json(out_dir / "results.json", jsonable(
             {"results": results, "timings": timings, "total_seconds": seconds}), indent=1)
-        pipeline_plots(out_dir, METHODS, size.seeds, results, ylabel="test accuracy (%)",
-                       clients="writers")
+        if size.plateau:
+            budget_plot(out_dir, _methods(size), size.seeds)
+        else:
+            pipeline_plots(out_dir, METHODS, size.seeds, results,
+                           ylabel="test accuracy (%)", clients="writers")
         path = out_dir / "summary.md"
-        pio.write_text(path, _summary(results, size, info, seconds, quick))
+        text = _summary(results, size, info, seconds, quick)
+        if size.plateau:
+            text += "\n" + plateau_table(results, timings) + "\n"
+        pio.write_text(path, text)
         return path
     finally:
         torch.set_num_threads(old_threads)

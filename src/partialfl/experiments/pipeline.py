@@ -24,6 +24,11 @@ from (seed, round, client). Every file is written atomically and holds tensors
 (safetensors) or plain JSON, never a pickle (:mod:`partialfl.io`); a pickle-based file of an
 older version (``*.pt``) is refused with a message naming it, never loaded.
 
+Stage budgets: ``stage1/timing.json`` and ``stage2_timing.json`` record the rounds run, the
+cap and whether the plateau rule (``StageConfig.stop``, :mod:`partialfl.experiments.stopping`)
+stopped the stage; with ``PipelineConfig.validation`` every choice reads a validation split
+carved from the training data and the test split is read once, at the end.
+
 A text task reuses this unchanged: give a different ``Task`` (model factory, data, a token
 loss such as :func:`partialfl.lm.token_cross_entropy`, a masked metric and, if needed, a
 ``split_fn`` that builds its splits).
@@ -37,7 +42,7 @@ import re
 import time
 import warnings
 from collections.abc import Callable, Mapping
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
@@ -49,12 +54,21 @@ from partialfl import io as pio
 from partialfl.algorithms.base import Algorithm
 from partialfl.algorithms.model import WEIGHTINGS, FedAlt, FedAvg, FedSim, LocalFFGG, model_ffgg
 from partialfl.config import ConfigError, check_choice, from_dict, to_dict
+from partialfl.data.federated import FederatedDataset
+from partialfl.data.validation import carve_validation
 from partialfl.devices import DEVICES, PRECISIONS
 from partialfl.evaluation import (
     evaluate_model,
     evaluate_new_clients,
     finetune_personal,
     round_evaluator,
+)
+from partialfl.experiments.stopping import (
+    FinetuneGrid,
+    StopConfig,
+    ValidationConfig,
+    choose_finetune,
+    plateaued,
 )
 from partialfl.local.sgd import SGDConfig
 from partialfl.problems.model import W_INITS, ModelProblem, accuracy, cross_entropy
@@ -136,13 +150,16 @@ class ServerConfig:
 @dataclass(frozen=True)
 class StageConfig:
     """One federated training stage: rounds, clients per round, client and server optimizers,
-    evaluation every ``eval_every`` rounds (0: only before the first and after the last)."""
+    evaluation every ``eval_every`` rounds (0: only before the first and after the last).
+    ``stop``: a plateau rule on validation data (:mod:`partialfl.experiments.stopping`);
+    ``rounds`` is then the cap."""
 
     rounds: int = 0
     clients_per_round: int | None = 10
     client: ClientConfig = field(default_factory=ClientConfig)
     server: ServerConfig = field(default_factory=ServerConfig)
     eval_every: int = 0
+    stop: StopConfig | None = None
 
     def __post_init__(self) -> None:
         if not isinstance(self.rounds, int) or self.rounds < 0:
@@ -151,6 +168,9 @@ class StageConfig:
             raise ConfigError(f"clients_per_round must be >= 1, got {self.clients_per_round}")
         if self.eval_every < 0:
             raise ConfigError(f"eval_every must be >= 0, got {self.eval_every}")
+        if self.stop is not None and self.eval_every < 1:
+            raise ConfigError("stop: the plateau rule needs eval_every >= 1 (it reads the "
+                              "evaluations)")
 
 
 @dataclass(frozen=True)
@@ -215,6 +235,10 @@ class PipelineConfig:
     ``device`` (cpu, cuda, cuda:N, mps, auto) is where the model runs: it is not part of a
     run's identity, so a run started on one device resumes on another (same steps, results
     equal up to floating-point rounding). ``precision``: fp32, bf16 or fp16 (autocast).
+    ``validation``: carve a validation split from each client's training data (seed
+    ``stage1_seed``); the stages then train on the rest and log validation curves
+    (``val_*``), the stages' ``stop`` rules and ``finetune_grid`` (stage 3's epochs and lr,
+    replacing ``finetune``'s) read it, and only the final model is evaluated on test.
     """
 
     method: MethodConfig = field(default_factory=MethodConfig)
@@ -227,9 +251,17 @@ class PipelineConfig:
     checkpoint_every: int = 10
     device: str = "cpu"
     precision: str = "fp32"
+    validation: ValidationConfig | None = None
+    finetune_grid: FinetuneGrid | None = None
 
     def __post_init__(self) -> None:
         _choice("backend", self.backend, BACKENDS)
+        for key, used in (("pretrain.stop", self.pretrain.stop),
+                          ("personalize.stop", self.personalize.stop),
+                          ("finetune_grid", self.finetune_grid)):
+            if used is not None and self.validation is None:
+                raise ConfigError(f"{key} reads validation data: set validation (e.g. "
+                                  "validation = {fraction = 0.1, min_examples = 2})")
         _choice("precision", self.precision, PRECISIONS)
         if not isinstance(self.device, str) or not re.fullmatch(r"cpu|cuda(:\d+)?|mps|auto",
                                                                 self.device):
@@ -252,8 +284,18 @@ class PipelineConfig:
         return from_dict(cls, data)
 
     def to_dict(self) -> dict[str, Any]:
-        """The configuration as a plain dict (written to ``config.json``)."""
-        return to_dict(self)
+        """The configuration as a plain dict (written to ``config.json``); the validation
+        settings appear only when set, so runs without them keep their identity."""
+        return _drop_unset(to_dict(self))
+
+
+_OPTIONAL_KEYS = ("stop", "validation", "finetune_grid")
+
+
+def _drop_unset(d: dict) -> dict:
+    """``d`` without the optional validation keys that are None (recursively)."""
+    return {k: (_drop_unset(v) if isinstance(v, dict) else v) for k, v in d.items()
+            if not (k in _OPTIONAL_KEYS and v is None)}
 
 
 # ----------------------------------------------------------------------------- the task
@@ -408,25 +450,43 @@ def check_or_write_json(path: Path, cfg_dict: dict, what: str) -> None:
         _write_json(path, cfg_dict)
 
 
+def _val_evaluator():
+    """The round evaluator on a validation view (its "test" split), logged as ``val_*``."""
+    ev = round_evaluator(("test",))
+
+    def evaluate(*args) -> dict:
+        return {"val_" + k[len("test_"):]: v for k, v in ev(*args).items()}
+
+    return evaluate
+
+
 def _run_stage(problem, algorithm, stage: StageConfig, seed: int, out: Path, tag: str,
-               checkpoint_every: int, backend: str, progress, theta0=None, on_round=None):
+               checkpoint_every: int, backend: str, progress, theta0=None, on_round=None,
+               validation: bool = False):
     logger = JsonlLogger(out / f"{tag}.jsonl", stage=tag)
     runner = _backend(backend)
+    stop = stage.stop
+    t0 = time.perf_counter()
     try:
-        return run_rounds(
+        res = run_rounds(
             problem, algorithm, stage.rounds,
             clients_per_round=min(stage.clients_per_round or problem.num_clients,
                                   problem.num_clients),
             seed=seed, theta0=theta0, backend=runner,
-            evaluate=round_evaluator(("test",)),
+            evaluate=_val_evaluator() if validation else round_evaluator(("test",)),
             eval_every=stage.eval_every or max(1, stage.rounds),
             logger=logger, progress=(f"{tag}" if progress is True else progress),
             checkpoint=out / f"{tag}.ckpt", checkpoint_every=checkpoint_every, resume=True,
-            on_round=on_round,
+            on_round=on_round, stop=(lambda h: plateaued(h, stop)) if stop else None,
         )
     finally:
         logger.close()
         getattr(runner, "close", lambda: None)()
+    # the stage's budget: rounds run (≤ the cap), whether the plateau rule stopped it, time
+    _write_json(out / f"{tag}_timing.json",
+                {"seconds": time.perf_counter() - t0, "rounds": int(res.state.round),
+                 "cap": stage.rounds, "stopped": res.stopped})
+    return res
 
 
 # ----------------------------------------------------------------------------- tables
@@ -464,9 +524,11 @@ def pretrain(cfg: PipelineConfig, task: Task, stage1_dir: Path, progress: bool |
     ``stage1_dir/theta.pt``; resumable."""
     stage1_dir = Path(stage1_dir)
     stage1_dir.mkdir(parents=True, exist_ok=True)
+    val = ({"validation": to_dict(cfg.validation)} if cfg.validation is not None else {})
     check_or_write_json(stage1_dir / "config.json",
-                       {"pretrain": to_dict(cfg.pretrain), "seed": cfg.stage1_seed,
-                        "task": task.name}, "stage-1 pre-training")
+                        {"pretrain": _drop_unset(to_dict(cfg.pretrain)),
+                         "seed": cfg.stage1_seed, "task": task.name, **val},
+                        "stage-1 pre-training")
     done = _load_params(stage1_dir, THETA1)
     if done is not None:
         return done
@@ -476,12 +538,15 @@ def pretrain(cfg: PipelineConfig, task: Task, stage1_dir: Path, progress: bool |
     alg = build_algorithm(MethodConfig(algorithm="fedavg", split="none"), cfg.pretrain)
     t0 = time.perf_counter()
     res = _run_stage(problem, alg, cfg.pretrain, cfg.stage1_seed, stage1_dir, "stage1",
-                     cfg.checkpoint_every, cfg.backend, progress, on_round=on_round)
+                     cfg.checkpoint_every, cfg.backend, progress, on_round=on_round,
+                     validation=cfg.validation is not None)
     theta = _host(res.state.theta)
     _check_finite(theta, "stage 1")
     pio.save_tensors(stage1_dir / THETA1, theta)
     _write_json(stage1_dir / "timing.json", {"seconds": time.perf_counter() - t0,
-                                             "rounds": cfg.pretrain.rounds})
+                                             "rounds": int(res.state.round),
+                                             "cap": cfg.pretrain.rounds,
+                                             "stopped": res.stopped})
     return theta
 
 
@@ -513,7 +578,8 @@ def personalize(cfg: PipelineConfig, task: Task, theta1: Params, run_dir: Path,
     t0 = time.perf_counter()
     res = _run_stage(problem, alg, cfg.personalize, cfg.seed, run_dir, "stage2",
                      cfg.checkpoint_every, cfg.backend, progress,
-                     theta0=_on(theta_start, problem), on_round=on_round)
+                     theta0=_on(theta_start, problem), on_round=on_round,
+                     validation=cfg.validation is not None)
     theta = {n: v.detach().clone() for n, v in res.state.theta.items()}
     _check_finite(theta, "stage 2")
     if res.client_state is not None:
@@ -532,9 +598,14 @@ def _deploy_start(cfg: PipelineConfig, s2: _Stage2) -> Params:
     return s2.problem.init_w(allc, m.w_init, cfg.seed, -1)
 
 
-def finetune_and_evaluate(cfg: PipelineConfig, task: Task, s2: _Stage2, run_dir: Path
+def finetune_and_evaluate(cfg: PipelineConfig, task: Task, s2: _Stage2, run_dir: Path,
+                          test_task: Task | None = None
                           ) -> tuple[dict[str, Any], Split, Params]:
-    """Stage 3: fine-tune every client's w, evaluate; returns (metrics, split, θ)."""
+    """Stage 3: fine-tune every client's w, evaluate; returns (metrics, split, θ).
+
+    With ``cfg.validation``, ``task``'s data is the validation view (its test split = the
+    validation data): ``cfg.finetune_grid`` (if set) picks the fine-tuning setting there, and
+    the final model is evaluated once on ``test_task``'s data (the real test split)."""
     split, problem, theta = s2.split, s2.problem, s2.theta
     w0 = _deploy_start(cfg, s2)
     if cfg.method.algorithm == "fedavg" and cfg.method.finetune_split:
@@ -547,8 +618,20 @@ def finetune_and_evaluate(cfg: PipelineConfig, task: Task, s2: _Stage2, run_dir:
         theta = _on(theta, problem)
         w0 = problem.init_w(np.arange(problem.num_clients), "pretrained", cfg.seed, -1)
     t0 = time.perf_counter()
-    before = evaluate_model(problem, theta, w0, "test")
-    w = finetune_personal(problem, theta, w0, cfg.finetune.sgd(), cfg.seed)
+    extra: dict[str, Any] = {}
+    if test_task is not None:  # choices on the validation view, the test once at the end
+        if cfg.finetune_grid is not None and problem.w_names:
+            choice, w = choose_finetune(problem, theta, w0, cfg.finetune_grid, cfg.finetune,
+                                        cfg.seed)
+            extra["finetune_choice"] = choice
+        else:
+            w = finetune_personal(problem, theta, w0, cfg.finetune.sgd(), cfg.seed)
+        extra["val_acc"] = evaluate_model(problem, theta, w, "test").accuracy
+        problem = _problem(test_task, split, cfg, problem.w_pretrained)
+        before = evaluate_model(problem, theta, w0, "test")
+    else:
+        before = evaluate_model(problem, theta, w0, "test")
+        w = finetune_personal(problem, theta, w0, cfg.finetune.sgd(), cfg.seed)
     test = evaluate_model(problem, theta, w, "test")
     train = evaluate_model(problem, theta, w, "train")
     metrics = {
@@ -557,11 +640,35 @@ def finetune_and_evaluate(cfg: PipelineConfig, task: Task, s2: _Stage2, run_dir:
         "per_client_test_acc": test.per_client, "client_ids": list(task.data.client_ids),
         "test_sizes": problem.num_examples(np.arange(problem.num_clients), "test"),
         "split_counts": split.counts(), "stage2_seconds": s2.seconds,
-        "stage3_seconds": time.perf_counter() - t0,
+        "stage3_seconds": time.perf_counter() - t0, **extra, **_budgets(run_dir),
     }
     save_deploy(run_dir, split, _host(theta), _host(problem.w_pretrained),
                 cfg.method.split_options)
     return metrics, split, theta
+
+
+def _budgets(run_dir: Path) -> dict[str, Any]:
+    """Rounds run, cap, plateau stop and seconds of stage 2 (``stage2_timing.json``)."""
+    f = run_dir / "stage2_timing.json"
+    if not f.exists():
+        return {}
+    t = json.loads(f.read_text())
+    return {"stage2_rounds": t["rounds"], "stage2_cap": t["cap"],
+            "stage2_stopped": t["stopped"]}
+
+
+def validation_tasks(cfg: PipelineConfig, task: Task) -> tuple[Task, Task | None]:
+    """(the task the stages train and choose on, the task of the final test or None):
+    with ``cfg.validation`` the validation view and the fit view of
+    :func:`partialfl.data.validation.carve_validation`, else ``(task, None)``."""
+    if cfg.validation is None:
+        return task, None
+    if not isinstance(task.data, FederatedDataset):
+        raise ConfigError(f"validation needs the data in memory as a FederatedDataset, got "
+                          f"{type(task.data).__name__} (e.g. an on-disk store: load it first)")
+    v = carve_validation(task.data, cfg.validation.fraction, cfg.validation.min_examples,
+                         cfg.stage1_seed)
+    return replace(task, data=v.val), replace(task, data=v.fit)
 
 
 def run_pipeline(cfg: PipelineConfig, task: Task, run_dir: str | Path, *,
@@ -583,6 +690,7 @@ def run_pipeline(cfg: PipelineConfig, task: Task, run_dir: str | Path, *,
 
         def hook2(r, _s):
             on_round("stage2", r)
+    task, test_task = validation_tasks(cfg, task)
     theta1 = pretrain(cfg, task, s1, progress and "stage 1 (FedAvg)", on_round=hook1)
     s2 = personalize(cfg, task, theta1, run_dir,
                      progress and f"stage 2 ({cfg.method.name})", on_round=hook2)
@@ -590,7 +698,11 @@ def run_pipeline(cfg: PipelineConfig, task: Task, run_dir: str | Path, *,
     if mfile.exists() and _tensor_file(run_dir, DEPLOY) is not None:
         metrics = pio.read_json(mfile)
         return PipelineResult(metrics, run_dir, s2.theta, s2.split)
-    metrics, split, theta = finetune_and_evaluate(cfg, task, s2, run_dir)
+    metrics, split, theta = finetune_and_evaluate(cfg, task, s2, run_dir, test_task)
+    t1 = s1 / "timing.json"
+    if cfg.pretrain.stop is not None and t1.exists():
+        t = json.loads(t1.read_text())
+        metrics.update(stage1_rounds=t["rounds"], stage1_stopped=t.get("stopped", False))
     _write_json(mfile, metrics)
     # the same plain-JSON values whether computed now or read back from a finished run
     metrics = json.loads(json.dumps(metrics, default=_json_default))
@@ -668,6 +780,10 @@ def evaluate_run(run_dir: str | Path, data, *, model_fn: Callable[[int], nn.Modu
         {k: v for k, v in pio.read_json(run_dir / "config.json").items() if k != "task"})
     split, theta, w_pre = _deployed_split(run_dir, cfg, model_fn, split_fn)
     ft = cfg.finetune
+    mfile = run_dir / "metrics.json"
+    choice = pio.read_json(mfile).get("finetune_choice") if mfile.exists() else None
+    if choice:  # stage 3's setting chosen on validation data
+        ft = replace(ft, epochs=choice["epochs"], lr=choice["lr"])
     lr = ft.lr if lr is None else lr
     if not (isinstance(lr, int | float) and math.isfinite(lr) and lr > 0):
         raise ValueError(f"lr must be a positive finite number, got {lr!r}")

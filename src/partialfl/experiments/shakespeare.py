@@ -65,6 +65,7 @@ from partialfl.experiments.pipeline import (
     pretrain,
     run_jobs,
     run_pipeline,
+    validation_tasks,
 )
 from partialfl.experiments.report import (
     accuracy_cells,
@@ -75,6 +76,7 @@ from partialfl.experiments.report import (
     quick_note,
     versus_fedavg,
 )
+from partialfl.experiments.stopping import budget_plot, plateau_settings, plateau_table
 from partialfl.lm import NextWordAccuracy, token_cross_entropy
 from partialfl.models.transformer import TransformerConfig, TransformerLM, transformer_split
 from partialfl.rng import torch_seed
@@ -114,6 +116,10 @@ class Size:
     seeds: tuple[int, ...]
     threads: int                  # torch threads of each (method, seed) run
     workers: int                  # runs in parallel processes (stage 1: threads × workers)
+    #: stage budgets by the plateau rule (rounds are caps; the server schedules still span
+    #: the caps) and stage 3 chosen on validation data: a
+    #: :func:`partialfl.experiments.stopping.plateau_settings` tuple; None: fixed budgets
+    plateau: tuple | None = None
 
     def model_config(self, vocab_ids: int) -> TransformerConfig:
         """The transformer of this size for a vocabulary of ``vocab_ids`` token ids."""
@@ -161,15 +167,18 @@ def stage_configs(size: Size) -> tuple[StageConfig, StageConfig, ClientConfig]:
         warmup = min(int(round(WARMUP_FRACTION * rounds)), max(rounds - 1, 0))
         return ServerConfig("adam", lr, schedule="warmup-linear", warmup=warmup)
 
+    stop1, stop2 = size.plateau[:2] if size.plateau else (None, None)
     pre = StageConfig(rounds=size.pretrain_rounds, clients_per_round=size.clients_per_round,
+                      stop=stop1,
                       client=ClientConfig(lr=size.pretrain_client_lr, epochs=1,
                                           batch_size=BATCH_SIZE, clip_norm=CLIP_NORM),
                       server=server(size.pretrain_server_lr, size.pretrain_rounds),
-                      eval_every=size.pretrain_eval_every)
+                      eval_every=max(size.pretrain_eval_every, 1 if stop1 else 0))
     pers = StageConfig(rounds=size.rounds, clients_per_round=size.clients_per_round,
                        client=ClientConfig(lr=size.client_lr, epochs=1, batch_size=BATCH_SIZE,
                                            clip_norm=CLIP_NORM),
-                       server=server(size.server_lr, size.rounds), eval_every=size.eval_every)
+                       server=server(size.server_lr, size.rounds), stop=stop2,
+                       eval_every=max(size.eval_every, 1 if stop2 else 0))
     ft = ClientConfig(lr=size.finetune_lr, epochs=size.finetune_epochs, batch_size=BATCH_SIZE,
                       clip_norm=CLIP_NORM)
     return pre, pers, ft
@@ -213,8 +222,10 @@ def _task(size: Size, data_dir):
 
 def _pipeline_config(size: Size, method: MethodConfig, seed: int) -> PipelineConfig:
     pre, pers, ft = stage_configs(size)
+    val, grid = size.plateau[2:] if size.plateau else (None, None)
     return PipelineConfig(method=method, pretrain=pre, personalize=pers, finetune=ft,
-                          seed=seed, pretrain_seed=0, backend="sequential")
+                          seed=seed, pretrain_seed=0, backend="sequential",
+                          validation=val, finetune_grid=grid)
 
 
 def _run_one(job: tuple) -> tuple[str, int, dict, float]:
@@ -232,13 +243,15 @@ def _run_one(job: tuple) -> tuple[str, int, dict, float]:
 
 def reproduce_table(out_dir: Path, *, quick: bool = False, seeds: list[int] | None = None,
                     data_dir: Path | None = None, progress: bool = True,
-                    size: Size | None = None) -> Path:
+                    size: Size | None = None, plateau: bool = False) -> Path:
     """Run (or resume) the table; writes ``summary.md`` (returned), ``results.json``,
     per-run JSONL learning curves, ``learning_curves.png`` and ``per_client_accuracy.png``.
 
     Stage 1 runs once with ``threads × workers`` torch threads, then the (method, seed) runs
     go in ``workers`` processes of ``threads`` threads each (:func:`run_jobs`)."""
     size = size or (QUICK if quick else FULL)
+    if plateau and size.plateau is None:  # issue 17: rounds become caps
+        size = replace(size, plateau=plateau_settings(quick=quick))
     if seeds:
         size = replace(size, seeds=tuple(int(s) for s in seeds))
     out_dir = Path(out_dir)
@@ -251,8 +264,9 @@ def reproduce_table(out_dir: Path, *, quick: bool = False, seeds: list[int] | No
         check_or_write_json(out_dir / "data.json", jsonable(
             {"stats": tf.stats, "clients": list(tf.dataset.client_ids),
              "size": asdict(replace(size, seeds=()))}), "table run's data selection")
-        pretrain(_pipeline_config(size, METHODS[0][1], size.seeds[0]), task,
-                 out_dir / "stage1", progress and "stage 1 (FedAvg)")
+        cfg0 = _pipeline_config(size, METHODS[0][1], size.seeds[0])
+        pretrain(cfg0, validation_tasks(cfg0, task)[0], out_dir / "stage1",
+                 progress and "stage 1 (FedAvg)")
         torch.set_num_threads(size.threads)
         jobs = [(out_dir, data_dir, size, seed, i, progress and size.workers == 1)
                 for seed in size.seeds for i in range(len(METHODS))]
@@ -265,11 +279,17 @@ def reproduce_table(out_dir: Path, *, quick: bool = False, seeds: list[int] | No
         seconds = time.perf_counter() - t_start
         pio.write_json(out_dir / "results.json", jsonable(
             {"results": results, "timings": timings, "total_seconds": seconds}), indent=1)
-        pipeline_plots(out_dir, METHODS, size.seeds, results,
-                       ylabel="next-word test accuracy (%)", clients="roles",
-                       rename={"FedAvg": "FedAvg + FT"})
+        if size.plateau:
+            budget_plot(out_dir, METHODS, size.seeds)
+        else:
+            pipeline_plots(out_dir, METHODS, size.seeds, results,
+                           ylabel="next-word test accuracy (%)", clients="roles",
+                           rename={"FedAvg": "FedAvg + FT"})
         path = out_dir / "summary.md"
-        pio.write_text(path, _summary(results, size, tf, seconds, quick))
+        text = _summary(results, size, tf, seconds, quick)
+        if size.plateau:
+            text += "\n" + plateau_table(results, timings) + "\n"
+        pio.write_text(path, text)
         return path
     finally:
         torch.set_num_threads(old_threads)

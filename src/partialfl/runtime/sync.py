@@ -58,6 +58,7 @@ class RunResult:
     history: list[dict] = field(default_factory=list)
     seconds: float = 0.0
     faults: FaultLog | None = None
+    stopped: bool = False  # True: ``stop(history)`` ended the run before ``rounds``
 
 
 class ResumeError(ValueError):
@@ -170,6 +171,7 @@ def run_rounds(
     max_failure_fraction: float = 0.5,
     private_checkpoints: bool = True,
     fingerprint: dict | None = None,
+    stop: Callable[[list[dict]], bool] | None = None,
 ) -> RunResult:
     """Run ``rounds`` synchronous rounds; returns the final server state and metric history.
 
@@ -177,6 +179,9 @@ def run_rounds(
     at round 0 (before training) and after every ``eval_every``-th round and the last (with
     the fault counters of :class:`~partialfl.runtime.faults.FaultLog`). ``fingerprint``: extra
     configuration a resumed checkpoint must match (see :func:`run_fingerprint`).
+    ``stop(history)``, asked after every evaluation (and on resume), ends the run early when
+    it returns True (e.g. :func:`partialfl.experiments.stopping.plateaued`); a function of the
+    logged history only, so a resumed run stops at the same round.
     """
     if not isinstance(rounds, int | np.integer) or rounds < 0:
         raise ValueError(f"rounds must be a non-negative integer, got {rounds!r}")
@@ -221,7 +226,8 @@ def run_rounds(
     t0 = time.perf_counter()
     if not history:
         _eval(state, 0.0)
-    it = range(state.round, rounds)
+    stopped = stop is not None and bool(stop(history))
+    it = range(state.round, rounds) if not stopped else range(0)
     if progress:
         from tqdm.auto import tqdm
 
@@ -249,13 +255,17 @@ def run_rounds(
             on_round(r, state)
         if state.round % eval_every == 0 or state.round == rounds:
             _eval(state, time.perf_counter() - t0)
+            stopped = stop is not None and bool(stop(history))
         if ckpt is not None and checkpoint_every and (
-            state.round % checkpoint_every == 0 or state.round == rounds
+            state.round % checkpoint_every == 0 or state.round == rounds or stopped
         ):
             save_checkpoint(ckpt, state, client_state, history, fingerprint=fp,
                             local_grads=grad_evals, faults=faults.state(),
                             private=private_checkpoints)
-    return RunResult(state, client_state, history, time.perf_counter() - t0, faults)
+        if stopped:
+            break
+    return RunResult(state, client_state, history, time.perf_counter() - t0, faults,
+                     stopped)
 
 
 CHECKPOINT_FORMAT = "partialfl-checkpoint-2"
