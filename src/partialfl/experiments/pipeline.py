@@ -10,6 +10,14 @@
    fixed, from the method's deployed start (FFGG / Local FFGG / stateless: the round start
    w_pre; FedAlt / FedSim: the w_m kept on the client); then test and train metrics.
 
+Fully personal models (:mod:`partialfl.algorithms.ditto`): ``ditto`` (split ``none``, strength
+``lam``) trains θ by FedAvg and each client's v_m; ``local`` is local training only — every
+client trains its own copy of a *fresh* model (``model_fn(seed)``, not the stage-1 values) and
+nothing is shared. Both deploy v_m and skip stage 3; on new clients (:func:`evaluate_run`) a
+Ditto client trains v from θ for ``finetune.epochs`` epochs, a local-only client trains its
+fresh copy for ``personalize.rounds × client.epochs`` epochs (the budget of a training client
+under full participation).
+
 Files in ``run_dir``: ``config.json``; ``stage2.jsonl`` (per-evaluation metrics: learning
 curves), ``stage2.ckpt`` (resumable run state), ``theta_stage2.pt`` (θ after stage 2),
 ``client_state_stage2.pt`` (FedAlt/FedSim personal parameters, client-side), ``deploy.pt``
@@ -30,7 +38,7 @@ from __future__ import annotations
 import json
 import re
 import time
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -40,6 +48,7 @@ import torch
 from torch import nn
 
 from partialfl.algorithms.base import Algorithm
+from partialfl.algorithms.ditto import Ditto, local_only, personal_models
 from partialfl.algorithms.model import WEIGHTINGS, FedAlt, FedAvg, FedSim, LocalFFGG, model_ffgg
 from partialfl.config import ConfigError, check_choice, from_dict, to_dict
 from partialfl.devices import DEVICES, PRECISIONS
@@ -57,7 +66,9 @@ from partialfl.server import OPTIMIZERS, Clipped, Schedule, make_optimizer
 from partialfl.split import SPLIT_KINDS, Split, make_split
 from partialfl.types import Params
 
-ALGORITHMS = ("fedavg", "ffgg", "local-ffgg", "fedalt", "fedsim")
+ALGORITHMS = ("fedavg", "ffgg", "local-ffgg", "fedalt", "fedsim", "ditto", "local")
+#: methods that train a fully personal model per client (split "none", no stage 3)
+FULL_PERSONAL = ("ditto", "local")
 BACKENDS = ("sequential", "vmap", "processes")
 SCHEDULES = Schedule.KINDS
 
@@ -153,6 +164,7 @@ class MethodConfig:
     ``local_steps``: Local FFGG's K alternating steps (None: ``client.epochs`` passes).
     ``finetune_split``: FedAvg only — the split whose w stage 3 fine-tunes (e.g. ``output``:
     "FedAvg + fine-tuning"); None: FedAvg is evaluated as is.
+    ``lam``: Ditto's λ ≥ 0 (``inf`` allowed).
     """
 
     algorithm: str = "ffgg"
@@ -164,16 +176,24 @@ class MethodConfig:
     finetune_split: str | None = None
     weighting: str = "uniform"
     label: str = ""
+    lam: float | None = None
 
     def __post_init__(self) -> None:
         _choice("method.algorithm", self.algorithm, ALGORITHMS)
         _choice("method.split", self.split, SPLIT_KINDS)
         _choice("method.w_init", self.w_init, W_INITS)
         _choice("method.weighting", self.weighting, WEIGHTINGS)
+        if (self.lam is None) != (self.algorithm != "ditto") or (
+                self.lam is not None and not float(self.lam) >= 0):
+            raise ConfigError(f"method.lam: Ditto needs lam >= 0 and other algorithms none; "
+                              f"got lam={self.lam!r} for {self.algorithm!r}")
+        if self.algorithm in FULL_PERSONAL and self.split != "none":
+            raise ConfigError(f"method.split: {self.algorithm} keeps a full personal model; use "
+                              f"'none', got {self.split!r}")
         if self.algorithm == "fedavg" and self.split != "none":
             raise ConfigError(f"method.split: FedAvg trains every parameter globally; use "
                               f"'none' (and finetune_split for stage 3), got {self.split!r}")
-        if self.algorithm != "fedavg" and self.split == "none":
+        if self.algorithm not in ("fedavg", *FULL_PERSONAL) and self.split == "none":
             raise ConfigError(f"method.split: {self.algorithm} needs personal parameters; "
                               f"allowed: {', '.join(k for k in SPLIT_KINDS if k != 'none')}")
         if self.finetune_split is not None:
@@ -297,6 +317,10 @@ def build_algorithm(method: MethodConfig, stage: StageConfig) -> Algorithm:
         local = stage.client.sgd(steps=method.local_steps)
         return LocalFFGG(warm, local, w_init=method.w_init, server_opt=opt,
                          weighting=method.weighting)
+    if method.algorithm == "ditto":
+        return Ditto(sgd, sgd, float(method.lam), server_opt=opt, weighting=method.weighting)
+    if method.algorithm == "local":
+        return local_only(sgd)
     cls = FedAlt if method.algorithm == "fedalt" else FedSim
     return cls(sgd, w_init=method.w_init, stateless=method.stateless, server_opt=opt,
                weighting=method.weighting)
@@ -422,6 +446,40 @@ def run_jobs(fn: Callable[[Any], Any], jobs: list, workers: int,
     return out
 
 
+@dataclass
+class TableRuns:
+    """The (method, seed) runs of a table: ``results[label]`` = one metrics dict per seed (in
+    seed order), ``timings["seed{s}/{label}"]`` = seconds of that run, ``seconds`` = the whole
+    table's wall-clock time since ``t_start``."""
+
+    results: dict[str, list[dict]]
+    timings: dict[str, float]
+    seconds: float
+
+
+def run_table(run_one: Callable[[tuple], tuple[str, int, dict, float]],
+              methods: Sequence[tuple[str, Any]], seeds: Sequence[int], job_args: tuple,
+              workers: int, out_dir: Path, t_start: float, progress: bool | str = False
+              ) -> TableRuns:
+    """Run every (seed, method) job of a reproduction table with :func:`run_jobs` and collect
+    the results; writes ``out_dir/results.json``. A job is ``(*job_args, seed, method index,
+    progress)`` and ``run_one(job)`` returns ``(label, seed, metrics, seconds)``."""
+    from partialfl.experiments.report import jsonable
+
+    jobs = [(*job_args, seed, i, bool(progress) and workers <= 1)
+            for seed in seeds for i in range(len(methods))]
+    done = run_jobs(run_one, jobs, workers, progress)
+    results: dict[str, list[dict]] = {label: [] for label, _ in methods}
+    timings: dict[str, float] = {}
+    for label, seed, m, sec in sorted(done, key=lambda t: t[1]):
+        results[label].append(m)
+        timings[f"seed{seed}/{label}"] = sec
+    seconds = time.perf_counter() - t_start
+    _write_json(Path(out_dir) / "results.json", jsonable(
+        {"results": results, "timings": timings, "total_seconds": seconds}))
+    return TableRuns(results, timings, seconds)
+
+
 # ----------------------------------------------------------------------------- stages
 def pretrain(cfg: PipelineConfig, task: Task, stage1_dir: Path, progress: bool | str = False,
              on_round=None) -> Params:
@@ -463,6 +521,8 @@ def personalize(cfg: PipelineConfig, task: Task, theta1: Params, run_dir: Path,
                 progress: bool | str = False, on_round=None) -> _Stage2:
     """Stage 2: the method from the stage-1 parameters ``theta1``; resumable."""
     run_dir = Path(run_dir)
+    if cfg.method.algorithm == "local":  # nothing shared: a fresh model per seed
+        theta1 = {n: p.detach().clone() for n, p in task.model_fn(cfg.seed).named_parameters()}
     model = load_params(task.model_fn(cfg.stage1_seed), theta1)
     split = _seeded_split(task, model, cfg.method.split, cfg.method.split_options, cfg.seed)
     theta_start, w_pre = split.params()
@@ -498,7 +558,7 @@ def finetune_and_evaluate(cfg: PipelineConfig, task: Task, s2: _Stage2, run_dir:
                           ) -> tuple[dict[str, Any], Split, Params]:
     """Stage 3: fine-tune every client's w, evaluate; returns (metrics, split, θ)."""
     split, problem, theta = s2.split, s2.problem, s2.theta
-    w0 = _deploy_start(cfg, s2)
+    w0 = {} if cfg.method.algorithm in FULL_PERSONAL else _deploy_start(cfg, s2)
     if cfg.method.algorithm == "fedavg" and cfg.method.finetune_split:
         # FedAvg + fine-tuning: a split of the trained shared model, w_pre = trained layers
         model = load_params(task.model_fn(cfg.stage1_seed), theta)
@@ -508,17 +568,25 @@ def finetune_and_evaluate(cfg: PipelineConfig, task: Task, s2: _Stage2, run_dir:
         problem = _problem(task, split, cfg, w_pre)
         theta = _on(theta, problem)
         w0 = problem.init_w(np.arange(problem.num_clients), "pretrained", cfg.seed, -1)
+    # Ditto / local-only deploy each client's v_m (no w, so stage 3 changes nothing)
+    deployed = (Ditto.personal_v(theta, s2.client_state)
+                if cfg.method.algorithm in FULL_PERSONAL else theta)
+    counts = split.counts()
+    if cfg.method.algorithm in FULL_PERSONAL:  # v_m: a personal copy of every parameter
+        counts["personal_params"] = counts["global_params"]
+        if cfg.method.algorithm == "local":
+            counts["global_params"] = 0
     t0 = time.perf_counter()
-    before = evaluate_model(problem, theta, w0, "test")
+    before = evaluate_model(problem, deployed, w0, "test")
     w = finetune_personal(problem, theta, w0, cfg.finetune.sgd(), cfg.seed)
-    test = evaluate_model(problem, theta, w, "test")
-    train = evaluate_model(problem, theta, w, "train")
+    test = evaluate_model(problem, deployed, w, "test")
+    train = evaluate_model(problem, deployed, w, "train")
     metrics = {
         "method": cfg.method.name, "seed": cfg.seed, **test.as_dict("test"),
         **train.as_dict("train"), "test_acc_before_ft": before.accuracy,
         "per_client_test_acc": test.per_client, "client_ids": list(task.data.client_ids),
         "test_sizes": problem.num_examples(np.arange(problem.num_clients), "test"),
-        "split_counts": split.counts(), "stage2_seconds": s2.seconds,
+        "split_counts": counts, "stage2_seconds": s2.seconds,
         "stage3_seconds": time.perf_counter() - t0,
     }
     torch.save({"model": split.model, "kind": split.kind, "global_names": split.global_names,
@@ -579,6 +647,9 @@ def evaluate_run(run_dir: str | Path, data, *, finetune_epochs: int | None = Non
     split = Split(dep["model"], dep["kind"], tuple(dep["global_names"]),
                   tuple(dep["personal_names"]))
     ft = cfg.finetune
+    if cfg.method.algorithm in FULL_PERSONAL:
+        return _evaluate_new_full_personal(cfg, dep, data, finetune_epochs, lr, batch_size, seed,
+                                           loss_fn, metric, vectorize)
     res = evaluate_new_clients(
         dep["theta"], None, split, data,
         ft.epochs if finetune_epochs is None else finetune_epochs,
@@ -587,3 +658,26 @@ def evaluate_run(run_dir: str | Path, data, *, finetune_epochs: int | None = Non
         seed=cfg.seed if seed is None else seed, loss_fn=loss_fn, metric=metric,
         vectorize=vectorize, device=device, precision=cfg.precision)
     return res
+
+
+def _evaluate_new_full_personal(cfg: PipelineConfig, dep: dict, data, epochs, lr, batch_size,
+                                seed, loss_fn, metric, vectorize) -> dict[str, Any]:
+    """New clients of Ditto / local-only (see the module docstring): v from the deployed θ."""
+    split = Split(dep["model"], "none", tuple(dep["global_names"]), ())
+    problem = ModelProblem(split, data, loss_fn=loss_fn, metric=metric, vectorize=vectorize)
+    theta = dep["theta"]
+    local = cfg.method.algorithm == "local"
+    if epochs is None:
+        epochs = (cfg.personalize.rounds * cfg.personalize.client.epochs if local
+                  else cfg.finetune.epochs)
+    sgd = SGDConfig(lr=lr or (cfg.personalize.client.lr if local else cfg.finetune.lr),
+                    epochs=int(epochs), batch_size=batch_size or cfg.finetune.batch_size,
+                    clip_norm=cfg.finetune.clip_norm)
+    allc = np.arange(problem.num_clients)
+    stacked = {n: t.unsqueeze(0).repeat(len(allc), *([1] * t.dim())) for n, t in theta.items()}
+    v, _ = personal_models(problem, allc, stacked, theta, sgd, 0.0 if local else cfg.method.lam,
+                           cfg.seed if seed is None else seed, -1, stream="new-clients")
+    return {"test": evaluate_model(problem, v, {}, "test"),
+            "train": evaluate_model(problem, v, {}, "train"),
+            "before": evaluate_model(problem, theta, {}, "test"),
+            "num_clients": problem.num_clients, "split": "none"}
