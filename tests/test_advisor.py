@@ -112,3 +112,47 @@ def test_advisor_finds_a_planted_personal_output_layer():
     assert "| 1 | output |" in adv.table()
     with pytest.raises(KeyError, match="differs in"):
         advise(model, data, {"inp.weight": th["inp.weight"]})
+
+
+# ----------------------------------------------------------------------------- the command
+def test_measured_accuracies_from_markdown_and_json(tmp_path):
+    from partialfl.experiments.advise import compare, measured_accuracies
+
+    md = tmp_path / "r.md"
+    md.write_text("# Results\n## Other\n| FFGG (input) | 1.0 |\n\n## FEMNIST table\ntext\n\n"
+                  "| method | acc |\n| --- | --- |\n| FedAvg | 84.13 ± 0.07 |\n"
+                  "| FFGG (input) | 83.90 ± 0.04 | x |\n| FFGG (output: last block) | 83.33 |\n"
+                  "| FFGG (adapter) | 84.07 ± 0.26 |\n\nafter\n| FFGG (norm) | 99 |\n")
+    got = measured_accuracies(md, "FEMNIST")
+    assert got == {"input": (83.90, 0.04), "output": (83.33, 0.0), "adapter": (84.07, 0.26)}
+    js = tmp_path / "results.json"
+    js.write_text('{"results": {"FedAvg": [{"test_acc": 0.5}], "FFGG (norm)": '
+                  '[{"test_acc": 0.8}, {"test_acc": 0.9}]}}')
+    assert measured_accuracies(js) == {"norm": (pytest.approx(85.0), pytest.approx(5.0))}
+    with pytest.raises(ValueError, match="no heading"):
+        measured_accuracies(md, "Shakespeare")
+
+    from partialfl.advisor import Advice, GroupScore
+
+    adv = Advice([GroupScore(k, 1, 0, 0, d, 0, 0) for k, d in
+                  (("adapter", 0.3), ("input", 0.2), ("output", 0.1), ("layer x", 0.05))], "",
+                 0.0)
+    c = compare(adv, got)
+    assert c["spearman"] == pytest.approx(1.0) and c["advisor_pick"] == "adapter"
+    assert c["pick_within_spread"] and c["gap_points"] == 0
+
+
+def test_advise_command_on_har(tmp_path, data_dir):
+    from partialfl.cli import main
+
+    th = tmp_path / "theta.pt"
+    from partialfl.models import make_model
+
+    torch.save({n: p.detach() for n, p in make_model("har_cnn", 6, seed=0).named_parameters()},
+               th)
+    assert main(["advise", "har", "--theta", str(th), "--clients", "2", "--out",
+                 str(tmp_path / "adv"), "--data-dir", str(data_dir), "--no-progress"]) == 0
+    text = (tmp_path / "adv" / "advice.md").read_text()
+    for g in ("input", "output", "adapter", "norm", "layer conv2"):
+        assert f"| {g} |" in text
+    assert "Recommendation" in text

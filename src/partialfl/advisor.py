@@ -94,9 +94,12 @@ class Advice:
 
 def candidate_splits(model: nn.Module, kinds: Sequence[str] = DEFAULT_KINDS, layers: bool = True,
                      split_fn: Callable[[nn.Module, str, Mapping], Split] | None = None,
-                     seed: int = 0) -> dict[str, Split]:
+                     seed: int = 0, groups: Mapping[str, Sequence[str]] | None = None
+                     ) -> dict[str, Split]:
     """name → Split for every kind that applies to ``model`` (kinds that select nothing are
-    left out) and, with ``layers``, one ``layer <module>`` split per parameterised module."""
+    left out), with ``layers`` one ``layer <module>`` split per parameterised module, and one
+    per entry of ``groups`` (name → personal parameter-name regexes, e.g. a transformer
+    block); a group equal to an earlier candidate is left out."""
     out: dict[str, Split] = {}
     for k in kinds:
         try:
@@ -109,13 +112,17 @@ def candidate_splits(model: nn.Module, kinds: Sequence[str] = DEFAULT_KINDS, lay
                     make_split(model, k)
         except (SplitError, ValueError):
             continue
+    seen = {sp.personal_names for sp in out.values()}
+    extra = dict(groups or {})
     if layers:
-        seen = {sp.personal_names for sp in out.values()}
         mods = parameterised_modules(model)
         for m in mods if len(mods) > 1 else ():
-            sp = make_split(model, "pattern", personal=[f"^{re.escape(m)}\\.[^.]+$"])
-            if sp.personal_names not in seen:  # e.g. "layer conv1" is the input split
-                out[f"layer {m}"] = sp
+            extra[f"layer {m}"] = [f"^{re.escape(m)}\\.[^.]+$"]
+    for name, pats in extra.items():
+        sp = make_split(model, "pattern", personal=list(pats))
+        if sp.personal_names not in seen:  # e.g. "layer conv1" is the input split
+            out[name] = sp
+            seen.add(sp.personal_names)
     return out
 
 
@@ -170,8 +177,9 @@ def score_split(split: Split, data: FederatedDataset, cfg: SGDConfig, seed: int 
 def advise(model: nn.Module, data: FederatedDataset, theta: Mapping[str, torch.Tensor] | None
            = None, *, kinds: Sequence[str] = DEFAULT_KINDS, layers: bool = True,
            clients: int = 10, epochs: int = 3, lr: float = 0.02, batch_size: int = 32,
-           holdout: float = 0.25, seed: int = 0, loss_fn=cross_entropy, metric=accuracy,
-           split_fn=None) -> Advice:
+           clip_norm: float | None = None, holdout: float = 0.25, seed: int = 0,
+           loss_fn=cross_entropy, metric=accuracy, split_fn=None,
+           groups: Mapping[str, Sequence[str]] | None = None) -> Advice:
     """Rank the candidate groups of ``model`` (with pre-trained values ``theta``, all
     parameters by name; None: the model's own) on ``clients`` clients sampled from ``data``
     (see the module docstring). ``split_fn(model, kind, options)`` builds the named kinds
@@ -195,8 +203,8 @@ def advise(model: nn.Module, data: FederatedDataset, theta: Mapping[str, torch.T
     k = min(clients, eligible.size)
     cohort = np.sort(generator(seed, "advisor-clients").choice(eligible, k, replace=False))
     fv = _fit_val(data, cohort, holdout, seed)
-    cfg = SGDConfig(lr=lr, epochs=epochs, batch_size=batch_size)
-    cands = candidate_splits(model, kinds, layers, split_fn, seed)
+    cfg = SGDConfig(lr=lr, epochs=epochs, batch_size=batch_size, clip_norm=clip_norm)
+    cands = candidate_splits(model, kinds, layers, split_fn, seed, groups)
     scores = [score_split(sp, fv, cfg, seed, loss_fn, metric, name)
               for name, sp in cands.items()]
     scores.sort(key=lambda s: s.drop, reverse=True)
