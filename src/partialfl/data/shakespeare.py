@@ -214,7 +214,8 @@ def load_shakespeare(
         "test_coverage": vocab.coverage(test_counts),
     }
     desc = (f"Shakespeare ({corpus}) by role: {len(kept)} roles with >= {min_train} train / "
-            f">= {min_test} test lines, {vocab.num_words} words + 4 specials, T={seq_len}, seed {seed}")
+            f">= {min_test} test lines, {vocab.num_words} words + 4 specials, T={seq_len}, "
+            f"seed {seed}")
     ds = FederatedDataset(tuple(xs_tr), tuple(ys_tr), tuple(xs_te), tuple(ys_te),
                           tuple(kept), num_classes=len(vocab), description=desc)
     return TextFederation(ds, vocab, seq_len, stats)
