@@ -82,8 +82,10 @@ class Ditto(Algorithm):
     def init_client_state(self, problem) -> Params:
         self._check(problem)
         M = problem.num_clients
-        out = {PREFIX + n: torch.zeros((M, *s)) for n, s in problem.theta_shapes.items()}
-        out[JOINED] = torch.zeros(M)
+        dev = getattr(problem, "device", None)
+        out = {PREFIX + n: torch.zeros((M, *s), device=dev)
+               for n, s in problem.theta_shapes.items()}
+        out[JOINED] = torch.zeros(M, device=dev)
         return out
 
     @staticmethod
@@ -104,7 +106,8 @@ class Ditto(Algorithm):
                              "client state (init_client_state)")
         theta = state.theta
         if self.local.epochs == 0 and self.local.steps in (None, 0):
-            delta = {n: torch.zeros((len(cohort), *t.shape)) for n, t in theta.items()}
+            delta = {n: torch.zeros((len(cohort), *t.shape), device=t.device)
+                     for n, t in theta.items()}
             steps, loss = 0, np.full(len(cohort), np.nan)
         else:
             r = run_sgd(problem, cohort, theta, {}, train="theta", cfg=self.local,
@@ -116,7 +119,7 @@ class Ditto(Algorithm):
         up = ClientUpdates(delta, _weights(problem, cohort, self.weighting), np.asarray(cohort),
                            steps, metrics={"train_loss": loss, "personal_loss": ploss})
         new_state = {PREFIX + n: t for n, t in v.items()}
-        new_state[JOINED] = torch.ones(len(cohort))
+        new_state[JOINED] = torch.ones(len(cohort), device=client_state[JOINED].device)
         return ClientResult(up, new_state)
 
     def deployed(self, state, problem, client_state, ctx):

@@ -649,7 +649,7 @@ def evaluate_run(run_dir: str | Path, data, *, finetune_epochs: int | None = Non
     ft = cfg.finetune
     if cfg.method.algorithm in FULL_PERSONAL:
         return _evaluate_new_full_personal(cfg, dep, data, finetune_epochs, lr, batch_size, seed,
-                                           loss_fn, metric, vectorize)
+                                           loss_fn, metric, vectorize, device)
     res = evaluate_new_clients(
         dep["theta"], None, split, data,
         ft.epochs if finetune_epochs is None else finetune_epochs,
@@ -661,11 +661,12 @@ def evaluate_run(run_dir: str | Path, data, *, finetune_epochs: int | None = Non
 
 
 def _evaluate_new_full_personal(cfg: PipelineConfig, dep: dict, data, epochs, lr, batch_size,
-                                seed, loss_fn, metric, vectorize) -> dict[str, Any]:
+                                seed, loss_fn, metric, vectorize, device) -> dict[str, Any]:
     """New clients of Ditto / local-only (see the module docstring): v from the deployed θ."""
     split = Split(dep["model"], "none", tuple(dep["global_names"]), ())
-    problem = ModelProblem(split, data, loss_fn=loss_fn, metric=metric, vectorize=vectorize)
-    theta = dep["theta"]
+    problem = ModelProblem(split, data, loss_fn=loss_fn, metric=metric, vectorize=vectorize,
+                           device=device, precision=cfg.precision)
+    theta = _on(dep["theta"], problem)
     local = cfg.method.algorithm == "local"
     if epochs is None:
         epochs = (cfg.personalize.rounds * cfg.personalize.client.epochs if local
