@@ -93,8 +93,9 @@ class Size:
     clients_per_round: int = 10
 
 
-#: the table, sized for the 2-core machine shared with other work (the summary records the
-#: measured wall-clock time): 25 stage-2 rounds, i.e. each subject takes part in ~12
+#: the table, sized for the 2-core machine shared with other work: 25 stage-2 rounds, i.e. each
+#: subject takes part in ~12 (measured: stage 1 256 s + 53.1 min for the runs under load
+#: average 12-17, see docs/results.md)
 FULL = Size(pretrain_rounds=100, rounds=25, eval_every=0, finetune_epochs=5, num_subjects=None,
             holdout=HOLDOUT_SUBJECTS, seeds=DEFAULT_SEEDS, threads=1, workers=2)
 #: CI size: a few subjects and rounds, one seed (well under a minute)
