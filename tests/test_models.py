@@ -119,7 +119,7 @@ def test_make_model_seeding_and_errors():
         make_model("emnist_cnn", 0)
     with pytest.raises(ValueError, match="variant"):
         ResNet18GN(62, variant="cifar")  # type: ignore[arg-type]
-    assert set(MODELS) == {"emnist_cnn", "leaf_cnn", "resnet18_emnist", "resnet18_224"}
+    assert set(MODELS) == {"emnist_cnn", "leaf_cnn", "har_cnn", "resnet18_emnist", "resnet18_224"}
 
 
 @pytest.mark.parametrize("name", ["emnist_cnn", "resnet18_emnist"])

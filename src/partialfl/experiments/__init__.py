@@ -19,6 +19,9 @@ REPRODUCTIONS: dict[str, tuple[str, str, str]] = {
                       "Table 2 (FEMNIST): FedAvg vs FFGG splits, Local FFGG, FedAlt/FedSim"),
     "shakespeare-table": ("partialfl.experiments.shakespeare", "reproduce_table",
                           "Next-word prediction by role: FedAvg vs FFGG splits (transformer)"),
+    "har-table": ("partialfl.experiments.har", "reproduce_table",
+                  "Activity recognition by subject (HAPT): local, FedAvg(+FT), FFGG splits, "
+                  "Ditto"),
     "async": ("partialfl.experiments.asynchronous", "reproduce_async",
               "Asynchronous FFGG vs sync FFGG, FedBuff, async SGD on least squares"),
     "byzantine": ("partialfl.experiments.byzantine", "reproduce_byzantine",

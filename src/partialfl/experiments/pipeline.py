@@ -10,6 +10,14 @@
    fixed, from the method's deployed start (FFGG / Local FFGG / stateless: the round start
    w_pre; FedAlt / FedSim: the w_m kept on the client); then test and train metrics.
 
+Fully personal models (:mod:`partialfl.algorithms.ditto`): ``ditto`` (split ``none``, strength
+``lam``) trains θ by FedAvg and each client's v_m; ``local`` is local training only — every
+client trains its own copy of a *fresh* model (``model_fn(seed)``, not the stage-1 values) and
+nothing is shared. Both deploy v_m and skip stage 3; on new clients (:func:`evaluate_run`) a
+Ditto client trains v from θ for ``finetune.epochs`` epochs, a local-only client trains its
+fresh copy for ``personalize.rounds × client.epochs`` epochs (the budget of a training client
+under full participation).
+
 Files in ``run_dir``: ``config.json``; ``stage2.jsonl`` (per-evaluation metrics: learning
 curves), ``stage2.ckpt`` (resumable server state) and ``stage2.client-side.ckpt`` (the
 clients' state, e.g. FedAlt's w_m: never in a server file), ``theta_stage2.safetensors`` (θ
@@ -41,7 +49,7 @@ import math
 import re
 import time
 import warnings
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
@@ -52,6 +60,7 @@ from torch import nn
 
 from partialfl import io as pio
 from partialfl.algorithms.base import Algorithm
+from partialfl.algorithms.ditto import Ditto, local_only, personal_models
 from partialfl.algorithms.model import WEIGHTINGS, FedAlt, FedAvg, FedSim, LocalFFGG, model_ffgg
 from partialfl.config import ConfigError, check_choice, from_dict, to_dict
 from partialfl.data.federated import FederatedDataset
@@ -78,7 +87,9 @@ from partialfl.server import OPTIMIZERS, Clipped, Schedule, make_optimizer
 from partialfl.split import SPLIT_KINDS, Split, make_split
 from partialfl.types import Params
 
-ALGORITHMS = ("fedavg", "ffgg", "local-ffgg", "fedalt", "fedsim")
+ALGORITHMS = ("fedavg", "ffgg", "local-ffgg", "fedalt", "fedsim", "ditto", "local")
+#: methods that train a fully personal model per client (split "none", no stage 3)
+FULL_PERSONAL = ("ditto", "local")
 BACKENDS = ("sequential", "vmap", "processes")
 SCHEDULES = Schedule.KINDS
 
@@ -180,6 +191,7 @@ class MethodConfig:
     ``local_steps``: Local FFGG's K alternating steps (None: ``client.epochs`` passes).
     ``finetune_split``: FedAvg only — the split whose w stage 3 fine-tunes (e.g. ``output``:
     "FedAvg + fine-tuning"); None: FedAvg is evaluated as is.
+    ``lam``: Ditto's λ ≥ 0 (``inf`` allowed).
     """
 
     algorithm: str = "ffgg"
@@ -191,16 +203,24 @@ class MethodConfig:
     finetune_split: str | None = None
     weighting: str = "uniform"
     label: str = ""
+    lam: float | None = None
 
     def __post_init__(self) -> None:
         _choice("method.algorithm", self.algorithm, ALGORITHMS)
         _choice("method.split", self.split, SPLIT_KINDS)
         _choice("method.w_init", self.w_init, W_INITS)
         _choice("method.weighting", self.weighting, WEIGHTINGS)
+        if (self.lam is None) != (self.algorithm != "ditto") or (
+                self.lam is not None and not float(self.lam) >= 0):
+            raise ConfigError(f"method.lam: Ditto needs lam >= 0 and other algorithms none; "
+                              f"got lam={self.lam!r} for {self.algorithm!r}")
+        if self.algorithm in FULL_PERSONAL and self.split != "none":
+            raise ConfigError(f"method.split: {self.algorithm} keeps a full personal model; use "
+                              f"'none', got {self.split!r}")
         if self.algorithm == "fedavg" and self.split != "none":
             raise ConfigError(f"method.split: FedAvg trains every parameter globally; use "
                               f"'none' (and finetune_split for stage 3), got {self.split!r}")
-        if self.algorithm != "fedavg" and self.split == "none":
+        if self.algorithm not in ("fedavg", *FULL_PERSONAL) and self.split == "none":
             raise ConfigError(f"method.split: {self.algorithm} needs personal parameters; "
                               f"allowed: {', '.join(k for k in SPLIT_KINDS if k != 'none')}")
         if self.finetune_split is not None:
@@ -346,6 +366,10 @@ def build_algorithm(method: MethodConfig, stage: StageConfig) -> Algorithm:
         local = stage.client.sgd(steps=method.local_steps)
         return LocalFFGG(warm, local, w_init=method.w_init, server_opt=opt,
                          weighting=method.weighting)
+    if method.algorithm == "ditto":
+        return Ditto(sgd, sgd, float(method.lam), server_opt=opt, weighting=method.weighting)
+    if method.algorithm == "local":
+        return local_only(sgd)
     cls = FedAlt if method.algorithm == "fedalt" else FedSim
     return cls(sgd, w_init=method.w_init, stateless=method.stateless, server_opt=opt,
                weighting=method.weighting)
@@ -517,6 +541,40 @@ def run_jobs(fn: Callable[[Any], Any], jobs: list, workers: int,
     return out
 
 
+@dataclass
+class TableRuns:
+    """The (method, seed) runs of a table: ``results[label]`` = one metrics dict per seed (in
+    seed order), ``timings["seed{s}/{label}"]`` = seconds of that run, ``seconds`` = the whole
+    table's wall-clock time since ``t_start``."""
+
+    results: dict[str, list[dict]]
+    timings: dict[str, float]
+    seconds: float
+
+
+def run_table(run_one: Callable[[tuple], tuple[str, int, dict, float]],
+              methods: Sequence[tuple[str, Any]], seeds: Sequence[int], job_args: tuple,
+              workers: int, out_dir: Path, t_start: float, progress: bool | str = False
+              ) -> TableRuns:
+    """Run every (seed, method) job of a reproduction table with :func:`run_jobs` and collect
+    the results; writes ``out_dir/results.json``. A job is ``(*job_args, seed, method index,
+    progress)`` and ``run_one(job)`` returns ``(label, seed, metrics, seconds)``."""
+    from partialfl.experiments.report import jsonable
+
+    jobs = [(*job_args, seed, i, bool(progress) and workers <= 1)
+            for seed in seeds for i in range(len(methods))]
+    done = run_jobs(run_one, jobs, workers, progress)
+    results: dict[str, list[dict]] = {label: [] for label, _ in methods}
+    timings: dict[str, float] = {}
+    for label, seed, m, sec in sorted(done, key=lambda t: t[1]):
+        results[label].append(m)
+        timings[f"seed{seed}/{label}"] = sec
+    seconds = time.perf_counter() - t_start
+    _write_json(Path(out_dir) / "results.json", jsonable(
+        {"results": results, "timings": timings, "total_seconds": seconds}))
+    return TableRuns(results, timings, seconds)
+
+
 # ----------------------------------------------------------------------------- stages
 def pretrain(cfg: PipelineConfig, task: Task, stage1_dir: Path, progress: bool | str = False,
              on_round=None) -> Params:
@@ -564,6 +622,8 @@ def personalize(cfg: PipelineConfig, task: Task, theta1: Params, run_dir: Path,
                 progress: bool | str = False, on_round=None) -> _Stage2:
     """Stage 2: the method from the stage-1 parameters ``theta1``; resumable."""
     run_dir = Path(run_dir)
+    if cfg.method.algorithm == "local":  # nothing shared: a fresh model per seed
+        theta1 = {n: p.detach().clone() for n, p in task.model_fn(cfg.seed).named_parameters()}
     model = load_params(task.model_fn(cfg.stage1_seed), theta1)
     split = _seeded_split(task, model, cfg.method.split, cfg.method.split_options, cfg.seed)
     theta_start, w_pre = split.params()
@@ -607,7 +667,7 @@ def finetune_and_evaluate(cfg: PipelineConfig, task: Task, s2: _Stage2, run_dir:
     validation data): ``cfg.finetune_grid`` (if set) picks the fine-tuning setting there, and
     the final model is evaluated once on ``test_task``'s data (the real test split)."""
     split, problem, theta = s2.split, s2.problem, s2.theta
-    w0 = _deploy_start(cfg, s2)
+    w0 = {} if cfg.method.algorithm in FULL_PERSONAL else _deploy_start(cfg, s2)
     if cfg.method.algorithm == "fedavg" and cfg.method.finetune_split:
         # FedAvg + fine-tuning: a split of the trained shared model, w_pre = trained layers
         model = load_params(task.model_fn(cfg.stage1_seed), theta)
@@ -617,6 +677,14 @@ def finetune_and_evaluate(cfg: PipelineConfig, task: Task, s2: _Stage2, run_dir:
         problem = _problem(task, split, cfg, w_pre)
         theta = _on(theta, problem)
         w0 = problem.init_w(np.arange(problem.num_clients), "pretrained", cfg.seed, -1)
+    # Ditto / local-only deploy each client's v_m (no w, so stage 3 changes nothing)
+    deployed = (Ditto.personal_v(theta, s2.client_state)
+                if cfg.method.algorithm in FULL_PERSONAL else theta)
+    counts = split.counts()
+    if cfg.method.algorithm in FULL_PERSONAL:  # v_m: a personal copy of every parameter
+        counts["personal_params"] = counts["global_params"]
+        if cfg.method.algorithm == "local":
+            counts["global_params"] = 0
     t0 = time.perf_counter()
     extra: dict[str, Any] = {}
     if test_task is not None:  # choices on the validation view, the test once at the end
@@ -626,20 +694,20 @@ def finetune_and_evaluate(cfg: PipelineConfig, task: Task, s2: _Stage2, run_dir:
             extra["finetune_choice"] = choice
         else:
             w = finetune_personal(problem, theta, w0, cfg.finetune.sgd(), cfg.seed)
-        extra["val_acc"] = evaluate_model(problem, theta, w, "test").accuracy
+        extra["val_acc"] = evaluate_model(problem, deployed, w, "test").accuracy
         problem = _problem(test_task, split, cfg, problem.w_pretrained)
-        before = evaluate_model(problem, theta, w0, "test")
+        before = evaluate_model(problem, deployed, w0, "test")
     else:
-        before = evaluate_model(problem, theta, w0, "test")
+        before = evaluate_model(problem, deployed, w0, "test")
         w = finetune_personal(problem, theta, w0, cfg.finetune.sgd(), cfg.seed)
-    test = evaluate_model(problem, theta, w, "test")
-    train = evaluate_model(problem, theta, w, "train")
+    test = evaluate_model(problem, deployed, w, "test")
+    train = evaluate_model(problem, deployed, w, "train")
     metrics = {
         "method": cfg.method.name, "seed": cfg.seed, **test.as_dict("test"),
         **train.as_dict("train"), "test_acc_before_ft": before.accuracy,
         "per_client_test_acc": test.per_client, "client_ids": list(task.data.client_ids),
         "test_sizes": problem.num_examples(np.arange(problem.num_clients), "test"),
-        "split_counts": split.counts(), "stage2_seconds": s2.seconds,
+        "split_counts": counts, "stage2_seconds": s2.seconds,
         "stage3_seconds": time.perf_counter() - t0, **extra, **_budgets(run_dir),
     }
     save_deploy(run_dir, split, _host(theta), _host(problem.w_pretrained),
@@ -780,6 +848,9 @@ def evaluate_run(run_dir: str | Path, data, *, model_fn: Callable[[int], nn.Modu
         {k: v for k, v in pio.read_json(run_dir / "config.json").items() if k != "task"})
     split, theta, w_pre = _deployed_split(run_dir, cfg, model_fn, split_fn)
     ft = cfg.finetune
+    if cfg.method.algorithm in FULL_PERSONAL:
+        return _evaluate_new_full_personal(cfg, split, theta, data, finetune_epochs, lr,
+                                           batch_size, seed, loss_fn, metric, vectorize, device)
     mfile = run_dir / "metrics.json"
     choice = pio.read_json(mfile).get("finetune_choice") if mfile.exists() else None
     if choice:  # stage 3's setting chosen on validation data
@@ -795,3 +866,27 @@ def evaluate_run(run_dir: str | Path, data, *, model_fn: Callable[[int], nn.Modu
         seed=cfg.seed if seed is None else seed, loss_fn=loss_fn, metric=metric,
         vectorize=vectorize, device=device, precision=cfg.precision)
     return res
+
+
+def _evaluate_new_full_personal(cfg: PipelineConfig, split: Split, theta: Params, data, epochs,
+                                lr, batch_size, seed, loss_fn, metric, vectorize, device
+                                ) -> dict[str, Any]:
+    """New clients of Ditto / local-only (see the module docstring): v from the deployed θ."""
+    problem = ModelProblem(split, data, loss_fn=loss_fn, metric=metric, vectorize=vectorize,
+                           device=device, precision=cfg.precision)
+    theta = _on(theta, problem)
+    local = cfg.method.algorithm == "local"
+    if epochs is None:
+        epochs = (cfg.personalize.rounds * cfg.personalize.client.epochs if local
+                  else cfg.finetune.epochs)
+    sgd = SGDConfig(lr=lr or (cfg.personalize.client.lr if local else cfg.finetune.lr),
+                    epochs=int(epochs), batch_size=batch_size or cfg.finetune.batch_size,
+                    clip_norm=cfg.finetune.clip_norm)
+    allc = np.arange(problem.num_clients)
+    stacked = {n: t.unsqueeze(0).repeat(len(allc), *([1] * t.dim())) for n, t in theta.items()}
+    v, _ = personal_models(problem, allc, stacked, theta, sgd, 0.0 if local else cfg.method.lam,
+                           cfg.seed if seed is None else seed, -1, stream="new-clients")
+    return {"test": evaluate_model(problem, v, {}, "test"),
+            "train": evaluate_model(problem, v, {}, "train"),
+            "before": evaluate_model(problem, theta, {}, "test"),
+            "num_clients": problem.num_clients, "split": "none"}

@@ -10,6 +10,10 @@ with minibatch b ⊂ D_m and trained variables x (w, θ or both):
 ``train="alternate"`` (Local FFGG, Algorithm 4) does, per minibatch, a w-step and then a θ-step
 at the new w (both on the same minibatch, each clipped separately).
 
+``prox=(λ, c)`` (with ``train="theta"``; Ditto's personal model) follows every step with the
+exact proximal map of (λ/2)‖x − c‖²:  x ← (x + ηλ c) / (1 + ηλ)  (λ = ∞: x ← c), a
+proximal-gradient step on f_m(x) + (λ/2)‖x − c‖², stable for every λ ≥ 0; λ = 0 is plain SGD.
+
 Minibatches: for each epoch a permutation of the client's examples drawn from
 ``partialfl.rng.generator(seed, stream, round, client)`` (one generator per client, epochs in
 sequence), cut into consecutive batches of ``batch_size`` (the last one may be smaller). With
@@ -121,7 +125,8 @@ def _stack_theta(theta: Params, shapes: dict, k: int) -> Params:
 
 
 def run_sgd(problem, cohort, theta: Params, w: Params, *, train: str, cfg: SGDConfig,
-            seed: int, round_: int, stream: str) -> SGDResult:
+            seed: int, round_: int, stream: str,
+            prox: tuple[float, Params] | None = None) -> SGDResult:
     """Run the local SGD loop on every client of the cohort (see the module docstring).
 
     ``theta`` is shared or per client; ``w`` is stacked ``[k, ...]``. Vectorised problems
@@ -130,6 +135,11 @@ def run_sgd(problem, cohort, theta: Params, w: Params, *, train: str, cfg: SGDCo
     """
     if train not in TRAIN_MODES:
         raise ValueError(f"unknown train mode {train!r}; allowed: {', '.join(TRAIN_MODES)}")
+    if prox is not None:
+        lam = float(prox[0])
+        if train != "theta" or not (lam >= 0):
+            raise ValueError(f"prox=(λ, centre) needs train='theta' and λ >= 0, got "
+                             f"train={train!r}, λ={prox[0]!r}")
     cohort = np.asarray(cohort, dtype=np.int64)
     k = len(cohort)
     if k == 0:
@@ -148,7 +158,8 @@ def run_sgd(problem, cohort, theta: Params, w: Params, *, train: str, cfg: SGDCo
         th_g = {n: (v if tuple(v.shape) == problem.theta_shapes[n] else v[g])
                 for n, v in theta.items()}
         w_g = {n: v[g] for n, v in w.items()}
-        th_g, w_g, s, lg = _loop(problem, cohort[g], th_g, w_g, [plans[i] for i in g], train, cfg)
+        th_g, w_g, s, lg = _loop(problem, cohort[g], th_g, w_g, [plans[i] for i in g], train, cfg,
+                                 prox)
         th_rows.append(th_g)
         w_rows.append(w_g)
         losses[g] = lg
@@ -161,7 +172,20 @@ def run_sgd(problem, cohort, theta: Params, w: Params, *, train: str, cfg: SGDCo
     return SGDResult(th_out, w_out, steps, losses)
 
 
-def _loop(problem, cohort, theta, w, plans, train, cfg):
+def _prox_step(x: Params, prox: tuple[float, Params], lr: float, active: np.ndarray) -> Params:
+    """x ← (x + ηλ c)/(1 + ηλ) on the rows of clients that took a step (``active``)."""
+    lam, centre = float(prox[0]), prox[1]
+    out = {}
+    for n, v in x.items():
+        a = torch.as_tensor(active, device=v.device)
+        c = centre[n].to(v.device)
+        new = c.expand_as(v).clone() if math.isinf(lam) else (v + lr * lam * c) / (1 + lr * lam)
+        mask = a.reshape((-1,) + (1,) * (v.dim() - 1))
+        out[n] = torch.where(mask, new.to(v.dtype), v)
+    return out
+
+
+def _loop(problem, cohort, theta, w, plans, train, cfg, prox=None):
     k = len(cohort)
     n_steps = max((len(p) for p in plans), default=0)
     # summed on the problem's device (no host sync per step); float64 where it exists
@@ -182,6 +206,8 @@ def _loop(problem, cohort, theta, w, plans, train, cfg):
                 w = _step(w, g, cfg.lr)
             if train in ("theta", "both"):
                 theta = _step(theta, g, cfg.lr)
+            if prox is not None:
+                theta = _prox_step(theta, prox, cfg.lr, np.array([b is not None for b in batches]))
         loss_sum += loss.to(loss_sum.dtype)
     loss_sum = loss_sum.cpu().numpy().astype(np.float64)
     counts = np.array([len(p) for p in plans], dtype=float)

@@ -3,7 +3,7 @@
 API note::
 
     model = make_model("emnist_cnn", num_classes=62, seed=0)   # seeded init, global RNG untouched
-    MODELS  # {"emnist_cnn", "leaf_cnn", "resnet18_emnist", "resnet18_224"} -> class
+    MODELS  # {"emnist_cnn", "leaf_cnn", "har_cnn", "resnet18_emnist", "resnet18_224"} -> class
     model.input_layer_names(), model.output_layer_names(), model.norm_layer_names()
 """
 
@@ -16,6 +16,7 @@ from torch import nn
 
 from partialfl.models.base import NamedLayersMixin
 from partialfl.models.cnn import EmnistCNN, LeafCNN
+from partialfl.models.har import HarCNN
 from partialfl.models.resnet import ResNet18GN, load_pretrained
 from partialfl.rng import torch_seed
 
@@ -31,6 +32,7 @@ def _resnet18_224(num_classes: int, **kw: Any) -> ResNet18GN:
 MODELS: dict[str, Any] = {
     "emnist_cnn": EmnistCNN,
     "leaf_cnn": LeafCNN,
+    "har_cnn": HarCNN,
     "resnet18_emnist": _resnet18_emnist,
     "resnet18_224": _resnet18_224,
 }
@@ -58,5 +60,5 @@ def make_model(name: str, num_classes: int, *, seed: int | None = None, **kw: An
         return MODELS[key](num_classes=int(num_classes), **kw)
 
 
-__all__ = ["MODELS", "EmnistCNN", "LeafCNN", "NamedLayersMixin", "ResNet18GN", "load_pretrained",
-           "make_model"]
+__all__ = ["MODELS", "EmnistCNN", "HarCNN", "LeafCNN", "NamedLayersMixin", "ResNet18GN",
+           "load_pretrained", "make_model"]

@@ -1,0 +1,212 @@
+"""``partialfl advise TASK``: the split advisor (:mod:`partialfl.advisor`) on a table's task
+(``har``, ``femnist``, ``shakespeare``), with the table's model, data and stage-3 fine-tuning
+settings, and its comparison with a measured table.
+
+θ is a stage-1 checkpoint (``--theta runs/har-table/stage1/theta.safetensors``) or, without one, a
+FedAvg pre-training of ``--pretrain-rounds`` rounds with the table's stage-1 settings (written
+to ``OUT/stage1``). ``--table`` names measured accuracies: a table's ``results.json`` or a
+markdown file (``docs/results.md``) whose section heading contains ``--section``; the FFGG
+rows (``FFGG (input…)``, ``FFGG (output…)``, …) are matched to the advisor's groups by split
+kind, and the Spearman correlation between the advisor's drops and the measured accuracies
+is reported with whether its top pick is within the seed spread of the best measured split.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+import time
+from dataclasses import dataclass, field, replace
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from partialfl import io as pio
+from partialfl.advisor import Advice, advise, spearman
+from partialfl.experiments.pipeline import Task, pretrain
+
+TASKS = ("har", "femnist", "shakespeare")
+
+
+@dataclass
+class AdvisorTask:
+    """What the advisor needs from a table: the pipeline task, the stage-1 config (for a
+    pre-training), the stage-3 SGD settings and extra candidate groups."""
+
+    task: Task
+    stage1: Any
+    lr: float
+    epochs: int
+    batch_size: int
+    clip_norm: float | None = None
+    layers: bool = True
+    groups: dict[str, list[str]] = field(default_factory=dict)
+
+
+def build_task(name: str, data_dir=None, pretrain_rounds: int | None = None) -> AdvisorTask:
+    """The table ``name``'s task at its FULL size (stage 1 shortened to ``pretrain_rounds``)."""
+    if name == "har":
+        from partialfl.experiments import har as t
+
+        size = t.FULL if pretrain_rounds is None else replace(t.FULL,
+                                                              pretrain_rounds=pretrain_rounds)
+        train, _, _ = t.load_data(data_dir, size.num_subjects, size.holdout)
+        cfg = t._pipeline_config(size, t.METHODS[1][1], 0)
+        return AdvisorTask(t.har_task(train), cfg, t.PERSONAL_LR, size.finetune_epochs, t.BATCH)
+    if name == "femnist":
+        from partialfl.experiments import femnist as t
+
+        size = t.FULL if pretrain_rounds is None else replace(t.FULL,
+                                                              pretrain_rounds=pretrain_rounds)
+        train, _, _ = t.load_data(data_dir, size.num_writers, size.holdout)
+        cfg = t._pipeline_config(size, t.METHODS[0][1], 0)
+        return AdvisorTask(t.femnist_task(train), cfg, t.PERSONAL_LR, size.finetune_epochs, 32)
+    if name == "shakespeare":
+        from partialfl.experiments import shakespeare as t
+
+        size = t.FULL if pretrain_rounds is None else replace(t.FULL,
+                                                              pretrain_rounds=pretrain_rounds)
+        task, _ = t.shakespeare_task(size, data_dir)
+        cfg = t._pipeline_config(size, t.METHODS[0][1], 0)
+        blocks = {f"block {i}": [rf"^blocks\.{i}\."] for i in range(size.num_layers)}
+        groups = {**blocks, "embeddings": [r"^tok_emb\.", r"^pos_emb\."], "head": [r"^head\."],
+                  "final norm": [r"^ln_f\."]}
+        return AdvisorTask(task, cfg, size.finetune_lr, size.finetune_epochs, t.BATCH_SIZE,
+                           t.CLIP_NORM, layers=False, groups=groups)
+    raise ValueError(f"unknown task {name!r}; allowed: {', '.join(TASKS)}")
+
+
+# ----------------------------------------------------------------------------- measured tables
+def measured_accuracies(path: str | Path, section: str | None = None
+                        ) -> dict[str, tuple[float, float]]:
+    """split kind → (mean, std) test accuracy in % of the FFGG rows of a measured table:
+    a ``results.json`` of a table run, or the first markdown table after the heading
+    containing ``section`` in a markdown file."""
+    path = Path(path)
+    out: dict[str, tuple[float, float]] = {}
+    if path.suffix == ".json":
+        res = json.loads(path.read_text())["results"]
+        for label, runs in res.items():
+            m = re.match(r"FFGG \((\w+)", label)
+            if m and runs:
+                a = 100 * np.asarray([r["test_acc"] for r in runs], float)
+                out[m.group(1)] = (float(a.mean()), float(a.std()))
+        return out
+    text = path.read_text()
+    if section is not None:
+        idx = next((i for i, ln in enumerate(text.splitlines())
+                    if ln.startswith("#") and section in ln), None)
+        if idx is None:
+            raise ValueError(f"{path} has no heading containing {section!r}")
+        text = "\n".join(text.splitlines()[idx:])
+    for ln in text.splitlines():
+        m = re.match(r"\|\s*FFGG \((\w+)[^|]*\|\s*([\d.]+)(?:\s*±\s*([\d.]+))?", ln)
+        if m and m.group(1) not in out:
+            out[m.group(1)] = (float(m.group(2)), float(m.group(3) or 0.0))
+        elif out and not ln.startswith("|"):
+            break
+    if not out:
+        raise ValueError(f"no 'FFGG (...)' row found in {path}"
+                         + (f" after {section!r}" if section else ""))
+    return out
+
+
+def compare(advice: Advice, measured: dict[str, tuple[float, float]]) -> dict[str, Any]:
+    """Spearman correlation of the advisor's drops with the measured accuracies over the
+    split kinds both have, and whether its top pick (among those kinds) is within the seed
+    spread (measured std of the best split plus that of the pick) of the best split."""
+    drops = {s.name: s.drop for s in advice.scores}
+    kinds = [k for k in measured if k in drops]
+    if len(kinds) < 2:
+        return {"kinds": kinds, "spearman": float("nan"), "note": "fewer than 2 shared kinds"}
+    rho = spearman([drops[k] for k in kinds], [measured[k][0] for k in kinds])
+    pick = max(kinds, key=lambda k: drops[k])
+    best = max(kinds, key=lambda k: measured[k][0])
+    gap = measured[best][0] - measured[pick][0]
+    spread = measured[best][1] + measured[pick][1]
+    return {"kinds": kinds, "spearman": rho, "advisor_pick": pick, "measured_best": best,
+            "gap_points": gap, "spread_points": spread, "pick_within_spread": gap <= spread,
+            "measured": {k: measured[k] for k in kinds}, "drops": {k: drops[k] for k in kinds}}
+
+
+# ----------------------------------------------------------------------------- the command
+def run_advisor(name: str, out_dir: str | Path, *, theta: str | Path | None = None,
+                pretrain_rounds: int | None = None, clients: int = 10, data_dir=None,
+                table: str | Path | None = None, section: str | None = None,
+                progress: bool = True, seed: int = 0) -> Path:
+    """Run the advisor on table ``name``; writes ``advice.md`` (returned) and ``advice.json``
+    in ``out_dir``."""
+    out_dir = Path(out_dir)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    t0 = time.perf_counter()
+    at = build_task(name, data_dir, pretrain_rounds)
+    pre_seconds = 0.0
+    if theta is not None:  # tensors only: safetensors, never a pickle
+        th = pio.load_tensors(theta, "θ file")[0]
+    else:
+        if pretrain_rounds is None:
+            raise ValueError("give --theta (a stage-1 theta.safetensors) or --pretrain-rounds N")
+        tp = time.perf_counter()
+        th = pretrain(at.stage1, at.task, out_dir / "stage1", progress and "stage 1 (FedAvg)")
+        pre_seconds = time.perf_counter() - tp
+    adv = advise(at.task.model_fn(0), at.task.data, th, clients=clients, epochs=at.epochs,
+                 lr=at.lr, batch_size=at.batch_size, clip_norm=at.clip_norm, seed=seed,
+                 loss_fn=at.task.loss_fn, metric=at.task.metric, split_fn=at.task.split_fn,
+                 layers=at.layers, groups=at.groups)
+    cmp = compare(adv, measured_accuracies(table, section)) if table else None
+    total = time.perf_counter() - t0
+    lines = [f"# Split advisor on {name}", "",
+             f"{len(adv.settings['clients'])} sampled clients, {at.epochs} fine-tuning epochs at "
+             f"lr {at.lr} (the table's stage 3), {int(100 * adv.settings['holdout'])}% of each "
+             "client's training data held out for the validation loss.", "",
+             adv.table(), "", f"**Recommendation:** {adv.recommendation}.", "",
+             f"Cost: advisor {adv.seconds:.1f} s; pre-training {pre_seconds:.1f} s; total "
+             f"{total:.1f} s."]
+    if cmp is not None:
+        lines += ["", "## Against the measured table", ""]
+        if "advisor_pick" in cmp:
+            lines += [
+                "| split | measured acc % | advisor drop |", "| --- | ---: | ---: |",
+                *(f"| {k} | {cmp['measured'][k][0]:.2f} ± {cmp['measured'][k][1]:.2f} | "
+                  f"{cmp['drops'][k]:+.4f} |" for k in cmp["kinds"]), "",
+                f"Spearman ρ = {cmp['spearman']:.2f} over {len(cmp['kinds'])} splits; advisor's "
+                f"pick {cmp['advisor_pick']}, measured best {cmp['measured_best']} "
+                f"({cmp['gap_points']:.2f} points apart, seed spread {cmp['spread_points']:.2f}:"
+                f" {'within' if cmp['pick_within_spread'] else 'NOT within'})."]
+        else:
+            lines.append(cmp["note"])
+    text = "\n".join(lines) + "\n"
+    path = out_dir / "advice.md"
+    for p, body in ((path, text), (out_dir / "advice.json", json.dumps(
+            {**adv.as_dict(), "pretrain_seconds": pre_seconds, "total_seconds": total,
+             "comparison": cmp}, indent=1, default=float))):
+        tmp = p.with_suffix(p.suffix + ".tmp")
+        tmp.write_text(body)
+        tmp.replace(p)
+    return path
+
+
+def add_parser(sub) -> None:
+    """The ``advise`` subcommand (registered by :mod:`partialfl.cli`)."""
+    s = sub.add_parser("advise", help="rank which parameters to personalize for a table's "
+                       "task (split advisor)")
+    s.add_argument("task", choices=TASKS)
+    s.add_argument("--theta", help="a stage-1 theta.safetensors (pre-trained parameters)")
+    s.add_argument("--pretrain-rounds", type=int, help="without --theta: FedAvg rounds")
+    s.add_argument("--clients", type=int, default=10, help="clients sampled (default 10)")
+    s.add_argument("--table", help="measured table: results.json or a markdown file")
+    s.add_argument("--section", help="heading text of the table's section in --table")
+    s.add_argument("--out", help="output folder (default runs/advise-TASK)")
+    s.add_argument("--data-dir", type=Path)
+    s.add_argument("--no-progress", action="store_true")
+    s.set_defaults(fn=_cmd)
+
+
+def _cmd(args) -> int:
+    out = Path(args.out or Path("runs") / f"advise-{args.task}")
+    path = run_advisor(args.task, out, theta=args.theta, pretrain_rounds=args.pretrain_rounds,
+                       clients=args.clients, data_dir=args.data_dir, table=args.table,
+                       section=args.section, progress=not args.no_progress)
+    print(path.read_text())
+    return 0

@@ -1,0 +1,159 @@
+"""The split advisor: its diagnostics against hand computations, a planted personal group it
+must find, and Spearman's correlation against SciPy."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+from _nn_toy import one_thread, toy_data, toy_model
+from torch import nn
+
+from partialfl.advisor import _fit_val, advise, candidate_splits, score_split, spearman
+from partialfl.data.federated import FederatedDataset
+from partialfl.local.sgd import SGDConfig, run_sgd
+from partialfl.problems.model import ModelProblem
+from partialfl.split import make_split
+
+
+@pytest.fixture(autouse=True)
+def _single_thread():
+    with one_thread():
+        yield
+
+
+def test_spearman_matches_scipy_with_ties():
+    stats = pytest.importorskip("scipy.stats")
+    rng = np.random.default_rng(0)
+    for _ in range(5):
+        a, b = rng.integers(0, 4, 7).astype(float), rng.normal(size=7)
+        assert spearman(a, b) == pytest.approx(stats.spearmanr(a, b).statistic)
+    assert spearman([1, 2, 3], [10, 20, 30]) == pytest.approx(1.0)
+    with pytest.raises(ValueError, match="same length"):
+        spearman([1, 2], [1])
+
+
+def test_candidates_cover_kinds_and_layers_without_duplicates():
+    c = candidate_splits(toy_model(0))
+    assert {"input", "output", "adapter"} <= set(c) and "norm" not in c  # ToyNet has no norm
+    assert "layer c1" not in c and "layer fc" not in c  # = input / output
+    assert {"layer fc1", "layer mid", "layer mid2"} <= set(c)
+    assert c["layer mid"].personal_names == ("mid.weight", "mid.bias")
+
+
+def test_score_matches_a_hand_computation():
+    data = toy_data(6)
+    fv = _fit_val(data, np.arange(6), 0.3, seed=0)
+    # fitting / validation parts partition each client's training data
+    for m in range(6):
+        assert len(fv.train_y[m]) + len(fv.test_y[m]) == len(data.train_y[m])
+    split = make_split(toy_model(0), "output")
+    cfg = SGDConfig(lr=0.1, epochs=2, batch_size=4)
+    s = score_split(split, fv, cfg, seed=0)
+    theta, w_pre = split.params()
+    pb = ModelProblem(split, fv, w_pretrained=w_pre)
+    allc = np.arange(6)
+    w0 = pb.init_w(allc, "pretrained", 0, -1)
+    w = run_sgd(pb, allc, theta, w0, train="w", cfg=cfg, seed=0, round_=-1,
+                stream="advisor").w
+
+    def val(wt):
+        c = pb.metric_counts(allc, theta, wt, "test")
+        return c["loss_sum"] / c["loss_weight"]
+
+    d = val(w0) - val(w)
+    assert s.drop == pytest.approx(d.mean()) and s.params == 8 * 5 + 5
+    assert s.drop_se == pytest.approx(d.std(ddof=1) / np.sqrt(6))
+    g = pb.grad_w(allc, theta, w0)
+    flat = torch.cat([v.reshape(6, -1) for v in g.values()], 1).double()
+    ref = ((flat - flat.mean(0)) ** 2).sum(1).mean() / (flat ** 2).sum(1).mean()
+    assert s.grad_dissimilarity == pytest.approx(float(ref), rel=1e-5)
+
+
+class TwoLayer(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.inp = nn.Linear(4, 16)
+        self.hid = nn.Linear(16, 16)
+        self.out = nn.Linear(16, 4)
+
+    def forward(self, x):
+        return self.out(torch.relu(self.hid(torch.relu(self.inp(x)))))
+
+
+def _permuted_label_clients(M=8, n=80, seed=0):
+    """The same 4-class problem on every client, but each client names the classes with its
+    own permutation: only a personal output layer can absorb that."""
+    g = torch.Generator().manual_seed(seed)
+    perms = [torch.randperm(4, generator=g) for _ in range(M)]
+    xs, ys, tx, ty = [], [], [], []
+    for m in range(M):
+        for X, Y in ((xs, ys), (tx, ty)):
+            x = torch.randn(n, 4, generator=g)
+            X.append(x)
+            Y.append(perms[m][x.argmax(1)])
+    return FederatedDataset(xs, ys, tx, ty, [f"c{m}" for m in range(M)], 4)
+
+
+def test_advisor_finds_a_planted_personal_output_layer():
+    data = _permuted_label_clients()
+    torch.manual_seed(0)
+    model = TwoLayer()
+    # θ: pre-trained on client 0 alone (the shared structure: argmax of the input)
+    pb = ModelProblem(make_split(model, "none"), data)
+    th = {n: p.detach().clone() for n, p in model.named_parameters()}
+    th = {n: v[0] for n, v in run_sgd(pb, [0], th, {}, train="theta",
+                                      cfg=SGDConfig(lr=0.2, epochs=60, batch_size=16), seed=0,
+                                      round_=0, stream="pre").theta.items()}
+    adv = advise(model, data, th, clients=6, epochs=10, lr=0.2, batch_size=16, layers=True)
+    assert adv.scores[0].name == "output", adv.table()
+    assert "personalize 'output'" in adv.recommendation
+    assert [s.drop for s in adv.scores] == sorted((s.drop for s in adv.scores), reverse=True)
+    assert "| 1 | output |" in adv.table()
+    with pytest.raises(KeyError, match="differs in"):
+        advise(model, data, {"inp.weight": th["inp.weight"]})
+
+
+# ----------------------------------------------------------------------------- the command
+def test_measured_accuracies_from_markdown_and_json(tmp_path):
+    from partialfl.experiments.advise import compare, measured_accuracies
+
+    md = tmp_path / "r.md"
+    md.write_text("# Results\n## Other\n| FFGG (input) | 1.0 |\n\n## FEMNIST table\ntext\n\n"
+                  "| method | acc |\n| --- | --- |\n| FedAvg | 84.13 ± 0.07 |\n"
+                  "| FFGG (input) | 83.90 ± 0.04 | x |\n| FFGG (output: last block) | 83.33 |\n"
+                  "| FFGG (adapter) | 84.07 ± 0.26 |\n\nafter\n| FFGG (norm) | 99 |\n")
+    got = measured_accuracies(md, "FEMNIST")
+    assert got == {"input": (83.90, 0.04), "output": (83.33, 0.0), "adapter": (84.07, 0.26)}
+    js = tmp_path / "results.json"
+    js.write_text('{"results": {"FedAvg": [{"test_acc": 0.5}], "FFGG (norm)": '
+                  '[{"test_acc": 0.8}, {"test_acc": 0.9}]}}')
+    assert measured_accuracies(js) == {"norm": (pytest.approx(85.0), pytest.approx(5.0))}
+    with pytest.raises(ValueError, match="no heading"):
+        measured_accuracies(md, "Shakespeare")
+
+    from partialfl.advisor import Advice, GroupScore
+
+    adv = Advice([GroupScore(k, 1, 0, 0, d, 0, 0) for k, d in
+                  (("adapter", 0.3), ("input", 0.2), ("output", 0.1), ("layer x", 0.05))], "",
+                 0.0)
+    c = compare(adv, got)
+    assert c["spearman"] == pytest.approx(1.0) and c["advisor_pick"] == "adapter"
+    assert c["pick_within_spread"] and c["gap_points"] == 0
+
+
+def test_advise_command_on_har(tmp_path, data_dir):
+    from partialfl.cli import main
+
+    th = tmp_path / "theta.safetensors"
+    from partialfl import io as pio
+    from partialfl.models import make_model
+
+    pio.save_tensors(th, {n: p.detach() for n, p in
+                          make_model("har_cnn", 6, seed=0).named_parameters()})
+    assert main(["advise", "har", "--theta", str(th), "--clients", "2", "--out",
+                 str(tmp_path / "adv"), "--data-dir", str(data_dir), "--no-progress"]) == 0
+    text = (tmp_path / "adv" / "advice.md").read_text()
+    for g in ("input", "output", "adapter", "norm", "layer conv2"):
+        assert f"| {g} |" in text
+    assert "Recommendation" in text
