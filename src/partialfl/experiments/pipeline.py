@@ -579,7 +579,7 @@ def run_table(run_one: Callable[[tuple], tuple[str, int, dict, float]],
 def pretrain(cfg: PipelineConfig, task: Task, stage1_dir: Path, progress: bool | str = False,
              on_round=None) -> Params:
     """Stage 1 (FedAvg on every parameter); returns all parameters. Cached in
-    ``stage1_dir/theta.pt``; resumable."""
+    ``stage1_dir/theta.safetensors``; resumable."""
     stage1_dir = Path(stage1_dir)
     stage1_dir.mkdir(parents=True, exist_ok=True)
     val = ({"validation": to_dict(cfg.validation)} if cfg.validation is not None else {})
