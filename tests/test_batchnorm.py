@@ -239,3 +239,32 @@ def test_refused_batchnorm_variants():
         ModelProblem(make_split(Cum(), "output"), toy_data())
     pb = ModelProblem(make_split(Cum(), "output"), toy_data(), vectorize=False)
     assert "bn.running_mean" in pb.state_names
+
+
+def test_the_pipeline_deploys_the_clients_own_statistics(tmp_path):
+    """FedAvg on a BatchNorm CNN through the three stages: stage 3 evaluates each client with
+    the running statistics it kept in stage 2 (not the untrained layer's 0 / 1)."""
+    from partialfl.evaluation import evaluate_model
+    from partialfl.experiments.pipeline import (
+        ClientConfig,
+        MethodConfig,
+        PipelineConfig,
+        StageConfig,
+        Task,
+        load_params,
+        run_pipeline,
+    )
+
+    data = toy_data(8)
+    stage = StageConfig(rounds=2, clients_per_round=3, client=ClientConfig(lr=0.1, batch_size=4))
+    cfg = PipelineConfig(method=MethodConfig(algorithm="fedavg", split="none"), pretrain=stage,
+                         personalize=stage, finetune=ClientConfig(lr=0.1, epochs=1))
+    res = run_pipeline(cfg, Task(data=data, model_fn=toy_bn_model, name="bn"), tmp_path,
+                       progress=False)
+    stats = torch.load(tmp_path / "client_state_stage2.pt", weights_only=True)
+    assert set(stats) == set(STATS)
+    pb = ModelProblem(make_split(load_params(toy_bn_model(0), res.theta), "none"), data)
+    allc = np.arange(pb.num_clients)
+    assert res.metrics["test_acc"] == evaluate_model(pb, res.theta, stats, "test").accuracy
+    fresh = pb.init_w(allc, "pretrained", 0, 0)
+    assert res.metrics["test_loss"] != evaluate_model(pb, res.theta, fresh, "test").loss

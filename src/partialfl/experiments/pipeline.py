@@ -592,10 +592,9 @@ def personalize(cfg: PipelineConfig, task: Task, theta1: Params, run_dir: Path,
 def _deploy_start(cfg: PipelineConfig, s2: _Stage2) -> Params:
     """w_m at the start of stage 3 (see the module docstring)."""
     allc = np.arange(s2.problem.num_clients)
-    m = cfg.method
-    if m.algorithm in ("fedalt", "fedsim") and not m.stateless:
+    if s2.client_state is not None:  # FedAlt/FedSim's w_m; FedAvg's BatchNorm statistics
         return {n: v.clone() for n, v in s2.client_state.items()}
-    return s2.problem.init_w(allc, m.w_init, cfg.seed, -1)
+    return s2.problem.init_w(allc, cfg.method.w_init, cfg.seed, -1)
 
 
 def finetune_and_evaluate(cfg: PipelineConfig, task: Task, s2: _Stage2, run_dir: Path,
@@ -616,7 +615,8 @@ def finetune_and_evaluate(cfg: PipelineConfig, task: Task, s2: _Stage2, run_dir:
         theta, w_pre = split.params()
         problem = _problem(task, split, cfg, w_pre)
         theta = _on(theta, problem)
-        w0 = problem.init_w(np.arange(problem.num_clients), "pretrained", cfg.seed, -1)
+        w0 = {**problem.init_w(np.arange(problem.num_clients), "pretrained", cfg.seed, -1),
+              **(w0 if problem.state_names else {})}  # keep each client's BatchNorm stats
     t0 = time.perf_counter()
     extra: dict[str, Any] = {}
     if test_task is not None:  # choices on the validation view, the test once at the end
