@@ -268,3 +268,17 @@ def test_the_pipeline_deploys_the_clients_own_statistics(tmp_path):
     assert res.metrics["test_acc"] == evaluate_model(pb, res.theta, stats, "test").accuracy
     fresh = pb.init_w(allc, "pretrained", 0, 0)
     assert res.metrics["test_loss"] != evaluate_model(pb, res.theta, fresh, "test").loss
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(),
+                    reason="needs a CUDA GPU (none on this machine): BatchNorm under vmap on CUDA")
+def test_fedbn_on_cuda_takes_the_cpu_steps():
+    data = toy_data()
+    out = {}
+    for dev in ("cpu", "cuda"):
+        alg, split = build_preset("fedbn", toy_bn_model(0), CFG)
+        res = run_rounds(ModelProblem(split, data, device=dev), alg, 3, clients_per_round=4,
+                         seed=0)
+        out[dev] = {n: v.cpu() for n, v in {**res.state.theta, **res.client_state}.items()}
+    assert set(STATS) <= set(out["cuda"])
+    assert max_diff(out["cpu"], out["cuda"]) < 1e-4
