@@ -224,6 +224,21 @@ def test_fedbn_no_running_statistic_reaches_the_server():
     assert _leaks([leaky], stats_seen, ("running_",)) == ["value of c1.bias"]
 
 
+def test_bf16_bn_steps_run_and_agree_across_backends():
+    """torch cannot differentiate a train-mode BatchNorm under vmap + autocast; the vmap
+    problem then steps client by client and takes the plain problem's steps."""
+    data = toy_data()
+    out = []
+    for vec, backend in ((True, BatchedBackend()), (False, SequentialBackend())):
+        alg, split = build_preset("fedbn", toy_bn_model(0), CFG)
+        pb = ModelProblem(split, data, vectorize=vec, precision="bf16")
+        res = run_rounds(pb, alg, 2, clients_per_round=3, seed=0, backend=backend)
+        out.append({**res.state.theta, **res.client_state})
+    assert max_diff(out[0], out[1]) < 1e-5
+    assert max_diff(out[0], {**pb.init_theta(), **pb.init_w(np.arange(6), "pretrained", 0,
+                                                            0)}) > 1e-3
+
+
 def test_refused_batchnorm_variants():
     class Cum(nn.Module):
         def __init__(self):
