@@ -11,7 +11,14 @@ from _nn_toy import one_thread, toy_bn_model, toy_data, toy_model
 
 from partialfl.algorithms.model import FedSim, model_ffgg
 from partialfl.algorithms.presets import build_preset
-from partialfl.deploy import FORMAT, load_personalized, personalize, read_index
+from partialfl.data.federated import FederatedDataset
+from partialfl.deploy import (
+    FORMAT,
+    PersonalizedModels,
+    load_personalized,
+    personalize,
+    read_index,
+)
 from partialfl.evaluation import round_evaluator
 from partialfl.local.sgd import SGDConfig
 from partialfl.problems.model import ModelProblem
@@ -75,6 +82,25 @@ def test_save_load_gives_identical_per_client_accuracies(tmp_path):
     assert table.pooled_accuracy == pytest.approx(
         sum(table[c]["correct"] for c in accs) / sum(table[c]["total"] for c in accs))
     assert "| c3 |" in table.to_markdown()
+    # the whole folder back on a fresh module, evaluated on (some of) the clients' data
+    back = PersonalizedModels.load(out, toy_bn_model(321))
+    again = back.evaluate(data=data)
+    np.testing.assert_array_equal(again.correct, table.correct)
+    np.testing.assert_allclose(again.loss, table.loss, rtol=1e-6)
+    some = _subset(data, [4, 1])
+    part = back.evaluate(data=some)
+    assert part.client_ids == ("c4", "c1")
+    for c in ("c4", "c1"):
+        assert part[c]["correct"] == table[c]["correct"] and part[c]["total"] == table[c]["total"]
+        assert part[c]["loss"] == pytest.approx(table[c]["loss"], rel=1e-6)
+
+
+def _subset(data, positions):
+    return FederatedDataset([data.train_x[i] for i in positions],
+                            [data.train_y[i] for i in positions],
+                            [data.test_x[i] for i in positions],
+                            [data.test_y[i] for i in positions],
+                            [data.client_ids[i] for i in positions], data.num_classes)
 
 
 def test_personalize_ffgg_deploys_what_the_run_evaluated():
@@ -103,6 +129,8 @@ def test_adapter_models_load_into_the_plain_architecture(tmp_path):
         net = load_personalized(tmp_path, toy_model(9), m)  # by position
         assert "fc.adapter.down.weight" in dict(net.named_parameters())
         assert _plain_accuracy(net, data, m) == (table[cid]["correct"], table[cid]["total"])
+    back = PersonalizedModels.load(tmp_path, toy_model(9)).evaluate(data=data)
+    np.testing.assert_array_equal(back.correct, table.correct)
 
 
 def test_errors(tmp_path):
@@ -117,6 +145,8 @@ def test_errors(tmp_path):
     models = personalize(pb, alg, res)
     with pytest.raises(KeyError, match="unknown client id 'nobody'"):
         models.params("nobody")
+    with pytest.raises(ValueError, match="carry no data"):
+        PersonalizedModels(models.split, models.theta, models.w, models.client_ids).evaluate()
     with pytest.raises(FileNotFoundError, match="index.json not found"):
         load_personalized(tmp_path, toy_model(0), "c0")
     models.save(tmp_path)

@@ -43,6 +43,7 @@ from safetensors.torch import load_file, save_file
 from torch import Tensor, nn
 
 from partialfl.algorithms.base import Algorithm, RoundContext, ServerState
+from partialfl.problems.model import ModelProblem, accuracy, cross_entropy
 from partialfl.split import ADAPTER_CHILD, Split, insert_adapters
 from partialfl.types import Params
 
@@ -132,20 +133,44 @@ class PersonalizedModels:
         mode — a plain ``nn.Module`` to deploy."""
         return _load_into(copy.deepcopy(self.split.model), self.params(client))
 
-    def evaluate(self, split: str = "test") -> ClientMetrics:
-        """Each client's metrics on its own ``split`` data (the problem's loss and metric)."""
-        if self.problem is None:
-            raise ValueError("these models carry no data: build them with personalize(...) "
-                             "or evaluate the modules of .module(client) yourself")
-        allc = np.arange(self.num_clients)
-        counts = self.problem.metric_counts(allc, self.theta, self.w, split)
+    def evaluate(self, split: str = "test", data=None, *, loss_fn=cross_entropy,
+                 metric=accuracy) -> ClientMetrics:
+        """Each client's metrics on its own ``split`` data: the problem's data, loss and metric,
+        or those of ``data`` (a FederatedDataset whose clients are some of these, matched by
+        client id) with ``loss_fn`` / ``metric``."""
+        if data is None:
+            if self.problem is None:
+                raise ValueError("these models carry no data: pass data=FederatedDataset")
+            problem, rows = self.problem, np.arange(self.num_clients)
+        else:
+            rows = np.array([_client_position(self.client_ids, c)[0] for c in data.client_ids])
+            problem = ModelProblem(self.split, data, loss_fn=loss_fn, metric=metric,
+                                   vectorize=False)
+        w = {n: v[torch.from_numpy(rows)] for n, v in self.w.items()}
+        ids = tuple(self.client_ids[i] for i in rows)
+        counts = problem.metric_counts(np.arange(len(rows)), self.theta, w, split)
         c, t = np.asarray(counts["correct"], float), np.asarray(counts["total"], float)
         lw = np.asarray(counts["loss_weight"], float)
         with np.errstate(invalid="ignore", divide="ignore"):
             acc = np.where(t > 0, c / np.where(t > 0, t, 1), np.nan)
             loss = np.where(lw > 0, np.asarray(counts["loss_sum"], float) / np.where(
                 lw > 0, lw, 1), np.nan)
-        return ClientMetrics(self.client_ids, c, t, acc, loss, split)
+        return ClientMetrics(ids, c, t, acc, loss, split)
+
+    @classmethod
+    def load(cls, directory: str | Path, module: nn.Module) -> PersonalizedModels:
+        """Every client's model saved by :meth:`save`, on the architecture ``module`` (an
+        instance of the trained model; adapters are inserted again if needed). Evaluate with
+        ``.evaluate(data=...)``."""
+        d = Path(directory)
+        index = read_index(d)
+        module = _with_adapters(module, index)
+        rows = [load_file(str(d / e["file"])) for e in index["clients"]]
+        w = {n: torch.stack([r[n] for r in rows]) for n in rows[0]} if rows else {}
+        split = Split(module, index["split"], tuple(index["global_names"]),
+                      tuple(index["personal_names"]))
+        return cls(split, load_file(str(d / index["theta_file"])), w,
+                   [e["id"] for e in index["clients"]], None, index.get("metadata"))
 
     def save(self, directory: str | Path) -> Path:
         """Write θ, every w_m and ``index.json`` to ``directory`` (see the module docstring);
@@ -244,10 +269,15 @@ def load_personalized(directory: str | Path, module: nn.Module, client_id: str |
     i, _ = _client_position(ids, client_id)
     values = {**load_file(str(d / index["theta_file"])),
               **load_file(str(d / index["clients"][i]["file"]))}
+    return _load_into(_with_adapters(module, index), values)
+
+
+def _with_adapters(module: nn.Module, index: Mapping[str, Any]) -> nn.Module:
+    """``module``, or for an adapter split a copy with the saved adapters inserted."""
     ad = index.get("adapters")
     if ad and not any(ADAPTER_CHILD in n.split(".") for n, _ in module.named_parameters()):
         module, _ = insert_adapters(module, [re.escape(m) for m in ad["modules"]], ad["rank"])
-    return _load_into(module, values)
+    return module
 
 
 def _load_into(module: nn.Module, values: Mapping[str, Tensor]) -> nn.Module:
