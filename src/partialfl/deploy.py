@@ -12,6 +12,7 @@ use the w_m each client kept; FFGG and Local FFGG fine-tune w_m from θ on the c
     table = models.evaluate()              # per-client test metrics, by client id
     models.save("out/personalized")        # safetensors + index.json, no pickle
     net = load_personalized("out/personalized", MyNet(), client_id="f0001_23")
+    again = PersonalizedModels.load("out/personalized", MyNet()).evaluate(data=new_data)
 
 Files written by :meth:`PersonalizedModels.save` (each written atomically; ``index.json``
 last, so a folder with an index is complete):
