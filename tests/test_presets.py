@@ -45,6 +45,12 @@ def test_the_registry():
         assert p.name == name and p.paper and p.schedule and p.personal
     with pytest.raises(ValueError, match="unknown preset 'fedx'; allowed: fedper, fedrep"):
         get_preset("fedx")
+    # split and algorithm can be built apart (a builder makes the split in a later stage)
+    rep = PRESETS["fedrep"]
+    alg = rep.make_algorithm(CFG, weighting="examples", layers=2, head_epochs=3)
+    assert (alg.local.epochs, alg.local_theta.epochs, alg.weighting) == (3, 1, "examples")
+    assert rep.make_split(toy_model(0), layers=2, head_epochs=3).personal_names == \
+        ("mid2.weight", "mid2.bias", "fc.weight", "fc.bias")
 
 
 @pytest.mark.parametrize("name", list(PERSONAL))

@@ -93,8 +93,28 @@ class Preset:
 
     def make_split(self, model: nn.Module, example_input: Tensor | tuple | None = None,
                    **options) -> Split:
-        """The preset's split of ``model`` (options: see :attr:`options`)."""
-        return self._split_fn(model, example_input, **self._options(options))
+        """The preset's split of ``model`` (``options``: see :attr:`options`; the schedule
+        options are accepted and ignored here)."""
+        opts = self._options(options)
+        return self._split_fn(model, example_input,
+                              **{k: v for k, v in opts.items() if k not in _SCHEDULE})
+
+    def make_algorithm(self, local: SGDConfig, *, w_init: str = "pretrained",
+                       init_seed: int = 0, server_opt=None, aggregator=None,
+                       weighting: str = "uniform", **options) -> Algorithm:
+        """The preset's algorithm (``options``: see :attr:`options`; the split options are
+        accepted and ignored here). See :func:`build_preset` for the arguments."""
+        opts = self._options(options)
+        common = dict(w_init=w_init, init_seed=init_seed, server_opt=server_opt,
+                      aggregator=aggregator, weighting=weighting)
+        if self.algorithm == "fedalt":
+            head = dataclasses.replace(local, epochs=opts["head_epochs"], steps=None)
+            body = dataclasses.replace(local, epochs=opts["body_epochs"], steps=None)
+            alg: Algorithm = FedAlt(head, local_theta=body, **common)
+        else:
+            alg = FedSim(local, **common)
+        alg.name = self.name  # logs and progress bars say "fedrep", not "fedalt"
+        return alg
 
     def _options(self, options: Mapping[str, Any]) -> dict[str, Any]:
         bad = sorted(set(options) - set(self.options))
@@ -110,7 +130,11 @@ class Preset:
         return out
 
 
-def _head_split(model, example_input, layers: int, **_) -> Split:
+#: options that set the local schedule (the others shape the split)
+_SCHEDULE = ("head_epochs", "body_epochs")
+
+
+def _head_split(model, example_input, layers: int) -> Split:
     return make_split(model, "output", layers=layers, example_input=example_input)
 
 
@@ -199,16 +223,8 @@ def build_preset(
         ``(algorithm, split)``: build the problem with ``ModelProblem(split, data)``.
     """
     preset = get_preset(name)
-    opts = preset._options(options)
-    split_opts = {k: v for k, v in opts.items() if k not in ("head_epochs", "body_epochs")}
-    split = preset._split_fn(model, example_input, **split_opts)
-    common = dict(w_init=w_init, init_seed=init_seed, server_opt=server_opt,
-                  aggregator=aggregator, weighting=weighting)
-    if preset.algorithm == "fedalt":
-        head = dataclasses.replace(local, epochs=opts["head_epochs"], steps=None)
-        body = dataclasses.replace(local, epochs=opts["body_epochs"], steps=None)
-        alg: Algorithm = FedAlt(head, local_theta=body, **common)
-    else:
-        alg = FedSim(local, **common)
-    alg.name = preset.name  # logs and progress bars say "fedrep", not "fedalt"
+    split = preset.make_split(model, example_input, **options)
+    alg = preset.make_algorithm(local, w_init=w_init, init_seed=init_seed,
+                                server_opt=server_opt, aggregator=aggregator,
+                                weighting=weighting, **options)
     return alg, split
