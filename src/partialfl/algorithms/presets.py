@@ -4,24 +4,15 @@ Each preset is exactly one algorithm of :mod:`partialfl.algorithms.model` (clien
 personal parameters w_m across rounds, runtime-held client state, never sent; the server
 averages Δθ) and one split of the model's parameters into global θ and personal w:
 
-=========  ==========================  =====================================  ==============
-preset     paper                       personal w_m (split)                   local schedule
-=========  ==========================  =====================================  ==============
-fedper     Arivazhagan et al. 2019     the head: last ``layers`` layer(s)     FedSim: E
-                                       (split ``output``)                     epochs on
-                                                                              (θ, w_m) jointly
-fedrep     Collins et al. 2021         the head: last ``layers`` layer(s)     FedAlt:
-                                       (split ``output``)                     ``head_epochs``
-                                                                              on w_m, then
-                                                                              ``body_epochs``
-                                                                              on θ
-lg-fedavg  Liang et al. 2020           the representation: every layer but    FedSim: E
-                                       the last ``global_layers`` (the        epochs jointly
-                                       global head) (input side)
-fedbn      Li et al. 2021              every BatchNorm layer: its affine      FedSim: E
-                                       parameters (split ``norm``) and its    epochs jointly
-                                       running statistics
-=========  ==========================  =====================================  ==============
+* ``fedper`` — personal: the head, the last ``layers`` layer(s) (split ``output``);
+  schedule: FedSim, E epochs on (θ, w_m) jointly.
+* ``fedrep`` — personal: the head, the last ``layers`` layer(s) (split ``output``);
+  schedule: FedAlt, ``head_epochs`` epochs on w_m (θ fixed), then ``body_epochs`` epochs on θ
+  (w_m fixed).
+* ``lg-fedavg`` — personal: every layer but the last ``global_layers`` (the input side;
+  the head is global); schedule: FedSim, E epochs jointly.
+* ``fedbn`` — personal: every BatchNorm layer, its affine parameters (split ``norm``) and its
+  running statistics; schedule: FedSim, E epochs jointly.
 
 E = ``local.epochs`` (or ``local.steps``) of the given client :class:`SGDConfig`.
 
