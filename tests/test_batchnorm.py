@@ -234,7 +234,11 @@ def test_bf16_bn_steps_run_and_agree_across_backends():
         pb = ModelProblem(split, data, vectorize=vec, precision="bf16")
         res = run_rounds(pb, alg, 2, clients_per_round=3, seed=0, backend=backend)
         out.append({**res.state.theta, **res.client_state})
+        assert res.client_state["bn1.running_mean"].dtype == torch.float32
     assert max_diff(out[0], out[1]) < 1e-5
+    # the running statistics were updated (in fp32) by the bf16 forward passes
+    assert out[0]["bn2.num_batches_tracked"].max() > 0
+    assert out[0]["bn2.running_mean"].abs().max() > 1e-3
     assert max_diff(out[0], {**pb.init_theta(), **pb.init_w(np.arange(6), "pretrained", 0,
                                                             0)}) > 1e-3
 
