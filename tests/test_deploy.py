@@ -8,6 +8,7 @@ import numpy as np
 import pytest
 import torch
 from _nn_toy import one_thread, toy_bn_model, toy_data, toy_model
+from safetensors.torch import load_file, save_file
 
 from partialfl.algorithms.model import FedSim, model_ffgg
 from partialfl.algorithms.presets import build_preset
@@ -156,6 +157,17 @@ def test_errors(tmp_path):
     (tmp_path / "index.json").write_text(json.dumps({**idx, "format": "other"}))
     with pytest.raises(ValueError, match="expected 'partialfl.personalized/1'"):
         load_personalized(tmp_path, toy_model(0), "c0")
+    (tmp_path / "index.json").write_text(json.dumps({**idx, "theta_file": "../x.safetensors"}))
+    with pytest.raises(ValueError, match="names a file outside"):
+        load_personalized(tmp_path, toy_model(0), "c0")
+    (tmp_path / "index.json").write_text(json.dumps(idx))
+    th = load_file(str(tmp_path / "theta.safetensors"))
+    save_file({**th, "c1.bias": th["c1.bias"] * float("nan")}, str(tmp_path / "theta.safetensors"))
+    with pytest.raises(ValueError, match="'c1.bias': the saved values are not all finite"):
+        load_personalized(tmp_path, toy_model(0), "c0")
+    with pytest.raises(TypeError, match="metadata must be JSON-able"):
+        PersonalizedModels(models.split, models.theta, models.w, models.client_ids,
+                           metadata={"x": object()}).save(tmp_path / "other")
     assert not [p for p in tmp_path.rglob("*tmp*")]  # atomic writes leave no temporary file
     np.testing.assert_array_equal(models.evaluate().total, pb.num_examples(
         np.arange(pb.num_clients), "test"))

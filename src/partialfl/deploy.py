@@ -145,8 +145,9 @@ class PersonalizedModels:
             problem, rows = self.problem, np.arange(self.num_clients)
         else:
             rows = np.array([_client_position(self.client_ids, c)[0] for c in data.client_ids])
+            device = self.problem.device if self.problem is not None else "cpu"
             problem = ModelProblem(self.split, data, loss_fn=loss_fn, metric=metric,
-                                   vectorize=False)
+                                   vectorize=False, device=device)
         w = {n: v[torch.from_numpy(rows)] for n, v in self.w.items()}
         ids = tuple(self.client_ids[i] for i in rows)
         counts = problem.metric_counts(np.arange(len(rows)), self.theta, w, split)
@@ -166,17 +167,21 @@ class PersonalizedModels:
         d = Path(directory)
         index = read_index(d)
         module = _with_adapters(module, index)
-        rows = [load_file(str(d / e["file"])) for e in index["clients"]]
+        rows = [load_file(_inside(d, e["file"])) for e in index["clients"]]
         w = {n: torch.stack([r[n] for r in rows]) for n in rows[0]} if rows else {}
         split = Split(module, index["split"], tuple(index["global_names"]),
                       tuple(index["personal_names"]))
-        return cls(split, load_file(str(d / index["theta_file"])), w,
+        return cls(split, load_file(_inside(d, index["theta_file"])), w,
                    [e["id"] for e in index["clients"]], None, index.get("metadata"))
 
     def save(self, directory: str | Path) -> Path:
         """Write θ, every w_m and ``index.json`` to ``directory`` (see the module docstring);
         returns the directory."""
         d = Path(directory)
+        try:
+            json.dumps(self.metadata)
+        except TypeError as e:
+            raise TypeError(f"metadata must be JSON-able: {e}") from None
         (d / "clients").mkdir(parents=True, exist_ok=True)
         _atomic(d / "theta.safetensors", lambda p: save_file(_plain(self.theta), str(p)))
         entries = []
@@ -268,8 +273,8 @@ def load_personalized(directory: str | Path, module: nn.Module, client_id: str |
     index = read_index(d)
     ids = tuple(str(e["id"]) for e in index["clients"])
     i, _ = _client_position(ids, client_id)
-    values = {**load_file(str(d / index["theta_file"])),
-              **load_file(str(d / index["clients"][i]["file"]))}
+    values = {**load_file(_inside(d, index["theta_file"])),
+              **load_file(_inside(d, index["clients"][i]["file"]))}
     return _load_into(_with_adapters(module, index), values)
 
 
@@ -291,11 +296,14 @@ def _load_into(module: nn.Module, values: Mapping[str, Tensor]) -> nn.Module:
     if unknown or missing:
         raise KeyError(f"the saved model does not fit this module: names the module lacks "
                        f"{unknown[:5]}, module names not saved {missing[:5]}")
+    for n, v in values.items():
+        if tuple(own[n].shape) != tuple(v.shape):
+            raise ValueError(f"{n!r}: saved shape {tuple(v.shape)} does not fit the "
+                             f"module's {tuple(own[n].shape)}")
+        if v.is_floating_point() and not bool(torch.isfinite(v).all()):
+            raise ValueError(f"{n!r}: the saved values are not all finite")
     with torch.no_grad():
         for n, v in values.items():
-            if tuple(own[n].shape) != tuple(v.shape):
-                raise ValueError(f"{n!r}: saved shape {tuple(v.shape)} does not fit the "
-                                 f"module's {tuple(own[n].shape)}")
             own[n].copy_(v)
     return module.eval()
 
@@ -308,6 +316,14 @@ def _is_running_stat(name: str, module: nn.Module) -> bool:
 
 
 # ----------------------------------------------------------------------------- helpers
+def _inside(directory: Path, rel: str) -> str:
+    """``directory / rel``, refusing a path from the index that leads outside the folder."""
+    path = (directory / rel).resolve()
+    if not path.is_relative_to(directory.resolve()):
+        raise ValueError(f"index.json names a file outside {directory}: {rel!r}")
+    return str(path)
+
+
 def _client_position(ids: Sequence[str], client: str | int) -> tuple[int, str]:
     if isinstance(client, int | np.integer) and not isinstance(client, bool):
         if not 0 <= int(client) < len(ids):
