@@ -11,6 +11,7 @@ import torch.nn.functional as F
 from _nn_toy import max_diff, one_thread, toy_bn_model, toy_data
 from torch import nn
 
+from partialfl.algorithms.base import RoundContext
 from partialfl.algorithms.model import FedAvg, FedSim, model_ffgg
 from partialfl.algorithms.presets import build_preset
 from partialfl.evaluation import round_evaluator
@@ -301,3 +302,16 @@ def test_fedbn_on_cuda_takes_the_cpu_steps():
         out[dev] = {n: v.cpu() for n, v in {**res.state.theta, **res.client_state}.items()}
     assert set(STATS) <= set(out["cuda"])
     assert max_diff(out["cpu"], out["cuda"]) < 1e-4
+
+
+def test_fedavg_without_client_state_restarts_the_statistics_each_round():
+    """A runtime that holds no client state (the Flower app): FedAvg's clients start from the
+    model's running statistics every round and send only Δθ."""
+    pb = _problem("none")
+    alg = FedAvg(CFG)
+    st = alg.init(pb, pb.init_theta())
+    res = alg.client_update(st, pb, np.array([0, 2]), RoundContext(0, 0), None)
+    assert res.client_state is None
+    assert set(res.updates.vectors) == set(pb.theta_names)
+    dep = alg.deployed(st, pb, None, RoundContext(0, 1))
+    assert torch.equal(dep.w["bn1.running_var"], torch.ones(pb.num_clients, 4))
