@@ -171,3 +171,31 @@ def test_errors(tmp_path):
     assert not [p for p in tmp_path.rglob("*tmp*")]  # atomic writes leave no temporary file
     np.testing.assert_array_equal(models.evaluate().total, pb.num_examples(
         np.arange(pb.num_clients), "test"))
+
+
+def test_the_pipeline_saves_every_clients_deployed_model(tmp_path):
+    """run_pipeline(save_personalized=True): each client's saved model, loaded into a fresh
+    module, has the per-client test accuracy of the run's metrics.json."""
+    from partialfl.experiments.pipeline import (
+        ClientConfig,
+        MethodConfig,
+        PipelineConfig,
+        StageConfig,
+        Task,
+        run_pipeline,
+    )
+
+    data = toy_data(5)
+    stage = StageConfig(rounds=2, clients_per_round=3, client=ClientConfig(lr=0.1, batch_size=4))
+    cfg = PipelineConfig(method=MethodConfig(algorithm="fedsim", split="output"),
+                         pretrain=stage, personalize=stage,
+                         finetune=ClientConfig(lr=0.1, epochs=1, batch_size=4))
+    task = Task(data=data, model_fn=toy_model, name="toy")
+    res = run_pipeline(cfg, task, tmp_path, progress=False)
+    assert not (tmp_path / "personalized").exists()  # opt-in
+    res = run_pipeline(cfg, task, tmp_path, progress=False, save_personalized=True)
+    assert read_index(tmp_path / "personalized")["metadata"]["method"] == cfg.method.name
+    for m, cid in enumerate(data.client_ids):
+        net = load_personalized(tmp_path / "personalized", toy_model(7), cid)
+        c, t = _plain_accuracy(net, data, m)
+        assert c / t == pytest.approx(res.metrics["per_client_test_acc"][m], abs=1e-12)
