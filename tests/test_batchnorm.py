@@ -315,3 +315,21 @@ def test_fedavg_without_client_state_restarts_the_statistics_each_round():
     assert set(res.updates.vectors) == set(pb.theta_names)
     dep = alg.deployed(st, pb, None, RoundContext(0, 1))
     assert torch.equal(dep.w["bn1.running_var"], torch.ones(pb.num_clients, 4))
+
+
+def test_running_statistics_in_the_on_disk_client_state_store(tmp_path):
+    """FedBN with its client state (BatchNorm layers and int64 batch counts included) in the
+    on-disk store takes the in-memory run's steps."""
+    from partialfl.algorithms.disk_state import OnDiskClientState
+
+    data = toy_data()
+    out = []
+    for disk in (False, True):
+        alg, split = build_preset("fedbn", toy_bn_model(0), CFG)
+        alg = OnDiskClientState(alg, tmp_path / "state") if disk else alg
+        res = run_rounds(ModelProblem(split, data), alg, 2, clients_per_round=3, seed=0)
+        cs = res.client_state
+        out.append({**res.state.theta, **{n: torch.as_tensor(cs[n][np.arange(6)])
+                                           for n in STATS}})
+    assert out[1]["bn1.num_batches_tracked"].dtype == torch.int64
+    assert max_diff(out[0], out[1]) == 0.0
