@@ -333,3 +333,30 @@ def test_running_statistics_in_the_on_disk_client_state_store(tmp_path):
                                            for n in STATS}})
     assert out[1]["bn1.num_batches_tracked"].dtype == torch.int64
     assert max_diff(out[0], out[1]) == 0.0
+
+
+def test_processes_backend_and_pickling_keep_the_statistics_exact():
+    """FedBN on worker processes equals the sequential run bit for bit (statistics too); a
+    pickled problem (spawned workers) toggles its own module's BatchNorm layers."""
+    import pickle
+
+    from partialfl.runtime.cohort_pool import ProcessBackend
+
+    data = toy_data()
+    out = []
+    for backend in (SequentialBackend(), ProcessBackend(workers=2)):
+        alg, split = build_preset("fedbn", toy_bn_model(0), CFG)
+        pb = ModelProblem(split, data, vectorize=False)
+        res = run_rounds(pb, alg, 2, clients_per_round=4, seed=3, backend=backend)
+        if isinstance(backend, ProcessBackend):
+            backend.close()
+        out.append({**res.state.theta, **res.client_state})
+    assert max_diff(out[0], out[1]) == 0
+    pb2 = pickle.loads(pickle.dumps(pb))
+    mods = dict(pb2.module.named_modules())
+    assert pb2._norm_modules[0] is mods["bn1"] and pb2._norm_modules[1] is mods["bn2"]
+    c = np.array([0, 2])
+    w = pb.init_w(c, "pretrained", 0, 0)
+    a = pb.minibatch_grads(c, pb.init_theta(), w, [np.arange(3)] * 2, "both", with_state=True)
+    b = pb2.minibatch_grads(c, pb.init_theta(), w, [np.arange(3)] * 2, "both", with_state=True)
+    assert max_diff(a[0], b[0]) == 0 and max_diff(a[2], b[2]) == 0
