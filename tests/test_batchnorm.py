@@ -360,3 +360,18 @@ def test_processes_backend_and_pickling_keep_the_statistics_exact():
     a = pb.minibatch_grads(c, pb.init_theta(), w, [np.arange(3)] * 2, "both", with_state=True)
     b = pb2.minibatch_grads(c, pb.init_theta(), w, [np.arange(3)] * 2, "both", with_state=True)
     assert max_diff(a[0], b[0]) == 0 and max_diff(a[2], b[2]) == 0
+
+
+def test_plain_autograd_step_equals_functorch_with_running_statistics():
+    """The sequential path's plain-autograd step and the functorch step give the same
+    gradient, loss and updated statistics on a BatchNorm model."""
+    pb = _problem("output", vectorize=False)
+    c = np.array([3])
+    w = _distinct_stats(pb, pb.init_w(c, "random", 0, 0))
+    w_par, stats = pb._split_state({n: v[0] for n, v in w.items()})
+    train, frozen, _, _ = pb._arrange(pb.init_theta(), w_par, None, "both")
+    x, y = pb._store["train"].gather(3, np.arange(5))
+    g, (loss, st) = pb._plain_step(train, frozen, stats, x, y, torch.ones(5), None)
+    g_ref, (loss_ref, st_ref) = pb._step_fn(train, frozen, stats, x, y, torch.ones(5), None)
+    assert max_diff(g, g_ref) < 1e-6 and abs(loss.item() - loss_ref.item()) < 1e-6
+    assert max_diff(st, st_ref) < 1e-7 and max_diff(st, stats) > 1e-3
