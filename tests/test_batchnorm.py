@@ -281,7 +281,9 @@ def test_the_pipeline_deploys_the_clients_own_statistics(tmp_path):
                          personalize=stage, finetune=ClientConfig(lr=0.1, epochs=1))
     res = run_pipeline(cfg, Task(data=data, model_fn=toy_bn_model, name="bn"), tmp_path,
                        progress=False)
-    stats = torch.load(tmp_path / "client_state_stage2.pt", weights_only=True)
+    from partialfl.io import load_tensors
+
+    stats, _ = load_tensors(tmp_path / "client_state_stage2.client-side.safetensors")
     assert set(stats) == set(STATS)
     pb = ModelProblem(make_split(load_params(toy_bn_model(0), res.theta), "none"), data)
     allc = np.arange(pb.num_clients)

@@ -21,6 +21,7 @@ from partialfl.deploy import (
     read_index,
 )
 from partialfl.evaluation import round_evaluator
+from partialfl.io import UnsafeFileError
 from partialfl.local.sgd import SGDConfig
 from partialfl.problems.model import ModelProblem
 from partialfl.runtime import run_rounds
@@ -164,6 +165,9 @@ def test_errors(tmp_path):
     th = load_file(str(tmp_path / "theta.safetensors"))
     save_file({**th, "c1.bias": th["c1.bias"] * float("nan")}, str(tmp_path / "theta.safetensors"))
     with pytest.raises(ValueError, match="'c1.bias': the saved values are not all finite"):
+        load_personalized(tmp_path, toy_model(0), "c0")
+    torch.save(th, tmp_path / "theta.safetensors")  # a pickle in disguise is never loaded
+    with pytest.raises(UnsafeFileError, match="theta.safetensors is a zip"):
         load_personalized(tmp_path, toy_model(0), "c0")
     with pytest.raises(TypeError, match="metadata must be JSON-able"):
         PersonalizedModels(models.split, models.theta, models.w, models.client_ids,

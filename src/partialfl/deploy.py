@@ -14,8 +14,8 @@ use the w_m each client kept; FFGG and Local FFGG fine-tune w_m from θ on the c
     net = load_personalized("out/personalized", MyNet(), client_id="f0001_23")
     again = PersonalizedModels.load("out/personalized", MyNet()).evaluate(data=new_data)
 
-Files written by :meth:`PersonalizedModels.save` (each written atomically; ``index.json``
-last, so a folder with an index is complete):
+Files written by :meth:`PersonalizedModels.save` (each written atomically with
+:mod:`partialfl.io`; ``index.json`` last, so a folder with an index is complete):
 
 * ``theta.safetensors`` — θ (the global parameters, by name);
 * ``clients/NNNNNN.safetensors`` — w_m of client position NNNNNN (personal parameters and
@@ -31,7 +31,6 @@ from __future__ import annotations
 
 import copy
 import json
-import os
 import re
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
@@ -40,9 +39,9 @@ from typing import Any
 
 import numpy as np
 import torch
-from safetensors.torch import load_file, save_file
 from torch import Tensor, nn
 
+from partialfl import io as pio
 from partialfl.algorithms.base import Algorithm, RoundContext, ServerState
 from partialfl.problems.model import ModelProblem, accuracy, cross_entropy
 from partialfl.split import ADAPTER_CHILD, Split, insert_adapters
@@ -167,11 +166,11 @@ class PersonalizedModels:
         d = Path(directory)
         index = read_index(d)
         module = _with_adapters(module, index)
-        rows = [load_file(_inside(d, e["file"])) for e in index["clients"]]
+        rows = [_load(d, e["file"]) for e in index["clients"]]
         w = {n: torch.stack([r[n] for r in rows]) for n in rows[0]} if rows else {}
         split = Split(module, index["split"], tuple(index["global_names"]),
                       tuple(index["personal_names"]))
-        return cls(split, load_file(_inside(d, index["theta_file"])), w,
+        return cls(split, _load(d, index["theta_file"]), w,
                    [e["id"] for e in index["clients"]], None, index.get("metadata"))
 
     def save(self, directory: str | Path) -> Path:
@@ -182,13 +181,11 @@ class PersonalizedModels:
             json.dumps(self.metadata)
         except TypeError as e:
             raise TypeError(f"metadata must be JSON-able: {e}") from None
-        (d / "clients").mkdir(parents=True, exist_ok=True)
-        _atomic(d / "theta.safetensors", lambda p: save_file(_plain(self.theta), str(p)))
+        pio.save_tensors(d / "theta.safetensors", self.theta)
         entries = []
         for i, cid in enumerate(self.client_ids):
             rel = f"clients/{i:06d}.safetensors"
-            row = _plain({n: v[i] for n, v in self.w.items()})
-            _atomic(d / rel, lambda p, row=row: save_file(row, str(p)))
+            pio.save_tensors(d / rel, {n: v[i] for n, v in self.w.items()})
             entries.append({"id": cid, "file": rel})
         state = getattr(self.problem, "state_names", None)
         if state is None:
@@ -200,8 +197,7 @@ class PersonalizedModels:
             "state_names": list(state), "theta_file": "theta.safetensors",
             "clients": entries, "adapters": _adapters(self.split), "metadata": self.metadata,
         }
-        text = json.dumps(index, indent=1)
-        _atomic(d / "index.json", lambda p: p.write_text(text))
+        pio.write_json(d / "index.json", index, indent=1)
         return d
 
 
@@ -254,9 +250,10 @@ def read_index(directory: str | Path) -> dict[str, Any]:
     if not f.exists():
         raise FileNotFoundError(f"{f} not found: not a folder written by "
                                 "PersonalizedModels.save (or the save did not finish)")
-    index = json.loads(f.read_text())
-    if index.get("format") != FORMAT:
-        raise ValueError(f"{f} has format {index.get('format')!r}, expected {FORMAT!r}")
+    index = pio.read_json(f)
+    if not isinstance(index, dict) or index.get("format") != FORMAT:
+        got = index.get("format") if isinstance(index, dict) else None
+        raise ValueError(f"{f} has format {got!r}, expected {FORMAT!r}")
     return index
 
 
@@ -273,8 +270,7 @@ def load_personalized(directory: str | Path, module: nn.Module, client_id: str |
     index = read_index(d)
     ids = tuple(str(e["id"]) for e in index["clients"])
     i, _ = _client_position(ids, client_id)
-    values = {**load_file(_inside(d, index["theta_file"])),
-              **load_file(_inside(d, index["clients"][i]["file"]))}
+    values = {**_load(d, index["theta_file"]), **_load(d, index["clients"][i]["file"])}
     return _load_into(_with_adapters(module, index), values)
 
 
@@ -316,12 +312,13 @@ def _is_running_stat(name: str, module: nn.Module) -> bool:
 
 
 # ----------------------------------------------------------------------------- helpers
-def _inside(directory: Path, rel: str) -> str:
-    """``directory / rel``, refusing a path from the index that leads outside the folder."""
+def _load(directory: Path, rel: str) -> dict[str, Tensor]:
+    """The tensors of ``directory / rel`` (a path from the index that leads outside the folder
+    is refused; a pickle is refused by :func:`partialfl.io.load_tensors`)."""
     path = (directory / rel).resolve()
     if not path.is_relative_to(directory.resolve()):
         raise ValueError(f"index.json names a file outside {directory}: {rel!r}")
-    return str(path)
+    return pio.load_tensors(path, "personalized-model file")[0]
 
 
 def _client_position(ids: Sequence[str], client: str | int) -> tuple[int, str]:
@@ -333,22 +330,6 @@ def _client_position(ids: Sequence[str], client: str | int) -> tuple[int, str]:
         return ids.index(str(client)), str(client)
     except ValueError:
         raise KeyError(f"unknown client id {client!r}; ids are e.g. {list(ids[:5])}") from None
-
-
-def _plain(tree: Mapping[str, Tensor]) -> dict[str, Tensor]:
-    """Own, contiguous CPU copies (safetensors refuses tensors that share memory)."""
-    return {n: v.detach().to("cpu").contiguous().clone() for n, v in tree.items()}
-
-
-def _atomic(path: Path, write) -> None:
-    """``write(tmp)`` then rename over ``path``: never a truncated file at ``path``."""
-    tmp = path.with_name(f".{path.name}.tmp{os.getpid()}")
-    try:
-        write(tmp)
-        os.replace(tmp, path)
-    finally:
-        if tmp.exists():
-            tmp.unlink()
 
 
 def _adapters(split: Split) -> dict[str, Any] | None:
