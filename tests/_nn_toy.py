@@ -29,6 +29,30 @@ class ToyNet(nn.Module):
         return self.fc(h)
 
 
+class ToyBNNet(nn.Module):
+    """conv 3×3 (1→4) → BatchNorm → ReLU → conv 3×3 (4→4) → BatchNorm → ReLU → linear 64→5
+    (8×8 grey input): a CNN with BatchNorm running statistics."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.c1 = nn.Conv2d(1, 4, 3)
+        self.bn1 = nn.BatchNorm2d(4)
+        self.c2 = nn.Conv2d(4, 4, 3)
+        self.bn2 = nn.BatchNorm2d(4)
+        self.fc = nn.Linear(4 * 4 * 4, 5)
+
+    def forward(self, x):
+        h = torch.relu(self.bn1(self.c1(x)))
+        h = torch.relu(self.bn2(self.c2(h)))
+        return self.fc(h.flatten(1))
+
+
+def toy_bn_model(seed: int = 0) -> ToyBNNet:
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(seed)
+        return ToyBNNet()
+
+
 def toy_model(seed: int = 0) -> ToyNet:
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(seed)

@@ -39,6 +39,8 @@ README_SIZE_OVERRIDES = [
     ("run_rounds(problem, ffgg, 100, clients_per_round=4", "run_rounds(problem, ffgg, 10, "
                                                            "clients_per_round=4"),
     ("eval_every=25", "eval_every=5"),
+    ("run_rounds(problem, algorithm, 30,", "run_rounds(problem, algorithm, 3,"),
+    ('folder = "out/personalized"', 'folder = __import__("tempfile").mkdtemp()'),
 ]
 
 
@@ -143,3 +145,23 @@ def test_quick_start_is_two_commands_in_a_virtual_environment():
     quick = text.split("## Quick start", 1)[1].split("\n## ", 1)[0]
     assert "any torch ≥ 2.2 works" in quick and "download.pytorch.org/whl/cpu" in quick
     assert "these machines" not in quick
+
+
+def test_readme_presets_and_deploy_block_saves_what_it_evaluates():
+    """The README's preset + deploy block: the client model loaded from the saved folder into
+    a fresh module has the accuracy that the per-client table reports."""
+    (block,) = [b for b in readme_python_blocks() if "build_preset" in b]
+    for old, new in README_SIZE_OVERRIDES:
+        block = block.replace(old, new)
+    ns: dict = {}
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        exec(compile(block, "README.md presets block", "exec"), ns)
+    finally:
+        torch.set_num_threads(threads)
+    table, data = ns["models"].evaluate(), ns["dataset"]
+    with torch.no_grad():
+        hits = (ns["net"](data.test_x[0]).argmax(-1) == data.test_y[0]).sum().item()
+    assert hits == table["site0"]["correct"] and table["site0"]["total"] == 10
+    assert ns["run"].state.round == 3

@@ -238,13 +238,13 @@ def test_errors():
         def __init__(self):
             super().__init__()
             self.c = nn.Conv2d(1, 2, 3)
-            self.bn = nn.BatchNorm2d(2)
+            self.bn = nn.BatchNorm2d(2, track_running_stats=False)
             self.fc = nn.Linear(72, 5)
 
         def forward(self, x):
             return self.fc(self.bn(self.c(x)).flatten(1))
 
-    with pytest.raises(ValueError, match="BatchNorm with running statistics"):
+    with pytest.raises(ValueError, match="'bn' is a BatchNorm without running statistics"):
         ModelProblem(make_split(WithBN(), "output"), toy_data())
     pb = _problem()
     c = np.array([0])

@@ -21,9 +21,14 @@ def test_plain_autograd_step_equals_functorch(kind, wrt):
         train, frozen, _, _ = pb._arrange(theta, w, None, wrt)
         x, y = pb._store["train"].gather(3, np.arange(5))
         mask = torch.ones(5)
-        for plain, ref in ((pb._plain_step, pb._step_fn), (pb._plain_sum, pb._sum_grad_fn)):
-            g, aux = plain(train, frozen, x, y, mask, None)
-            g_ref, aux_ref = ref(train, frozen, x, y, mask, None)
+        # the step functions also take (and return) running statistics: none here
+        for plain, ref, stats in ((pb._plain_step, pb._step_fn, ({},)),
+                                  (pb._plain_sum, pb._sum_grad_fn, ())):
+            g, aux = plain(train, frozen, *stats, x, y, mask, None)
+            g_ref, aux_ref = ref(train, frozen, *stats, x, y, mask, None)
+            if stats:
+                assert aux[1] == aux_ref[1] == {}
+                aux, aux_ref = aux[0], aux_ref[0]
             assert g.keys() == g_ref.keys()
             assert all(torch.equal(g[n], g_ref[n]) for n in g) and torch.equal(aux, aux_ref)
             assert any(float(v.abs().max()) > 0 for v in g.values())

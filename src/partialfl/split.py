@@ -17,6 +17,8 @@ sets that together cover every parameter. Kinds (:func:`make_split`):
   zero-initialised.
   Zero-initialised outputs make the adapted model compute exactly the base model at start.
 * ``norm`` — the parameters of normalization layers (GroupNorm, LayerNorm, BatchNorm, …).
+  BatchNorm running statistics are buffers, not parameters: under every split they are
+  personal client state (:class:`partialfl.problems.model.ModelProblem`).
 * ``pattern`` — regular expressions on parameter names (``re.search``): ``personal`` (and
   optionally ``global_``); with both, every name must match exactly one side.
 

@@ -7,7 +7,8 @@ local solver (see :func:`model_ffgg`).
 
 * :class:`FedAvg` — non-personalized: SGD epochs on every parameter from θʳ, send
   Δ = θ_local − θʳ; the server steps with −mean Δ (server SGD lr 1 = averaging, Adam = FedAdam).
-  Its problem must have no personal parameter (split ``none``).
+  Its problem must have no personal parameter (split ``none``); a model with BatchNorm keeps
+  each client's running statistics on the client (runtime-held client state, never sent).
 * :class:`LocalFFGG` — the paper's Algorithm 4: w ← init, one epoch of SGD on w (θʳ fixed),
   then K alternating stochastic steps (a w-step, then a θ-step at the new w, per minibatch);
   send Δθ = θ_K − θʳ. Stateless.
@@ -15,6 +16,9 @@ local solver (see :func:`model_ffgg`).
   (runtime-held client state, never sent). FedAlt: SGD epochs on w_m with θʳ fixed, then SGD
   epochs on θ with the new w_m fixed; FedSim: SGD epochs on (θ, w_m) jointly. Both send
   Δθ = θ_local − θʳ. ``stateless=True`` restarts w_m from its initialisation every round.
+  FedAlt's θ-phase may use its own ``local_theta`` epochs (FedRep: many head epochs, then
+  few body epochs). BatchNorm running statistics travel with w_m (see
+  :class:`~partialfl.problems.model.ModelProblem`).
 
 ``weighting``: aggregation weights sent with the updates, ``"uniform"`` (1 per client, the
 paper's (1/M)Σ_m objective) or ``"examples"`` (n_m); they only matter with a weighted
@@ -85,20 +89,35 @@ class FedAvg(Algorithm):
                 f"{list(problem.w_names)[:4]}"
             )
 
+    def init_client_state(self, problem) -> Params | None:
+        """Each client's normalization running statistics, if the model has any."""
+        if not getattr(problem, "state_names", ()):
+            return None
+        return problem.init_w(np.arange(problem.num_clients), "pretrained", 0, 0)
+
+    def _stats(self, problem, cohort, ctx, client_state) -> Params:
+        if client_state is not None:
+            return {n: v.clone() for n, v in client_state.items()}
+        if getattr(problem, "state_names", ()):  # a runtime without client state
+            return problem.init_w(cohort, "pretrained", ctx.seed, ctx.round)
+        return {}
+
     def client_update(self, state, problem, cohort, ctx: RoundContext, client_state=None):
         """The model change after the local SGD epochs on every parameter (all global)."""
         self._check(problem)
-        res = run_sgd(problem, cohort, state.theta, {}, train="theta", cfg=self.local,
+        stats = self._stats(problem, cohort, ctx, client_state)
+        res = run_sgd(problem, cohort, state.theta, stats, train="theta", cfg=self.local,
                       seed=ctx.seed, round_=ctx.round, stream="local")
         up = ClientUpdates(_delta(res.theta, state.theta), _weights(problem, cohort,
                            self.weighting), np.asarray(cohort), res.steps,
                            metrics={"train_loss": res.loss})
-        return ClientResult(up)
+        return ClientResult(up, res.w if client_state is not None else None)
 
     def deployed(self, state, problem, client_state, ctx):
         """The global model on every client (no personal parameters)."""
         self._check(problem)
-        return Deployed(state.theta, {})
+        allc = np.arange(problem.num_clients)
+        return Deployed(state.theta, self._stats(problem, allc, ctx, client_state))
 
 
 class LocalFFGG(Algorithm):
@@ -195,16 +214,25 @@ class _PersonalState(Algorithm):
 
 
 class FedAlt(_PersonalState):
-    """FedAlt (Pillutla et al. 2022, alternating): local epochs on w_m, then on θ."""
+    """FedAlt (Pillutla et al. 2022, alternating): ``local`` epochs on w_m with θʳ fixed,
+    then ``local_theta`` epochs (default: ``local``) on θ with the new w_m fixed."""
 
     name = "fedalt"
+
+    def __init__(self, local: SGDConfig, w_init: str = "pretrained", stateless: bool = False,
+                 init_seed: int = 0, server_opt=None, aggregator=None,
+                 weighting: str = "uniform", local_theta: SGDConfig | None = None) -> None:
+        super().__init__(local, w_init, stateless, init_seed, server_opt, aggregator,
+                         weighting)
+        self.local_theta = local if local_theta is None else local_theta
 
     def _local(self, problem, cohort, theta, w, ctx):
         r1 = run_sgd(problem, cohort, theta, w, train="w", cfg=self.local, seed=ctx.seed,
                      round_=ctx.round, stream="local-w")
-        r2 = run_sgd(problem, cohort, theta, r1.w, train="theta", cfg=self.local,
+        r2 = run_sgd(problem, cohort, theta, r1.w, train="theta", cfg=self.local_theta,
                      seed=ctx.seed, round_=ctx.round, stream="local-theta")
-        return r2.theta, r1.w, r1.steps + r2.steps, r2.loss
+        # r2.w: r1's w_m (not trained in the θ-phase) with the running statistics after it
+        return r2.theta, r2.w, r1.steps + r2.steps, r2.loss
 
 
 class FedSim(_PersonalState):

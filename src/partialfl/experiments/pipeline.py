@@ -25,7 +25,8 @@ after stage 2), ``client_state_stage2.client-side.safetensors`` (FedAlt/FedSim p
 parameters), ``deploy.safetensors`` (the split model's tensors with θ and w_pre, for
 :func:`evaluate_run` on new clients), ``metrics.json`` (stage 3). Stage 1 lives in
 ``stage1_dir`` (default ``run_dir/stage1``; share it between methods and seeds with the same
-pre-training): ``stage1.jsonl``, ``stage1.ckpt``, ``theta.safetensors``. A stage whose final
+pre-training): ``stage1.jsonl``, ``stage1.ckpt``, ``theta.safetensors``; with ``save_personalized``,
+``personalized/`` (every client's deployed model, :mod:`partialfl.deploy`). A stage whose final
 file exists is skipped; an interrupted stage resumes from its last checkpoint
 (``checkpoint_every`` rounds) with bit-identical results, because all randomness derives
 from (seed, round, client). Every file is written atomically and holds tensors
@@ -652,20 +653,21 @@ def personalize(cfg: PipelineConfig, task: Task, theta1: Params, run_dir: Path,
 def _deploy_start(cfg: PipelineConfig, s2: _Stage2) -> Params:
     """w_m at the start of stage 3 (see the module docstring)."""
     allc = np.arange(s2.problem.num_clients)
-    m = cfg.method
-    if m.algorithm in ("fedalt", "fedsim") and not m.stateless:
+    if s2.client_state is not None:  # FedAlt/FedSim's w_m; FedAvg's BatchNorm statistics
         return {n: v.clone() for n, v in s2.client_state.items()}
-    return s2.problem.init_w(allc, m.w_init, cfg.seed, -1)
+    return s2.problem.init_w(allc, cfg.method.w_init, cfg.seed, -1)
 
 
 def finetune_and_evaluate(cfg: PipelineConfig, task: Task, s2: _Stage2, run_dir: Path,
-                          test_task: Task | None = None
+                          test_task: Task | None = None, save_personalized: bool = False
                           ) -> tuple[dict[str, Any], Split, Params]:
     """Stage 3: fine-tune every client's w, evaluate; returns (metrics, split, θ).
 
     With ``cfg.validation``, ``task``'s data is the validation view (its test split = the
     validation data): ``cfg.finetune_grid`` (if set) picks the fine-tuning setting there, and
-    the final model is evaluated once on ``test_task``'s data (the real test split)."""
+    the final model is evaluated once on ``test_task``'s data (the real test split). With
+    ``save_personalized`` every client's deployed model (θ, fine-tuned w_m) is saved in
+    ``run_dir/personalized`` (:mod:`partialfl.deploy`)."""
     split, problem, theta = s2.split, s2.problem, s2.theta
     w0 = {} if cfg.method.algorithm in FULL_PERSONAL else _deploy_start(cfg, s2)
     if cfg.method.algorithm == "fedavg" and cfg.method.finetune_split:
@@ -676,7 +678,8 @@ def finetune_and_evaluate(cfg: PipelineConfig, task: Task, s2: _Stage2, run_dir:
         theta, w_pre = split.params()
         problem = _problem(task, split, cfg, w_pre)
         theta = _on(theta, problem)
-        w0 = problem.init_w(np.arange(problem.num_clients), "pretrained", cfg.seed, -1)
+        w0 = {**problem.init_w(np.arange(problem.num_clients), "pretrained", cfg.seed, -1),
+              **(w0 if problem.state_names else {})}  # keep each client's BatchNorm stats
     # Ditto / local-only deploy each client's v_m (no w, so stage 3 changes nothing)
     deployed = (Ditto.personal_v(theta, s2.client_state)
                 if cfg.method.algorithm in FULL_PERSONAL else theta)
@@ -710,6 +713,12 @@ def finetune_and_evaluate(cfg: PipelineConfig, task: Task, s2: _Stage2, run_dir:
         "split_counts": counts, "stage2_seconds": s2.seconds,
         "stage3_seconds": time.perf_counter() - t0, **extra, **_budgets(run_dir),
     }
+    if save_personalized:
+        from partialfl.deploy import PersonalizedModels
+
+        PersonalizedModels(split, theta, w, task.data.client_ids, problem,
+                           {"method": cfg.method.name, "seed": cfg.seed, "task": task.name}
+                           ).save(run_dir / "personalized")
     save_deploy(run_dir, split, _host(theta), _host(problem.w_pretrained),
                 cfg.method.split_options)
     return metrics, split, theta
@@ -741,11 +750,14 @@ def validation_tasks(cfg: PipelineConfig, task: Task) -> tuple[Task, Task | None
 
 def run_pipeline(cfg: PipelineConfig, task: Task, run_dir: str | Path, *,
                  stage1_dir: str | Path | None = None, progress: bool = True,
-                 on_round: Callable[[str, int], None] | None = None) -> PipelineResult:
+                 on_round: Callable[[str, int], None] | None = None,
+                 save_personalized: bool = False) -> PipelineResult:
     """Run (or resume) the three stages; returns stage 3's metrics (also in metrics.json).
 
     ``on_round(stage, round)`` is called after every round of stages 1 and 2 (for progress
-    reporting, or to simulate an interruption in tests)."""
+    reporting, or to simulate an interruption in tests). ``save_personalized``: also write
+    every client's deployed model to ``run_dir/personalized`` (safetensors, load with
+    :func:`partialfl.deploy.load_personalized`)."""
     run_dir = Path(run_dir)
     run_dir.mkdir(parents=True, exist_ok=True)
     ident = {k: v for k, v in cfg.to_dict().items() if k != "device"}
@@ -763,10 +775,12 @@ def run_pipeline(cfg: PipelineConfig, task: Task, run_dir: str | Path, *,
     s2 = personalize(cfg, task, theta1, run_dir,
                      progress and f"stage 2 ({cfg.method.name})", on_round=hook2)
     mfile = run_dir / "metrics.json"
-    if mfile.exists() and _tensor_file(run_dir, DEPLOY) is not None:
+    if mfile.exists() and _tensor_file(run_dir, DEPLOY) is not None and (
+            not save_personalized or (run_dir / "personalized" / "index.json").exists()):
         metrics = pio.read_json(mfile)
         return PipelineResult(metrics, run_dir, s2.theta, s2.split)
-    metrics, split, theta = finetune_and_evaluate(cfg, task, s2, run_dir, test_task)
+    metrics, split, theta = finetune_and_evaluate(cfg, task, s2, run_dir, test_task,
+                                                  save_personalized)
     t1 = s1 / "timing.json"
     if cfg.pretrain.stop is not None and t1.exists():
         t = json.loads(t1.read_text())

@@ -8,7 +8,9 @@ with minibatch b ⊂ D_m and trained variables x (w, θ or both):
     x ← x − η g.
 
 ``train="alternate"`` (Local FFGG, Algorithm 4) does, per minibatch, a w-step and then a θ-step
-at the new w (both on the same minibatch, each clipped separately).
+at the new w (both on the same minibatch, each clipped separately). Every forward pass also
+updates the client's normalization running statistics carried in w (whatever is trained), as
+a forward pass in train mode does in PyTorch.
 
 ``prox=(λ, c)`` (with ``train="theta"``; Ditto's personal model) follows every step with the
 exact proximal map of (λ/2)‖x − c‖²:  x ← (x + ηλ c) / (1 + ηλ)  (λ = ∞: x ← c), a
@@ -172,6 +174,15 @@ def run_sgd(problem, cohort, theta: Params, w: Params, *, train: str, cfg: SGDCo
     return SGDResult(th_out, w_out, steps, losses)
 
 
+def _grads(problem, cohort, theta, w, batches, wrt):
+    """Minibatch gradients; running statistics (personal client state, see
+    :class:`~partialfl.problems.model.ModelProblem`) updated in w by the forward pass."""
+    if not getattr(problem, "state_names", ()):
+        return problem.minibatch_grads(cohort, theta, w, batches, wrt), w
+    g, loss, stats = problem.minibatch_grads(cohort, theta, w, batches, wrt, with_state=True)
+    return (g, loss), {**w, **stats}
+
+
 def _prox_step(x: Params, prox: tuple[float, Params], lr: float, active: np.ndarray) -> Params:
     """x ← (x + ηλ c)/(1 + ηλ) on the rows of clients that took a step (``active``)."""
     lam, centre = float(prox[0]), prox[1]
@@ -195,12 +206,12 @@ def _loop(problem, cohort, theta, w, plans, train, cfg, prox=None):
     for s in range(n_steps):
         batches = [p[s] if s < len(p) else None for p in plans]
         if train == "alternate":
-            gw, loss = problem.minibatch_grads(cohort, theta, w, batches, "w")
+            (gw, loss), w = _grads(problem, cohort, theta, w, batches, "w")
             w = _step(w, _clip(gw, cfg.clip_norm), cfg.lr)
-            gt, _ = problem.minibatch_grads(cohort, theta, w, batches, "theta")
+            (gt, _), w = _grads(problem, cohort, theta, w, batches, "theta")
             theta = _step(theta, _clip(gt, cfg.clip_norm), cfg.lr)
         else:
-            g, loss = problem.minibatch_grads(cohort, theta, w, batches, train)
+            (g, loss), w = _grads(problem, cohort, theta, w, batches, train)
             g = _clip(g, cfg.clip_norm)
             if train in ("w", "both"):
                 w = _step(w, g, cfg.lr)

@@ -93,7 +93,7 @@ class GradientDescent:
             return SolverResult({"w": W}, self.tau)
         for _ in range(self.tau):
             g = problem.grad_w(cohort, theta, w)
-            w = {n: v - _bcast(eta, v) * g[n] for n, v in w.items()}
+            w = {n: (v - _bcast(eta, v) * g[n]) if n in g else v for n, v in w.items()}
         return SolverResult(w, self.tau)
 
 

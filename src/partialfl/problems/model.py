@@ -18,8 +18,21 @@ client (``[k, ...]``, e.g. during local θ-steps). Two execution paths give the 
   the loss and its gradient; a client with nothing left this step gets a zero gradient);
 * plain (``vectorize=False`` or a single client): one client at a time, no padding.
 
-Dropout is off (the module is put in ``eval()`` mode) and buffers are not federated, so
-modules with BatchNorm running statistics are refused: use GroupNorm / LayerNorm.
+Dropout is off (the module is put in ``eval()`` mode). Other buffers are constants of the
+module, except the running statistics of normalization layers (BatchNorm's ``running_mean``,
+``running_var``, ``num_batches_tracked``): those are **personal client state** s_m. They
+travel in the personal tree next to w (``init_w`` returns them, names in
+:attr:`ModelProblem.state_names`), are never differentiated and never part of θ, so no
+update sent to the server contains them. A minibatch step (:meth:`minibatch_grads`) runs the
+normalization layers in train mode — the batch's own statistics, with s_m updated by the
+layer's momentum rule and returned with ``with_state=True`` — and the vectorised path then
+groups clients by minibatch size instead of padding (padding would change the batch
+statistics), so it takes the same steps as the plain path (with ``precision`` bf16/fp16 these
+steps run client by client: torch cannot differentiate a train-mode BatchNorm under vmap and
+autocast). Full-data passes (loss, ∇θ, ∇w,
+metrics) use eval mode: f_m(θ, w, s_m) normalizes with the client's running statistics.
+A BatchNorm without running statistics (``track_running_stats=False``) is refused (its
+evaluation would depend on how the data is chunked).
 
 Devices and precision (:mod:`partialfl.devices`): the module, θ and w live on ``device``; the
 data stays in (pinned) host memory and each minibatch is copied with a non-blocking transfer,
@@ -92,7 +105,8 @@ class ModelProblem:
         data: a :class:`~partialfl.data.federated.FederatedDataset`; client m = position m.
         loss_fn: ``(output, y) -> ℓ [B]`` or ``(ℓ [B], d [B])`` (default: cross-entropy).
         metric: ``(output, y) -> (correct [B], total [B])`` (default: top-1 accuracy).
-        w_pretrained: the personal values that ``init_w(..., "pretrained")`` restarts from
+        w_pretrained: the personal values (optionally with running statistics, default the
+            module's buffers) that ``init_w(..., "pretrained")`` restarts from
             (default: the split model's current values — after stage 1 of the pipeline, the
             pre-trained layers; for inserted adapters, their zero-output initialisation).
         vectorize: use ``torch.func.vmap`` across the clients of a cohort.
@@ -124,12 +138,8 @@ class ModelProblem:
     ) -> None:
         if not isinstance(split, Split):
             raise TypeError(f"split must be a partialfl.split.Split, got {type(split).__name__}")
-        for name, m in split.model.named_modules():
-            if isinstance(m, nn.modules.batchnorm._BatchNorm) and m.track_running_stats:
-                raise ValueError(
-                    f"module {name!r} is a BatchNorm with running statistics: buffers are not "
-                    "federated, use GroupNorm or LayerNorm (or track_running_stats=False)"
-                )
+        self._norm_modules, state, self._fp32_names = _running_stat_modules(split.model,
+                                                                           vectorize)
         for v, what in ((chunk, "chunk"), (max_vmap_examples, "max_vmap_examples")):
             if not isinstance(v, int) or v < 1:
                 raise ValueError(f"{what} must be a positive integer, got {v!r}")
@@ -150,6 +160,10 @@ class ModelProblem:
         self._theta0 = theta0
         self.theta_shapes = {n: tuple(v.shape) for n, v in theta0.items()}
         self.w_shapes = {n: tuple(v.shape) for n, v in w0.items()}
+        #: names of the personal client state s_m: normalization running statistics
+        self.state_names = tuple(state)
+        self.state_shapes = {n: tuple(v.shape) for n, v in state.items()}
+        self._state0 = {n: v.to(self.device) for n, v in state.items()}
         self.w_pretrained = self._check_w(w0 if w_pretrained is None else w_pretrained)
         self.num_clients = data.num_clients
         self._store = {s: _flat_split(data, s, self.device, data_on_device)
@@ -174,17 +188,30 @@ class ModelProblem:
         self._build_fns()
 
     def _check_w(self, w: Mapping[str, Tensor]) -> Params:
-        if set(w) != set(self.w_names):
-            raise KeyError(f"personal values must have exactly the names {list(self.w_names)}, "
-                           f"got {sorted(w)}")
+        """w_pretrained: the personal parameters, plus running statistics (default: the
+        module's own buffers)."""
+        w = {**self._state0, **w}
+        if set(w) != set(self.w_names) | set(self.state_names):
+            raise KeyError(f"personal values must have exactly the names {list(self.w_names)}"
+                           f" (and optionally {list(self.state_names)}), got {sorted(w)}")
         out = {}
-        for n in self.w_names:
+        shapes = {**self.w_shapes, **self.state_shapes}
+        for n in (*self.w_names, *self.state_names):
             v = torch.as_tensor(w[n]).detach().to(self.device)
-            if tuple(v.shape) != self.w_shapes[n]:
+            if tuple(v.shape) != shapes[n]:
                 raise ValueError(f"personal value {n!r} has shape {tuple(v.shape)}, expected "
-                                 f"{self.w_shapes[n]}")
+                                 f"{shapes[n]}")
             out[n] = v.clone()
         return out
+
+    def _split_state(self, w: Params) -> tuple[Params, Params]:
+        """``(personal parameters, running statistics)`` of a personal tree."""
+        missing = [n for n in self.state_names if n not in w]
+        if missing:
+            raise KeyError(f"the personal tree lacks the running statistics {missing[:4]} "
+                           "(personal client state of the BatchNorm layers; init_w gives them)")
+        return ({n: v for n, v in w.items() if n not in self.state_names},
+                {n: w[n] for n in self.state_names})
 
     # -- Problem protocol ----------------------------------------------------------------
     def init_theta(self, rng: np.random.Generator | None = None) -> Params:
@@ -198,19 +225,27 @@ class ModelProblem:
         * ``zero`` — all zeros (note: a low-rank adapter with both factors 0 cannot move);
         * ``random`` — a fresh initialisation as a newly built model would have it (each
           module's own ``reset_parameters``), seeded per (seed, round, client).
+
+        Running statistics (:attr:`state_names`) start from :attr:`w_pretrained` for
+        ``pretrained`` and from a fresh layer's (mean 0, variance 1, count 0) otherwise.
         """
         cohort = check_cohort(cohort, self.num_clients)
         k = len(cohort)
+
+        def rep(tree):
+            return {n: v.unsqueeze(0).repeat(k, *([1] * v.dim())) for n, v in tree.items()}
+
         if how == "pretrained":
-            return {n: v.unsqueeze(0).repeat(k, *([1] * v.dim()))
-                    for n, v in self.w_pretrained.items()}
+            return rep(self.w_pretrained)
+        state = rep(_fresh_stats(self._state0))
         if how == "zero":
-            return {n: torch.zeros((k, *s), dtype=self.w_pretrained[n].dtype,
+            return {**{n: torch.zeros((k, *s), dtype=self.w_pretrained[n].dtype,
                                    device=self.device)
-                    for n, s in self.w_shapes.items()}
+                       for n, s in self.w_shapes.items()}, **state}
         if how == "random":
             rows = [self._random_w(seed, round_, int(m)) for m in cohort]
-            return {n: torch.stack([r[n] for r in rows]).to(self.device) for n in self.w_names}
+            return {**{n: torch.stack([r[n] for r in rows]).to(self.device)
+                       for n in self.w_names}, **state}
         raise ValueError(f"unknown personal initialisation {how!r}; allowed: {', '.join(W_INITS)}")
 
     def _random_w(self, seed: int, round_: int, cid: int) -> Params:
@@ -262,50 +297,87 @@ class ModelProblem:
 
     # -- minibatch gradients (used by partialfl.local.sgd) -----------------------------
     def minibatch_grads(
-        self, cohort, theta: Params, w: Params, batches: Sequence[np.ndarray | None], wrt: str
-    ) -> tuple[Params, Tensor]:
+        self, cohort, theta: Params, w: Params, batches: Sequence[np.ndarray | None], wrt: str,
+        *, with_state: bool = False,
+    ) -> tuple[Params, Tensor] | tuple[Params, Tensor, Params]:
         """Gradients of each client's mean loss on its minibatch ``batches[i]`` (indices into
         its training examples; ``None``/empty = no step) w.r.t. ``wrt`` ∈ {w, theta, both}.
 
         Returns the stacked gradients ``[k, ...]`` (zeros for clients without a batch) and the
-        minibatch losses ``[k]``."""
+        minibatch losses ``[k]``; with ``with_state=True`` also the running statistics after
+        the step's forward pass (unchanged for clients without a batch; ``{}`` if none)."""
         cohort = check_cohort(cohort, self.num_clients)
         if wrt not in ("w", "theta", "both"):
             raise ValueError(f"wrt must be 'w', 'theta' or 'both', got {wrt!r}")
         k = len(cohort)
         theta_dims = self._theta_dims(theta, k)
+        w, state = self._split_state(w)
         store = self._store["train"]
-        if self.vectorize and k > 1:
-            b = max((len(x) for x in batches if x is not None), default=0)
+        sizes = [0 if x is None else len(x) for x in batches]
+        # torch cannot differentiate a train-mode BatchNorm under vmap and autocast: plain path
+        if self.vectorize and k > 1 and not (state and self._amp is not None):
+            b = max(sizes, default=0)
             if b == 0:
-                return (self._zeros_like_wrt(theta, w, wrt, k),
-                        torch.zeros(k, device=self.device))
-            idx, mask = store.padded(cohort, batches, b)
-            train, frozen, tdims, fdims = self._arrange(theta, w, theta_dims, wrt)
-            fn = self._vmapped(self._step_fn, (tdims, fdims))
-            x, y = store.take(idx)
-            g, loss = self._scaled(fn, train, frozen, x, y, mask)
-            return g, loss.detach()
-        grads, losses = [], []
+                out = (self._zeros_like_wrt(theta, w, wrt, k),
+                       torch.zeros(k, device=self.device))
+                return (*out, state) if with_state else out
+            if not state:
+                idx, mask = store.padded(cohort, batches, b)
+                train, frozen, tdims, fdims = self._arrange(theta, w, theta_dims, wrt)
+                fn = self._vmapped(self._step_fn, (tdims, fdims, {}))
+                x, y = store.take(idx)
+                g, (loss, _) = self._scaled(fn, train, frozen, {}, x, y, mask)
+                return (g, loss.detach(), {}) if with_state else (g, loss.detach())
+            # running statistics need each batch as is: group by size instead of padding
+            groups = [np.flatnonzero(np.asarray(sizes) == s) for s in sorted(set(sizes) - {0})]
+            acc = self._zeros_like_wrt(theta, w, wrt, k)
+            losses = torch.zeros(k, device=self.device)
+            new_state = {n: v.clone() for n, v in state.items()}
+            for pos in groups:
+                tp = torch.from_numpy(pos).to(self.device)
+                th = {n: (v if theta_dims[n] is None else v[tp]) for n, v in theta.items()}
+                idx, mask = store.padded(cohort[pos], [batches[i] for i in pos],
+                                         max(sizes[i] for i in pos))
+                train, frozen, tdims, fdims = self._arrange(
+                    th, {n: v[tp] for n, v in w.items()}, theta_dims, wrt)
+                fn = self._vmapped(self._step_fn, (tdims, fdims, {n: 0 for n in state}))
+                x, y = store.take(idx)
+                g, (loss, st) = self._scaled(fn, train, frozen,
+                                             {n: v[tp] for n, v in state.items()}, x, y, mask)
+                for n in acc:
+                    acc[n][tp] = g[n]
+                for n in st:
+                    new_state[n][tp] = st[n]
+                losses[tp] = loss.detach()
+            return (acc, losses, new_state) if with_state else (acc, losses)
+        grads, losses, states = [], [], []
         for i in range(k):
             bi = batches[i]
+            st_i = _row(state, None, i)
             if bi is None or len(bi) == 0:
                 grads.append(None)
                 losses.append(torch.zeros((), device=self.device))
+                states.append(st_i)
                 continue
             gi = store.gather(int(cohort[i]), bi)
             th_i = _row(theta, theta_dims, i)
             train, frozen, _, _ = self._arrange(th_i, _row(w, None, i), None, wrt)
             ones = torch.ones(len(bi), device=self.device)
-            g, loss = self._scaled(self._plain_step, train, frozen, *gi, ones)
+            g, (loss, st) = self._scaled(self._plain_step, train, frozen, st_i, *gi, ones)
             grads.append(g)
             losses.append(loss.detach())
+            states.append(st)
         if any(g is None for g in grads):
             zero = {n: v[0] for n, v in self._zeros_like_wrt(theta, w, wrt, 1).items()}
             grads = [zero if g is None else g for g in grads]
         if k == 1:  # a view, no copy (the sequential backend's every call)
-            return {n: v.unsqueeze(0) for n, v in grads[0].items()}, losses[0].unsqueeze(0)
-        return {n: torch.stack([g[n] for g in grads]) for n in grads[0]}, torch.stack(losses)
+            out = ({n: v.unsqueeze(0) for n, v in grads[0].items()}, losses[0].unsqueeze(0))
+        else:
+            out = ({n: torch.stack([g[n] for g in grads]) for n in grads[0]},
+                   torch.stack(losses))
+        if not with_state:
+            return out
+        return (*out, {n: torch.stack([s[n] for s in states]) for n in state})
 
     # -- internals -----------------------------------------------------------------------
     def _theta_dims(self, theta: Params, k: int) -> dict[str, int | None]:
@@ -326,13 +398,17 @@ class ModelProblem:
         return dims
 
     def _arrange(self, theta, w, theta_dims, wrt):
+        """``(trained, frozen, their in_dims)``; running statistics in w are always frozen."""
+        st = {n: w[n] for n in self.state_names if n in w}
+        w = {n: v for n, v in w.items() if n not in st}
+        sd = {n: 0 for n in st}
         wd = {n: 0 for n in w}
         td = theta_dims or {n: None for n in theta}
         if wrt == "w":
-            return w, theta, wd, td
+            return w, {**theta, **st}, wd, {**td, **sd}
         if wrt == "theta":
-            return theta, w, td, wd
-        return {**theta, **w}, {}, {**td, **wd}, {}
+            return theta, {**w, **st}, td, {**wd, **sd}
+        return {**theta, **w}, st, {**td, **wd}, sd
 
     def _zeros_like_wrt(self, theta, w, wrt, k):
         names = {"w": self.w_names, "theta": self.theta_names,
@@ -350,8 +426,10 @@ class ModelProblem:
             # cast the float leaves and inputs explicitly (differentiably: gradients stay
             # fp32), since autocast does not reach every op under vmap (a batched conv); ops
             # that autocast keeps in fp32 (softmax, cross-entropy) still upcast
-            low = {n: (v.to(self._amp) if v.is_floating_point() else v)
-                   for n, v in params.items()}
+            # BatchNorm parameters and running statistics stay fp32 (its running statistics
+            # are updated in place: a cast copy would drop the update)
+            low = {n: (v.to(self._amp) if v.is_floating_point() and n not in self._fp32_names
+                       else v) for n, v in params.items()}
             xl = x.to(self._amp) if x.is_floating_point() else x
             with torch.autocast(self.device.type, dtype=self._amp):
                 out = functional_call(self.module, low, (xl,))
@@ -368,31 +446,41 @@ class ModelProblem:
         return self.scaler.run(lambda scale: fn(*args, scale))
 
     def _build_step_fn(self):
-        """``(train, frozen, x, y, mask, scale) -> (∇_train scale·mean loss, mean loss)``
-        (``scale`` None: 1)."""
+        """``(train, frozen, stats, x, y, mask, scale) -> (∇_train scale·mean loss, (mean
+        loss, stats'))`` (``scale`` None: 1): normalization layers in train mode, ``stats'``
+        their running statistics after this batch (updated in place on a copy by the layers
+        themselves)."""
 
-        def mean_loss(train, frozen, x, y, mask, scale):
-            s, d, _ = self._batch_loss({**frozen, **train}, x, y, mask)
+        def mean_loss(train, frozen, stats, x, y, mask, scale):
+            stats = {n: v.clone() for n, v in stats.items()}
+            with _train_mode(self._norm_modules if stats else ()):
+                s, d, _ = self._batch_loss({**frozen, **train, **stats}, x, y, mask)
             val = s / torch.clamp(d, min=1e-12)
-            return (val if scale is None else val * scale), val.detach()
+            return ((val if scale is None else val * scale),
+                    (val.detach(), {n: v.detach() for n, v in stats.items()}))
 
         return grad(mean_loss, has_aux=True)
 
-    def _plain_grad(self, train, frozen, x, y, mask, scale, *, mean: bool):
-        """ONE client's ``_step_fn`` (``mean``) or ``_sum_grad_fn`` with plain autograd: the
-        same backward arithmetic without a functorch transform per call (less overhead)."""
+    def _plain_grad(self, train, frozen, x, y, mask, scale, *, mean: bool,
+                    stats: Params | None = None):
+        """ONE client's ``_step_fn`` (``mean``, with running statistics ``stats``) or
+        ``_sum_grad_fn`` with plain autograd: the same backward arithmetic without a functorch
+        transform per call (less overhead)."""
         leaves = {n: v.detach().requires_grad_(True) for n, v in train.items()}
-        with torch.enable_grad():
-            s, d, _ = self._batch_loss({**frozen, **leaves}, x, y, mask)
+        stats = {n: v.clone() for n, v in (stats or {}).items()}
+        with torch.enable_grad(), _train_mode(self._norm_modules if stats else ()):
+            s, d, _ = self._batch_loss({**frozen, **leaves, **stats}, x, y, mask)
             val = s / torch.clamp(d, min=1e-12) if mean else s
             out = val if scale is None else val * scale
             gs = torch.autograd.grad(out, list(leaves.values()), allow_unused=True)
         g = {n: torch.zeros_like(leaves[n]) if gi is None else gi for n, gi in zip(leaves, gs)}
-        return g, (val.detach() if mean else d.detach())
+        if mean:
+            return g, (val.detach(), {n: v.detach() for n, v in stats.items()})
+        return g, d.detach()
 
-    def _plain_step(self, train, frozen, x, y, mask, scale):
+    def _plain_step(self, train, frozen, stats, x, y, mask, scale):
         """:meth:`_plain_grad` of the mean loss (the plain twin of ``_step_fn``)."""
-        return self._plain_grad(train, frozen, x, y, mask, scale, mean=True)
+        return self._plain_grad(train, frozen, x, y, mask, scale, mean=True, stats=stats)
 
     def _plain_sum(self, train, frozen, x, y, mask, scale):
         """:meth:`_plain_grad` of the summed loss (the plain twin of ``_sum_grad_fn``)."""
@@ -419,12 +507,12 @@ class ModelProblem:
 
         return fwd
 
-    def _vmapped(self, fn, dims: tuple[dict, dict]):
-        """vmap of ``fn(train, frozen, x, y, mask)`` over clients, cached per in_dims."""
-        key = (id(fn), tuple(sorted(dims[0].items())), tuple(sorted(dims[1].items())))
+    def _vmapped(self, fn, dims: tuple[dict, ...]):
+        """vmap of ``fn(*trees, x, y, mask, scale)`` over clients, cached per in_dims."""
+        key = (id(fn), *(tuple(sorted(d.items())) for d in dims))
         out = self._vcache.get(key)
         if out is None:
-            out = self._vcache[key] = vmap(fn, in_dims=(dims[0], dims[1], 0, 0, 0, None))
+            out = self._vcache[key] = vmap(fn, in_dims=(*dims, 0, 0, 0, None))
         return out
 
     def _vmapped_fwd(self, fn, dims: dict):
@@ -440,6 +528,7 @@ class ModelProblem:
 
     def _full_grad(self, cohort, theta, w, wrt) -> Params:
         cohort = check_cohort(cohort, self.num_clients)
+        self._split_state(w)  # running statistics present (used in eval mode)
         k = len(cohort)
         theta_dims = self._theta_dims(theta, k)
         store = self._store["train"]
@@ -488,6 +577,7 @@ class ModelProblem:
     def _full_pass(self, cohort, theta, w, split, what):
         """Forward-only sums over each client's data: loss (num, den) [+ metric counts]."""
         cohort = check_cohort(cohort, self.num_clients)
+        self._split_state(w)  # running statistics present (used in eval mode)
         k = len(cohort)
         theta_dims = self._theta_dims(theta, k)
         store = self._store[split]
@@ -630,6 +720,56 @@ def _row(tree: Params, dims: Mapping[str, int | None] | None, i: int) -> Params:
     if dims is None:
         return {n: v[i] for n, v in tree.items()}
     return {n: (v if dims[n] is None else v[i]) for n, v in tree.items()}
+
+
+def _running_stat_modules(model: nn.Module, vectorize: bool
+                          ) -> tuple[tuple[nn.Module, ...], Params, frozenset[str]]:
+    """Normalization layers with running statistics, those statistics (name → buffer copy)
+    and the names of their parameters and statistics. Refuses what cannot be personal client
+    state (see the module docstring)."""
+    mods, state, names = [], {}, set()
+    for name, m in model.named_modules():
+        if not isinstance(m, nn.modules.batchnorm._NormBase):
+            continue
+        if not m.track_running_stats:
+            if isinstance(m, nn.modules.batchnorm._BatchNorm):
+                raise ValueError(
+                    f"module {name!r} is a BatchNorm without running statistics "
+                    "(track_running_stats=False): it would normalize evaluation batches with "
+                    "their own statistics; keep track_running_stats=True (the statistics are "
+                    "personal client state) or use GroupNorm / LayerNorm")
+            continue
+        if m.momentum is None and vectorize:
+            raise ValueError(f"module {name!r} has momentum=None (cumulative average), which "
+                             "cannot run under vmap; give it a momentum or use "
+                             "vectorize=False")
+        mods.append(m)
+        for b, v in m.named_buffers(recurse=False):
+            if v is not None:
+                state[f"{name}.{b}" if name else b] = v.detach().clone()
+        names.update(f"{name}.{p}" if name else p for p, _ in m.named_parameters(recurse=False))
+    return tuple(mods), state, frozenset(names) | frozenset(state)
+
+
+def _fresh_stats(state: Params) -> Params:
+    """Running statistics of a freshly built layer: mean 0, variance 1, count 0."""
+    return {n: (torch.ones_like(v) if n.endswith("running_var") else torch.zeros_like(v))
+            for n, v in state.items()}
+
+
+class _train_mode:
+    """Context: the given modules in train mode (batch statistics), eval mode afterwards."""
+
+    def __init__(self, modules) -> None:
+        self.modules = modules
+
+    def __enter__(self) -> None:
+        for m in self.modules:
+            m.train()
+
+    def __exit__(self, *exc) -> None:
+        for m in self.modules:
+            m.eval()
 
 
 def _resettable_owners(module: nn.Module, names: Sequence[str]) -> list[str]:
