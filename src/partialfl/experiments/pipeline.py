@@ -33,11 +33,10 @@ from __future__ import annotations
 
 import json
 import math
-import re
 import time
 import warnings
 from collections.abc import Callable, Mapping
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -47,213 +46,29 @@ from torch import nn
 
 from partialfl import io as pio
 from partialfl.algorithms.base import Algorithm
-from partialfl.algorithms.model import WEIGHTINGS, FedAlt, FedAvg, FedSim, LocalFFGG, model_ffgg
-from partialfl.config import ConfigError, check_choice, from_dict, to_dict
-from partialfl.devices import DEVICES, PRECISIONS
+from partialfl.build import build_algorithm, build_split
+from partialfl.config import ConfigError, to_dict
 from partialfl.evaluation import (
     evaluate_model,
     evaluate_new_clients,
     finetune_personal,
     round_evaluator,
 )
-from partialfl.local.sgd import SGDConfig
-from partialfl.problems.model import W_INITS, ModelProblem, accuracy, cross_entropy
+from partialfl.problems.model import ModelProblem, accuracy, cross_entropy
 from partialfl.rng import torch_seed
 from partialfl.runtime import BatchedBackend, JsonlLogger, SequentialBackend, run_rounds
-from partialfl.server import OPTIMIZERS, Clipped, Schedule, make_optimizer
-from partialfl.split import SPLIT_KINDS, Split, make_split
+from partialfl.spec import (
+    BACKENDS,
+    ClientConfig,
+    MethodConfig,
+    PipelineConfig,
+    ServerConfig,
+    StageConfig,
+)
+from partialfl.split import Split
 from partialfl.types import Params
 
 ALGORITHMS = ("fedavg", "ffgg", "local-ffgg", "fedalt", "fedsim")
-BACKENDS = ("sequential", "vmap", "processes")
-SCHEDULES = Schedule.KINDS
-
-
-_choice = check_choice
-
-
-# ----------------------------------------------------------------------------- configs
-@dataclass(frozen=True)
-class ClientConfig:
-    """Client SGD: stepsize, epochs (or exact steps), minibatch size, gradient clipping."""
-
-    lr: float = 0.01
-    epochs: int = 1
-    batch_size: int = 32
-    steps: int | None = None
-    clip_norm: float | None = None
-
-    def __post_init__(self) -> None:
-        try:
-            self.sgd()
-        except ValueError as e:
-            raise ConfigError(f"client: {e}") from None
-
-    def sgd(self, **over) -> SGDConfig:
-        """The client's :class:`~partialfl.local.sgd.SGDConfig`, with fields overridden by
-        ``over``."""
-        kw = dict(lr=self.lr, epochs=self.epochs, batch_size=self.batch_size, steps=self.steps,
-                  clip_norm=self.clip_norm)
-        kw.update(over)
-        return SGDConfig(**kw)
-
-
-@dataclass(frozen=True)
-class ServerConfig:
-    """Server optimizer on the aggregated pseudo-gradient (``sgd`` lr 1 with a delta method =
-    FedAvg averaging; ``adam`` = FedAdam), its schedule and optional norm clipping."""
-
-    optimizer: str = "sgd"
-    lr: float = 1.0
-    momentum: float = 0.0
-    schedule: str = "constant"
-    warmup: int = 0
-    halve_every: int = 0
-    clip_norm: float | None = None
-
-    def __post_init__(self) -> None:
-        _choice("server.optimizer", self.optimizer, OPTIMIZERS)
-        _choice("server.schedule", self.schedule, SCHEDULES)
-        if not self.lr > 0:
-            raise ConfigError(f"server.lr must be > 0, got {self.lr}")
-        if self.optimizer != "sgd" and self.momentum:
-            raise ConfigError("server.momentum applies to optimizer 'sgd' only")
-        if self.clip_norm is not None and not self.clip_norm > 0:
-            raise ConfigError(f"server.clip_norm must be None or > 0, got {self.clip_norm}")
-
-    def build(self, rounds: int):
-        """The server optimizer for a stage of ``rounds`` rounds (schedule and clipping applied)."""
-        try:
-            sched = Schedule(self.schedule, total=max(rounds, 1), warmup=self.warmup,
-                             halve_every=self.halve_every)
-        except ValueError as e:
-            raise ConfigError(f"server.schedule: {e}") from None
-        kw = {"momentum": self.momentum} if self.optimizer == "sgd" else {}
-        opt = make_optimizer(self.optimizer, self.lr, sched, **kw)
-        return Clipped(opt, self.clip_norm) if self.clip_norm else opt
-
-
-@dataclass(frozen=True)
-class StageConfig:
-    """One federated training stage: rounds, clients per round, client and server optimizers,
-    evaluation every ``eval_every`` rounds (0: only before the first and after the last)."""
-
-    rounds: int = 0
-    clients_per_round: int | None = 10
-    client: ClientConfig = field(default_factory=ClientConfig)
-    server: ServerConfig = field(default_factory=ServerConfig)
-    eval_every: int = 0
-
-    def __post_init__(self) -> None:
-        if not isinstance(self.rounds, int) or self.rounds < 0:
-            raise ConfigError(f"rounds must be a non-negative integer, got {self.rounds!r}")
-        if self.clients_per_round is not None and self.clients_per_round < 1:
-            raise ConfigError(f"clients_per_round must be >= 1, got {self.clients_per_round}")
-        if self.eval_every < 0:
-            raise ConfigError(f"eval_every must be >= 0, got {self.eval_every}")
-
-
-@dataclass(frozen=True)
-class MethodConfig:
-    """The stage-2 method and its split.
-
-    ``local_steps``: Local FFGG's K alternating steps (None: ``client.epochs`` passes).
-    ``finetune_split``: FedAvg only — the split whose w stage 3 fine-tunes (e.g. ``output``:
-    "FedAvg + fine-tuning"); None: FedAvg is evaluated as is.
-    """
-
-    algorithm: str = "ffgg"
-    split: str = "output"
-    split_options: dict[str, Any] = field(default_factory=dict)
-    w_init: str = "pretrained"
-    stateless: bool = False
-    local_steps: int | None = None
-    finetune_split: str | None = None
-    weighting: str = "uniform"
-    label: str = ""
-
-    def __post_init__(self) -> None:
-        _choice("method.algorithm", self.algorithm, ALGORITHMS)
-        _choice("method.split", self.split, SPLIT_KINDS)
-        _choice("method.w_init", self.w_init, W_INITS)
-        _choice("method.weighting", self.weighting, WEIGHTINGS)
-        if self.algorithm == "fedavg" and self.split != "none":
-            raise ConfigError(f"method.split: FedAvg trains every parameter globally; use "
-                              f"'none' (and finetune_split for stage 3), got {self.split!r}")
-        if self.algorithm != "fedavg" and self.split == "none":
-            raise ConfigError(f"method.split: {self.algorithm} needs personal parameters; "
-                              f"allowed: {', '.join(k for k in SPLIT_KINDS if k != 'none')}")
-        if self.finetune_split is not None:
-            if self.algorithm != "fedavg":
-                raise ConfigError("method.finetune_split applies to algorithm 'fedavg' only")
-            _choice("method.finetune_split", self.finetune_split,
-                    [k for k in SPLIT_KINDS if k not in ("none", "adapter")])
-        if self.stateless and self.algorithm not in ("fedalt", "fedsim"):
-            raise ConfigError("method.stateless applies to 'fedalt' and 'fedsim' only")
-        if self.local_steps is not None and (self.algorithm != "local-ffgg"
-                                             or self.local_steps < 1):
-            raise ConfigError("method.local_steps must be >= 1 and applies to 'local-ffgg' only")
-
-    @property
-    def name(self) -> str:
-        """The method's folder name: ``label``, or algorithm-split[-stateless]."""
-        if self.label:
-            return self.label
-        s = self.algorithm + ("" if self.split == "none" else f"-{self.split}")
-        return s + ("-stateless" if self.stateless else "")
-
-
-@dataclass(frozen=True)
-class PipelineConfig:
-    """Everything one pipeline run needs besides the task.
-
-    ``seed`` drives stages 2 and 3 (sampling, minibatches, adapter initialisation);
-    ``pretrain_seed`` (default ``seed``) drives stage 1 and the model initialisation, so several
-    seeds can share one pre-training. ``backend``: ``vmap`` (clients batched with
-    torch.func.vmap), ``sequential`` (one client at a time) or ``processes`` (the cohort's
-    clients over worker processes, :mod:`partialfl.runtime.cohort_pool`); all give the same θ.
-    ``device`` (cpu, cuda, cuda:N, mps, auto) is where the model runs: it is not part of a
-    run's identity, so a run started on one device resumes on another (same steps, results
-    equal up to floating-point rounding). ``precision``: fp32, bf16 or fp16 (autocast).
-    """
-
-    method: MethodConfig = field(default_factory=MethodConfig)
-    pretrain: StageConfig = field(default_factory=StageConfig)
-    personalize: StageConfig = field(default_factory=StageConfig)
-    finetune: ClientConfig = field(default_factory=lambda: ClientConfig(lr=0.01, epochs=5))
-    seed: int = 0
-    pretrain_seed: int | None = None
-    backend: str = "sequential"
-    checkpoint_every: int = 10
-    device: str = "cpu"
-    precision: str = "fp32"
-
-    def __post_init__(self) -> None:
-        _choice("backend", self.backend, BACKENDS)
-        _choice("precision", self.precision, PRECISIONS)
-        if not isinstance(self.device, str) or not re.fullmatch(r"cpu|cuda(:\d+)?|mps|auto",
-                                                                self.device):
-            raise ConfigError(f"device: {self.device!r} is not allowed; allowed: "
-                              f"{', '.join(DEVICES)}")
-        if self.backend == "processes" and self.device != "cpu":
-            raise ConfigError(f"backend 'processes' runs clients in CPU worker processes; "
-                              f"device must be 'cpu', got {self.device!r}")
-        if self.checkpoint_every < 1:
-            raise ConfigError(f"checkpoint_every must be >= 1, got {self.checkpoint_every}")
-
-    @property
-    def stage1_seed(self) -> int:
-        """The seed of the pre-training stage (``pretrain_seed``, default the run's seed)."""
-        return self.seed if self.pretrain_seed is None else self.pretrain_seed
-
-    @classmethod
-    def from_dict(cls, data: Mapping[str, Any]) -> PipelineConfig:
-        """Validated config from a (TOML) dict; errors name the key and the allowed values."""
-        return from_dict(cls, data)
-
-    def to_dict(self) -> dict[str, Any]:
-        """The configuration as a plain dict (written to ``config.json``)."""
-        return to_dict(self)
 
 
 # ----------------------------------------------------------------------------- the task
@@ -277,7 +92,7 @@ class Task:
         ``make_split``)."""
         if self.split_fn is not None:
             return self.split_fn(model, kind, dict(options))
-        return make_split(model, kind, **dict(options))
+        return build_split(model, kind, options)
 
 
 @dataclass
@@ -291,24 +106,6 @@ class PipelineResult:
 
 
 # ----------------------------------------------------------------------------- building blocks
-def build_algorithm(method: MethodConfig, stage: StageConfig) -> Algorithm:
-    """The stage-2 algorithm object for ``method`` with ``stage``'s optimizers."""
-    opt = stage.server.build(stage.rounds)
-    sgd = stage.client.sgd()
-    if method.algorithm == "fedavg":
-        return FedAvg(sgd, server_opt=opt, weighting=method.weighting)
-    if method.algorithm == "ffgg":
-        return model_ffgg(sgd, init=method.w_init, server_opt=opt, weighting=method.weighting)
-    if method.algorithm == "local-ffgg":
-        warm = stage.client.sgd(epochs=1, steps=None)
-        local = stage.client.sgd(steps=method.local_steps)
-        return LocalFFGG(warm, local, w_init=method.w_init, server_opt=opt,
-                         weighting=method.weighting)
-    cls = FedAlt if method.algorithm == "fedalt" else FedSim
-    return cls(sgd, w_init=method.w_init, stateless=method.stateless, server_opt=opt,
-               weighting=method.weighting)
-
-
 def _problem(task: Task, split: Split, cfg: PipelineConfig, w_pretrained=None) -> ModelProblem:
     return ModelProblem(split, task.data, loss_fn=task.loss_fn, metric=task.metric,
                         w_pretrained=w_pretrained, vectorize=cfg.backend == "vmap",
@@ -679,3 +476,9 @@ def evaluate_run(run_dir: str | Path, data, *, model_fn: Callable[[int], nn.Modu
         seed=cfg.seed if seed is None else seed, loss_fn=loss_fn, metric=metric,
         vectorize=vectorize, device=device, precision=cfg.precision)
     return res
+
+
+__all__ = ["ALGORITHMS", "BACKENDS", "ClientConfig", "MethodConfig", "PipelineConfig",
+           "PipelineResult", "ServerConfig", "StageConfig", "Task", "build_algorithm",
+           "evaluate_run", "finetune_and_evaluate", "load_params", "personalize", "pretrain",
+           "run_jobs", "run_pipeline"]
