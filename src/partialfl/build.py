@@ -236,6 +236,10 @@ REGISTRY: dict[str, dict[str, Any]] = {
                         num_classes_per_partition="classes_per_client"),
                     "shard": _flwr_partitioner("ShardPartitioner",
                                                num_shards_per_partition="shards_per_client")},
+    "backend": {"sequential": _lazy("partialfl.runtime.backends", "SequentialBackend"),
+                "vmap": _lazy("partialfl.runtime.backends", "BatchedBackend"),
+                "batched": _lazy("partialfl.runtime.backends", "BatchedBackend"),
+                "processes": _lazy("partialfl.runtime.cohort_pool", "ProcessBackend")},
     "optimizer": {"sgd": _sgd_cls, "adam": _adam_cls},
     "schedule": {k: _schedule(k) for k in ("constant", "warmup-linear", "exponential")},
     "aggregator": {k: _aggregator(k) for k in ("mean", "cm", "tm", "gm", "krum",
@@ -287,6 +291,12 @@ def make_solver(name: str, tau: int = 1, lr: float | None = None, init: str = "z
     if name not in REGISTRY["solver"]:
         raise ValueError(f"unknown local solver {name!r}; allowed: {', '.join(names('solver'))}")
     return REGISTRY["solver"][name](tau, lr, init)
+
+
+def build_backend(name: str):
+    """How a cohort runs: ``sequential`` (one client at a time), ``vmap`` / ``batched`` (the
+    whole cohort at once) or ``processes`` (clients over CPU worker processes)."""
+    return lookup("backend", name, "backend")()
 
 
 def build_server_opt(server, rounds: int, L: float | None = None, auto_lr: float = 1.0):

@@ -12,6 +12,7 @@ from pathlib import Path
 
 from partialfl.build import (
     build,
+    build_backend,
     build_closed_form_algorithm,
     build_problem,
     problem_config_for,
@@ -19,7 +20,7 @@ from partialfl.build import (
 from partialfl.config import from_dict, to_dict
 from partialfl.experiments.report import REL_DIST2, markdown_table, plot_curves
 from partialfl.metrics import closed_form_metrics
-from partialfl.runtime import JsonlLogger, make_backend, run_rounds
+from partialfl.runtime import JsonlLogger, run_rounds
 from partialfl.spec import (
     MAX_PROBLEM_BYTES,
     NAME_PATTERN,
@@ -54,7 +55,7 @@ def run_closed_form(cfg: ClosedFormConfig, out: Path | None = None, progress: bo
     try:
         return run_rounds(
             problem, algorithm, cfg.run.rounds, clients_per_round=cfg.run.clients_per_round,
-            seed=cfg.run.seed, backend=make_backend(cfg.run.backend),
+            seed=cfg.run.seed, backend=build_backend(cfg.run.backend),
             evaluate=closed_form_metrics, eval_every=cfg.run.eval_every, logger=logger,
             progress=progress,
         )

@@ -46,7 +46,7 @@ from torch import nn
 
 from partialfl import io as pio
 from partialfl.algorithms.base import Algorithm
-from partialfl.build import build_algorithm, build_split
+from partialfl.build import build_algorithm, build_backend, build_split
 from partialfl.config import ConfigError, to_dict
 from partialfl.evaluation import (
     evaluate_model,
@@ -56,7 +56,7 @@ from partialfl.evaluation import (
 )
 from partialfl.problems.model import ModelProblem, accuracy, cross_entropy
 from partialfl.rng import torch_seed
-from partialfl.runtime import BatchedBackend, JsonlLogger, SequentialBackend, run_rounds
+from partialfl.runtime import JsonlLogger, run_rounds
 from partialfl.spec import (
     BACKENDS,
     ClientConfig,
@@ -123,11 +123,7 @@ def _on(params: Params, problem: ModelProblem) -> Params:
 
 
 def _backend(name: str):
-    if name == "processes":
-        from partialfl.runtime.cohort_pool import ProcessBackend
-
-        return ProcessBackend()
-    return BatchedBackend() if name == "vmap" else SequentialBackend()
+    return build_backend(name)
 
 
 def load_params(model: nn.Module, params: Mapping[str, torch.Tensor]) -> nn.Module:
