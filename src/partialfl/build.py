@@ -518,7 +518,7 @@ def _build_train(spec) -> TrainRun:
         "test_examples": int(data.test_sizes().sum()),
         "new_clients": 0 if new is None else new.num_clients,
         "model": spec.model.name, "num_classes": num_classes,
-        "parameters": int(sum(p.numel() for p in model.parameters())),
+        "parameters": int(sum(p.numel() for p in split.model.parameters())),
         "split": pipe.method.split, "split_counts": counts,
         "algorithm": pipe.method.algorithm, "stages": list(spec.stages),
         "rounds": {"pretrain": pipe.pretrain.rounds, "personalize": pipe.personalize.rounds},
