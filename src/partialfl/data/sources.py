@@ -133,8 +133,8 @@ def _column(ds, key: str) -> np.ndarray:
     if key not in ds.column_names:
         raise ConfigError(f"data: the dataset has no column {key!r}; columns: "
                           f"{', '.join(ds.column_names)}")
-    col = ds.with_format("numpy")[key]
-    if isinstance(col, list):  # ragged or PIL images
+    col = ds.with_format("numpy", dtype=None)[0:len(ds)][key]  # dtype None: keep uint8
+    if isinstance(col, list) or np.asarray(col).dtype.kind == "O":  # ragged
         col = np.stack([np.asarray(v) for v in col])
     return np.asarray(col)
 
