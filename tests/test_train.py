@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import re
 import sys
 import textwrap
 from pathlib import Path
@@ -294,3 +295,12 @@ def test_table_configs_are_the_reproductions(table, method, expected):
     cfg = ROOT / "configs" / "train" / f"{table}-table-{method.name}.toml"
     spec = load_train_spec(cfg)
     assert spec.pipeline_config() == expected
+
+
+def test_progress_bar_shows_round_metric_and_eta(tmp_path, tiny_module, capsys):
+    data = _client_folder(tmp_path / "clients")
+    spec = load_train_spec(_tiny_toml(tmp_path / "t.toml", tiny_module, data))
+    run_train(spec, tmp_path / "o", progress=True)
+    err = capsys.readouterr().err
+    assert "stage 2 (ffgg-output)" in err and "test_acc=" in err and "round" in err
+    assert re.search(r"\d+/2 \[\d\d:\d\d<\d\d:\d\d", err)  # rounds done/total [elapsed<ETA

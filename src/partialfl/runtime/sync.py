@@ -217,16 +217,20 @@ def run_rounds(
         history.append(rec)
         if logger is not None:
             logger.log(rec)
+        if bar is not None:  # round and ETA are the bar's own; show the last metric too
+            bar.set_postfix(_postfix(rec))  # redrawn now: evaluations are rare
 
     t0 = time.perf_counter()
-    if not history:
-        _eval(state, 0.0)
     it = range(state.round, rounds)
+    bar = None
     if progress:
         from tqdm.auto import tqdm
 
-        it = tqdm(it, desc=progress if isinstance(progress, str) else algorithm.name,
-                  initial=state.round, total=rounds, mininterval=0.5, leave=False)
+        it = bar = tqdm(it, desc=progress if isinstance(progress, str) else algorithm.name,
+                        initial=state.round, total=rounds, mininterval=0.5, leave=False,
+                        unit="round")
+    if not history:
+        _eval(state, 0.0)
     for r in it:
         ctx = RoundContext(seed, r)
         cohort = sample_cohort(seed, r, M, clients_per_round)
@@ -256,6 +260,15 @@ def run_rounds(
                             local_grads=grad_evals, faults=faults.state(),
                             private=private_checkpoints)
     return RunResult(state, client_state, history, time.perf_counter() - t0, faults)
+
+
+def _postfix(rec: dict) -> dict[str, str]:
+    """The progress bar's metric: the first of test accuracy, loss or distance logged."""
+    for k in ("test_acc", "eval_acc", "test_loss", "rel_dist2", "grad_norm2", "loss"):
+        v = rec.get(k)
+        if isinstance(v, int | float):
+            return {k: f"{v:.4g}"}
+    return {}
 
 
 CHECKPOINT_FORMAT = "partialfl-checkpoint-2"
