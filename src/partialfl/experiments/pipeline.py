@@ -251,6 +251,26 @@ def run_jobs(fn: Callable[[Any], Any], jobs: list, workers: int,
 
 
 # ----------------------------------------------------------------------------- stages
+def stage1_setup(cfg: PipelineConfig, task: Task) -> tuple[ModelProblem, Algorithm]:
+    """Stage 1's problem (every parameter global, the model seeded with ``stage1_seed``) and
+    FedAvg with the pre-training optimizers (also what a Flower node builds for it)."""
+    split = task.make_split(task.model_fn(cfg.stage1_seed), "none", {})
+    problem = _problem(task, split, cfg)
+    return problem, build_algorithm(MethodConfig(algorithm="fedavg", split="none"),
+                                    cfg.pretrain)
+
+
+def stage2_setup(cfg: PipelineConfig, task: Task, theta1: Params
+                 ) -> tuple[Split, ModelProblem, Algorithm, Params]:
+    """Stage 2's split (of the model with the stage-1 parameters ``theta1``), problem (w_pre
+    = the stage-1 personal values), algorithm and θ⁰ (also what a Flower node builds)."""
+    model = load_params(task.model_fn(cfg.stage1_seed), theta1)
+    split = _seeded_split(task, model, cfg.method.split, cfg.method.split_options, cfg.seed)
+    theta_start, w_pre = split.params()
+    problem = _problem(task, split, cfg, w_pre)
+    return split, problem, build_algorithm(cfg.method, cfg.personalize), theta_start
+
+
 def pretrain(cfg: PipelineConfig, task: Task, stage1_dir: Path, progress: bool | str = False,
              on_round=None) -> Params:
     """Stage 1 (FedAvg on every parameter); returns all parameters. Cached in
@@ -263,10 +283,7 @@ def pretrain(cfg: PipelineConfig, task: Task, stage1_dir: Path, progress: bool |
     done = _load_params(stage1_dir, THETA1)
     if done is not None:
         return done
-    model = task.model_fn(cfg.stage1_seed)
-    split = task.make_split(model, "none", {})
-    problem = _problem(task, split, cfg)
-    alg = build_algorithm(MethodConfig(algorithm="fedavg", split="none"), cfg.pretrain)
+    problem, alg = stage1_setup(cfg, task)
     t0 = time.perf_counter()
     res = _run_stage(problem, alg, cfg.pretrain, cfg.stage1_seed, stage1_dir, "stage1",
                      cfg.checkpoint_every, cfg.backend, progress, on_round=on_round)
@@ -292,11 +309,7 @@ def personalize(cfg: PipelineConfig, task: Task, theta1: Params, run_dir: Path,
                 progress: bool | str = False, on_round=None) -> _Stage2:
     """Stage 2: the method from the stage-1 parameters ``theta1``; resumable."""
     run_dir = Path(run_dir)
-    model = load_params(task.model_fn(cfg.stage1_seed), theta1)
-    split = _seeded_split(task, model, cfg.method.split, cfg.method.split_options, cfg.seed)
-    theta_start, w_pre = split.params()
-    problem = _problem(task, split, cfg, w_pre)
-    alg = build_algorithm(cfg.method, cfg.personalize)
+    split, problem, alg, theta_start = stage2_setup(cfg, task, theta1)
     theta = _load_params(run_dir, THETA2)
     if theta is not None:
         theta = _on(theta, problem)
@@ -477,4 +490,4 @@ def evaluate_run(run_dir: str | Path, data, *, model_fn: Callable[[int], nn.Modu
 __all__ = ["ALGORITHMS", "BACKENDS", "ClientConfig", "MethodConfig", "PipelineConfig",
            "PipelineResult", "ServerConfig", "StageConfig", "Task", "build_algorithm",
            "evaluate_run", "finetune_and_evaluate", "load_params", "personalize", "pretrain",
-           "run_jobs", "run_pipeline"]
+           "run_jobs", "run_pipeline", "stage1_setup", "stage2_setup"]

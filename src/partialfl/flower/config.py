@@ -29,7 +29,8 @@ from partialfl.attacks import ATTACKS
 from partialfl.config import ConfigError as CoreConfigError
 
 ALGORITHMS = ("ffgg", "br-ffgg", "local-ffgg", "fedavg")
-PROBLEMS = ("least-squares", "femnist")
+PROBLEMS = ("least-squares", "femnist", "train")
+TRAIN_STAGES = ("pretrain", "personalize")
 MODES = ("sync", "async")
 
 
@@ -175,6 +176,13 @@ FIELDS: tuple[Field, ...] = (
           check=lambda v: bool(v.strip()), requirement="a non-empty split name"),
     Field("init-from", str, "", "FEMNIST: start from this .npz of all model parameters (e.g. "
           "theta.npz of a FedAvg run: the pipeline's stage 1); '' = the seeded initialisation"),
+    # -- any `partialfl train` config (problem 'train') -----------------------------------
+    Field("train-spec", str, "", "problem 'train': a partialfl TrainSpec as JSON (set by "
+          "`partialfl train --engine flower-sim|flower`: model, data, method and stage "
+          "settings all come from it, not from the keys above)"),
+    Field("train-stage", str, "personalize", "problem 'train': which federated stage of the "
+          "spec runs (pretrain: FedAvg on every parameter; personalize: the method, from "
+          "init-from)", choices=TRAIN_STAGES),
     # -- output and testing -------------------------------------------------------------
     Field("eval-every", int, 1, "evaluate on the SuperNodes every k server steps (0 = never)",
           check=_nonneg, requirement="an integer >= 0"),
@@ -241,6 +249,8 @@ class FlowerConfig:
     model: str = "emnist-cnn"
     split: str = "output"
     init_from: str = ""
+    train_spec: str = ""
+    train_stage: str = "personalize"
     eval_every: int = 1
     out_dir: str = ""
     checkpoint_every: int = 0
@@ -348,6 +358,10 @@ def _check_combinations(cfg: FlowerConfig) -> None:
                 f"run-config key 'clients-per-round': {cfg.clients_per_round} > ls-clients "
                 f"({cfg.ls_clients})"
             )
+    elif cfg.problem == "train" or cfg.train_spec:
+        if not (cfg.problem == "train" and cfg.train_spec):
+            raise ConfigError("run-config keys 'problem' = 'train' and 'train-spec' go "
+                              "together (set by `partialfl train --engine flower-sim`)")
     elif cfg.local_lr == 0:
         raise ConfigError(
             f"run-config key 'local-lr': problem {cfg.problem!r} needs an explicit local "
@@ -574,7 +588,8 @@ def build_algorithm(cfg: FlowerConfig, problem, aggregator=None, num_clients: in
     if robust and cfg.algorithm == "ffgg" and aggregator is None and cfg.aggregator != "mean":
         raise ConfigError(f"run-config key 'aggregator': {cfg.aggregator!r} is a robust rule; "
                           "robust FFGG is algorithm 'br-ffgg' (Algorithm 5)")
-    base_agg = None if robust else build_aggregator(cfg)
+    # a train spec's algorithm keeps its own aggregation (its method.weighting)
+    base_agg = None if robust or cfg.problem == "train" else build_aggregator(cfg)
     if cfg.problem != "least-squares":
         from partialfl.flower.models import build_model_algorithm
 

@@ -65,8 +65,53 @@ def pipeline_configs(cfg: FlowerConfig):
     return method, stage
 
 
+def train_spec(cfg: FlowerConfig):
+    """The :class:`partialfl.spec.TrainSpec` of a ``problem = 'train'`` run."""
+    import json
+
+    from partialfl.config import from_dict
+    from partialfl.spec import TrainSpec
+
+    try:
+        return _core(from_dict, TrainSpec, json.loads(cfg.train_spec))
+    except json.JSONDecodeError as e:
+        raise ConfigError(f"run-config key 'train-spec': not JSON: {e}") from None
+
+
+_SPEC_CACHE: dict = {}
+
+
+def _spec_stage(cfg: FlowerConfig):
+    """``(problem, algorithm)`` of the spec's stage, built exactly as the in-process pipeline
+    builds it (:func:`partialfl.experiments.pipeline.stage1_setup` / ``stage2_setup``; the
+    data, model and split from :func:`partialfl.build.build`)."""
+    key = (cfg.train_spec, cfg.train_stage, cfg.init_from)
+    if key not in _SPEC_CACHE:
+        import torch
+
+        from partialfl.build import build
+        from partialfl.experiments.pipeline import stage1_setup, stage2_setup
+
+        run = _core(build, train_spec(cfg))
+        if cfg.train_stage == "pretrain":
+            problem, algorithm = stage1_setup(run.pipeline, run.task)
+        else:
+            if not cfg.init_from:
+                raise ConfigError("run-config key 'init-from': stage 'personalize' needs the "
+                                  "stage-1 parameters (.npz)")
+            with np.load(cfg.init_from) as z:
+                theta1 = {n: torch.from_numpy(z[n]) for n in z.files}
+            _, problem, algorithm, _ = stage2_setup(run.pipeline, run.task, theta1)
+        _SPEC_CACHE.clear()
+        _SPEC_CACHE[key] = (problem, algorithm)
+    return _SPEC_CACHE[key]
+
+
 def build_model_problem(cfg: FlowerConfig):
-    """The FEMNIST :class:`~partialfl.problems.model.ModelProblem` of the run."""
+    """The :class:`~partialfl.problems.model.ModelProblem` of the run (FEMNIST, or any
+    ``partialfl train`` spec)."""
+    if cfg.problem == "train":
+        return _spec_stage(cfg)[0]
     if cfg.problem != "femnist":
         raise ConfigError(f"run-config key 'problem': unknown model problem {cfg.problem!r}; "
                           "allowed: femnist")
@@ -110,10 +155,18 @@ def build_model_problem(cfg: FlowerConfig):
 
 def build_model_algorithm(cfg: FlowerConfig, aggregator=None):
     """The pipeline's algorithm for this run; ``aggregator`` replaces its mean."""
-    from partialfl.experiments.pipeline import build_algorithm
+    from partialfl.experiments.pipeline import MethodConfig, build_algorithm
 
-    method, stage = pipeline_configs(cfg)
-    algorithm = build_algorithm(method, stage)
+    if cfg.problem == "train":  # no data needed: the server builds only the algorithm
+        pipe = train_spec(cfg).pipeline_config()
+        if cfg.train_stage == "pretrain":
+            algorithm = build_algorithm(MethodConfig(algorithm="fedavg", split="none"),
+                                        pipe.pretrain)
+        else:
+            algorithm = build_algorithm(pipe.method, pipe.personalize)
+    else:
+        method, stage = pipeline_configs(cfg)
+        algorithm = build_algorithm(method, stage)
     if aggregator is not None:
         algorithm.aggregator = aggregator
     return algorithm
