@@ -170,12 +170,13 @@ def test_config_errors_exit_2_with_one_line_and_write_nothing(tmp_path, tiny_mod
 
 
 # ----------------------------------------------------------------------------- HF + partitions
-def _hf_dataset(path: Path, n: int = 300, classes: int = 4, seed: int = 0) -> Path:
+def _hf_dataset(path: Path, n: int = 300, classes: int = 4, seed: int = 0, side: int = 4
+                ) -> Path:
     datasets = pytest.importorskip("datasets")
     rng = np.random.default_rng(seed)
     y = rng.integers(0, classes, n)
-    x = (rng.integers(0, 50, (n, 4, 4)) + 50 * y[:, None, None]).astype(np.uint8)
-    feats = datasets.Features({"image": datasets.Array2D((4, 4), "uint8"),
+    x = (rng.integers(0, 50, (n, side, side)) + 50 * (y[:, None, None] % 4)).astype(np.uint8)
+    feats = datasets.Features({"image": datasets.Array2D((side, side), "uint8"),
                                "label": datasets.ClassLabel(num_classes=classes)})
     ds = datasets.Dataset.from_dict({"image": x, "label": y}, features=feats)
     ds.save_to_disk(str(path))
@@ -237,11 +238,15 @@ def test_dirichlet_alpha_controls_heterogeneity(tmp_path):
 def test_hf_example_config_dry_run(tmp_path, capsys, monkeypatch):
     """configs/train/hf-dirichlet.toml on a generated dataset in its expected place."""
     pytest.importorskip("flwr_datasets")
-    path = _hf_dataset(tmp_path / "hf", n=400, classes=10)
+    path = _hf_dataset(tmp_path / "hf", n=400, classes=10, side=28)
     cfg = ROOT / "configs" / "train" / "hf-dirichlet.toml"
     assert main(["train", str(cfg), "--dry-run", "--set", f"data.path={path}", "--set",
                  "data.input_key=image"]) == 0
     assert "dirichlet partition" in capsys.readouterr().out
+    small = _hf_dataset(tmp_path / "hf4", n=400, classes=10, side=4)
+    assert main(["train", str(cfg), "--dry-run", "--set", f"data.path={small}"]) == 2
+    err = capsys.readouterr().err
+    assert "model: does not fit the data" in err and "(1, 4, 4)" in err
 
 
 # ----------------------------------------------------------------------------- shipped configs
@@ -260,18 +265,31 @@ def _tiny_overrides(cfg: Path) -> list[str]:
     return out
 
 
-@pytest.mark.data
-@pytest.mark.parametrize("cfg", TRAIN_CONFIGS, ids=lambda p: p.stem)
-def test_every_train_config_dry_runs_and_runs_tiny(cfg, tmp_path, data_dir, capsys):
-    extra = ["--set", f"data.path={data_dir}"]
+def _extra(cfg: Path, tmp_path: Path, data_dir) -> list[str]:
     if "hf-" in cfg.stem:
         pytest.importorskip("flwr_datasets")
-        extra = ["--set", f"data.path={_hf_dataset(tmp_path / 'hf', classes=10)}"]
+        return ["--set", f"data.path={_hf_dataset(tmp_path / 'hf', classes=10, side=28)}"]
+    return ["--set", f"data.path={data_dir}"]
+
+
+@pytest.mark.data
+@pytest.mark.parametrize("cfg", TRAIN_CONFIGS, ids=lambda p: p.stem)
+def test_every_train_config_dry_runs(cfg, tmp_path, data_dir, capsys):
+    out = tmp_path / "never"
+    assert main(["train", str(cfg), "--dry-run", "--out", str(out),
+                 *_extra(cfg, tmp_path, data_dir)]) == 0
+    text = capsys.readouterr().out
+    assert "dry run" in text and "parameters" in text and not out.exists()
+
+
+@pytest.mark.slow
+@pytest.mark.data
+@pytest.mark.parametrize("cfg", TRAIN_CONFIGS, ids=lambda p: p.stem)
+def test_every_train_config_runs_tiny(cfg, tmp_path, data_dir):
     sets = [a for o in _tiny_overrides(cfg) for a in ("--set", o)]
-    assert main(["train", str(cfg), "--dry-run", *extra]) == 0
-    assert "dry run" in capsys.readouterr().out
     out = tmp_path / "run"
-    assert main(["train", str(cfg), "--out", str(out), "--no-progress", *extra, *sets]) == 0
+    assert main(["train", str(cfg), "--out", str(out), "--no-progress",
+                 *_extra(cfg, tmp_path, data_dir), *sets]) == 0
     m = json.loads((out / "metrics.json").read_text())
     assert 0 <= m["test_acc"] <= 1 and (out / "report.md").exists()
 
@@ -304,3 +322,36 @@ def test_progress_bar_shows_round_metric_and_eta(tmp_path, tiny_module, capsys):
     err = capsys.readouterr().err
     assert "stage 2 (ffgg-output)" in err and "test_acc=" in err and "round" in err
     assert re.search(r"\d+/2 \[\d\d:\d\d<\d\d:\d\d", err)  # rounds done/total [elapsed<ETA
+
+
+def test_readme_three_line_snippet_runs(tmp_path, monkeypatch):
+    """The README's path from a user's own nn.Module and data to a run, executed as written."""
+    import torch
+    from torch import nn
+
+    from partialfl.data import FederatedDataset
+
+    text = (ROOT / "README.md").read_text()
+    block = text.split("<!-- train-snippet -->", 1)[1].split("```python", 1)[1]
+    code = block.split("```", 1)[0]
+    assert len([ln for ln in code.strip().splitlines() if ln.strip()]) == 3
+    g = torch.Generator().manual_seed(0)
+
+    def client(n, m):
+        x = torch.randn(n, 4, generator=g)
+        return x, ((x[:, 0] > 0).long() + m) % 3
+
+    tr = [client(12, m) for m in range(4)]
+    te = [client(6, m) for m in range(4)]
+    ns = {"FederatedDataset": FederatedDataset,
+          "MyNet": lambda: nn.Sequential(nn.Linear(4, 8), nn.ReLU(), nn.Linear(8, 3)),
+          "train_x": [a for a, _ in tr], "train_y": [b for _, b in tr],
+          "test_x": [a for a, _ in te], "test_y": [b for _, b in te],
+          "client_ids": ["a", "b", "c", "d"], "num_classes": 3}
+    monkeypatch.chdir(tmp_path)
+    exec(code, ns)
+    m = ns["metrics"]
+    assert m["client_ids"] == ["a", "b", "c", "d"] and len(m["per_client_test_acc"]) == 4
+    assert (tmp_path / "runs" / "mine" / "report.md").exists()
+    recs = (tmp_path / "runs" / "mine" / "stage2.jsonl").read_text().splitlines()
+    assert json.loads(recs[-1])["round"] == 20

@@ -487,6 +487,22 @@ def _task_name(spec) -> str:
     return f"{spec.data.source}-{spec.model.name}-{hashlib.sha256(key.encode()).hexdigest()[:10]}"
 
 
+def _check_forward(model, data, loss_fn) -> None:
+    """One example through the model and the loss, so a model that does not fit the data
+    fails in ``--dry-run`` with a clear message rather than in round 1."""
+    import torch
+
+    m = next(i for i in range(data.num_clients) if len(data.train_y[i]))
+    x, y = data.train_x[m][:1], data.train_y[m][:1]
+    try:
+        with torch.no_grad():
+            loss_fn(model(x), y)
+    except (RuntimeError, ValueError, IndexError, TypeError) as e:
+        msg = str(e).splitlines()[0] if str(e) else type(e).__name__
+        raise ConfigError(f"model: does not fit the data (inputs {tuple(x.shape[1:])} "
+                          f"{x.dtype}, {data.num_classes} classes): {msg}") from None
+
+
 def _build_train(spec) -> TrainRun:
     from partialfl.data.sources import load_data
     from partialfl.experiments.pipeline import Task
@@ -511,6 +527,7 @@ def _build_train(spec) -> TrainRun:
     except ValueError as e:
         raise ConfigError(f"method.split: {e}") from None
     build_algorithm(pipe.method, pipe.personalize)  # validates the method's options
+    _check_forward(split.model, data, loss_fn)
     counts = split.counts() if hasattr(split, "counts") else {}
     plan = {
         "name": spec.name, "data": data.summary(), "clients": data.num_clients,

@@ -19,6 +19,7 @@ axis; other integer arrays stay int64 (tokens). Nothing is unpickled.
 
 from __future__ import annotations
 
+import functools
 from pathlib import Path
 
 import numpy as np
@@ -50,14 +51,21 @@ def _dir(spec, what: str) -> Path:
     return p
 
 
-def femnist(spec):
+@functools.lru_cache(maxsize=2)
+def _femnist(path: str, num_clients, holdout: int, seed: int):
     from partialfl.experiments.femnist import load_data as femnist_data
 
+    seen, new, _ = femnist_data(path or None, num_clients, holdout, seed)
+    return seen, new
+
+
+def femnist(spec):
+    """FEMNIST as the FEMNIST table loads it (datasets are immutable: the last two loads are
+    cached per process)."""
     if spec.options:
         raise ConfigError(f"data.options: source 'femnist' takes none, got "
                           f"{sorted(spec.options)}")
-    seen, new, _ = femnist_data(spec.path or None, spec.num_clients, spec.holdout, spec.seed)
-    return seen, new
+    return _femnist(spec.path, spec.num_clients, spec.holdout, spec.seed)
 
 
 def shakespeare(spec):

@@ -177,8 +177,9 @@ FIELDS: tuple[Field, ...] = (
     Field("init-from", str, "", "FEMNIST: start from this .npz of all model parameters (e.g. "
           "theta.npz of a FedAvg run: the pipeline's stage 1); '' = the seeded initialisation"),
     # -- any `partialfl train` config (problem 'train') -----------------------------------
-    Field("train-spec", str, "", "problem 'train': a partialfl TrainSpec as JSON (set by "
-          "`partialfl train --engine flower-sim|flower`: model, data, method and stage "
+    Field("train-spec", str, "", "problem 'train': a partialfl TrainSpec as JSON or "
+          "b64:BASE64-JSON (set by `partialfl train --engine flower-sim|flower`: model, data, "
+          "method and stage "
           "settings all come from it, not from the keys above)"),
     Field("train-stage", str, "personalize", "problem 'train': which federated stage of the "
           "spec runs (pretrain: FedAvg on every parameter; personalize: the method, from "

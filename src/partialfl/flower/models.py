@@ -67,15 +67,22 @@ def pipeline_configs(cfg: FlowerConfig):
 
 def train_spec(cfg: FlowerConfig):
     """The :class:`partialfl.spec.TrainSpec` of a ``problem = 'train'`` run."""
+    import base64
+    import binascii
     import json
 
     from partialfl.config import from_dict
     from partialfl.spec import TrainSpec
 
+    text = cfg.train_spec
     try:
-        return _core(from_dict, TrainSpec, json.loads(cfg.train_spec))
-    except json.JSONDecodeError as e:
-        raise ConfigError(f"run-config key 'train-spec': not JSON: {e}") from None
+        if text.startswith("b64:"):
+            text = base64.urlsafe_b64decode(text[4:].encode()).decode()
+        data = json.loads(text)
+    except (json.JSONDecodeError, binascii.Error, UnicodeDecodeError) as e:
+        raise ConfigError(f"run-config key 'train-spec': neither JSON nor b64:JSON: {e}"
+                          ) from None
+    return _core(from_dict, TrainSpec, data)
 
 
 _SPEC_CACHE: dict = {}

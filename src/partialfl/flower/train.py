@@ -40,13 +40,22 @@ def _absolute(spec):
     return spec
 
 
+def encode_spec(spec) -> str:
+    """The spec as one run-config string: ``b64:`` + base64 of its compact JSON (``flwr run
+    -c`` splits its argument at spaces and quotes, which JSON is full of)."""
+    import base64
+
+    text = json.dumps(to_dict(_absolute(spec)), separators=(",", ":"))
+    return "b64:" + base64.urlsafe_b64encode(text.encode()).decode()
+
+
 def spec_run_config(spec, stage: str, init_from: str | Path | None = None
                     ) -> dict[str, Any]:
     """The Flower run config of one stage of ``spec`` (``pretrain`` or ``personalize``)."""
     pipe = spec.pipeline_config()
     st = pipe.pretrain if stage == "pretrain" else pipe.personalize
     return {
-        "problem": "train", "train-spec": json.dumps(to_dict(_absolute(spec))),
+        "problem": "train", "train-spec": encode_spec(spec),
         "train-stage": stage, "num-rounds": st.rounds,
         "clients-per-round": st.clients_per_round or 0,
         "seed": pipe.stage1_seed if stage == "pretrain" else pipe.seed,
