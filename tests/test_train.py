@@ -355,3 +355,20 @@ def test_readme_three_line_snippet_runs(tmp_path, monkeypatch):
     assert (tmp_path / "runs" / "mine" / "report.md").exists()
     recs = (tmp_path / "runs" / "mine" / "stage2.jsonl").read_text().splitlines()
     assert json.loads(recs[-1])["round"] == 20
+
+
+def test_device_not_present_exits_2_naming_the_available_devices(tmp_path, tiny_module,
+                                                                  capsys):
+    import torch
+
+    if torch.cuda.is_available():
+        pytest.skip("this machine has CUDA: 'cuda' is a valid device here")
+    data = _client_folder(tmp_path / "clients")
+    cfg = _tiny_toml(tmp_path / "t.toml", tiny_module, data)
+    out = tmp_path / "out"
+    assert main(["train", str(cfg), "--device", "cuda", "--out", str(out)]) == 2
+    err = capsys.readouterr().err.strip()
+    assert len(err.splitlines()) == 1 and "'cuda'" in err and "available: cpu" in err
+    assert not out.exists()
+    assert main(["train", str(cfg), "--device", "auto", "--dry-run"]) == 0
+    assert "auto → cpu" in capsys.readouterr().out

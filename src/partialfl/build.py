@@ -505,8 +505,14 @@ def _check_forward(model, data, loss_fn) -> None:
 
 def _build_train(spec) -> TrainRun:
     from partialfl.data.sources import load_data
+    from partialfl.devices import check_precision, resolve_device
     from partialfl.experiments.pipeline import Task
 
+    try:
+        device = resolve_device(spec.device)
+        check_precision(spec.precision, device)
+    except ValueError as e:
+        raise ConfigError(str(e)) from None
     data, new = load_data(spec.data)
     text = data.train_x[0].dim() == 2 and not data.train_x[0].is_floating_point()
     loss_fn, metric = build_loss_metric(spec, text)
@@ -539,7 +545,8 @@ def _build_train(spec) -> TrainRun:
         "split": pipe.method.split, "split_counts": counts,
         "algorithm": pipe.method.algorithm, "stages": list(spec.stages),
         "rounds": {"pretrain": pipe.pretrain.rounds, "personalize": pipe.personalize.rounds},
-        "finetune_epochs": pipe.finetune.epochs, "device": spec.device,
+        "finetune_epochs": pipe.finetune.epochs,
+        "device": spec.device if spec.device == str(device) else f"{spec.device} → {device}",
         "precision": spec.precision, "backend": pipe.backend,
     }
     return TrainRun(spec, pipe, task, new, plan)
