@@ -510,26 +510,27 @@ def build_problem(cfg: FlowerConfig):
 
 
 def build_server_opt(cfg: FlowerConfig, problem=None):
-    """The server optimizer (SGD or Adam) with its schedule; ``server-lr = 'auto'`` is 1/L
-    (Theorem 1) for the least-squares FFGG family and 1 otherwise (FedAvg: plain averaging)."""
-    from partialfl.server import Clipped, Schedule, make_optimizer
+    """The server optimizer (SGD or Adam) with its schedule, built by
+    :func:`partialfl.build.build_server_opt` from the run config's server keys;
+    ``server-lr = 'auto'`` is 1/L (Theorem 1) for the least-squares FFGG family and 1
+    otherwise (FedAvg: plain averaging)."""
+    from partialfl.build import build_server_opt as build_opt
+    from partialfl.config import ConfigError as CoreConfigError
+    from partialfl.spec import ServerConfig
 
-    lr = cfg.server_lr
     L = getattr(problem, "L", None)
-    if lr == "auto":
-        lr = 1.0 / L if (L is not None and cfg.algorithm in ("ffgg", "br-ffgg")) else 1.0
-    elif isinstance(lr, str):
-        if L is None:
-            raise ConfigError(f"run-config key 'server-lr': {lr!r} needs a problem with a "
-                              "known constant L (least squares); give a number")
-        from partialfl.experiments.closed_form import parse_lr
-
-        lr = parse_lr(lr, L)
-    schedule = Schedule(kind=cfg.schedule, total=cfg.num_rounds, warmup=cfg.warmup_rounds,
-                        halve_every=cfg.halve_every)
-    kw = {"momentum": cfg.server_momentum} if cfg.server_opt == "sgd" else {}
-    opt = make_optimizer(cfg.server_opt, float(lr), schedule, **kw)
-    return Clipped(opt, cfg.server_clip) if cfg.server_clip else opt
+    if isinstance(cfg.server_lr, str) and cfg.server_lr != "auto" and L is None:
+        raise ConfigError(f"run-config key 'server-lr': {cfg.server_lr!r} needs a problem with "
+                          "a known constant L (least squares); give a number")
+    auto = 1.0 / L if (L is not None and cfg.algorithm in ("ffgg", "br-ffgg")) else 1.0
+    try:
+        server = ServerConfig(optimizer=cfg.server_opt, lr=cfg.server_lr,
+                              momentum=cfg.server_momentum, schedule=cfg.schedule,
+                              warmup=cfg.warmup_rounds, halve_every=cfg.halve_every,
+                              clip_norm=cfg.server_clip or None)
+        return build_opt(server, cfg.num_rounds, L, auto)
+    except CoreConfigError as e:
+        raise ConfigError(f"run config: {e}") from None
 
 
 def w_init(cfg: FlowerConfig) -> str:
@@ -610,19 +611,19 @@ def build_algorithm(cfg: FlowerConfig, problem, aggregator=None, num_clients: in
 
 
 def _least_squares_algorithm(cfg: FlowerConfig, opt, agg):
-    from partialfl.local.solvers import make_solver
+    """FFGG (Algorithm 1) or FedAvg = Local GD from :data:`partialfl.build.REGISTRY`, with the
+    run's server optimizer, aggregator and weighting."""
+    from partialfl.build import lookup
 
-    local_lr = cfg.local_lr or None
-    if cfg.algorithm in ("ffgg", "br-ffgg"):
-        from partialfl.algorithms import FFGG
-
-        solver = make_solver(cfg.solver, tau=cfg.local_steps, lr=local_lr, init=w_init(cfg))
-        return FFGG(solver, server_opt=opt, aggregator=agg, weighting=cfg.weighting)
-    if cfg.algorithm == "fedavg":
-        from partialfl.algorithms import LocalGD
-
-        return LocalGD(tau=cfg.local_steps, lr=local_lr, server_opt=opt, aggregator=agg)
-    raise ConfigError(
-        "run-config key 'algorithm': 'local-ffgg' (Algorithm 4) is implemented for model "
-        "problems (problem 'femnist'); allowed for least squares: ffgg, br-ffgg, fedavg"
-    )
+    if cfg.algorithm not in ("ffgg", "br-ffgg", "fedavg"):
+        raise ConfigError(
+            "run-config key 'algorithm': 'local-ffgg' (Algorithm 4) is implemented for model "
+            "problems (problem 'femnist'); allowed for least squares: ffgg, br-ffgg, fedavg"
+        )
+    a = closed_form_config(cfg).algorithm
+    alg = lookup("closed-form-algorithm", a.name)(a, opt)
+    if agg is not None:
+        alg.aggregator = agg
+    if hasattr(alg, "weighting"):
+        alg.weighting = cfg.weighting
+    return alg

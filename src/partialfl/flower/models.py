@@ -124,17 +124,17 @@ def build_model_problem(cfg: FlowerConfig):
                           "allowed: femnist")
     import torch
 
+    from partialfl.build import build_model, build_split
     from partialfl.data.femnist import load_femnist_npz
     from partialfl.experiments.pipeline import load_params
-    from partialfl.models import make_model
     from partialfl.problems.model import ModelProblem
     from partialfl.rng import torch_seed
-    from partialfl.split import SplitError, make_split
+    from partialfl.spec import ModelSpec
 
     method, _ = pipeline_configs(cfg)
     data = load_femnist_npz(cfg.data_dir or None, file_name=cfg.data_file)
     try:
-        model = make_model(cfg.model, data.num_classes, seed=cfg.seed)
+        model = build_model(ModelSpec(name=cfg.model), data.num_classes, cfg.seed)
     except ValueError as e:
         raise ConfigError(f"run-config key 'model': {e}") from None
     if cfg.init_from:
@@ -154,8 +154,8 @@ def build_model_problem(cfg: FlowerConfig):
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(torch_seed(cfg.seed, "split"))
         try:
-            split = make_split(model, method.split)
-        except SplitError as e:
+            split = build_split(model, method.split)
+        except ValueError as e:
             raise ConfigError(f"run-config key 'split': {e}") from None
     return ModelProblem(split, data)
 
