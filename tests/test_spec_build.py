@@ -99,3 +99,36 @@ def test_no_other_choice_helpers_or_name_tables():
         text = f.read_text()
         assert "def _choice" not in text, f
         assert not re.search(r'if (name|a\.name|method\.algorithm) == "', text), f
+
+
+def test_presets_register_in_one_place_and_build(monkeypatch, tmp_path):
+    """A preset (as `partialfl.algorithms.presets.PRESETS` provides them) registered through
+    `build.preset_entry` is a method algorithm with its own split, usable from a train spec."""
+    from torch import nn
+
+    from partialfl import build as B
+    from partialfl.algorithms.model import FedSim
+    from partialfl.split import make_split
+
+    calls = {}
+
+    class FakePreset:
+        def make_algorithm(self, local, *, w_init, server_opt, weighting, **options):
+            calls["alg"] = options
+            return FedSim(local, w_init=w_init, server_opt=server_opt, weighting=weighting)
+
+        def make_split(self, model, example_input, **options):
+            calls["split"] = options
+            return make_split(model, "input")
+
+    names("algorithm")  # load the real presets (if any) first
+    monkeypatch.setitem(B.REGISTRY["preset"], "fakeper", B.preset_entry(FakePreset()))
+    m = MethodConfig(algorithm="fakeper", split_options={"layers": 1})
+    assert m.split == "preset:fakeper"
+    alg = build_algorithm(m, StageConfig(rounds=1))
+    assert isinstance(alg, FedSim) and calls["alg"] == {"layers": 1}
+    model = nn.Sequential(nn.Linear(3, 4), nn.ReLU(), nn.Linear(4, 2))
+    split = B.build_split(model, m.split, m.split_options)
+    assert split.personal_names == ("0.weight", "0.bias") and calls["split"] == {"layers": 1}
+    with pytest.raises(ConfigError, match="defines its own split"):
+        MethodConfig(algorithm="fakeper", split="input")

@@ -202,6 +202,18 @@ def _model_names() -> dict[str, Callable]:
     return {name: _registry_model(name) for name in MODELS}
 
 
+def preset_entry(preset) -> Callable:
+    """The registry entry of a named preset (an object with ``make_algorithm(local, *,
+    w_init, server_opt, weighting, **options)`` and ``make_split(model, example_input,
+    **options)``): a model-algorithm factory that also carries the preset, whose split is
+    the method's split ``preset:NAME``; ``method.split_options`` are the preset's options."""
+    def make(method, stage, opt, sgd):
+        return preset.make_algorithm(sgd, w_init=method.w_init, server_opt=opt,
+                                     weighting=method.weighting, **dict(method.split_options))
+    make.preset = preset  # type: ignore[attr-defined]
+    return make
+
+
 def _presets() -> dict[str, Any]:
     """Named personalization presets (FedPer, FedRep, LG-FedAvg, FedBN, …): registered from
     ``partialfl.algorithms.presets.PRESETS`` when that module exists — the one place they
@@ -210,7 +222,7 @@ def _presets() -> dict[str, Any]:
         from partialfl.algorithms.presets import PRESETS  # type: ignore[import-not-found]
     except ModuleNotFoundError:
         return {}
-    return dict(PRESETS)
+    return {name: preset_entry(p) for name, p in PRESETS.items()}
 
 
 #: kind → name → factory. The only name → class table of partialfl.
@@ -262,6 +274,8 @@ def names(kind: str) -> tuple[str, ...]:
         REGISTRY["preset"].update(_presets())
     if kind == "algorithm":
         return (*REGISTRY["algorithm"], *REGISTRY["preset"])
+    if kind == "split":
+        return (*REGISTRY["split"], *(f"preset:{p}" for p in names("preset")))
     return tuple(REGISTRY[kind])
 
 
@@ -367,6 +381,9 @@ def build_algorithm(method, stage):
 def build_split(model, kind: str, options: Mapping[str, Any] | None = None):
     """Which parameters of ``model`` are personal (:mod:`partialfl.split`; transformers use
     their own builder)."""
+    if kind.startswith("preset:"):
+        preset = lookup("algorithm", kind[len("preset:"):], "method.split").preset
+        return preset.make_split(model, None, **dict(options or {}))
     return lookup("split", kind, "method.split")(model, kind, dict(options or {}))
 
 

@@ -243,6 +243,11 @@ class MethodConfig:
 
     def __post_init__(self) -> None:
         check_choice("method.algorithm", self.algorithm, names("algorithm"))
+        if self.algorithm in names("preset"):  # a preset brings its own split
+            if self.split not in ("output", f"preset:{self.algorithm}"):
+                raise ConfigError(f"method.split: preset {self.algorithm!r} defines its own "
+                                  f"split; leave method.split out, got {self.split!r}")
+            object.__setattr__(self, "split", f"preset:{self.algorithm}")
         splits = names("split")
         check_choice("method.split", self.split, splits)
         check_choice("method.w_init", self.w_init, ("pretrained", "zero", "random"))
@@ -257,7 +262,8 @@ class MethodConfig:
             if self.algorithm != "fedavg":
                 raise ConfigError("method.finetune_split applies to algorithm 'fedavg' only")
             check_choice("method.finetune_split", self.finetune_split,
-                         [k for k in splits if k not in ("none", "adapter")])
+                         [k for k in splits if k not in ("none", "adapter")
+                          and not k.startswith("preset:")])
         if self.stateless and self.algorithm not in ("fedalt", "fedsim"):
             raise ConfigError("method.stateless applies to 'fedalt' and 'fedsim' only")
         if self.local_steps is not None and (self.algorithm != "local-ffgg"
