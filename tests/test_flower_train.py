@@ -104,3 +104,18 @@ def test_quickstart_in_flower_simulation_gives_the_in_process_theta(tmp_path, da
     sim = json.loads((tmp_path / "sim" / "metrics.json").read_text())
     assert abs(sim["test_acc"] - local["test_acc"]) < 1e-9 + 2 / 300
     assert (tmp_path / "sim" / "report.md").exists()
+
+
+def test_engine_dry_run_prints_the_plan_and_the_run_config(data_dir, tmp_path, capsys):
+    from partialfl.cli import main
+
+    out = tmp_path / "never"
+    sets = [a for o in TINY for a in ("--set", o)]
+    assert main(["train", str(QUICKSTART), "--engine", "flower-sim", "--dry-run", "--out",
+                 str(out), "--set", f"data.path={data_dir}", *sets]) == 0
+    text = capsys.readouterr().out
+    assert "engine     flower-sim (2 SuperNodes)" in text and '"problem": "train"' in text
+    assert '"num-rounds": 2' in text and not out.exists()
+    assert main(["train", str(QUICKSTART), "--engine", "flower-sim", "--out", str(out),
+                 "--set", "method.algorithm=nope"]) == 2
+    assert not out.exists()
