@@ -98,7 +98,7 @@ def test_no_other_choice_helpers_or_name_tables():
               src / "server.py", src / "local" / "solvers.py"):
         text = f.read_text()
         assert "def _choice" not in text, f
-        assert not re.search(r'if (name|a\.name|method\.algorithm) == "', text), f
+        assert not re.search(r'^\s+if (name|a\.name|method\.algorithm) == "', text, re.M), f
 
 
 def test_presets_register_in_one_place_and_build(monkeypatch, tmp_path):
