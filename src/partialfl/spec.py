@@ -456,8 +456,6 @@ class TrainSpec(PipelineConfig):
                               f"{', '.join(STAGES)}")
         check_choice("loss", self.loss, ("auto", *names("loss")))
         check_choice("metric", self.metric, ("auto", *names("metric")))
-        if self.data.holdout and self.finetune.epochs == 0 and self.finetune.steps is None:
-            pass  # new clients are then evaluated at their starting w
 
     def pipeline_config(self) -> PipelineConfig:
         """The pipeline's config: a stage left out of ``stages`` runs 0 rounds (pre-training)
