@@ -44,6 +44,7 @@ import numpy as np
 import torch
 
 from partialfl import io as pio
+from partialfl.build import build_model
 from partialfl.data.femnist import load_femnist_npz, pixel_mean_std
 from partialfl.experiments.pipeline import (
     ClientConfig,
@@ -69,7 +70,7 @@ from partialfl.experiments.report import (
     quick_note,
     versus_fedavg,
 )
-from partialfl.models import make_model
+from partialfl.spec import ModelSpec
 
 MODEL = "emnist_cnn"
 FFGG_SERVER_LR = 0.05
@@ -152,7 +153,7 @@ def load_data(data_dir=None, num_writers: int | None = None, holdout: int = HOLD
 
 def femnist_model(seed: int):
     """The table's architecture (also what ``evaluate`` rebuilds a run's model with)."""
-    return make_model(MODEL, 62, seed=seed)
+    return build_model(ModelSpec(MODEL), 62, seed)
 
 
 def femnist_task(data) -> Task:

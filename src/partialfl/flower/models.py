@@ -6,7 +6,7 @@ the algorithm is built by :func:`partialfl.experiments.pipeline.build_algorithm`
 the SGD fine-tuner, Local FFGG (Algorithm 4) or FedAvg, with the server optimizer, schedule
 and clipping of ``ServerConfig``. The problem is
 :class:`partialfl.problems.model.ModelProblem` over
-:func:`partialfl.data.femnist.load_femnist_npz`, :func:`partialfl.models.make_model` (seeded
+:func:`partialfl.data.femnist.load_femnist_npz`, :func:`partialfl.build.build_model` (seeded
 with the run seed, optionally loaded from ``init-from`` = stage 1) and
 :func:`partialfl.split.make_split` (seeded like the pipeline's stage 2).
 
