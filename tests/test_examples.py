@@ -39,6 +39,7 @@ README_SIZE_OVERRIDES = [
     ("run_rounds(problem, ffgg, 100, clients_per_round=4", "run_rounds(problem, ffgg, 10, "
                                                            "clients_per_round=4"),
     ("eval_every=25", "eval_every=5"),
+    ('"runs/mine"', '__import__("tempfile").mkdtemp()'),  # the train snippet's output folder
 ]
 
 
