@@ -197,7 +197,7 @@ def _hf_spec(path, **partition):
 ])
 def test_hf_partitions_cover_the_data_disjointly(tmp_path, kind, opts):
     pytest.importorskip("flwr_datasets")
-    from partialfl.data.sources import load_data
+    from partialfl.build import build_data as load_data
 
     path = _hf_dataset(tmp_path / "hf")
     ds, new = load_data(_hf_spec(path, kind=kind, num_clients=5, **opts))
@@ -220,7 +220,7 @@ def test_hf_partitions_cover_the_data_disjointly(tmp_path, kind, opts):
 
 def test_dirichlet_alpha_controls_heterogeneity(tmp_path):
     pytest.importorskip("flwr_datasets")
-    from partialfl.data.sources import load_data
+    from partialfl.build import build_data as load_data
 
     path = _hf_dataset(tmp_path / "hf", n=2000)
 

@@ -12,12 +12,15 @@ from __future__ import annotations
 import dataclasses
 import importlib
 import inspect
+import math
+import re
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 from partialfl.config import ConfigError
+from partialfl.problems.model import accuracy, cross_entropy
 
 
 def _lazy(module: str, attr: str) -> Callable[..., Any]:
@@ -74,22 +77,12 @@ def _cf_l2gd(a, opt):
     return alg
 
 
-def _gd(tau, lr, init):
-    from partialfl.local.solvers import GradientDescent
+def _solver(name: str):
+    def make(tau, lr, init):
+        from partialfl.local.solvers import make_solver as solver
 
-    return GradientDescent(tau=tau, lr=lr, init=init)
-
-
-def _cg(tau, lr, init):
-    from partialfl.local.solvers import ConjugateGradient
-
-    return ConjugateGradient(tau=tau, init=init)
-
-
-def _exact(tau, lr, init):
-    from partialfl.local.solvers import ExactSolver
-
-    return ExactSolver()
+        return solver(name, tau, lr, init)
+    return make
 
 
 def _m_fedavg(method, stage, opt, sgd):
@@ -153,16 +146,12 @@ def _transformer(num_classes, seed, data=None, **options):
         return TransformerLM(cfg)
 
 
-def _sgd_cls(*a, **kw):
-    from partialfl.server import SGD
+def _optimizer(name: str):
+    def make(lr, schedule=None, **kw):
+        from partialfl.server import make_optimizer as optimizer
 
-    return SGD(*a, **kw)
-
-
-def _adam_cls(*a, **kw):
-    from partialfl.server import Adam
-
-    return Adam(*a, **kw)
+        return optimizer(name, lr, schedule, **kw)
+    return make
 
 
 def _flwr_partitioner(cls_name: str, **fixed):
@@ -225,12 +214,13 @@ def _presets() -> dict[str, Any]:
     return {name: preset_entry(p) for name, p in PRESETS.items()}
 
 
-#: kind → name → factory. The only name → class table of partialfl.
+#: kind → name → factory: the names every spec may use, in one table (solvers and server
+#: optimizers are built by their modules' own ``make_solver`` / ``make_optimizer``).
 REGISTRY: dict[str, dict[str, Any]] = {
     "problem": {"least-squares": _least_squares, "glm": _glm},
     "closed-form-algorithm": {"ffgg": _cf_ffgg, "local-gd": _cf_local_gd,
                               "scaffold": _cf_scaffold, "l2gd": _cf_l2gd},
-    "solver": {"gd": _gd, "cg": _cg, "exact": _exact},
+    "solver": {k: _solver(k) for k in ("gd", "cg", "exact")},
     "algorithm": {"fedavg": _m_fedavg, "ffgg": _m_ffgg, "local-ffgg": _m_local_ffgg,
                   "fedalt": _m_alternating("FedAlt"), "fedsim": _m_alternating("FedSim")},
     "preset": {},  # filled by _presets() on first use
@@ -252,13 +242,13 @@ REGISTRY: dict[str, dict[str, Any]] = {
                 "vmap": _lazy("partialfl.runtime.backends", "BatchedBackend"),
                 "batched": _lazy("partialfl.runtime.backends", "BatchedBackend"),
                 "processes": _lazy("partialfl.runtime.cohort_pool", "ProcessBackend")},
-    "optimizer": {"sgd": _sgd_cls, "adam": _adam_cls},
+    "optimizer": {k: _optimizer(k) for k in ("sgd", "adam")},
     "schedule": {k: _schedule(k) for k in ("constant", "warmup-linear", "exponential")},
     "aggregator": {k: _aggregator(k) for k in ("mean", "cm", "tm", "gm", "krum",
                                                  "multi-krum", "cc")},
-    "loss": {"cross-entropy": _lazy("partialfl.problems.model", "cross_entropy"),
+    "loss": {"cross-entropy": cross_entropy,
              "token-cross-entropy": _lazy("partialfl.lm", "token_cross_entropy")},
-    "metric": {"accuracy": lambda: _lazy("partialfl.problems.model", "accuracy"),
+    "metric": {"accuracy": lambda: accuracy,
                "next-word-accuracy": _lazy("partialfl.lm", "NextWordAccuracy")},
 }
 
@@ -290,6 +280,24 @@ def lookup(kind: str, name: str, key: str | None = None):
 
 
 # ----------------------------------------------------------------------------- optimizers
+def parse_lr(lr: float | str, L: float | None, key: str = "server.lr") -> float:
+    """A stepsize given as a number or as ``"c/L"`` (e.g. ``"1/L"``, ``"0.5/L"``) with ``L``
+    the problem's smoothness constant."""
+    if isinstance(lr, str):
+        m = re.fullmatch(r"\s*([0-9.eE+-]+)\s*/\s*L\s*", lr)
+        if not m:
+            raise ConfigError(f"{key}: {lr!r} is neither a number, 'auto' nor of the form 'c/L'")
+        if L is None:
+            raise ConfigError(f"{key}: {lr!r} needs a problem with a known smoothness constant "
+                              "L (least squares, GLM); give a number")
+        value = float(m.group(1)) / L
+    else:
+        value = float(lr)
+    if not (value > 0 and math.isfinite(value)):
+        raise ConfigError(f"{key} must be positive, got {lr!r}")
+    return value
+
+
 def make_optimizer(name: str, lr: float, schedule=None, **kw):
     """Server optimizer ``name`` (``sgd``, ``adam``) with stepsize ``lr`` and a schedule."""
     from partialfl.server import Schedule
@@ -297,7 +305,7 @@ def make_optimizer(name: str, lr: float, schedule=None, **kw):
     if name not in REGISTRY["optimizer"]:
         raise ValueError(f"unknown server optimizer {name!r}; allowed: "
                          f"{', '.join(names('optimizer'))}")
-    return REGISTRY["optimizer"][name](lr=lr, schedule=schedule or Schedule(), **kw)
+    return REGISTRY["optimizer"][name](lr, schedule or Schedule(), **kw)
 
 
 def make_solver(name: str, tau: int = 1, lr: float | None = None, init: str = "zero"):
@@ -317,7 +325,6 @@ def build_server_opt(server, rounds: int, L: float | None = None, auto_lr: float
     """The server optimizer of a :class:`~partialfl.spec.ServerConfig`: schedule over
     ``rounds``, ``lr`` resolved (``"auto"`` → ``auto_lr``; ``"c/L"`` → c/L), clipping."""
     from partialfl.server import Clipped, Schedule
-    from partialfl.spec import parse_lr
 
     try:
         sched = Schedule(server.schedule, total=max(rounds, 1), warmup=server.warmup,
@@ -455,6 +462,43 @@ def partitioner(spec, label_key: str):
     return lookup("partitioner", spec.kind, "data.partition.kind")(spec, label_key)
 
 
+def build_data(spec):
+    """The ``(training clients, new clients or None)`` of a :class:`~partialfl.spec.DataSpec`
+    (:mod:`partialfl.data.sources`)."""
+    from partialfl.data.federated import DataFormatError
+    from partialfl.data.paths import DataNotFoundError
+
+    try:
+        return lookup("dataset", spec.source, "data.source")(spec, partitioner)
+    except DataNotFoundError as e:
+        raise ConfigError(f"data.path: {e}") from None
+    except DataFormatError as e:
+        raise ConfigError(f"data: {e}") from None
+
+
+@dataclass(frozen=True)
+class Task:
+    """What the pipeline trains on: injectable model, data, loss, metric and split builder.
+
+    ``model_fn(seed)`` returns a freshly initialised model; ``split_fn(model, kind, options)``
+    builds a :class:`~partialfl.split.Split` (default :func:`build_split`).
+    """
+
+    data: Any
+    model_fn: Callable[[int], Any]
+    loss_fn: Callable = cross_entropy
+    metric: Callable = accuracy
+    split_fn: Callable[[Any, str, Mapping[str, Any]], Any] | None = None
+    name: str = "task"
+
+    def make_split(self, model, kind: str, options: Mapping[str, Any]):
+        """The split of ``model`` of kind ``kind`` with ``options`` (``split_fn`` or
+        :func:`build_split`)."""
+        if self.split_fn is not None:
+            return self.split_fn(model, kind, dict(options))
+        return build_split(model, kind, options)
+
+
 # ----------------------------------------------------------------------------- build(spec)
 @dataclass
 class ClosedFormRun:
@@ -480,16 +524,15 @@ class TrainRun:
 def build(spec, progress: bool = False) -> ClosedFormRun | TrainRun:
     """Build a run specification (:mod:`partialfl.spec`) into the objects that run it
     (``progress``: a bar while a large closed-form problem is generated)."""
-    from partialfl.spec import ClosedFormConfig, TrainSpec
-
-    if isinstance(spec, ClosedFormConfig):
+    if all(hasattr(spec, t) for t in ("problem", "algorithm", "server", "run")):
+        # a ClosedFormConfig
         problem = build_problem(problem_config_for(spec), progress)
         if spec.run.clients_per_round is not None and not (
                 1 <= spec.run.clients_per_round <= problem.num_clients):
             raise ConfigError(f"run.clients_per_round={spec.run.clients_per_round} but the "
                               f"problem has {problem.num_clients} clients")
         return ClosedFormRun(problem, build_closed_form_algorithm(spec, problem))
-    if isinstance(spec, TrainSpec):
+    if hasattr(spec, "model") and hasattr(spec, "pipeline_config"):  # a TrainSpec
         return _build_train(spec)
     raise TypeError(f"build() takes a ClosedFormConfig or TrainSpec, got {type(spec).__name__}")
 
@@ -521,16 +564,14 @@ def _check_forward(model, data, loss_fn) -> None:
 
 
 def _build_train(spec) -> TrainRun:
-    from partialfl.data.sources import load_data
     from partialfl.devices import check_precision, resolve_device
-    from partialfl.experiments.pipeline import Task
 
     try:
         device = resolve_device(spec.device)
         check_precision(spec.precision, device)
     except ValueError as e:
         raise ConfigError(str(e)) from None
-    data, new = load_data(spec.data)
+    data, new = build_data(spec.data)
     text = data.train_x[0].dim() == 2 and not data.train_x[0].is_floating_point()
     loss_fn, metric = build_loss_metric(spec, text)
     num_classes = int(data.num_classes)
@@ -575,6 +616,7 @@ def resolve_path(path: str, base: Path | None) -> Path:
     return p if p.is_absolute() or base is None else base / p
 
 
-__all__ = ["REGISTRY", "ClosedFormRun", "TrainRun", "build", "build_algorithm",
-           "build_closed_form_algorithm", "build_model", "build_problem", "build_server_opt",
-           "build_split", "lookup", "make_optimizer", "make_solver", "names"]
+__all__ = ["REGISTRY", "ClosedFormRun", "Task", "TrainRun", "build", "build_algorithm",
+           "build_closed_form_algorithm", "build_data", "build_model", "build_problem",
+           "build_server_opt", "build_split", "lookup", "make_optimizer", "make_solver",
+           "names", "parse_lr"]

@@ -126,11 +126,13 @@ OPTIMIZERS = ("sgd", "adam")
 
 def make_optimizer(name: str, lr: float, schedule: Schedule | None = None, **kw) -> SGD | Adam:
     """The server optimizer ``name`` (one of :data:`OPTIMIZERS`) with stepsize ``lr``, a
-    ``schedule`` and extra keyword options (e.g. ``momentum``); the name → class table is
-    :data:`partialfl.build.REGISTRY`."""
-    from partialfl.build import make_optimizer as build_optimizer
-
-    return build_optimizer(name, lr, schedule, **kw)
+    ``schedule`` and extra keyword options (e.g. ``momentum``)."""
+    schedule = schedule or Schedule()
+    if name == "sgd":
+        return SGD(lr=lr, schedule=schedule, **kw)
+    if name == "adam":
+        return Adam(lr=lr, schedule=schedule, **kw)
+    raise ValueError(f"unknown server optimizer {name!r}; allowed: {', '.join(OPTIMIZERS)}")
 
 
 @dataclass(frozen=True)

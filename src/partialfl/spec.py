@@ -23,28 +23,10 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
-from partialfl.build import names
+from partialfl.build import names, parse_lr
 from partialfl.config import ConfigError, check_choice, from_dict, to_dict
 from partialfl.devices import DEVICES, PRECISIONS
 from partialfl.local.sgd import SGDConfig
-
-
-def parse_lr(lr: float | str, L: float | None, key: str = "server.lr") -> float:
-    """A stepsize given as a number or as ``"c/L"`` (e.g. ``"1/L"``, ``"0.5/L"``) with ``L``
-    the problem's smoothness constant."""
-    if isinstance(lr, str):
-        m = re.fullmatch(r"\s*([0-9.eE+-]+)\s*/\s*L\s*", lr)
-        if not m:
-            raise ConfigError(f"{key}: {lr!r} is neither a number, 'auto' nor of the form 'c/L'")
-        if L is None:
-            raise ConfigError(f"{key}: {lr!r} needs a problem with a known smoothness constant "
-                              "L (least squares, GLM); give a number")
-        value = float(m.group(1)) / L
-    else:
-        value = float(lr)
-    if not (value > 0 and math.isfinite(value)):
-        raise ConfigError(f"{key} must be positive, got {lr!r}")
-    return value
 
 
 # ----------------------------------------------------------------------------- optimizers

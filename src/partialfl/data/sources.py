@@ -1,4 +1,6 @@
-"""Where ``partialfl train`` gets its clients: the ``[data]`` table → ``(clients, new clients)``.
+"""Where ``partialfl train`` gets its clients: the ``[data]`` table → ``(clients, new clients)``
+(each source is a :data:`partialfl.build.REGISTRY` ``dataset`` entry, called with the
+:class:`~partialfl.spec.DataSpec` and the partitioner builder).
 
 Every source returns a :class:`~partialfl.data.federated.FederatedDataset` of training
 clients and, when ``holdout`` > 0, a disjoint one of *new* clients (never trained on):
@@ -53,13 +55,13 @@ def _dir(spec, what: str) -> Path:
 
 @functools.lru_cache(maxsize=2)
 def _femnist(path: str, num_clients, holdout: int, seed: int):
-    from partialfl.experiments.femnist import load_data as femnist_data
+    from partialfl.data.femnist import load_femnist_writers
 
-    seen, new, _ = femnist_data(path or None, num_clients, holdout, seed)
+    seen, new, _ = load_femnist_writers(path or None, num_clients, holdout, seed)
     return seen, new
 
 
-def femnist(spec):
+def femnist(spec, make_partitioner=None):
     """FEMNIST as the FEMNIST table loads it (datasets are immutable: the last two loads are
     cached per process)."""
     if spec.options:
@@ -68,7 +70,7 @@ def femnist(spec):
     return _femnist(spec.path, spec.num_clients, spec.holdout, spec.seed)
 
 
-def shakespeare(spec):
+def shakespeare(spec, make_partitioner=None):
     from partialfl.data.shakespeare import load_shakespeare
 
     try:
@@ -113,7 +115,7 @@ def _from_clients(ids, parts, num_classes: int | None, description: str):
                             description=description)
 
 
-def folder(spec):
+def folder(spec, make_partitioner=None):
     root = _dir(spec, "client folder")
     files = sorted(root.glob("*.npz"))
     if not files:
@@ -147,7 +149,7 @@ def _column(ds, key: str) -> np.ndarray:
     return np.asarray(col)
 
 
-def hf_disk(spec):
+def hf_disk(spec, make_partitioner):
     try:
         import datasets
     except ModuleNotFoundError:
@@ -175,9 +177,7 @@ def hf_disk(spec):
         ids = list(index)
         groups = [np.asarray(index[c]) for c in ids]
     else:
-        from partialfl.build import partitioner
-
-        part = partitioner(spec.partition, label)
+        part = make_partitioner(spec.partition, label)
         part.dataset = ds.add_column("__row__", list(range(len(ds))))
         try:
             groups = [np.asarray(part.load_partition(i)["__row__"], dtype=np.int64)
@@ -195,16 +195,3 @@ def hf_disk(spec):
            else f"{spec.partition.kind} partition")
     data = _from_clients(ids, parts, num_classes, f"HF dataset {root.name} ({how})")
     return _subset_holdout(data, spec)
-
-
-def load_data(spec) -> tuple[FederatedDataset, FederatedDataset | None]:
-    """The ``(training clients, new clients or None)`` of a :class:`~partialfl.spec.DataSpec`."""
-    from partialfl.build import lookup
-    from partialfl.data.paths import DataNotFoundError
-
-    try:
-        return lookup("dataset", spec.source, "data.source")(spec)
-    except DataNotFoundError as e:
-        raise ConfigError(f"data.path: {e}") from None
-    except DataFormatError as e:
-        raise ConfigError(f"data: {e}") from None

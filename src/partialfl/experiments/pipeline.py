@@ -46,7 +46,7 @@ from torch import nn
 
 from partialfl import io as pio
 from partialfl.algorithms.base import Algorithm
-from partialfl.build import build_algorithm, build_backend, build_split
+from partialfl.build import Task, build_algorithm, build_backend
 from partialfl.config import ConfigError, to_dict
 from partialfl.evaluation import (
     evaluate_model,
@@ -72,29 +72,6 @@ ALGORITHMS = ("fedavg", "ffgg", "local-ffgg", "fedalt", "fedsim")
 
 
 # ----------------------------------------------------------------------------- the task
-@dataclass(frozen=True)
-class Task:
-    """What the pipeline trains on: injectable model, data, loss, metric and split builder.
-
-    ``model_fn(seed)`` returns a freshly initialised model; ``split_fn(model, kind, options)``
-    builds a :class:`~partialfl.split.Split` (default :func:`~partialfl.split.make_split`).
-    """
-
-    data: Any
-    model_fn: Callable[[int], nn.Module]
-    loss_fn: Callable = cross_entropy
-    metric: Callable = accuracy
-    split_fn: Callable[[nn.Module, str, Mapping[str, Any]], Split] | None = None
-    name: str = "task"
-
-    def make_split(self, model: nn.Module, kind: str, options: Mapping[str, Any]) -> Split:
-        """The split of ``model`` of kind ``kind`` with ``options`` (``split_fn`` or
-        ``make_split``)."""
-        if self.split_fn is not None:
-            return self.split_fn(model, kind, dict(options))
-        return build_split(model, kind, options)
-
-
 @dataclass
 class PipelineResult:
     """A finished run: its metrics, folder, trained θ and split."""

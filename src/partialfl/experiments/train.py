@@ -116,8 +116,7 @@ def train(model_fn: Callable[[int], Any], data, out: str | Path, **spec: Any):
         metrics = train(lambda seed: MyNet(), my_federated_dataset, "runs/mine",
                         method={"algorithm": "ffgg", "split": "output"})
     """
-    from partialfl.build import build_loss_metric, build_split
-    from partialfl.experiments.pipeline import Task
+    from partialfl.build import Task, build_loss_metric, build_split
 
     bad = sorted(set(spec) & {"model", "data"})
     if bad:
