@@ -82,8 +82,6 @@ def test_quickstart_in_flower_simulation_gives_the_in_process_theta(tmp_path, da
     """configs/train/quickstart.toml at a tiny size: θ after pre-training and after
     personalization in Flower's simulation engine equals the in-process run's (1e-6)."""
     pytest.importorskip("ray", reason="Flower's simulation engine needs 'flwr[simulation]'")
-    import torch
-
     from partialfl.experiments.train import run_train
     from partialfl.flower.train import run_flower_train
 
@@ -91,8 +89,10 @@ def test_quickstart_in_flower_simulation_gives_the_in_process_theta(tmp_path, da
     _, local = run_train(spec, tmp_path / "local", progress=False)
     msg = run_flower_train(spec, tmp_path / "sim", engine="flower-sim", timeout=600)
     assert "flower-sim" in msg
-    t1 = torch.load(tmp_path / "local" / "stage1" / "theta.pt", weights_only=True)
-    t2 = torch.load(tmp_path / "local" / "theta_stage2.pt", weights_only=True)
+    from partialfl import io as pio
+
+    t1 = pio.load_tensors(tmp_path / "local" / "stage1" / "theta.safetensors", "θ1")[0]
+    t2 = pio.load_tensors(tmp_path / "local" / "theta_stage2.safetensors", "θ2")[0]
     with np.load(tmp_path / "sim" / "stage1" / "theta.npz") as z:
         assert sorted(z.files) == sorted(t1)
         for n in t1:
