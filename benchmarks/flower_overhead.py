@@ -40,7 +40,8 @@ def main() -> None:
     from partialfl.flower.env import apply_flower_env
 
     apply_flower_env()
-    from partialfl.flower.config import build_algorithm, build_problem, parse_run_config
+    from partialfl.flower.builders import build_algorithm, build_problem
+    from partialfl.flower.config import parse_run_config
     from partialfl.flower.project import LocalFederation
     from partialfl.flower.simulation import run_simulation
     from partialfl.runtime.sync import run_rounds

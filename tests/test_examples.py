@@ -41,6 +41,7 @@ README_SIZE_OVERRIDES = [
     ("eval_every=25", "eval_every=5"),
     ("run_rounds(problem, algorithm, 30,", "run_rounds(problem, algorithm, 3,"),
     ('folder = "out/personalized"', 'folder = __import__("tempfile").mkdtemp()'),
+    ('"runs/mine"', '__import__("tempfile").mkdtemp()'),  # the train snippet's output folder
 ]
 
 

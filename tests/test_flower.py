@@ -20,13 +20,14 @@ flwr = pytest.importorskip("flwr", reason="flwr is not installed (pip install 'p
 from flwr.app import Message  # noqa: E402
 
 from partialfl.algorithms.base import RoundContext  # noqa: E402
+from partialfl.flower.builders import build_algorithm, build_problem  # noqa: E402
 from partialfl.flower.codec import (  # noqa: E402
     PrivacyError,
     WireFormatError,
     decode_updates,
     encode_updates,
 )
-from partialfl.flower.config import build_algorithm, build_problem, parse_run_config  # noqa: E402
+from partialfl.flower.config import parse_run_config  # noqa: E402
 from partialfl.runtime.sync import run_rounds, sample_cohort  # noqa: E402
 from partialfl.types import ClientUpdates  # noqa: E402
 

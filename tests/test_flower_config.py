@@ -8,13 +8,12 @@ from pathlib import Path
 import numpy as np
 import pytest
 
+from partialfl.flower.builders import build_algorithm, build_problem
 from partialfl.flower.config import (
     FIELDS,
     ConfigError,
     Fault,
     FlowerConfig,
-    build_algorithm,
-    build_problem,
     parse_fault_injection,
     parse_run_config,
     partition_clients,

@@ -67,8 +67,9 @@ def _interrupt_at(stage_name, r):
 
 
 def test_config_validation_names_key_and_allowed_values():
-    with pytest.raises(ConfigError, match=r"method.algorithm: 'fedprox' is not allowed; "
-                                          r"allowed: fedavg, ffgg, local-ffgg, fedalt, fedsim"):
+    with pytest.raises(ConfigError, match=r"method.algorithm: 'fedprox' is not allowed \(did "
+                                          r"you mean 'fedper'\?\); allowed: fedavg, ffgg, "
+                                          r"local-ffgg, fedalt, fedsim, ditto, local, fedper"):
         PipelineConfig.from_dict({"method": {"algorithm": "fedprox"}})
     with pytest.raises(ConfigError, match=r"unknown key 'method.spilt' \(did you mean "
                                           r"'split'\?\); allowed keys in "

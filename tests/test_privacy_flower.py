@@ -70,7 +70,8 @@ def test_evaluation_replies_are_sums_and_refused_otherwise(flower_runs):
 
 
 def test_evaluation_means_equal_the_in_process_per_client_means(flower_runs):
-    from partialfl.flower.config import build_algorithm, build_problem, parse_run_config
+    from partialfl.flower.builders import build_algorithm, build_problem
+    from partialfl.flower.config import parse_run_config
 
     run, report, _ = flower_runs["nan"]
     cfg = parse_run_config(run)

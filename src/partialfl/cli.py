@@ -106,6 +106,45 @@ def _cmd_evaluate(args) -> int:
     return 0
 
 
+def _cmd_train(args) -> int:
+    from partialfl.experiments.train import format_plan, load_train_spec, run_train
+
+    spec = load_train_spec(args.config, args.set or [], device=args.device)
+    out = Path(args.out or Path("runs") / spec.name)
+    if args.engine != "local":
+        from partialfl.flower.train import run_flower_train
+
+        res = run_flower_train(spec, out, engine=args.engine, dry_run=args.dry_run,
+                               progress=not args.no_progress)
+        print(res)
+        return 0
+    run, metrics = run_train(spec, out, dry_run=args.dry_run,
+                             progress=False if args.no_progress else None)
+    print(format_plan(run.plan))
+    if metrics is None:
+        print("dry run: nothing trained, nothing written")
+        return 0
+    print(f"test accuracy {100 * metrics['test_acc']:.2f}% (per-client p10/p50/p90 "
+          f"{100 * metrics['test_acc_p10']:.1f}/{100 * metrics['test_acc_p50']:.1f}/"
+          f"{100 * metrics['test_acc_p90']:.1f}%)")
+    if "new_clients" in metrics:
+        print(f"new clients: test accuracy {100 * metrics['new_clients']['test_acc']:.2f}%")
+    print(f"results written to {out}/ (report.md, metrics.json, *.jsonl, *.png)")
+    return 0
+
+
+def _cmd_report(args) -> int:
+    from partialfl.experiments.train_report import write_report
+
+    run = Path(args.run)
+    if not run.is_dir():
+        raise FileNotFoundError(f"run folder {run} does not exist")
+    path = write_report(run, tensorboard=args.tensorboard)
+    print(path.read_text())
+    print(f"report and plots written to {run}/")
+    return 0
+
+
 def _reproductions_epilog() -> str:
     from partialfl.experiments import REPRODUCTIONS
 
@@ -214,6 +253,30 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--out", help="output folder (default runs/NAME)")
     s.add_argument("--no-progress", action="store_true")
     s.set_defaults(fn=_cmd_run)
+
+    s = sub.add_parser("train", help="train a neural model from a TOML train config "
+                       "(see configs/train/)")
+    s.add_argument("config")
+    s.add_argument("--set", action="append", metavar="KEY=VALUE",
+                   help="override a config value, e.g. --set personalize.rounds=5 (repeatable)")
+    s.add_argument("--device", help="cpu, cuda, cuda:N, mps or auto (overrides the config)")
+    s.add_argument("--dry-run", action="store_true",
+                   help="validate, build everything and print the plan; train nothing, "
+                        "write nothing")
+    s.add_argument("--out", help="output folder (default runs/NAME)")
+    s.add_argument("--engine", choices=("local", "flower-sim", "flower"), default="local",
+                   help="local (in-process, default), flower-sim (Flower's simulation "
+                        "engine) or flower (a SuperLink and SuperNode processes on this "
+                        "machine)")
+    s.add_argument("--no-progress", action="store_true")
+    s.set_defaults(fn=_cmd_train)
+
+    s = sub.add_parser("report", help="rebuild report.md and the plots of a train run "
+                       "from its logs")
+    s.add_argument("run", help="a `partialfl train` output folder")
+    s.add_argument("--tensorboard", action="store_true",
+                   help="also (re)write TensorBoard scalars to RUN/tensorboard")
+    s.set_defaults(fn=_cmd_report)
 
     _add_data_commands(sub)
     _add_advise(sub)

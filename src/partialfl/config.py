@@ -184,3 +184,4 @@ def deep_merge(base: dict[str, Any], over: Mapping[str, Any]) -> dict[str, Any]:
         out[k] = deep_merge(out[k], v) if isinstance(v, Mapping) and isinstance(
             out.get(k), dict) else v
     return out
+

@@ -44,7 +44,8 @@ import numpy as np
 import torch
 
 from partialfl import io as pio
-from partialfl.data.femnist import load_femnist_npz, pixel_mean_std
+from partialfl.build import build_model
+from partialfl.data.femnist import load_femnist_npz, load_femnist_writers
 from partialfl.experiments.pipeline import (
     ClientConfig,
     MethodConfig,
@@ -71,7 +72,7 @@ from partialfl.experiments.report import (
     versus_fedavg,
 )
 from partialfl.experiments.stopping import budget_plot, plateau_settings, plateau_table
-from partialfl.models import make_model
+from partialfl.spec import ModelSpec
 
 MODEL = "emnist_cnn"
 FFGG_SERVER_LR = 0.05
@@ -148,29 +149,14 @@ def stage_configs(size: Size) -> tuple[StageConfig, dict[str, StageConfig], Clie
 
 def load_data(data_dir=None, num_writers: int | None = None, holdout: int = HOLDOUT_WRITERS,
               seed: int = 0):
-    """``(train_clients, new_clients, info)``: FEMNIST normalised with the per-pixel stats of
-    the training writers only; ``holdout`` writers (chosen with ``rng`` seed ``seed``) are
-    kept apart as new clients; ``num_writers`` keeps a random subset first (quick runs)."""
-    raw = load_femnist_npz(data_dir, normalize="leaf")
-    pos = np.arange(raw.num_clients)
-    if num_writers is not None and num_writers < raw.num_clients:
-        pos = np.sort(np.random.default_rng(seed).permutation(raw.num_clients)[:num_writers])
-        raw = raw.subset(pos)
-    seen_raw, new_raw = raw.split_clients(num_new=holdout, seed=seed) if holdout else (raw, None)
-    stats = pixel_mean_std(torch.cat(list(seen_raw.train_x)).numpy()[:, 0])
-    full = load_femnist_npz(data_dir, normalize="emnist", pixel_stats=stats)
-    ids = list(full.client_ids)
-    seen = full.subset([ids.index(c) for c in seen_raw.client_ids])
-    new = full.subset([ids.index(c) for c in new_raw.client_ids]) if new_raw else None
-    info = {"train_writers": list(seen.client_ids),
-            "new_writers": list(new.client_ids) if new else [],
-            "pixel_mean": stats[0].tolist(), "pixel_std": stats[1].tolist()}
-    return seen, new, info
+    """``(train_clients, new_clients, info)`` of the table
+    (:func:`partialfl.data.femnist.load_femnist_writers`; ``holdout`` writers held out)."""
+    return load_femnist_writers(data_dir, num_writers, holdout, seed)
 
 
 def femnist_model(seed: int):
     """The table's architecture (also what ``evaluate`` rebuilds a run's model with)."""
-    return make_model(MODEL, 62, seed=seed)
+    return build_model(ModelSpec(MODEL), 62, seed)
 
 
 def femnist_task(data) -> Task:

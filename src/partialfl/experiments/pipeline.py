@@ -47,11 +47,10 @@ from __future__ import annotations
 
 import json
 import math
-import re
 import time
 import warnings
 from collections.abc import Callable, Mapping, Sequence
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
@@ -61,19 +60,18 @@ from torch import nn
 
 from partialfl import io as pio
 from partialfl.algorithms.base import Algorithm
-from partialfl.algorithms.ditto import Ditto, local_only, personal_models
-from partialfl.algorithms.model import WEIGHTINGS, FedAlt, FedAvg, FedSim, LocalFFGG, model_ffgg
-from partialfl.config import ConfigError, check_choice, from_dict, to_dict
+from partialfl.algorithms.ditto import Ditto, personal_models
+from partialfl.build import Task, build_algorithm, build_backend
+from partialfl.config import ConfigError, to_dict
 from partialfl.data.federated import FederatedDataset
 from partialfl.data.validation import carve_validation
-from partialfl.devices import DEVICES, PRECISIONS
 from partialfl.evaluation import (
     evaluate_model,
     evaluate_new_clients,
     finetune_personal,
     round_evaluator,
 )
-from partialfl.experiments.stopping import (
+from partialfl.experiments.stopping import (  # noqa: F401 - the config types, re-exported
     FinetuneGrid,
     StopConfig,
     ValidationConfig,
@@ -81,268 +79,26 @@ from partialfl.experiments.stopping import (
     plateaued,
 )
 from partialfl.local.sgd import SGDConfig
-from partialfl.problems.model import W_INITS, ModelProblem, accuracy, cross_entropy
+from partialfl.problems.model import ModelProblem, accuracy, cross_entropy
 from partialfl.rng import torch_seed
-from partialfl.runtime import BatchedBackend, JsonlLogger, SequentialBackend, run_rounds
-from partialfl.server import OPTIMIZERS, Clipped, Schedule, make_optimizer
-from partialfl.split import SPLIT_KINDS, Split, make_split
+from partialfl.runtime import JsonlLogger, run_rounds
+from partialfl.spec import (
+    BACKENDS,
+    FULL_PERSONAL,
+    ClientConfig,
+    MethodConfig,
+    PipelineConfig,
+    ServerConfig,
+    StageConfig,
+)
+from partialfl.spec import drop_unset as _drop_unset
+from partialfl.split import Split
 from partialfl.types import Params
 
 ALGORITHMS = ("fedavg", "ffgg", "local-ffgg", "fedalt", "fedsim", "ditto", "local")
-#: methods that train a fully personal model per client (split "none", no stage 3)
-FULL_PERSONAL = ("ditto", "local")
-BACKENDS = ("sequential", "vmap", "processes")
-SCHEDULES = Schedule.KINDS
-
-
-_choice = check_choice
-
-
-# ----------------------------------------------------------------------------- configs
-@dataclass(frozen=True)
-class ClientConfig:
-    """Client SGD: stepsize, epochs (or exact steps), minibatch size, gradient clipping."""
-
-    lr: float = 0.01
-    epochs: int = 1
-    batch_size: int = 32
-    steps: int | None = None
-    clip_norm: float | None = None
-
-    def __post_init__(self) -> None:
-        try:
-            self.sgd()
-        except ValueError as e:
-            raise ConfigError(f"client: {e}") from None
-
-    def sgd(self, **over) -> SGDConfig:
-        """The client's :class:`~partialfl.local.sgd.SGDConfig`, with fields overridden by
-        ``over``."""
-        kw = dict(lr=self.lr, epochs=self.epochs, batch_size=self.batch_size, steps=self.steps,
-                  clip_norm=self.clip_norm)
-        kw.update(over)
-        return SGDConfig(**kw)
-
-
-@dataclass(frozen=True)
-class ServerConfig:
-    """Server optimizer on the aggregated pseudo-gradient (``sgd`` lr 1 with a delta method =
-    FedAvg averaging; ``adam`` = FedAdam), its schedule and optional norm clipping."""
-
-    optimizer: str = "sgd"
-    lr: float = 1.0
-    momentum: float = 0.0
-    schedule: str = "constant"
-    warmup: int = 0
-    halve_every: int = 0
-    clip_norm: float | None = None
-
-    def __post_init__(self) -> None:
-        _choice("server.optimizer", self.optimizer, OPTIMIZERS)
-        _choice("server.schedule", self.schedule, SCHEDULES)
-        if not self.lr > 0:
-            raise ConfigError(f"server.lr must be > 0, got {self.lr}")
-        if self.optimizer != "sgd" and self.momentum:
-            raise ConfigError("server.momentum applies to optimizer 'sgd' only")
-        if self.clip_norm is not None and not self.clip_norm > 0:
-            raise ConfigError(f"server.clip_norm must be None or > 0, got {self.clip_norm}")
-
-    def build(self, rounds: int):
-        """The server optimizer for a stage of ``rounds`` rounds (schedule and clipping applied)."""
-        try:
-            sched = Schedule(self.schedule, total=max(rounds, 1), warmup=self.warmup,
-                             halve_every=self.halve_every)
-        except ValueError as e:
-            raise ConfigError(f"server.schedule: {e}") from None
-        kw = {"momentum": self.momentum} if self.optimizer == "sgd" else {}
-        opt = make_optimizer(self.optimizer, self.lr, sched, **kw)
-        return Clipped(opt, self.clip_norm) if self.clip_norm else opt
-
-
-@dataclass(frozen=True)
-class StageConfig:
-    """One federated training stage: rounds, clients per round, client and server optimizers,
-    evaluation every ``eval_every`` rounds (0: only before the first and after the last).
-    ``stop``: a plateau rule on validation data (:mod:`partialfl.experiments.stopping`);
-    ``rounds`` is then the cap."""
-
-    rounds: int = 0
-    clients_per_round: int | None = 10
-    client: ClientConfig = field(default_factory=ClientConfig)
-    server: ServerConfig = field(default_factory=ServerConfig)
-    eval_every: int = 0
-    stop: StopConfig | None = None
-
-    def __post_init__(self) -> None:
-        if not isinstance(self.rounds, int) or self.rounds < 0:
-            raise ConfigError(f"rounds must be a non-negative integer, got {self.rounds!r}")
-        if self.clients_per_round is not None and self.clients_per_round < 1:
-            raise ConfigError(f"clients_per_round must be >= 1, got {self.clients_per_round}")
-        if self.eval_every < 0:
-            raise ConfigError(f"eval_every must be >= 0, got {self.eval_every}")
-        if self.stop is not None and self.eval_every < 1:
-            raise ConfigError("stop: the plateau rule needs eval_every >= 1 (it reads the "
-                              "evaluations)")
-
-
-@dataclass(frozen=True)
-class MethodConfig:
-    """The stage-2 method and its split.
-
-    ``local_steps``: Local FFGG's K alternating steps (None: ``client.epochs`` passes).
-    ``finetune_split``: FedAvg only — the split whose w stage 3 fine-tunes (e.g. ``output``:
-    "FedAvg + fine-tuning"); None: FedAvg is evaluated as is.
-    ``lam``: Ditto's λ ≥ 0 (``inf`` allowed).
-    """
-
-    algorithm: str = "ffgg"
-    split: str = "output"
-    split_options: dict[str, Any] = field(default_factory=dict)
-    w_init: str = "pretrained"
-    stateless: bool = False
-    local_steps: int | None = None
-    finetune_split: str | None = None
-    weighting: str = "uniform"
-    label: str = ""
-    lam: float | None = None
-
-    def __post_init__(self) -> None:
-        _choice("method.algorithm", self.algorithm, ALGORITHMS)
-        _choice("method.split", self.split, SPLIT_KINDS)
-        _choice("method.w_init", self.w_init, W_INITS)
-        _choice("method.weighting", self.weighting, WEIGHTINGS)
-        if (self.lam is None) != (self.algorithm != "ditto") or (
-                self.lam is not None and not float(self.lam) >= 0):
-            raise ConfigError(f"method.lam: Ditto needs lam >= 0 and other algorithms none; "
-                              f"got lam={self.lam!r} for {self.algorithm!r}")
-        if self.algorithm in FULL_PERSONAL and self.split != "none":
-            raise ConfigError(f"method.split: {self.algorithm} keeps a full personal model; use "
-                              f"'none', got {self.split!r}")
-        if self.algorithm == "fedavg" and self.split != "none":
-            raise ConfigError(f"method.split: FedAvg trains every parameter globally; use "
-                              f"'none' (and finetune_split for stage 3), got {self.split!r}")
-        if self.algorithm not in ("fedavg", *FULL_PERSONAL) and self.split == "none":
-            raise ConfigError(f"method.split: {self.algorithm} needs personal parameters; "
-                              f"allowed: {', '.join(k for k in SPLIT_KINDS if k != 'none')}")
-        if self.finetune_split is not None:
-            if self.algorithm != "fedavg":
-                raise ConfigError("method.finetune_split applies to algorithm 'fedavg' only")
-            _choice("method.finetune_split", self.finetune_split,
-                    [k for k in SPLIT_KINDS if k not in ("none", "adapter")])
-        if self.stateless and self.algorithm not in ("fedalt", "fedsim"):
-            raise ConfigError("method.stateless applies to 'fedalt' and 'fedsim' only")
-        if self.local_steps is not None and (self.algorithm != "local-ffgg"
-                                             or self.local_steps < 1):
-            raise ConfigError("method.local_steps must be >= 1 and applies to 'local-ffgg' only")
-
-    @property
-    def name(self) -> str:
-        """The method's folder name: ``label``, or algorithm-split[-stateless]."""
-        if self.label:
-            return self.label
-        s = self.algorithm + ("" if self.split == "none" else f"-{self.split}")
-        return s + ("-stateless" if self.stateless else "")
-
-
-@dataclass(frozen=True)
-class PipelineConfig:
-    """Everything one pipeline run needs besides the task.
-
-    ``seed`` drives stages 2 and 3 (sampling, minibatches, adapter initialisation);
-    ``pretrain_seed`` (default ``seed``) drives stage 1 and the model initialisation, so several
-    seeds can share one pre-training. ``backend``: ``vmap`` (clients batched with
-    torch.func.vmap), ``sequential`` (one client at a time) or ``processes`` (the cohort's
-    clients over worker processes, :mod:`partialfl.runtime.cohort_pool`); all give the same θ.
-    ``device`` (cpu, cuda, cuda:N, mps, auto) is where the model runs: it is not part of a
-    run's identity, so a run started on one device resumes on another (same steps, results
-    equal up to floating-point rounding). ``precision``: fp32, bf16 or fp16 (autocast).
-    ``validation``: carve a validation split from each client's training data (seed
-    ``stage1_seed``); the stages then train on the rest and log validation curves
-    (``val_*``), the stages' ``stop`` rules and ``finetune_grid`` (stage 3's epochs and lr,
-    replacing ``finetune``'s) read it, and only the final model is evaluated on test.
-    """
-
-    method: MethodConfig = field(default_factory=MethodConfig)
-    pretrain: StageConfig = field(default_factory=StageConfig)
-    personalize: StageConfig = field(default_factory=StageConfig)
-    finetune: ClientConfig = field(default_factory=lambda: ClientConfig(lr=0.01, epochs=5))
-    seed: int = 0
-    pretrain_seed: int | None = None
-    backend: str = "sequential"
-    checkpoint_every: int = 10
-    device: str = "cpu"
-    precision: str = "fp32"
-    validation: ValidationConfig | None = None
-    finetune_grid: FinetuneGrid | None = None
-
-    def __post_init__(self) -> None:
-        _choice("backend", self.backend, BACKENDS)
-        for key, used in (("pretrain.stop", self.pretrain.stop),
-                          ("personalize.stop", self.personalize.stop),
-                          ("finetune_grid", self.finetune_grid)):
-            if used is not None and self.validation is None:
-                raise ConfigError(f"{key} reads validation data: set validation (e.g. "
-                                  "validation = {fraction = 0.1, min_examples = 2})")
-        _choice("precision", self.precision, PRECISIONS)
-        if not isinstance(self.device, str) or not re.fullmatch(r"cpu|cuda(:\d+)?|mps|auto",
-                                                                self.device):
-            raise ConfigError(f"device: {self.device!r} is not allowed; allowed: "
-                              f"{', '.join(DEVICES)}")
-        if self.backend == "processes" and self.device != "cpu":
-            raise ConfigError(f"backend 'processes' runs clients in CPU worker processes; "
-                              f"device must be 'cpu', got {self.device!r}")
-        if self.checkpoint_every < 1:
-            raise ConfigError(f"checkpoint_every must be >= 1, got {self.checkpoint_every}")
-
-    @property
-    def stage1_seed(self) -> int:
-        """The seed of the pre-training stage (``pretrain_seed``, default the run's seed)."""
-        return self.seed if self.pretrain_seed is None else self.pretrain_seed
-
-    @classmethod
-    def from_dict(cls, data: Mapping[str, Any]) -> PipelineConfig:
-        """Validated config from a (TOML) dict; errors name the key and the allowed values."""
-        return from_dict(cls, data)
-
-    def to_dict(self) -> dict[str, Any]:
-        """The configuration as a plain dict (written to ``config.json``); the validation
-        settings appear only when set, so runs without them keep their identity."""
-        return _drop_unset(to_dict(self))
-
-
-_OPTIONAL_KEYS = ("stop", "validation", "finetune_grid")
-
-
-def _drop_unset(d: dict) -> dict:
-    """``d`` without the optional validation keys that are None (recursively)."""
-    return {k: (_drop_unset(v) if isinstance(v, dict) else v) for k, v in d.items()
-            if not (k in _OPTIONAL_KEYS and v is None)}
 
 
 # ----------------------------------------------------------------------------- the task
-@dataclass(frozen=True)
-class Task:
-    """What the pipeline trains on: injectable model, data, loss, metric and split builder.
-
-    ``model_fn(seed)`` returns a freshly initialised model; ``split_fn(model, kind, options)``
-    builds a :class:`~partialfl.split.Split` (default :func:`~partialfl.split.make_split`).
-    """
-
-    data: Any
-    model_fn: Callable[[int], nn.Module]
-    loss_fn: Callable = cross_entropy
-    metric: Callable = accuracy
-    split_fn: Callable[[nn.Module, str, Mapping[str, Any]], Split] | None = None
-    name: str = "task"
-
-    def make_split(self, model: nn.Module, kind: str, options: Mapping[str, Any]) -> Split:
-        """The split of ``model`` of kind ``kind`` with ``options`` (``split_fn`` or
-        ``make_split``)."""
-        if self.split_fn is not None:
-            return self.split_fn(model, kind, dict(options))
-        return make_split(model, kind, **dict(options))
-
-
 @dataclass
 class PipelineResult:
     """A finished run: its metrics, folder, trained θ and split."""
@@ -354,28 +110,6 @@ class PipelineResult:
 
 
 # ----------------------------------------------------------------------------- building blocks
-def build_algorithm(method: MethodConfig, stage: StageConfig) -> Algorithm:
-    """The stage-2 algorithm object for ``method`` with ``stage``'s optimizers."""
-    opt = stage.server.build(stage.rounds)
-    sgd = stage.client.sgd()
-    if method.algorithm == "fedavg":
-        return FedAvg(sgd, server_opt=opt, weighting=method.weighting)
-    if method.algorithm == "ffgg":
-        return model_ffgg(sgd, init=method.w_init, server_opt=opt, weighting=method.weighting)
-    if method.algorithm == "local-ffgg":
-        warm = stage.client.sgd(epochs=1, steps=None)
-        local = stage.client.sgd(steps=method.local_steps)
-        return LocalFFGG(warm, local, w_init=method.w_init, server_opt=opt,
-                         weighting=method.weighting)
-    if method.algorithm == "ditto":
-        return Ditto(sgd, sgd, float(method.lam), server_opt=opt, weighting=method.weighting)
-    if method.algorithm == "local":
-        return local_only(sgd)
-    cls = FedAlt if method.algorithm == "fedalt" else FedSim
-    return cls(sgd, w_init=method.w_init, stateless=method.stateless, server_opt=opt,
-               weighting=method.weighting)
-
-
 def _problem(task: Task, split: Split, cfg: PipelineConfig, w_pretrained=None) -> ModelProblem:
     return ModelProblem(split, task.data, loss_fn=task.loss_fn, metric=task.metric,
                         w_pretrained=w_pretrained, vectorize=cfg.backend == "vmap",
@@ -393,11 +127,7 @@ def _on(params: Params, problem: ModelProblem) -> Params:
 
 
 def _backend(name: str):
-    if name == "processes":
-        from partialfl.runtime.cohort_pool import ProcessBackend
-
-        return ProcessBackend()
-    return BatchedBackend() if name == "vmap" else SequentialBackend()
+    return build_backend(name)
 
 
 def load_params(model: nn.Module, params: Mapping[str, torch.Tensor]) -> nn.Module:
@@ -577,6 +307,26 @@ def run_table(run_one: Callable[[tuple], tuple[str, int, dict, float]],
 
 
 # ----------------------------------------------------------------------------- stages
+def stage1_setup(cfg: PipelineConfig, task: Task) -> tuple[ModelProblem, Algorithm]:
+    """Stage 1's problem (every parameter global, the model seeded with ``stage1_seed``) and
+    FedAvg with the pre-training optimizers (also what a Flower node builds for it)."""
+    split = task.make_split(task.model_fn(cfg.stage1_seed), "none", {})
+    problem = _problem(task, split, cfg)
+    return problem, build_algorithm(MethodConfig(algorithm="fedavg", split="none"),
+                                    cfg.pretrain)
+
+
+def stage2_setup(cfg: PipelineConfig, task: Task, theta1: Params
+                 ) -> tuple[Split, ModelProblem, Algorithm, Params]:
+    """Stage 2's split (of the model with the stage-1 parameters ``theta1``), problem (w_pre
+    = the stage-1 personal values), algorithm and θ⁰ (also what a Flower node builds)."""
+    model = load_params(task.model_fn(cfg.stage1_seed), theta1)
+    split = _seeded_split(task, model, cfg.method.split, cfg.method.split_options, cfg.seed)
+    theta_start, w_pre = split.params()
+    problem = _problem(task, split, cfg, w_pre)
+    return split, problem, build_algorithm(cfg.method, cfg.personalize), theta_start
+
+
 def pretrain(cfg: PipelineConfig, task: Task, stage1_dir: Path, progress: bool | str = False,
              on_round=None) -> Params:
     """Stage 1 (FedAvg on every parameter); returns all parameters. Cached in
@@ -591,10 +341,7 @@ def pretrain(cfg: PipelineConfig, task: Task, stage1_dir: Path, progress: bool |
     done = _load_params(stage1_dir, THETA1)
     if done is not None:
         return done
-    model = task.model_fn(cfg.stage1_seed)
-    split = task.make_split(model, "none", {})
-    problem = _problem(task, split, cfg)
-    alg = build_algorithm(MethodConfig(algorithm="fedavg", split="none"), cfg.pretrain)
+    problem, alg = stage1_setup(cfg, task)
     t0 = time.perf_counter()
     res = _run_stage(problem, alg, cfg.pretrain, cfg.stage1_seed, stage1_dir, "stage1",
                      cfg.checkpoint_every, cfg.backend, progress, on_round=on_round,
@@ -625,11 +372,7 @@ def personalize(cfg: PipelineConfig, task: Task, theta1: Params, run_dir: Path,
     run_dir = Path(run_dir)
     if cfg.method.algorithm == "local":  # nothing shared: a fresh model per seed
         theta1 = {n: p.detach().clone() for n, p in task.model_fn(cfg.seed).named_parameters()}
-    model = load_params(task.model_fn(cfg.stage1_seed), theta1)
-    split = _seeded_split(task, model, cfg.method.split, cfg.method.split_options, cfg.seed)
-    theta_start, w_pre = split.params()
-    problem = _problem(task, split, cfg, w_pre)
-    alg = build_algorithm(cfg.method, cfg.personalize)
+    split, problem, alg, theta_start = stage2_setup(cfg, task, theta1)
     theta = _load_params(run_dir, THETA2)
     if theta is not None:
         theta = _on(theta, problem)
@@ -904,3 +647,9 @@ def _evaluate_new_full_personal(cfg: PipelineConfig, split: Split, theta: Params
             "train": evaluate_model(problem, v, {}, "train"),
             "before": evaluate_model(problem, theta, {}, "test"),
             "num_clients": problem.num_clients, "split": "none"}
+
+
+__all__ = ["ALGORITHMS", "BACKENDS", "ClientConfig", "MethodConfig", "PipelineConfig",
+           "PipelineResult", "ServerConfig", "StageConfig", "Task", "build_algorithm",
+           "evaluate_run", "finetune_and_evaluate", "load_params", "personalize", "pretrain",
+           "run_jobs", "run_pipeline", "stage1_setup", "stage2_setup"]

@@ -14,16 +14,12 @@
 
 Both apps call exactly ``Algorithm.client_update`` / ``Algorithm.server_update``: no algorithm
 math is re-implemented here.
+
+Importing this package changes nothing in the process: the Flower environment (no telemetry,
+no update check, no run-time ``uv sync``; :mod:`partialfl.flower.env`) is applied when a
+simulation or a train run starts, and given to every Flower process partialfl launches.
 """
 
-import os as _os
-
-# Before any flwr import: no telemetry, no PyPI update check, no run-time `uv sync`
-# (see partialfl.flower.env for why); an explicit user setting wins.
-for _k, _v in (("FLWR_TELEMETRY_ENABLED", "0"), ("FLWR_DISABLE_UPDATE_CHECK", "1"),
-               ("FLWR_DISABLE_RUNTIME_DEPENDENCY_INSTALLATION", "1")):
-    _os.environ.setdefault(_k, _v)
-
-from partialfl.flower.config import ConfigError, FlowerConfig, parse_run_config  # noqa: E402
+from partialfl.flower.config import ConfigError, FlowerConfig, parse_run_config
 
 __all__ = ["ConfigError", "FlowerConfig", "parse_run_config"]

@@ -31,6 +31,7 @@ from flwr.clientapp import ClientApp
 
 from partialfl import rng as prng
 from partialfl.algorithms.base import RoundContext, ServerState
+from partialfl.flower.builders import build_algorithm, build_problem
 from partialfl.flower.codec import (
     decode_params,
     encode_updates,
@@ -38,8 +39,6 @@ from partialfl.flower.codec import (
 )
 from partialfl.flower.config import (
     FlowerConfig,
-    build_algorithm,
-    build_problem,
     node_partition,
     parse_fault_injection,
     parse_run_config,

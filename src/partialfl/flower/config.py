@@ -29,7 +29,8 @@ from partialfl.attacks import ATTACKS
 from partialfl.config import ConfigError as CoreConfigError
 
 ALGORITHMS = ("ffgg", "br-ffgg", "local-ffgg", "fedavg")
-PROBLEMS = ("least-squares", "femnist")
+PROBLEMS = ("least-squares", "femnist", "train")
+TRAIN_STAGES = ("pretrain", "personalize")
 MODES = ("sync", "async")
 
 
@@ -175,6 +176,14 @@ FIELDS: tuple[Field, ...] = (
           check=lambda v: bool(v.strip()), requirement="a non-empty split name"),
     Field("init-from", str, "", "FEMNIST: start from this .npz of all model parameters (e.g. "
           "theta.npz of a FedAvg run: the pipeline's stage 1); '' = the seeded initialisation"),
+    # -- any `partialfl train` config (problem 'train') -----------------------------------
+    Field("train-spec", str, "", "problem 'train': a partialfl TrainSpec as JSON or "
+          "b64:BASE64-JSON (set by `partialfl train --engine flower-sim|flower`: model, data, "
+          "method and stage "
+          "settings all come from it, not from the keys above)"),
+    Field("train-stage", str, "personalize", "problem 'train': which federated stage of the "
+          "spec runs (pretrain: FedAvg on every parameter; personalize: the method, from "
+          "init-from)", choices=TRAIN_STAGES),
     # -- output and testing -------------------------------------------------------------
     Field("eval-every", int, 1, "evaluate on the SuperNodes every k server steps (0 = never)",
           check=_nonneg, requirement="an integer >= 0"),
@@ -241,6 +250,8 @@ class FlowerConfig:
     model: str = "emnist-cnn"
     split: str = "output"
     init_from: str = ""
+    train_spec: str = ""
+    train_stage: str = "personalize"
     eval_every: int = 1
     out_dir: str = ""
     checkpoint_every: int = 0
@@ -348,6 +359,10 @@ def _check_combinations(cfg: FlowerConfig) -> None:
                 f"run-config key 'clients-per-round': {cfg.clients_per_round} > ls-clients "
                 f"({cfg.ls_clients})"
             )
+    elif cfg.problem == "train" or cfg.train_spec:
+        if not (cfg.problem == "train" and cfg.train_spec):
+            raise ConfigError("run-config keys 'problem' = 'train' and 'train-spec' go "
+                              "together (set by `partialfl train --engine flower-sim`)")
     elif cfg.local_lr == 0:
         raise ConfigError(
             f"run-config key 'local-lr': problem {cfg.problem!r} needs an explicit local "
@@ -454,69 +469,6 @@ def node_partition(node_config: Mapping[str, Any]) -> tuple[int, int]:
     return int(node_config["partition-id"]), int(node_config["num-partitions"])
 
 
-# -- builders: the same objects as the in-process simulator ---------------------------
-def closed_form_config(cfg: FlowerConfig):
-    """The least-squares part of the run mapped onto partialfl's own experiment config
-    (:class:`partialfl.experiments.closed_form.ClosedFormConfig`, what ``partialfl run``
-    reads from ``configs/*.toml``), validated by it."""
-    from partialfl.config import ConfigError as CoreConfigError
-    from partialfl.config import from_dict
-    from partialfl.experiments.closed_form import ClosedFormConfig
-
-    name = {"ffgg": "ffgg", "br-ffgg": "ffgg", "fedavg": "local-gd"}.get(cfg.algorithm, "ffgg")
-    data = {
-        "problem": {"kind": "least-squares", "num_clients": cfg.ls_clients, "n": cfg.ls_n,
-                    "d_theta": cfg.ls_d_theta, "d_w": cfg.ls_d_w, "seed": cfg.ls_seed},
-        "algorithm": {"name": name, "solver": cfg.solver, "tau": cfg.local_steps,
-                      "local_lr": cfg.local_lr or None, "init": w_init(cfg)},
-        "server": {"optimizer": cfg.server_opt, "momentum": cfg.server_momentum,
-                   "lr": "1/L" if cfg.server_lr == "auto" else cfg.server_lr},
-        "run": {"rounds": cfg.num_rounds, "clients_per_round": cfg.clients_per_round or None,
-                "seed": cfg.seed},
-    }
-    try:
-        return from_dict(ClosedFormConfig, data)
-    except CoreConfigError as e:
-        raise ConfigError(f"least-squares run config: {e}") from None
-
-
-def build_problem(cfg: FlowerConfig):
-    """The federated problem of the run (all of it; a node only serves its partition).
-    Least squares is built by partialfl's experiment builder (cached; FedAvg, which shares
-    w across clients, gets the standard basis)."""
-    if cfg.problem == "least-squares":
-        from partialfl.experiments.closed_form import build_problem as build_cf
-        from partialfl.experiments.closed_form import problem_config_for
-
-        return build_cf(problem_config_for(closed_form_config(cfg)))
-    from partialfl.flower.models import build_model_problem
-
-    return build_model_problem(cfg)
-
-
-def build_server_opt(cfg: FlowerConfig, problem=None):
-    """The server optimizer (SGD or Adam) with its schedule; ``server-lr = 'auto'`` is 1/L
-    (Theorem 1) for the least-squares FFGG family and 1 otherwise (FedAvg: plain averaging)."""
-    from partialfl.server import Clipped, Schedule, make_optimizer
-
-    lr = cfg.server_lr
-    L = getattr(problem, "L", None)
-    if lr == "auto":
-        lr = 1.0 / L if (L is not None and cfg.algorithm in ("ffgg", "br-ffgg")) else 1.0
-    elif isinstance(lr, str):
-        if L is None:
-            raise ConfigError(f"run-config key 'server-lr': {lr!r} needs a problem with a "
-                              "known constant L (least squares); give a number")
-        from partialfl.experiments.closed_form import parse_lr
-
-        lr = parse_lr(lr, L)
-    schedule = Schedule(kind=cfg.schedule, total=cfg.num_rounds, warmup=cfg.warmup_rounds,
-                        halve_every=cfg.halve_every)
-    kw = {"momentum": cfg.server_momentum} if cfg.server_opt == "sgd" else {}
-    opt = make_optimizer(cfg.server_opt, float(lr), schedule, **kw)
-    return Clipped(opt, cfg.server_clip) if cfg.server_clip else opt
-
-
 def w_init(cfg: FlowerConfig) -> str:
     """The personal initialisation: ``auto`` = zero (least squares) / pretrained (models)."""
     if cfg.w_init != "auto":
@@ -543,70 +495,3 @@ def build_aggregator(cfg: FlowerConfig, seed: int | None = None):
             hint = " (run-config keys 'nnm' = true and 'aggregator-delta' = 0: set " \
                    "aggregator-delta > 0)"
         raise ConfigError(f"run-config key 'aggregator': {e}{hint}") from None
-
-
-def build_byzantine(cfg: FlowerConfig, num_clients: int):
-    """Which clients are Byzantine (``byzantine-fraction`` of them, drawn from the run seed)
-    and the attack their updates are replaced with (:class:`ByzantineConfig`)."""
-    from partialfl.algorithms.byzantine import ByzantineConfig
-    from partialfl.attacks import make_attack
-
-    try:
-        attack = make_attack(cfg.attack)
-    except ValueError as e:
-        raise ConfigError(f"run-config key 'attack': {e}") from None
-    return ByzantineConfig.sample(num_clients, cfg.byzantine_fraction, cfg.seed, attack)
-
-
-def build_algorithm(cfg: FlowerConfig, problem, aggregator=None, num_clients: int | None = None):
-    """The algorithm object whose ``client_update`` runs on the SuperNodes and whose
-    ``server_update`` runs in the ServerApp — the same object the in-process simulator runs.
-
-    FFGG / FedAvg / Local FFGG with mean aggregation are the plain algorithms; any other
-    aggregator, or Byzantine clients, wraps them in
-    :class:`~partialfl.algorithms.byzantine.ByzantineRobust` (BR-FFGG = robust FFGG, the
-    paper's Algorithm 5). ``aggregator`` (a callable ``(vectors [k, d], weights [k]) -> [d]``)
-    replaces the configured rule (programmatic use); ``num_clients`` is needed when
-    ``problem`` is None (a server that holds no data).
-    """
-    robust = (aggregator is not None or cfg.aggregator != "mean" or cfg.bucket_size > 1
-              or cfg.nnm or cfg.byzantine_fraction > 0 or cfg.algorithm == "br-ffgg")
-    if robust and cfg.algorithm == "ffgg" and aggregator is None and cfg.aggregator != "mean":
-        raise ConfigError(f"run-config key 'aggregator': {cfg.aggregator!r} is a robust rule; "
-                          "robust FFGG is algorithm 'br-ffgg' (Algorithm 5)")
-    base_agg = None if robust else build_aggregator(cfg)
-    if cfg.problem != "least-squares":
-        from partialfl.flower.models import build_model_algorithm
-
-        base = build_model_algorithm(cfg, base_agg)
-    else:
-        base = _least_squares_algorithm(cfg, build_server_opt(cfg, problem), base_agg)
-    if not robust:
-        return base
-    from partialfl.algorithms.byzantine import ByzantineRobust
-
-    M = problem.num_clients if problem is not None else num_clients
-    if M is None:
-        raise ValueError("build_algorithm needs problem or num_clients")
-    agg = aggregator if aggregator is not None else build_aggregator(cfg)
-    byz = build_byzantine(cfg, M) if cfg.byzantine_fraction > 0 else None
-    return ByzantineRobust(base, agg, byz)
-
-
-def _least_squares_algorithm(cfg: FlowerConfig, opt, agg):
-    from partialfl.local.solvers import make_solver
-
-    local_lr = cfg.local_lr or None
-    if cfg.algorithm in ("ffgg", "br-ffgg"):
-        from partialfl.algorithms import FFGG
-
-        solver = make_solver(cfg.solver, tau=cfg.local_steps, lr=local_lr, init=w_init(cfg))
-        return FFGG(solver, server_opt=opt, aggregator=agg, weighting=cfg.weighting)
-    if cfg.algorithm == "fedavg":
-        from partialfl.algorithms import LocalGD
-
-        return LocalGD(tau=cfg.local_steps, lr=local_lr, server_opt=opt, aggregator=agg)
-    raise ConfigError(
-        "run-config key 'algorithm': 'local-ffgg' (Algorithm 4) is implemented for model "
-        "problems (problem 'femnist'); allowed for least squares: ffgg, br-ffgg, fedavg"
-    )

@@ -38,5 +38,14 @@ def flower_env(base: dict[str, str] | None = None, **extra: str) -> dict[str, st
 
 
 def apply_flower_env() -> None:
-    """Set :data:`FLOWER_ENV` in this process (before flwr reads it at import)."""
-    os.environ.update(FLOWER_ENV)
+    """Set :data:`FLOWER_ENV` in this process where the user has not set a variable
+    explicitly; called when partialfl starts Flower work (a simulation, a train run), never at
+    import. flwr reads the telemetry switch once, when ``flwr.supercore.telemetry`` is
+    imported: if it already is, its switch follows the environment too."""
+    import sys
+
+    for k, v in FLOWER_ENV.items():
+        os.environ.setdefault(k, v)
+    tel = sys.modules.get("flwr.supercore.telemetry")
+    if tel is not None:
+        tel.FLWR_TELEMETRY_ENABLED = os.environ["FLWR_TELEMETRY_ENABLED"]

@@ -6,7 +6,7 @@ the algorithm is built by :func:`partialfl.experiments.pipeline.build_algorithm`
 the SGD fine-tuner, Local FFGG (Algorithm 4) or FedAvg, with the server optimizer, schedule
 and clipping of ``ServerConfig``. The problem is
 :class:`partialfl.problems.model.ModelProblem` over
-:func:`partialfl.data.femnist.load_femnist_npz`, :func:`partialfl.models.make_model` (seeded
+:func:`partialfl.data.femnist.load_femnist_npz`, :func:`partialfl.build.build_model` (seeded
 with the run seed, optionally loaded from ``init-from`` = stage 1) and
 :func:`partialfl.split.make_split` (seeded like the pipeline's stage 2).
 
@@ -65,24 +65,76 @@ def pipeline_configs(cfg: FlowerConfig):
     return method, stage
 
 
+def train_spec(cfg: FlowerConfig):
+    """The :class:`partialfl.spec.TrainSpec` of a ``problem = 'train'`` run."""
+    import base64
+    import binascii
+    import json
+
+    from partialfl.config import from_dict
+    from partialfl.spec import TrainSpec
+
+    text = cfg.train_spec
+    try:
+        if text.startswith("b64:"):
+            text = base64.urlsafe_b64decode(text[4:].encode()).decode()
+        data = json.loads(text)
+    except (json.JSONDecodeError, binascii.Error, UnicodeDecodeError) as e:
+        raise ConfigError(f"run-config key 'train-spec': neither JSON nor b64:JSON: {e}"
+                          ) from None
+    return _core(from_dict, TrainSpec, data)
+
+
+_SPEC_CACHE: dict = {}
+
+
+def _spec_stage(cfg: FlowerConfig):
+    """``(problem, algorithm)`` of the spec's stage, built exactly as the in-process pipeline
+    builds it (:func:`partialfl.experiments.pipeline.stage1_setup` / ``stage2_setup``; the
+    data, model and split from :func:`partialfl.build.build`)."""
+    key = (cfg.train_spec, cfg.train_stage, cfg.init_from)
+    if key not in _SPEC_CACHE:
+        import torch
+
+        from partialfl.build import build
+        from partialfl.experiments.pipeline import stage1_setup, stage2_setup
+
+        run = _core(build, train_spec(cfg))
+        if cfg.train_stage == "pretrain":
+            problem, algorithm = stage1_setup(run.pipeline, run.task)
+        else:
+            if not cfg.init_from:
+                raise ConfigError("run-config key 'init-from': stage 'personalize' needs the "
+                                  "stage-1 parameters (.npz)")
+            with np.load(cfg.init_from) as z:
+                theta1 = {n: torch.from_numpy(z[n]) for n in z.files}
+            _, problem, algorithm, _ = stage2_setup(run.pipeline, run.task, theta1)
+        _SPEC_CACHE.clear()
+        _SPEC_CACHE[key] = (problem, algorithm)
+    return _SPEC_CACHE[key]
+
+
 def build_model_problem(cfg: FlowerConfig):
-    """The FEMNIST :class:`~partialfl.problems.model.ModelProblem` of the run."""
+    """The :class:`~partialfl.problems.model.ModelProblem` of the run (FEMNIST, or any
+    ``partialfl train`` spec)."""
+    if cfg.problem == "train":
+        return _spec_stage(cfg)[0]
     if cfg.problem != "femnist":
         raise ConfigError(f"run-config key 'problem': unknown model problem {cfg.problem!r}; "
                           "allowed: femnist")
     import torch
 
+    from partialfl.build import build_model, build_split
     from partialfl.data.femnist import load_femnist_npz
     from partialfl.experiments.pipeline import load_params
-    from partialfl.models import make_model
     from partialfl.problems.model import ModelProblem
     from partialfl.rng import torch_seed
-    from partialfl.split import SplitError, make_split
+    from partialfl.spec import ModelSpec
 
     method, _ = pipeline_configs(cfg)
     data = load_femnist_npz(cfg.data_dir or None, file_name=cfg.data_file)
     try:
-        model = make_model(cfg.model, data.num_classes, seed=cfg.seed)
+        model = build_model(ModelSpec(name=cfg.model), data.num_classes, cfg.seed)
     except ValueError as e:
         raise ConfigError(f"run-config key 'model': {e}") from None
     if cfg.init_from:
@@ -102,18 +154,26 @@ def build_model_problem(cfg: FlowerConfig):
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(torch_seed(cfg.seed, "split"))
         try:
-            split = make_split(model, method.split)
-        except SplitError as e:
+            split = build_split(model, method.split)
+        except ValueError as e:
             raise ConfigError(f"run-config key 'split': {e}") from None
     return ModelProblem(split, data)
 
 
 def build_model_algorithm(cfg: FlowerConfig, aggregator=None):
     """The pipeline's algorithm for this run; ``aggregator`` replaces its mean."""
-    from partialfl.experiments.pipeline import build_algorithm
+    from partialfl.experiments.pipeline import MethodConfig, build_algorithm
 
-    method, stage = pipeline_configs(cfg)
-    algorithm = build_algorithm(method, stage)
+    if cfg.problem == "train":  # no data needed: the server builds only the algorithm
+        pipe = train_spec(cfg).pipeline_config()
+        if cfg.train_stage == "pretrain":
+            algorithm = build_algorithm(MethodConfig(algorithm="fedavg", split="none"),
+                                        pipe.pretrain)
+        else:
+            algorithm = build_algorithm(pipe.method, pipe.personalize)
+    else:
+        method, stage = pipeline_configs(cfg)
+        algorithm = build_algorithm(method, stage)
     if aggregator is not None:
         algorithm.aggregator = aggregator
     return algorithm

@@ -35,12 +35,11 @@ from flwr.serverapp import Grid, ServerApp
 
 from partialfl import io as pio
 from partialfl.algorithms.base import ClientResult, RoundContext, ServerState, concat_results
+from partialfl.flower.builders import build_algorithm, build_problem
 from partialfl.flower.codec import WireFormatError, decode_params, decode_updates, params_to_record
 from partialfl.flower.config import (
     ConfigError,
     FlowerConfig,
-    build_algorithm,
-    build_problem,
     parse_fault_injection,
     parse_run_config,
 )

@@ -18,6 +18,7 @@ from collections.abc import Sequence
 from typing import Any
 
 from partialfl.flower.config import parse_run_config
+from partialfl.flower.env import apply_flower_env
 from partialfl.flower.project import FEMNIST_EXAMPLE
 from partialfl.flower.server import FlowerRunReport, MessageHook, run_server
 
@@ -55,6 +56,7 @@ def run_simulations(run_configs: Sequence[dict[str, Any]], *, num_supernodes: in
     ``max-failure-fraction``) does not stop the next ones; its error is raised at the end, or,
     with ``raise_errors=False``, returned in its place.
     """
+    apply_flower_env()
     from flwr.app import Context
     from flwr.serverapp import Grid, ServerApp
     from flwr.simulation import run_simulation as flwr_run_simulation

@@ -222,17 +222,25 @@ def run_rounds(
         history.append(rec)
         if logger is not None:
             logger.log(rec)
+        if bar is not None:  # round and ETA are the bar's own; show the last metric too
+            bar.set_postfix(_postfix(rec))  # redrawn now: evaluations are rare
 
     t0 = time.perf_counter()
-    if not history:
-        _eval(state, 0.0)
-    stopped = stop is not None and bool(stop(history))
-    it = range(state.round, rounds) if not stopped else range(0)
+    it = range(state.round, rounds)
+    bar = None
     if progress:
         from tqdm.auto import tqdm
 
-        it = tqdm(it, desc=progress if isinstance(progress, str) else algorithm.name,
-                  initial=state.round, total=rounds, mininterval=0.5, leave=False)
+        it = bar = tqdm(it, desc=progress if isinstance(progress, str) else algorithm.name,
+                        initial=state.round, total=rounds, mininterval=0.5, leave=False,
+                        unit="round")
+    if not history:
+        _eval(state, 0.0)
+    stopped = stop is not None and bool(stop(history))
+    if stopped:  # a resumed run that had already stopped
+        it = range(0)
+        if bar is not None:
+            bar.close()
     for r in it:
         ctx = RoundContext(seed, r)
         cohort = sample_cohort(seed, r, M, clients_per_round)
@@ -266,6 +274,15 @@ def run_rounds(
             break
     return RunResult(state, client_state, history, time.perf_counter() - t0, faults,
                      stopped)
+
+
+def _postfix(rec: dict) -> dict[str, str]:
+    """The progress bar's metric: the first of test accuracy, loss or distance logged."""
+    for k in ("test_acc", "eval_acc", "test_loss", "rel_dist2", "grad_norm2", "loss"):
+        v = rec.get(k)
+        if isinstance(v, int | float):
+            return {k: f"{v:.4g}"}
+    return {}
 
 
 CHECKPOINT_FORMAT = "partialfl-checkpoint-2"

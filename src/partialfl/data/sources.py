@@ -1,0 +1,197 @@
+"""Where ``partialfl train`` gets its clients: the ``[data]`` table → ``(clients, new clients)``
+(each source is a :data:`partialfl.build.REGISTRY` ``dataset`` entry, called with the
+:class:`~partialfl.spec.DataSpec` and the partitioner builder).
+
+Every source returns a :class:`~partialfl.data.federated.FederatedDataset` of training
+clients and, when ``holdout`` > 0, a disjoint one of *new* clients (never trained on):
+
+* ``femnist`` — the shared LEAF FEMNIST writers, normalised with the per-pixel statistics of
+  the training writers only (as the FEMNIST table does);
+* ``shakespeare`` — the Shakespeare-by-role next-word federation (options: the loader's);
+* ``folder`` — one ``CLIENT.npz`` per client (client id = file name) holding
+  ``train_x, train_y, test_x, test_y``, or ``x, y`` split per client with ``test_fraction``;
+* ``hf-disk`` — a Hugging Face ``datasets`` dataset written by ``save_to_disk`` (a
+  ``Dataset`` or a ``DatasetDict``, whose splits are concatenated), grouped by its
+  ``client_key`` column or partitioned by a flwr-datasets partitioner (``[data.partition]``);
+  each client's examples are split into train/test with ``test_fraction`` (seeded).
+
+Inputs: uint8 arrays are scaled to [0, 1] float32; 2-D images ``[n, H, W]`` get a channel
+axis; other integer arrays stay int64 (tokens). Nothing is unpickled.
+"""
+
+from __future__ import annotations
+
+import functools
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from partialfl.config import ConfigError
+from partialfl.data.federated import DataFormatError, FederatedDataset
+from partialfl.rng import generator
+
+
+def _subset_holdout(ds: FederatedDataset, spec) -> tuple[FederatedDataset, FederatedDataset | None]:
+    """Keep a seeded subset of ``num_clients`` clients, then hold ``holdout`` of them out."""
+    if spec.num_clients is not None and spec.num_clients < ds.num_clients:
+        keep = np.sort(np.random.default_rng(spec.seed).permutation(ds.num_clients)
+                       [:spec.num_clients])
+        ds = ds.subset(keep)
+    if not spec.holdout:
+        return ds, None
+    if spec.holdout >= ds.num_clients:
+        raise ConfigError(f"data.holdout={spec.holdout} leaves no training client "
+                          f"({ds.num_clients} clients)")
+    return ds.split_clients(num_new=spec.holdout, seed=spec.seed)
+
+
+def _dir(spec, what: str) -> Path:
+    p = Path(spec.path).expanduser()
+    if not p.exists():
+        raise ConfigError(f"data.path: {what} {str(p)!r} does not exist")
+    return p
+
+
+@functools.lru_cache(maxsize=2)
+def _femnist(path: str, num_clients, holdout: int, seed: int):
+    from partialfl.data.femnist import load_femnist_writers
+
+    seen, new, _ = load_femnist_writers(path or None, num_clients, holdout, seed)
+    return seen, new
+
+
+def femnist(spec, make_partitioner=None):
+    """FEMNIST as the FEMNIST table loads it (datasets are immutable: the last two loads are
+    cached per process)."""
+    if spec.options:
+        raise ConfigError(f"data.options: source 'femnist' takes none, got "
+                          f"{sorted(spec.options)}")
+    return _femnist(spec.path, spec.num_clients, spec.holdout, spec.seed)
+
+
+def shakespeare(spec, make_partitioner=None):
+    from partialfl.data.shakespeare import load_shakespeare
+
+    try:
+        tf = load_shakespeare(spec.path or None, **spec.options)
+    except TypeError as e:
+        raise ConfigError(f"data.options: {e}") from None
+    return _subset_holdout(tf.dataset, spec)
+
+
+def _inputs(x: np.ndarray) -> torch.Tensor:
+    if x.dtype == np.uint8:
+        x = x.astype(np.float32) / 255.0
+    elif np.issubdtype(x.dtype, np.integer) or x.dtype == np.bool_:
+        return torch.from_numpy(np.ascontiguousarray(x.astype(np.int64)))
+    else:
+        x = x.astype(np.float32)
+    if not np.isfinite(x).all():
+        raise DataFormatError("inputs hold non-finite values")
+    if x.ndim == 3:
+        x = x[:, None]
+    return torch.from_numpy(np.ascontiguousarray(x))
+
+
+def _train_test(x: np.ndarray, y: np.ndarray, frac: float, seed: int, client: int):
+    """A seeded per-client split: round(frac·n) test examples (at least 1 when n ≥ 2)."""
+    n = len(y)
+    k = int(round(frac * n))
+    k = min(max(k, 1 if n >= 2 else 0), n - 1 if n >= 1 else 0)
+    perm = generator(seed, "test-split", 0, client).permutation(n)
+    te, tr = np.sort(perm[:k]), np.sort(perm[k:])
+    return x[tr], y[tr], x[te], y[te]
+
+
+def _from_clients(ids, parts, num_classes: int | None, description: str):
+    """``parts[i] = (train_x, train_y, test_x, test_y)`` numpy → FederatedDataset."""
+    ys = [p[1] for p in parts] + [p[3] for p in parts]
+    if num_classes is None:
+        num_classes = int(max((int(y.max()) for y in ys if y.size), default=0)) + 1
+    cols = [[_inputs(p[i]) if i % 2 == 0 else torch.from_numpy(p[i].astype(np.int64))
+             for p in parts] for i in range(4)]
+    return FederatedDataset(*cols, client_ids=ids, num_classes=num_classes,
+                            description=description)
+
+
+def folder(spec, make_partitioner=None):
+    root = _dir(spec, "client folder")
+    files = sorted(root.glob("*.npz"))
+    if not files:
+        raise ConfigError(f"data.path: {str(root)!r} holds no CLIENT.npz files")
+    parts = []
+    for i, f in enumerate(files):
+        try:
+            with np.load(f, allow_pickle=False) as z:
+                keys = set(z.files)
+                if {"train_x", "train_y", "test_x", "test_y"} <= keys:
+                    parts.append(tuple(z[k] for k in ("train_x", "train_y", "test_x", "test_y")))
+                elif {"x", "y"} <= keys:
+                    parts.append(_train_test(z["x"], z["y"], spec.test_fraction, spec.seed, i))
+                else:
+                    raise DataFormatError(f"{f} has arrays {sorted(keys)}; need train_x, "
+                                          "train_y, test_x, test_y (or x, y)")
+        except (OSError, ValueError) as e:
+            raise DataFormatError(f"{f}: {e}") from None
+    ds = _from_clients([f.stem for f in files], parts, spec.options.get("num_classes"),
+                       f"per-client files in {root}")
+    return _subset_holdout(ds, spec)
+
+
+def _column(ds, key: str) -> np.ndarray:
+    if key not in ds.column_names:
+        raise ConfigError(f"data: the dataset has no column {key!r}; columns: "
+                          f"{', '.join(ds.column_names)}")
+    col = ds.with_format("numpy", dtype=None)[0:len(ds)][key]  # dtype None: keep uint8
+    if isinstance(col, list) or np.asarray(col).dtype.kind == "O":  # ragged
+        col = np.stack([np.asarray(v) for v in col])
+    return np.asarray(col)
+
+
+def hf_disk(spec, make_partitioner):
+    try:
+        import datasets
+    except ModuleNotFoundError:
+        raise ConfigError("data.source 'hf-disk' needs the Hugging Face datasets package: "
+                          "pip install 'partialfl[partition]'") from None
+    root = _dir(spec, "saved dataset")
+    try:
+        ds = datasets.load_from_disk(str(root))
+    except (FileNotFoundError, ValueError) as e:
+        raise ConfigError(f"data.path: {str(root)!r} is not a dataset saved with "
+                          f"save_to_disk: {e}") from None
+    if isinstance(ds, datasets.DatasetDict):
+        ds = datasets.concatenate_datasets([ds[k] for k in sorted(ds)])
+    label = spec.label_key
+    num_classes = spec.options.get("num_classes")
+    feat = ds.features.get(label)
+    if num_classes is None and isinstance(feat, datasets.ClassLabel):
+        num_classes = feat.num_classes
+    x_all, y_all = _column(ds, spec.input_key), _column(ds, label)
+    if spec.client_key:
+        owner = _column(ds, spec.client_key)
+        index: dict[str, list[int]] = {}
+        for i, c in enumerate(owner.tolist()):
+            index.setdefault(str(c), []).append(i)
+        ids = list(index)
+        groups = [np.asarray(index[c]) for c in ids]
+    else:
+        part = make_partitioner(spec.partition, label)
+        part.dataset = ds.add_column("__row__", list(range(len(ds))))
+        try:
+            groups = [np.asarray(part.load_partition(i)["__row__"], dtype=np.int64)
+                      for i in range(spec.partition.num_clients)]
+        except ValueError as e:
+            raise ConfigError(f"data.partition: {e}") from None
+        ids = [f"client{i}" for i in range(len(groups))]
+        empty = [ids[i] for i, g in enumerate(groups) if len(g) == 0]
+        if empty:
+            raise ConfigError(f"data.partition: {len(empty)} clients got no examples "
+                              f"(e.g. {empty[0]}); use fewer clients or a larger alpha")
+    parts = [_train_test(x_all[g], y_all[g], spec.test_fraction, spec.seed, i)
+             for i, g in enumerate(groups)]
+    how = (f"by {spec.client_key!r}" if spec.client_key
+           else f"{spec.partition.kind} partition")
+    data = _from_clients(ids, parts, num_classes, f"HF dataset {root.name} ({how})")
+    return _subset_holdout(data, spec)

@@ -1,0 +1,137 @@
+"""A ``partialfl train`` run's report, rebuilt from its logs alone (``partialfl report``).
+
+Reads ``stage1/stage1.jsonl``, ``stage2.jsonl``, ``metrics.json`` and ``new_clients.json`` of
+a run folder and writes ``report.md`` (one markdown table), ``learning_curves.png`` (test
+metric per round, both federated stages), ``per_client_accuracy.png`` (the distribution of the
+final per-client test accuracy, training and new clients) and, with ``tensorboard=True``,
+TensorBoard scalars (``tensorboard/``, tags ``stage1/test_acc`` …, step = round; needs the
+``partialfl[tensorboard]`` extra). JSONL stays the record: the event files are derived.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+from partialfl.experiments.report import markdown_table, plot_curves
+
+
+def _hist(path: Path) -> list[dict[str, Any]]:
+    from partialfl.runtime import read_jsonl
+
+    return read_jsonl(path) if path.exists() else []
+
+
+def _json(path: Path) -> dict[str, Any] | None:
+    return json.loads(path.read_text()) if path.exists() else None
+
+
+def stage_histories(run_dir: str | Path) -> dict[str, list[dict[str, Any]]]:
+    """``{"stage1": records, "stage2": records}`` of a run folder (missing stages: [])."""
+    run_dir = Path(run_dir)
+    return {"stage1": _hist(run_dir / "stage1" / "stage1.jsonl"),
+            "stage2": _hist(run_dir / "stage2.jsonl")}
+
+
+def _pct(v) -> str:
+    return "–" if v is None or v != v else f"{100 * float(v):.2f}"
+
+
+def report_table(run_dir: Path) -> str:
+    m = _json(run_dir / "metrics.json")
+    if m is None:
+        raise FileNotFoundError(f"{run_dir / 'metrics.json'} not found: is {run_dir} a "
+                                "finished `partialfl train` run folder?")
+    rows = [["training clients", len(m.get("client_ids", [])), _pct(m.get("test_acc_before_ft")),
+             _pct(m.get("test_acc")),
+             " / ".join(_pct(m.get(f"test_acc_p{q}")) for q in (10, 50, 90)),
+             _pct(m.get("train_acc"))]]
+    new = _json(run_dir / "new_clients.json")
+    if new is not None:
+        rows.append(["new clients (held out)", len(new.get("client_ids", [])),
+                     _pct(new.get("test_acc_before_ft")), _pct(new.get("test_acc")),
+                     " / ".join(_pct(new.get(f"test_acc_p{q}")) for q in (10, 50, 90)), "–"])
+    return markdown_table(["clients", "count", "test acc before fine-tuning (%)",
+                           "test acc (%)", "per-client p10 / p50 / p90 (%)",
+                           "train acc (%)"], rows)
+
+
+def write_tensorboard(run_dir: Path, hists: dict[str, list[dict]]) -> Path:
+    """Scalars of every logged number under ``run_dir/tensorboard`` (rewritten)."""
+    try:
+        from torch.utils.tensorboard import SummaryWriter
+    except ImportError:
+        from partialfl.config import ConfigError
+
+        raise ConfigError("logging.tensorboard needs the tensorboard package: pip install "
+                          "'partialfl[tensorboard]'") from None
+    tb = run_dir / "tensorboard"
+    tb.mkdir(parents=True, exist_ok=True)
+    for f in tb.glob("events.out.tfevents.*"):
+        f.unlink()  # ours only: derived from the JSONL, rebuilt every time
+    w = SummaryWriter(str(tb))
+    try:
+        for stage, recs in hists.items():
+            for r in recs:
+                for k, v in r.items():
+                    if k != "round" and isinstance(v, int | float) and not isinstance(v, bool):
+                        w.add_scalar(f"{stage}/{k}", float(v), int(r["round"]))
+    finally:
+        w.close()
+    return tb
+
+
+def _per_client_plot(run_dir: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    import numpy as np
+
+    fig, ax = plt.subplots(figsize=(5.5, 3.8))
+    for label, f in (("training clients", "metrics.json"), ("new clients", "new_clients.json")):
+        m = _json(run_dir / f)
+        if m is None:
+            continue
+        a = np.sort(np.asarray(m.get("per_client_test_acc", []), float))
+        a = a[~np.isnan(a)]
+        if a.size:
+            ax.step(100 * a, np.arange(1, a.size + 1) / a.size, where="post",
+                    label=f"{label} ({a.size})")
+    ax.set_xlabel("per-client test accuracy (%)")
+    ax.set_ylabel("fraction of clients (CDF)")
+    ax.grid(alpha=0.3)
+    ax.legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(run_dir / "per_client_accuracy.png", dpi=120)
+    plt.close(fig)
+
+
+def write_report(run_dir: str | Path, *, tensorboard: bool = False) -> Path:
+    """(Re)build ``report.md`` and the plots of a run folder from its logs."""
+    run_dir = Path(run_dir)
+    hists = stage_histories(run_dir)
+    spec = _json(run_dir / "spec.json") or {}
+    table = report_table(run_dir)
+
+    def pct(recs):
+        return [{"round": r["round"], "test_acc": 100 * r["test_acc"]} for r in recs
+                if isinstance(r.get("test_acc"), int | float)]
+
+    panels = [{"FedAvg pre-training": pct(hists["stage1"])},
+              {spec.get("method", {}).get("algorithm", "stage 2"): pct(hists["stage2"])}]
+    plot_curves(run_dir / "learning_curves.png", panels,
+                ["stage 1: pre-training", "stage 2: personalization (deployed)"],
+                x="round", y="test_acc", ylabel="test accuracy (%)", logy=False)
+    _per_client_plot(run_dir)
+    if tensorboard:
+        write_tensorboard(run_dir, hists)
+    name = spec.get("name", run_dir.name)
+    text = "\n".join([f"# {name}", "", table, "",
+                      "Plots: `learning_curves.png`, `per_client_accuracy.png`. Logs: "
+                      "`stage1/stage1.jsonl`, `stage2.jsonl`, `metrics.json`.", ""])
+    tmp = run_dir / "report.md.tmp"
+    tmp.write_text(text)
+    tmp.replace(run_dir / "report.md")
+    return run_dir / "report.md"
