@@ -398,7 +398,7 @@ def _summary(results, size: Size, info, seconds: float, quick: bool) -> str:
         "",
         *(paired_section({label: counts_from_runs(ms, "new_per_client_test")
                           for label, ms in results.items() if ms},
-                         unit="images", clients="new writers")
+                         unit="images", clients="new writers", explain=False)
           if info["new_writers"] else ["(no held-out writers)"]),
         "",
         f"Stages: 1) FedAvg pre-training {size.pretrain_rounds} rounds (client lr "
@@ -676,6 +676,17 @@ def kfold_summary(record: dict, *, quick: bool = False) -> str:
         rows.append([k, len(groups[k]), int(sum(by[(k, methods[0], seeds[0])]["new"]["total"])),
                      *cells])
     lines += [markdown_table(["fold", "new writers", "test images", *methods], rows), ""]
+    base = "FedAvg" if "FedAvg" in methods else methods[0]
+    for k in complete:
+        seen = {}
+        for label in methods:
+            rs = [by[(k, label, s)]["seen"] for s in seeds]
+            seen[label] = (np.asarray([r["correct"] for r in rs], float),
+                           np.asarray([r["total"] for r in rs], float), rs[0]["client_ids"])
+        lines += [f"Fold {k}, its {len(seen[base][2])} training writers (their own test "
+                  "images, after stage 3; FedAvg: + fine-tuned output layer):", "",
+                  *paired_section(seen, base, unit="images", clients="training writers",
+                                 explain=False), ""]
     s1 = record.get("stage1_seconds", {})
     s1 = {int(k): v for k, v in s1.items()}
     run_s = [r["seconds"] for r in record["runs"] if r["fold"] in complete]

@@ -278,7 +278,7 @@ def counts_from_runs(runs: Sequence[dict], prefix: str = "per_client_test"
 
 
 def paired_section(counts: dict[str, tuple], baseline: str = "FedAvg", *, unit: str,
-                   clients: str, seed: int = 0) -> list[str]:
+                   clients: str, seed: int = 0, explain: bool = True) -> list[str]:
     """Markdown lines: every method's pooled accuracy with its bootstrap interval, its paired
     difference from ``baseline`` with interval, the verdict stated from that interval and the
     minimum detectable difference, then what backs the numbers (test ``unit`` s, ``clients``,
@@ -286,7 +286,8 @@ def paired_section(counts: dict[str, tuple], baseline: str = "FedAvg", *, unit: 
 
     ``counts``: row label -> ``(correct [S, M], total [S, M])`` or ``(…, client_ids)``; every
     row must have the baseline's clients and seeds (paired). Rows without counts (None) are
-    listed as such."""
+    listed as such. ``explain=False`` leaves out the paragraph on the method (for a second
+    section of one summary)."""
     from partialfl.stats import DEFAULT_BOOT, accuracy_interval, paired_difference
 
     if baseline not in counts or counts[baseline] is None:
@@ -319,17 +320,19 @@ def paired_section(counts: dict[str, tuple], baseline: str = "FedAvg", *, unit: 
     lines.append(
         f"Each number rests on {ref.examples:,} test {unit} of {ref.clients} {clients}"
         f"{'' if ref.seeds == 1 else f' per seed, {ref.seeds} seeds'} (one {unit[:-1]} = "
-        f"{100 / ref.examples:.3f} points). Intervals: 95% bootstrap over {clients} "
-        f"({DEFAULT_BOOT} replicates, bootstrap seed {seed}; each replicate draws the "
-        f"{ref.clients} {clients} with replacement"
-        + (" and, independently, the seeds, whose pooled accuracies are averaged"
-           if ref.seeds > 1 else "")
-        + "; expanded percentile interval). A difference is *paired*: every replicate draws "
-        f"the same {clients} for both methods. Verdict: \"better\" / \"worse\" when the "
-        "interval of the difference excludes 0, otherwise \"no detectable difference at this "
-        "size\". MDE (minimum detectable difference) = 2.80 × the bootstrap SE of the "
-        "difference: the smallest true difference this sample detects with 80% probability "
-        "at 95% confidence.")
+        f"{100 / ref.examples:.3f} points).")
+    if explain:
+        lines[-1] += (
+            f" Intervals: 95% bootstrap over {clients} ({DEFAULT_BOOT} replicates, bootstrap "
+            f"seed {seed}; each replicate draws the {ref.clients} {clients} with replacement"
+            + (" and, independently, the seeds, whose pooled accuracies are averaged"
+               if ref.seeds > 1 else "")
+            + "; expanded percentile interval). A difference is *paired*: every replicate "
+            f"draws the same {clients} for both methods. Verdict: \"better\" / \"worse\" when "
+            "the interval of the difference excludes 0, otherwise \"no detectable difference "
+            "at this size\". MDE (minimum detectable difference) = 2.80 × the bootstrap SE of "
+            "the difference: the smallest true difference this sample detects with 80% "
+            "probability at 95% confidence.")
     if missing:
         lines += ["", f"No per-client counts for {', '.join(missing)}."]
     return lines
