@@ -141,6 +141,10 @@ def test_quick_kfold_every_writer_is_new_once_and_resumes(tmp_path, data_dir):
     path = kfold_new_writers(tmp_path, folds=2, quick=True, data_dir=data_dir, progress=False)
     text = path.read_text()
     assert "| FFGG (adapter) |" in text and "verdict" in text and "MDE" in text
+    from _summaries import check_standalone_summary
+
+    check_standalone_summary(text, quick=True)
+    assert "| better |" not in text and "| worse |" not in text
     rec = json.loads((tmp_path / "kfold.json").read_text())
     new_ids = [w for r in rec["runs"] if r["label"] == "FedAvg" for w in r["new"]["client_ids"]]
     assert sorted(new_ids) == sorted(w for f in rec["folds"] for w in f)

@@ -391,14 +391,15 @@ def _summary(results, size: Size, info, seconds: float, quick: bool) -> str:
         "## Paired comparison with FedAvg (+ FT): training writers",
         "",
         *paired_section({label: counts_from_runs(ms) for label, ms in results.items() if ms},
-                        unit="images", clients="writers"),
+                        unit="images", clients="writers", verdict=full),
         "",
         f"## Paired comparison with FedAvg (+ FT): the {len(info['new_writers'])} held-out "
         "new writers",
         "",
         *(paired_section({label: counts_from_runs(ms, "new_per_client_test")
                           for label, ms in results.items() if ms},
-                         unit="images", clients="new writers", explain=False)
+                         unit="images", clients="new writers", explain=False,
+                         verdict=full)
           if info["new_writers"] else ["(no held-out writers)"]),
         "",
         f"Stages: 1) FedAvg pre-training {size.pretrain_rounds} rounds (client lr "
@@ -641,6 +642,9 @@ def kfold_summary(record: dict, *, quick: bool = False) -> str:
                 if all((k, m, s) in by for m in methods for s in seeds)]
     k_all = len(groups)
     lines = [f"# femnist k-fold new-writer evaluation{' (quick)' if quick else ''}", ""]
+    if quick:
+        lines += [quick_note(f"{len(groups)} folds of {sum(map(len, groups))} writers, "
+                             f"{len(seeds)} seed(s)"), ""]
     if not complete:
         return "\n".join(lines + ["No fold has finished yet.", ""])
     counts = {}
@@ -662,7 +666,7 @@ def kfold_summary(record: dict, *, quick: bool = False) -> str:
         "stage-3 epochs and are tested.",
         "",
         *paired_section(counts, "FedAvg" if "FedAvg" in counts else methods[0],
-                        unit="images", clients="new writers"),
+                        unit="images", clients="new writers", verdict=not quick),
         "",
         "Per fold (new-writer pooled accuracy %, seed mean):",
         "",
@@ -686,7 +690,7 @@ def kfold_summary(record: dict, *, quick: bool = False) -> str:
         lines += [f"Fold {k}, its {len(seen[base][2])} training writers (their own test "
                   "images, after stage 3; FedAvg: + fine-tuned output layer):", "",
                   *paired_section(seen, base, unit="images", clients="training writers",
-                                 explain=False), ""]
+                                 explain=False, verdict=not quick), ""]
     s1 = record.get("stage1_seconds", {})
     s1 = {int(k): v for k, v in s1.items()}
     run_s = [r["seconds"] for r in record["runs"] if r["fold"] in complete]

@@ -278,7 +278,8 @@ def counts_from_runs(runs: Sequence[dict], prefix: str = "per_client_test"
 
 
 def paired_section(counts: dict[str, tuple], baseline: str = "FedAvg", *, unit: str,
-                   clients: str, seed: int = 0, explain: bool = True) -> list[str]:
+                   clients: str, seed: int = 0, explain: bool = True,
+                   verdict: bool = True) -> list[str]:
     """Markdown lines: every method's pooled accuracy with its bootstrap interval, its paired
     difference from ``baseline`` with interval, the verdict stated from that interval and the
     minimum detectable difference, then what backs the numbers (test ``unit`` s, ``clients``,
@@ -287,7 +288,8 @@ def paired_section(counts: dict[str, tuple], baseline: str = "FedAvg", *, unit: 
     ``counts``: row label -> ``(correct [S, M], total [S, M])`` or ``(…, client_ids)``; every
     row must have the baseline's clients and seeds (paired). Rows without counts (None) are
     listed as such. ``explain=False`` leaves out the paragraph on the method (for a second
-    section of one summary)."""
+    section of one summary); ``verdict=False`` (a quick run) gives the intervals but no
+    verdict."""
     from partialfl.stats import DEFAULT_BOOT, accuracy_interval, paired_difference
 
     if baseline not in counts or counts[baseline] is None:
@@ -312,7 +314,7 @@ def paired_section(counts: dict[str, tuple], baseline: str = "FedAvg", *, unit: 
         d = paired_difference(cnt[0], cnt[1], bc, bt, seed=seed)
         rows.append([label, pct(acc),
                      f"{100 * d.estimate:+.2f} [{100 * d.low:+.2f}, {100 * d.high:+.2f}]",
-                     d.verdict, f"{100 * d.mde:.2f}"])
+                     d.verdict if verdict else "– (quick run)", f"{100 * d.mde:.2f}"])
     ref = accuracy_interval(bc, bt, seed=seed)
     lines = [markdown_table(["method", "accuracy % [95% CI]",
                              f"paired difference vs {baseline}, points [95% CI]",

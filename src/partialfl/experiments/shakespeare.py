@@ -331,7 +331,7 @@ def _summary(results, size: Size, tf, seconds: float, quick: bool) -> str:
         "## Paired comparison with FedAvg (+ FT)",
         "",
         *paired_section({label: counts_from_runs(ms) for label, ms in results.items() if ms},
-                        unit="scored tokens", clients="roles"),
+                        unit="scored tokens", clients="roles", verdict=full),
         "",
         f"Stages: 1) FedAvg pre-training, {size.pretrain_rounds} rounds (server Adam lr "
         f"{size.pretrain_server_lr}, client lr {size.pretrain_client_lr}; shared by all rows); "
