@@ -252,3 +252,15 @@ def test_evaluation_table_and_json_carry_client_ids():
     assert js["seed0/fedavg"]["before"]["accuracy"] == pytest.approx(0.15)
     many = {f"run{i}": res["seed0/fedavg"] for i in range(5)}
     assert "`--json`" in evaluation_table(many) and "| client |" not in evaluation_table(many)
+def test_folds_only_where_a_reproduction_has_k_fold(tmp_path, capsys):
+    assert main(["reproduce", "ls-tau", "--quick", "--folds", "3", "--out",
+                 str(tmp_path)]) == 2
+    assert "--folds: reproduction 'ls-tau' has no k-fold evaluation" in capsys.readouterr().err
+    assert main(["reproduce", "femnist-kfold", "--folds", "1", "--out", str(tmp_path)]) == 2
+    assert "--folds must be >= 2, got 1" in capsys.readouterr().err
+    assert "femnist-kfold" in {line.split()[0] for line in _listed(capsys)}
+
+
+def _listed(capsys):
+    main(["list"])
+    return capsys.readouterr().out.splitlines()

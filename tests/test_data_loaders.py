@@ -62,6 +62,19 @@ def test_from_arrays_groups_like_brute_force():
     assert "4 clients, 30 train / 9 test" in ds.summary() and "toy" in ds.summary()
 
 
+def test_client_folds_cover_every_client_once():
+    ds = FederatedDataset.from_arrays(**_flat(m=10, n_tr=100))
+    folds = ds.client_folds(3, seed=2)
+    assert [len(f) for f in folds] == [4, 3, 3]
+    assert sorted(np.concatenate(folds).tolist()) == list(range(10))
+    assert all(list(f) == sorted(f) for f in folds)
+    assert all((a == b).all() for a, b in zip(folds, ds.client_folds(3, seed=2)))
+    assert any((a != b).any() for a, b in zip(folds, ds.client_folds(3, seed=3)))
+    for bad in (1, 11, 2.5):
+        with pytest.raises(ValueError, match="folds must be an integer in 2..10"):
+            ds.client_folds(bad, seed=0)
+
+
 def test_subset_and_split_clients():
     ds = FederatedDataset.from_arrays(**_flat(m=10, n_tr=100), meta={"k": 1})
     sub = ds.subset([7, 2])

@@ -14,9 +14,13 @@ from partialfl.experiments import get_reproduction
 from partialfl.experiments.femnist import (
     METHODS,
     QUICK,
+    collect_kfold,
     evaluate_new_writers,
+    kfold_new_writers,
     load_data,
+    load_fold,
     reproduce_table,
+    writer_folds,
 )
 
 pytestmark = pytest.mark.data
@@ -55,6 +59,7 @@ def test_quick_table_runs_resumes_and_evaluates_new_writers(tmp_path, data_dir):
 
     check_standalone_summary(text, quick=True)
     assert "300 rounds" not in text and "stage 1 6 rounds, stage 2 3 rounds" in text
+    assert text.count("paired difference vs FedAvg") == 2  # training and new writers
     for png in ("learning_curves.png", "per_client_accuracy.png"):
         assert (tmp_path / png).stat().st_size > 1000
     res = json.loads((tmp_path / "results.json").read_text())["results"]
@@ -62,6 +67,10 @@ def test_quick_table_runs_resumes_and_evaluates_new_writers(tmp_path, data_dir):
         (m,) = res[label]
         assert 0 <= m["test_acc"] <= 1 and 0 <= m["new_test_acc"] <= 1
         assert len(m["per_client_test_acc"]) == QUICK.num_writers - QUICK.holdout
+        assert sum(m["per_client_test_correct"]) / sum(m["per_client_test_total"]) == \
+            pytest.approx(m["test_acc"])
+        assert sum(m["new_per_client_test_correct"]) / sum(m["new_per_client_test_total"]) == \
+            pytest.approx(m["new_test_acc"])
     # everything is checkpointed: a second call recomputes nothing and gives the same table
     assert reproduce_table(tmp_path, quick=True, data_dir=data_dir,
                            progress=False).read_text().split("Wall-clock")[0] == \
@@ -109,3 +118,42 @@ def test_table_from_the_store_with_processes_matches_memory(tmp_path, data_dir):
         reproduce_table(tmp_path / "other", data_dir=data_dir, progress=False,
                         size=replace(size, num_writers=7), store=tmp_path / "store")
     assert main(["reproduce", "ls-compare", "--store", str(tmp_path / "store")]) == 2
+
+
+def test_writer_folds_and_load_fold(data_dir):
+    folds = writer_folds(data_dir, 5)
+    everyone = load_femnist_npz(data_dir, normalize="leaf")
+    assert sorted(w for f in folds for w in f) == sorted(everyone.client_ids)
+    assert sorted(len(f) for f in folds) == [16, 17, 17, 17, 17]
+    seen, new, info = load_fold(data_dir, folds[2])
+    assert list(new.client_ids) == [c for c in everyone.client_ids if c in set(folds[2])]
+    assert seen.num_clients == 84 - len(folds[2])
+    assert not set(seen.client_ids) & set(new.client_ids)
+    # the same normalisation as load_data would give with that hold-out
+    ids = list(everyone.client_ids)
+    raw_seen = torch.cat([everyone.train_x[ids.index(c)] for c in seen.client_ids])
+    np.testing.assert_allclose(info["pixel_mean"], pixel_mean_std(raw_seen.numpy()[:, 0])[0],
+                               atol=1e-6)
+
+
+@pytest.mark.slow
+def test_quick_kfold_every_writer_is_new_once_and_resumes(tmp_path, data_dir):
+    path = kfold_new_writers(tmp_path, folds=2, quick=True, data_dir=data_dir, progress=False)
+    text = path.read_text()
+    assert "| FFGG (adapter) |" in text and "verdict" in text and "MDE" in text
+    from _summaries import check_standalone_summary
+
+    check_standalone_summary(text, quick=True)
+    assert "| better |" not in text and "| worse |" not in text
+    rec = json.loads((tmp_path / "kfold.json").read_text())
+    new_ids = [w for r in rec["runs"] if r["label"] == "FedAvg" for w in r["new"]["client_ids"]]
+    assert sorted(new_ids) == sorted(w for f in rec["folds"] for w in f)
+    assert len(new_ids) == QUICK.num_writers
+    for r in rec["runs"]:  # a fold's new writers are never among its training writers
+        assert not set(r["new"]["client_ids"]) & set(r["seen"]["client_ids"])
+        assert sum(r["new"]["total"]) > 0
+    again = collect_kfold(tmp_path, folds=2, data_dir=data_dir, num_writers=QUICK.num_writers)
+    assert sorted(map(json.dumps, again["runs"])) == sorted(map(json.dumps, rec["runs"]))
+    # resumed: nothing recomputed, the same summary up to the measured times
+    assert kfold_new_writers(tmp_path, folds=2, quick=True, data_dir=data_dir,
+                             progress=False).read_text().split("Cost")[0] == text.split("Cost")[0]

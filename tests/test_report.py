@@ -108,3 +108,38 @@ def test_versus_fedavg_without_verdict_reports_numbers_only():
     text = "\n".join(lines)
     assert "FFGG (output): 60.00%" in text
     assert "holds" not in text and "not judged" in text and "too small" in text
+def test_counts_from_runs_and_paired_section():
+    import numpy as np
+    import pytest
+
+    from partialfl.experiments.report import counts_from_runs, paired_section
+
+    ids = [f"c{i}" for i in range(30)]
+    rng = np.random.default_rng(0)
+    tot = rng.integers(10, 20, 30)
+    base = np.round(tot * 0.7)
+
+    def runs(correct_by_seed):
+        return [{"seed": s, "client_ids": ids, "per_client_test_correct": list(c),
+                 "per_client_test_total": list(tot)} for s, c in enumerate(correct_by_seed)]
+
+    fed = runs([base, base])
+    same = runs([base, base])
+    up = runs([np.minimum(base + 2, tot), np.minimum(base + 2, tot)])
+    c, t, got_ids = counts_from_runs(list(reversed(up)))  # rows come back in seed order
+    assert c.shape == (2, 30) and got_ids == ids
+    assert counts_from_runs([{"seed": 0}]) is None
+    lines = paired_section({"FedAvg": counts_from_runs(fed), "Same": counts_from_runs(same),
+                            "Up": counts_from_runs(up), "Old": None},
+                           unit="images", clients="writers")
+    text = "\n".join(lines)
+    row = {ln.split(" | ")[0][2:]: ln for ln in text.splitlines() if ln.startswith("| ")}
+    assert "no detectable difference at this size" in row["Same"]
+    assert "| better |" in row["Up"]
+    assert f"{tot.sum():,} test images of 30 writers per seed, 2 seeds" in text
+    assert "No per-client counts for Old" in text
+    other = runs([base, base])
+    other[0]["client_ids"] = other[1]["client_ids"] = ids[::-1]
+    with pytest.raises(ValueError, match="other clients"):
+        paired_section({"FedAvg": counts_from_runs(fed), "X": counts_from_runs(other)},
+                       unit="images", clients="writers")

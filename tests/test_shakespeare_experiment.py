@@ -47,6 +47,7 @@ def _check_outputs(out, size):
     from _summaries import check_standalone_summary
 
     check_standalone_summary(summary, quick=size not in (FULL, PAPER))
+    assert "paired difference vs FedAvg" in summary and "MDE" in summary
     res = json.loads((out / "results.json").read_text())["results"]
     assert set(res) == {label for label, _ in METHODS}
     for label, method in METHODS:
@@ -55,6 +56,9 @@ def _check_outputs(out, size):
             for k in ("test_acc", "test_acc_before_ft", "train_acc", "test_acc_p10",
                       "test_acc_p90"):
                 assert 0.0 <= m[k] <= 1.0
+            # per-client token counts (what the paired intervals use) give the pooled accuracy
+            c, t = (np.asarray(m[f"per_client_test_{k}"], float) for k in ("correct", "total"))
+            assert c.sum() / t.sum() == pytest.approx(m["test_acc"], abs=1e-12)
             per = np.asarray(m["per_client_test_acc"], float)
             assert per.shape == (size.max_clients,)
             # the pooled accuracy is the token-weighted mean of the per-client accuracies

@@ -53,6 +53,13 @@ def _cmd_reproduce(args) -> int:
     for k in extra:
         if k not in takes:
             raise ValueError(f"reproduction {args.name!r} does not take --{k}")
+    if args.folds is not None:
+        if "folds" not in takes:
+            raise ValueError(f"--folds: reproduction {args.name!r} has no k-fold evaluation "
+                             "(femnist-table and femnist-kfold have)")
+        if args.folds < 2:
+            raise ValueError(f"--folds must be >= 2, got {args.folds}")
+        extra["folds"] = args.folds
     summary = fn(out, quick=args.quick, seeds=args.seeds, data_dir=args.data_dir,
                  progress=not args.no_progress, **extra)
     print(Path(summary).read_text())
@@ -228,6 +235,9 @@ def build_parser() -> argparse.ArgumentParser:
                         "accuracy (on 10%% of each client's training data) plateaus, the "
                         "round counts becoming caps, and choose stage 3's epochs and lr on "
                         "validation data")
+    s.add_argument("--folds", type=int, metavar="K",
+                   help="new-client evaluation by K-fold over clients (femnist-table: in "
+                        "addition to the table; femnist-kfold: default 5)")
     s.set_defaults(fn=_cmd_reproduce)
 
     s = sub.add_parser(

@@ -42,6 +42,9 @@ class Evaluation:
     mean_client: float
     loss: float
     total: float
+    #: per-client metric counts c_m and t_m (correct, total), for paired statistics
+    per_client_correct: np.ndarray | None = None
+    per_client_total: np.ndarray | None = None
 
     def as_dict(self, prefix: str) -> dict[str, float]:
         """The scalar metrics as ``{prefix}_acc``, ``{prefix}_acc_p10`` … ``{prefix}_loss``."""
@@ -63,7 +66,7 @@ def summarize_counts(counts: Mapping[str, np.ndarray]) -> Evaluation:
     return Evaluation(
         accuracy=float(c.sum() / t.sum()), per_client=per, p10=p10, p50=p50, p90=p90,
         mean_client=float(valid.mean()), loss=float(np.sum(counts["loss_sum"]) / max(lw, 1e-12)),
-        total=float(t.sum()),
+        total=float(t.sum()), per_client_correct=c, per_client_total=t,
     )
 
 

@@ -236,6 +236,18 @@ class FederatedDataset:
         seen = np.sort(perm[k:])
         return self.subset(seen), self.subset(new)
 
+    def client_folds(self, folds: int, seed: int) -> list[np.ndarray]:
+        """``folds`` disjoint groups of client positions covering every client once, sizes
+        differing by at most one (k-fold over clients: fold k's clients are new clients for
+        a model trained on the others). Each group is sorted; the permutation comes from
+        ``partialfl.rng.generator(seed, "client_folds")``."""
+        m = self.num_clients
+        if not isinstance(folds, int | np.integer) or not 2 <= folds <= m:
+            raise ValueError(f"folds must be an integer in 2..{m} (the number of clients), "
+                             f"got {folds!r}")
+        perm = generator(seed, "client_folds").permutation(m)
+        return [np.sort(part) for part in np.array_split(perm, int(folds))]
+
     # ------------------------------------------------------------------ display
     def summary(self) -> str:
         """One line: number of clients, examples and per-client sizes, plus the description."""

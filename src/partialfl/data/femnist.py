@@ -199,23 +199,37 @@ def load_femnist_npz(
     )
 
 
+def raw_writers(data_dir, num_writers: int | None, seed: int):
+    """FEMNIST with LEAF pixels, optionally a random subset of ``num_writers`` writers."""
+    raw = load_femnist_npz(data_dir, normalize="leaf")
+    if num_writers is not None and num_writers < raw.num_clients:
+        pos = np.sort(np.random.default_rng(seed).permutation(raw.num_clients)[:num_writers])
+        raw = raw.subset(pos)
+    return raw
+
+
+def normalised_split(data_dir, raw, new_ids):
+    """``(seen, new, info)``: the writers of ``raw`` not in ``new_ids`` and those in it, both
+    normalised with the per-pixel stats of the seen writers' training images."""
+    new_set = set(new_ids)
+    seen_raw = raw.subset([i for i, c in enumerate(raw.client_ids) if c not in new_set])
+    stats = pixel_mean_std(np.concatenate([x.numpy() for x in seen_raw.train_x])[:, 0])
+    full = load_femnist_npz(data_dir, normalize="emnist", pixel_stats=stats)
+    ids = list(full.client_ids)
+    seen = full.subset([ids.index(c) for c in seen_raw.client_ids])
+    new_pos = [ids.index(c) for c in raw.client_ids if c in new_set]
+    new = full.subset(new_pos) if new_pos else None
+    info = {"train_writers": list(seen.client_ids),
+            "new_writers": list(new.client_ids) if new else [],
+            "pixel_mean": stats[0].tolist(), "pixel_std": stats[1].tolist()}
+    return seen, new, info
+
+
 def load_femnist_writers(data_dir=None, num_writers: int | None = None, holdout: int = 0,
                          seed: int = 0):
     """``(train_clients, new_clients, info)``: FEMNIST normalised with the per-pixel stats of
     the training writers only; ``holdout`` writers (chosen with ``rng`` seed ``seed``) are
     kept apart as new clients; ``num_writers`` keeps a random subset first (quick runs)."""
-    raw = load_femnist_npz(data_dir, normalize="leaf")
-    pos = np.arange(raw.num_clients)
-    if num_writers is not None and num_writers < raw.num_clients:
-        pos = np.sort(np.random.default_rng(seed).permutation(raw.num_clients)[:num_writers])
-        raw = raw.subset(pos)
-    seen_raw, new_raw = raw.split_clients(num_new=holdout, seed=seed) if holdout else (raw, None)
-    stats = pixel_mean_std(np.concatenate([x.numpy() for x in seen_raw.train_x])[:, 0])
-    full = load_femnist_npz(data_dir, normalize="emnist", pixel_stats=stats)
-    ids = list(full.client_ids)
-    seen = full.subset([ids.index(c) for c in seen_raw.client_ids])
-    new = full.subset([ids.index(c) for c in new_raw.client_ids]) if new_raw else None
-    info = {"train_writers": list(seen.client_ids),
-            "new_writers": list(new.client_ids) if new else [],
-            "pixel_mean": stats[0].tolist(), "pixel_std": stats[1].tolist()}
-    return seen, new, info
+    raw = raw_writers(data_dir, num_writers, seed)
+    new_ids = raw.split_clients(num_new=holdout, seed=seed)[1].client_ids if holdout else ()
+    return normalised_split(data_dir, raw, new_ids)

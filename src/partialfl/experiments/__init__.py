@@ -17,6 +17,8 @@ REPRODUCTIONS: dict[str, tuple[str, str, str]] = {
                    "Figure 1(b-d): FFGG (GD) vs Scaffold, Local GD, L2GD, tau in {100,200,500}"),
     "femnist-table": ("partialfl.experiments.femnist", "reproduce_table",
                       "Table 2 (FEMNIST): FedAvg vs FFGG splits, Local FFGG, FedAlt/FedSim"),
+    "femnist-kfold": ("partialfl.experiments.femnist", "reproduce_kfold",
+                      "FEMNIST new writers by k-fold over writers (--folds K): FedAvg vs FFGG"),
     "shakespeare-table": ("partialfl.experiments.shakespeare", "reproduce_table",
                           "Next-word prediction by role: FedAvg vs FFGG splits (transformer)"),
     "har-table": ("partialfl.experiments.har", "reproduce_table",

@@ -452,6 +452,8 @@ def finetune_and_evaluate(cfg: PipelineConfig, task: Task, s2: _Stage2, run_dir:
         "method": cfg.method.name, "seed": cfg.seed, **test.as_dict("test"),
         **train.as_dict("train"), "test_acc_before_ft": before.accuracy,
         "per_client_test_acc": test.per_client, "client_ids": list(task.data.client_ids),
+        "per_client_test_correct": test.per_client_correct,
+        "per_client_test_total": test.per_client_total,
         "test_sizes": problem.num_examples(np.arange(problem.num_clients), "test"),
         "split_counts": counts, "stage2_seconds": s2.seconds,
         "stage3_seconds": time.perf_counter() - t0, **extra, **_budgets(run_dir),

@@ -256,3 +256,85 @@ def pipeline_plots(out_dir: Path, methods: Sequence[tuple[str, Any]], seeds: Seq
     fig.tight_layout()
     pio.savefig(fig, out_dir / "per_client_accuracy.png", dpi=120)
     plt.close(fig)
+
+
+# ----------------------------------------------------------------------------- uncertainty
+def counts_from_runs(runs: Sequence[dict], prefix: str = "per_client_test"
+                     ) -> tuple[Any, Any, list[str]] | None:
+    """``(correct [S, M], total [S, M], client_ids)`` of one method's runs (one metrics dict
+    per seed, with ``{prefix}_correct`` / ``{prefix}_total`` per client, as the pipeline's
+    ``metrics.json`` stores them), rows in seed order; None when a run lacks the counts (a
+    run made before they were recorded). Raises if the runs disagree on the clients."""
+    import numpy as np
+
+    if not runs or any(f"{prefix}_correct" not in m for m in runs):
+        return None
+    runs = sorted(runs, key=lambda m: m.get("seed", 0))
+    ids = [list(m.get("client_ids", [])) for m in runs]
+    if any(i != ids[0] for i in ids):
+        raise ValueError("the runs of one method evaluated different clients")
+    return (np.asarray([m[f"{prefix}_correct"] for m in runs], float),
+            np.asarray([m[f"{prefix}_total"] for m in runs], float), ids[0])
+
+
+def paired_section(counts: dict[str, tuple], baseline: str = "FedAvg", *, unit: str,
+                   clients: str, seed: int = 0, explain: bool = True,
+                   verdict: bool = True) -> list[str]:
+    """Markdown lines: every method's pooled accuracy with its bootstrap interval, its paired
+    difference from ``baseline`` with interval, the verdict stated from that interval and the
+    minimum detectable difference, then what backs the numbers (test ``unit`` s, ``clients``,
+    seeds) and how the intervals were computed (:mod:`partialfl.stats`).
+
+    ``counts``: row label -> ``(correct [S, M], total [S, M])`` or ``(…, client_ids)``; every
+    row must have the baseline's clients and seeds (paired). Rows without counts (None) are
+    listed as such. ``explain=False`` leaves out the paragraph on the method (for a second
+    section of one summary); ``verdict=False`` (a quick run) gives the intervals but no
+    verdict."""
+    from partialfl.stats import DEFAULT_BOOT, accuracy_interval, paired_difference
+
+    if baseline not in counts or counts[baseline] is None:
+        return [f"(No per-client counts for {baseline}: no paired intervals.)"]
+    bc, bt = counts[baseline][0], counts[baseline][1]
+    ids = counts[baseline][2] if len(counts[baseline]) > 2 else None
+
+    def pct(iv) -> str:
+        return f"{100 * iv.estimate:.2f} [{100 * iv.low:.2f}, {100 * iv.high:.2f}]"
+
+    rows, missing = [], []
+    for label, cnt in counts.items():
+        if cnt is None:
+            missing.append(label)
+            continue
+        if ids is not None and len(cnt) > 2 and list(cnt[2]) != list(ids):
+            raise ValueError(f"{label!r} was evaluated on other clients than {baseline!r}")
+        acc = accuracy_interval(cnt[0], cnt[1], seed=seed)
+        if label == baseline:
+            rows.append([label, pct(acc), "(baseline)", "", ""])
+            continue
+        d = paired_difference(cnt[0], cnt[1], bc, bt, seed=seed)
+        rows.append([label, pct(acc),
+                     f"{100 * d.estimate:+.2f} [{100 * d.low:+.2f}, {100 * d.high:+.2f}]",
+                     d.verdict if verdict else "– (quick run)", f"{100 * d.mde:.2f}"])
+    ref = accuracy_interval(bc, bt, seed=seed)
+    lines = [markdown_table(["method", "accuracy % [95% CI]",
+                             f"paired difference vs {baseline}, points [95% CI]",
+                             "verdict", "MDE, points"], rows), ""]
+    lines.append(
+        f"Each number rests on {ref.examples:,} test {unit} of {ref.clients} {clients}"
+        f"{'' if ref.seeds == 1 else f' per seed, {ref.seeds} seeds'} (one {unit[:-1]} = "
+        f"{100 / ref.examples:.3f} points).")
+    if explain:
+        lines[-1] += (
+            f" Intervals: 95% bootstrap over {clients} ({DEFAULT_BOOT} replicates, bootstrap "
+            f"seed {seed}; each replicate draws the {ref.clients} {clients} with replacement"
+            + (" and, independently, the seeds, whose pooled accuracies are averaged"
+               if ref.seeds > 1 else "")
+            + "; expanded percentile interval). A difference is *paired*: every replicate "
+            f"draws the same {clients} for both methods. Verdict: \"better\" / \"worse\" when "
+            "the interval of the difference excludes 0, otherwise \"no detectable difference "
+            "at this size\". MDE (minimum detectable difference) = 2.80 × the bootstrap SE of "
+            "the difference: the smallest true difference this sample detects with 80% "
+            "probability at 95% confidence.")
+    if missing:
+        lines += ["", f"No per-client counts for {', '.join(missing)}."]
+    return lines

@@ -69,9 +69,11 @@ from partialfl.experiments.pipeline import (
 )
 from partialfl.experiments.report import (
     accuracy_cells,
+    counts_from_runs,
     docstring_bullets,
     jsonable,
     markdown_table,
+    paired_section,
     pipeline_plots,
     quick_note,
     versus_fedavg,
@@ -325,6 +327,11 @@ def _summary(results, size: Size, tf, seconds: float, quick: bool) -> str:
         markdown_table(header, rows),
         "",
         *verdict,
+        "",
+        "## Paired comparison with FedAvg (+ FT)",
+        "",
+        *paired_section({label: counts_from_runs(ms) for label, ms in results.items() if ms},
+                        unit="scored tokens", clients="roles", verdict=full),
         "",
         f"Stages: 1) FedAvg pre-training, {size.pretrain_rounds} rounds (server Adam lr "
         f"{size.pretrain_server_lr}, client lr {size.pretrain_client_lr}; shared by all rows); "
