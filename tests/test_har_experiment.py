@@ -136,3 +136,9 @@ def test_quick_table_runs_and_reports_every_row(tmp_path, data_dir):
     assert all(0 <= v[0]["new_test_acc"] <= 1 for v in res.values())
     for png in ("learning_curves.png", "per_client_accuracy.png", "per_subject_accuracy.png"):
         assert (tmp_path / png).stat().st_size > 1000
+    # the paired intervals against FedAvg, without a verdict at the quick size
+    assert "## Paired comparison with FedAvg: training subjects" in text
+    section = text.split("## Paired comparison with FedAvg")[1].split("\n## ")[0]
+    table = [ln for ln in section.splitlines() if ln.startswith("| FFGG")]
+    assert table and all("[" in ln for ln in table)  # intervals
+    assert not any(v in ln for ln in table for v in ("better", "worse", "no detectable"))

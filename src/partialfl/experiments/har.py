@@ -58,9 +58,11 @@ from partialfl.experiments.pipeline import (
     run_table,
 )
 from partialfl.experiments.report import (
+    counts_from_runs,
     docstring_bullets,
     jsonable,
     markdown_table,
+    paired_section,
     percent_mean_std,
     pipeline_plots,
     versus_fedavg,
@@ -189,11 +191,12 @@ def _run_one(job: tuple) -> tuple[str, int, dict, float]:
     label, method = METHODS[idx]
     run_dir = out_dir / f"seed{seed}" / method.name
     t0 = time.perf_counter()
-    res = run_pipeline(_pipeline_config(size, method, seed), har_task(train), run_dir,
+    task = har_task(train)
+    res = run_pipeline(_pipeline_config(size, method, seed), task, run_dir,
                        stage1_dir=out_dir / "stage1", progress=progress)
     m = dict(res.metrics)
     if new is not None:
-        ev = evaluate_run(run_dir, new)
+        ev = evaluate_run(run_dir, new, model_fn=task.model_fn, split_fn=task.split_fn)
         m.update({"new_" + k: v for k, v in ev["test"].as_dict("test").items()})
         m["new_per_client_test_acc"] = ev["test"].per_client.tolist()
     return label, seed, m, time.perf_counter() - t0
@@ -303,6 +306,11 @@ def _summary(results, size: Size, info, seconds: float, quick: bool) -> str:
         *verdict,
         f"- Best FFGG split vs local training only: {best} {100 * ffgg[best]:.2f}% vs "
         f"{100 * local:.2f}% ({100 * (ffgg[best] - local):+.2f} points).",
+        "",
+        "## Paired comparison with FedAvg: training subjects",
+        "",
+        *paired_section({label: counts_from_runs(ms) for label, ms in results.items() if ms},
+                        unit="windows", clients="subjects", verdict=not quick),
         "",
         f"Stages: 1) FedAvg pre-training {size.pretrain_rounds} rounds (client lr "
         f"{PRETRAIN_LR}); 2) {size.rounds} rounds of the method ({size.clients_per_round} "
