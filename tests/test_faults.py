@@ -3,6 +3,8 @@ run aborts only past the failure fraction (sync, async, worker processes)."""
 
 from __future__ import annotations
 
+import json
+
 import numpy as np
 import pytest
 from conftest import SMALL
@@ -128,3 +130,12 @@ def test_reproduce_faults_quick(tmp_path):
     assert "| least squares | sync | 30% |" in text and "| least squares | processes |" in text
     assert ": yes" in text and ": NO" not in text
     assert (tmp_path / "faults.png").stat().st_size > 0
+    import importlib.util
+
+    if importlib.util.find_spec("flwr") and importlib.util.find_spec("ray"):
+        # a SuperNode lost in Flower's simulation: counted, and θ equals the in-process run
+        # with exactly its clients' updates dropped
+        rows = json.loads((tmp_path / "results.json").read_text())["rows"]
+        fl = [r for r in rows if r["runtime"] == "flower-sim" and r["rate"] > 0]
+        assert fl and fl[0]["lost"] == fl[0]["injected"]["node loss"] > 0
+        assert fl[0]["lost_partitions"] == [1] and fl[0]["ref_diff"] < 1e-9
