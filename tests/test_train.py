@@ -258,8 +258,10 @@ def _tiny_overrides(cfg: Path) -> list[str]:
         out += ["data.num_clients=4", "data.holdout=1"]
     if 'source = "shakespeare"' in text:
         out += ["data.options.vocab_size=50", "data.options.max_clients=3",
-                "data.options.max_train=8", "model.options.d_model=8", "model.options.d_ff=8",
-                "model.options.num_layers=1", "model.options.num_heads=2"]
+                "data.options.max_train=8", "data.options.min_train=4",
+                "model.options.d_model=8", "model.options.d_ff=8",
+                "model.options.num_layers=1", "model.options.num_heads=2",
+                "pretrain.server.warmup=0", "personalize.server.warmup=0"]
     if 'source = "hf-disk"' in text:
         out += ["data.partition.num_clients=4"]
     return out
