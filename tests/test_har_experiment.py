@@ -142,3 +142,13 @@ def test_quick_table_runs_and_reports_every_row(tmp_path, data_dir):
     table = [ln for ln in section.splitlines() if ln.startswith("| FFGG")]
     assert table and all("[" in ln for ln in table)  # intervals
     assert not any(v in ln for ln in table for v in ("better", "worse", "no detectable"))
+    # `partialfl evaluate` on the table folder: the held-out subjects of every run, with the
+    # accuracy the table measured for them
+    from partialfl.cli import main
+
+    out = tmp_path / "eval.json"
+    assert main(["evaluate", str(tmp_path), "--data-dir", str(data_dir), "--json",
+                 str(out)]) == 0
+    ev = json.loads(out.read_text())
+    label = next(k for k in ev if k.endswith("ffgg-output"))
+    assert ev[label]["test"]["accuracy"] == pytest.approx(res["FFGG (output)"][0]["new_test_acc"])

@@ -3,8 +3,9 @@
 A *run folder* holds ``deploy.safetensors`` (the trained θ and the split's tensors) and
 ``config.json``; a *table
 folder* (``runs/femnist-table``) holds one run folder per seed and method
-(``seed0/ffgg-output``, …). Each run's θ is evaluated on the writers held out of the table's
-training (:func:`partialfl.experiments.femnist.evaluate_new_writers`): every new client
+(``seed0/ffgg-output``, …). Each run's θ is evaluated on the clients held out of the
+table's training — FEMNIST writers (:func:`partialfl.experiments.femnist.evaluate_new_writers`)
+or HAR subjects (:func:`partialfl.experiments.har.evaluate_new_subjects`): every new client
 fine-tunes its w, then pooled accuracy and its distribution over clients are reported, as a
 table (per-client accuracies by client id) or as JSON.
 """
@@ -57,8 +58,6 @@ def evaluate_runs(path: str | Path, data_dir=None, *, finetune_epochs: int | Non
     """``label -> evaluation`` for every run of :func:`find_runs` (label: the run folder
     relative to ``path``, or its name for a single run); each evaluation is
     :func:`~partialfl.experiments.femnist.evaluate_new_writers`'s dict with ``client_ids``."""
-    from partialfl.experiments.femnist import evaluate_new_writers
-
     path = Path(path)
     runs = find_runs(path)
     it = runs
@@ -69,8 +68,24 @@ def evaluate_runs(path: str | Path, data_dir=None, *, finetune_epochs: int | Non
     out = {}
     for run in it:
         label = run.name if run == path else run.relative_to(path).as_posix()
-        out[label] = evaluate_new_writers(run, data_dir, finetune_epochs=finetune_epochs, lr=lr)
+        out[label] = _evaluator(run)(run, data_dir, finetune_epochs=finetune_epochs, lr=lr)
     return out
+
+
+def _evaluator(run: Path):
+    """The new-client evaluation of the table ``run`` belongs to, told by its ``data.json``:
+    FEMNIST (held-out writers) or HAR (held-out subjects)."""
+    from partialfl import io as pio
+
+    info = next((p / "data.json" for p in (run, *run.parents) if (p / "data.json").exists()),
+                None)
+    if info is not None and "new_subjects" in pio.read_json(info):
+        from partialfl.experiments.har import evaluate_new_subjects
+
+        return evaluate_new_subjects
+    from partialfl.experiments.femnist import evaluate_new_writers
+
+    return evaluate_new_writers
 
 
 def _pct(v: float) -> str:

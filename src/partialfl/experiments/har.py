@@ -36,7 +36,6 @@ Set-up, and why (also written into the summary):
 
 from __future__ import annotations
 
-import json
 import time
 from dataclasses import asdict, dataclass, replace
 from pathlib import Path
@@ -44,6 +43,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
+from partialfl import io as pio
 from partialfl.data.har import channel_mean_std, load_hapt, standardize
 from partialfl.experiments.pipeline import (
     ClientConfig,
@@ -52,6 +52,7 @@ from partialfl.experiments.pipeline import (
     ServerConfig,
     StageConfig,
     Task,
+    check_or_write_json,
     evaluate_run,
     pretrain,
     run_pipeline,
@@ -202,6 +203,30 @@ def _run_one(job: tuple) -> tuple[str, int, dict, float]:
     return label, seed, m, time.perf_counter() - t0
 
 
+def evaluate_new_subjects(run_dir: str | Path, data_dir=None, *,
+                          finetune_epochs: int | None = None, lr: float | None = None) -> dict:
+    """The ``evaluate`` command for a har-table run: the subjects held out of its training
+    (rebuilt from the table's ``data.json``: the same subjects and the training subjects'
+    channel statistics) fine-tune their personal part and are evaluated; the dict of
+    :func:`partialfl.experiments.pipeline.evaluate_run` plus ``client_ids``."""
+    run_dir = Path(run_dir)
+    info_file = next((p / "data.json" for p in (run_dir, *run_dir.parents)
+                      if (p / "data.json").exists()), None)
+    if info_file is None:
+        raise FileNotFoundError(f"no data.json above {run_dir}: not a har-table run")
+    info = pio.read_json(info_file)
+    if not info.get("new_subjects"):
+        raise ValueError(f"{run_dir}: the table held out no subjects; nothing new to evaluate")
+    size = info["size"]
+    _, new, again = load_data(data_dir, size["num_subjects"], size["holdout"])
+    if list(new.client_ids) != list(info["new_subjects"]):
+        raise ValueError(f"the data under {data_dir or 'the default data folder'} does not give "
+                         f"the run's held-out subjects {info['new_subjects']}")
+    res = evaluate_run(run_dir, new, model_fn=har_task(new).model_fn,
+                       finetune_epochs=finetune_epochs, lr=lr)
+    return {**res, "client_ids": [str(c) for c in new.client_ids]}
+
+
 def reproduce_table(out_dir: Path, *, quick: bool = False, seeds: list[int] | None = None,
                     data_dir: Path | None = None, progress: bool = True,
                     size: Size | None = None) -> Path:
@@ -219,8 +244,9 @@ def reproduce_table(out_dir: Path, *, quick: bool = False, seeds: list[int] | No
     t_start = time.perf_counter()
     try:
         train, _, info = _data(data_dir, size)
-        (out_dir / "data.json").write_text(json.dumps(jsonable({**info, "size": asdict(size)}),
-                                                      indent=1))
+        check_or_write_json(out_dir / "data.json",
+                            jsonable({**info, "size": asdict(replace(size, seeds=()))}),
+                            "table run's data selection")
         pretrain(_pipeline_config(size, METHODS[1][1], size.seeds[0]), har_task(train),
                  out_dir / "stage1", progress and "stage 1 (FedAvg)")
         runs = run_table(_run_one, METHODS, size.seeds, (out_dir, data_dir, size), size.workers,
