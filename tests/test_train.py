@@ -98,6 +98,8 @@ def test_folder_source_dry_run_prints_plan_and_writes_nothing(tmp_path, tiny_mod
 
 
 def test_train_run_writes_metrics_report_plots_and_tensorboard(tmp_path, tiny_module, capsys):
+    pytest.importorskip("tensorboard", reason="needs the tensorboard extra "
+                        "(pip install 'partialfl[tensorboard]')")
     data = _client_folder(tmp_path / "clients")
     cfg = _tiny_toml(tmp_path / "t.toml", tiny_module, data,
                      "tensorboard = true\n")
