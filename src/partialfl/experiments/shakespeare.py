@@ -63,8 +63,8 @@ from partialfl.experiments.pipeline import (
     Task,
     check_or_write_json,
     pretrain,
-    run_jobs,
     run_pipeline,
+    run_table,
     validation_tasks,
 )
 from partialfl.experiments.report import (
@@ -270,17 +270,9 @@ def reproduce_table(out_dir: Path, *, quick: bool = False, seeds: list[int] | No
         pretrain(cfg0, validation_tasks(cfg0, task)[0], out_dir / "stage1",
                  progress and "stage 1 (FedAvg)")
         torch.set_num_threads(size.threads)
-        jobs = [(out_dir, data_dir, size, seed, i, progress and size.workers == 1)
-                for seed in size.seeds for i in range(len(METHODS))]
-        done = run_jobs(_run_one, jobs, size.workers, progress and "shakespeare-table runs")
-        results: dict[str, list[dict]] = {label: [] for label, _ in METHODS}
-        timings: dict[str, float] = {}
-        for label, seed, m, sec in sorted(done, key=lambda t: t[1]):
-            results[label].append(m)
-            timings[f"seed{seed}/{label}"] = sec
-        seconds = time.perf_counter() - t_start
-        pio.write_json(out_dir / "results.json", jsonable(
-            {"results": results, "timings": timings, "total_seconds": seconds}), indent=1)
+        runs = run_table(_run_one, METHODS, size.seeds, (out_dir, data_dir, size), size.workers,
+                         out_dir, t_start, progress and "shakespeare-table runs")
+        results, timings, seconds = runs.results, runs.timings, runs.seconds
         if size.plateau:
             budget_plot(out_dir, METHODS, size.seeds)
         else:
