@@ -181,9 +181,7 @@ def run_advisor(name: str, out_dir: str | Path, *, theta: str | Path | None = No
     for p, body in ((path, text), (out_dir / "advice.json", json.dumps(
             {**adv.as_dict(), "pretrain_seconds": pre_seconds, "total_seconds": total,
              "comparison": cmp}, indent=1, default=float))):
-        tmp = p.with_suffix(p.suffix + ".tmp")
-        tmp.write_text(body)
-        tmp.replace(p)
+        pio.write_text(p, body)
     return path
 
 

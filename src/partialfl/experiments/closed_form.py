@@ -10,6 +10,7 @@ import math
 import time
 from pathlib import Path
 
+from partialfl import io as pio
 from partialfl.build import (
     build,
     build_backend,
@@ -117,7 +118,7 @@ def write_report(cfg: ClosedFormConfig, history: list[dict], seconds: float, out
         "```",
     ]
     path = out / "summary.md"
-    _write_text(path, summary_markdown(
+    pio.write_text(path, summary_markdown(
         [{"method": a.name, "tau": a.tau, "history": history, "seconds": seconds}],
         f"{name}: {a.name} on {p.kind}", notes))
     return path
@@ -139,12 +140,6 @@ def _toml_lines(d: dict) -> list[str]:
             lines += ["", f"[{k}]", *(f"{kk} = {val(vv)}" for kk, vv in v.items()
                                      if vv is not None)]
     return lines
-
-
-def _write_text(path: Path, text: str) -> None:
-    tmp = path.with_name(path.name + ".tmp")
-    tmp.write_text(text)
-    tmp.replace(path)
 
 
 def run_and_report(cfg: ClosedFormConfig, out: Path, progress: bool | str = False):

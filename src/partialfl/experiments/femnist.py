@@ -65,6 +65,7 @@ from partialfl.experiments.pipeline import (
     read_deploy,
     run_jobs,
     run_pipeline,
+    run_table,
     validation_tasks,
 )
 from partialfl.experiments.report import (
@@ -250,7 +251,7 @@ def store_data(store: Path, data_dir=None, num_writers: int | None = None,
 
 def _run_one(job: tuple) -> tuple[str, int, dict, float]:
     """One (method, seed) pipeline run (stages 2-3 + new writers); runs in a worker."""
-    out_dir, data_dir, size, seed, idx, progress, backend, store = job
+    out_dir, data_dir, size, backend, store, seed, idx, progress = job
     torch.set_num_threads(size.threads)
     train, new, _ = _data(data_dir, size, store)
     label, method = _methods(size)[idx]
@@ -309,18 +310,11 @@ def reproduce_table(out_dir: Path, *, quick: bool = False, seeds: list[int] | No
         cfg0 = _pipeline_config(size, METHODS[0][1], size.seeds[0], backend)
         pretrain(cfg0, validation_tasks(cfg0, femnist_task(train))[0], out_dir / "stage1",
                  progress and "stage 1 (FedAvg)")
-        job_workers = 1 if backend == "processes" else size.workers
-        jobs = [(out_dir, data_dir, size, seed, i, progress and job_workers == 1, backend,
-                 store) for seed in size.seeds for i in range(len(_methods(size)))]
-        done = run_jobs(_run_one, jobs, job_workers, progress and "femnist-table runs")
-        results: dict[str, list[dict]] = {label: [] for label, _ in _methods(size)}
-        timings: dict[str, float] = {}
-        for label, seed, m, sec in sorted(done, key=lambda t: t[1]):
-            results[label].append(m)
-            timings[f"seed{seed}/{label}"] = sec
-        seconds = time.perf_counter() - t_start
-        pio.write_json(out_dir / "results.json", jsonable(
-            {"results": results, "timings": timings, "total_seconds": seconds}), indent=1)
+        runs = run_table(_run_one, _methods(size), size.seeds,
+                         (out_dir, data_dir, size, backend, store),
+                         1 if backend == "processes" else size.workers, out_dir, t_start,
+                         progress and "femnist-table runs")
+        results, timings, seconds = runs.results, runs.timings, runs.seconds
         if size.plateau:
             budget_plot(out_dir, _methods(size), size.seeds)
         else:
@@ -516,9 +510,7 @@ def _kfold_run(job: tuple) -> dict:
                     "total": m["per_client_test_total"]},
            "seconds": time.perf_counter() - t0}
     out = jsonable(out)
-    tmp = cache.with_suffix(".tmp")
-    tmp.write_text(json.dumps(out))
-    tmp.replace(cache)
+    pio.write_json(cache, out)
     return out
 
 
@@ -564,13 +556,9 @@ def kfold_new_writers(out_dir: Path, *, folds: int = DEFAULT_FOLDS,
                   "size": {"pretrain_rounds": size.pretrain_rounds, "rounds": size.rounds,
                            "finetune_epochs": size.finetune_epochs,
                            "num_writers": size.num_writers}}
-        tmp = out_dir / "kfold.json.tmp"
-        tmp.write_text(json.dumps(jsonable(record)))
-        tmp.replace(out_dir / "kfold.json")
+        pio.write_json(out_dir / "kfold.json", jsonable(record))
         path = out_dir / "summary.md"
-        tmp = out_dir / "summary.md.tmp"
-        tmp.write_text(kfold_summary(record, quick=quick))
-        tmp.replace(path)
+        pio.write_text(path, kfold_summary(record, quick=quick))
         return path
     finally:
         torch.set_num_threads(old_threads)

@@ -255,9 +255,7 @@ def reproduce_table(out_dir: Path, *, quick: bool = False, seeds: list[int] | No
                        clients="subjects")
         per_subject_plot(out_dir / "per_subject_accuracy.png", runs.results)
         path = out_dir / "summary.md"
-        tmp = path.with_suffix(".tmp")
-        tmp.write_text(_summary(runs.results, size, info, runs.seconds, quick))
-        tmp.replace(path)
+        pio.write_text(path, _summary(runs.results, size, info, runs.seconds, quick))
         return path
     finally:
         torch.set_num_threads(old_threads)

@@ -16,11 +16,11 @@ Files in ``--out``: ``spec.json``, ``stage1/`` (pre-training: ``stage1.jsonl`` â
 
 from __future__ import annotations
 
-import json
 from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
+from partialfl import io as pio
 from partialfl.build import TrainRun, build
 from partialfl.config import ConfigError, apply_overrides, from_dict, load_toml, to_dict
 from partialfl.spec import TrainSpec
@@ -62,9 +62,7 @@ def format_plan(plan: dict[str, Any]) -> str:
 def _write_json(path: Path, obj) -> None:
     from partialfl.experiments.report import jsonable
 
-    tmp = path.with_suffix(path.suffix + ".tmp")
-    tmp.write_text(json.dumps(jsonable(obj), indent=1))
-    tmp.replace(path)
+    pio.write_json(path, jsonable(obj), indent=1)
 
 
 def run_built(run: TrainRun, out: str | Path, *, progress: bool | None = None,

@@ -14,6 +14,7 @@ import json
 from pathlib import Path
 from typing import Any
 
+from partialfl import io as pio
 from partialfl.experiments.report import markdown_table, plot_curves
 
 
@@ -131,7 +132,5 @@ def write_report(run_dir: str | Path, *, tensorboard: bool = False) -> Path:
     text = "\n".join([f"# {name}", "", table, "",
                       "Plots: `learning_curves.png`, `per_client_accuracy.png`. Logs: "
                       "`stage1/stage1.jsonl`, `stage2.jsonl`, `metrics.json`.", ""])
-    tmp = run_dir / "report.md.tmp"
-    tmp.write_text(text)
-    tmp.replace(run_dir / "report.md")
+    pio.write_text(run_dir / "report.md", text)
     return run_dir / "report.md"

@@ -26,6 +26,7 @@ from typing import Any
 
 import numpy as np
 
+from partialfl import io as pio
 from partialfl.config import to_dict
 from partialfl.flower.env import apply_flower_env
 
@@ -67,10 +68,8 @@ def spec_run_config(spec, stage: str, init_from: str | Path | None = None
 
 def _write_history(path: Path, stage: str, history: list[dict]) -> None:
     path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_suffix(".tmp")
-    tmp.write_text("".join(json.dumps({"stage": stage, **r}, default=float) + "\n"
-                           for r in history))
-    tmp.replace(path)
+    pio.write_text(path, "".join(json.dumps({"stage": stage, **r}, default=float) + "\n"
+                                 for r in history))
 
 
 def run_flower_train(spec, out: str | Path, *, engine: str = "flower-sim",
