@@ -36,9 +36,9 @@ import torch.nn.functional as F
 
 from partialfl.algorithms.base import RoundContext
 from partialfl.algorithms.model import FedAvg, model_ffgg
+from partialfl.build import make_model
 from partialfl.data.federated import FederatedDataset
 from partialfl.local.sgd import SGDConfig, client_plans
-from partialfl.models import make_model
 from partialfl.problems.model import ModelProblem
 from partialfl.runtime import BatchedBackend, SequentialBackend, sample_cohort
 from partialfl.runtime.cohort_pool import ProcessBackend

@@ -70,9 +70,9 @@ def child(store: str, algorithm: str, rounds: int, state_dir: str) -> None:
     from partialfl.algorithms.base import RoundContext
     from partialfl.algorithms.disk_state import OnDiskClientState
     from partialfl.algorithms.model import FedAlt, model_ffgg
+    from partialfl.build import make_model
     from partialfl.data.store import open_store
     from partialfl.local.sgd import SGDConfig
-    from partialfl.models import make_model
     from partialfl.problems.model import ModelProblem
     from partialfl.runtime import SequentialBackend, sample_cohort
     from partialfl.split import make_split

@@ -147,7 +147,7 @@ def test_advise_command_on_har(tmp_path, data_dir):
 
     th = tmp_path / "theta.safetensors"
     from partialfl import io as pio
-    from partialfl.models import make_model
+    from partialfl.build import make_model
 
     pio.save_tensors(th, {n: p.detach() for n, p in
                           make_model("har_cnn", 6, seed=0).named_parameters()})

@@ -9,7 +9,6 @@ import pytest
 
 from partialfl import rng as prng
 from partialfl.aggregation import (
-    AGGREGATORS,
     Bucketing,
     CenteredClipping,
     CoordinateMedian,
@@ -22,8 +21,9 @@ from partialfl.aggregation import (
     bind,
     drop_nonfinite,
     finite_rows,
-    make_aggregator,
 )
+from partialfl.build import make_aggregator
+from partialfl.build import names as _names
 
 
 def rand(k, d, seed=0):
@@ -258,7 +258,7 @@ def test_aggregate_tree_uses_the_flattened_vector():
 def test_torch_inputs_come_back_as_torch():
     torch = pytest.importorskip("torch")
     X = torch.tensor(rand(6, 3), dtype=torch.float32)
-    for name in AGGREGATORS:
+    for name in _names("aggregator"):
         out = make_aggregator(name, delta=0.1)(X, torch.ones(6))
         assert isinstance(out, torch.Tensor) and out.dtype == torch.float32 and out.shape == (3,)
     out = make_aggregator("cm", bucketing=2)(X, torch.ones(6))
@@ -280,7 +280,7 @@ def test_drop_nonfinite():
 
 def test_factory_builds_every_rule_and_wrappers():
     X = rand(20, 3)
-    for name, s, nnm in itertools.product(AGGREGATORS, (1, 2), (False, True)):
+    for name, s, nnm in itertools.product(_names("aggregator"), (1, 2), (False, True)):
         agg = make_aggregator(name, delta=0.15, bucketing=s, nnm=nnm, seed=1)
         assert np.isfinite(agg(X, np.ones(20))).all()
         assert isinstance(agg, Bucketing) == (s > 1)

@@ -11,7 +11,7 @@ from partialfl import rng as prng
 from partialfl.algorithms import FFGG, LocalGD, Scaffold
 from partialfl.algorithms.asynchronous import FedAsync, FedBuff, joint_sgd, staleness_weight
 from partialfl.algorithms.base import RoundContext, ServerState
-from partialfl.local import make_solver
+from partialfl.build import make_solver
 from partialfl.metrics import closed_form_metrics
 from partialfl.problems.overpersonalized import OverpersonalizedLeastSquares
 from partialfl.runtime import run_rounds, sample_cohort

@@ -9,7 +9,6 @@ import pytest
 
 from partialfl.attacks import (
     ALIE,
-    ATTACKS,
     IPM,
     BitFlip,
     GaussianNoise,
@@ -18,8 +17,9 @@ from partialfl.attacks import (
     SignFlip,
     alie_z,
     flip_labels,
-    make_attack,
 )
+from partialfl.build import make_attack
+from partialfl.build import names as _names
 
 
 def data(h=7, b=3, d=4, seed=0):
@@ -139,7 +139,7 @@ def test_attacks_without_visible_good_clients_use_own():
 
 
 def test_make_attack_and_errors():
-    for name in ATTACKS:
+    for name in _names("attack"):
         att = make_attack(name)
         honest, own = data()
         out = att(honest, own, np.random.default_rng(0))

@@ -8,13 +8,12 @@ import numpy as np
 import pytest
 
 from partialfl import rng as prng
-from partialfl.aggregation import Mean, bind, drop_nonfinite, make_aggregator
+from partialfl.aggregation import Mean, bind, drop_nonfinite
 from partialfl.algorithms import FFGG, LocalGD, Scaffold
 from partialfl.algorithms.asynchronous import joint_sgd
 from partialfl.algorithms.base import RoundContext
 from partialfl.algorithms.byzantine import ByzantineConfig, ByzantineRobust, br_ffgg
-from partialfl.attacks import ATTACKS, make_attack
-from partialfl.local import make_solver
+from partialfl.build import make_aggregator, make_attack, make_solver, names
 from partialfl.problems.least_squares import LeastSquaresProblem, generate_raw
 from partialfl.problems.overpersonalized import OverpersonalizedLeastSquares
 from partialfl.runtime import BatchedBackend, SequentialBackend, run_rounds
@@ -264,7 +263,7 @@ def test_the_robustness_check_catches_the_mean():
         with warnings.catch_warnings():
             warnings.simplefilter("ignore", RuntimeWarning)
             assert _ratio(agg, 0.2, make_attack(name, **kw)) > 10 * C_ROBUST
-    assert set(ATTACKS) == {n for n, _ in ROBUSTNESS_ATTACKS}  # every attack is covered
+    assert set(names("attack")) == {n for n, _ in ROBUSTNESS_ATTACKS}  # every attack is covered
 
 
 # ------------------------------------------------------------------ convergence

@@ -143,13 +143,13 @@ def test_version(capsys):
 
 
 def test_reproduce_help_lists_every_name_and_says_what_quick_does(capsys):
-    from partialfl.experiments import REPRODUCTIONS
+    from partialfl.build import REGISTRY
 
     with pytest.raises(SystemExit) as e:
         main(["reproduce", "--help"])
     assert e.value.code == 0
     out = " ".join(capsys.readouterr().out.split())
-    for name in REPRODUCTIONS:
+    for name in REGISTRY["reproduction"]:
         assert f" {name} " in out
     assert "(what CI runs)" not in out
     assert "reduced size (fewer clients, rounds and seeds)" in out

@@ -14,10 +14,11 @@ from partialfl.aggregation import CoordinateMedian
 from partialfl.algorithms import Scaffold
 from partialfl.algorithms.byzantine import ByzantineRobust
 from partialfl.algorithms.model import model_ffgg
+from partialfl.build import make_backend
 from partialfl.evaluation import round_evaluator
 from partialfl.local.sgd import SGDConfig
 from partialfl.problems.least_squares import LeastSquaresProblem
-from partialfl.runtime import SequentialBackend, make_backend, run_rounds
+from partialfl.runtime import SequentialBackend, run_rounds
 from partialfl.runtime.cohort_pool import ProcessBackend, WorkerError
 from partialfl.server import SGD
 

@@ -8,9 +8,9 @@ import numpy as np
 import pytest
 import torch
 
+from partialfl.build import make_model
 from partialfl.data import DataFormatError
 from partialfl.data.har import channel_mean_std, load_hapt, standardize, window_starts
-from partialfl.models import make_model
 from partialfl.split import make_split
 
 

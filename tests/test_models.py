@@ -6,7 +6,8 @@ import pytest
 import torch
 from torch import nn
 
-from partialfl.models import MODELS, EmnistCNN, LeafCNN, ResNet18GN, load_pretrained, make_model
+from partialfl.build import make_model, names
+from partialfl.models import EmnistCNN, LeafCNN, ResNet18GN, load_pretrained
 from partialfl.models.resnet import PretrainedWeightsError
 
 
@@ -119,7 +120,8 @@ def test_make_model_seeding_and_errors():
         make_model("emnist_cnn", 0)
     with pytest.raises(ValueError, match="variant"):
         ResNet18GN(62, variant="cifar")  # type: ignore[arg-type]
-    assert set(MODELS) == {"emnist_cnn", "leaf_cnn", "har_cnn", "resnet18_emnist", "resnet18_224"}
+    assert set(names("model")) == {"emnist_cnn", "leaf_cnn", "har_cnn", "resnet18_emnist",
+                                   "resnet18_224", "transformer"}
 
 
 @pytest.mark.parametrize("name", ["emnist_cnn", "resnet18_emnist"])

@@ -11,7 +11,6 @@ import pytest
 from _byzfl import load_byzfl
 
 from partialfl.aggregation import (
-    AGGREGATORS,
     ARC,
     CAF,
     MDA,
@@ -28,7 +27,6 @@ from partialfl.aggregation import (
     StaticClipping,
     TrimmedMean,
     aggregate_tree,
-    make_aggregator,
 )
 from partialfl.aggregation.common import gram, sq_dists
 from partialfl.attacks import (
@@ -38,8 +36,9 @@ from partialfl.attacks import (
     OptimizedALIE,
     OptimizedIPM,
     line_search,
-    make_attack,
 )
+from partialfl.build import make_aggregator, make_attack
+from partialfl.build import names as _names
 
 BYZFL = load_byzfl()
 needs_byzfl = pytest.mark.skipif(BYZFL is None, reason="byzfl (reference library) not installed")
@@ -159,7 +158,7 @@ NEW_RULES = {
     "smea": SMEA(0.2), "arc-cm": ARC(CoordinateMedian(), 0.2),
     "clip-cm": StaticClipping(CoordinateMedian(), c=1e3),
 }
-ALL_RULES = {**{n: make_aggregator(n, delta=0.2) for n in AGGREGATORS if n != "mean"},
+ALL_RULES = {**{n: make_aggregator(n, delta=0.2) for n in _names("aggregator") if n != "mean"},
              **NEW_RULES}
 
 
@@ -280,7 +279,7 @@ def test_byzantine_wrapper_hands_the_defence_to_optimized_attacks():
     from partialfl.algorithms.base import RoundContext
     from partialfl.algorithms.byzantine import ByzantineConfig, ByzantineRobust
     from partialfl.algorithms.ffgg import FFGG
-    from partialfl.local import make_solver
+    from partialfl.build import make_solver
     from partialfl.types import ClientUpdates
 
     agg = CoordinateMedian()

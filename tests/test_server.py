@@ -5,7 +5,8 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from partialfl.server import SGD, Adam, Schedule, make_optimizer
+from partialfl.build import make_optimizer
+from partialfl.server import SGD, Adam, Schedule
 
 
 def test_sgd_and_momentum():

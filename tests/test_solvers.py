@@ -7,7 +7,8 @@ import pytest
 from conftest import SMALL, rel
 from scipy.sparse.linalg import LinearOperator, cg
 
-from partialfl.local import ConjugateGradient, ExactSolver, GradientDescent, make_solver
+from partialfl.build import make_solver
+from partialfl.local import ConjugateGradient, ExactSolver, GradientDescent
 from partialfl.problems import GeneralizedLinearProblem, LeastSquaresProblem
 
 THETA = {"theta": np.linspace(-0.5, 1.5, SMALL.d_theta)}

@@ -7,7 +7,7 @@ import torch
 from _nn_toy import ToyNet, one_thread, toy_model
 from torch import nn
 
-from partialfl.models import make_model
+from partialfl.build import make_model
 from partialfl.split import (
     SPLIT_KINDS,
     ConvAdapter,

@@ -372,36 +372,6 @@ class Mimic:
         return np.repeat(ref[self.choose(ref)][None], len(own), 0)
 
 
-ATTACKS: dict[str, tuple[type, tuple[str, ...]]] = {
-    "none": (NoAttack, ()),
-    "alie": (ALIE, ("z", "ddof")),
-    "ipm": (IPM, ("epsilon",)),
-    "alie-opt": (OptimizedALIE, ("aggregator", "evals", "start", "step", "ratio", "ddof")),
-    "ipm-opt": (OptimizedIPM, ("aggregator", "evals", "start", "step", "ratio")),
-    "inf": (Inf, ()),
-    "sign-flip": (SignFlip, ()),
-    "gaussian": (GaussianNoise, ("sigma", "center")),
-    "bit-flip": (BitFlip, ("bits", "fraction")),
-    "mimic": (Mimic, ("target",)),
-}
-
-
-def make_attack(name: str, **kw) -> Attack:
-    """Build an attack by name: none, alie, ipm, alie-opt, ipm-opt, inf, sign-flip, gaussian,
-    bit-flip, mimic."""
-    if name == "label-flip":
-        raise ValueError("label flipping acts on the data, not on updates: apply "
-                         "partialfl.attacks.flip_labels to the Byzantine clients' labels")
-    if name not in ATTACKS:
-        raise ValueError(f"unknown attack {name!r}; allowed: {', '.join(ATTACKS)}")
-    cls, allowed = ATTACKS[name]
-    bad = sorted(set(kw) - set(allowed))
-    if bad:
-        raise ValueError(f"attack {name!r} got unknown option(s) {', '.join(bad)}; allowed: "
-                         f"{', '.join(allowed) or 'none'}")
-    return cls(**kw)
-
-
 def flip_labels(labels, num_classes: int, mode: str = "reverse", shift: int = 1):
     """Label flipping for classification data: y ↦ C − 1 − y (``"reverse"``) or
     y ↦ (y + shift) mod C (``"shift"``). Works on numpy arrays and torch tensors."""

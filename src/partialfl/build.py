@@ -77,11 +77,14 @@ def _cf_l2gd(a, opt):
     return alg
 
 
-def _solver(name: str):
+def _solver(cls_name: str, *fields: str):
+    """A local solver class of :mod:`partialfl.local.solvers`, given the ``fields`` it takes of
+    ``(tau, lr, init)``."""
     def make(tau, lr, init):
-        from partialfl.local.solvers import make_solver as solver
+        from partialfl.local import solvers
 
-        return solver(name, tau, lr, init)
+        given = {"tau": tau, "lr": lr, "init": init}
+        return getattr(solvers, cls_name)(**{f: given[f] for f in fields})
     return make
 
 
@@ -136,11 +139,15 @@ def _split(model, kind, options):
     return make_split(model, kind, **dict(options))
 
 
-def _registry_model(name):
+def _registry_model(module: str, attr: str):
+    """A model class or factory ``module.attr`` (called as ``attr(num_classes=C, **options)``),
+    initialised from (seed, model init) by :func:`partialfl.models.seeded`."""
     def make(num_classes, seed, data=None, **options):
-        from partialfl.models import make_model
+        from partialfl.models import seeded
 
-        return make_model(name, num_classes, seed=seed, **options)
+        return seeded(getattr(importlib.import_module(module), attr), num_classes, seed,
+                      **options)
+    make.__qualname__ = f"{module}.{attr}"
     return make
 
 
@@ -158,11 +165,11 @@ def _transformer(num_classes, seed, data=None, **options):
         return TransformerLM(cfg)
 
 
-def _optimizer(name: str):
+def _optimizer(cls_name: str):
     def make(lr, schedule=None, **kw):
-        from partialfl.server import make_optimizer as optimizer
+        from partialfl import server
 
-        return optimizer(name, lr, schedule, **kw)
+        return getattr(server, cls_name)(lr=lr, schedule=schedule or server.Schedule(), **kw)
     return make
 
 
@@ -189,18 +196,64 @@ def _schedule(kind: str):
     return make
 
 
-def _aggregator(name: str):
-    def make(**kw):
-        from partialfl.aggregation import make_aggregator
+@dataclass(frozen=True)
+class _Rule:
+    """An aggregation rule: its class in :mod:`partialfl.aggregation.rules` (or ``basic``),
+    the keyword options it accepts besides δ and the wrappers', and fixed defaults."""
 
-        return make_aggregator(name, **kw)
-    return make
+    module: str
+    cls: str
+    options: tuple[str, ...] = ()
+    defaults: tuple[tuple[str, Any], ...] = ()
+
+    def __call__(self, name: str, **kw):
+        from partialfl.aggregation.compose import compose
+
+        cls = getattr(importlib.import_module(self.module), self.cls)
+        return compose(name, cls, self.options, dict(self.defaults), **kw)
 
 
-def _model_names() -> dict[str, Callable]:
-    from partialfl.models import MODELS
+def _rule(cls: str, *options: str, **defaults) -> _Rule:
+    module = "partialfl.aggregation." + ("basic" if cls == "Mean" else "rules")
+    return _Rule(module, cls, options, tuple(defaults.items()))
 
-    return {name: _registry_model(name) for name in MODELS}
+
+@dataclass(frozen=True)
+class _Attack:
+    """A Byzantine attack class of :mod:`partialfl.attacks` and the options it accepts."""
+
+    cls: str
+    options: tuple[str, ...] = ()
+
+    def __call__(self, name: str, **kw):
+        from partialfl import attacks
+
+        bad = sorted(set(kw) - set(self.options))
+        if bad:
+            raise ValueError(f"attack {name!r} got unknown option(s) {', '.join(bad)}; "
+                             f"allowed: {', '.join(self.options) or 'none'}")
+        return getattr(attacks, self.cls)(**kw)
+
+
+@dataclass(frozen=True)
+class Reproduction:
+    """A reproduction (``partialfl reproduce NAME``): ``module.function`` and a one-line
+    description."""
+
+    module: str
+    function: str
+    description: str
+
+    def load(self) -> Callable:
+        """The reproduce function (NotImplementedError when its module does not exist)."""
+        try:
+            mod = importlib.import_module(self.module)
+        except ModuleNotFoundError as e:
+            if e.name == self.module:
+                raise NotImplementedError(f"reproduction module {self.module} is not "
+                                          "implemented yet") from e
+            raise
+        return getattr(mod, self.function)
 
 
 def preset_entry(preset) -> Callable:
@@ -226,23 +279,37 @@ def _presets() -> dict[str, Any]:
     return {name: preset_entry(p) for name, p in PRESETS.items()}
 
 
-#: kind → name → factory: the names every spec may use, in one table (solvers and server
-#: optimizers are built by their modules' own ``make_solver`` / ``make_optimizer``).
+_E = "partialfl.experiments."
+
+#: kind → name → factory: every name a spec, a config, the command line or the API may use,
+#: in one table. Lower modules keep their classes; only this table maps names to them.
 REGISTRY: dict[str, dict[str, Any]] = {
     "problem": {"least-squares": _least_squares, "glm": _glm},
     "closed-form-algorithm": {"ffgg": _cf_ffgg, "local-gd": _cf_local_gd,
                               "scaffold": _cf_scaffold, "l2gd": _cf_l2gd},
-    "solver": {k: _solver(k) for k in ("gd", "cg", "exact")},
+    "solver": {"gd": _solver("GradientDescent", "tau", "lr", "init"),
+               "cg": _solver("ConjugateGradient", "tau", "init"),
+               "exact": _solver("ExactSolver")},
     "algorithm": {"fedavg": _m_fedavg, "ffgg": _m_ffgg, "local-ffgg": _m_local_ffgg,
                   "fedalt": _m_alternating("FedAlt"), "fedsim": _m_alternating("FedSim"),
                   "ditto": _m_ditto, "local": _m_local},
     "preset": {},  # filled by _presets() on first use
     "split": {k: _split for k in ("none", "input", "output", "adapter", "norm", "pattern")},
-    "model": {**_model_names(), "transformer": _transformer},
+    "model": {"emnist_cnn": _registry_model("partialfl.models.cnn", "EmnistCNN"),
+              "leaf_cnn": _registry_model("partialfl.models.cnn", "LeafCNN"),
+              "har_cnn": _registry_model("partialfl.models.har", "HarCNN"),
+              "resnet18_emnist": _registry_model("partialfl.models.resnet", "resnet18_emnist"),
+              "resnet18_224": _registry_model("partialfl.models.resnet", "resnet18_224"),
+              "transformer": _transformer},
     "dataset": {"femnist": _lazy("partialfl.data.sources", "femnist"),
                 "shakespeare": _lazy("partialfl.data.sources", "shakespeare"),
                 "folder": _lazy("partialfl.data.sources", "folder"),
                 "hf-disk": _lazy("partialfl.data.sources", "hf_disk")},
+    # `partialfl data convert FORMAT`: the loaders of partialfl.data.convert
+    "data-format": {k: _lazy("partialfl.data.convert", f) for k, f in (
+        ("femnist-npz", "from_femnist_npz"), ("leaf-json", "from_leaf_json"),
+        ("tff-emnist", "from_tff_emnist"), ("shakespeare", "from_shakespeare"),
+        ("stackoverflow", "from_stackoverflow"), ("gldv2", "from_gldv2"))},
     "partitioner": {"iid": _flwr_partitioner("IidPartitioner"),
                     "dirichlet": _flwr_partitioner("DirichletPartitioner", alpha="alpha",
                                                    min_partition_size=0),
@@ -255,14 +322,65 @@ REGISTRY: dict[str, dict[str, Any]] = {
                 "vmap": _lazy("partialfl.runtime.backends", "BatchedBackend"),
                 "batched": _lazy("partialfl.runtime.backends", "BatchedBackend"),
                 "processes": _lazy("partialfl.runtime.cohort_pool", "ProcessBackend")},
-    "optimizer": {k: _optimizer(k) for k in ("sgd", "adam")},
+    "optimizer": {"sgd": _optimizer("SGD"), "adam": _optimizer("Adam")},
     "schedule": {k: _schedule(k) for k in ("constant", "warmup-linear", "exponential")},
-    "aggregator": {k: _aggregator(k) for k in ("mean", "cm", "tm", "gm", "krum",
-                                                 "multi-krum", "cc")},
+    "aggregator": {"mean": _rule("Mean", "weighted"), "cm": _rule("CoordinateMedian"),
+                   "tm": _rule("TrimmedMean"),
+                   "gm": _rule("GeometricMedian", "nu", "tol", "max_iter", "weighted"),
+                   "krum": _rule("Krum", "cap"), "multi-krum": _rule("Krum", "m", "cap", m=None),
+                   "cc": _rule("CenteredClipping", "tau", "tau_scale", "iters", "init"),
+                   "mda": _rule("MDA", "max_subsets"), "monna": _rule("MoNNA", "index"),
+                   "meamed": _rule("Meamed"), "caf": _rule("CAF"),
+                   "smea": _rule("SMEA", "max_subsets")},
+    # other names of aggregation rules (name → the rule's name above)
+    "aggregator-alias": {"median": "cm", "coordinate-median": "cm", "trimmed-mean": "tm",
+                         "geometric-median": "gm", "geomed": "gm", "rfa": "gm",
+                         "centered-clipping": "cc", "multikrum": "multi-krum",
+                         "minimum-diameter": "mda"},
+    "attack": {"none": _Attack("NoAttack"), "alie": _Attack("ALIE", ("z", "ddof")),
+               "ipm": _Attack("IPM", ("epsilon",)),
+               "alie-opt": _Attack("OptimizedALIE", ("aggregator", "evals", "start", "step",
+                                                     "ratio", "ddof")),
+               "ipm-opt": _Attack("OptimizedIPM", ("aggregator", "evals", "start", "step",
+                                                   "ratio")),
+               "inf": _Attack("Inf"), "sign-flip": _Attack("SignFlip"),
+               "gaussian": _Attack("GaussianNoise", ("sigma", "center")),
+               "bit-flip": _Attack("BitFlip", ("bits", "fraction")),
+               "mimic": _Attack("Mimic", ("target",))},
     "loss": {"cross-entropy": cross_entropy,
              "token-cross-entropy": _lazy("partialfl.lm", "token_cross_entropy")},
     "metric": {"accuracy": lambda: accuracy,
                "next-word-accuracy": _lazy("partialfl.lm", "NextWordAccuracy")},
+    # `partialfl reproduce NAME`
+    "reproduction": {
+        "ls-tau": Reproduction(_E + "least_squares", "reproduce_tau",
+                               "Figure 1(a): FFGG with CG, tau in {1,5,10,20,30,40} on least "
+                               "squares"),
+        "ls-compare": Reproduction(_E + "least_squares", "reproduce_compare",
+                                   "Figure 1(b-d): FFGG (GD) vs Scaffold, Local GD, L2GD, tau "
+                                   "in {100,200,500}"),
+        "femnist-table": Reproduction(_E + "femnist", "reproduce_table",
+                                      "Table 2 (FEMNIST): FedAvg vs FFGG splits, Local FFGG, "
+                                      "FedAlt/FedSim"),
+        "femnist-kfold": Reproduction(_E + "femnist", "reproduce_kfold",
+                                      "FEMNIST new writers by k-fold over writers (--folds K): "
+                                      "FedAvg vs FFGG"),
+        "shakespeare-table": Reproduction(_E + "shakespeare", "reproduce_table",
+                                          "Next-word prediction by role: FedAvg vs FFGG splits "
+                                          "(transformer)"),
+        "har-table": Reproduction(_E + "har", "reproduce_table",
+                                  "Activity recognition by subject (HAPT): local, FedAvg(+FT), "
+                                  "FFGG splits, Ditto"),
+        "async": Reproduction(_E + "asynchronous", "reproduce_async",
+                              "Asynchronous FFGG vs sync FFGG, FedBuff, async SGD on least "
+                              "squares"),
+        "byzantine": Reproduction(_E + "byzantine", "reproduce_byzantine",
+                                  "Byzantine-robust FFGG: attacks x aggregators (+bucketing) "
+                                  "on least squares"),
+        "faults": Reproduction(_E + "faults", "reproduce_faults",
+                               "Fault injection: FFGG with 0-30% of clients raising / NaN / "
+                               "dying workers"),
+    },
 }
 
 
@@ -311,27 +429,96 @@ def parse_lr(lr: float | str, L: float | None, key: str = "server.lr") -> float:
     return value
 
 
-def make_optimizer(name: str, lr: float, schedule=None, **kw):
-    """Server optimizer ``name`` (``sgd``, ``adam``) with stepsize ``lr`` and a schedule."""
-    from partialfl.server import Schedule
+def _entry(kind: str, name: str, what: str):
+    """``REGISTRY[kind][name]``, or a ValueError ``unknown WHAT 'name'; allowed: …``."""
+    if name not in REGISTRY[kind]:
+        raise ValueError(f"unknown {what} {name!r}; allowed: {', '.join(names(kind))}")
+    return REGISTRY[kind][name]
 
-    if name not in REGISTRY["optimizer"]:
-        raise ValueError(f"unknown server optimizer {name!r}; allowed: "
-                         f"{', '.join(names('optimizer'))}")
-    return REGISTRY["optimizer"][name](lr, schedule or Schedule(), **kw)
+
+def make_optimizer(name: str, lr: float, schedule=None, **kw):
+    """Server optimizer ``name`` (``sgd``: :class:`~partialfl.server.SGD`, ``adam``:
+    :class:`~partialfl.server.Adam`) with stepsize ``lr``, a schedule and extra keyword
+    options (e.g. ``momentum``)."""
+    return _entry("optimizer", name, "server optimizer")(lr, schedule, **kw)
 
 
 def make_solver(name: str, tau: int = 1, lr: float | None = None, init: str = "zero"):
-    """Local solver ``name`` (``gd`` = Algorithm 2, ``cg``, ``exact``)."""
-    if name not in REGISTRY["solver"]:
-        raise ValueError(f"unknown local solver {name!r}; allowed: {', '.join(names('solver'))}")
-    return REGISTRY["solver"][name](tau, lr, init)
+    """Local solver ``name`` (``gd`` = Algorithm 2, ``cg``, ``exact``;
+    :mod:`partialfl.local.solvers`)."""
+    return _entry("solver", name, "local solver")(tau, lr, init)
+
+
+def make_backend(name: str):
+    """A cohort backend by name (as :func:`build_backend`, with a ValueError)."""
+    return _entry("backend", name, "backend")()
 
 
 def build_backend(name: str):
     """How a cohort runs: ``sequential`` (one client at a time), ``vmap`` / ``batched`` (the
     whole cohort at once) or ``processes`` (clients over CPU worker processes)."""
     return lookup("backend", name, "backend")()
+
+
+def make_aggregator(name: str, **kw: Any):
+    """An aggregation rule by name, e.g. ``make_aggregator("krum", delta=0.2, bucketing=2)``
+    (built with its wrappers by :func:`partialfl.aggregation.compose.compose`).
+
+    Rules: mean, cm, tm, gm, krum, multi-krum, cc, mda, monna, meamed, caf, smea (aliases:
+    median, trimmed-mean, geometric-median, centered-clipping, …). Wrappers: ``bucketing=s``
+    (s ≥ 2; 1 = none), ``nnm=True`` (nearest-neighbour mixing), ``arc=True`` (adaptive
+    robust clipping), ``clip=c`` (static clipping to norm c), ``seed`` (bucketing randomness).
+    ``delta``: the fraction of Byzantine clients (default: the rule's own default δ).
+    """
+    key = REGISTRY["aggregator-alias"].get(name, name)
+    if key not in REGISTRY["aggregator"]:
+        raise ValueError(f"unknown aggregator {name!r}; allowed: "
+                         f"{', '.join(names('aggregator'))}")
+    return REGISTRY["aggregator"][key](key, **kw)
+
+
+def make_attack(name: str, **kw):
+    """A Byzantine attack by name (:mod:`partialfl.attacks`): none, alie, ipm, alie-opt,
+    ipm-opt, inf, sign-flip, gaussian, bit-flip, mimic."""
+    if name == "label-flip":
+        raise ValueError("label flipping acts on the data, not on updates: apply "
+                         "partialfl.attacks.flip_labels to the Byzantine clients' labels")
+    return _entry("attack", name, "attack")(name, **kw)
+
+
+def make_model(name: str, num_classes: int, *, seed: int | None = None, **kw: Any):
+    """Registry model ``name`` with ``num_classes`` outputs; extra keywords go to its
+    constructor. Names may use hyphens instead of underscores (``"leaf-cnn"``).
+
+    With ``seed`` the initial weights are drawn from ``partialfl.rng.torch_seed(seed,
+    "model_init")`` inside ``torch.random.fork_rng`` (the global torch RNG is left untouched);
+    without it they come from the global torch RNG. For ``resnet18_224``, ``pretrained=PATH``
+    loads a state_dict file (see :func:`partialfl.models.resnet.load_pretrained`).
+    """
+    key = name.replace("-", "_")
+    allowed = sorted(k for k in REGISTRY["model"] if k != "transformer")
+    if key not in allowed:
+        raise ValueError(f"unknown model {name!r}; available: {', '.join(allowed)}")
+    return REGISTRY["model"][key](num_classes, seed, **kw)
+
+
+def convert_data(fmt: str, inp, out, **kw) -> Path:
+    """``partialfl data convert``: read ``inp`` in format ``fmt`` (kind ``data-format``) and
+    write an on-disk client store at ``out`` (:func:`partialfl.data.convert.convert`)."""
+    from partialfl.data.convert import convert
+
+    return convert(_entry("data-format", fmt, "data format"), inp, out, fmt=fmt, **kw)
+
+
+def get_reproduction(name: str) -> Callable:
+    """The reproduce function of ``name``; a clear error for unknown or unavailable names."""
+    if name not in REGISTRY["reproduction"]:
+        raise ValueError(f"unknown reproduction {name!r}; allowed: "
+                         f"{', '.join(sorted(REGISTRY['reproduction']))}")
+    try:
+        return REGISTRY["reproduction"][name].load()
+    except NotImplementedError:
+        raise NotImplementedError(f"reproduction {name!r} is not implemented yet") from None
 
 
 def build_server_opt(server, rounds: int, L: float | None = None, auto_lr: float = 1.0):
@@ -629,7 +816,8 @@ def resolve_path(path: str, base: Path | None) -> Path:
     return p if p.is_absolute() or base is None else base / p
 
 
-__all__ = ["REGISTRY", "ClosedFormRun", "Task", "TrainRun", "build", "build_algorithm",
-           "build_closed_form_algorithm", "build_data", "build_model", "build_problem",
-           "build_server_opt", "build_split", "lookup", "make_optimizer", "make_solver",
-           "names", "parse_lr"]
+__all__ = ["REGISTRY", "ClosedFormRun", "Reproduction", "Task", "TrainRun", "build",
+           "build_algorithm", "build_backend", "build_closed_form_algorithm", "build_data",
+           "build_model", "build_problem", "build_server_opt", "build_split", "convert_data",
+           "get_reproduction", "lookup", "make_aggregator", "make_attack", "make_backend",
+           "make_model", "make_optimizer", "make_solver", "names", "parse_lr"]

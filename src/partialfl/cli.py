@@ -15,11 +15,12 @@ from partialfl.runtime.faults import ClientFaultError
 
 
 def _cmd_list(args) -> int:
-    from partialfl.experiments import REPRODUCTIONS
+    from partialfl.build import REGISTRY
 
-    width = max(map(len, REPRODUCTIONS))
-    for name, (_, _, desc) in REPRODUCTIONS.items():
-        print(f"{name:<{width}}  {desc}")
+    reps = REGISTRY["reproduction"]
+    width = max(map(len, reps))
+    for name, rep in reps.items():
+        print(f"{name:<{width}}  {rep.description}")
     return 0
 
 
@@ -153,17 +154,18 @@ def _cmd_report(args) -> int:
 
 
 def _reproductions_epilog() -> str:
-    from partialfl.experiments import REPRODUCTIONS
+    from partialfl.build import REGISTRY
 
-    width = max(map(len, REPRODUCTIONS))
+    reps = REGISTRY["reproduction"]
+    width = max(map(len, reps))
     return "reproductions (NAME):\n" + "\n".join(
-        f"  {name:<{width}}  {desc}" for name, (_, _, desc) in REPRODUCTIONS.items())
+        f"  {name:<{width}}  {rep.description}" for name, rep in reps.items())
 
 
 def _cmd_data_convert(args) -> int:
     import json
 
-    from partialfl.data.convert import convert
+    from partialfl.build import convert_data
     from partialfl.data.store import open_store
 
     options = {}
@@ -175,7 +177,7 @@ def _cmd_data_convert(args) -> int:
             options[key] = json.loads(value)
         except json.JSONDecodeError:
             options[key] = value
-    path = convert(args.format, args.input, args.out, images=args.images,
+    path = convert_data(args.format, args.input, args.out, images=args.images,
                    max_clients=args.max_clients, options=options, overwrite=args.overwrite,
                    progress=not args.no_progress)
     print(f"wrote {open_store(path)!r}")
@@ -183,12 +185,12 @@ def _cmd_data_convert(args) -> int:
 
 
 def _add_data_commands(sub) -> None:
-    from partialfl.data.convert import FORMATS
+    from partialfl.build import names
 
     d = sub.add_parser("data", help="data utilities (on-disk client stores)")
     dsub = d.add_subparsers(dest="data_command", required=True)
     s = dsub.add_parser("convert", help="write a federation as an on-disk client store")
-    s.add_argument("format", choices=list(FORMATS))
+    s.add_argument("format", choices=names("data-format"))
     s.add_argument("input", help="the loader's file or folder (see partialfl.data.convert)")
     s.add_argument("out", help="the store folder to create")
     s.add_argument("--images", help="image folder (gldv2)")

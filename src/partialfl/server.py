@@ -121,20 +121,6 @@ class Adam:
         return new, {"m": m, "v": v, "t": t}
 
 
-OPTIMIZERS = ("sgd", "adam")
-
-
-def make_optimizer(name: str, lr: float, schedule: Schedule | None = None, **kw) -> SGD | Adam:
-    """The server optimizer ``name`` (one of :data:`OPTIMIZERS`) with stepsize ``lr``, a
-    ``schedule`` and extra keyword options (e.g. ``momentum``)."""
-    schedule = schedule or Schedule()
-    if name == "sgd":
-        return SGD(lr=lr, schedule=schedule, **kw)
-    if name == "adam":
-        return Adam(lr=lr, schedule=schedule, **kw)
-    raise ValueError(f"unknown server optimizer {name!r}; allowed: {', '.join(OPTIMIZERS)}")
-
-
 @dataclass(frozen=True)
 class Clipped:
     """Gradient-norm clipping of the server's pseudo-gradient before ``inner``'s step:

@@ -163,7 +163,7 @@ class RunConfig:
             raise ConfigError(f"run.rounds must be >= 0, got {self.rounds}")
         if self.eval_every < 1:
             raise ConfigError(f"run.eval_every must be >= 1, got {self.eval_every}")
-        check_choice("run.backend", self.backend, ("batched", "sequential", "processes"))
+        check_choice("run.backend", self.backend, [b for b in names("backend") if b != "vmap"])
 
 
 @dataclass(frozen=True)
@@ -280,7 +280,8 @@ class MethodConfig:
         return s + ("-stateless" if self.stateless else "")
 
 
-BACKENDS = ("sequential", "vmap", "processes")
+#: a pipeline's backends (the registry's; "batched" is the closed-form name of "vmap")
+BACKENDS = tuple(b for b in names("backend") if b != "batched")
 _DEVICE = re.compile(r"cpu|cuda(:\d+)?|mps|auto")
 
 

@@ -3,8 +3,9 @@
 The server applies an aggregator to the stacked θ-vectors its cohort sent. ``mean`` is the
 default (:mod:`~partialfl.aggregation.basic`); robust rules (for Byzantine-robust FFGG,
 Algorithm 5) are in :mod:`~partialfl.aggregation.rules`, the wrappers (bucketing, NNM, ARC,
-static clipping) in :mod:`~partialfl.aggregation.wrappers`, the names in
-:mod:`~partialfl.aggregation.registry`, shared helpers in :mod:`~partialfl.aggregation.common`.
+static clipping) in :mod:`~partialfl.aggregation.wrappers`, a rule with its wrappers in
+:mod:`~partialfl.aggregation.compose` (by name: :func:`partialfl.build.make_aggregator`),
+shared helpers in :mod:`~partialfl.aggregation.common`.
 """
 
 from partialfl.aggregation.basic import Aggregator, Mean, aggregate_tree
@@ -15,7 +16,7 @@ from partialfl.aggregation.common import (
     finite_rows,
     to_numpy,
 )
-from partialfl.aggregation.registry import AGGREGATORS, PRE_AGGREGATORS, make_aggregator
+from partialfl.aggregation.compose import PRE_AGGREGATORS, compose
 from partialfl.aggregation.rules import (
     CAF,
     MDA,
@@ -31,7 +32,6 @@ from partialfl.aggregation.rules import (
 from partialfl.aggregation.wrappers import ARC, Bucketing, NearestNeighborMixing, StaticClipping
 
 __all__ = [
-    "AGGREGATORS",
     "ARC",
     "CAF",
     "MDA",
@@ -54,6 +54,6 @@ __all__ = [
     "bind",
     "drop_nonfinite",
     "finite_rows",
-    "make_aggregator",
+    "compose",
     "to_numpy",
 ]

@@ -1,9 +1,8 @@
 """Compatibility: the robust rules moved to :mod:`partialfl.aggregation.rules`, NNM to
-:mod:`partialfl.aggregation.wrappers` and the factory to :mod:`partialfl.aggregation.registry`
-(import from :mod:`partialfl.aggregation`)."""
+:mod:`partialfl.aggregation.wrappers` and the factory to :func:`partialfl.build.make_aggregator`
+(import the classes from :mod:`partialfl.aggregation`)."""
 
 from partialfl.aggregation.common import bind, drop_nonfinite, finite_rows, to_numpy
-from partialfl.aggregation.registry import AGGREGATORS, make_aggregator
 from partialfl.aggregation.rules import (
     CenteredClipping,
     CoordinateMedian,
@@ -13,6 +12,6 @@ from partialfl.aggregation.rules import (
 )
 from partialfl.aggregation.wrappers import NearestNeighborMixing
 
-__all__ = ["AGGREGATORS", "CenteredClipping", "CoordinateMedian", "GeometricMedian", "Krum",
+__all__ = ["CenteredClipping", "CoordinateMedian", "GeometricMedian", "Krum",
            "NearestNeighborMixing", "TrimmedMean", "bind", "drop_nonfinite", "finite_rows",
-           "make_aggregator", "to_numpy"]
+           "to_numpy"]

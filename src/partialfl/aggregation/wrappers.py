@@ -7,7 +7,7 @@
   Byzantine input, which makes CM, GM, Krum, … (δ, c)-robust on heterogeneous data for
   δ ≤ δ_max / s. The permutation comes from ``partialfl.rng.generator(seed, "bucketing",
   round)``, bound per round with :meth:`Bucketing.bind`. The inner rule's δ is the fraction
-  of Byzantine *bucket means* (:func:`~partialfl.aggregation.registry.make_aggregator` gives
+  of Byzantine *bucket means* (:func:`~partialfl.build.make_aggregator` gives
   it s·δ for a fraction δ of Byzantine clients).
 * :class:`NearestNeighborMixing` (Allouah et al., 2023): every x_i is replaced by the average
   of its k − f nearest inputs (itself included), f = ⌊δk⌋.

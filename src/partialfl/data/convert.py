@@ -1,6 +1,7 @@
 """``partialfl data convert``: any supported loader's federation → an on-disk client store.
 
-Each format reads its real files with the library's loader (same preprocessing as in memory:
+Each format (by name: :func:`partialfl.build.convert_data`; here the ``from_*`` functions)
+reads its real files with the library's loader (same preprocessing as in memory:
 FEMNIST normalisation, text vocabularies and sequence encoding, GLDv2 resizing) and writes the
 result with :func:`partialfl.data.store.write_store` (atomic). Text formats also record the
 vocabulary (``meta["vocab"]``, the regular words in id order) and ``meta["seq_len"]``.
@@ -33,40 +34,40 @@ def _text(fed) -> FederatedDataset:
                             ds.num_classes, ds.description, meta)
 
 
-def _femnist_npz(inp: Path, max_clients, images, opts):
+def from_femnist_npz(inp: Path, max_clients, images, opts):
     from partialfl.data.femnist import load_femnist_npz
 
     ds = load_femnist_npz(inp.parent, file_name=inp.name, **opts)
     return ds if max_clients is None else ds.subset(range(min(max_clients, ds.num_clients)))
 
 
-def _leaf(inp: Path, max_clients, images, opts):
+def from_leaf_json(inp: Path, max_clients, images, opts):
     from partialfl.data.leaf import load_leaf_femnist
 
     ds = load_leaf_femnist(inp, **opts)
     return ds if max_clients is None else ds.subset(range(min(max_clients, ds.num_clients)))
 
 
-def _tff(inp: Path, max_clients, images, opts):
+def from_tff_emnist(inp: Path, max_clients, images, opts):
     from partialfl.data.tff_emnist import load_tff_emnist_h5
 
     return load_tff_emnist_h5(inp, max_clients=max_clients, **opts)
 
 
-def _shakespeare(inp: Path, max_clients, images, opts):
+def from_shakespeare(inp: Path, max_clients, images, opts):
     from partialfl.data.shakespeare import load_shakespeare
 
     return _text(load_shakespeare(path=inp, max_clients=max_clients, **opts))
 
 
-def _stackoverflow(inp: Path, max_clients, images, opts):
+def from_stackoverflow(inp: Path, max_clients, images, opts):
     from partialfl.data.stackoverflow import PAPER_NUM_CLIENTS, load_stackoverflow
 
     return _text(load_stackoverflow(inp, num_clients=max_clients or PAPER_NUM_CLIENTS,
                                     **opts))
 
 
-def _gldv2(inp: Path, max_clients, images, opts):
+def from_gldv2(inp: Path, max_clients, images, opts):
     from partialfl.data.gldv2 import load_gldv2
 
     if images is None:
@@ -74,28 +75,18 @@ def _gldv2(inp: Path, max_clients, images, opts):
     return load_gldv2(inp, images, max_clients=max_clients, **opts)
 
 
-FORMATS: dict[str, Callable[..., FederatedDataset]] = {
-    "femnist-npz": _femnist_npz,
-    "leaf-json": _leaf,
-    "tff-emnist": _tff,
-    "shakespeare": _shakespeare,
-    "stackoverflow": _stackoverflow,
-    "gldv2": _gldv2,
-}
-
-
-def convert(fmt: str, inp: str | Path, out: str | Path, *, images: str | Path | None = None,
-            max_clients: int | None = None, options: dict | None = None,
-            overwrite: bool = False, progress: bool = False) -> Path:
-    """Load ``inp`` in format ``fmt`` (see the module docstring) and write a store at ``out``;
-    ``options`` are passed to the loader as keyword arguments (e.g. ``seq_len``)."""
-    if fmt not in FORMATS:
-        raise ValueError(f"unknown data format {fmt!r}; allowed: {', '.join(FORMATS)}")
+def convert(load: Callable[..., FederatedDataset], inp: str | Path, out: str | Path, *,
+            fmt: str = "", images: str | Path | None = None, max_clients: int | None = None,
+            options: dict | None = None, overwrite: bool = False,
+            progress: bool = False) -> Path:
+    """Load ``inp`` with ``load`` (one of the ``from_*`` loaders above; by format name:
+    :func:`partialfl.build.convert_data`) and write a store at ``out``; ``options`` are passed
+    to the loader as keyword arguments (e.g. ``seq_len``)."""
     if max_clients is not None and max_clients < 1:
         raise ValueError(f"max_clients must be >= 1, got {max_clients}")
     images = None if images is None else Path(images)
     try:
-        ds = FORMATS[fmt](Path(inp), max_clients, images, dict(options or {}))
+        ds = load(Path(inp), max_clients, images, dict(options or {}))
     except TypeError as e:
         if "unexpected keyword" in str(e):
             raise ValueError(f"format {fmt!r}: bad loader option ({e})") from None

@@ -40,8 +40,8 @@ from partialfl import io as pio
 from partialfl.algorithms.asynchronous import FedAsync, FedBuff, joint_sgd
 from partialfl.algorithms.ffgg import FFGG
 from partialfl.algorithms.joint import LocalGD
+from partialfl.build import make_solver
 from partialfl.experiments.report import REL_DIST2, STYLES, markdown_table, quick_note
-from partialfl.local import make_solver
 from partialfl.problems.overpersonalized import OverpersonalizedLeastSquares
 from partialfl.runtime import JsonlLogger, run_rounds
 from partialfl.runtime.asynchronous import (

@@ -33,14 +33,12 @@ from pathlib import Path
 import numpy as np
 
 from partialfl import io as pio
-from partialfl.aggregation import make_aggregator
 from partialfl.aggregation.common import count
 from partialfl.algorithms.asynchronous import joint_sgd
 from partialfl.algorithms.byzantine import ByzantineConfig, ByzantineRobust
 from partialfl.algorithms.ffgg import FFGG
-from partialfl.attacks import make_attack
+from partialfl.build import make_aggregator, make_attack, make_solver
 from partialfl.experiments.report import markdown_table, quick_note
-from partialfl.local import make_solver
 from partialfl.problems.overpersonalized import OverpersonalizedLeastSquares
 from partialfl.runtime import JsonlLogger, run_rounds
 from partialfl.server import SGD

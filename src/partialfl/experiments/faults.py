@@ -41,7 +41,7 @@ import numpy as np
 
 from partialfl import io as pio
 from partialfl.algorithms import FFGG
-from partialfl.local import make_solver
+from partialfl.build import make_solver
 from partialfl.problems.least_squares import LeastSquaresProblem, LeastSquaresSpec
 from partialfl.runtime import run_rounds
 from partialfl.runtime.asynchronous import run_async
@@ -223,9 +223,9 @@ def femnist_sync(size: Size, data_dir, seed: int) -> list[dict] | str:
     import torch
 
     from partialfl.algorithms.model import model_ffgg
+    from partialfl.build import make_model
     from partialfl.data import DataNotFoundError, load_femnist_npz
     from partialfl.local.sgd import SGDConfig
-    from partialfl.models import make_model
     from partialfl.problems.model import ModelProblem
     from partialfl.split import make_split
 

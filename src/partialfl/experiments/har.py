@@ -44,6 +44,7 @@ import numpy as np
 import torch
 
 from partialfl import io as pio
+from partialfl.build import make_model
 from partialfl.data.har import channel_mean_std, load_hapt, standardize
 from partialfl.experiments.pipeline import (
     ClientConfig,
@@ -68,7 +69,6 @@ from partialfl.experiments.report import (
     pipeline_plots,
     versus_fedavg,
 )
-from partialfl.models import make_model
 
 MODEL = "har_cnn"
 PRETRAIN_LR = 0.05

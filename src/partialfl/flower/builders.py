@@ -74,7 +74,7 @@ def build_byzantine(cfg: FlowerConfig, num_clients: int):
     """Which clients are Byzantine (``byzantine-fraction`` of them, drawn from the run seed)
     and the attack their updates are replaced with (:class:`ByzantineConfig`)."""
     from partialfl.algorithms.byzantine import ByzantineConfig
-    from partialfl.attacks import make_attack
+    from partialfl.build import make_attack
 
     try:
         attack = make_attack(cfg.attack)

@@ -24,8 +24,7 @@ from typing import Any
 
 import numpy as np
 
-from partialfl.aggregation.registry import AGGREGATORS
-from partialfl.attacks import ATTACKS
+from partialfl.build import names
 from partialfl.config import ConfigError as CoreConfigError
 
 ALGORITHMS = ("ffgg", "br-ffgg", "local-ffgg", "fedavg")
@@ -122,8 +121,8 @@ FIELDS: tuple[Field, ...] = (
           check=_nonneg, requirement="an integer >= 0"),
     # -- aggregation (BR-FFGG) ---------------------------------------------------------
     Field("aggregator", str, "mean", "aggregation rule of the θ-vectors: mean, or a robust rule "
-          "for BR-FFGG (partialfl.aggregation.make_aggregator: "
-          f"{', '.join(a for a in AGGREGATORS if a != 'mean')})",
+          "for BR-FFGG (partialfl.build.make_aggregator: "
+          f"{', '.join(a for a in names('aggregator') if a != 'mean')})",
           check=lambda v: bool(v.strip()), requirement="a non-empty aggregator name"),
     Field("aggregator-delta", float, 0.0, "robust rules: assumed fraction δ of Byzantine "
           "clients (0 = the rule's default δ; bucketing and nnm derive theirs from it, nnm "
@@ -135,8 +134,8 @@ FIELDS: tuple[Field, ...] = (
     Field("byzantine-fraction", float, 0.0, "fraction of clients that are Byzantine (their "
           "updates are replaced by the attack on the server, as an omniscient adversary)",
           check=lambda v: 0 <= v < 0.5, requirement="a number in [0, 0.5)"),
-    Field("attack", str, "none", "what Byzantine clients send (partialfl.attacks.make_attack: "
-          f"{', '.join(ATTACKS)})",
+    Field("attack", str, "none", "what Byzantine clients send (partialfl.build.make_attack: "
+          f"{', '.join(names('attack'))})",
           check=lambda v: bool(v.strip()), requirement="a non-empty attack name"),
     Field("weighting", str, "uniform", "aggregation weights: uniform or number of examples",
           choices=("uniform", "examples")),
@@ -169,7 +168,7 @@ FIELDS: tuple[Field, ...] = (
           "(resolved with partialfl.data.paths.resolve_data_file)",
           check=lambda v: bool(v.strip()), requirement="a non-empty file name"),
     Field("data-dir", str, "", "FEMNIST: data folder ('' = partialfl's default)"),
-    Field("model", str, "emnist-cnn", "FEMNIST: architecture (partialfl.models.make_model)",
+    Field("model", str, "emnist-cnn", "FEMNIST: architecture (partialfl.build.make_model)",
           check=lambda v: bool(v.strip()), requirement="a non-empty model name"),
     Field("split", str, "output", "FEMNIST: which parameters are personal (partialfl.split: "
           "input, output, adapter, norm; FedAvg always uses none)",
@@ -371,8 +370,8 @@ def _check_combinations(cfg: FlowerConfig) -> None:
     if cfg.algorithm == "br-ffgg" and cfg.aggregator == "mean":
         raise ConfigError(
             "run-config key 'aggregator': BR-FFGG needs a robust aggregator "
-            f"({', '.join(a for a in AGGREGATORS if a != 'mean')}), got 'mean'; use algorithm "
-            "'ffgg' for mean aggregation"
+            f"({', '.join(a for a in names('aggregator') if a != 'mean')}), got 'mean'; use "
+            "algorithm 'ffgg' for mean aggregation"
         )
     if cfg.aggregator != "mean" or cfg.bucket_size > 1 or cfg.nnm:
         build_aggregator(cfg)  # δ derivation and every option checked now, not at round 0
@@ -477,9 +476,10 @@ def w_init(cfg: FlowerConfig) -> str:
 
 
 def build_aggregator(cfg: FlowerConfig, seed: int | None = None):
-    """The aggregation rule: :func:`partialfl.aggregation.make_aggregator` (issue 5) with the
+    """The aggregation rule: :func:`partialfl.build.make_aggregator` (issue 5) with the
     configured δ, bucketing and nearest-neighbour mixing."""
-    from partialfl.aggregation import Mean, make_aggregator
+    from partialfl.aggregation import Mean
+    from partialfl.build import make_aggregator
 
     if cfg.aggregator == "mean" and cfg.bucket_size == 1 and not cfg.nnm:
         return Mean(weighted=cfg.weighting == "examples")

@@ -2,7 +2,7 @@
 
 Every solver starts afresh (clients are stateless in FFGG) from zero or random w, and returns
 the approximate minimiser together with the number of local gradient (or Hessian-vector)
-computations it spent per client.
+computations it spent per client. By name: :func:`partialfl.build.make_solver`.
 """
 
 from partialfl.local.solvers import (
@@ -11,7 +11,6 @@ from partialfl.local.solvers import (
     GradientDescent,
     LocalSolver,
     SolverResult,
-    make_solver,
 )
 
 __all__ = [
@@ -20,5 +19,4 @@ __all__ = [
     "GradientDescent",
     "LocalSolver",
     "SolverResult",
-    "make_solver",
 ]

@@ -154,19 +154,5 @@ class ExactSolver:
         return SolverResult(problem.w_star(cohort, theta), 1)
 
 
-SOLVERS = ("gd", "cg", "exact")
-
-
-def make_solver(name: str, tau: int = 1, lr: float | None = None, init: str = "zero"):
-    """Build a solver by name: one of ``gd``, ``cg``, ``exact``."""
-    if name == "gd":
-        return GradientDescent(tau=tau, lr=lr, init=init)
-    if name == "cg":
-        return ConjugateGradient(tau=tau, init=init)
-    if name == "exact":
-        return ExactSolver()
-    raise ValueError(f"unknown local solver {name!r}; allowed: {', '.join(SOLVERS)}")
-
-
 def _bcast(eta: np.ndarray, v: np.ndarray) -> np.ndarray:
     return eta.reshape((-1,) + (1,) * (v.ndim - 1))

@@ -27,7 +27,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from pathlib import Path
-from typing import Literal
+from typing import Any, Literal
 
 import torch
 import torch.nn.functional as F
@@ -124,6 +124,17 @@ class ResNet18GN(NamedLayersMixin, nn.Module):
         x = self.maxpool(F.relu(self.bn1(self.conv1(x))))
         x = self.layer4(self.layer3(self.layer2(self.layer1(x))))
         return self.fc(torch.flatten(F.adaptive_avg_pool2d(x, 1), 1))
+
+
+def resnet18_emnist(num_classes: int, **kw: Any) -> ResNet18GN:
+    """ResNet-18 (GroupNorm) for 28×28 single-channel images."""
+    return ResNet18GN(num_classes=num_classes, variant="emnist", **kw)
+
+
+def resnet18_224(num_classes: int, **kw: Any) -> ResNet18GN:
+    """ResNet-18 (GroupNorm) for 224×224 RGB images (``pretrained=PATH``: see
+    :func:`load_pretrained`)."""
+    return ResNet18GN(num_classes=num_classes, variant="224", **kw)
 
 
 def _under(name: str, prefixes: Sequence[str]) -> bool:

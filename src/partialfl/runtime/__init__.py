@@ -1,6 +1,6 @@
 """Runtimes: who calls the algorithm's client and server functions, and when."""
 
-from partialfl.runtime.backends import BatchedBackend, SequentialBackend, make_backend
+from partialfl.runtime.backends import BatchedBackend, SequentialBackend
 from partialfl.runtime.logging import JsonlLogger, read_jsonl
 from partialfl.runtime.sync import RunResult, run_rounds, sample_cohort
 
@@ -9,7 +9,6 @@ __all__ = [
     "JsonlLogger",
     "RunResult",
     "SequentialBackend",
-    "make_backend",
     "read_jsonl",
     "run_rounds",
     "sample_cohort",

@@ -7,6 +7,8 @@
   reference path; results must agree with the batched one.
 * ``processes`` (:class:`partialfl.runtime.cohort_pool.ProcessBackend`) spreads the cohort's
   clients over worker processes; same results as the sequential backend, bit for bit.
+
+By name: :func:`partialfl.build.make_backend`.
 """
 
 from __future__ import annotations
@@ -44,18 +46,5 @@ class SequentialBackend:
         return concat_results(out)
 
 
-BACKENDS = {"batched": BatchedBackend, "sequential": SequentialBackend,
-            "processes": ProcessBackend}
-
-__all__ = ["BACKENDS", "BatchedBackend", "ClientResult", "ProcessBackend", "SequentialBackend",
-           "concat_results", "make_backend"]
-
-
-def make_backend(name: str):
-    """A backend by name (``batched`` or ``sequential``); a clear error for other names."""
-    try:
-        return BACKENDS[name]()
-    except KeyError:
-        raise ValueError(
-            f"unknown backend {name!r}; allowed: {', '.join(sorted(BACKENDS))}"
-        ) from None
+__all__ = ["BatchedBackend", "ClientResult", "ProcessBackend", "SequentialBackend",
+           "concat_results"]

@@ -1,4 +1,5 @@
-"""The one registry of aggregation rules and :func:`make_aggregator`.
+"""An aggregation rule with its wrappers: :func:`compose` (by name:
+:func:`partialfl.build.make_aggregator`; the names are in :data:`partialfl.build.REGISTRY`).
 
 ``delta`` is always the fraction of Byzantine *clients*. Every wrapper derives its own δ from
 it (or, when no ``delta`` is given, from the rule's own default δ), so no wrapper silently
@@ -21,42 +22,10 @@ from typing import Any
 
 import numpy as np
 
-from partialfl.aggregation.basic import Mean
 from partialfl.aggregation.common import check_delta
-from partialfl.aggregation.rules import (
-    CAF,
-    MDA,
-    SMEA,
-    CenteredClipping,
-    CoordinateMedian,
-    GeometricMedian,
-    Krum,
-    Meamed,
-    MoNNA,
-    TrimmedMean,
-)
 from partialfl.aggregation.wrappers import ARC, Bucketing, NearestNeighborMixing, StaticClipping
 
-#: name -> (class, accepted keyword arguments besides delta and the wrappers')
-_RULES: dict[str, tuple[type, tuple[str, ...]]] = {
-    "mean": (Mean, ("weighted",)),
-    "cm": (CoordinateMedian, ()),
-    "tm": (TrimmedMean, ()),
-    "gm": (GeometricMedian, ("nu", "tol", "max_iter", "weighted")),
-    "krum": (Krum, ("cap",)),
-    "multi-krum": (Krum, ("m", "cap")),
-    "cc": (CenteredClipping, ("tau", "tau_scale", "iters", "init")),
-    "mda": (MDA, ("max_subsets",)),
-    "monna": (MoNNA, ("index",)),
-    "meamed": (Meamed, ()),
-    "caf": (CAF, ()),
-    "smea": (SMEA, ("max_subsets",)),
-}
-_ALIASES = {"median": "cm", "coordinate-median": "cm", "trimmed-mean": "tm",
-            "geometric-median": "gm", "geomed": "gm", "rfa": "gm", "centered-clipping": "cc",
-            "multikrum": "multi-krum", "minimum-diameter": "mda"}
-AGGREGATORS = tuple(_RULES)
-#: keyword arguments of make_aggregator that build wrappers (see the module docstring)
+#: keyword arguments of compose that build wrappers (see the module docstring)
 PRE_AGGREGATORS = ("bucketing", "nnm", "arc", "clip")
 _WRAPPER_KW = (*PRE_AGGREGATORS, "seed")
 
@@ -67,19 +36,15 @@ def default_delta(cls: type) -> float | None:
     return None if f is None or f.default is MISSING else f.default
 
 
-def make_aggregator(name: str, **kw: Any):
-    """Build an aggregator by name, e.g. ``make_aggregator("krum", delta=0.2, bucketing=2)``.
-
-    Rules: mean, cm, tm, gm, krum, multi-krum, cc, mda, monna, meamed, caf, smea (aliases:
-    median, trimmed-mean, geometric-median, centered-clipping). Wrappers: ``bucketing=s``
+def compose(key: str, cls: type, allowed: tuple[str, ...] = (),
+            defaults: dict[str, Any] | None = None, **kw: Any):
+    """Rule ``cls`` (named ``key`` in messages) with its wrappers, e.g. ``compose("krum", Krum,
+    ("cap",), delta=0.2, bucketing=2)``. ``allowed``: the rule's keyword options besides
+    ``delta``; ``defaults``: option values it gets unless given. Wrappers: ``bucketing=s``
     (s ≥ 2; 1 = none), ``nnm=True`` (nearest-neighbour mixing), ``arc=True`` (adaptive
     robust clipping), ``clip=c`` (static clipping to norm c), ``seed`` (bucketing randomness).
     ``delta``: the fraction of Byzantine clients (default: the rule's own default δ).
     """
-    key = _ALIASES.get(name, name)
-    if key not in _RULES:
-        raise ValueError(f"unknown aggregator {name!r}; allowed: {', '.join(AGGREGATORS)}")
-    cls, allowed = _RULES[key]
     has_delta = default_delta(cls) is not None
     delta = kw.pop("delta", None)
     s = kw.pop("bucketing", 1)
@@ -111,8 +76,8 @@ def make_aggregator(name: str, **kw: Any):
         )
     if has_delta:
         kw["delta"] = inner
-    if key == "multi-krum":
-        kw.setdefault("m", None)
+    for k, v in (defaults or {}).items():
+        kw.setdefault(k, v)
     agg = cls(**kw)
     if nnm:
         if not inner:
