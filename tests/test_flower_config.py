@@ -39,7 +39,13 @@ def test_defaults_round_trip():
         ({"algorithm": "fedprox"}, r"'algorithm': unknown value 'fedprox'; allowed: ffgg, br-ffgg"),
         ({"num-rounds": -1}, r"'num-rounds': got -1; expected an integer >= 0"),
         ({"num-rounds": "3"}, r"'num-rounds': got '3' \(str\); expected an integer >= 0"),
-        ({"server-lr": "fast"}, r"'server-lr': got 'fast'; expected a number > 0, 'c/L' or 'auto'"),
+        ({"server-lr": "fast"}, r"'server-lr': got 'fast'; server.lr: 'fast' is neither a "
+                                r"number, 'auto' nor of the form 'c/L'"),
+        ({"schedule": "cosine"}, r"'schedule': got 'cosine'; server.schedule: 'cosine' is not "
+                                 r"allowed; allowed: constant, warmup-linear, exponential"),
+        ({"model": "vgg"}, r"'model': got 'vgg'; model.name: 'vgg' is not allowed; allowed: "
+                           r"emnist_cnn"),
+        ({"ls-n": 0}, r"'ls-n': got 0; problem.n: n must be a positive integer"),
         ({"server-lr": True}, r"'server-lr': got True"),
         ({"mode": "batch"}, r"'mode': unknown value 'batch'; allowed: sync, async"),
         ({"schedule": "exponential"}, r"'halve-every' must be >= 1"),
@@ -119,6 +125,42 @@ def test_builders_give_the_simulator_objects():
         build_algorithm(cfg.replace(algorithm="br-ffgg", aggregator="median-of-means"), problem)
     with pytest.raises(ConfigError, match="'local-ffgg' .* model problems"):
         build_algorithm(cfg.replace(algorithm="local-ffgg"), problem)
+
+
+def test_the_apps_defaults_are_the_specs():
+    """Keys that mirror a run-specification field take its default and validation, so a
+    bare Flower run builds the objects a bare `partialfl run` / `train` config builds."""
+    from partialfl.flower.builders import closed_form_config
+    from partialfl.flower.models import pipeline_configs
+    from partialfl.spec import (
+        AlgorithmConfig,
+        ClientConfig,
+        MethodConfig,
+        ModelSpec,
+        ProblemConfig,
+        ServerConfig,
+    )
+
+    mirrored = [f for f in FIELDS if f.spec]
+    assert len(mirrored) >= 15
+    cfg = parse_run_config({})
+    cf = closed_form_config(cfg)
+    assert cf.problem == ProblemConfig()
+    assert cf.algorithm.solver == AlgorithmConfig().solver
+    server = ServerConfig()
+    assert (cfg.server_opt, cfg.server_lr, cfg.server_momentum, cfg.schedule,
+            cfg.warmup_rounds, cfg.halve_every, cfg.server_clip or None) == (
+        server.optimizer, server.lr, server.momentum, server.schedule, server.warmup,
+        server.halve_every, server.clip_norm)
+    method, stage = pipeline_configs(cfg.replace(problem="femnist", local_lr=0.1))
+    assert (method.split, method.weighting) == (MethodConfig().split, MethodConfig().weighting)
+    client = ClientConfig()
+    assert (stage.client.epochs, stage.client.batch_size) == (client.epochs, client.batch_size)
+    assert cfg.model == ModelSpec().name
+    # the types come from the spec too: an int field refuses a string, a float one an int-y bool
+    with pytest.raises(ConfigError, match="'ls-n': got '5'"):
+        parse_run_config({"ls-n": "5"})
+    assert parse_run_config({"server-clip": 2}).server_clip == 2.0
 
 
 def test_generated_pyproject_declares_every_key():

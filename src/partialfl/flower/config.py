@@ -19,13 +19,23 @@ from __future__ import annotations
 import math
 import re
 from collections.abc import Callable, Mapping
-from dataclasses import dataclass, fields
+from dataclasses import dataclass, make_dataclass
+from dataclasses import field as dc_field
 from typing import Any
 
 import numpy as np
 
 from partialfl.build import names
 from partialfl.config import ConfigError as CoreConfigError
+from partialfl.spec import (
+    AlgorithmConfig,
+    ClientConfig,
+    DataSpec,
+    MethodConfig,
+    ModelSpec,
+    ProblemConfig,
+    ServerConfig,
+)
 
 ALGORITHMS = ("ffgg", "br-ffgg", "local-ffgg", "fedavg")
 PROBLEMS = ("least-squares", "femnist", "train")
@@ -35,7 +45,9 @@ MODES = ("sync", "async")
 
 @dataclass(frozen=True)
 class Field:
-    """One run-config key: its type, default, allowed values (or a check) and help text."""
+    """One run-config key: its type, default, allowed values (or a check) and help text;
+    ``spec``: the run-specification field it mirrors (``Class.attr`` of :mod:`partialfl.spec`),
+    which gives its type, default and validation."""
 
     key: str
     type: type | tuple[type, ...]
@@ -44,11 +56,54 @@ class Field:
     choices: tuple | None = None
     check: Callable[[Any], bool] | None = None
     requirement: str = ""
+    spec: str = ""
 
     @property
     def attr(self) -> str:
         """The key as a Python attribute name (dashes to underscores)."""
         return self.key.replace("-", "_")
+
+
+_SCALARS = (bool, int, float, str)
+
+
+def _flat_type(tp) -> tuple[type, ...]:
+    """The run-config types of a spec field's annotation (``X | None`` → X; Flower carries
+    no None)."""
+    import types
+    import typing
+
+    args = typing.get_args(tp) if typing.get_origin(tp) in (typing.Union, types.UnionType) \
+        else (tp,)
+    out = tuple(a for a in args if a in _SCALARS)
+    if not out or len(out) != len([a for a in args if a is not type(None)]):
+        raise TypeError(f"spec field type {tp} has no run-config form")
+    return out
+
+
+def from_spec(key: str, cls: type, attr: str, help: str, *, none: Any = None) -> Field:
+    """The run-config key ``key`` mirroring the spec field ``cls.attr``: type, default and
+    validation are the spec's (its ``__post_init__``: registry names, ranges); ``none`` is
+    the run-config value that stands for the spec's None (Flower carries no None)."""
+    import dataclasses
+    import typing
+
+    hints = typing.get_type_hints(cls)
+    (f,) = [f for f in dataclasses.fields(cls) if f.name == attr]
+    default = f.default if f.default is not dataclasses.MISSING else f.default_factory()
+    types_ = _flat_type(hints[attr])
+    if default is None:
+        if none is None:
+            raise TypeError(f"{cls.__name__}.{attr}: give the run-config value for None")
+        default = none
+
+    def check(v) -> bool:
+        cls(**{attr: None if none is not None and v == none else v})
+        return True
+
+    where = f"{cls.__name__}.{attr}"
+    return Field(key, types_[0] if len(types_) == 1 else types_, default,
+                 f"{help} (= partialfl.spec.{where})", check=check, spec=where)
 
 
 def _pos(v) -> bool:
@@ -104,21 +159,19 @@ FIELDS: tuple[Field, ...] = (
           "nodes are skipped and counted", check=lambda v: 0 <= v <= 1,
           requirement="a number in [0, 1]"),
     # -- server optimizer --------------------------------------------------------------
-    Field("server-opt", str, "sgd", "server optimizer on the aggregated θ-(pseudo-)gradient",
-          choices=("sgd", "adam")),
-    Field("server-lr", (float, str), "auto", "server stepsize: a number, 'c/L' (least "
-          "squares), or 'auto' = 1/L for the least-squares FFGG family (Theorem 1), 1.0 otherwise",
-          check=_lr, requirement="a number > 0, 'c/L' or 'auto'"),
-    Field("server-momentum", float, 0.0, "SGD heavy-ball momentum", check=_unit,
-          requirement="a number in [0, 1)"),
-    Field("server-clip", float, 0.0, "clip the aggregated pseudo-gradient to this norm before "
-          "the server step (0 = no clipping)", check=_nonneg, requirement="a number >= 0"),
-    Field("schedule", str, "constant", "server learning-rate schedule",
-          choices=("constant", "warmup-linear", "exponential")),
-    Field("warmup-rounds", int, 0, "warmup-linear: warm-up rounds (decay to 0 at num-rounds)",
-          check=_nonneg, requirement="an integer >= 0"),
-    Field("halve-every", int, 0, "exponential: halve the stepsize every k rounds",
-          check=_nonneg, requirement="an integer >= 0"),
+    from_spec("server-opt", ServerConfig, "optimizer",
+              "server optimizer on the aggregated θ-(pseudo-)gradient"),
+    from_spec("server-lr", ServerConfig, "lr", "server stepsize: a number, 'c/L' (least "
+              "squares), or 'auto' = 1/L for the least-squares FFGG family (Theorem 1), 1.0 "
+              "otherwise"),
+    from_spec("server-momentum", ServerConfig, "momentum", "SGD heavy-ball momentum"),
+    from_spec("server-clip", ServerConfig, "clip_norm", "clip the aggregated pseudo-gradient "
+              "to this norm before the server step (0 = no clipping)", none=0.0),
+    from_spec("schedule", ServerConfig, "schedule", "server learning-rate schedule"),
+    from_spec("warmup-rounds", ServerConfig, "warmup",
+              "warmup-linear: warm-up rounds (decay to 0 at num-rounds)"),
+    from_spec("halve-every", ServerConfig, "halve_every",
+              "exponential: halve the stepsize every k rounds"),
     # -- aggregation (BR-FFGG) ---------------------------------------------------------
     Field("aggregator", str, "mean", "aggregation rule of the θ-vectors: mean, or a robust rule "
           "for BR-FFGG (partialfl.build.make_aggregator: "
@@ -137,42 +190,36 @@ FIELDS: tuple[Field, ...] = (
     Field("attack", str, "none", "what Byzantine clients send (partialfl.build.make_attack: "
           f"{', '.join(names('attack'))})",
           check=lambda v: bool(v.strip()), requirement="a non-empty attack name"),
-    Field("weighting", str, "uniform", "aggregation weights: uniform or number of examples",
-          choices=("uniform", "examples")),
+    from_spec("weighting", MethodConfig, "weighting",
+              "aggregation weights: uniform or number of examples"),
     # -- local work ---------------------------------------------------------------------
-    Field("solver", str, "gd", "least squares: fine-tuner of w (gd = Algorithm 2, cg, exact)",
-          choices=("gd", "cg", "exact")),
+    from_spec("solver", AlgorithmConfig, "solver",
+              "least squares: fine-tuner of w (gd = Algorithm 2, cg, exact)"),
     Field("local-steps", int, 10, "local steps τ (fine-tuning steps; FedAvg local steps)",
           check=_pos, requirement="an integer >= 1"),
     Field("local-lr", float, 0.0, "local stepsize (0 = 1/L per client on least squares; "
           "model problems need a number > 0)", check=_nonneg, requirement="a number >= 0"),
-    Field("local-epochs", int, 1, "model problems: epochs of fine-tuning / local training",
-          check=_pos, requirement="an integer >= 1"),
-    Field("batch-size", int, 32, "model problems: minibatch size", check=_pos,
-          requirement="an integer >= 1"),
+    from_spec("local-epochs", ClientConfig, "epochs",
+              "model problems: epochs of fine-tuning / local training"),
+    from_spec("batch-size", ClientConfig, "batch_size", "model problems: minibatch size"),
     Field("w-init", str, "auto", "how w is re-initialised on every client at every round: "
           "zero, random, pretrained (model problems); auto = zero for least squares, "
           "pretrained for model problems", choices=("auto", "zero", "random", "pretrained")),
     # -- least-squares problem (the paper's Example 1) ---------------------------------
-    Field("ls-clients", int, 32, "least squares: number of clients M", check=_pos,
-          requirement="an integer >= 1"),
-    Field("ls-n", int, 10000, "least squares: rows per client", check=_pos,
-          requirement="an integer >= 1"),
-    Field("ls-d-theta", int, 100, "least squares: dim θ", check=_pos,
-          requirement="an integer >= 1"),
-    Field("ls-d-w", int, 50, "least squares: dim w", check=_pos, requirement="an integer >= 1"),
-    Field("ls-seed", int, 0, "least squares: data seed", check=_nonneg,
-          requirement="an integer >= 0"),
+    from_spec("ls-clients", ProblemConfig, "num_clients", "least squares: number of clients M"),
+    from_spec("ls-n", ProblemConfig, "n", "least squares: rows per client"),
+    from_spec("ls-d-theta", ProblemConfig, "d_theta", "least squares: dim θ"),
+    from_spec("ls-d-w", ProblemConfig, "d_w", "least squares: dim w"),
+    from_spec("ls-seed", ProblemConfig, "seed", "least squares: data seed"),
     # -- FEMNIST ------------------------------------------------------------------------
     Field("data-file", str, "femnist_leaf_subset.npz", "FEMNIST: data file name or path "
           "(resolved with partialfl.data.paths.resolve_data_file)",
           check=lambda v: bool(v.strip()), requirement="a non-empty file name"),
-    Field("data-dir", str, "", "FEMNIST: data folder ('' = partialfl's default)"),
-    Field("model", str, "emnist-cnn", "FEMNIST: architecture (partialfl.build.make_model)",
-          check=lambda v: bool(v.strip()), requirement="a non-empty model name"),
-    Field("split", str, "output", "FEMNIST: which parameters are personal (partialfl.split: "
-          "input, output, adapter, norm; FedAvg always uses none)",
-          check=lambda v: bool(v.strip()), requirement="a non-empty split name"),
+    from_spec("data-dir", DataSpec, "path", "FEMNIST: data folder ('' = partialfl's default)"),
+    from_spec("model", ModelSpec, "name", "FEMNIST: architecture (a registry model or "
+              "package.module:callable)"),
+    from_spec("split", MethodConfig, "split", "FEMNIST: which parameters are personal "
+              "(FedAvg always uses none)"),
     Field("init-from", str, "", "FEMNIST: start from this .npz of all model parameters (e.g. "
           "theta.npz of a FedAvg run: the pipeline's stage 1); '' = the seeded initialisation"),
     # -- any `partialfl train` config (problem 'train') -----------------------------------
@@ -202,61 +249,7 @@ FIELDS: tuple[Field, ...] = (
 _BY_KEY = {f.key: f for f in FIELDS}
 
 
-@dataclass(frozen=True)
-class FlowerConfig:
-    """The validated run config (attribute = key with ``-`` → ``_``; see :data:`FIELDS`)."""
-
-    algorithm: str = "ffgg"
-    problem: str = "least-squares"
-    num_rounds: int = 10
-    clients_per_round: int = 0
-    seed: int = 0
-    mode: str = "sync"
-    buffer_size: int = 1
-    concurrency: int = 0
-    round_timeout: float = 300.0
-    poll_interval: float = 0.05
-    min_nodes: int = 1
-    node_wait_timeout: float = 120.0
-    max_failure_fraction: float = 0.5
-    server_opt: str = "sgd"
-    server_lr: float | str = "auto"
-    server_momentum: float = 0.0
-    server_clip: float = 0.0
-    schedule: str = "constant"
-    warmup_rounds: int = 0
-    halve_every: int = 0
-    aggregator: str = "mean"
-    aggregator_delta: float = 0.0
-    bucket_size: int = 1
-    nnm: bool = False
-    byzantine_fraction: float = 0.0
-    attack: str = "none"
-    weighting: str = "uniform"
-    solver: str = "gd"
-    local_steps: int = 10
-    local_lr: float = 0.0
-    local_epochs: int = 1
-    batch_size: int = 32
-    w_init: str = "auto"
-    ls_clients: int = 32
-    ls_n: int = 10000
-    ls_d_theta: int = 100
-    ls_d_w: int = 50
-    ls_seed: int = 0
-    data_file: str = "femnist_leaf_subset.npz"
-    data_dir: str = ""
-    model: str = "emnist-cnn"
-    split: str = "output"
-    init_from: str = ""
-    train_spec: str = ""
-    train_stage: str = "personalize"
-    eval_every: int = 1
-    out_dir: str = ""
-    checkpoint_every: int = 0
-    resume: bool = False
-    fault_injection: str = ""
-
+class _FlowerConfigMethods:
     def to_run_config(self) -> dict[str, Any]:
         """The flat kebab-case dict Flower carries (inverse of :func:`parse_run_config`)."""
         return {f.key: getattr(self, f.attr) for f in FIELDS}
@@ -268,7 +261,13 @@ class FlowerConfig:
         return parse_run_config(cfg)
 
 
-assert [f.attr for f in FIELDS] == [f.name for f in fields(FlowerConfig)], "FIELDS out of sync"
+#: The validated run config: one attribute per key of :data:`FIELDS` (``-`` → ``_``), with
+#: the table's defaults (generated from it, so the two cannot disagree).
+FlowerConfig = make_dataclass(
+    "FlowerConfig",
+    [(f.attr, Any, dc_field(default=f.default)) for f in FIELDS],
+    bases=(_FlowerConfigMethods,), frozen=True)
+FlowerConfig.__module__ = __name__
 
 
 class ConfigError(CoreConfigError):
@@ -323,7 +322,12 @@ def parse_run_config(run_config: Mapping[str, Any] | None = None, **overrides: A
                 f"run-config key {f.key!r}: unknown value {v!r}; allowed: "
                 f"{', '.join(map(str, f.choices))}"
             )
-        if f.check is not None and not f.check(v):
+        if f.spec:
+            try:
+                f.check(v)
+            except (CoreConfigError, ValueError, TypeError) as e:
+                raise ConfigError(f"run-config key {f.key!r}: got {v!r}; {e}") from None
+        elif f.check is not None and not f.check(v):
             raise ConfigError(f"run-config key {f.key!r}: got {v!r}; expected {f.requirement}")
         values[f.attr] = v
     cfg = FlowerConfig(**values)
