@@ -120,3 +120,92 @@ def test_engine_dry_run_prints_the_plan_and_the_run_config(data_dir, tmp_path, c
     assert main(["train", str(QUICKSTART), "--engine", "flower-sim", "--out", str(out),
                  "--set", "method.algorithm=nope"]) == 2
     assert not out.exists()
+
+
+def _flwr_binaries() -> list[str]:
+    import shutil
+    import sys
+
+    bindir = Path(sys.executable).parent
+    return [b for b in ("flwr", "flower-superlink", "flower-supernode")
+            if not (bindir / b).exists() and shutil.which(b) is None]
+
+
+@pytest.mark.slow  # a few minutes: real SuperLink and SuperNode processes, two `flwr run`s
+@pytest.mark.data
+def test_train_on_a_running_deployment_gives_the_in_process_theta(tmp_path, data_dir):
+    """`partialfl train --engine flower --superlink HOST:PORT` against a SuperLink and two
+    SuperNodes started beforehand (insecure, loopback, free ports): it starts no process of
+    its own, the run completes, writes its metrics, and θ after pre-training and
+    personalization (2 + 2 rounds) equals the in-process run's (1e-6)."""
+    missing = _flwr_binaries()
+    if missing:
+        pytest.skip(f"Flower's command-line tools are not installed: {', '.join(missing)}")
+    from partialfl import io as pio
+    from partialfl.cli import main
+    from partialfl.experiments.train import run_train
+    from partialfl.flower.project import LocalFederation
+
+    spec = _spec(data_dir)
+    _, local = run_train(spec, tmp_path / "local", progress=False)
+    out = tmp_path / "deployed"
+    sets = [a for o in [*TINY, f"data.path={data_dir}"] for a in ("--set", o)]
+    deployment = LocalFederation(2)  # flower-superlink + 2 flower-supernode processes
+    try:
+        deployment.start()
+        started = len(deployment.procs)
+        rc = main(["train", str(QUICKSTART), "--engine", "flower", "--superlink",
+                   f"127.0.0.1:{deployment.port}", "--out", str(out), "--no-progress", *sets])
+        assert len(deployment.procs) == started == 3  # the run started nothing
+        assert rc == 0, deployment.log_tail("superlink")
+    finally:
+        deployment.close()
+    assert deployment.alive_groups() == []
+    for sim_file, local_file in ((out / "stage1" / "theta.npz",
+                                  tmp_path / "local" / "stage1" / "theta.safetensors"),
+                                 (out / "flower" / "theta.npz",
+                                  tmp_path / "local" / "theta_stage2.safetensors")):
+        ref = pio.load_tensors(local_file, "θ")[0]
+        with np.load(sim_file) as z:
+            assert sorted(z.files) == sorted(ref)
+            for n in ref:
+                assert np.isfinite(z[n]).all(), n
+                np.testing.assert_allclose(z[n], ref[n].numpy(), rtol=0, atol=1e-6)
+    metrics = json.loads((out / "metrics.json").read_text())
+    assert np.isfinite(metrics["test_acc"]) and 0 <= metrics["test_acc"] <= 1
+    assert abs(metrics["test_acc"] - local["test_acc"]) < 1e-9 + 2 / 300
+    rounds = [json.loads(line)["round"] for line in
+              (out / "stage2.jsonl").read_text().splitlines()]
+    assert rounds == [0, 1, 2]
+    assert (out / "report.md").exists()
+
+
+@pytest.mark.parametrize("args, message", [
+    (["--superlink", "127.0.0.1:9093"], "--superlink / --root-certificates need --engine flower"),
+    (["--engine", "flower-sim", "--superlink", "127.0.0.1:9093"],
+     "apply to engine 'flower' (a deployment), not 'flower-sim'"),
+    (["--engine", "flower", "--superlink", "localhost"], "'localhost' is not HOST:PORT"),
+    (["--engine", "flower", "--root-certificates", "ca.pem"], "needs --superlink HOST:PORT"),
+    (["--engine", "flower", "--supernodes", "0"], "--supernodes must be >= 1, got 0"),
+])
+def test_deployment_options_are_checked_before_anything_runs(data_dir, tmp_path, capsys,
+                                                             args, message):
+    from partialfl.cli import main
+
+    out = tmp_path / "never"
+    assert main(["train", str(QUICKSTART), "--out", str(out), "--set",
+                 f"data.path={data_dir}", *args]) == 2
+    err = capsys.readouterr().err
+    assert message in err and len(err.strip().splitlines()) == 1
+    assert not out.exists()
+
+
+def test_an_unreachable_superlink_is_a_one_line_error_and_writes_nothing(tmp_path):
+    from partialfl.flower.project import SuperLinkConnection, free_port
+
+    port = free_port()  # nothing listens there
+    conn = SuperLinkConnection(f"127.0.0.1:{port}", 2, work_dir=tmp_path / "w",
+                               startup_timeout=0.3)
+    with pytest.raises(ConnectionError, match=f"no SuperLink answers at 127.0.0.1:{port}"):
+        conn.start()
+    assert conn.procs == [] and not (tmp_path / "w" / "flwr-home" / "config.toml").exists()

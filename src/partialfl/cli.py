@@ -119,11 +119,17 @@ def _cmd_train(args) -> int:
 
     spec = load_train_spec(args.config, args.set or [], device=args.device)
     out = Path(args.out or Path("runs") / spec.name)
+    if args.engine == "local" and (args.superlink or args.root_certificates):
+        raise ConfigError("--superlink / --root-certificates need --engine flower")
+    if args.supernodes < 1:
+        raise ConfigError(f"--supernodes must be >= 1, got {args.supernodes}")
     if args.engine != "local":
         from partialfl.flower.train import run_flower_train
 
         res = run_flower_train(spec, out, engine=args.engine, dry_run=args.dry_run,
-                               progress=not args.no_progress)
+                               progress=not args.no_progress, num_supernodes=args.supernodes,
+                               superlink=args.superlink,
+                               root_certificates=args.root_certificates)
         print(res)
         return 0
     run, metrics = run_train(spec, out, dry_run=args.dry_run,
@@ -278,8 +284,16 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--out", help="output folder (default runs/NAME)")
     s.add_argument("--engine", choices=("local", "flower-sim", "flower"), default="local",
                    help="local (in-process, default), flower-sim (Flower's simulation "
-                        "engine) or flower (a SuperLink and SuperNode processes on this "
-                        "machine)")
+                        "engine) or flower (a deployment: a SuperLink and SuperNode processes "
+                        "started on this machine, or the one at --superlink)")
+    s.add_argument("--supernodes", type=int, default=2, metavar="N",
+                   help="Flower engines: SuperNodes to simulate / start / wait for (default 2)")
+    s.add_argument("--superlink", metavar="HOST:PORT",
+                   help="--engine flower: submit to this running SuperLink (its SuperNodes "
+                        "started with --node-config 'partition-id=i num-partitions=N') "
+                        "instead of starting one; insecure unless --root-certificates")
+    s.add_argument("--root-certificates", metavar="PEM",
+                   help="--superlink over TLS: the CA certificate of the SuperLink")
     s.add_argument("--no-progress", action="store_true")
     s.set_defaults(fn=_cmd_train)
 
@@ -329,7 +343,7 @@ def main(argv: list[str] | None = None) -> int:
         msg = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
         print(f"partialfl: error: {msg}", file=sys.stderr)
         return 2
-    except ClientFaultError as e:
+    except (ClientFaultError, ConnectionError) as e:
         print(f"partialfl: error: {str(e).splitlines()[0]}", file=sys.stderr)
         return 1
     except KeyboardInterrupt:

@@ -12,6 +12,9 @@
   wrote; on exit it stops every process group it started (also on errors). This is for tests,
   benchmarks and trying things on one machine; ``examples/flower/README.md`` gives the
   commands for separate machines, with TLS and SuperNode authentication.
+* :class:`SuperLinkConnection` — the same ``run`` against a deployment someone else started
+  (a SuperLink at ``HOST:PORT`` and its SuperNodes): ``partialfl train --engine flower
+  --superlink HOST:PORT``.
 """
 
 from __future__ import annotations
@@ -107,14 +110,24 @@ def free_port() -> int:
         return int(s.getsockname()[1])
 
 
-def _http_ok(port: int) -> bool:
+def _http_ok(port: int, host: str = "127.0.0.1") -> bool:
     import urllib.request
 
     try:
-        with urllib.request.urlopen(f"http://127.0.0.1:{port}/health", timeout=0.5) as r:
+        with urllib.request.urlopen(f"http://{host}:{port}/health", timeout=0.5) as r:
             return 200 <= r.status < 300
     except OSError:
         return False
+
+
+def parse_address(address: str) -> tuple[str, int]:
+    """``HOST:PORT`` (``[v6]:PORT`` too) → ``(host, port)``; a ValueError naming the form."""
+    host, sep, port = address.strip().rpartition(":")
+    host = host.strip("[]")
+    if not sep or not host or not port.isdigit() or not 0 < int(port) < 65536:
+        raise ValueError(f"SuperLink address {address!r} is not HOST:PORT (e.g. "
+                         "127.0.0.1:9093, the port flower-superlink --port serves)")
+    return host, int(port)
 
 
 class LocalFederation:
@@ -180,9 +193,7 @@ class LocalFederation:
                 raise TimeoutError(f"flower-superlink not ready after {self.startup_timeout}s:"
                                    f"\n{self.log_tail('superlink')}")
             time.sleep(0.2)
-        (self.home / "config.toml").write_text(
-            '[superlink]\ndefault = "local"\n\n'
-            f'[superlink.local]\naddress = "127.0.0.1:{self.port}"\ninsecure = true\n')
+        self._write_connection(f"127.0.0.1:{self.port}")
         if not self.simulation:
             for i in range(self.num_supernodes):
                 self._start(f"supernode-{i}", [
@@ -190,6 +201,16 @@ class LocalFederation:
                     "--port", str(free_port()), "--max-retries", "20",
                     "--node-config", f"partition-id={i} num-partitions={self.num_supernodes}"])
         return self
+
+    def _write_connection(self, address: str, root_certificates: str | None = None) -> None:
+        """``FLWR_HOME/config.toml``: the SuperLink connection ``local`` that ``flwr run``
+        uses (insecure unless ``root_certificates``, a PEM file, is given)."""
+        tls = (f'root-certificates = {json.dumps(str(Path(root_certificates).resolve()))}\n'
+               if root_certificates else "insecure = true\n")
+        self.home.mkdir(parents=True, exist_ok=True)
+        (self.home / "config.toml").write_text(
+            '[superlink]\ndefault = "local"\n\n'
+            f'[superlink.local]\naddress = {json.dumps(address)}\n{tls}')
 
     def close(self) -> None:
         """Stop every process group started here (each started process and all it spawned):
@@ -272,6 +293,46 @@ class LocalFederation:
             rep["theta"] = {n: z[n] for n in z.files}
         rep["flwr_output"] = proc.stdout
         return rep
+
+
+class SuperLinkConnection(LocalFederation):
+    """An existing deployment: a SuperLink at ``address`` (``HOST:PORT``) with
+    ``num_supernodes`` SuperNodes already connected to it (started with ``--node-config
+    'partition-id=i num-partitions=N'``). Starts and stops nothing; :meth:`run` submits the
+    app with ``flwr run`` (insecure, or TLS with ``root_certificates``) and waits for
+    ``num_supernodes`` nodes. The ServerApp writes its ``out-dir`` on the SuperLink's machine,
+    so the folder must be readable here (the same machine or a shared file system).
+    """
+
+    def __init__(self, address: str, num_supernodes: int = 2, *,
+                 root_certificates: str | Path | None = None,
+                 work_dir: str | Path | None = None,
+                 app_defaults: dict[str, Any] | None = None,
+                 startup_timeout: float = 10.0) -> None:
+        super().__init__(num_supernodes, work_dir=work_dir, app_defaults=app_defaults,
+                         startup_timeout=startup_timeout)
+        self.host, self.port = parse_address(address)
+        self.address = address.strip()
+        self.root_certificates = None if root_certificates is None else str(root_certificates)
+        if self.root_certificates and not Path(self.root_certificates).is_file():
+            raise FileNotFoundError(f"root certificates {self.root_certificates} not found")
+
+    def start(self) -> SuperLinkConnection:
+        """Check that the SuperLink answers (insecure: its /health endpoint) and write the
+        connection for ``flwr run``; returns ``self``."""
+        if self.root_certificates is None:
+            deadline = time.monotonic() + self.startup_timeout
+            while not _http_ok(self.port, self.host):
+                if time.monotonic() > deadline:
+                    raise ConnectionError(
+                        f"no SuperLink answers at {self.address} (checked "
+                        f"http://{self.address}/health for {self.startup_timeout:g}s); start "
+                        "one with `flower-superlink --insecure --port PORT` and the SuperNodes "
+                        "with `flower-supernode --insecure --superlink HOST:PORT --node-config "
+                        "'partition-id=i num-partitions=N'`")
+                time.sleep(0.2)
+        self._write_connection(self.address, self.root_certificates)
+        return self
 
 
 def _run_echoing(args: list[str], env, cwd, timeout: float, label: str

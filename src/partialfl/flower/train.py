@@ -13,8 +13,12 @@ Engines (both through Flower's current entry point, ``flwr run``, see
 :class:`partialfl.flower.project.LocalFederation`; ``flwr.simulation.run_simulation`` is
 deprecated in flwr 1.42): ``flower-sim`` — a simulation SuperLink (``flower-superlink
 --simulation``, Ray) with ``num_supernodes`` virtual SuperNodes; ``flower`` — a real
-SuperLink and ``num_supernodes`` SuperNode processes on this machine (for separate machines,
-start them as in ``examples/flower/README.md`` and pass the run config this module prints).
+SuperLink and ``num_supernodes`` SuperNode processes started on this machine, or, with
+``superlink = "HOST:PORT"``, a deployment already running (a SuperLink and ``num_supernodes``
+SuperNodes started with ``--node-config 'partition-id=i num-partitions=N'``, see
+``examples/flower/README.md``; :class:`partialfl.flower.project.SuperLinkConnection`). Every
+SuperNode needs the spec's data at the same path, and the ServerApp writes under ``out``,
+which this process then reads (same machine or a shared file system).
 """
 
 from __future__ import annotations
@@ -74,8 +78,13 @@ def _write_history(path: Path, stage: str, history: list[dict]) -> None:
 
 def run_flower_train(spec, out: str | Path, *, engine: str = "flower-sim",
                      num_supernodes: int = 2, dry_run: bool = False, progress: bool = True,
-                     timeout: float = 900.0) -> str:
-    """Run ``spec``'s stages on Flower into ``out``; returns a one-paragraph summary."""
+                     timeout: float = 900.0, superlink: str | None = None,
+                     root_certificates: str | Path | None = None) -> str:
+    """Run ``spec``'s stages on Flower into ``out``; returns a one-paragraph summary.
+
+    ``superlink`` (engine ``flower`` only): ``HOST:PORT`` of a running SuperLink with
+    ``num_supernodes`` SuperNodes (nothing is started; insecure unless ``root_certificates``
+    names the PEM file of its CA)."""
     apply_flower_env()
     import torch
 
@@ -83,10 +92,17 @@ def run_flower_train(spec, out: str | Path, *, engine: str = "flower-sim",
     from partialfl.experiments.pipeline import _Stage2, finetune_and_evaluate, stage2_setup
     from partialfl.experiments.train import _write_json, format_plan
     from partialfl.experiments.train_report import write_report
-    from partialfl.flower.project import LocalFederation
+    from partialfl.flower.project import LocalFederation, SuperLinkConnection, parse_address
 
     if engine not in ENGINES:
         raise ValueError(f"engine {engine!r} is not allowed; allowed: {', '.join(ENGINES)}")
+    if (superlink or root_certificates) and engine != "flower":
+        raise ValueError(f"--superlink / --root-certificates apply to engine 'flower' (a "
+                         f"deployment), not {engine!r}")
+    if root_certificates and not superlink:
+        raise ValueError("--root-certificates needs --superlink HOST:PORT")
+    if superlink:
+        parse_address(superlink)  # a bad address fails before anything is built
     run = build(spec)  # validates everything and loads the data before Flower starts
     pipe = run.pipeline
     if pipe.method.algorithm in ("fedalt", "fedsim") and not pipe.method.stateless:
@@ -95,27 +111,36 @@ def run_flower_train(spec, out: str | Path, *, engine: str = "flower-sim",
     if dry_run:
         cfg = spec_run_config(spec, "personalize", "STAGE1.npz")
         shown = json.dumps({k: v for k, v in cfg.items() if k != "train-spec"})
+        where = f", SuperLink {superlink}" if superlink else ""
         return (format_plan(run.plan) + f"\nengine     {engine} ({num_supernodes} "
-                f"SuperNodes)\nstage-2 run config (+ train-spec): {shown}"
+                f"SuperNodes{where})\nstage-2 run config (+ train-spec): {shown}"
                 "\ndry run: nothing trained, nothing written")
-    out = Path(out)
-    out.mkdir(parents=True, exist_ok=True)
-    _write_json(out / "spec.json", to_dict(spec))
+    out = Path(out).expanduser().resolve()  # the ServerApp runs in another folder
     theta1_file = out / "stage1" / "theta.npz"
-    with LocalFederation(num_supernodes, simulation=engine == "flower-sim") as fed:
+    if superlink:
+        fed = SuperLinkConnection(superlink, num_supernodes,
+                                  root_certificates=root_certificates)
+    else:
+        fed = LocalFederation(num_supernodes, simulation=engine == "flower-sim")
+    with fed:  # nothing is written before the federation answers
+        out.mkdir(parents=True, exist_ok=True)
+        _write_json(out / "spec.json", to_dict(spec))
         if pipe.pretrain.rounds > 0:
             rep = fed.run(spec_run_config(spec, "pretrain"), timeout=timeout,
-                          out_dir=out / "stage1" / "flower")
+                          out_dir=out / "stage1" / "flower",
+                          progress="pretrain" if progress else None)
             theta1 = {n: np.asarray(v) for n, v in rep["theta"].items()}
             _write_history(out / "stage1" / "stage1.jsonl", "stage1", rep["history"])
         else:
             theta1 = {n: v.detach().numpy() for n, v in
                       run.task.model_fn(pipe.stage1_seed).named_parameters()}
         theta1_file.parent.mkdir(parents=True, exist_ok=True)
-        np.savez(theta1_file, **theta1)
+        tmp = theta1_file.with_name("theta.tmp.npz")
+        np.savez(tmp, **theta1)
+        tmp.replace(theta1_file)
         if pipe.personalize.rounds > 0:
             rep = fed.run(spec_run_config(spec, "personalize", theta1_file), timeout=timeout,
-                          out_dir=out / "flower")
+                          out_dir=out / "flower", progress="personalize" if progress else None)
             theta2 = {n: torch.from_numpy(np.asarray(v)) for n, v in rep["theta"].items()}
             _write_history(out / "stage2.jsonl", "stage2", rep["history"])
         else:
@@ -127,6 +152,7 @@ def run_flower_train(spec, out: str | Path, *, engine: str = "flower-sim",
     metrics, _, _ = finetune_and_evaluate(pipe, run.task, s2, out)
     _write_json(out / "metrics.json", metrics)
     write_report(out, tensorboard=spec.logging.tensorboard)
+    where = f" of the SuperLink at {superlink}" if superlink else ""
     return (f"{engine}: test accuracy {100 * metrics['test_acc']:.2f}% after "
             f"{pipe.pretrain.rounds} + {pipe.personalize.rounds} rounds on "
-            f"{num_supernodes} SuperNodes; results written to {out}/")
+            f"{num_supernodes} SuperNodes{where}; results written to {out}/")
