@@ -10,14 +10,19 @@ server optimizer, schedule and aggregator), :func:`partition_clients`.
 
 This module does not import ``flwr``, so configs can be checked without the optional extra.
 Keys use Flower's kebab-case; :data:`FIELDS` is the single table of keys, types, defaults and
-allowed values from which the app's ``pyproject.toml`` is generated
-(:func:`partialfl.flower.project.app_pyproject`).
+allowed values from which :class:`FlowerConfig` and the app's ``pyproject.toml`` are generated
+(:func:`partialfl.flower.project.app_pyproject`). A key that mirrors a field of the run
+specification (:func:`from_spec`, e.g. ``server-lr`` = ``ServerConfig.lr``, ``ls-n`` =
+``ProblemConfig.n``, ``model`` = ``ModelSpec.name``) takes its type, default and validation
+(registry names included) from :mod:`partialfl.spec`, so the app's defaults are the config's;
+the rest are Flower's own (transport, robustness, output). Problem ``train`` carries a whole
+:class:`~partialfl.spec.TrainSpec` (key ``train-spec``), so any model and data a train config
+names runs on Flower.
 """
 
 from __future__ import annotations
 
 import math
-import re
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, make_dataclass
 from dataclasses import field as dc_field
@@ -114,16 +119,6 @@ def _nonneg(v) -> bool:
     return v >= 0 and math.isfinite(v)
 
 
-def _lr(v) -> bool:
-    if isinstance(v, str):
-        return v == "auto" or re.fullmatch(r"\s*[0-9.eE+-]+\s*/\s*L\s*", v) is not None
-    return _pos(v)
-
-
-def _unit(v) -> bool:
-    return 0 <= v < 1
-
-
 #: Every key of the app's run config. Order = order in the generated pyproject.toml.
 FIELDS: tuple[Field, ...] = (
     # -- what to run ------------------------------------------------------------------
@@ -197,8 +192,8 @@ FIELDS: tuple[Field, ...] = (
               "least squares: fine-tuner of w (gd = Algorithm 2, cg, exact)"),
     Field("local-steps", int, 10, "local steps τ (fine-tuning steps; FedAvg local steps)",
           check=_pos, requirement="an integer >= 1"),
-    Field("local-lr", float, 0.0, "local stepsize (0 = 1/L per client on least squares; "
-          "model problems need a number > 0)", check=_nonneg, requirement="a number >= 0"),
+    from_spec("local-lr", AlgorithmConfig, "local_lr", "local stepsize (0 = 1/L per client on "
+              "least squares; model problems need a number > 0)", none=0.0),
     from_spec("local-epochs", ClientConfig, "epochs",
               "model problems: epochs of fine-tuning / local training"),
     from_spec("batch-size", ClientConfig, "batch_size", "model problems: minibatch size"),
