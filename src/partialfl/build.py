@@ -2,9 +2,14 @@
 
 :data:`REGISTRY` is the only table mapping names to classes and functions, by kind:
 closed-form problems and algorithms, local solvers, model algorithms (and named presets),
-splits, models, datasets, partitioners, server optimizers, schedules, aggregators, losses and
-metrics. The spec validates names against it (:func:`names`); :func:`build` turns a spec into
-what runs it. Entries import their modules lazily, so reading a spec stays cheap.
+splits, models, datasets, data-convert formats, partitioners, backends, server optimizers,
+schedules, aggregators (and their aliases), attacks, losses, metrics and reproductions
+(``tests/test_registry.py`` scans the package for any other name table). The spec validates
+names against it (:func:`names`); :func:`build` turns a spec into what runs it; the
+``make_*`` functions build one object by name (``make_model``, ``make_aggregator``,
+``make_attack``, ``make_solver``, ``make_optimizer``, ``make_backend``). Modules below this one
+keep their classes and never import it. Entries import their modules lazily, so reading a
+spec stays cheap.
 """
 
 from __future__ import annotations

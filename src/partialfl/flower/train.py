@@ -134,10 +134,10 @@ def run_flower_train(spec, out: str | Path, *, engine: str = "flower-sim",
         else:
             theta1 = {n: v.detach().numpy() for n, v in
                       run.task.model_fn(pipe.stage1_seed).named_parameters()}
-        theta1_file.parent.mkdir(parents=True, exist_ok=True)
-        tmp = theta1_file.with_name("theta.tmp.npz")
-        np.savez(tmp, **theta1)
-        tmp.replace(theta1_file)
+        from partialfl import io as pio
+
+        with pio.atomic_write(theta1_file, "wb") as f:
+            np.savez(f, **theta1)
         if pipe.personalize.rounds > 0:
             rep = fed.run(spec_run_config(spec, "personalize", theta1_file), timeout=timeout,
                           out_dir=out / "flower", progress="personalize" if progress else None)
