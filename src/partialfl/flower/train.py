@@ -134,8 +134,6 @@ def run_flower_train(spec, out: str | Path, *, engine: str = "flower-sim",
         else:
             theta1 = {n: v.detach().numpy() for n, v in
                       run.task.model_fn(pipe.stage1_seed).named_parameters()}
-        from partialfl import io as pio
-
         with pio.atomic_write(theta1_file, "wb") as f:
             np.savez(f, **theta1)
         if pipe.personalize.rounds > 0:
