@@ -10,9 +10,12 @@ from partialfl.stats import (
     MDE_FACTOR,
     VERDICTS,
     accuracy_interval,
+    clipped_log10,
     expanded_quantiles,
+    log_error_ratio,
     paired_difference,
     pooled_accuracy,
+    seed_mean_interval,
 )
 
 NO_DIFF = VERDICTS[2]
@@ -175,3 +178,81 @@ def test_bad_input_is_refused_with_a_clear_error():
         accuracy_interval(np.ones(5), t, level=1.5)
     with pytest.raises(ValueError, match="n_boot"):
         accuracy_interval(np.ones(5), t, n_boot=10)
+
+
+# ----------------------------------------------------------------- final errors over seeds
+def log_normal_errors(reps: int, seeds: int, gain: float, seed: int, noise: float = 0.3):
+    """``reps`` paired data sets of final errors ``[reps, seeds]``: seed s draws a problem
+    whose difficulty moves both methods' log10 error by a common N(−8, 3²) amount (the paired
+    part); the method ends ``gain`` orders of magnitude below the reference, each run adds
+    N(0, noise²) orders of its own. So D_s = log10 ref − log10 method ~ N(gain, 2·noise²)."""
+    rng = np.random.default_rng(seed)
+    a = rng.normal(-8, 3, (reps, seeds))
+    base = 10 ** (a + rng.normal(0, noise, (reps, seeds)))
+    meth = 10 ** (a - gain + rng.normal(0, noise, (reps, seeds)))
+    return meth, base
+
+
+def test_seed_mean_interval_is_the_t_interval():
+    d = np.array([1.0, 2.0, 4.0])
+    iv = seed_mean_interval(d)
+    se = np.std(d, ddof=1) / np.sqrt(3)
+    # t_{2, 0.975} = 4.3027, t_{2, 0.80} = 1.0607
+    assert iv.estimate == pytest.approx(7 / 3) and iv.se == pytest.approx(se)
+    assert iv.high - iv.estimate == pytest.approx(4.302653 * se, rel=1e-5)
+    assert iv.mde == pytest.approx((4.302653 + 1.060660) * se, rel=1e-5)
+    assert iv.seeds == 3 and iv.verdict == "no detectable difference at this size"
+    assert seed_mean_interval([1.0, 1.1, 0.9]).verdict == "better"
+    assert seed_mean_interval([-1.0, -1.1, -0.9]).verdict == "worse"
+
+
+def test_log_error_ratio_counts_orders_of_magnitude_and_clips():
+    iv = log_error_ratio([1e-10, 1e-9], [1e-8, 1e-7])  # 2 orders lower on both seeds
+    assert iv.estimate == pytest.approx(2.0) and iv.se == pytest.approx(0.0, abs=1e-12)
+    assert iv.verdict == "better"
+    # both at the rounding floor: no difference; diverged (inf / NaN / huge) = the ceiling
+    assert log_error_ratio([0.0, 1e-40], [1e-35, 0.0]).estimate == 0.0
+    assert clipped_log10([np.inf, np.nan, 1e9, 0.0]).tolist() == [3.0, 3.0, 3.0, -30.0]
+    assert log_error_ratio([np.inf, np.nan], [1e-3, 1e-3]).estimate == pytest.approx(-6.0)
+    # cells of one seed are averaged before the interval over seeds
+    cells = log_error_ratio([[1e-4, 1e-2], [1e-4, 1e-2]], [[1e-2, 1e-2], [1e-2, 1e-2]])
+    assert cells.estimate == pytest.approx(1.0) and cells.seeds == 2
+
+
+def test_no_difference_in_final_errors_is_not_declared_in_95_percent_of_repetitions():
+    """1000 data sets of 3 seeds without a true difference: the t interval covers 0 in 95%
+    (exact for normal D_s); the assertion allows 2.5 Monte Carlo SEs."""
+    meth, base = log_normal_errors(1000, 3, 0.0, 1)
+    iv = [log_error_ratio(m, b) for m, b in zip(meth, base)]
+    rate = np.mean([i.verdict == NO_DIFF for i in iv])
+    assert rate >= 0.95 - 2.5 * np.sqrt(0.05 * 0.95 / 1000), rate
+    assert sum(i.verdict == "better" for i in iv) < 0.04 * 1000
+    assert sum(i.verdict == "worse" for i in iv) < 0.04 * 1000
+
+
+def test_a_real_reduction_of_the_final_error_is_detected():
+    """Twice the average reported MDE is detected ('better') almost always; the MDE itself
+    in roughly 70% of repetitions (the SE of 3 seeds is itself uncertain)."""
+    null = [log_error_ratio(m, b) for m, b in zip(*log_normal_errors(500, 3, 0.0, 2))]
+    mde = float(np.mean([i.mde for i in null]))
+    strong = [log_error_ratio(m, b) for m, b in zip(*log_normal_errors(500, 3, 2 * mde, 3))]
+    assert np.mean([i.verdict == "better" for i in strong]) >= 0.97
+    at_mde = [log_error_ratio(m, b) for m, b in zip(*log_normal_errors(1000, 3, mde, 4))]
+    power = np.mean([i.verdict == "better" for i in at_mde])
+    assert 0.55 <= power <= 0.9, power
+    # and a worse method is called worse
+    worse = [log_error_ratio(b, m) for m, b in zip(*log_normal_errors(200, 3, 2 * mde, 5))]
+    assert np.mean([i.verdict == "worse" for i in worse]) >= 0.97
+
+
+def test_final_error_comparisons_refuse_bad_input():
+    with pytest.raises(ValueError, match="at least 2 seeds"):
+        log_error_ratio([1e-3], [1e-2])
+    with pytest.raises(ValueError, match="same shape"):
+        log_error_ratio([1e-3, 1e-3], [1e-2])
+    with pytest.raises(ValueError, match=">= 0"):
+        log_error_ratio([-1.0, 1.0], [1.0, 1.0])
+    with pytest.raises(ValueError, match="floor"):
+        clipped_log10([1.0], floor=1.0, ceiling=0.5)
+    with pytest.raises(ValueError, match="finite"):
+        seed_mean_interval([1.0, np.nan])

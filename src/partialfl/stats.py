@@ -32,6 +32,28 @@ conservative (1% at S = 3 seeds that differ little).
 **Power.** With a two-sided test at 95% confidence and power 80%, the smallest true
 difference that is detected is (z₀.₉₇₅ + z₀.₈₀)·SE = (1.960 + 0.842)·SE ≈ 2.80·SE (the
 *minimum detectable difference*, MDE); anything smaller than 1.96·SE cannot be declared at all.
+
+**Final errors over seeds (the least-squares studies).** Where a study's only randomness is
+its seed (the data, the attack, the faults, the device speeds are drawn from it) and a run
+reports one final error e > 0 (e.g. ‖θ − θ*‖² / ‖θ*‖²), two methods run with the same seeds
+are compared by the paired per-seed difference of log10 errors
+
+    D_s = log10 e_ref[s] − log10 e[s]     ("orders of magnitude below the reference")
+
+(with several cells per seed, e.g. one per attack, D_s is their mean). Errors are first
+clipped to [``floor``, ``ceiling``]: below the floor (default 1e-30, the double-precision
+rounding level of a relative squared distance) differences are rounding noise, and a run
+that diverged (non-finite, or above the ceiling, default 1e3 = a thousand times the starting
+error) counts as the ceiling. The S seeds are independent draws, so D̄ = (1/S) Σ_s D_s has
+the *t interval* D̄ ± t_{S−1, (1+level)/2} · sd(D)/√S (exact when D_s is normal; the
+bootstrap is useless with 3 seeds), the verdict as above ("better": lower error than the
+reference), and MDE = (t_{S−1, 0.975} + t_{S−1, 0.80}) · SE (the t analogue of 2.80 · SE;
+14.1 · SE at S = 2, 5.4 · SE at S = 3). One seed gives no interval. Measured on
+synthetic log-normal errors (tests/test_stats.py, S = 3, 4000 repetitions without a true
+difference): 95.6% gave "no detectable difference"; a true difference equal to the average
+reported MDE was detected in 69% of 2000 repetitions (with 2 degrees of freedom the SE
+itself is uncertain, so the 80% of the MDE's definition is approximate), twice the MDE in
+99%.
 """
 
 from __future__ import annotations
@@ -63,11 +85,14 @@ class Interval:
     seeds: int
     examples: int
     n_boot: int
+    #: MDE / SE: 2.80 for the bootstrap, t_{S−1,0.975} + t_{S−1,0.80} for a t interval
+    mde_factor: float = MDE_FACTOR
 
     @property
     def mde(self) -> float:
-        """Minimum detectable difference (95% confidence, 80% power): 2.80 · SE."""
-        return MDE_FACTOR * self.se
+        """Minimum detectable difference (95% confidence, 80% power): ``mde_factor`` · SE
+        (2.80 · SE for the bootstrap)."""
+        return self.mde_factor * self.se
 
     @property
     def verdict(self) -> str:
@@ -187,3 +212,64 @@ def paired_difference(correct, total, base_correct, base_total, *, level: float 
     reps = _replicates(c, t, wc, ws) - _replicates(bc, bt, wc, ws)
     est = np.asarray(pooled_accuracy(c, t)) - np.asarray(pooled_accuracy(bc, bt))
     return _interval(est, reps, level, m, s, t.sum(-1).mean(-1), n_boot)
+
+
+# ----------------------------------------------------------------- final errors over seeds
+#: errors below this are rounding noise (relative squared distance in double precision)
+ERROR_FLOOR = 1e-30
+#: a diverged run (non-finite or above this, relative to the starting error) counts as this
+ERROR_CEILING = 1e3
+
+
+def clipped_log10(errors, floor: float = ERROR_FLOOR, ceiling: float = ERROR_CEILING
+                  ) -> np.ndarray:
+    """log10 of ``errors`` clipped to [floor, ceiling]; NaN and ±inf (a diverged run) count
+    as the ceiling. Negative errors are refused."""
+    if not 0 < floor < ceiling:
+        raise ValueError(f"need 0 < floor < ceiling, got floor={floor}, ceiling={ceiling}")
+    e = np.asarray(errors, dtype=float)
+    if (e < 0).any():
+        raise ValueError("errors must be >= 0 (NaN / inf count as diverged)")
+    e = np.where(np.isfinite(e), e, ceiling)
+    return np.log10(np.clip(e, floor, ceiling))
+
+
+def t_quantile(df: int, q: float) -> float:
+    """The q-quantile of Student's t with ``df`` degrees of freedom."""
+    from scipy.special import stdtrit
+
+    return float(stdtrit(df, q))
+
+
+def seed_mean_interval(d, *, level: float = 0.95) -> Interval:
+    """The t interval of the mean of S ≥ 2 independent per-seed values ``d`` (paired
+    differences): D̄ ± t_{S−1,(1+level)/2} · sd(d)/√S, with MDE factor
+    t_{S−1,0.975} + t_{S−1,0.80} (see the module docstring)."""
+    if not 0 < level < 1:
+        raise ValueError(f"level must be in (0, 1), got {level}")
+    d = np.asarray(d, dtype=float).ravel()
+    if d.size < 2:
+        raise ValueError(f"an interval over seeds needs at least 2 seeds, got {d.size}")
+    if not np.isfinite(d).all():
+        raise ValueError("per-seed values must be finite")
+    s = d.size
+    se = float(d.std(ddof=1) / math.sqrt(s))
+    half = t_quantile(s - 1, (1 + level) / 2) * se
+    est = float(d.mean())
+    return Interval(est, est - half, est + half, se, level, 0, s, 0, 0,
+                    mde_factor=t_quantile(s - 1, 0.975) + t_quantile(s - 1, 0.80))
+
+
+def log_error_ratio(errors, base_errors, *, level: float = 0.95, floor: float = ERROR_FLOOR,
+                    ceiling: float = ERROR_CEILING) -> Interval:
+    """Paired comparison of final errors over seeds: D_s = log10 e_ref[s] − log10 e[s]
+    (orders of magnitude below the reference; positive = the method ends closer), averaged
+    over any further axes (cells of one seed), with its t interval over the S ≥ 2 seeds
+    (:func:`seed_mean_interval`). ``errors`` and ``base_errors``: arrays ``[S]`` or
+    ``[S, cells]`` of the same shape, row s of both from seed s."""
+    e, b = np.asarray(errors, dtype=float), np.asarray(base_errors, dtype=float)
+    if e.shape != b.shape or e.ndim == 0:
+        raise ValueError(f"log_error_ratio: errors {e.shape} and reference errors {b.shape} "
+                         "must be arrays of the same shape [seeds, ...]")
+    d = clipped_log10(b, floor, ceiling) - clipped_log10(e, floor, ceiling)
+    return seed_mean_interval(d.reshape(d.shape[0], -1).mean(1), level=level)
