@@ -41,7 +41,13 @@ from partialfl.algorithms.asynchronous import FedAsync, FedBuff, joint_sgd
 from partialfl.algorithms.ffgg import FFGG
 from partialfl.algorithms.joint import LocalGD
 from partialfl.build import make_solver
-from partialfl.experiments.report import REL_DIST2, STYLES, markdown_table, quick_note
+from partialfl.experiments.report import (
+    REL_DIST2,
+    STYLES,
+    error_ratio_section,
+    markdown_table,
+    quick_note,
+)
 from partialfl.problems.overpersonalized import OverpersonalizedLeastSquares
 from partialfl.runtime import JsonlLogger, run_rounds
 from partialfl.runtime.asynchronous import (
@@ -326,6 +332,21 @@ def _first_time_below(history, thr) -> float:
     return math.nan
 
 
+def comparison(results: list[dict], quick: bool) -> list[str]:
+    """Every method's final relative error against async FFGG's, paired by seed (the
+    problem, the device speeds and the schedule come from the seed), with the t interval
+    over seeds and its verdict (:func:`~partialfl.experiments.report.error_ratio_section`)."""
+    ref = "async FFGG"
+
+    def finals(method: str) -> np.ndarray:
+        return np.array([r["runs"][method]["history"][-1]["rel_dist2"] for r in results])
+
+    pairs = {m: (finals(m), finals(ref)) for m in METHODS
+             if m != ref and all(m in r["runs"] for r in results)}
+    return error_ratio_section(pairs, reference=ref, error=f"final {REL_DIST2}",
+                               verdict=not quick)
+
+
 def _summary(results: list[dict], study: AsyncStudy, quick: bool, seconds: float) -> str:
     seeds = [r["seed"] for r in results]
     spreads = [float(r["speeds"].max() / r["speeds"].min()) for r in results]
@@ -361,6 +382,8 @@ def _summary(results: list[dict], study: AsyncStudy, quick: bool, seconds: float
             "not reached" if all(h != h for h in hits) else f"{np.nanmedian(hits):.0f}",
         ])
     lines += [markdown_table(header, rows), ""]
+    lines += ["## Paired comparison with async FFGG (over seeds)", "",
+              *comparison(results, quick), ""]
     floor = [r["shared_floor"] / r["theta_star2"] for r in results]
     lines += ["Best possible shared model (non-personalized optimum x̄*): ‖θ̄* − θ*‖²/‖θ*‖² = "
               + ", ".join(f"{f:.3g}" for f in floor) + " per seed.",
