@@ -327,6 +327,9 @@ def test_reproduce_async_quick(tmp_path):
     summary = reproduce_async(tmp_path, quick=True, progress=False)
     text = summary.read_text()
     assert "| async FFGG |" in text and "Real concurrency" in text
+    # the paired comparison with async FFGG: one seed at the quick size, so no interval
+    assert "orders of magnitude below async FFGG [95% CI]" in text
+    assert "| sync FFGG |" in text and "(one seed: no interval)" in text
     from _summaries import check_standalone_summary
 
     check_standalone_summary(text, quick=True)

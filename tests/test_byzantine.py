@@ -318,6 +318,9 @@ def test_reproduce_byzantine_quick(tmp_path):
     summary = reproduce_byzantine(tmp_path, quick=True, progress=False)
     text = summary.read_text()
     assert "## BR-FFGG" in text and "## robust SGD on the shared model" in text
+    assert "orders of magnitude below the shared model [95% CI]" in text
+    assert "orders of magnitude below no bucketing [95% CI]" in text
+    assert "| cm+b |" in text and "(one seed: no interval)" in text
     from _summaries import check_standalone_summary
 
     check_standalone_summary(text, quick=True)
@@ -336,3 +339,37 @@ def test_reproduce_byzantine_quick(tmp_path):
     for label, _, _ in ATTACK_GRID:
         for agg in ("cm", "gm", "cc"):
             assert final[(label, agg, 2, "br-ffgg")] < 0.1 * start, (label, agg)
+
+
+def test_byzantine_comparison_pairs_seeds_and_averages_attacks():
+    """Synthetic grid rows, 3 seeds: BR-FFGG 6 orders below the shared model in every cell
+    ('better'); bucketing changes nothing for CM ('no detectable difference'); a cell not run
+    (MDA) drops its row; a seed-level shift cancels (paired)."""
+    from partialfl.experiments.byzantine import ATTACK_GRID, ByzantineStudy, comparison
+
+    study = ByzantineStudy(fractions=(0.1,))
+    rng = np.random.default_rng(0)
+    rows = []
+    for seed in (0, 1, 2):
+        shift = 10.0 ** rng.normal(0, 2)  # the seed's problem: moves every cell alike
+        for label, _, _ in ATTACK_GRID:
+            for agg in ("cm", "gm"):
+                for s in (1, 2):
+                    for kind, base in (("br-ffgg", 1e-8), ("shared", 1e-2)):
+                        noise = 10.0 ** rng.normal(0, 0.1)
+                        rows.append({"delta": 0.1, "attack": label, "aggregator": agg,
+                                     "bucketing": s, "kind": kind, "seed": seed,
+                                     "theta_star2": 2.0,
+                                     "history": [{"dist2": 2.0 * base * shift * noise}]})
+    text = "\n".join(comparison(rows, study, quick=False))
+    row = {}
+    for ln in text.splitlines():
+        if ln.startswith("| "):
+            row.setdefault(ln.split(" | ")[0][2:], []).append(ln)
+    for k in ("cm", "cm+b", "gm", "gm+b"):
+        first = row[k][0]  # BR-FFGG vs the shared model
+        assert "| better |" in first
+        assert abs(float(first.split(" | ")[2].split(" [")[0]) - 6.0) < 0.2, first
+    assert "no detectable difference at this size" in row["cm"][1]  # bucketing table
+    assert "mda" not in row and "over the 3 seeds" in text
+    assert "### δ = 10%: BR-FFGG with bucketing (s = 2) vs without" in text

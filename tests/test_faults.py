@@ -129,6 +129,8 @@ def test_reproduce_faults_quick(tmp_path):
     text = (tmp_path / "summary.md").read_text()
     assert "| least squares | sync | 30% |" in text and "| least squares | processes |" in text
     assert ": yes" in text and ": NO" not in text
+    assert "orders of magnitude below the fault-free run [95% CI]" in text
+    assert "| synchronous, 30% faults |" in text and "(one seed: no interval)" in text
     assert (tmp_path / "faults.png").stat().st_size > 0
     import importlib.util
 
@@ -139,3 +141,23 @@ def test_reproduce_faults_quick(tmp_path):
         fl = [r for r in rows if r["runtime"] == "flower-sim" and r["rate"] > 0]
         assert fl and fl[0]["lost"] == fl[0]["injected"]["node loss"] > 0
         assert fl[0]["lost_partitions"] == [1] and fl[0]["ref_diff"] < 1e-9
+
+
+def test_faults_comparison_pairs_each_rate_with_the_fault_free_run():
+    """Synthetic rows, 3 seeds: 30% faults end 2 orders above the fault-free run on every
+    seed ('worse'); 10% faults within the seed spread ('no detectable difference')."""
+    from partialfl.experiments.faults import comparison
+
+    rng = np.random.default_rng(1)
+    rows = []
+    for seed in (0, 1, 2):
+        base = 10.0 ** rng.normal(-6, 1)
+        for rate, factor in ((0.0, 1.0), (0.1, 10.0 ** rng.normal(0, 0.3)), (0.3, 100.0)):
+            rows.append({"part": "least squares", "runtime": "sync", "rate": rate,
+                         "seed": seed, "final": base * factor})
+    text = "\n".join(comparison(rows, quick=False))
+    row = {ln.split(" | ")[0][2:]: ln for ln in text.splitlines() if ln.startswith("| ")}
+    assert "| worse |" in row["synchronous, 30% faults"]
+    assert "-2.00 [-2.00, -2.00]" in row["synchronous, 30% faults"]
+    assert "no detectable difference" in row["synchronous, 10% faults"]
+    assert comparison([], quick=False) == []

@@ -143,3 +143,30 @@ def test_counts_from_runs_and_paired_section():
     with pytest.raises(ValueError, match="other clients"):
         paired_section({"FedAvg": counts_from_runs(fed), "X": counts_from_runs(other)},
                        unit="images", clients="writers")
+
+
+def test_error_ratio_section_states_intervals_and_verdicts_over_seeds():
+    """Three seeds: a method 3 orders below the reference is 'better', one at the reference
+    'no detectable difference', a diverged one 'worse'; one seed gives no interval, a quick
+    run no verdict."""
+    import numpy as np
+
+    from partialfl.experiments.report import error_ratio_section
+
+    ref = np.array([1e-6, 1e-4, 1e-8])
+    pairs = {"lower": (ref * np.array([1e-3, 2e-3, 5e-4]), ref),
+             "same": (ref * np.array([1.5, 0.6, 1.1]), ref),
+             "diverged": (np.array([np.inf, np.nan, 1e9]), ref),
+             "cells": (np.stack([ref * 1e-2, ref], 1), np.stack([ref, ref], 1))}
+    text = "\n".join(error_ratio_section(pairs, reference="R", error="e", cells="attacks"))
+    row = {ln.split(" | ")[0][2:]: ln for ln in text.splitlines() if ln.startswith("| ")}
+    assert "| better |" in row["lower"] and "+3.0" in row["lower"]
+    assert "no detectable difference at this size" in row["same"]
+    assert "| worse |" in row["diverged"]
+    assert "+1.00 [+1.00, +1.00]" in row["cells"]  # 2 orders on one of 2 attacks, every seed
+    assert "orders of magnitude below R [95% CI]" in text and "over the 3 seeds" in text
+    quick = "\n".join(error_ratio_section(pairs, reference="R", error="e", verdict=False))
+    assert "– (quick run)" in quick and "| better |" not in quick
+    one = "\n".join(error_ratio_section({"x": (ref[:1] * 1e-2, ref[:1])}, reference="R",
+                                        error="e"))
+    assert "+2.00 (one seed: no interval)" in one and "**One seed**" in one

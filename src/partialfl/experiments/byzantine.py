@@ -38,7 +38,7 @@ from partialfl.algorithms.asynchronous import joint_sgd
 from partialfl.algorithms.byzantine import ByzantineConfig, ByzantineRobust
 from partialfl.algorithms.ffgg import FFGG
 from partialfl.build import make_aggregator, make_attack, make_solver
-from partialfl.experiments.report import markdown_table, quick_note
+from partialfl.experiments.report import error_ratio_section, markdown_table, quick_note
 from partialfl.problems.overpersonalized import OverpersonalizedLeastSquares
 from partialfl.runtime import JsonlLogger, run_rounds
 from partialfl.server import SGD
@@ -186,6 +186,53 @@ def _final(rows, rel: bool = False, **key) -> float | None:
     return float(np.median(vals)) if vals else None
 
 
+def _rel_finals(rows, seeds, **key) -> np.ndarray | None:
+    """Final ‖θ − θ*‖² / ‖θ*‖² ``[seeds, attacks]`` of one (δ, method, aggregator,
+    bucketing); None unless every attack ran for every seed."""
+    out = {(r["seed"], r["attack"]): r["history"][-1]["dist2"] / r["theta_star2"]
+           for r in rows if all(r[k] == v for k, v in key.items())}
+    labels = [lab for lab, _, _ in ATTACK_GRID]
+    if any((s, lab) not in out for s in seeds for lab in labels):
+        return None
+    return np.array([[out[s, lab] for lab in labels] for s in seeds])
+
+
+def comparison(rows, study: ByzantineStudy, quick: bool) -> list[str]:
+    """Paired comparisons over seeds (the problem, the Byzantine ids and the attacks' noise
+    come from the seed), each averaged over the attacks of the grid: BR-FFGG against the
+    robust shared model with the same aggregator and bucketing, and BR-FFGG with bucketing
+    against BR-FFGG without (:func:`~partialfl.experiments.report.error_ratio_section`)."""
+    seeds = sorted({r["seed"] for r in rows})
+    lines = ["## Paired comparisons over seeds (log10 final error, averaged over the "
+             f"{len(ATTACK_GRID)} attacks)", ""]
+    b = study.bucket_size
+    for i, delta in enumerate(study.fractions):
+        personal, bucket = {}, {}
+        for agg in AGGREGATOR_GRID:
+            for s in (1, b):
+                ffgg = _rel_finals(rows, seeds, delta=delta, kind="br-ffgg", aggregator=agg,
+                                   bucketing=s)
+                shared = _rel_finals(rows, seeds, delta=delta, kind="shared", aggregator=agg,
+                                     bucketing=s)
+                if ffgg is not None and shared is not None:
+                    personal[f"{agg}{'+b' if s > 1 else ''}"] = (ffgg, shared)
+            with_b, without = (_rel_finals(rows, seeds, delta=delta, kind="br-ffgg",
+                                           aggregator=agg, bucketing=s) for s in (b, 1))
+            if with_b is not None and without is not None:
+                bucket[agg] = (with_b, without)
+        lines += [f"### δ = {delta:.0%}: BR-FFGG vs the robust shared model (same aggregator "
+                  "and bucketing)", "",
+                  *error_ratio_section(personal, reference="the shared model",
+                                       error="final ‖θ − θ*‖²/‖θ*‖²", verdict=not quick,
+                                       explain=False), "",
+                  f"### δ = {delta:.0%}: BR-FFGG with bucketing (s = {b}) vs without", "",
+                  *error_ratio_section(bucket, reference="no bucketing",
+                                       error="final ‖θ − θ*‖²/‖θ*‖²", verdict=not quick,
+                                       explain=i == len(study.fractions) - 1,
+                                       cells="attacks"), ""]
+    return lines
+
+
 def _plot(rows, study: ByzantineStudy, path: Path, delta: float, kind: str, seed: int) -> None:
     import matplotlib
 
@@ -293,6 +340,7 @@ def _summary(rows, study, problem_stats, quick, seconds) -> str:
                                       aggregator="mean", bucketing=1) <= thr]
             lines.append(f"- δ = {delta:.0%}, {title}, mean: fails to reach {thr:g}·‖θ*‖² "
                          f"under {', '.join(mean_bad) if mean_bad else 'no attack'}")
+    lines += ["", *comparison(rows, study, quick)]
     lines += ["", f"Total time: {seconds:.0f} s. Plots: `byzantine_<method>_delta<δ>.png` "
               "(first seed; solid: no bucketing, dashed: bucketing)."]
     return "\n".join(lines) + "\n"
