@@ -44,14 +44,24 @@ def test_reproduce_ls_tau_quick_writes_everything(tmp_path, capsys):
     assert "| ‖θʳ−θ*‖²/‖θ⁰−θ*‖² |" in text  # the column says what the plot's axis says
     # the quick size's τ ≥ 10 solve d_w = 10 exactly: their curves coincide, and it says so
     assert "τ ∈ {10, 20, 30, 40}" in text or "τ ∈ {5, 10, 20, 30, 40}" in text
+    # the paired comparison with τ = 1: one seed by default, so no interval, no verdict
+    assert "orders of magnitude below τ = 1 [95% CI]" in text
+    assert "| τ = 40 |" in text and "(one seed: no interval)" in text
 
 
 def test_reproduce_ls_compare_quick(tmp_path):
     out = tmp_path / "c"
-    assert main(["reproduce", "ls-compare", "--quick", "--out", str(out), "--no-progress"]) == 0
+    assert main(["reproduce", "ls-compare", "--quick", "--seeds", "0", "1", "--out", str(out),
+                 "--no-progress"]) == 0
     text = (out / "summary.md").read_text()
     for m in ("ffgg", "scaffold", "local-gd", "l2gd"):
         assert f"| {m} | 100 |" in text
+    # two seeds: every baseline against FFGG with its t interval over the seeds (no verdict
+    # at the quick size)
+    assert "orders of magnitude below FFGG (same τ) [95% CI]" in text
+    row = next(ln for ln in text.splitlines() if ln.startswith("| scaffold, τ = 100 |"))
+    assert " [" in row.split(" | ")[2] and "– (quick run)" in row
+    assert "over the 2 seeds" in text
     check_standalone_summary(text, quick=True)
     for f in ("ls_compare_rounds.png", "ls_compare_grads.png", "ls_compare_loss.png"):
         assert (out / f).stat().st_size > 0

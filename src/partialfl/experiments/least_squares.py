@@ -27,7 +27,7 @@ from partialfl.experiments.closed_form import (
     run_closed_form,
     summary_markdown,
 )
-from partialfl.experiments.report import REL_DIST2, plot_curves, quick_note
+from partialfl.experiments.report import REL_DIST2, error_ratio_section, plot_curves, quick_note
 
 
 def load_sweep(name: str, quick: bool) -> tuple[list[str], list[int], dict]:
@@ -131,6 +131,27 @@ def _coinciding(rows: list[dict], rtol: float = 0.01) -> list[str]:
             "has its own line style and markers)." for g in groups if len(g) > 1]
 
 
+def comparison(rows: list[dict], pairs: dict[str, tuple[dict, dict]], reference: str,
+               quick: bool) -> list[str]:
+    """The paired comparison over seeds of the final ‖θ − θ*‖²/‖θ*‖² of runs matching each
+    ``label -> (run keys, reference run keys)`` (e.g. ``({"method": "scaffold", "tau": 100},
+    {"method": "ffgg", "tau": 100})``): the seed draws the problem (and any sampling), both
+    sides use the same seeds (:func:`~partialfl.experiments.report.error_ratio_section`)."""
+    import numpy as np
+
+    seeds = sorted({r["seed"] for r in rows})
+
+    def finals(key: dict) -> np.ndarray:
+        by_seed = {r["seed"]: r["history"][-1]["rel_dist2"] for r in rows
+                   if all(r[k] == v for k, v in key.items())}
+        return np.array([by_seed[s] for s in seeds])
+
+    return ["## Paired comparison over seeds", "",
+            *error_ratio_section({lab: (finals(a), finals(b)) for lab, (a, b) in pairs.items()},
+                                 reference=reference, error=f"final {REL_DIST2}",
+                                 verdict=not quick), ""]
+
+
 def reproduce_tau(out_dir: Path, *, quick: bool = False, seeds=None, data_dir=None,
                   progress: bool = True) -> Path:
     """Figure 1(a): FFGG + CG for several τ; more local work → faster convergence."""
@@ -145,7 +166,10 @@ def reproduce_tau(out_dir: Path, *, quick: bool = False, seeds=None, data_dir=No
     notes = ["Plots: `ls_tau.png` (relative squared distance to θ*), `ls_tau_F.png` (‖F‖²).",
              *_coinciding(rows),
              "Loss gap: (1/M)Σ f_m(θ, w_m) − min_{θ,w} f_m with w_m from the CG fine-tuner."]
-    notes = _size_notes("ls-tau", quick, rows) + notes
+    taus = sorted({r["tau"] for r in rows})
+    notes = _size_notes("ls-tau", quick, rows) + notes + [""] + comparison(
+        rows, {f"τ = {t}": ({"tau": t}, {"tau": taus[0]}) for t in taus[1:]},
+        f"τ = {taus[0]}", quick)
     path = out_dir / "summary.md"
     title = "ls-tau: Figure 1(a)" + (" (quick)" if quick else "")
     pio.write_text(path, summary_markdown(rows, title, notes))
@@ -174,7 +198,10 @@ def reproduce_compare(out_dir: Path, *, quick: bool = False, seeds=None, data_di
         "and is compared through the θ-part of its average model x̄ and its clients' own "
         "models. Only FFGG targets θ*, the solution of the partially personalized problem.",
     ]
-    notes = _size_notes("ls-compare", quick, rows) + notes
+    notes = _size_notes("ls-compare", quick, rows) + notes + [""] + comparison(
+        rows, {f"{m}, τ = {t}": ({"method": m, "tau": t}, {"method": "ffgg", "tau": t})
+               for t in taus for m in dict.fromkeys(r["method"] for r in rows) if m != "ffgg"},
+        "FFGG (same τ)", quick)
     path = out_dir / "summary.md"
     title = "ls-compare: Figure 1(b–d)" + (" (quick)" if quick else "")
     pio.write_text(path, summary_markdown(rows, title, notes))
