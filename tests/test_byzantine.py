@@ -373,3 +373,21 @@ def test_byzantine_comparison_pairs_seeds_and_averages_attacks():
     assert "no detectable difference at this size" in row["cm"][1]  # bucketing table
     assert "mda" not in row and "over the 3 seeds" in text
     assert "### δ = 10%: BR-FFGG with bucketing (s = 2) vs without" in text
+
+
+def test_reproduce_byzantine_on_a_part_of_the_grid_with_two_seeds(tmp_path):
+    """A small part of the grid (2 attacks × 2 aggregators, 2 seeds): the tables show only
+    those cells, the summary says it is a part, and the paired comparisons carry intervals
+    over the 2 seeds."""
+    from partialfl.experiments.byzantine import ByzantineStudy, reproduce_byzantine
+
+    study = ByzantineStudy(num_clients=12, fractions=(0.2,), rounds=30, eval_every=10,
+                           attacks=("none", "sign flip"), aggregators=("mean", "cm"))
+    text = reproduce_byzantine(tmp_path, seeds=[0, 1], progress=False, study=study
+                               ).read_text()
+    assert "**Part of the grid**: attacks none, sign flip; aggregators mean, cm" in text
+    assert "| attack | mean | mean+b | cm | cm+b |" in text and "| gm |" not in text
+    row = next(ln for ln in text.splitlines() if ln.startswith("| cm+b |"))
+    assert " [" in row.split(" | ")[2] and "over the 2 seeds" in text
+    with pytest.raises(ValueError, match="unknown \\['median'\\]; allowed: mean, cm"):
+        ByzantineStudy(aggregators=("median",))

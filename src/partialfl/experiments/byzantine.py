@@ -82,6 +82,28 @@ class ByzantineStudy:
     threshold: float = 1e-10
     #: aggregator evaluations of the line search of ALIE-opt / IPM-opt per round (byzfl: 20)
     opt_evals: int = 20
+    #: a part of the grid (attack labels of ATTACK_GRID, names of AGGREGATOR_GRID); empty:
+    #: all of it
+    attacks: tuple[str, ...] = ()
+    aggregators: tuple[str, ...] = ()
+
+    def __post_init__(self):
+        labels = [lab for lab, _, _ in ATTACK_GRID]
+        for what, chosen, allowed in (("attacks", self.attacks, labels),
+                                      ("aggregators", self.aggregators, AGGREGATOR_GRID)):
+            bad = [x for x in chosen if x not in allowed]
+            if bad:
+                raise ValueError(f"ByzantineStudy.{what}: unknown {bad}; allowed: "
+                                 f"{', '.join(allowed)}")
+
+    def attack_grid(self) -> tuple[tuple[str, str, dict], ...]:
+        """The attacks of this study (all of ATTACK_GRID unless ``attacks`` picks some)."""
+        return tuple(a for a in ATTACK_GRID if not self.attacks or a[0] in self.attacks)
+
+    def aggregator_grid(self) -> tuple[str, ...]:
+        """The aggregators of this study (all of AGGREGATOR_GRID unless ``aggregators``)."""
+        return tuple(a for a in AGGREGATOR_GRID
+                     if not self.aggregators or a in self.aggregators)
 
 
 #: 30 clients so that Krum on s = 2 buckets keeps k ≥ 2f + 3 at δ = 20% (15 buckets, f = 6);
@@ -133,8 +155,8 @@ def run_grid(study: ByzantineStudy, out_dir: Path, seed: int, progress: bool):
         num_clients=study.num_clients, n=study.n, d_theta=study.d_theta, d_w=study.d_w,
         seed=seed, heterogeneity=study.heterogeneity)
     evaluate = _evaluator(problem)
-    cells = [(delta, a, agg, s, kind) for delta in study.fractions for a in ATTACK_GRID
-             for agg in AGGREGATOR_GRID for s in (1, study.bucket_size) for kind in KINDS
+    cells = [(delta, a, agg, s, kind) for delta in study.fractions for a in study.attack_grid()
+             for agg in study.aggregator_grid() for s in (1, study.bucket_size) for kind in KINDS
              if feasible(agg, study.num_clients, delta, s)]
     bar = None
     if progress:
@@ -186,12 +208,11 @@ def _final(rows, rel: bool = False, **key) -> float | None:
     return float(np.median(vals)) if vals else None
 
 
-def _rel_finals(rows, seeds, **key) -> np.ndarray | None:
+def _rel_finals(rows, seeds, labels, **key) -> np.ndarray | None:
     """Final ‖θ − θ*‖² / ‖θ*‖² ``[seeds, attacks]`` of one (δ, method, aggregator,
-    bucketing); None unless every attack ran for every seed."""
+    bucketing); None unless every attack (``labels``) ran for every seed."""
     out = {(r["seed"], r["attack"]): r["history"][-1]["dist2"] / r["theta_star2"]
            for r in rows if all(r[k] == v for k, v in key.items())}
-    labels = [lab for lab, _, _ in ATTACK_GRID]
     if any((s, lab) not in out for s in seeds for lab in labels):
         return None
     return np.array([[out[s, lab] for lab in labels] for s in seeds])
@@ -203,20 +224,20 @@ def comparison(rows, study: ByzantineStudy, quick: bool) -> list[str]:
     robust shared model with the same aggregator and bucketing, and BR-FFGG with bucketing
     against BR-FFGG without (:func:`~partialfl.experiments.report.error_ratio_section`)."""
     seeds = sorted({r["seed"] for r in rows})
+    labels = [lab for lab, _, _ in study.attack_grid()]
     lines = ["## Paired comparisons over seeds (log10 final error, averaged over the "
-             f"{len(ATTACK_GRID)} attacks)", ""]
+             f"{len(labels)} attacks)", ""]
     b = study.bucket_size
     for i, delta in enumerate(study.fractions):
         personal, bucket = {}, {}
-        for agg in AGGREGATOR_GRID:
+        for agg in study.aggregator_grid():
             for s in (1, b):
-                ffgg = _rel_finals(rows, seeds, delta=delta, kind="br-ffgg", aggregator=agg,
-                                   bucketing=s)
-                shared = _rel_finals(rows, seeds, delta=delta, kind="shared", aggregator=agg,
-                                     bucketing=s)
+                ffgg, shared = (_rel_finals(rows, seeds, labels, delta=delta, kind=k,
+                                            aggregator=agg, bucketing=s)
+                                for k in ("br-ffgg", "shared"))
                 if ffgg is not None and shared is not None:
                     personal[f"{agg}{'+b' if s > 1 else ''}"] = (ffgg, shared)
-            with_b, without = (_rel_finals(rows, seeds, delta=delta, kind="br-ffgg",
+            with_b, without = (_rel_finals(rows, seeds, labels, delta=delta, kind="br-ffgg",
                                            aggregator=agg, bucketing=s) for s in (b, 1))
             if with_b is not None and without is not None:
                 bucket[agg] = (with_b, without)
@@ -239,13 +260,14 @@ def _plot(rows, study: ByzantineStudy, path: Path, delta: float, kind: str, seed
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    n = len(ATTACK_GRID)
+    attacks = study.attack_grid()
+    n = len(attacks)
     ncol = 4
     nrow = (n + ncol - 1) // ncol
     fig, axes = plt.subplots(nrow, ncol, figsize=(4.0 * ncol, 3.0 * nrow + 0.8),
                              squeeze=False, sharex=True)
     colors = dict(zip(AGGREGATOR_GRID, plt.get_cmap("tab10").colors))
-    for ax, (label, _, _) in zip(axes.flat, ATTACK_GRID):
+    for ax, (label, _, _) in zip(axes.flat, attacks):
         top = None
         for r in rows:
             if (r["delta"], r["kind"], r["attack"], r["seed"]) != (delta, kind, label, seed):
@@ -301,18 +323,23 @@ def _summary(rows, study, problem_stats, quick, seconds) -> str:
         "non-personalized floor).",
         "",
     ]
+    if study.attacks or study.aggregators:
+        lines += [f"**Part of the grid**: attacks {', '.join(a[0] for a in study.attack_grid())}"
+                  f"; aggregators {', '.join(study.aggregator_grid())} (the full grid has "
+                  f"{len(ATTACK_GRID)} attacks × {len(AGGREGATOR_GRID)} aggregators).", ""]
     if quick:
         lines += [quick_note(f"{study.num_clients} clients, {study.rounds} rounds, δ ∈ "
                              f"{{{', '.join(f'{d:.0%}' for d in study.fractions)}}}"), ""]
-    header = ["attack"] + [f"{a}{'+b' if s > 1 else ''}" for a in AGGREGATOR_GRID
+    aggs, attacks = study.aggregator_grid(), study.attack_grid()
+    header = ["attack"] + [f"{a}{'+b' if s > 1 else ''}" for a in aggs
                            for s in (1, study.bucket_size)]
     for delta in study.fractions:
         for kind, title in KINDS.items():
             table = []
-            for label, _, _ in ATTACK_GRID:
+            for label, _, _ in attacks:
                 table.append([label] + [_fmt(_final(rows, delta=delta, kind=kind, attack=label,
                                                     aggregator=a, bucketing=s))
-                                        for a in AGGREGATOR_GRID
+                                        for a in aggs
                                         for s in (1, study.bucket_size)])
             byz = sorted({r["byzantine"] for r in rows if r["delta"] == delta})
             lines += [f"## {title}, δ = {delta:.0%} Byzantine (ids {byz[0]})", "",
@@ -323,9 +350,9 @@ def _summary(rows, study, problem_stats, quick, seconds) -> str:
     for delta in study.fractions:
         for kind, title in KINDS.items():
             for s in (1, study.bucket_size):
-                cells = [(a, lab) for a in AGGREGATOR_GRID if a != "mean"
+                cells = [(a, lab) for a in aggs if a != "mean"
                          and feasible(a, study.num_clients, delta, s)
-                         for lab, _, _ in ATTACK_GRID]
+                         for lab, _, _ in attacks]
                 ok = [c for c in cells
                       if _final(rows, rel=True, delta=delta, kind=kind, attack=c[1],
                                 aggregator=c[0], bucketing=s) <= thr]
@@ -335,7 +362,9 @@ def _summary(rows, study, problem_stats, quick, seconds) -> str:
                     f"{'with' if s > 1 else 'without'} bucketing: {len(ok)}/{len(cells)} cells "
                     f"reach ‖θ − θ*‖² ≤ {thr:g}·‖θ*‖²"
                     + (f"; not: {', '.join(bad)}" if 0 < len(bad) <= 12 else ""))
-            mean_bad = [lab for lab, _, _ in ATTACK_GRID
+            if "mean" not in aggs:
+                continue
+            mean_bad = [lab for lab, _, _ in attacks
                         if not _final(rows, rel=True, delta=delta, kind=kind, attack=lab,
                                       aggregator="mean", bucketing=1) <= thr]
             lines.append(f"- δ = {delta:.0%}, {title}, mean: fails to reach {thr:g}·‖θ*‖² "
@@ -347,9 +376,12 @@ def _summary(rows, study, problem_stats, quick, seconds) -> str:
 
 
 def reproduce_byzantine(out_dir: Path, *, quick: bool = False, seeds: list[int] | None = None,
-                        data_dir: Path | None = None, progress: bool = True) -> Path:
-    """Run the grid, write JSONL, plots and ``summary.md``; returns the summary path."""
-    study = QUICK if quick else FULL
+                        data_dir: Path | None = None, progress: bool = True,
+                        study: ByzantineStudy | None = None) -> Path:
+    """Run the grid, write JSONL, plots and ``summary.md``; returns the summary path.
+    ``study`` replaces the full / quick size (e.g. a part of the grid)."""
+    if study is None:
+        study = QUICK if quick else FULL
     seeds = list(seeds) if seeds else [0]
     out_dir = Path(out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
