@@ -157,14 +157,16 @@ def reproduce_tau(out_dir: Path, *, quick: bool = False, seeds=None, data_dir=No
     """Figure 1(a): FFGG + CG for several τ; more local work → faster convergence."""
     out_dir = Path(out_dir)
     rows = run_sweep("ls-tau", out_dir, quick, seeds, progress)
-    curves = {f"τ = {r['tau']}": r["history"] for r in rows}
+    first = [r for r in rows if r["seed"] == rows[0]["seed"]]  # plots: the first seed
+    curves = {f"τ = {r['tau']}": r["history"] for r in first}
     plot_curves(out_dir / "ls_tau.png", [curves],
                 titles=["FFGG (CG fine-tuning), Example 1"], x="round", y="rel_dist2",
                 ylabel=REL_DIST2)
     plot_curves(out_dir / "ls_tau_F.png", [curves], titles=["FFGG (CG)"], x="round",
                 y="F_norm2", ylabel="‖F(θʳ)‖²")
-    notes = ["Plots: `ls_tau.png` (relative squared distance to θ*), `ls_tau_F.png` (‖F‖²).",
-             *_coinciding(rows),
+    notes = [f"Plots: `ls_tau.png` (relative squared distance to θ*), `ls_tau_F.png` (‖F‖²), "
+             f"seed {rows[0]['seed']}.",
+             *_coinciding(first),
              "Loss gap: (1/M)Σ f_m(θ, w_m) − min_{θ,w} f_m with w_m from the CG fine-tuner."]
     taus = sorted({r["tau"] for r in rows})
     notes = _size_notes("ls-tau", quick, rows) + notes + [""] + comparison(
@@ -182,7 +184,8 @@ def reproduce_compare(out_dir: Path, *, quick: bool = False, seeds=None, data_di
     out_dir = Path(out_dir)
     rows = run_sweep("ls-compare", out_dir, quick, seeds, progress)
     taus = sorted({r["tau"] for r in rows})
-    panels = [{r["method"]: r["history"] for r in rows if r["tau"] == t} for t in taus]
+    panels = [{r["method"]: r["history"] for r in rows
+               if r["tau"] == t and r["seed"] == rows[0]["seed"]} for t in taus]  # first seed
     titles = [f"τ = {t}" for t in taus]
     plot_curves(out_dir / "ls_compare_rounds.png", panels, titles, x="round", y="rel_dist2",
                 ylabel=REL_DIST2)
@@ -193,7 +196,8 @@ def reproduce_compare(out_dir: Path, *, quick: bool = False, seeds=None, data_di
                 ylabel="(1/M)Σ f_m(deployed) − min f_m")
     notes = [
         "Plots: `ls_compare_rounds.png` and `ls_compare_grads.png` (distance of the global θ "
-        "to θ*), `ls_compare_loss.png` (personalized loss gap of the deployed models).",
+        "to θ*), `ls_compare_loss.png` (personalized loss gap of the deployed models), seed "
+        f"{rows[0]['seed']}.",
         "Local GD and Scaffold train one shared (θ, w); L2GD trains one full model per client "
         "and is compared through the θ-part of its average model x̄ and its clients' own "
         "models. Only FFGG targets θ*, the solution of the partially personalized problem.",
