@@ -440,7 +440,9 @@ def comparison(rows: list[dict], quick: bool) -> list[str]:
                                  error="final ‖θ−θ*‖²/‖θ⁰−θ*‖²", verdict=not quick),
             "", "Negative: the faulty run ends farther from θ* than the fault-free run "
             "with the same seed (fewer updates were averaged); 'no detectable difference': "
-            "within the seed-to-seed spread.", ""]
+            "within the seed-to-seed spread. The Flower and FEMNIST rows are exactness checks "
+            "(the faulty run against the run with the same surviving updates, max |Δθ|), not "
+            "comparisons of final errors, so they have no interval.", ""]
 
 
 def _summary(rows, notes, size: Size, seeds, seconds: float, quick: bool) -> str:
