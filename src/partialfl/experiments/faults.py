@@ -189,7 +189,7 @@ def least_squares_flower(size: Size, seed: int) -> list[dict] | str:
     rounds = size.flower_rounds
     lost_from = rounds // 3
     base = {"ls-clients": 8, "ls-n": size.n, "ls-d-theta": size.d_theta, "ls-d-w": size.d_w,
-            "local-steps": 20, "seed": seed, "num-rounds": rounds, "eval-every": 1,
+            "local-steps": 20, "seed": seed, "ls-seed": seed, "num-rounds": rounds, "eval-every": 1,
             "max-failure-fraction": 0.6}
     faulty = {**base, "fault-injection": "; ".join(
         f"crash:partition=1,round={r}" for r in range(lost_from, rounds))}
