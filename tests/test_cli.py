@@ -55,7 +55,7 @@ def test_reproduce_ls_compare_quick(tmp_path):
                  "--no-progress"]) == 0
     text = (out / "summary.md").read_text()
     for m in ("ffgg", "scaffold", "local-gd", "l2gd"):
-        assert f"| {m} | 100 |" in text
+        assert f"| {m} | 100 | 0 |" in text and f"| {m} | 100 | 1 |" in text  # τ, seed
     # two seeds: every baseline against FFGG with its t interval over the seeds (no verdict
     # at the quick size)
     assert "orders of magnitude below FFGG (same τ) [95% CI]" in text

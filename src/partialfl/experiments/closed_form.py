@@ -74,17 +74,21 @@ def _first_round_below(history, key: str, thr: float):
 
 def summary_markdown(rows: list[dict], title: str, notes: list[str]) -> str:
     """A markdown summary: ``# title``, one table row per run (``rows``: dicts with
-    ``method``, ``tau``, ``history`` and ``seconds``) with its final metrics, then ``notes``."""
+    ``method``, ``tau``, ``history`` and ``seconds``) with its final metrics, then ``notes``;
+    rows of several seeds (``seed``) get a seed column."""
+    seeded = len({r.get("seed") for r in rows}) > 1
     table = []
     for r in rows:
         last = r["history"][-1]
         hit = _first_round_below(r["history"], "rel_dist2", 1e-8)
         table.append([
-            r["method"], r["tau"], last["round"], f"{last['rel_dist2']:.3e}",
+            r["method"], r["tau"], *([r["seed"]] if seeded else []), last["round"],
+            f"{last['rel_dist2']:.3e}",
             f"{last['F_norm2']:.3e}", f"{last['loss_gap']:.6g}", last["local_grads"],
             "—" if hit is None else hit, f"{r['seconds']:.2f}",
         ])
-    header = ["method", "τ", "rounds", REL_DIST2.replace(" ", ""), "‖F(θʳ)‖²", "loss gap",
+    header = ["method", "τ", *(["seed"] if seeded else []), "rounds", REL_DIST2.replace(" ", ""),
+              "‖F(θʳ)‖²", "loss gap",
               "local grads/client", "rounds to 1e-8", "seconds"]
     return "\n".join([f"# {title}", "", markdown_table(header, table), "", *notes, ""])
 
