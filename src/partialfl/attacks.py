@@ -40,6 +40,8 @@ from typing import Protocol
 
 import numpy as np
 
+from partialfl import arrays
+
 
 class Attack(Protocol):
     """What Byzantine clients send: ``attack(honest [h, d], own [b, d], rng) -> [b, d]`` (an
@@ -379,7 +381,7 @@ def flip_labels(labels, num_classes: int, mode: str = "reverse", shift: int = 1)
         raise ValueError(f"label flipping needs num_classes >= 2, got {num_classes!r}")
     if mode not in ("reverse", "shift"):
         raise ValueError(f"label flipping: unknown mode {mode!r}; allowed: 'reverse', 'shift'")
-    arr = labels.detach().cpu().numpy() if hasattr(labels, "detach") else np.asarray(labels)
+    arr = arrays.to_numpy(labels)
     if arr.size and (not np.issubdtype(arr.dtype, np.integer) or arr.min() < 0
                      or arr.max() >= num_classes):
         raise ValueError(f"labels must be integers in [0, {num_classes}), got dtype "

@@ -29,6 +29,8 @@ from typing import IO, Any
 
 import numpy as np
 
+from partialfl import arrays
+
 
 class FileFormatError(ValueError):
     """A file is truncated, corrupt or not in the format expected (the message names it)."""
@@ -134,7 +136,7 @@ def save_tensors(path: str | Path, tensors: Mapping[str, Any],
     safetensors file; :func:`load_tensors` gives back the same kinds (numpy stays numpy)."""
     from safetensors.torch import save
 
-    kinds = {n: "torch" if hasattr(v, "detach") else "numpy" for n, v in tensors.items()}
+    kinds = {n: "torch" if arrays.is_torch(v) else "numpy" for n, v in tensors.items()}
     meta = {"partialfl": json.dumps({"kinds": kinds, "metadata": dict(metadata or {})})}
     data = save({n: _to_torch(v) for n, v in tensors.items()}, metadata=meta)
     write_bytes(path, data)
@@ -186,11 +188,10 @@ def encode_state(obj: Any) -> tuple[Any, dict[str, Any]]:
             return o if math.isfinite(o) else {"float": repr(o)}
         if isinstance(o, np.generic):
             return {"scalar": str(o.dtype), "value": enc(o.item(), where)}
-        if isinstance(o, np.ndarray) or hasattr(o, "detach"):
+        if arrays.is_array(o):
             key = f"t{len(tensors)}"
             tensors[key] = o
-            dev = str(o.device) if hasattr(o, "device") and not isinstance(o, np.ndarray) \
-                else None
+            dev = str(o.device) if arrays.is_torch(o) else None
             return {"tensor": key, "device": dev}
         if isinstance(o, list | tuple):
             return {"list" if isinstance(o, list) else "tuple":

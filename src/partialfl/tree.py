@@ -6,6 +6,7 @@ from collections.abc import Callable
 
 import numpy as np
 
+from partialfl import arrays
 from partialfl.types import Params
 
 
@@ -40,7 +41,7 @@ def tree_sq_norm(a: Params) -> float:
 
 def tree_copy(a: Params) -> Params:
     """An independent copy of every leaf (torch tensors cloned, arrays copied)."""
-    return {k: (v.clone() if hasattr(v, "clone") else np.array(v, copy=True)) for k, v in a.items()}
+    return {k: arrays.copy(v) for k, v in a.items()}
 
 
 def tree_stack_index(a: Params, idx) -> Params:
@@ -51,23 +52,20 @@ def tree_stack_index(a: Params, idx) -> Params:
 def flatten_stacked(tree: Params) -> tuple[object, Callable[[object], Params]]:
     """Concatenate the leaves of a stacked tree ``[k, ...]`` into ``[k, D]``.
 
-    Returns the matrix and a function mapping a ``[D]`` vector back to an unstacked tree.
+    Returns the matrix and a function mapping a ``[D]`` vector back to an unstacked tree (or
+    a ``[k, D]`` matrix back to a stacked one).
     """
     names = list(tree)
     shapes = [tuple(tree[n].shape[1:]) for n in names]
     sizes = [int(np.prod(s)) if s else 1 for s in shapes]
     leaves = [tree[n].reshape(tree[n].shape[0], -1) for n in names]
-    if hasattr(leaves[0], "detach"):
-        import torch
-
-        mat = torch.cat(leaves, 1)
-    else:
-        mat = np.concatenate(leaves, 1)
+    mat = arrays.concat(leaves, 1)
 
     def unflatten(vec) -> Params:
         out, i = {}, 0
+        lead = tuple(vec.shape[:-1])  # () for a vector, (k,) for a matrix
         for n, s, z in zip(names, shapes, sizes):
-            out[n] = vec[i : i + z].reshape(s)
+            out[n] = vec[..., i : i + z].reshape(lead + s)
             i += z
         return out
 

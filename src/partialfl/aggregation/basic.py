@@ -14,6 +14,7 @@ from typing import Protocol, runtime_checkable
 
 import numpy as np
 
+from partialfl import arrays
 from partialfl.aggregation.common import (
     NonFiniteInputError,
     finite_rows,
@@ -80,12 +81,7 @@ def _keep(vectors, weights, ok: np.ndarray, name: str):
 
 
 def _as_like(weights, vectors):
-    if hasattr(vectors, "detach"):
-        import torch
-
-        return torch.as_tensor(np.asarray(to_numpy(weights)[0]), dtype=vectors.dtype,
-                               device=vectors.device)
-    return np.asarray(weights, dtype=vectors.dtype)
+    return arrays.as_like(weights, vectors)
 
 
 def aggregate_tree(agg, vectors: Params, weights) -> Params:
@@ -104,9 +100,4 @@ def aggregate_tree(agg, vectors: Params, weights) -> Params:
 
 
 def _rows(v, ok: np.ndarray):
-    idx = np.flatnonzero(ok)
-    if hasattr(v, "detach"):
-        import torch
-
-        return v[torch.as_tensor(idx, device=v.device)]
-    return v[idx]
+    return arrays.take_rows(v, np.flatnonzero(ok))

@@ -18,6 +18,8 @@ from typing import Any
 
 import numpy as np
 
+from partialfl import arrays
+
 #: columns per block of the Gram computation (a block of 25 rows is ~6.5 MB of float64)
 _BLOCK = 1 << 15
 
@@ -29,16 +31,8 @@ class NonFiniteInputError(ValueError):
 def to_numpy(x) -> tuple[np.ndarray, Any]:
     """``(array, restore)``: a numpy view of ``x`` and a function mapping a numpy result back
     to ``x``'s type (torch dtype/device) — robust rules compute in numpy."""
-    if hasattr(x, "detach"):
-        import torch
-
-        dtype, device = x.dtype, x.device
-        arr = x.detach().cpu().numpy()
-
-        def restore(y):
-            return torch.as_tensor(np.asarray(y), dtype=dtype, device=device)
-
-        return arr, restore
+    if arrays.is_torch(x):
+        return arrays.to_numpy(x), (lambda y: arrays.as_like(y, x))
     return np.asarray(x), (lambda y: y)
 
 
@@ -62,11 +56,7 @@ def drop_nonfinite(vectors, weights=None):
         return vectors, weights, mask
     idx = np.flatnonzero(mask)
     w = None if weights is None else np.asarray(weights)[idx]
-    if hasattr(vectors, "detach"):
-        import torch
-
-        return vectors[torch.as_tensor(idx, device=vectors.device)], w, mask
-    return vectors[idx], w, mask
+    return arrays.take_rows(vectors, idx), w, mask
 
 
 def count(delta: float, k: int) -> int:

@@ -26,6 +26,7 @@ import math
 
 import numpy as np
 
+from partialfl import arrays
 from partialfl.algorithms.base import Algorithm, ClientResult, ServerState, concat_results
 from partialfl.algorithms.joint import LocalGD
 from partialfl.algorithms.wrapper import AlgorithmWrapper
@@ -74,8 +75,7 @@ def _scaled(updates: ClientUpdates, s: np.ndarray) -> ClientUpdates:
         return updates
     vecs = {}
     for n, v in updates.vectors.items():
-        f = s.reshape((-1,) + (1,) * (v.ndim - 1))
-        vecs[n] = v * (f if not hasattr(v, "detach") else v.new_tensor(f))
+        vecs[n] = v * arrays.per_row(s, v)
     return ClientUpdates(vecs, updates.weights, updates.cohort, updates.grad_evals,
                          updates.metrics, updates.extra)
 

@@ -15,6 +15,7 @@ from typing import Any
 
 import numpy as np
 
+from partialfl import arrays
 from partialfl.aggregation import Mean, aggregate_tree
 from partialfl.server import SGD
 from partialfl.types import ClientUpdates, Params
@@ -117,12 +118,7 @@ class Algorithm:
         return {"theta": state.theta["theta"]} if "theta" in state.theta else state.theta
 
 
-def _cat(xs):
-    if hasattr(xs[0], "detach"):
-        import torch  # noqa: PLC0415 - only for torch results; numpy problems need no torch
-
-        return torch.cat(xs, 0)
-    return np.concatenate(xs, 0)
+_cat = arrays.concat
 
 
 def concat_results(results: list[ClientResult]) -> ClientResult:

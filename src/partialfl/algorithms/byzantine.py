@@ -32,11 +32,13 @@ from typing import Any
 
 import numpy as np
 
+from partialfl import arrays
 from partialfl import rng as prng
 from partialfl.aggregation import bind, finite_rows, to_numpy
 from partialfl.algorithms.base import Algorithm, ServerState
 from partialfl.algorithms.wrapper import AlgorithmWrapper
 from partialfl.attacks import Attack, NoAttack
+from partialfl.tree import flatten_stacked
 from partialfl.types import ClientUpdates, Params
 
 
@@ -64,29 +66,6 @@ class ByzantineConfig:
         b = int(np.floor(fraction * num_clients + 1e-9))
         ids = prng.generator(seed, "byzantine").choice(num_clients, b, replace=False)
         return ByzantineConfig(tuple(int(i) for i in ids), attack)
-
-
-def _flat(vectors: Params) -> tuple[Any, list[tuple[str, tuple, int]]]:
-    """``[k, D]`` matrix of a stacked tree plus the layout to undo it."""
-    layout, leaves = [], []
-    for n, v in vectors.items():
-        shape = tuple(v.shape[1:])
-        size = int(np.prod(shape)) if shape else 1
-        layout.append((n, shape, size))
-        leaves.append(v.reshape(v.shape[0], -1))
-    if hasattr(leaves[0], "detach"):
-        import torch
-
-        return torch.cat(leaves, 1), layout
-    return np.concatenate(leaves, 1), layout
-
-
-def _unflat(mat, layout) -> Params:
-    out, i = {}, 0
-    for n, shape, size in layout:
-        out[n] = mat[:, i : i + size].reshape((mat.shape[0], *shape))
-        i += size
-    return out
 
 
 class ByzantineRobust(AlgorithmWrapper):
@@ -126,7 +105,7 @@ class ByzantineRobust(AlgorithmWrapper):
         bad = np.isin(np.asarray(updates.cohort), self._byz)
         if not bad.any():
             return updates
-        mat, layout = _flat(updates.vectors)
+        mat, unflatten = flatten_stacked(updates.vectors)
         arr, restore = to_numpy(mat)
         arr = np.array(arr, dtype=np.float64)
         attack = self.byzantine.attack
@@ -138,8 +117,8 @@ class ByzantineRobust(AlgorithmWrapper):
         if sent.shape != arr[bad].shape:
             raise ValueError(f"attack returned shape {sent.shape}, expected {arr[bad].shape}")
         arr[bad] = sent
-        out = restore(arr if hasattr(mat, "detach") else arr.astype(mat.dtype, copy=False))
-        return ClientUpdates(_unflat(out, layout), updates.weights, updates.cohort,
+        out = restore(arr if arrays.is_torch(mat) else arr.astype(mat.dtype, copy=False))
+        return ClientUpdates(unflatten(out), updates.weights, updates.cohort,
                              updates.grad_evals, updates.metrics, updates.extra)
 
     # -- robust server -------------------------------------------------------------------
@@ -148,11 +127,11 @@ class ByzantineRobust(AlgorithmWrapper):
         then the robust aggregate and the base algorithm's step (a step that would make θ
         non-finite is rejected)."""
         updates = self.corrupt(updates, ctx)
-        mat, _ = _flat(updates.vectors)
+        mat, _ = flatten_stacked(updates.vectors)
         ok = finite_rows(mat)
         for tree in updates.extra.values():  # extras (e.g. Scaffold's Δc) must be finite too
             if tree:
-                ok &= finite_rows(_flat(tree)[0])
+                ok &= finite_rows(flatten_stacked(tree)[0])
         dropped = int((~ok).sum())
         extra = dict(state.extra)
         extra["byz_dropped"] = extra.get("byz_dropped", 0) + dropped

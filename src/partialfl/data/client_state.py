@@ -16,8 +16,8 @@ from pathlib import Path
 
 import numpy as np
 import torch
-from torch import Tensor
 
+from partialfl.arrays import is_torch
 from partialfl.data.store import STORE_FORMAT, STORE_VERSION, as_numpy
 
 RowsFn = Callable[[np.ndarray], dict]
@@ -70,7 +70,7 @@ class ClientStateStore:
         self.init_rows = init_rows
         probe = init_rows(np.zeros(1, dtype=np.int64))
         self.names = tuple(probe)
-        self.torch = {n: isinstance(v, Tensor) for n, v in probe.items()}
+        self.torch = {n: is_torch(v) for n, v in probe.items()}
         arrs = {n: as_numpy(v) for n, v in probe.items()}
         self.shapes = {n: tuple(a.shape[1:]) for n, a in arrs.items()}
         self.dtypes = {n: a.dtype.str for n, a in arrs.items()}

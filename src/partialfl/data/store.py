@@ -42,6 +42,7 @@ import numpy as np
 import torch
 from torch import Tensor
 
+from partialfl.arrays import is_array, to_numpy
 from partialfl.data.federated import DataFormatError, FederatedDataset
 
 STORE_FORMAT = "partialfl-client-store"
@@ -96,16 +97,14 @@ class _Sink:
         return {"bytes": self.bytes, "crc32": self.crc}
 
 
-def as_numpy(a: Tensor | np.ndarray) -> np.ndarray:
-    """A numpy view or copy of an array or (detached, host) tensor."""
-    return a.detach().cpu().numpy() if isinstance(a, Tensor) else np.asarray(a)
+as_numpy = to_numpy  # a numpy view or copy of an array or (detached, host) tensor
 
 
 def _split_meta(meta: dict[str, Any]) -> tuple[dict[str, Any], dict[str, np.ndarray]]:
     """JSON-able meta entries and array-valued ones (stored as files)."""
     plain, arrays = {}, {}
     for k, v in (meta or {}).items():
-        if isinstance(v, np.ndarray | Tensor):
+        if is_array(v):
             arrays[str(k)] = as_numpy(v)
             continue
         try:

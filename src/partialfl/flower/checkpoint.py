@@ -18,6 +18,7 @@ from typing import Any
 
 import numpy as np
 
+from partialfl import arrays
 from partialfl import io as pio
 from partialfl.flower.config import ConfigError, FlowerConfig
 
@@ -31,8 +32,7 @@ class CheckpointError(ConfigError):
     """A checkpoint that is missing, damaged, or written by another configuration."""
 
 
-def _np(v) -> np.ndarray:
-    return v.detach().cpu().numpy() if hasattr(v, "detach") else np.asarray(v)
+_np = arrays.to_numpy
 
 
 def _split(tree: Any, prefix: str, arrays: dict[str, np.ndarray]) -> Any:
@@ -45,7 +45,7 @@ def _split(tree: Any, prefix: str, arrays: dict[str, np.ndarray]) -> Any:
         return {"value": tree}
     if hasattr(tree, "shape"):
         arrays[prefix] = np.ascontiguousarray(_np(tree))
-        return {"array": prefix, "torch": hasattr(tree, "detach")}
+        return {"array": prefix, "torch": arrays.is_torch(tree)}
     raise CheckpointError(f"cannot checkpoint server state of type {type(tree).__name__} at "
                           f"{prefix!r} (only arrays, numbers, strings, lists and dicts)")
 

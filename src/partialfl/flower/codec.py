@@ -28,6 +28,7 @@ from collections.abc import Iterable
 import numpy as np
 from flwr.app import Array, ArrayRecord, ConfigRecord, MetricRecord, RecordDict
 
+from partialfl import arrays
 from partialfl.types import ClientUpdates, Params
 
 
@@ -82,10 +83,7 @@ def decode_metrics(record, allowed=ALLOWED_METRICS) -> dict[str, tuple[float, fl
     return out
 
 
-def _to_numpy(v) -> np.ndarray:
-    if hasattr(v, "detach"):
-        return v.detach().cpu().numpy()
-    return np.asarray(v)
+_to_numpy = arrays.to_numpy
 
 
 def params_to_record(params: Params) -> ArrayRecord:

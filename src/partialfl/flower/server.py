@@ -33,6 +33,7 @@ import numpy as np
 from flwr.app import ConfigRecord, Context, Message, RecordDict
 from flwr.serverapp import Grid, ServerApp
 
+from partialfl import arrays
 from partialfl import io as pio
 from partialfl.algorithms.base import ClientResult, RoundContext, ServerState, concat_results
 from partialfl.flower.builders import build_algorithm, build_problem
@@ -162,8 +163,7 @@ class FlowerRunReport:
         return out / "result.json"
 
 
-def _np(v) -> np.ndarray:
-    return v.detach().cpu().numpy() if hasattr(v, "detach") else np.asarray(v)
+_np = arrays.to_numpy
 
 
 class _Link:

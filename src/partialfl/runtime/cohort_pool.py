@@ -44,6 +44,7 @@ from dataclasses import replace
 
 import numpy as np
 
+from partialfl import arrays
 from partialfl.algorithms.base import ClientResult, concat_results
 
 _POLL_S = 0.2
@@ -175,10 +176,9 @@ class _Pool:
 
 def _own(res: ClientResult) -> ClientResult:
     """Copy a result's tensors out of the worker's shared memory segments."""
-    import torch
 
     def cp(tree):
-        return None if tree is None else {n: (v.clone() if isinstance(v, torch.Tensor) else v)
+        return None if tree is None else {n: (arrays.copy(v) if arrays.is_torch(v) else v)
                                           for n, v in tree.items()}
 
     u = res.updates

@@ -29,6 +29,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
+from partialfl import arrays
 from partialfl import rng as prng
 from partialfl.algorithms.base import ClientResult
 from partialfl.algorithms.wrapper import AlgorithmWrapper
@@ -46,15 +47,7 @@ class InjectedFault(RuntimeError):
     """The exception :class:`FaultInjector` raises in a client."""
 
 
-def _rows_finite(v) -> np.ndarray:
-    if hasattr(v, "detach"):
-        import torch
-
-        return torch.isfinite(v.detach().reshape(v.shape[0], -1)).all(1).cpu().numpy()
-    a = np.asarray(v)
-    if a.dtype.kind not in "fc":
-        return np.ones(a.shape[0], dtype=bool)
-    return np.isfinite(a.reshape(a.shape[0], -1)).all(1)
+_rows_finite = arrays.rows_finite
 
 
 def finite_mask(updates: ClientUpdates) -> np.ndarray:
@@ -222,7 +215,7 @@ class FaultInjector(AlgorithmWrapper):
             return res
         vec = {}
         for n, v in res.updates.vectors.items():
-            v = v.clone() if hasattr(v, "clone") else np.array(v, dtype=float, copy=True)
+            v = arrays.copy(v) if arrays.is_torch(v) else np.array(v, dtype=float, copy=True)
             v[bad] = float("nan")
             vec[n] = v
         u = res.updates

@@ -29,6 +29,7 @@ from typing import Any
 
 import numpy as np
 
+from partialfl import arrays
 from partialfl import io as pio
 from partialfl import rng as prng
 from partialfl.algorithms.base import Algorithm, RoundContext, ServerState, concat_results
@@ -80,9 +81,8 @@ def _describe(o: Any, depth: int = 0) -> Any:
         return repr(o)
     if isinstance(o, np.generic):
         return repr(o.item())
-    if isinstance(o, np.ndarray) or hasattr(o, "detach"):
-        a = o.detach().cpu().numpy() if hasattr(o, "detach") else o
-        a = np.ascontiguousarray(a)
+    if arrays.is_array(o):
+        a = np.ascontiguousarray(arrays.to_numpy(o))
         return [list(a.shape), str(a.dtype), hashlib.sha256(a.tobytes()).hexdigest()[:16]]
     if depth > 4:
         return type(o).__qualname__

@@ -1,0 +1,94 @@
+"""The one place that tells numpy arrays and torch tensors apart.
+
+Parameter trees hold numpy arrays (closed-form problems) or torch tensors (model problems);
+everything that must treat the two differently goes through these functions, so no other
+module tests ``hasattr(x, "detach")``. torch is never imported here: a value can only be a
+tensor if torch is already loaded, so numpy-only runs never pay for it.
+"""
+
+from __future__ import annotations
+
+import sys
+from collections.abc import Sequence
+from typing import Any
+
+import numpy as np
+
+Array = Any  # numpy.ndarray or torch.Tensor
+
+
+def _torch():
+    return sys.modules.get("torch")
+
+
+def is_torch(x: Any) -> bool:
+    """Whether ``x`` is a torch tensor."""
+    torch = _torch()
+    return torch is not None and isinstance(x, torch.Tensor)
+
+
+def is_array(x: Any) -> bool:
+    """Whether ``x`` is a numpy array or a torch tensor."""
+    return isinstance(x, np.ndarray) or is_torch(x)
+
+
+def to_numpy(x: Any) -> np.ndarray:
+    """A numpy view (or copy, for a tensor off the CPU) of ``x``; a tensor is detached."""
+    if is_torch(x):
+        return x.detach().cpu().numpy()
+    return np.asarray(x)
+
+
+def as_like(values: Any, ref: Array, dtype: Any = None) -> Array:
+    """``values`` (array-like) as the kind of ``ref``: a tensor on ``ref``'s device with its
+    dtype, or a numpy array (``ref``'s dtype unless ``dtype`` is given)."""
+    if is_torch(ref):
+        return _torch().as_tensor(to_numpy(values), dtype=dtype or ref.dtype, device=ref.device)
+    return np.asarray(to_numpy(values), dtype=dtype or ref.dtype)
+
+
+def copy(x: Array) -> Array:
+    """An independent copy (a tensor is cloned, an array copied)."""
+    return x.clone() if is_torch(x) else np.array(x, copy=True)
+
+
+def concat(xs: Sequence[Array], axis: int = 0) -> Array:
+    """Concatenation along ``axis`` of arrays of one kind."""
+    if is_torch(xs[0]):
+        return _torch().cat(list(xs), axis)
+    return np.concatenate(xs, axis)
+
+
+def take_rows(x: Array, idx: Any) -> Array:
+    """``x[idx]`` along the leading axis, with ``idx`` integer positions or a bool mask."""
+    idx = np.asarray(idx)
+    if idx.dtype == bool:
+        idx = np.flatnonzero(idx)
+    if is_torch(x):
+        return x[_torch().as_tensor(idx, device=x.device)]
+    return x[idx]
+
+
+def rows_finite(x: Array) -> np.ndarray:
+    """``[k]`` bool: the rows of ``x`` (leading axis) without NaN or ±inf."""
+    if is_torch(x):
+        t = x.detach().reshape(x.shape[0], -1)
+        return _torch().isfinite(t).all(1).cpu().numpy()
+    a = np.asarray(x)
+    if a.dtype.kind not in "fc":
+        return np.ones(a.shape[0], dtype=bool)
+    return np.isfinite(a.reshape(a.shape[0], -1)).all(1)
+
+
+def per_row(v: Any, ref: Array) -> Array:
+    """A ``[k]`` vector of per-row scalars shaped ``[k, 1, ...]`` to scale ``ref`` ``[k, ...]``
+    row by row (in ``ref``'s kind, dtype and device)."""
+    return as_like(np.asarray(v, dtype=np.float64).reshape((-1,) + (1,) * (ref.ndim - 1)),
+                   ref)
+
+
+def repeat_rows(x: Array, k: int) -> Array:
+    """``[k, ...]``: ``k`` independent copies of ``x`` stacked on a new leading axis."""
+    if is_torch(x):
+        return x.unsqueeze(0).repeat((k,) + (1,) * x.dim())
+    return np.repeat(np.asarray(x)[None], k, 0)

@@ -1,0 +1,52 @@
+"""partialfl.arrays: the one numpy/torch switch behaves the same on both kinds."""
+
+import numpy as np
+import pytest
+import torch
+
+from partialfl import arrays
+from partialfl.tree import flatten_stacked
+
+
+@pytest.mark.parametrize("kind", ["numpy", "torch"])
+def test_helpers_agree_on_numpy_and_torch(kind):
+    base = np.arange(12, dtype=np.float64).reshape(3, 4)
+    x = torch.from_numpy(base.copy()) if kind == "torch" else base.copy()
+    assert arrays.is_torch(x) == (kind == "torch") and arrays.is_array(x)
+    assert not arrays.is_array([1.0]) and not arrays.is_torch(base)
+    np.testing.assert_array_equal(arrays.to_numpy(x), base)
+    c = arrays.copy(x)
+    c[0, 0] = -1.0
+    assert float(x[0, 0]) == 0.0  # an independent copy
+    np.testing.assert_array_equal(arrays.to_numpy(arrays.concat([x, x], 1)),
+                                  np.concatenate([base, base], 1))
+    np.testing.assert_array_equal(arrays.to_numpy(arrays.take_rows(x, [2, 0])), base[[2, 0]])
+    np.testing.assert_array_equal(arrays.to_numpy(arrays.take_rows(x, np.array([1, 0, 1],
+                                                                              dtype=bool))),
+                                  base[[0, 2]])
+    scaled = x * arrays.per_row(np.array([1.0, 2.0, 3.0]), x)
+    np.testing.assert_array_equal(arrays.to_numpy(scaled), base * np.array([[1.0], [2.0], [3.0]]))
+    assert arrays.is_torch(scaled) == (kind == "torch")
+    rep = arrays.repeat_rows(x[0], 2)
+    rep[0, 0] = 5.0
+    assert tuple(rep.shape) == (2, 4) and float(rep[1, 0]) == 0.0 and float(x[0, 0]) == 0.0
+    y = x.clone() if kind == "torch" else x.copy()
+    y[1, 2] = np.nan
+    np.testing.assert_array_equal(arrays.rows_finite(y), [True, False, True])
+    back = arrays.as_like([1, 2], x)
+    assert arrays.is_torch(back) == (kind == "torch") and back.dtype == x.dtype
+
+
+@pytest.mark.parametrize("kind", ["numpy", "torch"])
+def test_flatten_stacked_round_trips_vectors_and_matrices(kind):
+    rng = np.random.default_rng(0)
+    tree = {"a": rng.normal(size=(3, 2, 2)), "b": rng.normal(size=(3,))}
+    if kind == "torch":
+        tree = {n: torch.from_numpy(v) for n, v in tree.items()}
+    mat, unflatten = flatten_stacked(tree)
+    assert tuple(mat.shape) == (3, 5)
+    back = unflatten(mat)
+    row = unflatten(mat[1])
+    for n in tree:
+        np.testing.assert_array_equal(arrays.to_numpy(back[n]), arrays.to_numpy(tree[n]))
+        np.testing.assert_array_equal(arrays.to_numpy(row[n]), arrays.to_numpy(tree[n][1]))
