@@ -92,3 +92,8 @@ def repeat_rows(x: Array, k: int) -> Array:
     if is_torch(x):
         return x.unsqueeze(0).repeat((k,) + (1,) * x.dim())
     return np.repeat(np.asarray(x)[None], k, 0)
+
+
+def zeros_like(x: Array) -> Array:
+    """Zeros of ``x``'s shape, kind, dtype (and device)."""
+    return _torch().zeros_like(x) if is_torch(x) else np.zeros_like(x)

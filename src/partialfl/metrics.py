@@ -16,7 +16,7 @@ def closed_form_metrics(algorithm, state, problem, client_state, ctx, with_loss:
     """An ``evaluate=`` callback for closed-form problems: ‖F(θ)‖², ‖θ − θ*‖², the relative
     distance ‖θ − θ*‖²/‖θ*‖² and (``with_loss``) the personalized loss gap of the deployed
     models."""
-    theta = algorithm.global_theta(state)
+    theta = algorithm.global_theta(state, problem)
     star = problem.theta_star()["theta"]
     d = theta["theta"] - star
     F = problem.F(theta)

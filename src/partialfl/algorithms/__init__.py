@@ -7,9 +7,10 @@ from partialfl.algorithms.base import (
     RoundContext,
     ServerState,
 )
+from partialfl.algorithms.fedavg import FedAvg, LocalGD, Scaffold
 from partialfl.algorithms.ffgg import FFGG
-from partialfl.algorithms.joint import LocalGD, Scaffold
 from partialfl.algorithms.l2gd import L2GD
+from partialfl.algorithms.personal import FedAlt, FedSim, LocalFFGG
 
 __all__ = [
     "FFGG",
@@ -17,6 +18,10 @@ __all__ = [
     "Algorithm",
     "ClientResult",
     "Deployed",
+    "FedAlt",
+    "FedAvg",
+    "FedSim",
+    "LocalFFGG",
     "LocalGD",
     "RoundContext",
     "Scaffold",

@@ -28,7 +28,7 @@ import numpy as np
 
 from partialfl import arrays
 from partialfl.algorithms.base import Algorithm, ClientResult, ServerState, concat_results
-from partialfl.algorithms.joint import LocalGD
+from partialfl.algorithms.fedavg import LocalGD
 from partialfl.algorithms.wrapper import AlgorithmWrapper
 from partialfl.server import SGD
 from partialfl.types import ClientUpdates

@@ -113,9 +113,10 @@ class Algorithm:
         """The model every client would deploy after this round (for metrics)."""
         raise NotImplementedError
 
-    def global_theta(self, state: ServerState) -> Params:
-        """The global parameters θ to compare with θ* (the θ part of a shared model)."""
-        return {"theta": state.theta["theta"]} if "theta" in state.theta else state.theta
+    def global_theta(self, state: ServerState, problem) -> Params:
+        """The global parameters θ to compare with θ* (algorithms whose server model holds more
+        than θ, e.g. a shared w, return its θ part: the leaves ``problem.theta_names``)."""
+        return state.theta
 
 
 _cat = arrays.concat

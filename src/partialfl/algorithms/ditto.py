@@ -31,7 +31,7 @@ import numpy as np
 import torch
 
 from partialfl.algorithms.base import Algorithm, ClientResult, Deployed, RoundContext
-from partialfl.algorithms.model import _check_weighting, _delta, _weights
+from partialfl.algorithms.common import check_weighting, client_weights, delta
 from partialfl.local.sgd import SGDConfig, run_sgd
 from partialfl.types import ClientUpdates, Params
 
@@ -73,7 +73,7 @@ class Ditto(Algorithm):
         if not lam >= 0 or math.isnan(lam):
             raise ValueError(f"Ditto's lambda must be >= 0 (inf allowed), got {lam!r}")
         self.local, self.personal, self.lam = local, personal, lam
-        self.weighting = _check_weighting(weighting)
+        self.weighting = check_weighting(weighting)
 
     @staticmethod
     def _check(problem) -> None:
@@ -109,18 +109,19 @@ class Ditto(Algorithm):
                              "client state (init_client_state)")
         theta = state.theta
         if self.local.epochs == 0 and self.local.steps in (None, 0):
-            delta = {n: torch.zeros((len(cohort), *t.shape), device=t.device)
+            dtheta = {n: torch.zeros((len(cohort), *t.shape), device=t.device)
                      for n, t in theta.items()}
             steps, loss = 0, np.full(len(cohort), np.nan)
         else:
             r = run_sgd(problem, cohort, theta, {}, train="theta", cfg=self.local,
                         seed=ctx.seed, round_=ctx.round, stream="local")
-            delta, steps, loss = _delta(r.theta, theta), r.steps, r.loss
+            dtheta, steps, loss = delta(r.theta, theta), r.steps, r.loss
         v0 = self.personal_v(theta, client_state)
         v, ploss = personal_models(problem, cohort, v0, theta, self.personal, self.lam,
                                    ctx.seed, ctx.round)
-        up = ClientUpdates(delta, _weights(problem, cohort, self.weighting), np.asarray(cohort),
-                           steps, metrics={"train_loss": loss, "personal_loss": ploss})
+        up = ClientUpdates(dtheta, client_weights(problem, cohort, self.weighting),
+                           np.asarray(cohort), steps,
+                           metrics={"train_loss": loss, "personal_loss": ploss})
         new_state = {PREFIX + n: t for n, t in v.items()}
         new_state[JOINED] = torch.ones(len(cohort), device=client_state[JOINED].device)
         return ClientResult(up, new_state)

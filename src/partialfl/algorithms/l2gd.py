@@ -17,9 +17,12 @@ from __future__ import annotations
 
 import numpy as np
 
+from partialfl import arrays
 from partialfl import rng as prng
 from partialfl.algorithms.base import Algorithm, ClientResult, Deployed
-from partialfl.algorithms.joint import _joint_grad, shared_model
+from partialfl.algorithms.common import pick, repeat_tree
+from partialfl.algorithms.fedavg import shared_model, theta_part
+from partialfl.local.gd import GDConfig, check_tau
 from partialfl.types import ClientUpdates, Params
 
 
@@ -35,8 +38,7 @@ class L2GD(Algorithm):
     def __init__(self, tau: int, lam: float = 0.1, p: float | None = None,
                  alpha_scale: float = 0.5, fast: bool = True) -> None:
         super().__init__()
-        if not isinstance(tau, int | np.integer) or tau < 1:
-            raise ValueError(f"local steps tau must be an integer >= 1, got {tau!r}")
+        tau = check_tau(tau)
         p = 1.0 / tau if p is None else p
         if not 0 < p <= 1:
             raise ValueError(f"communication probability p must be in (0, 1], got {p}")
@@ -61,8 +63,8 @@ class L2GD(Algorithm):
 
     def init_client_state(self, problem) -> Params:
         """Every client's own model x_m = 0 (θ- and w-parts)."""
-        M = problem.num_clients
-        return {"theta": np.zeros((M, problem.d_theta)), "w": np.zeros((M, problem.d_w))}
+        x = shared_model(problem, problem.init_theta(None))
+        return {n: arrays.zeros_like(v) for n, v in repeat_tree(x, problem.num_clients).items()}
 
     def client_update(self, state, problem, cohort, ctx, client_state=None):
         """The averaging step that closed the previous round, then local steps on x_m until the coin
@@ -70,24 +72,26 @@ class L2GD(Algorithm):
         if len(cohort) != problem.num_clients:
             raise ValueError("L2GD needs full participation (clients_per_round = all)")
         local, avg = self._steps(problem)
-        x = {n: client_state[n].copy() for n in ("theta", "w")}
+        x = {n: arrays.copy(client_state[n]) for n in state.theta}
         if ctx.round > 0:  # the averaging step that closed the previous round
             for n in x:
                 x[n] -= avg * (x[n] - state.theta[n][None])
         g = prng.generator(ctx.seed, "l2gd-coin", ctx.round)
         k = int(g.geometric(self.p)) - 1 if self.p < 1 else 0  # local steps before ξ = 1
-        if self.fast and hasattr(problem, "joint_gd") and k > 0:
-            x = problem.joint_gd(cohort, x, np.full(len(cohort), local), k)
-        else:
-            for _ in range(k):
-                gr = _joint_grad(problem, cohort, x)
-                for n in x:
-                    x[n] -= local * gr[n]
-        delta = {n: x[n] - state.theta[n][None] for n in x}
+        if k > 0:
+            res = GDConfig(k, fast=self.fast).run(
+                problem, cohort, theta_part(problem, x), pick(x, problem.w_names), "both",
+                eta=np.full(len(cohort), local))
+            x = {**res.theta, **res.w}
+        delta = {n: x[n] - state.theta[n][None] for n in state.theta}
         up = ClientUpdates(delta, np.ones(len(cohort)), np.asarray(cohort), k)
-        return ClientResult(up, x)
+        return ClientResult(up, {n: x[n] for n in state.theta})
 
     def deployed(self, state, problem, client_state, ctx):
         """Every client's own model x_m (its θ-part is personal too)."""
-        return Deployed({"theta": client_state["theta"]}, {"w": client_state["w"]},
+        return Deployed(theta_part(problem, client_state), pick(client_state, problem.w_names),
                         personalized_theta=True)
+
+    def global_theta(self, state, problem) -> Params:
+        """θ, the global part of the average model x̄."""
+        return theta_part(problem, state.theta)

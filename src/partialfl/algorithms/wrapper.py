@@ -40,6 +40,6 @@ class AlgorithmWrapper(Algorithm):
         """The wrapped algorithm's deployed models."""
         return self.base.deployed(state, problem, client_state, ctx)
 
-    def global_theta(self, state: ServerState) -> Params:
+    def global_theta(self, state: ServerState, problem) -> Params:
         """The wrapped algorithm's global θ."""
-        return self.base.global_theta(state)
+        return self.base.global_theta(state, problem)

@@ -38,8 +38,8 @@ import numpy as np
 
 from partialfl import io as pio
 from partialfl.algorithms.asynchronous import FedAsync, FedBuff, joint_sgd
+from partialfl.algorithms.fedavg import LocalGD
 from partialfl.algorithms.ffgg import FFGG
-from partialfl.algorithms.joint import LocalGD
 from partialfl.build import make_solver
 from partialfl.experiments.report import (
     REL_DIST2,
@@ -95,7 +95,7 @@ def _metrics(star: np.ndarray):
     s2 = float(star @ star)
 
     def evaluate(algorithm, state, problem, client_state, ctx) -> dict:
-        d = algorithm.global_theta(state)["theta"] - star
+        d = algorithm.global_theta(state, problem)["theta"] - star
         return {"dist2": float(d @ d), "rel_dist2": float(d @ d) / s2}
 
     return evaluate

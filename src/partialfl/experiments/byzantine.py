@@ -126,7 +126,7 @@ def _evaluator(problem):
     shared_star = problem.shared_optimum()
 
     def evaluate(algorithm, state, prob, client_state, ctx) -> dict:
-        th = algorithm.global_theta(state)["theta"]
+        th = algorithm.global_theta(state, problem)["theta"]
         d = th - star
         rec = {"dist2": float(d @ d), "dropped": state.extra.get("byz_dropped", 0),
                "rejected": state.extra.get("byz_rejected", 0)}

@@ -81,7 +81,7 @@ FULL = Size(clients=32, n=400, d_theta=40, d_w=20, rounds=600, async_steps=9600,
 
 def _ls_metrics(star: np.ndarray) -> Callable:
     def evaluate(algorithm, state, problem, client_state, ctx) -> dict:
-        d = algorithm.global_theta(state)["theta"] - star
+        d = algorithm.global_theta(state, problem)["theta"] - star
         return {"rel_dist2": float(d @ d) / float(star @ star)}
 
     return evaluate

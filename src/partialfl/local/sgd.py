@@ -32,12 +32,11 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
+from partialfl.local.base import TRAIN_MODES, LocalResult
 from partialfl.local.solvers import SolverResult
 from partialfl.problems.model import W_INITS, round_path
 from partialfl.rng import generator
 from partialfl.types import Params
-
-TRAIN_MODES = ("w", "theta", "both", "alternate")
 
 
 @dataclass(frozen=True)
@@ -70,6 +69,17 @@ class SGDConfig:
         if self.clip_norm is not None and not self.clip_norm > 0:
             raise ValueError(f"clip_norm must be None or > 0, got {self.clip_norm!r}")
 
+    def run(self, problem, cohort, theta: Params, w: Params, train: str, *, seed: int,
+            round_: int, stream: str, shift: Params | None = None) -> LocalResult:
+        """:func:`run_sgd` with this configuration (the
+        :class:`~partialfl.local.base.LocalTrainer` interface; no gradient shift: Scaffold's
+        corrected steps run with :class:`~partialfl.local.gd.GDConfig`)."""
+        if shift is not None:
+            raise ValueError("minibatch SGD local steps take no gradient shift (Scaffold runs "
+                             "with full-gradient local steps, GDConfig)")
+        return run_sgd(problem, cohort, theta, w, train=train, cfg=self, seed=seed,
+                       round_=round_, stream=stream)
+
 
 def batch_plan(n: int, batch_size: int, epochs: int, steps: int | None,
                rng: np.random.Generator) -> list[np.ndarray]:
@@ -95,14 +105,7 @@ def client_plans(problem, cohort, cfg: SGDConfig, seed: int, round_: int, stream
             for m, n in zip(cohort, sizes)]
 
 
-@dataclass(frozen=True)
-class SGDResult:
-    """``theta`` is per client ``[k, ...]`` if it was trained, else the θ that was given."""
-
-    theta: Params
-    w: Params
-    steps: int
-    loss: np.ndarray  # mean minibatch loss per client over the run ([k], nan if no step)
+SGDResult = LocalResult  # loss: the mean minibatch loss per client ([k], nan if no step)
 
 
 def _clip(g: Params, c: float | None) -> Params:

@@ -15,6 +15,7 @@ from typing import Protocol
 
 import numpy as np
 
+from partialfl.local.gd import check_tau
 from partialfl.types import Params
 
 INITS = ("zero", "random")
@@ -38,12 +39,6 @@ class LocalSolver(Protocol):
     ) -> SolverResult: ...
 
 
-def _check_tau(tau: int) -> int:
-    if not isinstance(tau, int | np.integer) or tau < 1:
-        raise ValueError(f"local steps tau must be an integer >= 1, got {tau!r}")
-    return int(tau)
-
-
 def _check_init(init: str) -> str:
     if init not in INITS:
         raise ValueError(f"unknown w initialisation {init!r}; allowed: {', '.join(INITS)}")
@@ -65,7 +60,7 @@ class GradientDescent:
     closed_form: bool = True
 
     def __post_init__(self) -> None:
-        _check_tau(self.tau)
+        check_tau(self.tau)
         _check_init(self.init)
         if self.lr is not None and not self.lr > 0:
             raise ValueError(f"local stepsize lr must be positive, got {self.lr!r}")
@@ -79,7 +74,8 @@ class GradientDescent:
         if hasattr(problem, "w_system"):
             # Same iterates, one batched mat-vec per step: ∇₂f = Qw − c(θ).
             Q, c = problem.w_system(cohort, theta)
-            W = w["w"].copy()
+            name = _w_leaf(problem, w)
+            W = w[name].copy()
             e = eta[:, None]
             if Q.ndim == 2 and self.closed_form:
                 ws = c / Q
@@ -90,7 +86,7 @@ class GradientDescent:
             else:
                 for _ in range(self.tau):
                     W -= e * (np.einsum("kij,kj->ki", Q, W) - c)
-            return SolverResult({"w": W}, self.tau)
+            return SolverResult({name: W}, self.tau)
         for _ in range(self.tau):
             g = problem.grad_w(cohort, theta, w)
             w = {n: (v - _bcast(eta, v) * g[n]) if n in g else v for n, v in w.items()}
@@ -109,7 +105,7 @@ class ConjugateGradient:
     init: str = "zero"
 
     def __post_init__(self) -> None:
-        _check_tau(self.tau)
+        check_tau(self.tau)
         _check_init(self.init)
 
     def __call__(self, problem, cohort, theta, seed=0, round_=0) -> SolverResult:
@@ -124,7 +120,9 @@ class ConjugateGradient:
         def matvec(v):
             return Q * v if diag else np.einsum("kij,kj->ki", Q, v)
 
-        W = problem.init_w(cohort, self.init, seed, round_)["w"].copy()
+        w0 = problem.init_w(cohort, self.init, seed, round_)
+        name = _w_leaf(problem, w0)
+        W = w0[name].copy()
         r = c - matvec(W) if self.init != "zero" else c.copy()
         p = r.copy()
         # Scalars are [k, 1] columns. A client with r = 0 (hence p = 0) must stop: adding the
@@ -141,7 +139,7 @@ class ConjugateGradient:
             p *= rho_new / (rho + tiny)
             p += r
             rho = rho_new
-        return SolverResult({"w": W}, self.tau)
+        return SolverResult({name: W}, self.tau)
 
 
 @dataclass(frozen=True)
@@ -156,3 +154,13 @@ class ExactSolver:
 
 def _bcast(eta: np.ndarray, v: np.ndarray) -> np.ndarray:
     return eta.reshape((-1,) + (1,) * (v.ndim - 1))
+
+
+def _w_leaf(problem, w: Params) -> str:
+    """The one personal leaf of ``w`` whose system ``problem.w_system`` describes (Q w = c(θ)
+    is over one flat vector)."""
+    names = tuple(w)
+    if len(names) != 1:
+        raise TypeError(f"{type(problem).__name__}.w_system needs exactly one personal leaf, "
+                        f"the problem has {list(names)}")
+    return names[0]

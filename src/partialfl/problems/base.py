@@ -14,19 +14,34 @@ import numpy as np
 
 from partialfl.types import Params
 
+#: how ``init_w`` may start personal parameters: the problem's own initial values
+#: (``pretrained``: a model's current layers, 0 for the closed-form problems), zeros, or a
+#: fresh random draw per (seed, round, client)
+W_INITS = ("pretrained", "zero", "random")
+
 
 @runtime_checkable
 class Problem(Protocol):
-    """A federated problem  min_θ (1/M) Σ_m min_w f_m(θ, w)  (the paper's Eq. (1))."""
+    """A federated problem  min_θ (1/M) Σ_m min_w f_m(θ, w)  (the paper's Eq. (1)).
+
+    The parameter trees' names are part of the interface, so an algorithm never needs a key
+    literal: θ has the leaves ``theta_names`` (shapes ``theta_shapes``), w the trained leaves
+    ``w_names`` plus the never-trained personal client state ``state_names`` (e.g. BatchNorm
+    running statistics; empty for closed-form problems).
+    """
 
     num_clients: int
+    theta_names: tuple[str, ...]
+    theta_shapes: dict[str, tuple[int, ...]]
+    w_names: tuple[str, ...]
+    state_names: tuple[str, ...]
 
     def init_theta(self, rng: np.random.Generator) -> Params:
         """The initial global parameters θ⁰."""
         ...
 
     def init_w(self, cohort: np.ndarray, how: str, seed: int, round_: int) -> Params:
-        """Fresh personal parameters for ``cohort`` ("zero" or "random")."""
+        """Fresh personal parameters for ``cohort`` (one of :data:`W_INITS`), stacked."""
         ...
 
     def loss(self, cohort: np.ndarray, theta: Params, w: Params) -> np.ndarray:

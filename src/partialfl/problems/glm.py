@@ -24,7 +24,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from partialfl import rng as prng
-from partialfl.problems.base import check_cohort
+from partialfl.problems.base import W_INITS, check_cohort
 from partialfl.types import Params
 
 PSI = ("logcosh", "softplus", "huber")
@@ -79,11 +79,16 @@ class GLMSpec:
 class GeneralizedLinearProblem:
     """Example 3, batched over cohorts; θ = {"theta": [d_θ]}, w = {"w": [k, d_w]}."""
 
+    theta_names = ("theta",)
+    w_names = ("w",)
+    state_names = ()
+
     def __init__(self, spec: GLMSpec | None = None, **kw) -> None:
         spec = spec or GLMSpec(**kw)
         self.spec = spec
         M, n, dt, dw = spec.num_clients, spec.n, spec.d_theta, spec.d_w
         self.num_clients, self.d_theta, self.d_w = M, dt, dw
+        self.theta_shapes = {"theta": (dt,)}
         g = prng.generator(spec.seed, "glm")
         self.H = g.random((M, n, dt)) / dt
         self.b = g.random((M, n))
@@ -113,15 +118,15 @@ class GeneralizedLinearProblem:
         return {"theta": np.zeros(self.d_theta)}
 
     def init_w(self, cohort, how: str, seed: int, round_: int) -> Params:
-        """Fresh w for ``cohort``: zeros, or standard normal drawn from (seed, "init-w", round,
-        client)."""
+        """Fresh w for ``cohort``: zeros (``zero``, or ``pretrained``: the problem's own start
+        w⁰ = 0), or standard normal drawn from (seed, "init-w", round, client)."""
         cohort = np.asarray(cohort)
-        if how == "zero":
+        if how in ("zero", "pretrained"):
             return {"w": np.zeros((len(cohort), self.d_w))}
         if how == "random":
             return {"w": np.stack([prng.generator(seed, "init-w", round_, int(m))
                                    .standard_normal(self.d_w) for m in cohort])}
-        raise ValueError(f"unknown w initialisation {how!r}; allowed: 'zero', 'random'")
+        raise ValueError(f"unknown w initialisation {how!r}; allowed: {', '.join(W_INITS)}")
 
     def num_examples(self, cohort) -> np.ndarray:
         """n for every client of the cohort."""

@@ -34,7 +34,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from partialfl import rng as prng
-from partialfl.problems.base import check_cohort
+from partialfl.problems.base import W_INITS, check_cohort
 from partialfl.types import Params
 
 
@@ -79,6 +79,10 @@ def generate_raw(spec: LeastSquaresSpec, m: int | None = None):
 class LeastSquaresProblem:
     """Example 1 with batched closed forms; θ = {"theta": [d_θ]}, w = {"w": [k, d_w]}."""
 
+    theta_names = ("theta",)
+    w_names = ("w",)
+    state_names = ()
+
     def __init__(
         self, spec: LeastSquaresSpec | None = None, basis: str = "eigen",
         progress: bool | str = False, **sizes: int
@@ -94,6 +98,7 @@ class LeastSquaresProblem:
         M, dt, dw = spec.num_clients, spec.d_theta, spec.d_w
         self.num_clients = M
         self.d_theta, self.d_w = dt, dw
+        self.theta_shapes = {"theta": (dt,)}
         P = np.empty((M, dt, dt))
         p = np.empty((M, dt))
         G = np.empty((M, dt, dw))
@@ -166,10 +171,10 @@ class LeastSquaresProblem:
         return {"theta": np.zeros(self.d_theta)}
 
     def init_w(self, cohort: np.ndarray, how: str, seed: int, round_: int) -> Params:
-        """Fresh w for ``cohort``: zeros, or standard normal drawn from (seed, "init-w", round,
-        client)."""
+        """Fresh w for ``cohort``: zeros (``zero``, or ``pretrained``: the problem's own start
+        w⁰ = 0), or standard normal drawn from (seed, "init-w", round, client)."""
         cohort = np.asarray(cohort)
-        if how == "zero":
+        if how in ("zero", "pretrained"):
             return {"w": np.zeros((len(cohort), self.d_w))}
         if how == "random":
             return {
@@ -178,7 +183,7 @@ class LeastSquaresProblem:
                      for m in cohort]
                 ).reshape(len(cohort), self.d_w)
             }
-        raise ValueError(f"unknown w initialisation {how!r}; allowed: 'zero', 'random'")
+        raise ValueError(f"unknown w initialisation {how!r}; allowed: {', '.join(W_INITS)}")
 
     def num_examples(self, cohort: np.ndarray) -> np.ndarray:
         """n for every client of the cohort."""
@@ -200,6 +205,14 @@ class LeastSquaresProblem:
         """Q_m w_m for each client of the cohort."""
         Q = self.Q[self._ix(cohort)]
         return Q * W if Q.ndim == 2 else np.einsum("kij,kj->ki", Q, W)
+
+    def check_shareable_w(self) -> None:
+        """Raises unless w means the same on every client (standard basis): in the eigenbasis
+        each client keeps w in its own coordinates, so a shared w would be meaningless."""
+        if self.V is not None:
+            raise ValueError(
+                "this baseline shares w across clients, but the problem keeps w in per-client "
+                "eigen-coordinates; build it with LeastSquaresProblem(..., basis='standard')")
 
     def to_standard_w(self, cohort, w: Params) -> Params:
         """Personal parameters in the standard basis of Example 1 (w = V_m ŵ)."""

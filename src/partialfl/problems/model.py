@@ -54,12 +54,10 @@ from torch import Tensor, nn
 from torch.func import functional_call, grad, vmap
 
 from partialfl.devices import LossScaler, amp_dtype, check_precision, resolve_device
-from partialfl.problems.base import check_cohort
+from partialfl.problems.base import W_INITS, check_cohort
 from partialfl.rng import torch_seed
 from partialfl.split import Split
 from partialfl.types import Params
-
-W_INITS = ("pretrained", "zero", "random")
 
 LossFn = Callable[[Tensor, Tensor], "Tensor | tuple[Tensor, Tensor]"]
 Metric = Callable[[Tensor, Tensor], "tuple[Tensor, Tensor]"]

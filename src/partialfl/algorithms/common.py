@@ -1,0 +1,57 @@
+"""Small pieces every local-training algorithm shares (no array library, no key literal)."""
+
+from __future__ import annotations
+
+import numpy as np
+
+from partialfl import arrays
+from partialfl.problems.base import W_INITS
+from partialfl.types import Params
+
+WEIGHTINGS = ("uniform", "examples")
+
+
+def check_weighting(weighting: str) -> str:
+    """``weighting`` if it is one of :data:`WEIGHTINGS`, else a ValueError naming them."""
+    if weighting not in WEIGHTINGS:
+        raise ValueError(f"unknown weighting {weighting!r}; allowed: {', '.join(WEIGHTINGS)}")
+    return weighting
+
+
+def check_init(init: str) -> str:
+    """``init`` if it is one of the problems' w initialisations, else a ValueError."""
+    if init not in W_INITS:
+        raise ValueError(f"unknown w initialisation {init!r}; allowed: {', '.join(W_INITS)}")
+    return init
+
+
+def client_weights(problem, cohort, weighting: str) -> np.ndarray:
+    """Aggregation weights ``[k]``: 1 per client (``uniform``) or its n_m (``examples``)."""
+    if weighting == "examples":
+        return np.asarray(problem.num_examples(cohort)).astype(np.float64)
+    return np.ones(len(cohort))
+
+
+def delta(local: Params, shared: Params) -> Params:
+    """Per-client change ``local[n] − shared[n]`` (``local`` stacked ``[k, ...]``, ``shared``
+    not), over the names of ``shared``."""
+    return {n: local[n] - shared[n][None] for n in shared}
+
+
+def pick(tree: Params, names) -> Params:
+    """The leaves of ``tree`` with the given names (in that order)."""
+    return {n: tree[n] for n in names}
+
+
+def repeat_tree(tree: Params, k: int) -> Params:
+    """Every leaf copied to ``k`` stacked rows."""
+    return {n: arrays.repeat_rows(v, k) for n, v in tree.items()}
+
+
+def finetuned_w(local, problem, cohort, theta: Params, w_init: str, seed: int,
+                round_: int) -> Params:
+    """What a stateless client deploys: w from ``w_init``, then ``local``'s run on w alone with
+    θ fixed (stream ``"finetune"``)."""
+    w = problem.init_w(cohort, w_init, seed, round_)
+    return local.run(problem, cohort, theta, w, "w", seed=seed, round_=round_,
+                     stream="finetune").w

@@ -1,0 +1,51 @@
+"""What every local trainer shares: the result of a local run and the trainer interface.
+
+A *local trainer* is the client optimizer of an algorithm that trains on its own data for a
+while (FedAvg / Local GD, Scaffold, FedAlt, FedSim, Local FFGG): full-gradient steps
+(:class:`partialfl.local.gd.GDConfig`, any problem) or minibatch SGD epochs
+(:class:`partialfl.local.sgd.SGDConfig`, model problems). Algorithms call only
+:meth:`LocalTrainer.run`, so one algorithm runs with either.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Protocol
+
+import numpy as np
+
+from partialfl.types import Params
+
+#: what a local run trains: w only, θ only, both at once, or per step a w-step then a θ-step
+TRAIN_MODES = ("w", "theta", "both", "alternate")
+
+
+def check_train(train: str) -> str:
+    """``train`` if it is one of :data:`TRAIN_MODES`, else a ValueError naming them."""
+    if train not in TRAIN_MODES:
+        raise ValueError(f"unknown train mode {train!r}; allowed: {', '.join(TRAIN_MODES)}")
+    return train
+
+
+@dataclass(frozen=True)
+class LocalResult:
+    """``theta`` is per client ``[k, ...]`` if it was trained, else the θ that was given;
+    ``w`` is stacked ``[k, ...]``; ``steps`` local gradient steps per client; ``loss`` the mean
+    training loss per client over the run (``[k]``, nan without a step), or None when the
+    trainer does not measure it (full-gradient steps)."""
+
+    theta: Params
+    w: Params
+    steps: int
+    loss: np.ndarray | None
+
+
+class LocalTrainer(Protocol):
+    """A client optimizer: ``run`` trains ``train`` (see :data:`TRAIN_MODES`) on every client
+    of the cohort from θ (shared ``[...]``) and w (stacked), with randomness from
+    (seed, stream, round, client); ``shift`` (stacked, over the trained names) is subtracted
+    from every gradient (Scaffold's control-variate correction)."""
+
+    def run(self, problem, cohort: np.ndarray, theta: Params, w: Params, train: str, *,
+            seed: int, round_: int, stream: str, shift: Params | None = None
+            ) -> LocalResult: ...
