@@ -14,8 +14,9 @@ from torch.func import functional_call
 from partialfl.algorithms import FedAlt, FedAvg, LocalFFGG, LocalGD, Scaffold
 from partialfl.algorithms.base import RoundContext
 from partialfl.data.federated import FederatedDataset
+from partialfl.local import GradientDescent
 from partialfl.local.gd import GDConfig
-from partialfl.local.sgd import SGDConfig
+from partialfl.local.sgd import SGDConfig, SGDFineTuner
 from partialfl.problems.least_squares import LeastSquaresProblem, generate_raw
 from partialfl.problems.model import ModelProblem
 from partialfl.runtime import run_rounds
@@ -178,6 +179,20 @@ def test_fedalt_and_local_ffgg_on_least_squares_match_brute_force(std):
             t = t - eta * _raw_grads(raw[m], t, w)[0]
         deltas.append(t)
     assert rel(lf.state.theta["theta"], np.mean(deltas, 0)) < 1e-10
+
+
+def test_gd_fine_tuner_runs_on_a_model_like_full_batch_sgd():
+    """FFGG's GD fine-tuner (Algorithm 2) on a model problem: τ full-gradient w-steps from 0
+    equal τ full-batch SGD epochs from 0."""
+    d = toy_data(3)
+    dd = FederatedDataset([x.double() for x in d.train_x], d.train_y,
+                          [x.double() for x in d.test_x], d.test_y, d.client_ids, d.num_classes)
+    pb = ModelProblem(make_split(toy_model(0).double(), "output"), dd, vectorize=False)
+    c, th = np.arange(3), pb.init_theta()
+    n = int(pb.num_examples(c).max())
+    gd = GradientDescent(3, lr=0.2, init="zero")(pb, c, th).w
+    sgd = SGDFineTuner(SGDConfig(lr=0.2, epochs=3, batch_size=n), "zero")(pb, c, th).w
+    assert max_diff(gd, sgd) < 1e-7 and max(v.abs().max().item() for v in gd.values()) > 1e-3
 
 
 def test_scaffold_refuses_minibatch_sgd_and_gd_needs_a_stepsize_on_a_model():

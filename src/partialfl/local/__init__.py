@@ -2,9 +2,14 @@
 
 Every solver starts afresh (clients are stateless in FFGG) from zero or random w, and returns
 the approximate minimiser together with the number of local gradient (or Hessian-vector)
-computations it spent per client. By name: :func:`partialfl.build.make_solver`.
+computations it spent per client. Local *trainers* (:class:`LocalTrainer`: full-gradient
+:class:`GDConfig` on any problem, :class:`~partialfl.local.sgd.SGDConfig` on model problems) are
+the client optimizers of the algorithms that train θ locally (FedAvg, Scaffold, FedAlt, ...).
+By name: :func:`partialfl.build.make_solver`.
 """
 
+from partialfl.local.base import LocalResult, LocalTrainer
+from partialfl.local.gd import GDConfig
 from partialfl.local.solvers import (
     ConjugateGradient,
     ExactSolver,
@@ -16,7 +21,10 @@ from partialfl.local.solvers import (
 __all__ = [
     "ConjugateGradient",
     "ExactSolver",
+    "GDConfig",
     "GradientDescent",
+    "LocalResult",
     "LocalSolver",
+    "LocalTrainer",
     "SolverResult",
 ]

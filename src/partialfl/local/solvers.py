@@ -15,6 +15,7 @@ from typing import Protocol
 
 import numpy as np
 
+from partialfl import arrays
 from partialfl.local.gd import check_tau
 from partialfl.types import Params
 
@@ -89,7 +90,7 @@ class GradientDescent:
             return SolverResult({name: W}, self.tau)
         for _ in range(self.tau):
             g = problem.grad_w(cohort, theta, w)
-            w = {n: (v - _bcast(eta, v) * g[n]) if n in g else v for n, v in w.items()}
+            w = {n: (v - arrays.per_row(eta, v) * g[n]) if n in g else v for n, v in w.items()}
         return SolverResult(w, self.tau)
 
 
@@ -150,10 +151,6 @@ class ExactSolver:
         if not hasattr(problem, "w_star"):
             raise TypeError(f"{type(problem).__name__} has no exact w*(θ); use 'gd' or 'cg'")
         return SolverResult(problem.w_star(cohort, theta), 1)
-
-
-def _bcast(eta: np.ndarray, v: np.ndarray) -> np.ndarray:
-    return eta.reshape((-1,) + (1,) * (v.ndim - 1))
 
 
 def _w_leaf(problem, w: Params) -> str:
