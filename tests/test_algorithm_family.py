@@ -16,7 +16,7 @@ from partialfl.algorithms.base import RoundContext
 from partialfl.data.federated import FederatedDataset
 from partialfl.local import GradientDescent
 from partialfl.local.gd import GDConfig
-from partialfl.local.sgd import SGDConfig, SGDFineTuner
+from partialfl.local.sgd import SGDConfig, SGDFineTuner, client_plans
 from partialfl.problems.least_squares import LeastSquaresProblem, generate_raw
 from partialfl.problems.model import ModelProblem
 from partialfl.runtime import run_rounds
@@ -124,6 +124,42 @@ def test_scaffold_on_a_cnn_matches_a_hand_written_loop(vectorize):
     assert fR < f0 and fR == pytest.approx(losses[-1], rel=1e-8)
 
 
+def test_scaffold_with_minibatch_sgd_on_a_cnn_matches_a_hand_written_loop():
+    """Scaffold with SGD local steps: the same minibatches (the library's plan), each step
+    corrected by c − c_m; τ_m = the steps client m took (uneven client sizes)."""
+    M, R, cfg = 3, 2, SGDConfig(lr=0.05, batch_size=4, epochs=1)
+    pb = _double_problem(M)
+    th0 = pb.init_theta()
+    res = run_rounds(pb, Scaffold(local=cfg), R, seed=3, theta0=th0)
+    x = {n: v.clone() for n, v in th0.items()}
+    c = {n: torch.zeros_like(v) for n, v in x.items()}
+    cm = [{n: torch.zeros_like(v) for n, v in x.items()} for _ in range(M)]
+    for r in range(R):
+        dys, dcs = [], []
+        for m in range(M):
+            xs, ys = pb.data.train_x[m], pb.data.train_y[m]
+            plan = client_plans(pb, np.array([m]), cfg, 3, r, "local")[0]
+            y = {n: v.clone() for n, v in x.items()}
+            for idx in plan:
+                idx = torch.as_tensor(idx)
+
+                def f(p, idx=idx, xs=xs, ys=ys):
+                    out = functional_call(pb.module, p, (xs[idx],))
+                    return torch.nn.functional.cross_entropy(out, ys[idx])
+
+                g = _grad(f, y)
+                y = {n: y[n] - cfg.lr * (g[n] - cm[m][n] + c[n]) for n in y}
+            new = {n: cm[m][n] - c[n] + (x[n] - y[n]) / (len(plan) * cfg.lr) for n in x}
+            dys.append({n: y[n] - x[n] for n in x})
+            dcs.append({n: new[n] - cm[m][n] for n in x})
+            cm[m] = new
+        x = {n: x[n] + sum(d[n] for d in dys) / M for n in x}
+        c = {n: c[n] + sum(d[n] for d in dcs) / M for n in x}
+    assert max_diff(res.state.theta, x) < 1e-6
+    assert max_diff(res.state.extra["c"], c) < 1e-6
+    assert max_diff(res.state.theta, th0) > 1e-3
+
+
 def test_fedalt_on_least_squares_converges_to_theta_star_and_w_star():
     """FedAlt with full-gradient phases (w: 5 steps, θ: 1 step, one stepsize for all clients)
     is block coordinate descent on Σ_m f_m(θ, w_m): it converges to θ* and w*_m(θ*)."""
@@ -195,12 +231,14 @@ def test_gd_fine_tuner_runs_on_a_model_like_full_batch_sgd():
     assert max_diff(gd, sgd) < 1e-7 and max(v.abs().max().item() for v in gd.values()) > 1e-3
 
 
-def test_scaffold_refuses_minibatch_sgd_and_gd_needs_a_stepsize_on_a_model():
+def test_bad_arguments_are_named():
     pb = _double_problem(2)
     alg = FedAvg(GDConfig(1))  # lr None: 1/L_m, unknown for a network
     state = alg.init(pb, pb.init_theta())
     with pytest.raises(TypeError, match="explicit lr"):
         alg.client_update(state, pb, np.array([0]), RoundContext(0, 0))
-    with pytest.raises(ValueError, match="no gradient shift"):
-        SGDConfig(lr=0.1).run(pb, np.array([0]), state.theta, {}, "theta", seed=0, round_=0,
-                              stream="local", shift={})
+    for kw in ({}, {"tau": 2, "local": GDConfig(2)}):
+        with pytest.raises(ValueError, match="either tau"):
+            Scaffold(**kw)
+    with pytest.raises(ValueError, match="tau must be an integer"):
+        GDConfig(0)

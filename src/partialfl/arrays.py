@@ -97,3 +97,11 @@ def repeat_rows(x: Array, k: int) -> Array:
 def zeros_like(x: Array) -> Array:
     """Zeros of ``x``'s shape, kind, dtype (and device)."""
     return _torch().zeros_like(x) if is_torch(x) else np.zeros_like(x)
+
+
+def where_rows(mask: Any, a: Array, b: Array) -> Array:
+    """Row ``i`` of ``a`` where ``mask[i]``, else row ``i`` of ``b`` (same kind and shape)."""
+    m = np.asarray(mask, dtype=bool).reshape((-1,) + (1,) * (a.ndim - 1))
+    if is_torch(a):
+        return _torch().where(_torch().as_tensor(m, device=a.device), a, b)
+    return np.where(m, a, b)

@@ -34,7 +34,7 @@ from partialfl.algorithms.common import (
     pick,
     repeat_tree,
 )
-from partialfl.local.gd import GDConfig, stepsizes
+from partialfl.local.gd import GDConfig
 from partialfl.tree import tree_copy
 from partialfl.types import ClientUpdates, Params
 
@@ -54,6 +54,10 @@ def shared_model(problem, theta0: Params, w_init: str = "pretrained") -> Params:
         return theta0
     w0 = problem.init_w(np.arange(1), w_init, 0, 0)
     return {**theta0, **{n: w0[n][0] for n in names}}
+
+
+def _loss_metric(res) -> dict:
+    return {} if res.loss is None else {"train_loss": res.loss}
 
 
 def theta_part(problem, x: Params) -> Params:
@@ -126,23 +130,23 @@ class FedAvg(Algorithm):
             return None
         return pick(problem.init_w(np.asarray(cohort), "pretrained", 0, 0), problem.state_names)
 
-    def _local_run(self, problem, cohort, state, ctx, client_state, shift=None, eta=None):
+    def _local_run(self, problem, cohort, state, ctx, client_state, shift=None):
+        """(the shared model after the cohort's local run ``[k, ...]``, the new client state,
+        the trainer's result)."""
         theta, w_sh = self._parts(problem, state.theta)
         w = {**repeat_tree(w_sh, len(cohort)), **self._stats(problem, cohort, ctx, client_state)}
-        kw = {} if eta is None else {"eta": eta}
         res = self.local.run(problem, cohort, theta, w, self._train(problem), seed=ctx.seed,
-                             round_=ctx.round, stream="local", shift=shift, **kw)
+                             round_=ctx.round, stream="local", shift=shift)
         x = {**res.theta, **pick(res.w, w_sh)}
         new_stats = pick(res.w, problem.state_names) if client_state is not None else None
-        metrics = {} if res.loss is None else {"train_loss": res.loss}
-        return x, new_stats, res.steps, metrics
+        return x, new_stats, res
 
     def client_update(self, state, problem, cohort, ctx: RoundContext, client_state=None):
         """The model change after the local run on every shared parameter."""
         cohort = np.asarray(cohort)
-        x, stats, steps, metrics = self._local_run(problem, cohort, state, ctx, client_state)
+        x, stats, res = self._local_run(problem, cohort, state, ctx, client_state)
         up = ClientUpdates(delta(x, state.theta), client_weights(problem, cohort, self.weighting),
-                           cohort, steps, metrics=metrics)
+                           cohort, res.steps, metrics=_loss_metric(res))
         return ClientResult(up, stats)
 
     def deployed(self, state, problem, client_state, ctx):
@@ -170,12 +174,26 @@ class LocalGD(FedAvg):
         self.tau, self.lr, self.fast = self.local.tau, lr, fast
 
 
-class Scaffold(LocalGD):
+class Scaffold(FedAvg):
     """Scaffold (Karimireddy et al., 2020) on the shared model: local steps corrected by control
-    variates, x ← x − η(∇f_m(x) − c_m + c); clients keep c_m, the server c."""
+    variates, x ← x − η(∇f_m(x) − c_m + c); clients keep c_m, the server c.
+
+    ``Scaffold(tau, lr)``: τ full-gradient steps (η = 1/L_m unless ``lr``), as Local GD;
+    ``Scaffold(local=SGDConfig(...))``: minibatch SGD steps (τ_m = the steps client m took).
+    """
 
     name = "scaffold"
     stateful_clients = True
+
+    def __init__(self, tau: int | None = None, lr: float | None = None, server_opt=None,
+                 aggregator=None, fast: bool = True, *, local=None,
+                 weighting: str = "uniform") -> None:
+        if (local is None) == (tau is None):
+            raise ValueError("Scaffold needs either tau (full-gradient local steps) or local "
+                             "(a local trainer such as SGDConfig), not both")
+        local = GDConfig(tau, lr, fast) if local is None else local
+        super().__init__(local, server_opt, aggregator, weighting, share_w=True)
+        self.tau, self.lr, self.fast = getattr(local, "tau", None), lr, fast
 
     def init(self, problem, theta0):
         """The shared model and the server's control variate c = 0."""
@@ -200,15 +218,18 @@ class Scaffold(LocalGD):
         cohort = np.asarray(cohort)
         x0, c = state.theta, state.extra["c"]
         cm = {n: client_state[f"c_{n}"] for n in x0}
-        eta = stepsizes(problem, cohort, self.local.lr)
         shift = {n: cm[n] - c[n] for n in cm}
-        y, stats, steps, metrics = self._local_run(problem, cohort, state, ctx, client_state,
-                                                   shift=shift, eta=eta)
-        cm_new = {n: cm[n] - c[n] + (x0[n][None] - y[n]) / (self.tau * arrays.per_row(eta, y[n]))
+        y, stats, res = self._local_run(problem, cohort, state, ctx, client_state, shift=shift)
+        steps = np.full(len(cohort), res.steps) if res.client_steps is None else res.client_steps
+        idle = steps == 0  # a client without a step keeps its c_m
+        step_eta = np.where(idle, 1.0, steps * self.local.stepsizes(problem, cohort))
+        cm_new = {n: cm[n] - c[n] + (x0[n][None] - y[n]) / arrays.per_row(step_eta, y[n])
                   for n in y}
+        if idle.any():
+            cm_new = {n: arrays.where_rows(idle, cm[n], v) for n, v in cm_new.items()}
         dc = {n: cm_new[n] - cm[n] for n in y}
         up = ClientUpdates(delta(y, x0), client_weights(problem, cohort, self.weighting), cohort,
-                           steps, metrics=metrics, extra={"dc": dc})
+                           res.steps, metrics=_loss_metric(res), extra={"dc": dc})
         return ClientResult(up, {**{f"c_{n}": v for n, v in cm_new.items()}, **(stats or {})})
 
     def server_update(self, state, updates, ctx):

@@ -30,14 +30,16 @@ def check_train(train: str) -> str:
 @dataclass(frozen=True)
 class LocalResult:
     """``theta`` is per client ``[k, ...]`` if it was trained, else the θ that was given;
-    ``w`` is stacked ``[k, ...]``; ``steps`` local gradient steps per client; ``loss`` the mean
-    training loss per client over the run (``[k]``, nan without a step), or None when the
-    trainer does not measure it (full-gradient steps)."""
+    ``w`` is stacked ``[k, ...]``; ``steps`` the most local gradient steps of a client (what
+    the round costs); ``loss`` the mean training loss per client over the run (``[k]``, nan
+    without a step), or None when the trainer does not measure it (full-gradient steps);
+    ``client_steps`` the steps each client took ``[k]`` (None: ``steps`` for all)."""
 
     theta: Params
     w: Params
     steps: int
     loss: np.ndarray | None
+    client_steps: np.ndarray | None = None
 
 
 class LocalTrainer(Protocol):
@@ -49,3 +51,7 @@ class LocalTrainer(Protocol):
     def run(self, problem, cohort: np.ndarray, theta: Params, w: Params, train: str, *,
             seed: int, round_: int, stream: str, shift: Params | None = None
             ) -> LocalResult: ...
+
+    def stepsizes(self, problem, cohort: np.ndarray) -> np.ndarray:
+        """The stepsize η of each client of the cohort ``[k]``."""
+        ...

@@ -79,6 +79,10 @@ class GDConfig:
             raise ValueError(f"local stepsize lr must be a positive finite number, "
                              f"got {self.lr!r}")
 
+    def stepsizes(self, problem, cohort) -> np.ndarray:
+        """η per client ``[k]``: ``lr``, or 1/L_m."""
+        return stepsizes(problem, np.asarray(cohort), self.lr)
+
     def run(self, problem, cohort, theta: Params, w: Params, train: str, *, seed: int = 0,
             round_: int = 0, stream: str = "local", shift: Params | None = None,
             eta: np.ndarray | None = None) -> LocalResult:
@@ -93,7 +97,7 @@ class GDConfig:
         if train == "both" and self.fast and hasattr(problem, "joint_gd"):
             x = problem.joint_gd(cohort, {**theta, **w}, eta, self.tau, shift)
             return LocalResult({n: x[n] for n in theta}, {n: x.get(n, w[n]) for n in w},
-                               self.tau, None)
+                               self.tau, None, np.full(k, self.tau))
         sw = st = None
         if shift is not None:
             sw = {n: v for n, v in shift.items() if n in w}
@@ -108,4 +112,4 @@ class GDConfig:
                 w = _step(w, problem.grad_w(cohort, theta, w), eta, sw)
             if train in ("theta", "alternate"):
                 theta = _step(theta, problem.grad_theta(cohort, theta, w), eta, st)
-        return LocalResult(theta, w, self.tau, None)
+        return LocalResult(theta, w, self.tau, None, np.full(k, self.tau))

@@ -72,13 +72,13 @@ class SGDConfig:
     def run(self, problem, cohort, theta: Params, w: Params, train: str, *, seed: int,
             round_: int, stream: str, shift: Params | None = None) -> LocalResult:
         """:func:`run_sgd` with this configuration (the
-        :class:`~partialfl.local.base.LocalTrainer` interface; no gradient shift: Scaffold's
-        corrected steps run with :class:`~partialfl.local.gd.GDConfig`)."""
-        if shift is not None:
-            raise ValueError("minibatch SGD local steps take no gradient shift (Scaffold runs "
-                             "with full-gradient local steps, GDConfig)")
+        :class:`~partialfl.local.base.LocalTrainer` interface)."""
         return run_sgd(problem, cohort, theta, w, train=train, cfg=self, seed=seed,
-                       round_=round_, stream=stream)
+                       round_=round_, stream=stream, shift=shift)
+
+    def stepsizes(self, problem, cohort) -> np.ndarray:
+        """η = ``lr`` for every client of the cohort ``[k]``."""
+        return np.full(len(cohort), float(self.lr))
 
 
 def batch_plan(n: int, batch_size: int, epochs: int, steps: int | None,
@@ -131,10 +131,13 @@ def _stack_theta(theta: Params, shapes: dict, k: int) -> Params:
 
 def run_sgd(problem, cohort, theta: Params, w: Params, *, train: str, cfg: SGDConfig,
             seed: int, round_: int, stream: str,
-            prox: tuple[float, Params] | None = None) -> SGDResult:
+            prox: tuple[float, Params] | None = None, shift: Params | None = None
+            ) -> SGDResult:
     """Run the local SGD loop on every client of the cohort (see the module docstring).
 
-    ``theta`` is shared or per client; ``w`` is stacked ``[k, ...]``. Vectorised problems
+    ``theta`` is shared or per client; ``w`` is stacked ``[k, ...]``; ``shift`` (stacked
+    ``[k, ...]`` over trained names) is subtracted from every (clipped) step gradient of a
+    client that takes the step (Scaffold's correction c_m − c). Vectorised problems
     step all clients together (a client whose plan is over gets no batch, hence no change);
     the plain path runs one client after the other. Large cohorts run in groups of clients.
     """
@@ -163,8 +166,9 @@ def run_sgd(problem, cohort, theta: Params, w: Params, *, train: str, cfg: SGDCo
         th_g = {n: (v if tuple(v.shape) == problem.theta_shapes[n] else v[g])
                 for n, v in theta.items()}
         w_g = {n: v[g] for n, v in w.items()}
+        sh_g = None if shift is None else {n: v[g] for n, v in shift.items()}
         th_g, w_g, s, lg = _loop(problem, cohort[g], th_g, w_g, [plans[i] for i in g], train, cfg,
-                                 prox)
+                                 prox, sh_g)
         th_rows.append(th_g)
         w_rows.append(w_g)
         losses[g] = lg
@@ -174,7 +178,7 @@ def run_sgd(problem, cohort, theta: Params, w: Params, *, train: str, cfg: SGDCo
         th_out = theta
     else:
         th_out = {n: torch.cat([r[n] for r in th_rows]) for n in theta}
-    return SGDResult(th_out, w_out, steps, losses)
+    return SGDResult(th_out, w_out, steps, losses, np.array([len(p) for p in plans]))
 
 
 def _grads(problem, cohort, theta, w, batches, wrt):
@@ -199,7 +203,21 @@ def _prox_step(x: Params, prox: tuple[float, Params], lr: float, active: np.ndar
     return out
 
 
-def _loop(problem, cohort, theta, w, plans, train, cfg, prox=None):
+def _shifted(g: Params, shift: Params | None, active: np.ndarray) -> Params:
+    """g − shift on the rows of clients that take the step (``active``)."""
+    if shift is None:
+        return g
+    out = {}
+    for n, v in g.items():
+        if n not in shift:
+            out[n] = v
+            continue
+        mask = torch.as_tensor(active, dtype=v.dtype, device=v.device)
+        out[n] = v - shift[n].to(v.device) * mask.reshape((-1,) + (1,) * (v.dim() - 1))
+    return out
+
+
+def _loop(problem, cohort, theta, w, plans, train, cfg, prox=None, shift=None):
     k = len(cohort)
     n_steps = max((len(p) for p in plans), default=0)
     # summed on the problem's device (no host sync per step); float64 where it exists
@@ -208,20 +226,21 @@ def _loop(problem, cohort, theta, w, plans, train, cfg, prox=None):
                            device=dev)
     for s in range(n_steps):
         batches = [p[s] if s < len(p) else None for p in plans]
+        active = np.array([b is not None for b in batches])
         if train == "alternate":
             (gw, loss), w = _grads(problem, cohort, theta, w, batches, "w")
-            w = _step(w, _clip(gw, cfg.clip_norm), cfg.lr)
+            w = _step(w, _shifted(_clip(gw, cfg.clip_norm), shift, active), cfg.lr)
             (gt, _), w = _grads(problem, cohort, theta, w, batches, "theta")
-            theta = _step(theta, _clip(gt, cfg.clip_norm), cfg.lr)
+            theta = _step(theta, _shifted(_clip(gt, cfg.clip_norm), shift, active), cfg.lr)
         else:
             (g, loss), w = _grads(problem, cohort, theta, w, batches, train)
-            g = _clip(g, cfg.clip_norm)
+            g = _shifted(_clip(g, cfg.clip_norm), shift, active)
             if train in ("w", "both"):
                 w = _step(w, g, cfg.lr)
             if train in ("theta", "both"):
                 theta = _step(theta, g, cfg.lr)
             if prox is not None:
-                theta = _prox_step(theta, prox, cfg.lr, np.array([b is not None for b in batches]))
+                theta = _prox_step(theta, prox, cfg.lr, active)
         loss_sum += loss.to(loss_sum.dtype)
     loss_sum = loss_sum.cpu().numpy().astype(np.float64)
     counts = np.array([len(p) for p in plans], dtype=float)
