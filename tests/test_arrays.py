@@ -50,3 +50,22 @@ def test_flatten_stacked_round_trips_vectors_and_matrices(kind):
     for n in tree:
         np.testing.assert_array_equal(arrays.to_numpy(back[n]), arrays.to_numpy(tree[n]))
         np.testing.assert_array_equal(arrays.to_numpy(row[n]), arrays.to_numpy(tree[n][1]))
+
+
+def test_to_torch_copies_into_a_contiguous_cpu_tensor():
+    a = np.arange(6.0).reshape(2, 3).T  # not contiguous
+    t = arrays.to_torch(a)
+    assert arrays.is_torch(t) and t.is_contiguous() and t.dtype == torch.float64
+    t[0, 0] = 9.0
+    assert a[0, 0] == 0.0
+    u = arrays.to_torch(t)
+    u[0, 0] = 1.0
+    assert float(t[0, 0]) == 9.0
+
+
+def test_where_rows_and_zeros_like_keep_the_kind():
+    for x in (np.ones((3, 2)), torch.ones(3, 2)):
+        z = arrays.zeros_like(x)
+        out = arrays.where_rows(np.array([True, False, True]), x, z)
+        assert arrays.is_torch(out) == arrays.is_torch(x)
+        np.testing.assert_array_equal(arrays.to_numpy(out), [[1, 1], [0, 0], [1, 1]])

@@ -2,8 +2,8 @@
 
 Parameter trees hold numpy arrays (closed-form problems) or torch tensors (model problems);
 everything that must treat the two differently goes through these functions, so no other
-module tests ``hasattr(x, "detach")``. torch is never imported here: a value can only be a
-tensor if torch is already loaded, so numpy-only runs never pay for it.
+module tests ``hasattr(x, "detach")``. torch is imported only by :func:`to_torch`: a value can
+only be a tensor if torch is already loaded, so numpy-only runs never pay for it.
 """
 
 from __future__ import annotations
@@ -37,6 +37,15 @@ def to_numpy(x: Any) -> np.ndarray:
     if is_torch(x):
         return x.detach().cpu().numpy()
     return np.asarray(x)
+
+
+def to_torch(x: Any):
+    """A contiguous CPU torch tensor copy of ``x`` (array or tensor; imports torch)."""
+    import torch  # noqa: PLC0415 - only when a tensor is asked for
+
+    if is_torch(x):
+        return x.detach().cpu().contiguous().clone()
+    return torch.from_numpy(np.array(x, copy=True, order="C"))
 
 
 def as_like(values: Any, ref: Array, dtype: Any = None) -> Array:

@@ -122,12 +122,7 @@ def _check_safetensors_header(path: Path, data: bytes) -> dict:
     return header
 
 
-def _to_torch(v):
-    import torch
-
-    if isinstance(v, torch.Tensor):
-        return v.detach().cpu().contiguous().clone()
-    return torch.from_numpy(np.array(v, copy=True, order="C"))
+_to_torch = arrays.to_torch
 
 
 def save_tensors(path: str | Path, tensors: Mapping[str, Any],

@@ -58,11 +58,7 @@ def _join(skel: Any, arrays: dict[str, np.ndarray]) -> Any:
     if "value" in skel:
         return skel["value"]
     arr = arrays[skel["array"]]
-    if skel.get("torch"):
-        import torch
-
-        return torch.from_numpy(np.array(arr, copy=True))
-    return arr
+    return arrays.to_torch(arr) if skel.get("torch") else arr
 
 
 def _compare(cfg: FlowerConfig, saved: dict[str, Any]) -> None:

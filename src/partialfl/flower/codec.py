@@ -94,11 +94,7 @@ def params_to_record(params: Params) -> ArrayRecord:
 def decode_params(record: ArrayRecord, torch: bool = False) -> Params:
     """ArrayRecord → θ tree (numpy, or torch tensors when ``torch``)."""
     out = {n: a.numpy() for n, a in record.items()}
-    if torch:
-        import torch as _torch
-
-        out = {n: _torch.from_numpy(np.array(v, copy=True)) for n, v in out.items()}
-    return out
+    return {n: arrays.to_torch(v) for n, v in out.items()} if torch else out
 
 
 def _check_names(tree: Params, allowed: Iterable[str], what: str) -> None:
