@@ -5,6 +5,7 @@ from __future__ import annotations
 import numpy as np
 
 from partialfl import arrays
+from partialfl.local.base import one_of
 from partialfl.problems.base import W_INITS
 from partialfl.types import Params
 
@@ -13,16 +14,12 @@ WEIGHTINGS = ("uniform", "examples")
 
 def check_weighting(weighting: str) -> str:
     """``weighting`` if it is one of :data:`WEIGHTINGS`, else a ValueError naming them."""
-    if weighting not in WEIGHTINGS:
-        raise ValueError(f"unknown weighting {weighting!r}; allowed: {', '.join(WEIGHTINGS)}")
-    return weighting
+    return one_of(weighting, WEIGHTINGS, "weighting")
 
 
 def check_init(init: str) -> str:
     """``init`` if it is one of the problems' w initialisations, else a ValueError."""
-    if init not in W_INITS:
-        raise ValueError(f"unknown w initialisation {init!r}; allowed: {', '.join(W_INITS)}")
-    return init
+    return one_of(init, W_INITS, "w initialisation")
 
 
 def client_weights(problem, cohort, weighting: str) -> np.ndarray:

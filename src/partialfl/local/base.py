@@ -20,11 +20,17 @@ from partialfl.types import Params
 TRAIN_MODES = ("w", "theta", "both", "alternate")
 
 
+def one_of(value: str, allowed, what: str) -> str:
+    """``value`` if it is in ``allowed``, else a ValueError naming ``what`` and every allowed
+    value."""
+    if value not in allowed:
+        raise ValueError(f"unknown {what} {value!r}; allowed: {', '.join(allowed)}")
+    return value
+
+
 def check_train(train: str) -> str:
     """``train`` if it is one of :data:`TRAIN_MODES`, else a ValueError naming them."""
-    if train not in TRAIN_MODES:
-        raise ValueError(f"unknown train mode {train!r}; allowed: {', '.join(TRAIN_MODES)}")
-    return train
+    return one_of(train, TRAIN_MODES, "train mode")
 
 
 @dataclass(frozen=True)

@@ -32,7 +32,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from partialfl.local.base import TRAIN_MODES, LocalResult
+from partialfl.local.base import LocalResult, check_train
 from partialfl.local.solvers import SolverResult
 from partialfl.problems.model import W_INITS, round_path
 from partialfl.rng import generator
@@ -141,8 +141,7 @@ def run_sgd(problem, cohort, theta: Params, w: Params, *, train: str, cfg: SGDCo
     step all clients together (a client whose plan is over gets no batch, hence no change);
     the plain path runs one client after the other. Large cohorts run in groups of clients.
     """
-    if train not in TRAIN_MODES:
-        raise ValueError(f"unknown train mode {train!r}; allowed: {', '.join(TRAIN_MODES)}")
+    check_train(train)
     if prox is not None:
         lam = float(prox[0])
         if train != "theta" or not (lam >= 0):

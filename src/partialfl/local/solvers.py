@@ -16,6 +16,7 @@ from typing import Protocol
 import numpy as np
 
 from partialfl import arrays
+from partialfl.local.base import one_of
 from partialfl.local.gd import check_tau
 from partialfl.types import Params
 
@@ -41,9 +42,7 @@ class LocalSolver(Protocol):
 
 
 def _check_init(init: str) -> str:
-    if init not in INITS:
-        raise ValueError(f"unknown w initialisation {init!r}; allowed: {', '.join(INITS)}")
-    return init
+    return one_of(init, INITS, "w initialisation")
 
 
 @dataclass(frozen=True)
