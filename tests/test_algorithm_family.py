@@ -11,7 +11,7 @@ from _nn_toy import max_diff, one_thread, toy_data, toy_model
 from conftest import SMALL, rel
 from torch.func import functional_call
 
-from partialfl.algorithms import FedAlt, FedAvg, LocalFFGG, LocalGD, Scaffold
+from partialfl.algorithms import L2GD, FedAlt, FedAvg, LocalFFGG, LocalGD, Scaffold
 from partialfl.algorithms.base import RoundContext
 from partialfl.data.federated import FederatedDataset
 from partialfl.local import GradientDescent
@@ -242,3 +242,25 @@ def test_bad_arguments_are_named():
             Scaffold(**kw)
     with pytest.raises(ValueError, match="tau must be an integer"):
         GDConfig(0)
+
+
+@pytest.mark.parametrize("make", [lambda: LocalGD(3), lambda: Scaffold(2),
+                                  lambda: FedAlt(GDConfig(2, 0.02), w_init="zero"),
+                                  lambda: FedAlt(GDConfig(2, 0.02), w_init="zero",
+                                                 stateless=True),
+                                  lambda: LocalFFGG(GDConfig(2, 0.02), GDConfig(1, 0.02),
+                                                    w_init="zero"),
+                                  lambda: L2GD(4)])
+def test_deploy_on_a_cohort_is_its_rows_of_deployed(std, make):
+    alg = make()
+    res = run_rounds(std, alg, 3, seed=1)
+    ctx, cohort = RoundContext(1, 3), np.array([4, 1])
+    cs = None if res.client_state is None else {n: v[cohort] for n, v in
+                                                res.client_state.items()}
+    part = alg.deploy(res.state, std, cohort, cs, ctx)
+    full = alg.deployed(res.state, std, res.client_state, ctx)
+    for n in full.w:
+        assert np.array_equal(part.w[n], full.w[n][cohort])
+    for n in full.theta:
+        want = full.theta[n][cohort] if full.personalized_theta else full.theta[n]
+        assert np.array_equal(part.theta[n], want)

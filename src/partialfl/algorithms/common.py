@@ -45,6 +45,15 @@ def repeat_tree(tree: Params, k: int) -> Params:
     return {n: arrays.repeat_rows(v, k) for n, v in tree.items()}
 
 
+class DeployAll:
+    """Mixin: ``deployed`` (every client) is the cohort-scoped ``deploy`` on all clients, so
+    an algorithm writes only ``deploy(state, problem, cohort, client_state rows, ctx)``."""
+
+    def deployed(self, state, problem, client_state, ctx):
+        """:meth:`deploy` on every client."""
+        return self.deploy(state, problem, np.arange(problem.num_clients), client_state, ctx)
+
+
 def finetuned_w(local, problem, cohort, theta: Params, w_init: str, seed: int,
                 round_: int) -> Params:
     """What a stateless client deploys: w from ``w_init``, then ``local``'s run on w alone with

@@ -27,6 +27,7 @@ import numpy as np
 from partialfl import arrays
 from partialfl.algorithms.base import Algorithm, ClientResult, Deployed, RoundContext
 from partialfl.algorithms.common import (
+    DeployAll,
     check_init,
     check_weighting,
     client_weights,
@@ -65,7 +66,7 @@ def theta_part(problem, x: Params) -> Params:
     return pick(x, problem.theta_names)
 
 
-class FedAvg(Algorithm):
+class FedAvg(DeployAll, Algorithm):
     """FedAvg / Local GD on one shared model (see the module docstring).
 
     Args:
@@ -149,11 +150,12 @@ class FedAvg(Algorithm):
                            cohort, res.steps, metrics=_loss_metric(res))
         return ClientResult(up, stats)
 
-    def deployed(self, state, problem, client_state, ctx):
-        """The shared model on every client (its w copied to each)."""
+    def deploy(self, state, problem, cohort, client_state, ctx):
+        """The shared model on each client of the cohort (its w copied to each, with the
+        client's running statistics)."""
+        cohort = np.asarray(cohort)
         theta, w_sh = self._parts(problem, state.theta)
-        allc = np.arange(problem.num_clients)
-        w = {**repeat_tree(w_sh, len(allc)), **self._stats(problem, allc, ctx, client_state)}
+        w = {**repeat_tree(w_sh, len(cohort)), **self._stats(problem, cohort, ctx, client_state)}
         return Deployed(theta, w)
 
     def global_theta(self, state, problem) -> Params:

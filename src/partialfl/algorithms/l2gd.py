@@ -20,13 +20,13 @@ import numpy as np
 from partialfl import arrays
 from partialfl import rng as prng
 from partialfl.algorithms.base import Algorithm, ClientResult, Deployed
-from partialfl.algorithms.common import pick, repeat_tree
+from partialfl.algorithms.common import DeployAll, pick, repeat_tree
 from partialfl.algorithms.fedavg import shared_model, theta_part
 from partialfl.local.gd import GDConfig, check_tau
 from partialfl.types import ClientUpdates, Params
 
 
-class L2GD(Algorithm):
+class L2GD(DeployAll, Algorithm):
     """L2GD (Hanzely & Richtárik, 2020): one full model x_m per client, pulled towards the average
     with penalty ``lam``; each round makes a geometric number of local steps (communication
     probability ``p``, default 1/τ), then averages."""
@@ -87,8 +87,9 @@ class L2GD(Algorithm):
         up = ClientUpdates(delta, np.ones(len(cohort)), np.asarray(cohort), k)
         return ClientResult(up, {n: x[n] for n in state.theta})
 
-    def deployed(self, state, problem, client_state, ctx):
-        """Every client's own model x_m (its θ-part is personal too)."""
+    def deploy(self, state, problem, cohort, client_state, ctx):
+        """Each client's own model x_m (its rows of the client state; the θ-part is personal
+        too)."""
         return Deployed(theta_part(problem, client_state), pick(client_state, problem.w_names),
                         personalized_theta=True)
 

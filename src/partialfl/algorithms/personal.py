@@ -26,6 +26,7 @@ import numpy as np
 
 from partialfl.algorithms.base import Algorithm, ClientResult, Deployed, RoundContext
 from partialfl.algorithms.common import (
+    DeployAll,
     check_init,
     check_weighting,
     client_weights,
@@ -41,7 +42,7 @@ def _loss_metric(loss) -> dict:
     return {} if loss is None else {"train_loss": loss}
 
 
-class LocalFFGG(Algorithm):
+class LocalFFGG(DeployAll, Algorithm):
     """Algorithm 4 (Local FFGG) on a model problem.
 
     Args:
@@ -73,14 +74,13 @@ class LocalFFGG(Algorithm):
                            r1.steps + 2 * r2.steps, metrics=_loss_metric(r2.loss))
         return ClientResult(up)
 
-    def deployed(self, state, problem, client_state, ctx):
-        """θ with every client's w fine-tuned by the ``finetune`` SGD."""
-        allc = np.arange(problem.num_clients)
-        return Deployed(state.theta, finetuned_w(self.finetune, problem, allc, state.theta,
-                                                 self.w_init, ctx.seed, -1))
+    def deploy(self, state, problem, cohort, client_state, ctx):
+        """θ with each client's w fine-tuned by the ``finetune`` run."""
+        return Deployed(state.theta, finetuned_w(self.finetune, problem, np.asarray(cohort),
+                                                 state.theta, self.w_init, ctx.seed, -1))
 
 
-class _PersonalState(Algorithm):
+class _PersonalState(DeployAll, Algorithm):
     """FedAlt / FedSim: personal parameters held by the runtime's client side."""
 
     pseudo_gradient = "delta"
@@ -125,13 +125,13 @@ class _PersonalState(Algorithm):
                            steps, metrics=_loss_metric(loss))
         return ClientResult(up, None if self.stateless else w_new)
 
-    def deployed(self, state, problem, client_state, ctx):
+    def deploy(self, state, problem, cohort, client_state, ctx):
+        """θ with each client's own w_m (its rows of the client state), or, stateless, the
+        w-phase from the initialisation."""
         if not self.stateless:
             return Deployed(state.theta, client_state)
-        # stateless: what a client would use = its w-phase from the initialisation
-        allc = np.arange(problem.num_clients)
-        return Deployed(state.theta, finetuned_w(self.local, problem, allc, state.theta,
-                                                 self.w_init, ctx.seed, -1))
+        return Deployed(state.theta, finetuned_w(self.local, problem, np.asarray(cohort),
+                                                 state.theta, self.w_init, ctx.seed, -1))
 
 
 class FedAlt(_PersonalState):
