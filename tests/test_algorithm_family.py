@@ -17,6 +17,7 @@ from partialfl.data.federated import FederatedDataset
 from partialfl.local import GradientDescent
 from partialfl.local.gd import GDConfig
 from partialfl.local.sgd import SGDConfig, SGDFineTuner, client_plans
+from partialfl.problems import GeneralizedLinearProblem, GLMSpec
 from partialfl.problems.least_squares import LeastSquaresProblem, generate_raw
 from partialfl.problems.model import ModelProblem
 from partialfl.runtime import run_rounds
@@ -171,6 +172,18 @@ def test_fedalt_on_least_squares_converges_to_theta_star_and_w_star():
     assert rel(res.state.theta["theta"], star["theta"]) < 1e-7
     ws = pb.w_star(np.arange(SMALL.num_clients), star)["w"]
     assert np.abs(res.client_state["w"] - ws).max() < 1e-6
+
+
+def test_fedalt_on_a_glm_converges_to_its_theta_star():
+    """The same FedAlt on a problem that is not quadratic (Example 3, softplus link): θ* and
+    w*_m(θ*) from the problem's own Newton solves."""
+    pb = GeneralizedLinearProblem(GLMSpec(num_clients=4, n=30, d_theta=5, d_w=3, seed=0))
+    lr = 1.0 / (pb.L + float(pb.lipschitz_w(np.arange(4)).max()))
+    res = run_rounds(pb, FedAlt(GDConfig(5, lr), w_init="zero", local_theta=GDConfig(1, lr)),
+                     800)
+    star = pb.theta_star()
+    assert rel(res.state.theta["theta"], star["theta"]) < 1e-8
+    assert np.abs(res.client_state["w"] - pb.w_star(np.arange(4), star)["w"]).max() < 1e-8
 
 
 def _raw_grads(raw, theta, w):
