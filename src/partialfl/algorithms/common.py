@@ -6,7 +6,7 @@ import numpy as np
 
 from partialfl import arrays
 from partialfl.local.base import one_of
-from partialfl.problems.base import W_INITS
+from partialfl.problems.base import check_w_init
 from partialfl.types import Params
 
 WEIGHTINGS = ("uniform", "examples")
@@ -17,9 +17,7 @@ def check_weighting(weighting: str) -> str:
     return one_of(weighting, WEIGHTINGS, "weighting")
 
 
-def check_init(init: str) -> str:
-    """``init`` if it is one of the problems' w initialisations, else a ValueError."""
-    return one_of(init, W_INITS, "w initialisation")
+check_init = check_w_init  # w initialisations: the problems' W_INITS
 
 
 def client_weights(problem, cohort, weighting: str) -> np.ndarray:

@@ -34,7 +34,8 @@ import torch
 
 from partialfl.local.base import LocalResult, check_train
 from partialfl.local.solvers import SolverResult
-from partialfl.problems.model import W_INITS, round_path
+from partialfl.problems.base import check_w_init
+from partialfl.problems.model import round_path
 from partialfl.rng import generator
 from partialfl.types import Params
 
@@ -257,9 +258,7 @@ class SGDFineTuner:
     init: str = "pretrained"
 
     def __post_init__(self) -> None:
-        if self.init not in W_INITS:
-            raise ValueError(f"unknown w initialisation {self.init!r}; allowed: "
-                             f"{', '.join(W_INITS)}")
+        check_w_init(self.init)
 
     def __call__(self, problem, cohort, theta, seed=0, round_=0) -> SolverResult:
         w = problem.init_w(cohort, self.init, seed, round_)

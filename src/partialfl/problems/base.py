@@ -20,6 +20,13 @@ from partialfl.types import Params
 W_INITS = ("pretrained", "zero", "random")
 
 
+def check_w_init(init: str) -> str:
+    """``init`` if it is one of :data:`W_INITS`, else a ValueError naming them."""
+    if init not in W_INITS:
+        raise ValueError(f"unknown w initialisation {init!r}; allowed: {', '.join(W_INITS)}")
+    return init
+
+
 @runtime_checkable
 class Problem(Protocol):
     """A federated problem  min_θ (1/M) Σ_m min_w f_m(θ, w)  (the paper's Eq. (1)).
