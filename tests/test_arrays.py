@@ -1,5 +1,8 @@
 """partialfl.arrays: the one numpy/torch switch behaves the same on both kinds."""
 
+import ast
+from pathlib import Path
+
 import numpy as np
 import pytest
 import torch
@@ -69,3 +72,37 @@ def test_where_rows_and_zeros_like_keep_the_kind():
         out = arrays.where_rows(np.array([True, False, True]), x, z)
         assert arrays.is_torch(out) == arrays.is_torch(x)
         np.testing.assert_array_equal(arrays.to_numpy(out), [[1, 1], [0, 0], [1, 1]])
+
+
+SRC = Path(__file__).resolve().parents[1] / "src" / "partialfl"
+
+
+def test_only_the_arrays_module_tells_numpy_from_torch_by_attribute():
+    offenders = []
+    for p in SRC.rglob("*.py"):
+        if p.name == "arrays.py":
+            continue
+        for node in ast.walk(ast.parse(p.read_text())):
+            if (isinstance(node, ast.Call) and getattr(node.func, "id", None) == "hasattr"
+                    and len(node.args) == 2 and isinstance(node.args[1], ast.Constant)
+                    and node.args[1].value in ("detach", "clone", "numpy", "cpu")):
+                offenders.append(f"{p.relative_to(SRC)}:{node.lineno}")
+    assert not offenders, offenders
+
+
+def test_algorithms_and_local_trainers_use_no_parameter_key_literal():
+    """Algorithms speak the problem's names (theta_names, w_names, ...), never "theta"/"w"
+    as a tree key."""
+    offenders = []
+    files = [*(SRC / "algorithms").glob("*.py"), *(SRC / "local").glob("*.py")]
+    for p in files:
+        for node in ast.walk(ast.parse(p.read_text())):
+            keys = []
+            if isinstance(node, ast.Subscript):
+                keys = [node.slice]
+            elif isinstance(node, ast.Dict):
+                keys = [k for k in node.keys if k is not None]
+            for k in keys:
+                if isinstance(k, ast.Constant) and k.value in ("theta", "w"):
+                    offenders.append(f"{p.relative_to(SRC)}:{node.lineno}")
+    assert not offenders, offenders
