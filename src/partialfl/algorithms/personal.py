@@ -47,7 +47,8 @@ class LocalFFGG(DeployAll, Algorithm):
 
     Args:
         finetune: the w-only warm-up (default use: one epoch) before the local steps.
-        local: the alternating phase; ``local.steps`` = K (or ``local.epochs`` passes).
+        local: the alternating phase (SGD: ``local.steps`` = K or ``local.epochs`` passes;
+            GD: ``local.tau`` = K full-gradient step pairs).
         w_init: how w starts every round (``pretrained``, ``zero``, ``random``).
     """
 
@@ -135,8 +136,8 @@ class _PersonalState(DeployAll, Algorithm):
 
 
 class FedAlt(_PersonalState):
-    """FedAlt (Pillutla et al. 2022, alternating): ``local`` epochs on w_m with θʳ fixed,
-    then ``local_theta`` epochs (default: ``local``) on θ with the new w_m fixed."""
+    """FedAlt (Pillutla et al. 2022, alternating): a ``local`` run on w_m with θʳ fixed, then
+    a ``local_theta`` run (default: ``local``) on θ with the new w_m fixed."""
 
     name = "fedalt"
 
@@ -157,7 +158,7 @@ class FedAlt(_PersonalState):
 
 
 class FedSim(_PersonalState):
-    """FedSim (Pillutla et al. 2022, simultaneous): local epochs on (θ, w_m) jointly."""
+    """FedSim (Pillutla et al. 2022, simultaneous): a ``local`` run on (θ, w_m) jointly."""
 
     name = "fedsim"
 
