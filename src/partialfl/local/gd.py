@@ -54,7 +54,7 @@ def _step(x: Params, g: Params, eta: np.ndarray, shift: Params | None) -> Params
         if n not in g:
             out[n] = v
             continue
-        d = g[n] if shift is None else g[n] - shift[n]
+        d = g[n] if shift is None or n not in shift else g[n] - shift[n]
         out[n] = v - arrays.per_row(eta, v) * d
     return out
 
