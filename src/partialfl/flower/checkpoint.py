@@ -18,8 +18,8 @@ from typing import Any
 
 import numpy as np
 
-from partialfl import arrays
 from partialfl import io as pio
+from partialfl.arrays import is_torch, to_numpy, to_torch
 from partialfl.flower.config import ConfigError, FlowerConfig
 
 FORMAT = "partialfl-flower-checkpoint/1"
@@ -32,7 +32,7 @@ class CheckpointError(ConfigError):
     """A checkpoint that is missing, damaged, or written by another configuration."""
 
 
-_np = arrays.to_numpy
+_np = to_numpy
 
 
 def _split(tree: Any, prefix: str, arrays: dict[str, np.ndarray]) -> Any:
@@ -45,7 +45,7 @@ def _split(tree: Any, prefix: str, arrays: dict[str, np.ndarray]) -> Any:
         return {"value": tree}
     if hasattr(tree, "shape"):
         arrays[prefix] = np.ascontiguousarray(_np(tree))
-        return {"array": prefix, "torch": arrays.is_torch(tree)}
+        return {"array": prefix, "torch": is_torch(tree)}
     raise CheckpointError(f"cannot checkpoint server state of type {type(tree).__name__} at "
                           f"{prefix!r} (only arrays, numbers, strings, lists and dicts)")
 
@@ -58,7 +58,7 @@ def _join(skel: Any, arrays: dict[str, np.ndarray]) -> Any:
     if "value" in skel:
         return skel["value"]
     arr = arrays[skel["array"]]
-    return arrays.to_torch(arr) if skel.get("torch") else arr
+    return to_torch(arr) if skel.get("torch") else arr
 
 
 def _compare(cfg: FlowerConfig, saved: dict[str, Any]) -> None:
