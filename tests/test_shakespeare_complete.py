@@ -126,9 +126,9 @@ def test_complete_char_table_runs_at_a_tiny_size(tmp_path):
     assert all("/" in c for c in data["clients"]) and len(data["clients"]) == 4
     assert data["stats"]["vocab_words"] < 100  # characters, not words
     assert data["size"]["seq_len"] == 24
-    # the complete-works table's own size: all roles of the filter, 3 seeds
+    # the complete-works table's own size: the 200 largest roles of the filter, 3 seeds
     assert (COMPLETE_CHAR.corpus, COMPLETE_CHAR.task, COMPLETE_CHAR.max_clients,
-            COMPLETE_CHAR.seeds) == ("complete", "char", None, (0, 1, 2))
+            COMPLETE_CHAR.seeds) == ("complete", "char", 200, (0, 1, 2))
 
 
 def test_table_size_by_corpus_and_task():

@@ -1,5 +1,6 @@
 """``partialfl advise TASK``: the split advisor (:mod:`partialfl.advisor`) on a table's task
-(``har``, ``femnist``, ``shakespeare``), with the table's model, data and stage-3 fine-tuning
+(``har``, ``femnist``, ``shakespeare``, ``shakespeare-complete``: the complete works'
+next-character table), with the table's model, data and stage-3 fine-tuning
 settings, and its comparison with a measured table.
 
 θ is a stage-1 checkpoint (``--theta runs/har-table/stage1/theta.safetensors``) or, without one, a
@@ -26,7 +27,7 @@ from partialfl import io as pio
 from partialfl.advisor import Advice, advise, spearman
 from partialfl.experiments.pipeline import Task, pretrain
 
-TASKS = ("har", "femnist", "shakespeare")
+TASKS = ("har", "femnist", "shakespeare", "shakespeare-complete")
 
 
 @dataclass
@@ -62,11 +63,12 @@ def build_task(name: str, data_dir=None, pretrain_rounds: int | None = None) -> 
         train, _, _ = t.load_data(data_dir, size.num_writers, size.holdout)
         cfg = t._pipeline_config(size, t.METHODS[0][1], 0)
         return AdvisorTask(t.femnist_task(train), cfg, t.PERSONAL_LR, size.finetune_epochs, 32)
-    if name == "shakespeare":
+    if name in ("shakespeare", "shakespeare-complete"):
         from partialfl.experiments import shakespeare as t
 
-        size = t.FULL if pretrain_rounds is None else replace(t.FULL,
-                                                              pretrain_rounds=pretrain_rounds)
+        size = t.FULL if name == "shakespeare" else t.COMPLETE_CHAR
+        if pretrain_rounds is not None:
+            size = replace(size, pretrain_rounds=pretrain_rounds)
         task, _ = t.shakespeare_task(size, data_dir)
         cfg = t._pipeline_config(size, t.METHODS[0][1], 0)
         blocks = {f"block {i}": [rf"^blocks\.{i}\."] for i in range(size.num_layers)}
