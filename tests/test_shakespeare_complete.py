@@ -153,3 +153,17 @@ def test_table_size_by_corpus_and_task():
     # the tiny table's data.json keeps its earlier form (no new keys at their defaults)
     assert not {"corpus", "task", "seq_len"} & set(_size_record(FULL))
     assert _size_record(COMPLETE_CHAR)["task"] == "char"
+
+
+def test_cli_corpus_and_task_options(tmp_path, capsys):
+    from partialfl.cli import main
+
+    # a reproduction without a corpus refuses --corpus / --task with exit 2, writing nothing
+    for opt in (["--corpus", "complete"], ["--task", "char"]):
+        assert main(["reproduce", "ls-tau", "--out", str(tmp_path / "x"), *opt]) == 2
+        assert "does not take" in capsys.readouterr().err
+    # the tiny corpus has no next-character table size
+    assert main(["reproduce", "shakespeare-table", "--task", "char",
+                 "--out", str(tmp_path / "y")]) == 2
+    assert "tiny/word" in capsys.readouterr().err
+    assert not (tmp_path / "x").exists() and not (tmp_path / "y").exists()
