@@ -121,6 +121,9 @@ def test_complete_char_table_runs_at_a_tiny_size(tmp_path):
     summary = (out / "summary.md").read_text()
     assert "complete works" in summary and "next-character" in summary
     assert "LEAF's next-character prediction" in summary
+    # the tiny corpus's stage-3 lr measurement is not claimed for this corpus
+    assert "lr 1.0 was no better" not in summary and "not tuned on this corpus" in summary
+    assert "stage 1 with 1 torch thread(s)" in summary  # threads × workers, capped at 1 here
     data = json.loads((out / "data.json").read_text())
     assert data["stats"]["task"] == "char" and data["stats"]["corpus"] == "complete"
     assert all("/" in c for c in data["clients"]) and len(data["clients"]) == 4

@@ -84,6 +84,11 @@ def versus_fedavg(results: dict[str, Sequence[dict]], ft_what: str,
     return lines
 
 
+def _small(points: float) -> str:
+    """A small positive number of points: 3 decimals, or 2 significant digits below 0.001."""
+    return f"{points:.3f}" if points >= 0.001 else f"{points:.1e}"
+
+
 def quick_note(size: str) -> str:
     """The line every quick run's summary carries: what its reduced ``size`` is and that it
     cannot support a verdict on the paper's claims."""
@@ -322,7 +327,7 @@ def paired_section(counts: dict[str, tuple], baseline: str = "FedAvg", *, unit: 
     lines.append(
         f"Each number rests on {ref.examples:,} test {unit} of {ref.clients} {clients}"
         f"{'' if ref.seeds == 1 else f' per seed, {ref.seeds} seeds'} (one {unit[:-1]} = "
-        f"{100 / ref.examples:.3f} points).")
+        f"{_small(100 / ref.examples)} points).")
     if explain:
         lines[-1] += (
             f" Intervals: 95% bootstrap over {clients} ({DEFAULT_BOOT} replicates, bootstrap "
