@@ -112,7 +112,7 @@ class PipelineResult:
 # ----------------------------------------------------------------------------- building blocks
 def _problem(task: Task, split: Split, cfg: PipelineConfig, w_pretrained=None) -> ModelProblem:
     return ModelProblem(split, task.data, loss_fn=task.loss_fn, metric=task.metric,
-                        w_pretrained=w_pretrained, vectorize=cfg.backend == "vmap",
+                        w_pretrained=w_pretrained, batching=_backend(cfg.backend),
                         device=cfg.device, precision=cfg.precision)
 
 

@@ -32,6 +32,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
+from partialfl.batching import map_clients
 from partialfl.local.base import LocalResult, check_train
 from partialfl.local.solvers import SolverResult
 from partialfl.problems.base import check_w_init
@@ -155,30 +156,23 @@ def run_sgd(problem, cohort, theta: Params, w: Params, *, train: str, cfg: SGDCo
     plans = client_plans(problem, cohort, cfg, seed, round_, stream)
     if train in ("theta", "both", "alternate"):
         theta = _stack_theta(theta, problem.theta_shapes, k)
-    if getattr(problem, "vectorize", False) and k > 1:
-        per = max(1, getattr(problem, "max_vmap_examples", k * cfg.batch_size) // cfg.batch_size)
-        groups = [np.arange(i, min(k, i + per)) for i in range(0, k, per)]
-    else:
-        groups = [np.array([i]) for i in range(k)]
-    th_rows, w_rows, losses = [], [], np.full(k, np.nan)
-    steps = 0
-    for g in groups:
-        th_g = {n: (v if tuple(v.shape) == problem.theta_shapes[n] else v[g])
+
+    def group(pos):
+        sl = slice(int(pos[0]), int(pos[-1]) + 1)
+        th_g = {n: (v if tuple(v.shape) == problem.theta_shapes[n] else v[sl])
                 for n, v in theta.items()}
-        w_g = {n: v[g] for n, v in w.items()}
-        sh_g = None if shift is None else {n: v[g] for n, v in shift.items()}
-        th_g, w_g, s, lg = _loop(problem, cohort[g], th_g, w_g, [plans[i] for i in g], train, cfg,
-                                 prox, sh_g)
-        th_rows.append(th_g)
-        w_rows.append(w_g)
-        losses[g] = lg
-        steps = max(steps, s)
-    w_out = {n: torch.cat([r[n] for r in w_rows]) for n in w}
+        sh_g = None if shift is None else {n: v[sl] for n, v in shift.items()}
+        th_g, w_g, s, lg = _loop(problem, cohort[sl], th_g, {n: v[sl] for n, v in w.items()},
+                                 plans[sl], train, cfg, prox, sh_g)
+        return th_g if train != "w" else {}, w_g, np.array([s]), lg
+
+    # vectorised problems step a group of clients together, capped at max_vmap_examples
+    th_out, w_out, steps, losses = map_clients(group, k, problem.batching,
+                                               per_client=cfg.batch_size)
     if train == "w":
         th_out = theta
-    else:
-        th_out = {n: torch.cat([r[n] for r in th_rows]) for n in theta}
-    return SGDResult(th_out, w_out, steps, losses, np.array([len(p) for p in plans]))
+    return SGDResult(th_out, w_out, int(steps.max()), np.asarray(losses, dtype=float),
+                     np.array([len(p) for p in plans]))
 
 
 def _grads(problem, cohort, theta, w, batches, wrt):

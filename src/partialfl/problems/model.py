@@ -13,10 +13,15 @@ Everything is batched over a *cohort* (positions 0..M-1 of the FederatedDataset)
 a leading client axis ``[k, ...]``; θ is either shared (the parameter's own shape) or per
 client (``[k, ...]``, e.g. during local θ-steps). Two execution paths give the same numbers:
 
-* vectorised (``vectorize=True``, k > 1): ``torch.func.vmap`` over the clients, with each
-  client's minibatch padded to a common size and masked (masked examples add exact zeros to
-  the loss and its gradient; a client with nothing left this step gets a zero gradient);
-* plain (``vectorize=False`` or a single client): one client at a time, no padding.
+* vectorised (``vectorize=True``, a group of k > 1 clients): ``torch.func.vmap`` over the
+  clients, with each client's minibatch padded to a common size and masked (masked examples
+  add exact zeros to the loss and its gradient; a client with nothing left this step gets a
+  zero gradient);
+* plain (``vectorize=False`` or a group of one client): one client, no padding.
+
+Which clients form a group is decided by :func:`partialfl.batching.map_clients` with the
+problem's mode :attr:`ModelProblem.batching` (``Vmap(max_vmap_examples)`` or ``Loop()``);
+each computation here only supplies its vmapped kernel and its one-client kernel.
 
 Dropout is off (the module is put in ``eval()`` mode). Other buffers are constants of the
 module, except the running statistics of normalization layers (BatchNorm's ``running_mean``,
@@ -53,6 +58,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 from torch.func import functional_call, grad, vmap
 
+from partialfl.batching import Loop, Vmap, in_process, map_clients
 from partialfl.devices import LossScaler, amp_dtype, check_precision, resolve_device
 from partialfl.problems.base import W_INITS, check_cohort
 from partialfl.rng import torch_seed
@@ -108,6 +114,8 @@ class ModelProblem:
             (default: the split model's current values — after stage 1 of the pipeline, the
             pre-trained layers; for inserted adapters, their zero-output initialisation).
         vectorize: use ``torch.func.vmap`` across the clients of a cohort.
+        batching: a batching mode (:mod:`partialfl.batching`, e.g. the run's backend); if
+            given, it decides ``vectorize`` (a pool's workers each run one client: a loop).
         chunk: examples per client per forward pass in full-data passes (loss, ∇θ, metrics).
         max_vmap_examples: at most this many examples in one vmapped call (clients × batch);
             larger cohorts are processed in groups of clients.
@@ -128,6 +136,7 @@ class ModelProblem:
         metric: Metric = accuracy,
         w_pretrained: Params | None = None,
         vectorize: bool = True,
+        batching=None,
         chunk: int = 256,
         max_vmap_examples: int = 2048,
         device: str | torch.device = "cpu",
@@ -136,6 +145,8 @@ class ModelProblem:
     ) -> None:
         if not isinstance(split, Split):
             raise TypeError(f"split must be a partialfl.split.Split, got {type(split).__name__}")
+        if batching is not None:
+            vectorize = in_process(batching).vectorized
         self._norm_modules, state, self._fp32_names = _running_stat_modules(split.model,
                                                                            vectorize)
         for v, what in ((chunk, "chunk"), (max_vmap_examples, "max_vmap_examples")):
@@ -150,8 +161,9 @@ class ModelProblem:
         self.module = split.model.to(self.device).eval()
         self.data = data
         self.loss_fn, self.metric = loss_fn, metric
-        self.vectorize = bool(vectorize)
         self.chunk, self.max_vmap_examples = chunk, max_vmap_examples
+        #: how this process maps over a cohort's clients (:func:`partialfl.batching.map_clients`)
+        self.batching = Vmap(max_vmap_examples) if vectorize else Loop()
         self.theta_names = tuple(split.global_names)
         self.w_names = tuple(split.personal_names)
         theta0, w0 = split.params()
@@ -167,6 +179,11 @@ class ModelProblem:
         self._store = {s: _flat_split(data, s, self.device, data_on_device)
                        for s in ("train", "test")}
         self._build_fns()
+
+    @property
+    def vectorize(self) -> bool:
+        """Whether groups of clients run vmapped (:attr:`batching` is a ``Vmap``)."""
+        return self.batching.vectorized
 
     def _build_fns(self) -> None:
         self._step_fn = self._build_step_fn()
@@ -311,71 +328,73 @@ class ModelProblem:
         theta_dims = self._theta_dims(theta, k)
         w, state = self._split_state(w)
         store = self._store["train"]
-        sizes = [0 if x is None else len(x) for x in batches]
         # torch cannot differentiate a train-mode BatchNorm under vmap and autocast: plain path
-        if self.vectorize and k > 1 and not (state and self._amp is not None):
-            b = max(sizes, default=0)
-            if b == 0:
-                out = (self._zeros_like_wrt(theta, w, wrt, k),
-                       torch.zeros(k, device=self.device))
-                return (*out, state) if with_state else out
-            if not state:
-                idx, mask = store.padded(cohort, batches, b)
-                train, frozen, tdims, fdims = self._arrange(theta, w, theta_dims, wrt)
-                fn = self._vmapped(self._step_fn, (tdims, fdims, {}))
-                x, y = store.take(idx)
-                g, (loss, _) = self._scaled(fn, train, frozen, {}, x, y, mask)
-                return (g, loss.detach(), {}) if with_state else (g, loss.detach())
-            # running statistics need each batch as is: group by size instead of padding
-            groups = [np.flatnonzero(np.asarray(sizes) == s) for s in sorted(set(sizes) - {0})]
-            acc = self._zeros_like_wrt(theta, w, wrt, k)
-            losses = torch.zeros(k, device=self.device)
-            new_state = {n: v.clone() for n, v in state.items()}
-            for pos in groups:
-                tp = torch.from_numpy(pos).to(self.device)
-                th = {n: (v if theta_dims[n] is None else v[tp]) for n, v in theta.items()}
-                idx, mask = store.padded(cohort[pos], [batches[i] for i in pos],
-                                         max(sizes[i] for i in pos))
-                train, frozen, tdims, fdims = self._arrange(
-                    th, {n: v[tp] for n, v in w.items()}, theta_dims, wrt)
-                fn = self._vmapped(self._step_fn, (tdims, fdims, {n: 0 for n in state}))
-                x, y = store.take(idx)
-                g, (loss, st) = self._scaled(fn, train, frozen,
-                                             {n: v[tp] for n, v in state.items()}, x, y, mask)
-                for n in acc:
-                    acc[n][tp] = g[n]
-                for n in st:
-                    new_state[n][tp] = st[n]
-                losses[tp] = loss.detach()
-            return (acc, losses, new_state) if with_state else (acc, losses)
-        grads, losses, states = [], [], []
-        for i in range(k):
+        mode = Loop() if (state and self._amp is not None) else self.batching
+
+        def one(pos):
+            i = int(pos[0])
             bi = batches[i]
             st_i = _row(state, None, i)
             if bi is None or len(bi) == 0:
-                grads.append(None)
-                losses.append(torch.zeros((), device=self.device))
-                states.append(st_i)
-                continue
+                return (self._zeros_like_wrt(theta, w, wrt, 1),
+                        torch.zeros(1, device=self.device),
+                        {n: v.unsqueeze(0).clone() for n, v in st_i.items()})
             gi = store.gather(int(cohort[i]), bi)
-            th_i = _row(theta, theta_dims, i)
-            train, frozen, _, _ = self._arrange(th_i, _row(w, None, i), None, wrt)
+            train, frozen, _, _ = self._arrange(_row(theta, theta_dims, i), _row(w, None, i),
+                                                None, wrt)
             ones = torch.ones(len(bi), device=self.device)
             g, (loss, st) = self._scaled(self._plain_step, train, frozen, st_i, *gi, ones)
-            grads.append(g)
-            losses.append(loss.detach())
-            states.append(st)
-        if any(g is None for g in grads):
-            zero = {n: v[0] for n, v in self._zeros_like_wrt(theta, w, wrt, 1).items()}
-            grads = [zero if g is None else g for g in grads]
-        if k == 1:  # a view, no copy (the sequential backend's every call)
-            out = ({n: v.unsqueeze(0) for n, v in grads[0].items()}, losses[0].unsqueeze(0))
-        else:
-            out = ({n: torch.stack([g[n] for g in grads]) for n in grads[0]},
-                   torch.stack(losses))
-        if not with_state:
-            return out
-        return (*out, {n: torch.stack([s[n] for s in states]) for n in state})
+            return ({n: v.unsqueeze(0) for n, v in g.items()}, loss.detach().unsqueeze(0),
+                    {n: v.unsqueeze(0) for n, v in st.items()})
+
+        def many(pos):
+            sl = slice(int(pos[0]), int(pos[-1]) + 1)
+            return self._minibatch_vmap(cohort[sl], _rows(theta, theta_dims, sl),
+                                        _rows(w, None, sl), _rows(state, None, sl),
+                                        batches[sl], wrt)
+
+        out = map_clients(many, k, mode, single=one)
+        return out if with_state else out[:2]
+
+    def _minibatch_vmap(self, cohort, theta, w, state, batches, wrt):
+        """The vmapped kernel of :meth:`minibatch_grads` (a group of k > 1 clients)."""
+        k = len(cohort)
+        theta_dims = self._theta_dims(theta, k)
+        store = self._store["train"]
+        sizes = [0 if x is None else len(x) for x in batches]
+        b = max(sizes, default=0)
+        if b == 0:
+            return (self._zeros_like_wrt(theta, w, wrt, k), torch.zeros(k, device=self.device),
+                    state)
+        if not state:
+            idx, mask = store.padded(cohort, batches, b)
+            train, frozen, tdims, fdims = self._arrange(theta, w, theta_dims, wrt)
+            fn = self._vmapped(self._step_fn, (tdims, fdims, {}))
+            x, y = store.take(idx)
+            g, (loss, _) = self._scaled(fn, train, frozen, {}, x, y, mask)
+            return g, loss.detach(), {}
+        # running statistics need each batch as is: group by size instead of padding
+        groups = [np.flatnonzero(np.asarray(sizes) == s) for s in sorted(set(sizes) - {0})]
+        acc = self._zeros_like_wrt(theta, w, wrt, k)
+        losses = torch.zeros(k, device=self.device)
+        new_state = {n: v.clone() for n, v in state.items()}
+        for pos in groups:
+            tp = torch.from_numpy(pos).to(self.device)
+            th = {n: (v if theta_dims[n] is None else v[tp]) for n, v in theta.items()}
+            idx, mask = store.padded(cohort[pos], [batches[i] for i in pos],
+                                     max(sizes[i] for i in pos))
+            train, frozen, tdims, fdims = self._arrange(
+                th, {n: v[tp] for n, v in w.items()}, theta_dims, wrt)
+            fn = self._vmapped(self._step_fn, (tdims, fdims, {n: 0 for n in state}))
+            x, y = store.take(idx)
+            g, (loss, st) = self._scaled(fn, train, frozen,
+                                         {n: v[tp] for n, v in state.items()}, x, y, mask)
+            for n in acc:
+                acc[n][tp] = g[n]
+            for n in st:
+                new_state[n][tp] = st[n]
+            losses[tp] = loss.detach()
+        return acc, losses, new_state
 
     # -- internals -----------------------------------------------------------------------
     def _theta_dims(self, theta: Params, k: int) -> dict[str, int | None]:
@@ -520,98 +539,105 @@ class ModelProblem:
             out = self._vcache[key] = vmap(fn, in_dims=(dims, 0, 0, 0))
         return out
 
-    def _groups(self, k: int, per_client: int) -> list[slice]:
-        g = max(1, self.max_vmap_examples // max(1, per_client)) if self.vectorize else 1
-        return [slice(i, min(k, i + g)) for i in range(0, k, g)]
+    def _per_group(self, kernel, single, cohort, theta, w, *args):
+        """``map_clients`` over the cohort in groups of ≤ max_vmap_examples / chunk clients:
+        ``kernel`` (vmapped) or ``single`` (one client) on each group's rows."""
+        k = len(cohort)
+        theta_dims = self._theta_dims(theta, k)
+
+        def part(fn):
+            def call(pos):
+                sl = slice(int(pos[0]), int(pos[-1]) + 1)
+                return fn(cohort[sl], _rows(theta, theta_dims, sl), _rows(w, None, sl), *args)
+            return call
+
+        return map_clients(part(kernel), k, self.batching, per_client=self.chunk,
+                           single=part(single))
 
     def _full_grad(self, cohort, theta, w, wrt) -> Params:
         cohort = check_cohort(cohort, self.num_clients)
         self._split_state(w)  # running statistics present (used in eval mode)
-        k = len(cohort)
-        theta_dims = self._theta_dims(theta, k)
-        store = self._store["train"]
-        out_rows: list[Params] = []
-        for sl in self._groups(k, self.chunk):
-            sub = cohort[sl]
-            th = {n: (v if theta_dims[n] is None else v[sl]) for n, v in theta.items()}
-            wi = {n: v[sl] for n, v in w.items()}
-            out_rows.append(self._full_grad_group(store, sub, th, wi, wrt))
-        return {n: torch.cat([r[n] for r in out_rows]) for n in out_rows[0]}
+        acc, den = self._per_group(self._full_grad_vmap, self._full_grad_one, cohort, theta, w,
+                                   wrt)
+        scale = 1.0 / torch.clamp(den, min=1e-12)
+        return {n: v * scale.reshape((-1,) + (1,) * (v.dim() - 1)) for n, v in acc.items()}
 
-    def _full_grad_group(self, store, cohort, theta, w, wrt) -> Params:
+    def _full_grad_vmap(self, cohort, theta, w, wrt) -> tuple[Params, Tensor]:
+        """Σ over each client's training data of ∇ loss, and Σ weights (vmapped kernel)."""
+        store = self._store["train"]
         k = len(cohort)
-        theta_dims = self._theta_dims(theta, k)
         sizes = store.sizes[cohort]
         nchunks = int(np.ceil(sizes.max() / self.chunk)) if sizes.max() > 0 else 0
         acc = self._zeros_like_wrt(theta, w, wrt, k)
         den = torch.zeros(k, device=self.device)
-        if self.vectorize and k > 1:
-            train, frozen, tdims, fdims = self._arrange(theta, w, theta_dims, wrt)
-            fn = self._vmapped(self._sum_grad_fn, (tdims, fdims))
-            for j in range(nchunks):
-                batches = _chunk_batches(sizes, j, self.chunk)
-                idx, mask = store.padded(cohort, batches, max(len(b) for b in batches))
-                x, y = store.take(idx)
-                g, d = self._scaled(fn, train, frozen, x, y, mask)
-                for n in acc:
-                    acc[n] += g[n]
-                den += d
-        else:
-            for i in range(k):
-                th_i = _row(theta, theta_dims, i)
-                train, frozen, _, _ = self._arrange(th_i, _row(w, None, i), None, wrt)
-                n_i = int(sizes[i])
-                for j in range(0, n_i, self.chunk):
-                    bi = np.arange(j, min(n_i, j + self.chunk))
-                    xy = store.gather(int(cohort[i]), bi)
-                    ones = torch.ones(len(bi), device=self.device)
-                    g, d = self._scaled(self._plain_sum, train, frozen, *xy, ones)
-                    for n in acc:
-                        acc[n][i] += g[n]
-                    den[i] += d
-        scale = 1.0 / torch.clamp(den, min=1e-12)
-        return {n: v * scale.reshape((-1,) + (1,) * (v.dim() - 1)) for n, v in acc.items()}
+        train, frozen, tdims, fdims = self._arrange(theta, w, self._theta_dims(theta, k), wrt)
+        fn = self._vmapped(self._sum_grad_fn, (tdims, fdims))
+        for j in range(nchunks):
+            batches = _chunk_batches(sizes, j, self.chunk)
+            idx, mask = store.padded(cohort, batches, max(len(b) for b in batches))
+            x, y = store.take(idx)
+            g, d = self._scaled(fn, train, frozen, x, y, mask)
+            for n in acc:
+                acc[n] += g[n]
+            den += d
+        return acc, den
+
+    def _full_grad_one(self, cohort, theta, w, wrt) -> tuple[Params, Tensor]:
+        """:meth:`_full_grad_vmap` for one client with plain autograd, no padding."""
+        store = self._store["train"]
+        acc = self._zeros_like_wrt(theta, w, wrt, 1)
+        den = torch.zeros(1, device=self.device)
+        train, frozen, _, _ = self._arrange(_row(theta, self._theta_dims(theta, 1), 0),
+                                            _row(w, None, 0), None, wrt)
+        n_1 = int(store.sizes[cohort[0]])
+        for j in range(0, n_1, self.chunk):
+            bi = np.arange(j, min(n_1, j + self.chunk))
+            xy = store.gather(int(cohort[0]), bi)
+            ones = torch.ones(len(bi), device=self.device)
+            g, d = self._scaled(self._plain_sum, train, frozen, *xy, ones)
+            for n in acc:
+                acc[n][0] += g[n]
+            den[0] += d
+        return acc, den
 
     def _full_pass(self, cohort, theta, w, split, what):
         """Forward-only sums over each client's data: loss (num, den) [+ metric counts]."""
         cohort = check_cohort(cohort, self.num_clients)
         self._split_state(w)  # running statistics present (used in eval mode)
-        k = len(cohort)
-        theta_dims = self._theta_dims(theta, k)
-        store = self._store[split]
-        sums = torch.zeros((4, k), dtype=self._acc, device=self.device)
-        fwd = self._forward_fn
         with torch.no_grad():
-            for sl in self._groups(k, self.chunk):
-                sub = cohort[sl]
-                kk = len(sub)
-                th = {n: (v if theta_dims[n] is None else v[sl]) for n, v in theta.items()}
-                wi = {n: v[sl] for n, v in w.items()}
-                sizes = store.sizes[sub]
-                if self.vectorize and kk > 1:
-                    dims = {**{n: theta_dims[n] for n in th}, **{n: 0 for n in wi}}
-                    fn = self._vmapped_fwd(fwd, dims)
-                    params = {**th, **wi}
-                    nchunks = int(np.ceil(sizes.max() / self.chunk)) if sizes.max() > 0 else 0
-                    for j in range(nchunks):
-                        batches = _chunk_batches(sizes, j, self.chunk)
-                        idx, mask = store.padded(sub, batches, max(len(b) for b in batches))
-                        res = fn(params, *store.take(idx), mask)
-                        sums[:, sl] += torch.stack(res).to(self._acc)
-                else:
-                    for i in range(kk):
-                        params = {**_row(th, {n: theta_dims[n] for n in th}, i),
-                                  **_row(wi, None, i)}
-                        n_i = int(sizes[i])
-                        for j in range(0, n_i, self.chunk):
-                            bi = np.arange(j, min(n_i, j + self.chunk))
-                            res = fwd(params, *store.gather(int(sub[i]), bi),
-                                      torch.ones(len(bi), device=self.device))
-                            sums[:, sl.start + i] += torch.stack(res).to(self._acc)
-        sums = sums.cpu().numpy()
+            sums = self._per_group(self._pass_vmap, self._pass_one, cohort, theta, w,
+                                   self._store[split])
+        sums = sums.T.cpu().numpy()
         if what == "loss":
             return sums[0], sums[1]
         return sums[0], sums[1], sums[2], sums[3]
+
+    def _pass_vmap(self, cohort, theta, w, store) -> Tensor:
+        """``[k, 4]``: Σ loss, Σ loss weight, Σ correct, Σ total per client (vmapped)."""
+        k = len(cohort)
+        theta_dims = self._theta_dims(theta, k)
+        sums = torch.zeros((4, k), dtype=self._acc, device=self.device)
+        fn = self._vmapped_fwd(self._forward_fn, {**theta_dims, **{n: 0 for n in w}})
+        params = {**theta, **w}
+        sizes = store.sizes[cohort]
+        nchunks = int(np.ceil(sizes.max() / self.chunk)) if sizes.max() > 0 else 0
+        for j in range(nchunks):
+            batches = _chunk_batches(sizes, j, self.chunk)
+            idx, mask = store.padded(cohort, batches, max(len(b) for b in batches))
+            sums += torch.stack(fn(params, *store.take(idx), mask)).to(self._acc)
+        return sums.T
+
+    def _pass_one(self, cohort, theta, w, store) -> Tensor:
+        """:meth:`_pass_vmap` for one client, no padding."""
+        sums = torch.zeros((4, 1), dtype=self._acc, device=self.device)
+        params = {**_row(theta, self._theta_dims(theta, 1), 0), **_row(w, None, 0)}
+        n_1 = int(store.sizes[cohort[0]])
+        for j in range(0, n_1, self.chunk):
+            bi = np.arange(j, min(n_1, j + self.chunk))
+            res = self._forward_fn(params, *store.gather(int(cohort[0]), bi),
+                                   torch.ones(len(bi), device=self.device))
+            sums[:, 0] += torch.stack(res).to(self._acc)
+        return sums.T
 
 
 # ----------------------------------------------------------------------------- helpers
@@ -711,6 +737,11 @@ class _FlatSplit:
         if self.device.type != "cpu":
             mask = mask.to(self.device, non_blocking=True)
         return idx, mask
+
+
+def _rows(tree: Params, dims: Mapping[str, int | None] | None, sl: slice) -> Params:
+    """The rows ``sl`` of a tree whose leaves are stacked (dim 0) or shared (None): views."""
+    return {n: (v if dims is not None and dims[n] is None else v[sl]) for n, v in tree.items()}
 
 
 def _row(tree: Params, dims: Mapping[str, int | None] | None, i: int) -> Params:

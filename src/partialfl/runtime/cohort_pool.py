@@ -45,7 +45,8 @@ from dataclasses import replace
 import numpy as np
 
 from partialfl import arrays
-from partialfl.algorithms.base import ClientResult, concat_results
+from partialfl.algorithms.base import ClientResult
+from partialfl.runtime.clients import ClientCall, CohortRunner
 
 _POLL_S = 0.2
 
@@ -186,8 +187,9 @@ def _own(res: ClientResult) -> ClientResult:
     return ClientResult(up, cp(res.client_state))
 
 
-class ProcessBackend:
-    """Runs a round's clients on ``workers`` forked processes (see the module docstring).
+class ProcessBackend(CohortRunner):
+    """Runs a round's clients on ``workers`` forked processes (see the module docstring): a
+    pool mode of :func:`partialfl.batching.map_clients` that runs :class:`ClientCall` s.
 
     The pool starts at the first round and is reused while the problem and the algorithm
     stay the same objects (a new pair restarts it); :meth:`close` (or the end of the
@@ -207,18 +209,25 @@ class ProcessBackend:
         self._pool: _Pool | None = None
         self._finalizer = None
 
-    def run(self, algorithm, state, problem, cohort, ctx, client_state=None) -> ClientResult:
-        cohort = np.asarray(cohort)
-        dev = getattr(problem, "device", None)
+    def map_groups(self, fn, groups: list[np.ndarray]) -> list[ClientResult]:
+        """Each one-client group of ``fn`` (a :class:`ClientCall`) in a worker, cohort order."""
+        if not isinstance(fn, ClientCall):
+            raise TypeError(f"the processes backend runs client updates (ClientCall), not "
+                            f"{type(fn).__name__}")
+        dev = getattr(fn.problem, "device", None)
         if dev is not None and getattr(dev, "type", str(dev)) != "cpu":
             raise ValueError(f"the processes backend runs clients in forked CPU workers; the "
                              f"problem is on {dev}: use device 'cpu' (or another backend)")
-        if self._pool is None or not self._pool.fits(problem, algorithm, state.theta):
+        state = fn.state
+        if self._pool is None or not self._pool.fits(fn.problem, fn.algorithm, state.theta):
             self.close()
-            self._pool = _Pool(problem, algorithm, state.theta, self.workers,
+            self._pool = _Pool(fn.problem, fn.algorithm, state.theta, self.workers,
                                self.start_method)
             self._finalizer = weakref.finalize(self, self._pool.close)
-        return concat_results(self._pool.run(state, cohort, ctx, client_state))
+        pos = np.concatenate(groups)
+        cs = None if fn.client_state is None else {n: v[pos] for n, v in
+                                                    fn.client_state.items()}
+        return self._pool.run(state, fn.cohort[pos], fn.ctx, cs)
 
     def close(self) -> None:
         """Stop the worker processes (a later round starts new ones)."""

@@ -34,6 +34,7 @@ from partialfl import io as pio
 from partialfl import rng as prng
 from partialfl.algorithms.base import Algorithm, RoundContext, ServerState, concat_results
 from partialfl.runtime.backends import BatchedBackend
+from partialfl.runtime.clients import run_clients
 from partialfl.runtime.faults import FaultLog, receive
 from partialfl.types import Params
 
@@ -131,7 +132,7 @@ def _run_cohort(backend, algorithm, state, problem, cohort, ctx, cs, faults: Fau
     holds. A cohort that raises is re-run one client at a time; raising clients are skipped
     and counted."""
     try:
-        res = backend.run(algorithm, state, problem, cohort, ctx, cs)
+        res = run_clients(algorithm, state, problem, cohort, ctx, cs, backend)
         return res, np.arange(len(cohort))
     except Exception as e:  # noqa: BLE001 - isolate the failing client(s)
         if len(cohort) == 1:
@@ -142,7 +143,7 @@ def _run_cohort(backend, algorithm, state, problem, cohort, ctx, cs, faults: Fau
     for i, m in enumerate(cohort):
         one = None if cs is None else {n: v[i:i + 1] for n, v in cs.items()}
         try:
-            out.append(backend.run(algorithm, state, problem, cohort[i:i + 1], ctx, one))
+            out.append(run_clients(algorithm, state, problem, cohort[i:i + 1], ctx, one, backend))
             pos.append(i)
         except Exception as e:  # noqa: BLE001
             faults.client_error(f"client {int(m)} in round {ctx.round}", e)
