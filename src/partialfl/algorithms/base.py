@@ -108,10 +108,35 @@ class Algorithm:
         raise NotImplementedError
 
     # -- evaluation --------------------------------------------------------------------
+    def deploy(self, state: ServerState, problem, cohort: np.ndarray,
+               client_state: Params | None, ctx: RoundContext) -> Deployed:
+        """The models the clients of ``cohort`` would deploy after this round: w ``[k, ...]``
+        and θ shared (or ``[k, ...]`` with ``personalized_theta``); ``client_state``: the
+        cohort's rows. A Flower node asks this for its own clients only.
+
+        Default: the cohort's rows of :meth:`deployed` (stateless clients only); algorithms
+        that compute each client's deployment separately override this instead."""
+        if type(self).deployed is Algorithm.deployed:
+            raise NotImplementedError(f"{type(self).__name__} implements neither deploy nor "
+                                      "deployed")
+        if client_state is not None:
+            raise NotImplementedError(f"{type(self).__name__} deploys with client state only "
+                                      "for all clients at once (deployed)")
+        cohort = np.asarray(cohort)
+        dep = self.deployed(state, problem, None, ctx)
+        theta = ({n: v[cohort] for n, v in dep.theta.items()} if dep.personalized_theta
+                 else dep.theta)
+        return Deployed(theta, {n: v[cohort] for n, v in dep.w.items()},
+                        dep.personalized_theta)
+
     def deployed(self, state: ServerState, problem, client_state: Params | None,
                  ctx: RoundContext) -> Deployed:
-        """The model every client would deploy after this round (for metrics)."""
-        raise NotImplementedError
+        """The model every client would deploy after this round (for metrics):
+        :meth:`deploy` on all clients."""
+        if type(self).deploy is Algorithm.deploy:
+            raise NotImplementedError(f"{type(self).__name__} implements neither deploy nor "
+                                      "deployed")
+        return self.deploy(state, problem, np.arange(problem.num_clients), client_state, ctx)
 
     def global_theta(self, state: ServerState, problem) -> Params:
         """The global parameters θ to compare with θ* (algorithms whose server model holds more

@@ -126,8 +126,8 @@ class Ditto(Algorithm):
         new_state[JOINED] = torch.ones(len(cohort), device=client_state[JOINED].device)
         return ClientResult(up, new_state)
 
-    def deployed(self, state, problem, client_state, ctx):
-        """Every client's v_m (θ for a client never sampled yet), as a per-client θ."""
+    def deploy(self, state, problem, cohort, client_state, ctx):
+        """Each client's v_m (θ for a client never sampled yet), as a per-client θ."""
         return Deployed(self.personal_v(state.theta, client_state), {}, personalized_theta=True)
 
 

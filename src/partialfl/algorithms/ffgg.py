@@ -42,7 +42,7 @@ class FFGG(Algorithm):
                    else np.ones(len(cohort)))
         return ClientResult(ClientUpdates(g, weights, np.asarray(cohort), sol.grad_evals + 1))
 
-    def deployed(self, state, problem, client_state, ctx):
-        """θ with every client's w fine-tuned afresh by the solver (what a client would deploy)."""
-        allc = np.arange(problem.num_clients)
-        return Deployed(state.theta, self.solver(problem, allc, state.theta, ctx.seed, -1).w)
+    def deploy(self, state, problem, cohort, client_state, ctx):
+        """θ with each client's w fine-tuned afresh by the solver (what a client would deploy)."""
+        return Deployed(state.theta, self.solver(problem, np.asarray(cohort), state.theta,
+                                                 ctx.seed, -1).w)

@@ -40,6 +40,10 @@ class AlgorithmWrapper(Algorithm):
         """The wrapped algorithm's deployed models."""
         return self.base.deployed(state, problem, client_state, ctx)
 
+    def deploy(self, state, problem, cohort, client_state, ctx):
+        """The wrapped algorithm's deployed models for ``cohort``."""
+        return self.base.deploy(state, problem, cohort, client_state, ctx)
+
     def global_theta(self, state: ServerState, problem) -> Params:
         """The wrapped algorithm's global θ."""
         return self.base.global_theta(state, problem)

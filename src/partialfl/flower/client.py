@@ -157,16 +157,9 @@ def evaluate_clients(rt: NodeRuntime, theta, round_: int) -> dict[str, Any]:
 
         return evaluate_model_clients(rt, theta, round_)
     own = rt.clients
-    base = getattr(rt.algorithm, "base", rt.algorithm)
-    if hasattr(base, "solver"):  # FFGG family: w fine-tuned afresh by its own solver
-        th, w = {"theta": theta["theta"]}, base.solver(rt.problem, own, theta, rt.cfg.seed,
-                                                        -1).w
-    else:  # the model the algorithm deploys (e.g. FedAvg's shared (θ, w)), this node's rows
-        dep = base.deployed(ServerState(theta=theta, round=round_), rt.problem, None,
-                            RoundContext(rt.cfg.seed, -1))
-        th = ({n: v[own] for n, v in dep.theta.items()} if dep.personalized_theta
-              else dep.theta)
-        w = {n: v[own] for n, v in dep.w.items()}
+    dep = rt.algorithm.deploy(ServerState(theta=theta, round=round_), rt.problem, own, None,
+                              RoundContext(rt.cfg.seed, -1))
+    th, w = dep.theta, dep.w
     loss = np.asarray(rt.problem.loss(own, th, w), dtype=np.float64)
     out = {"clients": float(len(own)), "loss.sum": float(loss.sum())}
     if hasattr(rt.problem, "f_star"):

@@ -22,6 +22,7 @@ from typing import Any
 
 import numpy as np
 
+from partialfl.algorithms.base import RoundContext, ServerState
 from partialfl.flower.config import ConfigError, FlowerConfig, w_init
 
 
@@ -179,19 +180,6 @@ def build_model_algorithm(cfg: FlowerConfig, aggregator=None):
     return algorithm
 
 
-def personal_for(algorithm, problem, cohort: np.ndarray, theta, seed: int):
-    """The personal parameters each client of ``cohort`` deploys at θ — fine-tuned afresh on
-    the client, exactly as the algorithm's ``deployed`` does for all clients (round -1)."""
-    from partialfl.local.sgd import SGDFineTuner
-
-    base = getattr(algorithm, "base", algorithm)
-    if hasattr(base, "solver"):  # FFGG: its own fine-tuner
-        return base.solver(problem, cohort, theta, seed, -1).w
-    if hasattr(base, "finetune"):  # Local FFGG: deployed() fine-tunes with its warm-up config
-        return SGDFineTuner(base.finetune, base.w_init)(problem, cohort, theta, seed, -1).w
-    return {}  # FedAvg: no personal parameters
-
-
 #: bins of the per-client accuracy histogram a SuperNode sends (percentiles to ±1/(2·BINS))
 ACC_BINS = 1000
 
@@ -204,8 +192,9 @@ def evaluate_model_clients(rt, theta, round_: int) -> dict[str, Any]:
     :data:`ACC_BINS` accuracy bins (counts, for the server's percentiles). No per-client value
     is sent."""
     own = rt.clients
-    w = personal_for(rt.algorithm, rt.problem, own, theta, rt.cfg.seed)
-    return count_sums(rt.problem.metric_counts(own, theta, w, "test"))
+    dep = rt.algorithm.deploy(ServerState(theta=theta, round=round_), rt.problem, own, None,
+                              RoundContext(rt.cfg.seed, -1))
+    return count_sums(rt.problem.metric_counts(own, dep.theta, dep.w, "test"))
 
 
 def count_sums(per_client: dict[str, Any]) -> dict[str, Any]:
