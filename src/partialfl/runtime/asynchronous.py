@@ -16,8 +16,9 @@ log-normal, Pareto.
 The *staleness* (delay) of an applied update is the number of server steps (changes of
 ``state.round``) between the moment its client received θ and the moment it arrived. It is
 recorded for every arrival, and the event log lists every dispatch and arrival in order, so
-delays can be recounted independently. The bookkeeping (:class:`AsyncServer`) is shared with
-the worker-process runtime (:mod:`partialfl.runtime.processes`).
+delays can be recounted independently. The loop is written once, :func:`drive`, over a
+transport (:class:`AsyncTransport`): :class:`SimulatedClock` here, worker processes in
+:mod:`partialfl.runtime.processes`; the bookkeeping is :class:`AsyncServer`.
 
 Faults (:mod:`partialfl.runtime.faults`): a client that raises, or whose update is not
 finite, is skipped and counted (event ``lost``, counters in every record), its slot goes to
@@ -31,7 +32,7 @@ import math
 import time as _time
 from collections.abc import Sequence
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Protocol
 
 import numpy as np
 
@@ -236,7 +237,7 @@ class AsyncServer:
                              f"clients), got {concurrency!r}")
         if not (isinstance(eval_every, int | np.integer) and eval_every >= 1):
             raise ValueError(f"eval_every must be an integer >= 1, got {eval_every!r}")
-        self.problem, self.algorithm = problem, algorithm
+        self.problem, self.algorithm, self.concurrency = problem, algorithm, int(concurrency)
         self.seed, self.evaluate, self.eval_every, self.logger = seed, evaluate, eval_every, logger
         theta0 = theta0 if theta0 is not None else problem.init_theta(prng.generator(seed, "init"))
         self.state = algorithm.init(problem, theta0)
@@ -371,6 +372,169 @@ def _progress(progress, steps, max_time, name):
                 desc=progress if isinstance(progress, str) else f"async {name}")
 
 
+@dataclass(frozen=True)
+class Event:
+    """What a transport reports: ``done`` (``payload``: the job's ClientResult), ``error``
+    (the client raised; ``payload``: the reason), ``death`` (the worker of ``slot`` died;
+    ``job`` lost, or None), ``ready`` (a restarted worker of ``slot`` waits for a job) or
+    ``wait`` (nothing yet)."""
+
+    kind: str
+    slot: int = -1
+    job: Job | None = None
+    payload: Any = None
+    time: float = 0.0
+    detail: str = ""  # ``error``: the full traceback, when the transport has one
+    busy: float = 0.0  # ``done``: the seconds the job really computed (real transports)
+
+
+class AsyncTransport(Protocol):
+    """How jobs reach clients and results come back (simulated clock, worker processes).
+
+    ``send`` starts ``job`` (duration ``seconds`` of the compute-time model) and returns an
+    exception if the client failed at once (None otherwise); ``next(max_time)`` blocks until
+    the next :class:`Event`, None when nothing more can happen before ``max_time``;
+    ``restart(slot)`` replaces a dead worker (it reports ``ready``)."""
+
+    def start(self) -> None: ...
+
+    def now(self) -> float: ...
+
+    def send(self, job: Job, state: ServerState, client_state: Params | None,
+             ctx: RoundContext, seconds: float) -> BaseException | None: ...
+
+    def next(self, max_time: float | None) -> Event | None: ...
+
+    def restart(self, slot: int) -> None: ...
+
+    def close(self) -> None: ...
+
+
+def drive(server: AsyncServer, transport: AsyncTransport, compute_time: ComputeTimeModel, *,
+          steps: int | None, max_time: float | None, progress: bool | str = False
+          ) -> list[float]:
+    """The one asynchronous loop (Algorithm 3) over any transport: keep every slot busy with
+    a newly sampled client, apply each result the moment it arrives (staleness, counting and
+    evaluation cadence in :class:`AsyncServer`), until ``steps`` updates were applied or
+    ``max_time`` passed. A client that fails is counted and its slot relaunched; a dead
+    worker's job is lost and the slot relaunched once its replacement is ready. Returns the
+    ``busy`` seconds of every applied update."""
+    _check_budget(steps, max_time)
+    M = server.problem.num_clients
+
+    def launch(slot: int) -> None:
+        for _ in range(10 * M + 10):
+            job = server.dispatch(slot, transport.now())
+            state, cs, ctx = server.job_inputs(job)
+            d = compute_time.job_duration(server.seed, job.job, job.client,
+                                          server.num_examples[job.client])
+            err = transport.send(job, state, cs, ctx, d)
+            if err is None:
+                return
+            server.lost(job, transport.now(), err)
+            server.faults.raise_if_systematic(server.concurrency)
+        raise ClientFaultError(f"slot {slot}: every client dispatched failed; first: "
+                               f"{server.faults.first_error_text}")
+
+    bar = None
+    busy: list[float] = []
+    try:
+        transport.start()
+        bar = _progress(progress, steps, max_time, server.algorithm.name)
+        for slot in range(server.concurrency):
+            launch(slot)
+        while steps is None or server.arrivals < steps:
+            ev = transport.next(max_time)
+            if ev is None:
+                break
+            if ev.kind == "wait":
+                continue
+            if ev.kind == "ready":
+                launch(ev.slot)
+                continue
+            if ev.kind == "death":
+                if ev.job is not None:
+                    server.lost(ev.job, ev.time, death=True)
+                try:
+                    transport.restart(ev.slot)
+                except ClientFaultError as e:
+                    raise ClientFaultError(f"{e}; first: {server.faults.first_error_text}"
+                                           ) from None
+                continue
+            if ev.kind == "error":
+                server.lost(ev.job, ev.time, ev.payload)
+                f = server.faults
+                if f.succeeded == 0 and f.failed >= server.concurrency:  # a bug, not a fault
+                    raise RuntimeError(f"every slot's first client failed; first error:\n"
+                                       f"{ev.detail or f.first_error_text}")
+            elif server.arrive(ev.job, ev.payload, ev.time):
+                busy.append(ev.busy)
+                if bar is not None:
+                    bar.update(1 if steps is not None else ev.time - bar.n)
+            if steps is not None and server.arrivals >= steps:
+                break
+            launch(ev.job.slot)
+    finally:
+        if bar is not None:
+            bar.close()
+        transport.close()
+    return busy
+
+
+class SimulatedClock:
+    """The transport of :func:`run_async`: each job is computed when it is sent and arrives
+    ``seconds`` later on a simulated clock (ties: by job number)."""
+
+    def __init__(self, problem, algorithm: Algorithm) -> None:
+        self.problem, self.algorithm = problem, algorithm
+        self.heap: list = []
+        self.t = 0.0
+
+    def start(self) -> None:
+        """Nothing to start."""
+
+    def now(self) -> float:
+        """The simulated time of the last arrival."""
+        return self.t
+
+    def send(self, job, state, client_state, ctx, seconds):
+        """Compute the job's client update now; it arrives ``seconds`` later."""
+        try:
+            res = self.algorithm.client_update(state, self.problem, np.asarray([job.client]),
+                                               ctx, client_state)
+        except Exception as e:  # noqa: BLE001 - a failing client is skipped
+            return e
+        heapq.heappush(self.heap, (self.t + seconds, job.job, job, res))
+        return None
+
+    def next(self, max_time):
+        """The earliest arrival, unless it comes after ``max_time``."""
+        if not self.heap or (max_time is not None and self.heap[0][0] > max_time):
+            return None
+        t, _, job, res = heapq.heappop(self.heap)
+        self.t = t
+        return Event("done", job.slot, job, res, t)
+
+    def restart(self, slot: int) -> None:
+        """Simulated workers never die."""
+
+    def close(self) -> None:
+        """Nothing to stop."""
+
+
+def async_server(problem, algorithm: Algorithm, *, concurrency: int, compute_time, seed: int,
+                 theta0, evaluate, eval_every: int, logger, record_events: bool,
+                 max_failure_fraction: float) -> tuple[AsyncServer, ComputeTimeModel]:
+    """The server side and the compute-time model every asynchronous runtime starts from."""
+    model = compute_time or ComputeTimeModel()
+    model.check(problem.num_clients)
+    server = AsyncServer(problem, algorithm, concurrency=concurrency, seed=seed, theta0=theta0,
+                         evaluate=evaluate, eval_every=eval_every, logger=logger,
+                         record_events=record_events,
+                         max_failure_fraction=max_failure_fraction)
+    return server, model
+
+
 def run_async(
     problem,
     algorithm: Algorithm,
@@ -397,46 +561,14 @@ def run_async(
     and at the end.
     """
     _check_budget(steps, max_time)
-    model = compute_time or ComputeTimeModel()
-    model.check(problem.num_clients)
     t0 = _time.perf_counter()
-    server = AsyncServer(problem, algorithm, concurrency=concurrency, seed=seed, theta0=theta0,
-                         evaluate=evaluate, eval_every=eval_every, logger=logger,
-                         record_events=record_events,
-                         max_failure_fraction=max_failure_fraction)
-    heap: list = []
-
-    def launch(slot: int, now: float) -> None:
-        for _ in range(10 * problem.num_clients + 10):
-            job = server.dispatch(slot, now)
-            state, cs, ctx = server.job_inputs(job)
-            try:
-                result = algorithm.client_update(state, problem, np.asarray([job.client]),
-                                                 ctx, cs)
-            except Exception as e:  # noqa: BLE001 - a failing client is skipped
-                server.lost(job, now, e)
-                server.faults.raise_if_systematic(concurrency)
-                continue
-            d = model.job_duration(seed, job.job, job.client, server.num_examples[job.client])
-            heapq.heappush(heap, (now + d, job.job, job, result))
-            return
-        raise ClientFaultError(f"slot {slot}: every client dispatched failed; first: "
-                               f"{server.faults.first_error_text}")
-
-    for slot in range(concurrency):
-        launch(slot, 0.0)
-    bar = _progress(progress, steps, max_time, algorithm.name)
-    while heap:
-        t, _, job, result = heap[0]
-        if (max_time is not None and t > max_time) or (steps is not None
-                                                       and server.arrivals >= steps):
-            break
-        heapq.heappop(heap)
-        if server.arrive(job, result, t) and bar is not None:
-            bar.update(1 if steps is not None else t - bar.n)
-        launch(job.slot, t)
-    if bar is not None:
-        bar.close()
+    server, model = async_server(problem, algorithm, concurrency=concurrency,
+                                 compute_time=compute_time, seed=seed, theta0=theta0,
+                                 evaluate=evaluate, eval_every=eval_every, logger=logger,
+                                 record_events=record_events,
+                                 max_failure_fraction=max_failure_fraction)
+    drive(server, SimulatedClock(problem, algorithm), model, steps=steps, max_time=max_time,
+          progress=progress)
     return server.result(_time.perf_counter() - t0)
 
 

@@ -7,8 +7,8 @@ the worker really computes ``algorithm.client_update`` for that client and then 
 the client's compute time — ``compute_time.job_duration(...) × time_unit`` seconds, so slow
 devices are really slow — has passed, and returns the result. The server applies results in
 the order they arrive (one pipe per worker) and hands the slot to a newly sampled client. The
-bookkeeping (sampling, staleness, event log, evaluation) is the one of
-:class:`partialfl.runtime.asynchronous.AsyncServer`; times are real seconds since the start.
+loop is :func:`partialfl.runtime.asynchronous.drive` (the simulated runtime's) with the
+:class:`WorkerProcesses` transport; times are real seconds since the start.
 
 Faults: a client that raises in a worker is reported and skipped (the worker lives on); a
 worker process that dies is detected within ``poll_seconds`` even while other workers keep
@@ -32,10 +32,11 @@ import numpy as np
 from partialfl.algorithms.base import Algorithm
 from partialfl.runtime.asynchronous import (
     AsyncRunResult,
-    AsyncServer,
     ComputeTimeModel,
+    Event,
     _check_budget,
-    _progress,
+    async_server,
+    drive,
 )
 from partialfl.runtime.faults import ClientFaultError
 from partialfl.types import Params
@@ -84,6 +85,121 @@ def _worker(slot: int, problem, algorithm, tasks, results) -> None:
         results.send(("ok", slot, job_id, res, busy))
 
 
+class WorkerProcesses:
+    """The transport of :func:`run_processes`: one spawned worker process per slot; times are
+    real seconds since every worker was ready (see the module docstring)."""
+
+    def __init__(self, problem, algorithm: Algorithm, concurrency: int, time_unit: float,
+                 poll_seconds: float, max_respawns: int) -> None:
+        self.problem, self.algorithm = problem, algorithm
+        self.n, self.time_unit, self.poll = concurrency, time_unit, poll_seconds
+        self.max_respawns = max_respawns
+        self.ctx = mp.get_context("spawn")
+        self.tasks: list = [None] * concurrency
+        self.readers: list = [None] * concurrency
+        self.workers: list = [None] * concurrency
+        self.jobs: dict[int, object] = {}
+        self.pending: dict[int, int] = {}  # slot -> job id in flight
+        self.respawns = [0] * concurrency
+        self.closed: set[int] = set()
+        self.queue: list = []
+        self.t0 = _time.perf_counter()
+        self.first_error = ""
+
+    def _spawn(self, slot: int) -> None:
+        self.tasks[slot] = self.ctx.Queue()
+        reader, writer = self.ctx.Pipe(duplex=False)
+        with _single_threaded_children():
+            w = self.ctx.Process(target=_worker, args=(slot, self.problem, self.algorithm,
+                                                       self.tasks[slot], writer),
+                                 daemon=True, name=f"partialfl-async-{slot}")
+            w.start()
+        writer.close()  # the worker holds the only writing end: EOF when it dies
+        self.workers[slot], self.readers[slot] = w, reader
+
+    def start(self) -> None:
+        """Start every worker and wait until all are ready; the clock starts then."""
+        for s in range(self.n):
+            self._spawn(s)
+        _wait_ready(self.workers, self.readers, self.poll)
+        self.t0 = _time.perf_counter()
+
+    def now(self) -> float:
+        """Real seconds since the start."""
+        return _time.perf_counter() - self.t0
+
+    def send(self, job, state, client_state, ctx, seconds):
+        """Hand the job to its slot's worker (it sleeps until ``seconds × time_unit``)."""
+        self.jobs[job.job] = job
+        self.pending[job.slot] = job.job
+        self.tasks[job.slot].put((job.job, job.client, state, ctx, client_state,
+                                  self.time_unit * seconds))
+        return None
+
+    def _death(self, slot: int) -> Event:
+        jid = self.pending.pop(slot, None)
+        return Event("death", slot, None if jid is None else self.jobs.pop(jid),
+                     time=self.now())
+
+    def next(self, max_time):
+        """The next message of any worker (deaths detected within ``poll_seconds``)."""
+        while not self.queue:
+            live = [s for s in range(self.n) if s not in self.closed]
+            for s in live:  # dead without EOF yet (e.g. killed mid-send)
+                if not self.workers[s].is_alive() and not self.readers[s].poll():
+                    return self._death(s)
+            by_reader = {self.readers[s]: s for s in live}
+            ready = mp_connection.wait(list(by_reader), timeout=self.poll)
+            if max_time is not None and self.now() > max_time:
+                return None
+            for conn in ready:
+                self.queue.append((by_reader[conn], conn))
+            if not ready:
+                return Event("wait")
+        slot, conn = self.queue.pop(0)
+        try:
+            msg = conn.recv()
+        except (EOFError, OSError):
+            return self._death(slot)
+        now = self.now()
+        if msg[0] == "ready":  # a restarted worker
+            return Event("ready", slot, time=now)
+        job_id = msg[2]
+        if self.pending.get(slot) != job_id:
+            return Event("wait")  # a late message of a job already counted as lost
+        del self.pending[slot]
+        job = self.jobs.pop(job_id)
+        if msg[0] == "error":
+            return Event("error", slot, job, msg[3].strip().splitlines()[-1], now, msg[3])
+        return Event("done", slot, job, msg[3], now, busy=msg[4])
+
+    def restart(self, slot: int) -> None:
+        """Worker ``slot`` died: start a fresh one (it says "ready"), or close the slot."""
+        self.queue = [q for q in self.queue if q[0] != slot]
+        w = self.workers[slot]
+        w.join(0.5)
+        if w.is_alive():
+            w.terminate()
+            w.join(1.0)
+        self.readers[slot].close()
+        self.tasks[slot].cancel_join_thread()
+        self.tasks[slot].close()
+        if self.respawns[slot] < self.max_respawns:
+            self.respawns[slot] += 1
+            self._spawn(slot)
+        else:
+            self.closed.add(slot)
+            if len(self.closed) == self.n:
+                raise ClientFaultError(
+                    f"every asynchronous worker died ({self.max_respawns} restarts per slot)")
+
+    def close(self) -> None:
+        """Stop every worker (see :func:`_shutdown`)."""
+        _shutdown([w for w in self.workers if w is not None],
+                  [q for q in self.tasks if q is not None],
+                  [r for r in self.readers if r is not None])
+
+
 def run_processes(
     problem,
     algorithm: Algorithm,
@@ -111,120 +227,15 @@ def run_processes(
     _check_budget(steps, max_time)
     if not (time_unit >= 0):
         raise ValueError(f"time_unit must be >= 0 seconds, got {time_unit!r}")
-    model = compute_time or ComputeTimeModel()
-    model.check(problem.num_clients)
-    server = AsyncServer(problem, algorithm, concurrency=concurrency, seed=seed, theta0=theta0,
-                         evaluate=evaluate, eval_every=eval_every, logger=logger,
-                         record_events=record_events,
-                         max_failure_fraction=max_failure_fraction)
-    ctx_mp = mp.get_context("spawn")
-    tasks: list = [None] * concurrency
-    readers: list = [None] * concurrency
-    workers: list = [None] * concurrency
-
-    def start(slot: int) -> None:
-        tasks[slot] = ctx_mp.Queue()
-        reader, writer = ctx_mp.Pipe(duplex=False)
-        with _single_threaded_children():
-            w = ctx_mp.Process(target=_worker, args=(slot, problem, algorithm, tasks[slot],
-                                                     writer),
-                               daemon=True, name=f"partialfl-async-{slot}")
-            w.start()
-        writer.close()  # the worker holds the only writing end: EOF when it dies
-        workers[slot], readers[slot] = w, reader
-
-    for s in range(concurrency):
-        start(s)
-    jobs: dict[int, object] = {}
-    pending: dict[int, int] = {}  # slot -> job id in flight
-    respawns = [0] * concurrency
-    closed: set[int] = set()
-    busy: list[float] = []
-
-    def launch(slot: int) -> None:
-        job = server.dispatch(slot, _time.perf_counter() - t0)
-        state, cs, ctx = server.job_inputs(job)
-        secs = time_unit * model.job_duration(seed, job.job, job.client,
-                                              server.num_examples[job.client])
-        jobs[job.job] = job
-        pending[slot] = job.job
-        tasks[slot].put((job.job, job.client, state, ctx, cs, secs))
-
-    def bury(slot: int) -> None:
-        """Worker ``slot`` died: lose its job, start a fresh worker (or close the slot)."""
-        now = _time.perf_counter() - t0
-        jid = pending.pop(slot, None)
-        if jid is not None:
-            server.lost(jobs.pop(jid), now, death=True)
-        w = workers[slot]
-        w.join(0.5)
-        if w.is_alive():
-            w.terminate()
-            w.join(1.0)
-        readers[slot].close()
-        tasks[slot].cancel_join_thread()
-        tasks[slot].close()
-        if respawns[slot] < max_respawns:
-            respawns[slot] += 1
-            start(slot)  # it says "ready" through its pipe, then gets a job
-        else:
-            closed.add(slot)
-            if len(closed) == concurrency:
-                raise ClientFaultError(
-                    f"every asynchronous worker died ({max_respawns} restarts per slot); "
-                    f"first: {server.faults.first_error_text}")
-
-    bar = None
-    try:
-        _wait_ready(workers, readers, poll_seconds)
-        t0 = _time.perf_counter()  # the clock starts once every worker is up
-        bar = _progress(progress, steps, max_time, algorithm.name)
-        for s in range(concurrency):
-            launch(s)
-        while steps is None or server.arrivals < steps:
-            live = {readers[s]: s for s in range(concurrency) if s not in closed}
-            for s in list(live.values()):  # dead without EOF yet (e.g. killed mid-send)
-                if not workers[s].is_alive() and not readers[s].poll():
-                    bury(s)
-            live = {readers[s]: s for s in range(concurrency) if s not in closed}
-            ready = mp_connection.wait(list(live), timeout=poll_seconds)
-            if max_time is not None and _time.perf_counter() - t0 > max_time:
-                break
-            for conn in ready:
-                slot = live[conn]
-                try:
-                    msg = conn.recv()
-                except (EOFError, OSError):
-                    bury(slot)
-                    continue
-                now = _time.perf_counter() - t0
-                if msg[0] == "ready":  # a restarted worker
-                    launch(slot)
-                    continue
-                job_id = msg[2]
-                if pending.get(slot) != job_id:
-                    continue  # a late message of a job already counted as lost
-                del pending[slot]
-                if msg[0] == "error":
-                    server.lost(jobs.pop(job_id), now, msg[3].strip().splitlines()[-1])
-                    f = server.faults
-                    if f.succeeded == 0 and f.failed >= concurrency:  # a bug, not a fault
-                        raise RuntimeError(f"every worker's first client failed; first "
-                                           f"traceback:\n{msg[3]}")
-                else:
-                    res, secs = msg[3], msg[4]
-                    if server.arrive(jobs.pop(job_id), res, now):
-                        busy.append(secs)
-                        if bar is not None:
-                            bar.update(1 if steps is not None else now - bar.n)
-                if steps is not None and server.arrivals >= steps:
-                    break
-                launch(slot)
-    finally:
-        if bar is not None:
-            bar.close()
-        _shutdown(workers, tasks, readers)
-    out = server.result(_time.perf_counter() - t0)
+    server, model = async_server(problem, algorithm, concurrency=concurrency,
+                                 compute_time=compute_time, seed=seed, theta0=theta0,
+                                 evaluate=evaluate, eval_every=eval_every, logger=logger,
+                                 record_events=record_events,
+                                 max_failure_fraction=max_failure_fraction)
+    transport = WorkerProcesses(problem, algorithm, concurrency, time_unit, poll_seconds,
+                                max_respawns)
+    busy = drive(server, transport, model, steps=steps, max_time=max_time, progress=progress)
+    out = server.result(transport.now())
     out.steps["busy"] = np.asarray(busy, dtype=float)
     return out
 
