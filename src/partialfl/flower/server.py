@@ -485,65 +485,31 @@ def _train_loss(sums: list[dict[str, tuple[float, float]]]) -> float | None:
     return tot / cnt if cnt else None
 
 
-def _resume(cfg, state, report) -> tuple[ServerState, int, int, dict[str, Any]]:
-    """``(state, first round, local grads, extra)``: fresh, or from out-dir's checkpoint."""
-    if not cfg.resume:
-        return state, 0, 0, {"local_grads": 0}
-    from partialfl.flower import checkpoint
+class _FlowerRounds:
+    """The Flower transport of :func:`partialfl.runtime.sync.run_rounds`: round r sends θ_r
+    and the ids of its sampled clients to the SuperNodes holding them, pulls the replies
+    until all arrived or ``round-timeout`` passed, and returns the updates that arrived
+    (client order). Failed replies are recorded in the report (``max-failure-fraction``
+    checked here); a round with no update is skipped (θ unchanged). Fault injection
+    ``stop:round=R`` stops the ServerApp before round R + 1, as a killed one would."""
 
-    loaded, start, rep = checkpoint.load(cfg)
-    if set(loaded.theta) != set(state.theta):
-        raise checkpoint.CheckpointError(f"checkpoint θ leaves {sorted(loaded.theta)} differ "
-                                         f"from the model's {sorted(state.theta)}")
-    report.history = list(rep["history"])
-    report.failures = [Failure(**f) for f in rep["failures"]]
-    report.skipped_rounds = int(rep["skipped_rounds"])
-    report.requested_client_updates = int(rep["requested"])
-    report.resumed_from = start
-    log.info("partialfl: resuming from the checkpoint of round %d in %s", start, cfg.out_dir)
-    return loaded, start, int(rep["grads"]), dict(rep["extra"])
+    def __init__(self, link: _Link, cfg: FlowerConfig, fed: _Federation,
+                 report: FlowerRunReport) -> None:
+        self.link, self.cfg, self.fed, self.report = link, cfg, fed, report
+        self.stops = {f.round for f in parse_fault_injection(cfg.fault_injection)
+                      if f.kind == "stop"}
+        self.last: dict[str, Any] = {}  # record entries of the last round's training
 
-
-def _save(cfg, state, next_round, report, grads, extra) -> None:
-    from partialfl.flower import checkpoint
-
-    checkpoint.save(cfg, state, next_round, {
-        "history": report.history, "failures": [asdict(f) for f in report.failures],
-        "skipped_rounds": report.skipped_rounds, "requested": report.requested_client_updates,
-        "grads": grads, "extra": extra})
-
-
-def _run_sync(link, cfg, fed, algorithm, state, ref, report, t0) -> ServerState:
-    """Round r sends θ_r with the cohort's train tasks and, when due, evaluate tasks for θ_r
-    in the same exchange (both depend on θ_r only), so evaluation costs no extra round trip.
-    With ``checkpoint-every`` = c, the state after every c-th round is checkpointed; with
-    ``resume`` the loop continues from the checkpoint (same θ as an uninterrupted run)."""
-    k = cfg.clients_per_round or None
-    M = fed.num_clients
-    if k is not None and k > M:
-        raise ConfigError(f"run-config key 'clients-per-round': {k} > number of clients {M}")
-    stops = {f.round for f in parse_fault_injection(cfg.fault_injection) if f.kind == "stop"}
-    state, start, grads, extra = _resume(cfg, state, report)
-    for r in range(start, cfg.num_rounds + 1):
-        items, nodes, parts, cohort = [], [], {}, np.zeros(0, dtype=np.int64)
-        if r < cfg.num_rounds:
-            cohort = sample_cohort(cfg.seed, r, M, k)
-            pos = fed.owner[cohort]
-            nodes = [fed.order[i] for i in sorted(set(pos.tolist()))]
-            parts = {n: cohort[pos == fed.order.index(n)] for n in nodes}
-            items = [(n, "train", _train_content(state.theta, r, parts[n]), r) for n in nodes]
-        evaluate = _eval_due(cfg, r)
-        if evaluate:
-            items += _eval_items(fed, state.theta, r)
-        if not items:
-            _record(cfg, algorithm, state, ref, report, t0, r, extra)
-            continue
-        ids, got = link.exchange(items, cfg.round_timeout)
-        if evaluate:
-            extra.update(_eval_reduce(fed, ids[len(nodes):], got, r, report))
-        _record(cfg, algorithm, state, ref, report, t0, r, extra)
-        if r == cfg.num_rounds:
-            break
+    def run_round(self, algorithm, state, problem, cohort, ctx, client_state, faults):
+        """One round's train exchange (see the class docstring)."""
+        r, fed, report = ctx.round, self.fed, self.report
+        if r - 1 in self.stops:
+            raise ServerStopped(f"injected server stop after round {r - 1}")
+        pos = fed.owner[cohort]
+        nodes = [fed.order[i] for i in sorted(set(pos.tolist()))]
+        parts = {n: cohort[pos == fed.order.index(n)] for n in nodes}
+        items = [(n, "train", _train_content(state.theta, r, parts[n]), r) for n in nodes]
+        ids, got = self.link.exchange(items, self.cfg.round_timeout)
         replies = [rep for n, mid in zip(nodes, ids)
                    if (rep := _decode_reply(got.get(mid), state.theta, parts[n], fed, n, r,
                                             report)) is not None]
@@ -551,25 +517,101 @@ def _run_sync(link, cfg, fed, algorithm, state, ref, report, t0) -> ServerState:
         report.last_round = r
         ups = [u for u, _ in replies]
         done = int(sum(len(u.cohort) for u in ups))
-        extra = {"clients": done, "failed_clients": len(cohort) - done, "local_grads": grads}
-        _check_failures(cfg, report)
+        self.last = {"clients": done, "failed_clients": len(cohort) - done}
+        loss = _train_loss([m for _, m in replies])
+        if loss is not None:
+            self.last["train_loss"] = loss
+        _check_failures(self.cfg, report)
         if not ups:
             report.skipped_rounds += 1
             log.warning("partialfl: round %d: no update arrived; θ unchanged", r)
-        else:
-            updates = _merge(ups)
-            grads += updates.grad_evals
-            extra["local_grads"] = grads
-            loss = _train_loss([m for _, m in replies])
-            if loss is not None:
-                extra["train_loss"] = loss
-            state = algorithm.server_update(state, updates, RoundContext(cfg.seed, r))
-        if cfg.checkpoint_every and ((r + 1) % cfg.checkpoint_every == 0
-                                     or r + 1 == cfg.num_rounds):
-            _save(cfg, state, r + 1, report, grads, extra)
-        if r in stops:
-            raise ServerStopped(f"injected server stop after round {r}")
-    return state
+            return None, np.arange(0)
+        updates = _merge(ups)
+        return ClientResult(updates), np.searchsorted(cohort, np.asarray(updates.cohort))
+
+
+class _FlowerCheckpoint:
+    """The ServerApp's checkpoint in ``out-dir`` (:mod:`partialfl.flower.checkpoint`) with
+    the report so far, for :func:`partialfl.runtime.sync.run_rounds`."""
+
+    def __init__(self, cfg: FlowerConfig, report: FlowerRunReport, names) -> None:
+        self.cfg, self.report, self.names = cfg, report, set(names)
+
+    def save(self, state, client_state, history, local_grads, faults) -> None:
+        """θ, the optimizer state and the report so far."""
+        from partialfl.flower import checkpoint
+
+        rep = self.report
+        checkpoint.save(self.cfg, state, state.round, {
+            "history": history, "failures": [asdict(f) for f in rep.failures],
+            "skipped_rounds": rep.skipped_rounds, "requested": rep.requested_client_updates,
+            "grads": int(local_grads)})
+
+    def load(self):
+        """The saved state (the report restored), validated against the configuration."""
+        from partialfl.flower import checkpoint
+
+        loaded, start, rep = checkpoint.load(self.cfg)
+        if set(loaded.theta) != self.names:
+            raise checkpoint.CheckpointError(f"checkpoint θ leaves {sorted(loaded.theta)} "
+                                             f"differ from the model's {sorted(self.names)}")
+        report = self.report
+        report.failures = [Failure(**f) for f in rep["failures"]]
+        report.skipped_rounds = int(rep["skipped_rounds"])
+        report.requested_client_updates = int(rep["requested"])
+        report.resumed_from = start
+        log.info("partialfl: resuming from the checkpoint of round %d in %s", start,
+                 self.cfg.out_dir)
+        return loaded, None, list(rep["history"]), int(rep["grads"]), {}
+
+
+class _ReportLog:
+    """The run's records: into the report and the log."""
+
+    def __init__(self, report: FlowerRunReport) -> None:
+        self.report = report
+
+    def log(self, rec: dict[str, Any]) -> None:
+        self.report.history.append(rec)
+        shown = {k: (f"{v:.4g}" if isinstance(v, float) else v) for k, v in rec.items()
+                 if k not in ("staleness",)}
+        log.info("partialfl: %s", shown)
+
+
+def _run_sync(link, cfg, fed, algorithm, state, ref, report, t0) -> ServerState:
+    """The simulator's synchronous loop (:func:`partialfl.runtime.sync.run_rounds`: sampling,
+    evaluation cadence, counting, checkpoint and resume) over the Flower transport; every
+    round is recorded, with the nodes' evaluation when due (``eval-every``). With
+    ``checkpoint-every`` = c, the state after every c-th round is checkpointed; with
+    ``resume`` the loop continues from the checkpoint (same θ as an uninterrupted run)."""
+    from partialfl.runtime.sync import run_rounds
+
+    k = cfg.clients_per_round or None
+    M = fed.num_clients
+    if k is not None and k > M:
+        raise ConfigError(f"run-config key 'clients-per-round': {k} > number of clients {M}")
+    transport = _FlowerRounds(link, cfg, fed, report)
+
+    def evaluate(algorithm, st, problem, client_state, ctx) -> dict[str, Any]:
+        rec = {"server_steps": st.round - report.skipped_rounds, **transport.last}
+        rec.update(_evaluate_now(link, cfg, fed, st, st.round, report))
+        if ref is not None:
+            from partialfl.metrics import closed_form_metrics
+
+            rec.update(closed_form_metrics(algorithm, st, ref, None,
+                                           RoundContext(cfg.seed, st.round), with_loss=False))
+        return rec
+
+    res = run_rounds(ref if ref is not None else _ServerProblem(M), algorithm, cfg.num_rounds,
+                     clients_per_round=k, seed=cfg.seed, theta0=state.theta,
+                     backend=transport, evaluate=evaluate, logger=_ReportLog(report),
+                     checkpoint=(_FlowerCheckpoint(cfg, report, state.theta)
+                                 if cfg.checkpoint_every or cfg.resume else None),
+                     checkpoint_every=cfg.checkpoint_every, resume=cfg.resume,
+                     max_failure_fraction=1.0)
+    report.history = res.history
+    return ServerState(res.state.theta, res.state.opt_state,
+                       res.state.round - report.skipped_rounds, res.state.extra)
 
 
 def _evaluate_now(link, cfg, fed, state, round_, report) -> dict[str, Any]:

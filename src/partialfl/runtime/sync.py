@@ -25,7 +25,7 @@ import types
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, Protocol, runtime_checkable
 
 import numpy as np
 
@@ -126,30 +126,84 @@ def client_side_path(path: Path) -> Path:
     return path.with_name(f"{path.stem}.client-side{path.suffix}")
 
 
-def _run_cohort(backend, algorithm, state, problem, cohort, ctx, cs, faults: FaultLog
-                ) -> tuple[Any, np.ndarray]:
-    """The cohort's ClientResult (None if nobody succeeded) and the cohort positions it
-    holds. A cohort that raises is re-run one client at a time; raising clients are skipped
-    and counted."""
-    try:
-        res = run_clients(algorithm, state, problem, cohort, ctx, cs, backend)
-        return res, np.arange(len(cohort))
-    except Exception as e:  # noqa: BLE001 - isolate the failing client(s)
-        if len(cohort) == 1:
-            faults.client_error(f"client {int(cohort[0])} in round {ctx.round}", e)
-            faults.raise_if_systematic(1)
-            return None, np.arange(0)
-    out, pos = [], []
-    for i, m in enumerate(cohort):
-        one = None if cs is None else {n: v[i:i + 1] for n, v in cs.items()}
+@runtime_checkable
+class SyncTransport(Protocol):
+    """How a round's cohort reaches its clients and their results come back: in this process
+    or worker processes (:class:`InProcess`), or over a network (the Flower ServerApp's
+    transport). Returns the cohort's :class:`ClientResult` (None if nothing usable arrived)
+    and the cohort positions it holds; lost clients are counted by the transport."""
+
+    def run_round(self, algorithm, state: ServerState, problem, cohort: np.ndarray,
+                  ctx: RoundContext, client_state: Params | None, faults: FaultLog
+                  ) -> tuple[Any, np.ndarray]: ...
+
+
+class InProcess:
+    """The cohort run here under a batching mode (vmap, loop, worker processes: see
+    :func:`partialfl.batching.map_clients`). A cohort that raises is re-run one client at a
+    time; raising clients are skipped and counted."""
+
+    def __init__(self, mode) -> None:
+        self.mode = mode
+
+    def run_round(self, algorithm, state, problem, cohort, ctx, client_state, faults):
+        """The cohort's ClientResult (None if nobody succeeded) and the positions it holds."""
+        mode, cs = self.mode, client_state
         try:
-            out.append(run_clients(algorithm, state, problem, cohort[i:i + 1], ctx, one, backend))
-            pos.append(i)
-        except Exception as e:  # noqa: BLE001
-            faults.client_error(f"client {int(m)} in round {ctx.round}", e)
-    if not out:
-        faults.raise_if_systematic(len(cohort))
-    return (concat_results(out) if out else None), np.asarray(pos, dtype=np.int64)
+            res = run_clients(algorithm, state, problem, cohort, ctx, cs, mode)
+            return res, np.arange(len(cohort))
+        except Exception as e:  # noqa: BLE001 - isolate the failing client(s)
+            if len(cohort) == 1:
+                faults.client_error(f"client {int(cohort[0])} in round {ctx.round}", e)
+                faults.raise_if_systematic(1)
+                return None, np.arange(0)
+        out, pos = [], []
+        for i, m in enumerate(cohort):
+            one = None if cs is None else {n: v[i:i + 1] for n, v in cs.items()}
+            try:
+                out.append(run_clients(algorithm, state, problem, cohort[i:i + 1], ctx, one,
+                                       mode))
+                pos.append(i)
+            except Exception as e:  # noqa: BLE001
+                faults.client_error(f"client {int(m)} in round {ctx.round}", e)
+        if not out:
+            faults.raise_if_systematic(len(cohort))
+        return (concat_results(out) if out else None), np.asarray(pos, dtype=np.int64)
+
+
+@runtime_checkable
+class Checkpointer(Protocol):
+    """Where a run's state is saved and resumed from (:class:`FileCheckpoint`, or a Flower
+    ServerApp's out-dir checkpoint). ``load`` returns ``(state, client_state, history,
+    local_grads, fault counters)``, or None when there is nothing to resume."""
+
+    def save(self, state: ServerState, client_state: Params | None, history: list[dict],
+             local_grads: int, faults: dict) -> None: ...
+
+    def load(self) -> tuple | None: ...
+
+
+class FileCheckpoint:
+    """:func:`save_checkpoint` / :func:`load_checkpoint` at ``path``, validated against the
+    run's ``fingerprint``; with ``private`` the client state goes to the client-side file."""
+
+    def __init__(self, path: str | Path, fingerprint: dict | None, private: bool = True
+                 ) -> None:
+        self.path, self.fingerprint, self.private = Path(path), fingerprint, private
+
+    def __str__(self) -> str:
+        return f"{self.path} (client state expected in {client_side_path(self.path)})"
+
+    def save(self, state, client_state, history, local_grads, faults) -> None:
+        """Write the run state (atomic)."""
+        save_checkpoint(self.path, state, client_state, history, fingerprint=self.fingerprint,
+                        local_grads=local_grads, faults=faults, private=self.private)
+
+    def load(self):
+        """The saved run state, or None if there is no checkpoint yet."""
+        if not self.path.exists():
+            return None
+        return load_checkpoint(self.path, self.fingerprint)
 
 
 def run_rounds(
@@ -165,7 +219,7 @@ def run_rounds(
     eval_every: int = 1,
     logger=None,
     progress: bool | str = False,
-    checkpoint: str | Path | None = None,
+    checkpoint: str | Path | Checkpointer | None = None,
     checkpoint_every: int = 0,
     resume: bool = False,
     on_round: Callable[[int, ServerState], None] | None = None,
@@ -183,6 +237,10 @@ def run_rounds(
     ``stop(history)``, asked after every evaluation (and on resume), ends the run early when
     it returns True (e.g. :func:`partialfl.experiments.stopping.plateaued`); a function of the
     logged history only, so a resumed run stops at the same round.
+
+    ``backend``: a batching mode (run here, see :class:`InProcess`) or a
+    :class:`SyncTransport`; ``checkpoint``: a path (:class:`FileCheckpoint`) or a
+    :class:`Checkpointer`.
     """
     if not isinstance(rounds, int | np.integer) or rounds < 0:
         raise ValueError(f"rounds must be a non-negative integer, got {rounds!r}")
@@ -192,18 +250,20 @@ def run_rounds(
     if clients_per_round is not None:
         sample_cohort(seed, 0, M, clients_per_round)  # validate early
     backend = backend or BatchedBackend()
-    ckpt = Path(checkpoint) if checkpoint else None
+    transport = backend if isinstance(backend, SyncTransport) else InProcess(backend)
     faults = FaultLog(max_failure_fraction)
-    fp = run_fingerprint(problem, algorithm, seed, clients_per_round, fingerprint) \
-        if ckpt is not None else None
-
-    if resume and ckpt is not None and ckpt.exists():
-        state, client_state, history, grad_evals, saved_faults = load_checkpoint(ckpt, fp)
+    if checkpoint is None or isinstance(checkpoint, Checkpointer):
+        ckpt = checkpoint
+    else:
+        ckpt = FileCheckpoint(checkpoint, run_fingerprint(problem, algorithm, seed,
+                                                          clients_per_round, fingerprint),
+                              private_checkpoints)
+    loaded = ckpt.load() if resume and ckpt is not None else None
+    if loaded is not None:
+        state, client_state, history, grad_evals, saved_faults = loaded
         faults.restore(saved_faults)
         if client_state is None and algorithm.init_client_state(problem) is not None:
-            raise pio.FileFormatError(
-                f"checkpoint {ckpt}: the clients' state is missing (expected in "
-                f"{client_side_path(ckpt)})")
+            raise pio.FileFormatError(f"checkpoint {ckpt}: the clients' state is missing")
         if logger is not None:
             for rec in history:
                 logger.log(rec)
@@ -246,7 +306,7 @@ def run_rounds(
         ctx = RoundContext(seed, r)
         cohort = sample_cohort(seed, r, M, clients_per_round)
         cs = None if client_state is None else {n: v[cohort] for n, v in client_state.items()}
-        result, pos = _run_cohort(backend, algorithm, state, problem, cohort, ctx, cs, faults)
+        result, pos = transport.run_round(algorithm, state, problem, cohort, ctx, cs, faults)
         if result is not None:
             result, kept = receive(result, state, algorithm, faults, f"round {r}")
             pos = pos[kept]
@@ -268,9 +328,7 @@ def run_rounds(
         if ckpt is not None and checkpoint_every and (
             state.round % checkpoint_every == 0 or state.round == rounds or stopped
         ):
-            save_checkpoint(ckpt, state, client_state, history, fingerprint=fp,
-                            local_grads=grad_evals, faults=faults.state(),
-                            private=private_checkpoints)
+            ckpt.save(state, client_state, history, grad_evals, faults.state())
         if stopped:
             break
     return RunResult(state, client_state, history, time.perf_counter() - t0, faults,
