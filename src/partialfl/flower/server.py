@@ -1,22 +1,29 @@
 """The ServerApp: θ, the server optimizer and the aggregation live here; data never does.
 
-Synchronous mode (the loop of :func:`partialfl.runtime.sync.run_rounds`, over the network):
-round r samples the cohort with the simulator's own ``sample_cohort(seed, r, M, k)``, sends
-each SuperNode θ and the ids of its sampled clients (``train`` messages, pushed with
+The loops are the simulator's own, over a Flower transport (so sampling, evaluation cadence,
+counting, staleness, checkpoint and resume are written once, in :mod:`partialfl.runtime`):
+
+Synchronous mode: :func:`partialfl.runtime.sync.run_rounds` with :class:`_FlowerRounds` as
+transport. Round r samples the cohort with ``sample_cohort(seed, r, M, k)``, sends each
+SuperNode θ and the ids of its sampled clients (``train`` messages, pushed with
 ``grid.push_messages``), pulls the replies until all arrived or ``round-timeout`` passed, and
 applies ``algorithm.server_update(state, updates, RoundContext(seed, r))`` — the same server
 step (aggregator, SGD/Adam, schedule) as in-process — to the updates that arrived. A SuperNode
 whose ClientApp raised, returned a malformed update or did not answer in time is logged and
 counted (:class:`FlowerRunReport`); the round aggregates the others, and a round with no
-update at all leaves θ unchanged.
+update at all leaves θ unchanged. Every round is recorded, with the SuperNodes' evaluation
+(``evaluate`` messages, sums only) every ``eval-every`` rounds; checkpoints are the out-dir
+files of :mod:`partialfl.flower.checkpoint` (:class:`_FlowerCheckpoint`).
 
-Asynchronous mode (the paper's Algorithm 3, FedBuff-style): ``concurrency`` single-client
-tasks are kept in flight; the j-th task trains client ``sample_cohort(seed, j, M, 1)`` at the θ
-current when it was sent; replies are pulled as they arrive, and every ``buffer-size`` = K
-arrived updates the server applies ``server_update`` once to the K of them (K = 1: each update
-applied the moment it arrives, θ ← θ − γ g_m(θ_stale)). The staleness (server steps between
-sending θ and applying the update) of every applied update is recorded. Flower has no
-asynchronous strategy; this loop only uses ``push_messages``/``pull_messages``.
+Asynchronous mode (the paper's Algorithm 3): :func:`partialfl.runtime.asynchronous.drive`
+with :class:`_FlowerJobs` as transport: ``concurrency`` single-client tasks are kept in
+flight; task j trains a client sampled among the idle ones (``generator(seed, "sample",
+j)``) at the θ current when it was sent; replies are applied as they arrive, and with
+``buffer-size`` = K > 1 every K arrived updates make one server step
+(:class:`~partialfl.algorithms.asynchronous.FedBuff`; K = 1: θ ← θ − γ g_m(θ_stale)). The
+staleness (server steps between sending θ and applying the update) of every applied update is
+recorded. Flower has no asynchronous strategy; this loop only uses
+``push_messages``/``pull_messages``.
 """
 
 from __future__ import annotations
@@ -35,6 +42,7 @@ from flwr.serverapp import Grid, ServerApp
 
 from partialfl import arrays
 from partialfl import io as pio
+from partialfl.algorithms.asynchronous import FedBuff
 from partialfl.algorithms.base import ClientResult, RoundContext, ServerState, concat_results
 from partialfl.flower.builders import build_algorithm, build_problem
 from partialfl.flower.codec import WireFormatError, decode_params, decode_updates, params_to_record
@@ -44,7 +52,9 @@ from partialfl.flower.config import (
     parse_fault_injection,
     parse_run_config,
 )
-from partialfl.runtime.sync import sample_cohort
+from partialfl.metrics import closed_form_metrics
+from partialfl.runtime.asynchronous import AsyncServer, ComputeTimeModel, Event, drive
+from partialfl.runtime.sync import run_rounds
 from partialfl.types import ClientUpdates, Params
 
 log = logging.getLogger("flwr.partialfl")
@@ -219,6 +229,7 @@ class _Federation:
     num_clients: int
     theta0: Params
     torch: bool
+    examples: np.ndarray  # client id -> its number of training examples (from the nodes)
 
     def partition(self, node: int) -> int:
         return int(self.nodes[node]["partition-id"])
@@ -286,20 +297,30 @@ def _describe(link: _Link, cfg: FlowerConfig, node_ids: list[int]) -> _Federatio
         node_ids = sorted(int(n) for n in link.grid.get_node_ids())
     order = sorted(nodes, key=lambda n: int(nodes[n]["partition-id"]))
     owner = np.full(M, -1, dtype=np.int64)  # client id -> position in `order`
+    examples = np.zeros(M)
     for pos, node in enumerate(order):
-        owner[np.asarray(nodes[node]["clients"], dtype=np.int64)] = pos
+        ids = np.asarray(nodes[node]["clients"], dtype=np.int64)
+        owner[ids] = pos
+        examples[ids] = np.asarray(nodes[node]["num-examples"], dtype=np.float64)
     if (owner < 0).any():
         raise RuntimeError(f"clients {np.flatnonzero(owner < 0).tolist()} are on no SuperNode")
     if theta0 is None:
         raise RuntimeError("the SuperNode of partition 0 did not send the initial model")
-    return _Federation(nodes, order, owner, M, theta0, bool(int(nodes[order[0]]["torch"])))
+    return _Federation(nodes, order, owner, M, theta0, bool(int(nodes[order[0]]["torch"])),
+                       examples)
 
 
 class _ServerProblem:
-    """What the server knows of the problem when it holds no data: the number of clients."""
+    """What the server knows of the problem when it holds no data: the number of clients and
+    their example counts (from the SuperNodes' descriptions)."""
 
-    def __init__(self, num_clients: int) -> None:
+    def __init__(self, num_clients: int, examples: np.ndarray) -> None:
         self.num_clients = num_clients
+        self._examples = np.asarray(examples, dtype=np.float64)
+
+    def num_examples(self, cohort) -> np.ndarray:
+        """The example counts the SuperNodes reported for ``cohort``."""
+        return self._examples[np.asarray(cohort, dtype=np.int64)]
 
 
 def run_server(grid: Grid, run_config: dict[str, Any], *, aggregator=None,
@@ -315,7 +336,8 @@ def run_server(grid: Grid, run_config: dict[str, Any], *, aggregator=None,
     # server: for 'server-lr = auto' (1/L) and the reference metrics ‖θ − θ*‖², ‖F(θ)‖².
     ref = build_problem(cfg) if cfg.problem == "least-squares" else None
     algorithm = build_algorithm(cfg, ref, aggregator=aggregator, num_clients=fed.num_clients)
-    state = algorithm.init(ref if ref is not None else _ServerProblem(fed.num_clients),
+    state = algorithm.init(ref if ref is not None else _ServerProblem(fed.num_clients,
+                                                                      fed.examples),
                            fed.theta0)
     report = FlowerRunReport(cfg.to_run_config(), state.theta,
                              nodes=[{"node": n, **i} for n, i in fed.nodes.items()],
@@ -460,21 +482,6 @@ def _eval_sums(record: dict[str, Any]) -> dict[str, Any]:
     return out
 
 
-def _record(cfg, algorithm, state, ref, report, t0, round_, extra) -> None:
-    """Append the metrics of the server state after ``round_`` rounds (steps) to the report."""
-    rec: dict[str, Any] = {"round": round_, "server_steps": state.round,
-                           "time": time.perf_counter() - t0, **extra}
-    if ref is not None:
-        from partialfl.metrics import closed_form_metrics
-
-        rec.update(closed_form_metrics(algorithm, state, ref, None,
-                                       RoundContext(cfg.seed, state.round), with_loss=False))
-    report.history.append(rec)
-    shown = {k: (f"{v:.4g}" if isinstance(v, float) else v) for k, v in rec.items()
-             if k not in ("staleness",)}
-    log.info("partialfl: %s", shown)
-
-
 def _train_loss(sums: list[dict[str, tuple[float, float]]]) -> float | None:
     """Mean training loss over the clients that reported one (node sums and counts)."""
     tot = cnt = 0.0
@@ -584,8 +591,6 @@ def _run_sync(link, cfg, fed, algorithm, state, ref, report, t0) -> ServerState:
     round is recorded, with the nodes' evaluation when due (``eval-every``). With
     ``checkpoint-every`` = c, the state after every c-th round is checkpointed; with
     ``resume`` the loop continues from the checkpoint (same θ as an uninterrupted run)."""
-    from partialfl.runtime.sync import run_rounds
-
     k = cfg.clients_per_round or None
     M = fed.num_clients
     if k is not None and k > M:
@@ -596,14 +601,13 @@ def _run_sync(link, cfg, fed, algorithm, state, ref, report, t0) -> ServerState:
         rec = {"server_steps": st.round - report.skipped_rounds, **transport.last}
         rec.update(_evaluate_now(link, cfg, fed, st, st.round, report))
         if ref is not None:
-            from partialfl.metrics import closed_form_metrics
-
             rec.update(closed_form_metrics(algorithm, st, ref, None,
                                            RoundContext(cfg.seed, st.round), with_loss=False))
         return rec
 
-    res = run_rounds(ref if ref is not None else _ServerProblem(M), algorithm, cfg.num_rounds,
-                     clients_per_round=k, seed=cfg.seed, theta0=state.theta,
+    problem = ref if ref is not None else _ServerProblem(M, fed.examples)
+    res = run_rounds(problem, algorithm, cfg.num_rounds, clients_per_round=k, seed=cfg.seed,
+                     theta0=state.theta,
                      backend=transport, evaluate=evaluate, logger=_ReportLog(report),
                      checkpoint=(_FlowerCheckpoint(cfg, report, state.theta)
                                  if cfg.checkpoint_every or cfg.resume else None),
@@ -621,61 +625,108 @@ def _evaluate_now(link, cfg, fed, state, round_, report) -> dict[str, Any]:
     return _eval_reduce(fed, ids, got, round_, report)
 
 
+class _FlowerJobs:
+    """The Flower transport of :func:`partialfl.runtime.asynchronous.drive`: a job is one
+    ``train`` message for its client (task number = job number) to the SuperNode holding it;
+    replies are pulled as they arrive, a task without a reply within ``round-timeout`` is
+    lost. After ``max(10, 3 × concurrency)`` consecutive failed tasks the run stops early
+    (``report.stopped``)."""
+
+    def __init__(self, link: _Link, cfg: FlowerConfig, fed: _Federation,
+                 report: FlowerRunReport, concurrency: int, t0: float) -> None:
+        self.link, self.cfg, self.fed, self.report, self.t0 = link, cfg, fed, report, t0
+        self.inflight: dict[str, tuple] = {}
+        self.queue: list = []
+        self.streak, self.max_streak = 0, max(10, 3 * concurrency)
+
+    def start(self) -> None:
+        """The SuperNodes are up already."""
+
+    def now(self) -> float:
+        """Seconds since the ServerApp started."""
+        return time.perf_counter() - self.t0
+
+    def send(self, job, state, client_state, ctx, seconds):
+        """Push the job's train message (θ it received, its client)."""
+        client = np.asarray([job.client], dtype=np.int64)
+        node = self.fed.order[int(self.fed.owner[job.client])]
+        (mid,) = self.link.push([(node, "train", _train_content(state.theta, ctx.round, client),
+                                  ctx.round)])
+        self.inflight[mid] = (job, node, client, state.theta,
+                              time.monotonic() + self.cfg.round_timeout)
+        return None
+
+    def next(self, max_time):
+        """The next reply (or lost task); None once too many tasks failed in a row."""
+        report = self.report
+        while not self.queue:
+            if self.streak >= self.max_streak:
+                report.stopped = (f"{self.streak} consecutive client tasks failed (last: "
+                                  f"{report.failures[-1].kind}: {report.failures[-1].reason})")
+                log.error("partialfl: async training stopped early: %s", report.stopped)
+                return None
+            got = self.link.pull(set(self.inflight))
+            now = time.monotonic()
+            for mid in [m for m, v in self.inflight.items() if m in got or v[4] <= now]:
+                job, node, client, theta, _ = self.inflight.pop(mid)
+                rep = _decode_reply(got.get(mid), theta, client, self.fed, node, job.job,
+                                    report)
+                report.requested_client_updates += len(client)
+                report.last_round = max(report.last_round, job.job)
+                if rep is None:
+                    self.streak += 1
+                    self.queue.append(Event("error", job.slot, job, report.failures[-1].reason,
+                                            self.now()))
+                else:
+                    self.streak = 0
+                    self.queue.append(Event("done", job.slot, job, ClientResult(rep[0]),
+                                            self.now()))
+            _check_failures(self.cfg, report)
+            if not got and not self.queue:
+                time.sleep(self.cfg.poll_interval)
+        return self.queue.pop(0)
+
+    def restart(self, slot: int) -> None:
+        """SuperNodes are not restarted by the server."""
+
+    def close(self) -> None:
+        """Tasks still in flight are abandoned (their replies are never pulled)."""
+
+
 def _run_async(link, cfg, fed, algorithm, state, ref, report, t0) -> ServerState:
-    M, K = fed.num_clients, cfg.buffer_size
+    """Algorithm 3 with the simulator's asynchronous loop
+    (:func:`partialfl.runtime.asynchronous.drive`: sampling among idle clients, staleness,
+    counting) over the Flower transport; ``buffer-size`` = K > 1 is FedBuff (one server step
+    on every K arrived updates). Every server step is recorded, with its updates' staleness
+    and the nodes' evaluation when due."""
+    K = cfg.buffer_size
     conc = cfg.concurrency or len(fed.nodes)
-    need = cfg.num_rounds * K
-    inflight: dict[str, tuple[int, int, int, np.ndarray, Params, float]] = {}
-    buffer: list[tuple[ClientUpdates, int]] = []
-    applied, task, grads, streak = 0, 0, 0, 0
-    max_streak = max(10, 3 * conc)
-    _record(cfg, algorithm, state, ref, report, t0, 0,
-            {"local_grads": 0, **_evaluate_now(link, cfg, fed, state, 0, report)})
-    while state.round < cfg.num_rounds:
-        while len(inflight) < conc and applied + len(buffer) + len(inflight) < need:
-            client = sample_cohort(cfg.seed, task, M, 1)
-            node = fed.order[int(fed.owner[client[0]])]
-            (mid,) = link.push([(node, "train", _train_content(state.theta, task, client), task)])
-            inflight[mid] = (task, node, state.round, client, state.theta,
-                             time.monotonic() + cfg.round_timeout)
-            task += 1
-        got = link.pull(set(inflight))
-        now = time.monotonic()
-        for mid in [m for m, v in inflight.items() if m in got or v[5] <= now]:
-            tsk, node, version, client, theta, _ = inflight.pop(mid)
-            rep = _decode_reply(got.get(mid), theta, client, fed, node, tsk, report)
-            report.requested_client_updates += len(client)
-            report.last_round = max(report.last_round, tsk)
-            if rep is not None:
-                buffer.append((rep[0], version))
-                streak = 0
-            else:
-                streak += 1
-        _check_failures(cfg, report)
-        if streak >= max_streak:
-            report.stopped = (f"{streak} consecutive client tasks failed (last: "
-                              f"{report.failures[-1].kind}: {report.failures[-1].reason})")
-            log.error("partialfl: async training stopped early: %s", report.stopped)
-            break
-        while len(buffer) >= K and state.round < cfg.num_rounds:
-            batch, buffer = buffer[:K], buffer[K:]
-            updates = _merge_in_order([u for u, _ in batch])
-            stale = [state.round - v for _, v in batch]
-            grads += updates.grad_evals
-            state = algorithm.server_update(state, updates, RoundContext(cfg.seed, state.round))
-            applied += K
-            _record(cfg, algorithm, state, ref, report, t0, state.round,
-                    {"local_grads": grads, "clients": K, "staleness": stale,
-                     "max_staleness": max(stale),
-                     **_evaluate_now(link, cfg, fed, state, state.round, report)})
-        if not got:
-            time.sleep(cfg.poll_interval)
-    return state
+    alg = FedBuff(algorithm, K) if K > 1 else algorithm
+    holder: dict[str, AsyncServer] = {}
 
+    def evaluate(a, st, problem, client_state, ctx) -> dict[str, Any]:
+        server = holder.get("server")
+        rec: dict[str, Any] = {"server_steps": st.round}
+        if server is not None and server.arrivals:
+            stale = server.recent_staleness(K)
+            rec.update({"clients": len(stale), "staleness": stale,
+                        "max_staleness": max(stale), "local_grads": server.grad_evals})
+        else:
+            rec["local_grads"] = 0
+        rec.update(_evaluate_now(link, cfg, fed, st, st.round, report))
+        if ref is not None:
+            rec.update(closed_form_metrics(algorithm, st, ref, None,
+                                           RoundContext(cfg.seed, st.round), with_loss=False))
+        return rec
 
-def _merge_in_order(ups: list[ClientUpdates]) -> ClientUpdates:
-    """Arrival order (not client order): the buffer of an asynchronous server step."""
-    return concat_results([ClientResult(u) for u in ups]).updates
+    problem = ref if ref is not None else _ServerProblem(fed.num_clients, fed.examples)
+    server = AsyncServer(problem, alg, concurrency=conc, seed=cfg.seed, theta0=state.theta,
+                         evaluate=evaluate, eval_every=K, logger=_ReportLog(report),
+                         max_failure_fraction=1.0)
+    holder["server"] = server
+    drive(server, _FlowerJobs(link, cfg, fed, report, conc, t0), ComputeTimeModel(),
+          steps=cfg.num_rounds * K, max_time=None)
+    return server.state
 
 
 def make_server_app(*, run_config: dict[str, Any] | None = None, aggregator=None,

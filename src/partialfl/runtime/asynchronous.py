@@ -329,6 +329,10 @@ class AsyncServer:
             self._eval(time)
         return True
 
+    def recent_staleness(self, n: int) -> list[int]:
+        """The staleness of the last ``n`` applied updates (arrival order)."""
+        return [int(row[-1]) for row in self._rows[-n:]] if n > 0 else []
+
     def _eval(self, time: float) -> None:
         rec: dict[str, Any] = {"step": self.arrivals, "round": self.state.round,
                                "time": float(time), "grad_evals": self.grad_evals}
