@@ -1,5 +1,6 @@
 """A new algorithm written in a test file, with no edit anywhere else, runs on least squares,
-on a CNN model problem, synchronously on every backend and in the asynchronous runtime.
+on a CNN model problem, synchronously on every backend, in the asynchronous runtime and in a
+Flower simulation (``algorithm_factory``: the ServerApp and the ClientApps build it).
 
 The toy (the class below, under 40 lines) speaks only the problem interface: fresh w = 0,
 ``tau`` gradient steps on w with θ fixed, then the θ-gradient at that w; its deployment
@@ -8,6 +9,8 @@ GD solver (Algorithm 2) from w = 0, so both must give the same θ.
 """
 
 from __future__ import annotations
+
+import sys
 
 import numpy as np
 import pytest
@@ -114,3 +117,34 @@ def test_toy_in_the_async_runtime_one_in_flight_is_one_client_rounds(kind):
                for n in s.state.theta)
     b = run_async(p, alg, steps=6, concurrency=3, seed=4)  # stale updates are applied too
     assert b.staleness.max() > 0 and len(b.steps["client"]) == 6
+
+
+def _toy_for(cfg, problem):
+    """The toy for a Flower run (on the server and on every SuperNode): least squares."""
+    lr_w = 0.5 / float(problem.lipschitz_w(np.arange(problem.num_clients)).max())
+    return Toy(3, lr_w, SGD(1.0 / problem.L))
+
+
+@pytest.mark.slow  # a Ray start-up: ~20 s or more on a shared machine
+def test_toy_in_a_flower_simulation_matches_in_process():
+    pytest.importorskip("flwr", reason="flwr is not installed (pip install 'partialfl[flower]')")
+    ray = pytest.importorskip("ray", reason="Flower's simulation engine needs ray")
+    from partialfl.flower.builders import build_problem
+    from partialfl.flower.config import parse_run_config
+    from partialfl.flower.simulation import run_simulation
+
+    # the ClientApp actors cannot import this test file: send its code along
+    ray.cloudpickle.register_pickle_by_value(sys.modules[__name__])
+    run = {"ls-clients": 8, "ls-n": 200, "ls-d-theta": 10, "ls-d-w": 5, "seed": 3,
+           "num-rounds": 3, "clients-per-round": 5, "eval-every": 3}
+    report = run_simulation(run, num_supernodes=2, num_cpus=2, algorithm_factory=_toy_for)
+    cfg = parse_run_config(run)
+    p = build_problem(cfg)
+    ref = run_rounds(p, _toy_for(cfg, p), 3, clients_per_round=5, seed=3)
+    np.testing.assert_allclose(report.theta["theta"], ref.state.theta["theta"], rtol=0,
+                               atol=1e-6)
+    assert not report.failures and report.server_steps == 3
+    # the nodes evaluated their own clients' deployment (Toy.deploy) at rounds 0 and 3
+    ev = [h for h in report.history if "eval_loss_gap" in h]
+    assert [h["round"] for h in ev] == [0, 3] and ev[-1]["eval_clients"] == 8
+    assert ev[-1]["eval_loss_gap"] < ev[0]["eval_loss_gap"]

@@ -22,6 +22,7 @@ server (:mod:`partialfl.flower.config`) and cached per process.
 from __future__ import annotations
 
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -71,21 +72,28 @@ class NodeRuntime:
 
 _CACHE: dict[tuple, NodeRuntime] = {}
 
+#: ``(cfg, problem) -> Algorithm``: an algorithm built by code instead of by the run config
+AlgorithmFactory = Callable[[FlowerConfig, Any], Any]
 
-def node_runtime(context: Context, msg: Message | None = None) -> NodeRuntime:
+
+def node_runtime(context: Context, msg: Message | None = None,
+                 algorithm_factory: AlgorithmFactory | None = None) -> NodeRuntime:
     """The (cached) runtime of this SuperNode: the run config is the one the server sent with
     the message (the server's validated copy of ``flwr run``'s config), else
-    ``context.run_config``; the partition comes from the SuperNode's node config."""
+    ``context.run_config``; the partition comes from the SuperNode's node config. The
+    algorithm is ``algorithm_factory(cfg, problem)`` when given (programmatic use, e.g. an
+    algorithm defined outside partialfl), else the run config's."""
     if msg is not None and "run-config" in msg.content:
         cfg = parse_run_config(dict(msg.content["run-config"]))
     else:
         cfg = parse_run_config(dict(context.run_config))
     part, nparts = node_partition(context.node_config)
-    key = (tuple(sorted(cfg.to_run_config().items())), part, nparts)
+    key = (tuple(sorted(cfg.to_run_config().items())), part, nparts, algorithm_factory)
     rt = _CACHE.get(key)
     if rt is None:
         problem = build_problem(cfg)
-        algorithm = build_algorithm(cfg, problem)
+        algorithm = (build_algorithm(cfg, problem) if algorithm_factory is None
+                     else algorithm_factory(cfg, problem))
         if getattr(algorithm, "stateful_clients", False):
             raise ValueError(f"algorithm {cfg.algorithm!r} keeps client state; the Flower app "
                              "runs stateless algorithms only")
@@ -97,13 +105,8 @@ def node_runtime(context: Context, msg: Message | None = None) -> NodeRuntime:
     return rt
 
 
-app = ClientApp()
-
-
-@app.query("describe")
-def describe(msg: Message, context: Context) -> Message:
+def describe(rt: NodeRuntime, msg: Message) -> Message:
     """Partition facts; the node of partition ``init-partition`` also sends θ⁰."""
-    rt = node_runtime(context, msg)
     info = ConfigRecord({
         "partition-id": rt.partition,
         "num-partitions": rt.num_partitions,
@@ -119,10 +122,8 @@ def describe(msg: Message, context: Context) -> Message:
     return Message(content, reply_to=msg)
 
 
-@app.train()
-def train(msg: Message, context: Context) -> Message:
+def train(rt: NodeRuntime, msg: Message) -> Message:
     """One cohort's client updates at the θ the server sent."""
-    rt = node_runtime(context, msg)
     task = msg.content["task"]
     r = int(task["round"])
     cohort = rt.check_clients(np.asarray(task["clients"], dtype=np.int64))
@@ -137,14 +138,35 @@ def train(msg: Message, context: Context) -> Message:
     return Message(content, reply_to=msg)
 
 
-@app.evaluate()
-def evaluate(msg: Message, context: Context) -> Message:
+def evaluate(rt: NodeRuntime, msg: Message) -> Message:
     """Personalized loss of this node's clients at θ (w fine-tuned here, never sent)."""
-    rt = node_runtime(context, msg)
     r = int(msg.content["task"]["round"])
     theta = decode_params(msg.content["theta"], rt.torch)
     sums = evaluate_clients(rt, theta, r)
     return Message(RecordDict({"eval": MetricRecord(sums)}), reply_to=msg)
+
+
+def make_client_app(algorithm_factory: AlgorithmFactory | None = None) -> ClientApp:
+    """The ClientApp answering ``query.describe``, ``train`` and ``evaluate`` (see the module
+    docstring); ``algorithm_factory(cfg, problem)`` replaces the run config's algorithm."""
+    app = ClientApp()
+
+    @app.query("describe")
+    def _describe(msg: Message, context: Context) -> Message:
+        return describe(node_runtime(context, msg, algorithm_factory), msg)
+
+    @app.train()
+    def _train(msg: Message, context: Context) -> Message:
+        return train(node_runtime(context, msg, algorithm_factory), msg)
+
+    @app.evaluate()
+    def _evaluate(msg: Message, context: Context) -> Message:
+        return evaluate(node_runtime(context, msg, algorithm_factory), msg)
+
+    return app
+
+
+app = make_client_app()
 
 
 def evaluate_clients(rt: NodeRuntime, theta, round_: int) -> dict[str, Any]:
@@ -175,4 +197,5 @@ def _inject_faults(rt: NodeRuntime, round_: int) -> None:
             time.sleep(f.seconds)
 
 
-__all__ = ["NodeRuntime", "app", "evaluate_clients", "node_runtime"]
+__all__ = ["AlgorithmFactory", "NodeRuntime", "app", "evaluate_clients", "make_client_app",
+           "node_runtime"]

@@ -324,10 +324,13 @@ class _ServerProblem:
 
 
 def run_server(grid: Grid, run_config: dict[str, Any], *, aggregator=None,
-               message_hook: MessageHook | None = None) -> FlowerRunReport:
+               message_hook: MessageHook | None = None,
+               algorithm_factory=None) -> FlowerRunReport:
     """Run the configured training over ``grid`` and return the report (also written to
     ``out-dir`` when set). ``aggregator`` overrides the configured aggregation rule;
-    ``message_hook`` sees every message the server receives (before it is decoded)."""
+    ``message_hook`` sees every message the server receives (before it is decoded);
+    ``algorithm_factory(cfg, problem)`` (problem None when the server holds no data) builds
+    the algorithm instead of the run config (the ClientApps must use the same factory)."""
     cfg = parse_run_config(run_config)
     t0 = time.perf_counter()
     link = _Link(grid, cfg, message_hook)
@@ -335,7 +338,11 @@ def run_server(grid: Grid, run_config: dict[str, Any], *, aggregator=None,
     # Only the synthetic least-squares problem (public generator and seed) is rebuilt on the
     # server: for 'server-lr = auto' (1/L) and the reference metrics ‖θ − θ*‖², ‖F(θ)‖².
     ref = build_problem(cfg) if cfg.problem == "least-squares" else None
-    algorithm = build_algorithm(cfg, ref, aggregator=aggregator, num_clients=fed.num_clients)
+    if algorithm_factory is None:
+        algorithm = build_algorithm(cfg, ref, aggregator=aggregator,
+                                    num_clients=fed.num_clients)
+    else:
+        algorithm = algorithm_factory(cfg, ref)
     state = algorithm.init(ref if ref is not None else _ServerProblem(fed.num_clients,
                                                                       fed.examples),
                            fed.theta0)

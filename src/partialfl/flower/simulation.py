@@ -17,6 +17,7 @@ import os
 from collections.abc import Sequence
 from typing import Any
 
+from partialfl.flower.client import AlgorithmFactory, app, make_client_app
 from partialfl.flower.config import parse_run_config
 from partialfl.flower.env import apply_flower_env
 from partialfl.flower.project import FEMNIST_EXAMPLE
@@ -41,7 +42,8 @@ def with_app_defaults(run_config: dict[str, Any]) -> dict[str, Any]:
 def run_simulations(run_configs: Sequence[dict[str, Any]], *, num_supernodes: int = 2,
                     aggregator=None, message_hooks: Sequence[MessageHook | None] | None = None,
                     num_cpus: int | None = None, cpus_per_client: float = 1.0,
-                    verbose: bool = False, raise_errors: bool = True
+                    verbose: bool = False, raise_errors: bool = True,
+                    algorithm_factory: AlgorithmFactory | None = None
                     ) -> list[FlowerRunReport | Exception]:
     """Simulate each run of ``run_configs`` (kebab-case keys, see
     :data:`partialfl.flower.config.FIELDS`; a FEMNIST run is completed by
@@ -52,6 +54,11 @@ def run_simulations(run_configs: Sequence[dict[str, Any]], *, num_supernodes: in
     ``num_cpus / cpus_per_client`` ClientApps run at once. Ray stays initialised afterwards
     (reused by the next call); ``ray.shutdown()`` stops it.
 
+    ``algorithm_factory(cfg, problem)`` builds the algorithm of every run, on the server and
+    the SuperNodes, instead of the run config's ``algorithm`` (an algorithm written outside
+    partialfl; its module must be importable in the ClientApp actors, or registered with
+    ``ray.cloudpickle.register_pickle_by_value``).
+
     A run that raises (e.g. :class:`~partialfl.flower.server.RunAborted` past
     ``max-failure-fraction``) does not stop the next ones; its error is raised at the end, or,
     with ``raise_errors=False``, returned in its place.
@@ -61,7 +68,7 @@ def run_simulations(run_configs: Sequence[dict[str, Any]], *, num_supernodes: in
     from flwr.serverapp import Grid, ServerApp
     from flwr.simulation import run_simulation as flwr_run_simulation
 
-    from partialfl.flower.client import app as client
+    client = make_client_app(algorithm_factory) if algorithm_factory is not None else app
 
     # Ray >= 2.5x warns that it will stop overriding CUDA_VISIBLE_DEVICES for num_gpus=0;
     # opting in to the future behaviour silences it (CPU-only ClientApps either way).
@@ -80,7 +87,8 @@ def run_simulations(run_configs: Sequence[dict[str, Any]], *, num_supernodes: in
     def main(grid: Grid, context: Context) -> None:
         for cfg, hook in zip(configs, hooks):
             try:
-                reports.append(run_server(grid, cfg, aggregator=aggregator, message_hook=hook))
+                reports.append(run_server(grid, cfg, aggregator=aggregator, message_hook=hook,
+                                          algorithm_factory=algorithm_factory))
             except Exception as e:  # noqa: BLE001 - reported to the caller below
                 reports.append(e)
 
@@ -102,8 +110,10 @@ def run_simulations(run_configs: Sequence[dict[str, Any]], *, num_supernodes: in
 
 def run_simulation(run_config: dict[str, Any], *, num_supernodes: int = 2, aggregator=None,
                    message_hook: MessageHook | None = None, num_cpus: int | None = None,
-                   cpus_per_client: float = 1.0, verbose: bool = False) -> FlowerRunReport:
+                   cpus_per_client: float = 1.0, verbose: bool = False,
+                   algorithm_factory: AlgorithmFactory | None = None) -> FlowerRunReport:
     """Simulate one run (see :func:`run_simulations`)."""
     return run_simulations([run_config], num_supernodes=num_supernodes, aggregator=aggregator,
                            message_hooks=[message_hook], num_cpus=num_cpus,
-                           cpus_per_client=cpus_per_client, verbose=verbose)[0]  # type: ignore
+                           cpus_per_client=cpus_per_client, verbose=verbose,
+                           algorithm_factory=algorithm_factory)[0]  # type: ignore
