@@ -348,3 +348,41 @@ def test_reproduce_async_quick(tmp_path):
     assert by_method["async FFGG"] < 1e-3 * by_method["sync FFGG"]
     assert by_method["async FFGG"] < 1e-6 * by_method["async SGD (shared model)"]
     assert by_method["async FFGG"] < 1e-6 * by_method["FedBuff (shared model)"]
+
+
+@pytest.mark.parametrize("private", [True, False])
+def test_checkpoint_and_resume_give_the_uninterrupted_run(problem, tmp_path, private):
+    """An asynchronous run stopped after 9 updates and resumed from its checkpoint (jobs in
+    flight sent again with the θ they had received) is the uninterrupted run: θ, the clients'
+    state (Scaffold's c_m, FedBuff's buffer), records and events, bit for bit."""
+    from partialfl.runtime.sync import ResumeError, client_side_path
+
+    for alg in (FFGG(make_solver("cg", 3), SGD(lr=0.5 / problem.L)),
+                FedBuff(Scaffold(tau=2), buffer_size=2)):
+        kw = dict(concurrency=3, compute_time=hetero_model(), seed=2, evaluate=metrics,
+                  eval_every=4)
+        full = run_async(problem, alg, steps=20, **kw)
+        ck = tmp_path / f"{alg.name}-{private}.ckpt"
+        ckw = dict(checkpoint=ck, checkpoint_every=4, private_checkpoints=private)
+        first = run_async(problem, alg, steps=9, **ckw, **kw)
+        assert first.steps["job"].size == 9 and client_side_path(ck).exists() == private
+        calls = []
+        update = alg.client_update  # count the client computations of the resumed run
+        alg.client_update = lambda *a, c=calls, u=update, **k: c.append(1) or u(*a, **k)
+        try:
+            res = run_async(problem, alg, steps=20, resume=True, **ckw, **kw)
+        finally:
+            del alg.client_update
+        # the 2 jobs in flight at step 9 again, the freed slot's job, a job after each of
+        # arrivals 10..19 (an uninterrupted run computes 3 + 19)
+        assert len(calls) == 2 + 1 + 10
+        for n in full.state.theta:
+            np.testing.assert_array_equal(res.state.theta[n], full.state.theta[n])
+        if full.client_state is not None:
+            for n in full.client_state:
+                np.testing.assert_array_equal(res.client_state[n], full.client_state[n])
+        assert res.events == full.events
+        assert [h["step"] for h in res.history] == [h["step"] for h in full.history]
+        assert [h["dist2"] for h in res.history] == [h["dist2"] for h in full.history]
+        with pytest.raises(ResumeError, match="seed"):
+            run_async(problem, alg, steps=20, resume=True, **ckw, **{**kw, "seed": 3})

@@ -696,6 +696,9 @@ class _FlowerJobs:
     def restart(self, slot: int) -> None:
         """SuperNodes are not restarted by the server."""
 
+    def resume(self, time: float) -> None:
+        """Not used: the ServerApp resumes synchronous runs only."""
+
     def close(self) -> None:
         """Tasks still in flight are abandoned (their replies are never pulled)."""
 

@@ -32,14 +32,21 @@ import math
 import time as _time
 from collections.abc import Sequence
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any, Protocol
 
 import numpy as np
 
+from partialfl import io as pio
 from partialfl import rng as prng
 from partialfl.algorithms.base import Algorithm, RoundContext, ServerState
 from partialfl.runtime.faults import ClientFaultError, FaultLog, receive
-from partialfl.runtime.sync import sample_cohort
+from partialfl.runtime.sync import (
+    check_fingerprint,
+    client_side_path,
+    run_fingerprint,
+    sample_cohort,
+)
 from partialfl.types import ClientUpdates, Params
 
 DISTRIBUTIONS = ("constant", "exponential", "half-normal", "log-normal", "pareto")
@@ -329,6 +336,27 @@ class AsyncServer:
             self._eval(time)
         return True
 
+    def snapshot(self) -> dict[str, Any]:
+        """The bookkeeping to resume from (client state apart: it stays on the clients)."""
+        return {"state": self.state, "busy": self.busy, "next_job": self.next_job,
+                "arrivals": self.arrivals, "grad_evals": self.grad_evals,
+                "events": list(self.events), "rows": list(self._rows),
+                "history": list(self.history), "time": self.time,
+                "faults": self.faults.state()}
+
+    def restore(self, snap: dict[str, Any], client_state: Params | None) -> None:
+        """Continue from a :meth:`snapshot` (and the clients' state of that moment)."""
+        self.state, self.client_state = snap["state"], client_state
+        self.busy = np.asarray(snap["busy"], dtype=bool)
+        self.next_job, self.arrivals = int(snap["next_job"]), int(snap["arrivals"])
+        self.grad_evals, self.time = int(snap["grad_evals"]), float(snap["time"])
+        self.events, self._rows = list(snap["events"]), list(snap["rows"])
+        self.history = list(snap["history"])
+        self.faults.restore(snap["faults"])
+        if self.logger is not None:
+            for rec in self.history:
+                self.logger.log(rec)
+
     def recent_staleness(self, n: int) -> list[int]:
         """The staleness of the last ``n`` applied updates (arrival order)."""
         return [int(row[-1]) for row in self._rows[-n:]] if n > 0 else []
@@ -411,28 +439,95 @@ class AsyncTransport(Protocol):
 
     def restart(self, slot: int) -> None: ...
 
+    def resume(self, time: float) -> None: ...
+
     def close(self) -> None: ...
 
 
+ASYNC_CHECKPOINT_FORMAT = "partialfl-async-checkpoint-1"
+
+
+class AsyncCheckpoint:
+    """An asynchronous run's checkpoint at ``path``: the server's bookkeeping and, for every
+    job in flight, the job and the server state it was sent (safetensors + JSON, atomic);
+    validated against ``fingerprint``. With ``private`` the clients' state (and the rows the
+    jobs in flight were sent) go to the client-side file
+    (:func:`~partialfl.runtime.sync.client_side_path`)."""
+
+    def __init__(self, path, fingerprint: dict | None, private: bool = True) -> None:
+        self.path, self.fingerprint, self.private = Path(path), fingerprint, private
+
+    def save(self, server: AsyncServer, inflight: dict[int, tuple]) -> None:
+        """Write the checkpoint (client side first, like the synchronous one)."""
+        jobs = [(tuple(job.__dict__.values()), state) for job, state, _, _ in
+                inflight.values()]
+        clients = {"client_state": server.client_state,
+                   "rows": [cs for _, _, cs, _ in inflight.values()]}
+        out: dict[str, Any] = {"server": server.snapshot(), "jobs": jobs}
+        meta = {"format": ASYNC_CHECKPOINT_FORMAT, "fingerprint": self.fingerprint,
+                "arrivals": server.arrivals, "private": bool(self.private)}
+        if self.private:
+            pio.save_state(client_side_path(self.path), clients, side="client",
+                           arrivals=server.arrivals,
+                           note="client-side state: stays on the clients")
+        else:
+            out["clients"] = clients
+        pio.save_state(self.path, out, side="server", **meta)
+
+    def load(self):
+        """``(snapshot, client_state, [(job, state, client rows)])``, or None if absent."""
+        if not self.path.exists():
+            return None
+        saved, meta = pio.load_state(self.path, "checkpoint")
+        if meta.get("format") != ASYNC_CHECKPOINT_FORMAT:
+            raise pio.FileFormatError(f"checkpoint {self.path} has format "
+                                      f"{meta.get('format')!r}, expected "
+                                      f"{ASYNC_CHECKPOINT_FORMAT!r}")
+        check_fingerprint(self.path, meta.get("fingerprint"), self.fingerprint)
+        clients = saved.get("clients")
+        if meta.get("private"):
+            cfile = client_side_path(self.path)
+            clients, cmeta = pio.load_state(cfile, "client-side checkpoint")
+            if cmeta.get("arrivals") != meta.get("arrivals"):
+                raise pio.FileFormatError(f"client-side checkpoint {cfile} is of step "
+                                          f"{cmeta.get('arrivals')}, the server checkpoint "
+                                          f"{self.path} of step {meta.get('arrivals')}")
+        jobs = [(Job(*j), st, cs) for (j, st), cs in zip(saved["jobs"], clients["rows"])]
+        return saved["server"], clients["client_state"], jobs
+
+
 def drive(server: AsyncServer, transport: AsyncTransport, compute_time: ComputeTimeModel, *,
-          steps: int | None, max_time: float | None, progress: bool | str = False
-          ) -> list[float]:
+          steps: int | None, max_time: float | None, progress: bool | str = False,
+          checkpoint: AsyncCheckpoint | None = None, checkpoint_every: int = 0,
+          resume: bool = False) -> list[float]:
     """The one asynchronous loop (Algorithm 3) over any transport: keep every slot busy with
     a newly sampled client, apply each result the moment it arrives (staleness, counting and
     evaluation cadence in :class:`AsyncServer`), until ``steps`` updates were applied or
     ``max_time`` passed. A client that fails is counted and its slot relaunched; a dead
     worker's job is lost and the slot relaunched once its replacement is ready. Returns the
-    ``busy`` seconds of every applied update."""
+    ``busy`` seconds of every applied update.
+
+    ``checkpoint``: saved after every ``checkpoint_every``-th applied update and at the end;
+    with ``resume`` the run continues from it: the jobs that were in flight are sent again
+    with the θ they had received (on the simulated clock the run is then exactly the
+    uninterrupted one) and idle slots get new clients."""
     _check_budget(steps, max_time)
     M = server.problem.num_clients
+
+    inflight: dict[int, tuple] = {}  # job id -> (job, state, client rows, ctx) sent
+
+    def send(job, state, cs, ctx):
+        d = compute_time.job_duration(server.seed, job.job, job.client,
+                                      server.num_examples[job.client])
+        err = transport.send(job, state, cs, ctx, d)
+        if err is None:
+            inflight[job.job] = (job, state, cs, ctx)
+        return err
 
     def launch(slot: int) -> None:
         for _ in range(10 * M + 10):
             job = server.dispatch(slot, transport.now())
-            state, cs, ctx = server.job_inputs(job)
-            d = compute_time.job_duration(server.seed, job.job, job.client,
-                                          server.num_examples[job.client])
-            err = transport.send(job, state, cs, ctx, d)
+            err = send(job, *server.job_inputs(job))
             if err is None:
                 return
             server.lost(job, transport.now(), err)
@@ -444,15 +539,28 @@ def drive(server: AsyncServer, transport: AsyncTransport, compute_time: ComputeT
     busy: list[float] = []
     try:
         transport.start()
+        loaded = checkpoint.load() if resume and checkpoint is not None else None
+        if loaded is not None:
+            snap, client_state, jobs = loaded
+            server.restore(snap, client_state)
+            transport.resume(server.time)
+            for job, state, cs in sorted(jobs, key=lambda j: j[0].job):
+                ctx = RoundContext(server.seed, job.job)
+                if (err := send(job, state, cs, ctx)) is not None:
+                    server.lost(job, transport.now(), err)
         bar = _progress(progress, steps, max_time, server.algorithm.name)
+        busy_slots = {job.slot for job, _, _, _ in inflight.values()}
         for slot in range(server.concurrency):
-            launch(slot)
+            if slot not in busy_slots:
+                launch(slot)
         while steps is None or server.arrivals < steps:
             ev = transport.next(max_time)
             if ev is None:
                 break
             if ev.kind == "wait":
                 continue
+            if ev.job is not None:
+                inflight.pop(ev.job.job, None)
             if ev.kind == "ready":
                 launch(ev.slot)
                 continue
@@ -477,9 +585,14 @@ def drive(server: AsyncServer, transport: AsyncTransport, compute_time: ComputeT
                 busy.append(ev.busy)
                 if bar is not None:
                     bar.update(1 if steps is not None else ev.time - bar.n)
+                if checkpoint is not None and checkpoint_every and \
+                        server.arrivals % checkpoint_every == 0:
+                    checkpoint.save(server, inflight)
             if steps is not None and server.arrivals >= steps:
                 break
             launch(ev.job.slot)
+        if checkpoint is not None and checkpoint_every:
+            checkpoint.save(server, inflight)
     finally:
         if bar is not None:
             bar.close()
@@ -510,7 +623,8 @@ class SimulatedClock:
                                                ctx, client_state)
         except Exception as e:  # noqa: BLE001 - a failing client is skipped
             return e
-        heapq.heappush(self.heap, (self.t + seconds, job.job, job, res))
+        # dispatch_time: now, or for a job sent again on resume, when it was first sent
+        heapq.heappush(self.heap, (job.dispatch_time + seconds, job.job, job, res))
         return None
 
     def next(self, max_time):
@@ -524,21 +638,37 @@ class SimulatedClock:
     def restart(self, slot: int) -> None:
         """Simulated workers never die."""
 
+    def resume(self, time: float) -> None:
+        """Continue the clock at ``time`` (jobs sent again keep their dispatch times)."""
+        self.t = float(time)
+
     def close(self) -> None:
         """Nothing to stop."""
 
 
 def async_server(problem, algorithm: Algorithm, *, concurrency: int, compute_time, seed: int,
                  theta0, evaluate, eval_every: int, logger, record_events: bool,
-                 max_failure_fraction: float) -> tuple[AsyncServer, ComputeTimeModel]:
-    """The server side and the compute-time model every asynchronous runtime starts from."""
+                 max_failure_fraction: float, checkpoint=None, resume: bool = False,
+                 private_checkpoints: bool = True
+                 ) -> tuple[AsyncServer, ComputeTimeModel, AsyncCheckpoint | None]:
+    """The server side, the compute-time model and the checkpoint (a path → an
+    :class:`AsyncCheckpoint` checked against the run's fingerprint) every asynchronous
+    runtime starts from."""
     model = compute_time or ComputeTimeModel()
     model.check(problem.num_clients)
+    ck = None
+    if checkpoint is not None:
+        fp = run_fingerprint(problem, algorithm, seed, None,
+                             {"concurrency": int(concurrency), "compute_time": model})
+        ck = AsyncCheckpoint(checkpoint, fp, private_checkpoints)
+    resuming = resume and ck is not None and ck.path.exists()
     server = AsyncServer(problem, algorithm, concurrency=concurrency, seed=seed, theta0=theta0,
-                         evaluate=evaluate, eval_every=eval_every, logger=logger,
+                         evaluate=evaluate, eval_every=eval_every,
+                         logger=None if resuming else logger,  # restore() replays the log
                          record_events=record_events,
                          max_failure_fraction=max_failure_fraction)
-    return server, model
+    server.logger = logger
+    return server, model, ck
 
 
 def run_async(
@@ -557,6 +687,10 @@ def run_async(
     progress: bool | str = False,
     record_events: bool = True,
     max_failure_fraction: float = 0.5,
+    checkpoint: str | Path | None = None,
+    checkpoint_every: int = 0,
+    resume: bool = False,
+    private_checkpoints: bool = True,
 ) -> AsyncRunResult:
     """Run Algorithm 3 on a simulated clock until ``steps`` updates were applied or the next
     arrival would come after ``max_time`` (lost jobs, see the module docstring, do not
@@ -564,17 +698,19 @@ def run_async(
 
     ``evaluate(algorithm, state, problem, client_state, ctx)`` is logged (with ``step``,
     ``round``, simulated ``time``) before the first and after every ``eval_every``-th arrival
-    and at the end.
+    and at the end. ``checkpoint`` (a path), ``checkpoint_every`` (applied updates),
+    ``resume``, ``private_checkpoints``: see :func:`drive` and :class:`AsyncCheckpoint`; a
+    resumed run gives the uninterrupted run's θ, records and events.
     """
     _check_budget(steps, max_time)
     t0 = _time.perf_counter()
-    server, model = async_server(problem, algorithm, concurrency=concurrency,
-                                 compute_time=compute_time, seed=seed, theta0=theta0,
-                                 evaluate=evaluate, eval_every=eval_every, logger=logger,
-                                 record_events=record_events,
-                                 max_failure_fraction=max_failure_fraction)
+    server, model, ck = async_server(
+        problem, algorithm, concurrency=concurrency, compute_time=compute_time, seed=seed,
+        theta0=theta0, evaluate=evaluate, eval_every=eval_every, logger=logger,
+        record_events=record_events, max_failure_fraction=max_failure_fraction,
+        checkpoint=checkpoint, resume=resume, private_checkpoints=private_checkpoints)
     drive(server, SimulatedClock(problem, algorithm), model, steps=steps, max_time=max_time,
-          progress=progress)
+          progress=progress, checkpoint=ck, checkpoint_every=checkpoint_every, resume=resume)
     return server.result(_time.perf_counter() - t0)
 
 

@@ -26,6 +26,7 @@ import sys
 import time as _time
 import traceback
 from multiprocessing import connection as mp_connection
+from pathlib import Path
 
 import numpy as np
 
@@ -173,6 +174,10 @@ class WorkerProcesses:
             return Event("error", slot, job, msg[3].strip().splitlines()[-1], now, msg[3])
         return Event("done", slot, job, msg[3], now, busy=msg[4])
 
+    def resume(self, time: float) -> None:
+        """Continue the clock at ``time`` seconds (a resumed run)."""
+        self.t0 = _time.perf_counter() - float(time)
+
     def restart(self, slot: int) -> None:
         """Worker ``slot`` died: start a fresh one (it says "ready"), or close the slot."""
         self.queue = [q for q in self.queue if q[0] != slot]
@@ -219,22 +224,29 @@ def run_processes(
     poll_seconds: float = 0.5,
     max_failure_fraction: float = 0.5,
     max_respawns: int = 3,
+    checkpoint: str | Path | None = None,
+    checkpoint_every: int = 0,
+    resume: bool = False,
+    private_checkpoints: bool = True,
 ) -> AsyncRunResult:
     """Run Algorithm 3 with ``concurrency`` worker processes until ``steps`` updates were
     applied or ``max_time`` real seconds passed. ``time_unit``: real seconds per unit of the
     compute-time model. ``result.seconds`` is the wall time; ``steps["busy"]`` the seconds
-    each applied job really computed."""
+    each applied job really computed. Checkpoints as in
+    :func:`~partialfl.runtime.asynchronous.run_async` (a resumed run sends the jobs in flight
+    again; real time is not replayed exactly)."""
     _check_budget(steps, max_time)
     if not (time_unit >= 0):
         raise ValueError(f"time_unit must be >= 0 seconds, got {time_unit!r}")
-    server, model = async_server(problem, algorithm, concurrency=concurrency,
-                                 compute_time=compute_time, seed=seed, theta0=theta0,
-                                 evaluate=evaluate, eval_every=eval_every, logger=logger,
-                                 record_events=record_events,
-                                 max_failure_fraction=max_failure_fraction)
+    server, model, ck = async_server(
+        problem, algorithm, concurrency=concurrency, compute_time=compute_time, seed=seed,
+        theta0=theta0, evaluate=evaluate, eval_every=eval_every, logger=logger,
+        record_events=record_events, max_failure_fraction=max_failure_fraction,
+        checkpoint=checkpoint, resume=resume, private_checkpoints=private_checkpoints)
     transport = WorkerProcesses(problem, algorithm, concurrency, time_unit, poll_seconds,
                                 max_respawns)
-    busy = drive(server, transport, model, steps=steps, max_time=max_time, progress=progress)
+    busy = drive(server, transport, model, steps=steps, max_time=max_time, progress=progress,
+                 checkpoint=ck, checkpoint_every=checkpoint_every, resume=resume)
     out = server.result(transport.now())
     out.steps["busy"] = np.asarray(busy, dtype=float)
     return out

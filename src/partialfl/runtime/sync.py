@@ -368,6 +368,16 @@ def save_checkpoint(path: str | Path, state, client_state, history, *,
     pio.save_state(path, server, side="server", **meta)
 
 
+def check_fingerprint(path: Path, old: dict | None, fingerprint: dict | None) -> None:
+    """A :class:`ResumeError` naming what differs when a checkpoint's fingerprint ``old`` is
+    not the run's ``fingerprint``."""
+    if fingerprint is not None and old is not None and old != fingerprint:
+        diff = [f"{k}: {old.get(k)!r} in the checkpoint, {fingerprint.get(k)!r} now"
+                for k in sorted(set(old) | set(fingerprint)) if old.get(k) != fingerprint.get(k)]
+        raise ResumeError(f"checkpoint {path} belongs to a different run ({'; '.join(diff)}); "
+                          "use a new checkpoint path (or delete it) to start over")
+
+
 def load_checkpoint(path: str | Path, fingerprint: dict | None = None
                     ) -> tuple[ServerState, Params | None, list[dict], int, dict]:
     """``(state, client_state, history, local_grads, fault counters)`` of a checkpoint,
@@ -377,12 +387,7 @@ def load_checkpoint(path: str | Path, fingerprint: dict | None = None
     if meta.get("format") != CHECKPOINT_FORMAT:
         raise pio.FileFormatError(f"checkpoint {path} has format {meta.get('format')!r}, "
                                   f"expected {CHECKPOINT_FORMAT!r}")
-    old = meta.get("fingerprint")
-    if fingerprint is not None and old is not None and old != fingerprint:
-        diff = [f"{k}: {old.get(k)!r} in the checkpoint, {fingerprint.get(k)!r} now"
-                for k in sorted(set(old) | set(fingerprint)) if old.get(k) != fingerprint.get(k)]
-        raise ResumeError(f"checkpoint {path} belongs to a different run ({'; '.join(diff)}); "
-                          "use a new checkpoint path (or delete it) to start over")
+    check_fingerprint(path, meta.get("fingerprint"), fingerprint)
     client_state = saved.get("client_state")
     if meta.get("private"):
         cfile = client_side_path(path)
