@@ -549,6 +549,8 @@ def drive(server: AsyncServer, transport: AsyncTransport, compute_time: ComputeT
                 if (err := send(job, state, cs, ctx)) is not None:
                     server.lost(job, transport.now(), err)
         bar = _progress(progress, steps, max_time, server.algorithm.name)
+        if bar is not None and loaded is not None:
+            bar.update(server.arrivals if steps is not None else server.time)
         busy_slots = {job.slot for job, _, _, _ in inflight.values()}
         for slot in range(server.concurrency):
             if slot not in busy_slots:
