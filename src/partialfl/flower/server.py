@@ -44,6 +44,7 @@ from partialfl import arrays
 from partialfl import io as pio
 from partialfl.algorithms.asynchronous import FedBuff
 from partialfl.algorithms.base import ClientResult, RoundContext, ServerState, concat_results
+from partialfl.flower import checkpoint
 from partialfl.flower.builders import build_algorithm, build_problem
 from partialfl.flower.codec import WireFormatError, decode_params, decode_updates, params_to_record
 from partialfl.flower.config import (
@@ -553,8 +554,6 @@ class _FlowerCheckpoint:
 
     def save(self, state, client_state, history, local_grads, faults) -> None:
         """θ, the optimizer state and the report so far."""
-        from partialfl.flower import checkpoint
-
         rep = self.report
         checkpoint.save(self.cfg, state, state.round, {
             "history": history, "failures": [asdict(f) for f in rep.failures],
@@ -563,8 +562,6 @@ class _FlowerCheckpoint:
 
     def load(self):
         """The saved state (the report restored), validated against the configuration."""
-        from partialfl.flower import checkpoint
-
         loaded, start, rep = checkpoint.load(self.cfg)
         if set(loaded.theta) != self.names:
             raise checkpoint.CheckpointError(f"checkpoint θ leaves {sorted(loaded.theta)} "
