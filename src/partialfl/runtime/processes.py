@@ -163,16 +163,19 @@ class WorkerProcesses:
         except (EOFError, OSError):
             return self._death(slot)
         now = self.now()
-        if msg[0] == "ready":  # a restarted worker
+        if len(msg) == 2:  # ("ready", slot): a restarted worker
             return Event("ready", slot, time=now)
         job_id = msg[2]
         if self.pending.get(slot) != job_id:
             return Event("wait")  # a late message of a job already counted as lost
         del self.pending[slot]
         job = self.jobs.pop(job_id)
-        if msg[0] == "error":
-            return Event("error", slot, job, msg[3].strip().splitlines()[-1], now, msg[3])
-        return Event("done", slot, job, msg[3], now, busy=msg[4])
+        match msg:
+            case ("error", _, _, tb):  # the client raised: its traceback
+                return Event("error", slot, job, tb.strip().splitlines()[-1], now, tb)
+            case ("ok", _, _, result, busy):
+                return Event("done", slot, job, result, now, busy=busy)
+        raise RuntimeError(f"unexpected message from worker {slot}: {msg[0]!r}")
 
     def resume(self, time: float) -> None:
         """Continue the clock at ``time`` seconds (a resumed run)."""
