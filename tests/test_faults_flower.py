@@ -13,7 +13,13 @@ import pytest
 pytest.importorskip("flwr", reason="flwr is not installed (pip install 'partialfl[flower]')")
 
 from partialfl.flower.config import ConfigError, parse_run_config  # noqa: E402
-from partialfl.flower.server import FlowerRunReport, RunAborted, ServerStopped  # noqa: E402
+from partialfl.flower.server import (  # noqa: E402
+    ASYNC_CHECKPOINT,
+    FlowerRunReport,
+    RunAborted,
+    ServerStopped,
+    async_checkpoint,
+)
 
 
 def test_lost_supernode_is_skipped_counted_and_recorded(flower_runs):
@@ -51,6 +57,60 @@ def test_interrupted_run_resumes_to_the_same_theta(flower_runs):
     assert [h["round"] for h in resumed.history] == [h["round"] for h in full.history]
 
 
+def test_interrupted_async_run_resumes_to_the_same_theta(flower_runs):
+    """Asynchronous mode with one task in flight is sequential, hence deterministic given the
+    seed: the run stopped after server step 3 (checkpoint every step) and resumed is the
+    uninterrupted one — same θ, same number of steps, the same records."""
+    _, full, _ = flower_runs["async-full"]
+    run, err, _ = flower_runs["async-interrupted"]
+    assert isinstance(err, ServerStopped) and "server step 3" in str(err)
+    _, resumed, _ = flower_runs["async-resumed"]
+    assert isinstance(full, FlowerRunReport) and isinstance(resumed, FlowerRunReport)
+    assert resumed.resumed_from == 3 and full.resumed_from == -1
+    assert resumed.server_steps == full.server_steps == 6
+    assert np.isfinite(resumed.theta["theta"]).all()
+    np.testing.assert_allclose(resumed.theta["theta"], full.theta["theta"], rtol=0, atol=1e-6)
+    assert [h["step"] for h in resumed.history] == [h["step"] for h in full.history] == \
+        list(range(7))
+    assert resumed.requested_client_updates == full.requested_client_updates
+    files = sorted(p.name for p in Path(run["out-dir"]).iterdir())
+    assert ASYNC_CHECKPOINT in files and "result.json" in files
+    assert not [f for f in files if f.endswith((".pkl", ".pt", ".pickle"))]
+
+
+def test_async_resume_sends_the_task_in_flight_again_and_applies_no_task_twice(flower_runs):
+    """Two tasks in flight: which reply arrives first depends on the SuperNodes' timing, so
+    θ is not compared with another run. What does not depend on timing: at the checkpoint of
+    step 3 one task (dispatched before) is in flight; the resumed run sends it again and
+    applies it after step 3, applies no task twice, and ends after the same number of steps
+    with its records continuing from the checkpoint's step."""
+    run, err, _ = flower_runs["async2-interrupted"]
+    assert isinstance(err, ServerStopped)
+    _, resumed, _ = flower_runs["async2-resumed"]
+    assert isinstance(resumed, FlowerRunReport) and resumed.resumed_from == 3
+    assert resumed.server_steps == 6 and np.isfinite(resumed.theta["theta"]).all()
+    assert [h["step"] for h in resumed.history] == list(range(7))
+    snap, _, in_flight = async_checkpoint(parse_run_config(run)).load()  # the final one
+    assert snap["arrivals"] == 6 and len(in_flight) == 1  # the other slot's task
+    jobs = [int(row[0]) for row in snap["rows"]]
+    assert len(jobs) == len(set(jobs)) == 6  # no task applied twice
+    # jobs 0..3 were dispatched before the stop (2 at the start, 1 after each of the first
+    # 2 arrivals; the 3rd arrival's checkpoint came before its relaunch): the one of them
+    # not applied by step 3 was in flight, sent again, and applied after the resume
+    assert sorted(jobs[:3] + [j for j in jobs[3:] if j < 4]) == [0, 1, 2, 3]
+    assert len([j for j in jobs[3:] if j < 4]) == 1
+
+
+def test_async_resume_refuses_another_configuration_and_a_missing_checkpoint(flower_runs):
+    from partialfl.runtime.sync import ResumeError
+
+    run, _, _ = flower_runs["async-resumed"]
+    with pytest.raises(ResumeError, match="seed"):
+        async_checkpoint(parse_run_config({**run, "seed": 4})).load()
+    _, err, _ = flower_runs["async-missing"]
+    assert isinstance(err, ConfigError) and "no checkpoint at" in str(err)
+
+
 def test_resume_refuses_another_configuration_and_damaged_files(flower_runs, tmp_path):
     from partialfl.flower import checkpoint
 
@@ -81,8 +141,8 @@ def test_resume_refuses_another_configuration_and_damaged_files(flower_runs, tmp
 def test_checkpoint_keys_are_validated():
     with pytest.raises(ConfigError, match="need 'out-dir'"):
         parse_run_config({"checkpoint-every": 2})
-    with pytest.raises(ConfigError, match="mode 'sync' only"):
-        parse_run_config({"resume": True, "out-dir": "x", "mode": "async"})
+    # both modes checkpoint and resume (async: every k server steps)
+    assert parse_run_config({"resume": True, "out-dir": "x", "mode": "async"}).resume
     with pytest.raises(ConfigError, match="a server stop takes round"):
         parse_run_config({"fault-injection": "stop:partition=1,round=2"})
     with pytest.raises(ConfigError, match="max-failure-fraction"):

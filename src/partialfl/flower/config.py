@@ -230,8 +230,8 @@ FIELDS: tuple[Field, ...] = (
           check=_nonneg, requirement="an integer >= 0"),
     Field("out-dir", str, "", "server: write result.json, metrics.jsonl and theta.npz here "
           "('' = do not write)"),
-    Field("checkpoint-every", int, 0, "server (sync mode): write a checkpoint (safetensors + "
-          "JSON, atomic) to out-dir every k rounds (0 = never)", check=_nonneg,
+    Field("checkpoint-every", int, 0, "server: write a checkpoint (safetensors + JSON, "
+          "atomic) to out-dir every k rounds (async: server steps; 0 = never)", check=_nonneg,
           requirement="an integer >= 0"),
     Field("resume", bool, False, "server: continue from the checkpoint in out-dir (refused "
           "when it was written by another configuration)"),
@@ -377,9 +377,6 @@ def _check_combinations(cfg: FlowerConfig) -> None:
     if (cfg.checkpoint_every or cfg.resume) and not cfg.out_dir:
         raise ConfigError("run-config keys 'checkpoint-every' / 'resume' need 'out-dir' (where "
                           "the checkpoint lives)")
-    if (cfg.checkpoint_every or cfg.resume) and cfg.mode != "sync":
-        raise ConfigError("run-config keys 'checkpoint-every' / 'resume': checkpoints are "
-                          "written in mode 'sync' only")
     if cfg.byzantine_fraction == 0 and cfg.attack != "none":
         raise ConfigError(f"run-config key 'attack': {cfg.attack!r} needs byzantine-fraction > 0")
 
@@ -393,7 +390,8 @@ class Fault:
     """Make the ClientApp of SuperNode ``partition`` misbehave in ``round`` (-1 = every
     round): ``crash`` raises, ``slow`` sleeps ``seconds`` before working, ``nan`` sends NaN
     weights; or (``stop``, no partition) make the ServerApp stop after ``round`` as a killed
-    server would (after that round's checkpoint)."""
+    server would (after that round's checkpoint; async mode: after server step
+    ``round`` + 1)."""
 
     kind: str
     partition: int = -1

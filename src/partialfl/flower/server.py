@@ -22,8 +22,9 @@ j)``) at the θ current when it was sent; replies are applied as they arrive, an
 ``buffer-size`` = K > 1 every K arrived updates make one server step
 (:class:`~partialfl.algorithms.asynchronous.FedBuff`; K = 1: θ ← θ − γ g_m(θ_stale)). The
 staleness (server steps between sending θ and applying the update) of every applied update is
-recorded. Flower has no asynchronous strategy; this loop only uses
-``push_messages``/``pull_messages``.
+recorded; checkpoints are the loop's own :class:`~partialfl.runtime.asynchronous.AsyncCheckpoint`
+in ``out-dir`` (on resume the tasks in flight are sent again). Flower has no asynchronous
+strategy; this loop only uses ``push_messages``/``pull_messages``.
 """
 
 from __future__ import annotations
@@ -54,7 +55,13 @@ from partialfl.flower.config import (
     parse_run_config,
 )
 from partialfl.metrics import closed_form_metrics
-from partialfl.runtime.asynchronous import AsyncServer, ComputeTimeModel, Event, drive
+from partialfl.runtime.asynchronous import (
+    AsyncCheckpoint,
+    AsyncServer,
+    ComputeTimeModel,
+    Event,
+    drive,
+)
 from partialfl.runtime.sync import run_rounds
 from partialfl.types import ClientUpdates, Params
 
@@ -629,12 +636,20 @@ def _evaluate_now(link, cfg, fed, state, round_, report) -> dict[str, Any]:
     return _eval_reduce(fed, ids, got, round_, report)
 
 
+#: the asynchronous mode's checkpoint file in ``out-dir`` (synchronous mode:
+#: ``checkpoint.json`` + ``checkpoint-<round>.safetensors``, :mod:`partialfl.flower.checkpoint`)
+ASYNC_CHECKPOINT = "checkpoint-async.safetensors"
+
+
 class _FlowerJobs:
     """The Flower transport of :func:`partialfl.runtime.asynchronous.drive`: a job is one
     ``train`` message for its client (task number = job number) to the SuperNode holding it;
     replies are pulled as they arrive, a task without a reply within ``round-timeout`` is
     lost. After ``max(10, 3 × concurrency)`` consecutive failed tasks the run stops early
-    (``report.stopped``)."""
+    (``report.stopped``). Its :meth:`state` / :meth:`restore` (the report so far) go into
+    the run's :class:`~partialfl.runtime.asynchronous.AsyncCheckpoint`. Fault injection
+    ``stop:round=R`` stops the ServerApp at the first send after server step R + 1 (after
+    that step's checkpoint), as a killed one would."""
 
     def __init__(self, link: _Link, cfg: FlowerConfig, fed: _Federation,
                  report: FlowerRunReport, concurrency: int, t0: float) -> None:
@@ -642,6 +657,9 @@ class _FlowerJobs:
         self.inflight: dict[str, tuple] = {}
         self.queue: list = []
         self.streak, self.max_streak = 0, max(10, 3 * concurrency)
+        self.stops = {f.round for f in parse_fault_injection(cfg.fault_injection)
+                      if f.kind == "stop"}
+        self.server: AsyncServer | None = None  # set by _run_async (the step to checkpoint)
 
     def start(self) -> None:
         """The SuperNodes are up already."""
@@ -652,6 +670,8 @@ class _FlowerJobs:
 
     def send(self, job, state, client_state, ctx, seconds):
         """Push the job's train message (θ it received, its client)."""
+        if any(state.round > r for r in self.stops):
+            raise ServerStopped(f"injected server stop after server step {state.round}")
         client = np.asarray([job.client], dtype=np.int64)
         node = self.fed.order[int(self.fed.owner[job.client])]
         (mid,) = self.link.push([(node, "train", _train_content(state.theta, ctx.round, client),
@@ -693,19 +713,54 @@ class _FlowerJobs:
     def restart(self, slot: int) -> None:
         """SuperNodes are not restarted by the server."""
 
-    def resume(self, time: float) -> None:
-        """Not used: the ServerApp resumes synchronous runs only."""
+    def resume(self, seconds: float) -> None:
+        """Continue the clock at ``seconds`` (a resumed run)."""
+        self.t0 = time.perf_counter() - seconds
+
+    def state(self) -> dict[str, Any]:
+        """The report so far (without the history: the server's records replay it)."""
+        rep = self.report
+        step = self.server.state.round if self.server is not None else 0
+        return {"step": int(step), "failures": [asdict(f) for f in rep.failures],
+                "requested": rep.requested_client_updates, "last_round": rep.last_round,
+                "streak": self.streak}
+
+    def restore(self, saved: dict[str, Any]) -> None:
+        """Continue the report of the checkpointed run."""
+        rep = self.report
+        rep.failures = [Failure(**f) for f in saved["failures"]]
+        rep.requested_client_updates = int(saved["requested"])
+        rep.last_round, self.streak = int(saved["last_round"]), int(saved["streak"])
+        rep.resumed_from = int(saved["step"])
+        log.info("partialfl: resuming from the checkpoint of server step %d in %s",
+                 rep.resumed_from, self.cfg.out_dir)
 
     def close(self) -> None:
         """Tasks still in flight are abandoned (their replies are never pulled)."""
 
 
+def async_checkpoint(cfg: FlowerConfig, extra=None) -> AsyncCheckpoint:
+    """The asynchronous mode's checkpoint ``out-dir``/:data:`ASYNC_CHECKPOINT`, validated
+    like the synchronous one against every run-config key but the volatile ones
+    (:data:`partialfl.flower.checkpoint.VOLATILE`); no client-side file (the SuperNodes are
+    stateless). ``extra``: the transport whose report is saved with it."""
+    fp = {k: v for k, v in cfg.to_run_config().items() if k not in checkpoint.VOLATILE}
+    return AsyncCheckpoint(Path(cfg.out_dir) / ASYNC_CHECKPOINT, fp, private=False,
+                           extra=extra)
+
+
 def _run_async(link, cfg, fed, algorithm, state, ref, report, t0) -> ServerState:
     """Algorithm 3 with the simulator's asynchronous loop
     (:func:`partialfl.runtime.asynchronous.drive`: sampling among idle clients, staleness,
-    counting) over the Flower transport; ``buffer-size`` = K > 1 is FedBuff (one server step
-    on every K arrived updates). Every server step is recorded, with its updates' staleness
-    and the nodes' evaluation when due."""
+    counting, checkpoint and resume) over the Flower transport; ``buffer-size`` = K > 1 is
+    FedBuff (one server step on every K arrived updates). Every server step is recorded,
+    with its updates' staleness and the nodes' evaluation when due. With
+    ``checkpoint-every`` = c the run is checkpointed every c server steps (c·K arrivals) to
+    ``out-dir``/:data:`ASYNC_CHECKPOINT` (an
+    :class:`~partialfl.runtime.asynchronous.AsyncCheckpoint`: the server's bookkeeping, the
+    report so far and every task in flight with the θ it was sent); with ``resume`` those
+    tasks are sent again (the SuperNodes are stateless: a task's update depends only on θ,
+    its client and its task number) and idle slots get new clients."""
     K = cfg.buffer_size
     conc = cfg.concurrency or len(fed.nodes)
     alg = FedBuff(algorithm, K) if K > 1 else algorithm
@@ -727,12 +782,18 @@ def _run_async(link, cfg, fed, algorithm, state, ref, report, t0) -> ServerState
         return rec
 
     problem = ref if ref is not None else _ServerProblem(fed.num_clients, fed.examples)
+    jobs = _FlowerJobs(link, cfg, fed, report, conc, t0)
+    ck = async_checkpoint(cfg, jobs) if cfg.checkpoint_every or cfg.resume else None
+    if cfg.resume and not ck.path.is_file():
+        raise checkpoint.CheckpointError(f"run-config key 'resume': no checkpoint at {ck.path}")
     server = AsyncServer(problem, alg, concurrency=conc, seed=cfg.seed, theta0=state.theta,
-                         evaluate=evaluate, eval_every=K, logger=_ReportLog(report),
+                         evaluate=evaluate, eval_every=K,
+                         logger=None if cfg.resume else _ReportLog(report),  # replayed
                          max_failure_fraction=1.0)
-    holder["server"] = server
-    drive(server, _FlowerJobs(link, cfg, fed, report, conc, t0), ComputeTimeModel(),
-          steps=cfg.num_rounds * K, max_time=None)
+    server.logger = _ReportLog(report)
+    holder["server"] = jobs.server = server
+    drive(server, jobs, ComputeTimeModel(), steps=cfg.num_rounds * K, max_time=None,
+          checkpoint=ck, checkpoint_every=cfg.checkpoint_every * K, resume=cfg.resume)
     return server.state
 
 

@@ -452,10 +452,14 @@ class AsyncCheckpoint:
     job in flight, the job and the server state it was sent (safetensors + JSON, atomic);
     validated against ``fingerprint``. With ``private`` the clients' state (and the rows the
     jobs in flight were sent) go to the client-side file
-    (:func:`~partialfl.runtime.sync.client_side_path`)."""
+    (:func:`~partialfl.runtime.sync.client_side_path`). ``extra``: the transport's own
+    bookkeeping, saved with :meth:`state` and given back to :meth:`restore` on load (the
+    Flower ServerApp's report: failures, requested updates)."""
 
-    def __init__(self, path, fingerprint: dict | None, private: bool = True) -> None:
+    def __init__(self, path, fingerprint: dict | None, private: bool = True,
+                 extra=None) -> None:
         self.path, self.fingerprint, self.private = Path(path), fingerprint, private
+        self.extra = extra
 
     def save(self, server: AsyncServer, inflight: dict[int, tuple]) -> None:
         """Write the checkpoint (client side first, like the synchronous one)."""
@@ -464,6 +468,8 @@ class AsyncCheckpoint:
         clients = {"client_state": server.client_state,
                    "rows": [cs for _, _, cs, _ in inflight.values()]}
         out: dict[str, Any] = {"server": server.snapshot(), "jobs": jobs}
+        if self.extra is not None:
+            out["extra"] = self.extra.state()
         meta = {"format": ASYNC_CHECKPOINT_FORMAT, "fingerprint": self.fingerprint,
                 "arrivals": server.arrivals, "private": bool(self.private)}
         if self.private:
@@ -493,6 +499,8 @@ class AsyncCheckpoint:
                                           f"{cmeta.get('arrivals')}, the server checkpoint "
                                           f"{self.path} of step {meta.get('arrivals')}")
         jobs = [(Job(*j), st, cs) for (j, st), cs in zip(saved["jobs"], clients["rows"])]
+        if self.extra is not None:
+            self.extra.restore(saved.get("extra") or {})
         return saved["server"], clients["client_state"], jobs
 
 
