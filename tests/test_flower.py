@@ -403,3 +403,23 @@ def test_femnist_ffgg_and_local_ffgg_over_flower_match_in_process():
     for m in received:
         blob = _wire_bytes(m)
         assert not any(c in blob for c in chunks)
+
+
+@pytest.mark.parametrize("name", ["fedavg", "ffgg", "fedalt"])
+def test_a_server_without_data_initialises_every_model_algorithm(name):
+    """A ServerApp holding no data sees only θ's names and shapes and the example counts
+    (no personal names): model algorithms must initialise and report θ from that alone."""
+    from partialfl.build import build_algorithm as build_model_algorithm
+    from partialfl.flower.server import _ServerProblem
+    from partialfl.spec import MethodConfig, StageConfig
+
+    theta0 = {"fc.weight": np.ones((3, 4), np.float32), "fc.bias": np.zeros(3, np.float32)}
+    stub = _ServerProblem(5, np.arange(1, 6), theta0)
+    assert stub.w_names == () and stub.theta_shapes["fc.weight"] == (3, 4)
+    split = "none" if name == "fedavg" else "output"  # the split lives on the clients
+    alg = build_model_algorithm(MethodConfig(algorithm=name, split=split), StageConfig())
+    state = alg.init(stub, theta0)
+    got = alg.global_theta(state, stub)
+    assert set(got) == set(theta0)
+    np.testing.assert_array_equal(np.asarray(got["fc.weight"]), theta0["fc.weight"])
+    np.testing.assert_array_equal(stub.num_examples(np.array([0, 4])), [1.0, 5.0])

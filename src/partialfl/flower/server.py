@@ -319,12 +319,19 @@ def _describe(link: _Link, cfg: FlowerConfig, node_ids: list[int]) -> _Federatio
 
 
 class _ServerProblem:
-    """What the server knows of the problem when it holds no data: the number of clients and
-    their example counts (from the SuperNodes' descriptions)."""
+    """What the server knows of the problem when it holds no data: the number of clients,
+    their example counts (from the SuperNodes' descriptions) and the names and shapes of θ.
+    Personal parameter names never reach the server: ``w_names`` and ``state_names`` are
+    empty here (an algorithm that shares w refuses a personal split on the clients)."""
 
-    def __init__(self, num_clients: int, examples: np.ndarray) -> None:
+    w_names: tuple[str, ...] = ()
+    state_names: tuple[str, ...] = ()
+
+    def __init__(self, num_clients: int, examples: np.ndarray, theta0: Params) -> None:
         self.num_clients = num_clients
         self._examples = np.asarray(examples, dtype=np.float64)
+        self.theta_names = tuple(theta0)
+        self.theta_shapes = {n: tuple(np.shape(v)) for n, v in theta0.items()}
 
     def num_examples(self, cohort) -> np.ndarray:
         """The example counts the SuperNodes reported for ``cohort``."""
@@ -351,9 +358,8 @@ def run_server(grid: Grid, run_config: dict[str, Any], *, aggregator=None,
                                     num_clients=fed.num_clients)
     else:
         algorithm = algorithm_factory(cfg, ref)
-    state = algorithm.init(ref if ref is not None else _ServerProblem(fed.num_clients,
-                                                                      fed.examples),
-                           fed.theta0)
+    state = algorithm.init(ref if ref is not None else _ServerProblem(
+        fed.num_clients, fed.examples, fed.theta0), fed.theta0)
     report = FlowerRunReport(cfg.to_run_config(), state.theta,
                              nodes=[{"node": n, **i} for n, i in fed.nodes.items()],
                              setup_seconds=time.perf_counter() - t0)
@@ -616,7 +622,7 @@ def _run_sync(link, cfg, fed, algorithm, state, ref, report, t0) -> ServerState:
                                            RoundContext(cfg.seed, st.round), with_loss=False))
         return rec
 
-    problem = ref if ref is not None else _ServerProblem(M, fed.examples)
+    problem = ref if ref is not None else _ServerProblem(M, fed.examples, fed.theta0)
     res = run_rounds(problem, algorithm, cfg.num_rounds, clients_per_round=k, seed=cfg.seed,
                      theta0=state.theta,
                      backend=transport, evaluate=evaluate, logger=_ReportLog(report),
@@ -781,7 +787,7 @@ def _run_async(link, cfg, fed, algorithm, state, ref, report, t0) -> ServerState
                                            RoundContext(cfg.seed, st.round), with_loss=False))
         return rec
 
-    problem = ref if ref is not None else _ServerProblem(fed.num_clients, fed.examples)
+    problem = ref if ref is not None else _ServerProblem(fed.num_clients, fed.examples, fed.theta0)
     jobs = _FlowerJobs(link, cfg, fed, report, conc, t0)
     ck = async_checkpoint(cfg, jobs) if cfg.checkpoint_every or cfg.resume else None
     if cfg.resume and not ck.path.is_file():
