@@ -382,7 +382,9 @@ def _summary(results, size: Size, info, seconds: float, quick: bool) -> str:
         "'new writers': test accuracy of writers never seen in training after fine-tuning "
         "their w for the stage-3 epochs on the trained θ.",
         "",
-        f"Wall-clock: {seconds / 60:.1f} min, {size.workers} worker process(es) with "
+        "Wall-clock of this invocation (a resumed table reloads its finished runs, so this "
+        f"counts only what ran now): {seconds / 60:.1f} min, {size.workers} worker "
+        f"process(es) with "
         f"{size.threads} torch thread(s) each (see `results.json` for per-run times).",
         "",
         "Plots: `learning_curves.png` (deployed test accuracy during stages 1 and 2, mean over "

@@ -344,7 +344,9 @@ def _summary(results, size: Size, info, seconds: float, quick: bool) -> str:
         "pooled test accuracy of the held-out subjects after fine-tuning their personal part "
         "on their first session(s) (local only: a fresh model trained alone).",
         "",
-        f"Wall-clock: {seconds / 60:.1f} min, {size.workers} worker process(es) with "
+        "Wall-clock of this invocation (a resumed table reloads its finished runs, so this "
+        f"counts only what ran now): {seconds / 60:.1f} min, {size.workers} worker "
+        f"process(es) with "
         f"{size.threads} torch thread(s) each (per-run times in `results.json`).",
         "",
         "Plots: `learning_curves.png`, `per_client_accuracy.png` (CDF over subjects), "

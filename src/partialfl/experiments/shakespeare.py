@@ -406,7 +406,8 @@ def _summary(results, size: Size, tf, seconds: float, quick: bool,
         "linear decay. 'before stage 3': the deployed model before fine-tuning (FedAvg: the "
         "global model; FFGG: w at its restart value, the stage-1 values).",
         "",
-        f"Wall-clock: {seconds / 60:.1f} min: stage 1 with "
+        "Wall-clock of this invocation (a resumed table reloads its finished runs, so this "
+        f"counts only what ran now): {seconds / 60:.1f} min: stage 1 with "
         f"{stage1_threads or size.threads * size.workers} "
         f"torch thread(s), then {size.workers} worker process(es) with {size.threads} "
         "thread(s) each (per-run times in `results.json`).",
