@@ -325,3 +325,30 @@ def test_load_tensors_round_trip_keeps_kinds(tmp_path):
     t, meta = pio.load_tensors(f)
     assert isinstance(t["a"], np.ndarray) and t["a"].tolist() == [0.0, 1.0, 2.0]
     assert isinstance(t["b"], torch.Tensor) and meta == {"k": 1}
+
+
+@pytest.mark.parametrize("low_byte", [0x80, 0x50])
+def test_safetensors_whose_header_length_starts_like_a_pickle_or_zip_loads(tmp_path, low_byte):
+    """A header length with low byte 0x80 (b"\\x80", a pickle's first byte) or 0x50 (b"P") is a
+    valid safetensors file; CI once refused a real checkpoint whose header was 0x1680 bytes."""
+    f = tmp_path / "t.safetensors"
+    for pad in range(600):
+        pio.save_tensors(f, {"a": np.arange(3.0)}, {"pad": "x" * pad})
+        if f.read_bytes()[0] == low_byte:
+            break
+    else:
+        pytest.fail(f"no padding gave a header length with low byte {low_byte:#x}")
+    if low_byte == 0x50:  # make the second byte "K" too: b"PK" is a zip's magic
+        start = pad
+        for pad in range(start, start + 70000, 256):
+            pio.save_tensors(f, {"a": np.arange(3.0)}, {"pad": "x" * pad})
+            if f.read_bytes()[:2] == b"PK":
+                break
+        assert f.read_bytes()[:2] == b"PK"
+    t, meta = pio.load_tensors(f)
+    assert t["a"].tolist() == [0.0, 1.0, 2.0] and len(meta["pad"]) == pad
+    # a real pickle with the same first byte is still refused
+    g = tmp_path / "p.safetensors"
+    g.write_bytes(pickle.dumps({"a": 1}))
+    with pytest.raises(pio.UnsafeFileError, match="pickle"):
+        pio.load_tensors(g)

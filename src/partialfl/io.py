@@ -101,14 +101,20 @@ _PICKLE_HINT = ("it can run arbitrary code when loaded, so partialfl refuses it;
 
 
 def _check_safetensors_header(path: Path, data: bytes) -> dict:
-    """Parse the safetensors header (8-byte little-endian length, then JSON) or raise."""
-    if data[:1] == b"\x80" or data[:2] == b"PK":
+    """Parse the safetensors header (8-byte little-endian length, then JSON) or raise.
+
+    The safetensors layout is tried first: a header length whose low byte is 0x80 starts the
+    file with the same byte as a pickle, so the pickle/zip diagnosis only applies to a file
+    that is not a well-formed safetensors prefix (a pickle's first 8 bytes read as a length
+    far beyond the file, and its 9th byte is not ``{``)."""
+    n = struct.unpack("<Q", data[:8])[0] if len(data) >= 8 else None
+    looks_safetensors = n is not None and n <= len(data) - 8 and data[8:9] == b"{"
+    if not looks_safetensors and (data[:1] == b"\x80" or data[:2] == b"PK"):
         kind = "a pickle" if data[:1] == b"\x80" else "a zip (torch.save) archive"
         raise UnsafeFileError(f"{path} is {kind} file: {_PICKLE_HINT}")
-    if len(data) < 8:
+    if n is None:
         raise FileFormatError(f"{path} is truncated ({len(data)} bytes): not a safetensors file")
-    (n,) = struct.unpack("<Q", data[:8])
-    if n > len(data) - 8 or data[8:9] != b"{":
+    if not looks_safetensors:
         raise FileFormatError(f"{path} is truncated or not a safetensors file")
     try:
         header = json.loads(data[8:8 + n])
