@@ -264,3 +264,22 @@ def test_femnist_quick_table_under_the_rule(tmp_path, data_dir):
         assert 1 <= m["stage2_rounds"] <= m["stage2_cap"] and "val_acc" in m
     assert "Stage budgets (plateau rule" in path.read_text()
     assert (tmp_path / "budget_curves.png").exists()
+
+
+def test_tables_at_convergence_rule_every_stage_under_caps_beyond_the_fixed_budgets():
+    """``--plateau`` (no explicit size) runs the FEMNIST and tiny-Shakespeare tables with the
+    rule on stage 1 too and caps beyond the fixed budgets, evaluated often enough for the
+    rule's window to fit well inside each cap."""
+    from partialfl.experiments import femnist as fm
+    from partialfl.experiments import shakespeare as sh
+
+    for mod, cfgs in ((fm, fm.stage_configs(fm.PLATEAU)), (sh, sh.stage_configs(sh.PLATEAU))):
+        pre, pers = cfgs[0], (cfgs[1]["ffgg"] if isinstance(cfgs[1], dict) else cfgs[1])
+        assert pre.stop is not None and pers.stop is not None, mod.__name__
+        assert pre.rounds > mod.FULL.pretrain_rounds and pers.rounds > mod.FULL.rounds
+        for st in (pre, pers):
+            assert st.stop.window * st.eval_every <= st.rounds // 4, (mod.__name__, st)
+            assert st.rounds % st.eval_every == 0  # the cap round is evaluated
+    # the fixed tables keep stage 1 fixed
+    assert fm.stage_configs(fm.FULL)[0].stop is None
+    assert sh.stage_configs(sh.FULL)[0].stop is None

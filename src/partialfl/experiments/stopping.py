@@ -225,7 +225,8 @@ def plateau_table(results: dict[str, Sequence[dict]], timings: dict[str, float])
         for m in ms:
             c = m.get("finetune_choice") or {}
             rounds = m.get("stage2_rounds", "?")
-            how = "plateau" if m.get("stage2_stopped") else f"cap {m.get('stage2_cap', '?')}"
+            how = ("plateau" if m.get("stage2_stopped")
+                   else f"cap {m.get('stage2_cap', '?')}, not flat")
             t = timings.get(f"seed{m['seed']}/{label}", float("nan"))
             rows.append([label, m["seed"], f"{rounds} ({how})",
                          f"{c['epochs']} ep, lr {c['lr']:g}" if c else "-",
