@@ -283,3 +283,24 @@ def test_tables_at_convergence_rule_every_stage_under_caps_beyond_the_fixed_budg
     # the fixed tables keep stage 1 fixed
     assert fm.stage_configs(fm.FULL)[0].stop is None
     assert sh.stage_configs(sh.FULL)[0].stop is None
+
+
+def test_summaries_of_the_tables_at_convergence_state_the_rule_not_fixed_budgets():
+    """A ``--plateau`` table is full size (verdicts given, no "quick run" note) and its
+    summary states caps, stopping rounds and the validation-chosen stage 3 instead of the
+    fixed tables' round counts and 5 epochs."""
+    from partialfl.experiments import femnist as fm
+    from partialfl.experiments import shakespeare as sh
+
+    assert fm._full_size(fm.PLATEAU) and fm._full_size(replace(fm.PLATEAU, seeds=(0,)))
+    assert sh._full_size(sh.PLATEAU) and not fm._full_size(replace(fm.PLATEAU, rounds=7))
+    res = {"FedAvg": [{"stage1_rounds": 450}], "FFGG (input)": [{"stage1_rounds": 450}]}
+    (stages,) = fm._stages(fm.PLATEAU, res)
+    assert "cap 600, stopped at round 450" in stages and "cap 1000" in stages
+    assert "chosen on validation" in stages and "5 epochs" not in stages
+    assert "300 rounds" in fm._stages(fm.FULL, res)[0]
+    dev = fm._deviations(fm.PLATEAU, 74)
+    assert "plateau rule" in dev[0] and "600" in dev[0] and "300 rounds" not in " ".join(dev)
+    assert sh._budget(sh.PLATEAU, 500, res) == ("until the plateau rule on validation data "
+                                                "(cap 500 rounds, stopped at round 450)")
+    assert sh._budget(sh.FULL, 200) == "200 rounds"

@@ -378,10 +378,7 @@ def _summary(results, size: Size, info, seconds: float, quick: bool) -> str:
                          verdict=full)
           if info["new_writers"] else ["(no held-out writers)"]),
         "",
-        f"Stages: 1) FedAvg pre-training {size.pretrain_rounds} rounds (client lr "
-        f"{PRETRAIN_LR}, shared by all rows); 2) {size.rounds} rounds of the method (client lr "
-        f"{PERSONAL_LR}; FFGG server lr {FFGG_SERVER_LR}, others FedAvg server lr 1); 3) "
-        f"{size.finetune_epochs} epochs of w fine-tuning per client (lr {PERSONAL_LR}). "
+        *_stages(size, results),
         "'before stage 3' = the deployed model before fine-tuning (FedAvg: the global model; "
         "FFGG / Local FFGG: w at its restart value; FedAlt / FedSim: the w kept on clients).",
         "'new writers': test accuracy of writers never seen in training after fine-tuning "
@@ -403,9 +400,29 @@ def _summary(results, size: Size, info, seconds: float, quick: bool) -> str:
     return "\n".join(lines)
 
 
+def _stages(size: Size, results) -> list[str]:
+    """The summary's sentence on the three stages' budgets (fixed, or by the plateau rule)."""
+    server = f"FFGG server lr {FFGG_SERVER_LR}, others FedAvg server lr 1"
+    if not size.plateau:
+        return [f"Stages: 1) FedAvg pre-training {size.pretrain_rounds} rounds (client lr "
+                f"{PRETRAIN_LR}, shared by all rows); 2) {size.rounds} rounds of the method "
+                f"(client lr {PERSONAL_LR}; {server}); 3) {size.finetune_epochs} epochs of w "
+                f"fine-tuning per client (lr {PERSONAL_LR}). "]
+    r1 = sorted({m.get("stage1_rounds") for ms in results.values() for m in ms} - {None})
+    at = f", stopped at round {', '.join(map(str, r1))}" if r1 else ""
+    return [f"Stages (budgets by the plateau rule on validation data, see the last section): "
+            f"1) FedAvg pre-training until the rule (cap {size.pretrain_rounds}{at}; client lr "
+            f"{PRETRAIN_LR}, shared by all rows); 2) the method until the rule (cap "
+            f"{size.rounds}; client lr {PERSONAL_LR}; {server}); 3) w fine-tuning per client "
+            "with the epochs and lr chosen on validation data for each run (new writers use "
+            "the same choice). "]
+
+
 def _full_size(size: Size) -> bool:
-    """Whether ``size`` is the full table's (any seeds, threads and workers)."""
-    return replace(size, seeds=FULL.seeds, threads=FULL.threads, workers=FULL.workers) == FULL
+    """Whether ``size`` is the full table's or the table at convergence's (any seeds,
+    threads and workers)."""
+    return any(replace(size, seeds=s.seeds, threads=s.threads, workers=s.workers) == s
+               for s in (FULL, PLATEAU))
 
 
 #: how many of the docstring's deviations describe the full-size table's sizes
@@ -416,6 +433,15 @@ def _deviations(size: Size, n_train: int) -> list[str]:
     """The module docstring's deviations; a run of another size than :data:`FULL` states its
     own round counts and held-out writers instead of the full table's."""
     bullets = docstring_bullets(__doc__, "Deviations, and why (also written into the summary;")
+    if _full_size(size) and size.plateau:
+        return [f"- Stage budgets by the plateau rule on validation accuracy (10% of each "
+                f"training writer's training data) instead of fixed round counts: caps "
+                f"{size.pretrain_rounds} (stage 1) and {size.rounds} (stage 2), evaluations "
+                f"every {size.eval_every} rounds (the paper runs thousands of rounds on full "
+                "FEMNIST).",
+                f"- {size.holdout} of the 84 writers are held out of training and serve as "
+                "*new clients*: each fine-tunes w on a trained θ with its run's stage-3 "
+                "setting (the `evaluate` command).", *bullets[_SIZE_DEVIATIONS:]]
     if _full_size(size):
         return bullets
     return [f"- Sizes of this run (smaller than the full-size table, to check that everything "

@@ -405,11 +405,15 @@ def _summary(results, size: Size, tf, seconds: float, quick: bool,
         *paired_section({label: counts_from_runs(ms) for label, ms in results.items() if ms},
                         unit="scored tokens", clients="roles", verdict=full),
         "",
-        f"Stages: 1) FedAvg pre-training, {size.pretrain_rounds} rounds (server Adam lr "
+        f"Stages: 1) FedAvg pre-training, {_budget(size, size.pretrain_rounds, results)} "
+        f"(server Adam lr "
         f"{size.pretrain_server_lr}, client lr {size.pretrain_client_lr}; shared by all rows); "
-        f"2) {size.rounds} rounds of the method (server Adam lr {size.server_lr}, client lr "
-        f"{size.client_lr}); 3) {size.finetune_epochs} epochs of fine-tuning of w per client "
-        f"(lr {size.finetune_lr}). {size.clients_per_round} clients per round, batch "
+        f"2) {_budget(size, size.rounds)} of the method (server Adam lr {size.server_lr}, "
+        f"client lr {size.client_lr}); 3) "
+        + ("fine-tuning of w per client with the epochs and lr chosen on validation data for "
+           "each run" if size.plateau else f"{size.finetune_epochs} epochs of fine-tuning of w "
+           f"per client (lr {size.finetune_lr})")
+        + f". {size.clients_per_round} clients per round, batch "
         f"{BATCH_SIZE}, clipping {CLIP_NORM}, warm-up {int(100 * WARMUP_FRACTION)}% then "
         "linear decay. 'before stage 3': the deployed model before fine-tuning (FedAvg: the "
         "global model; FFGG: w at its restart value, the stage-1 values).",
@@ -432,11 +436,22 @@ def _summary(results, size: Size, tf, seconds: float, quick: bool,
     return "\n".join(lines)
 
 
+def _budget(size: Size, cap: int, results=None) -> str:
+    """A stage's budget: ``cap`` rounds, or under the plateau rule "until the rule (cap …)"
+    with stage 1's stopping round(s) when ``results`` are given."""
+    if not size.plateau:
+        return f"{cap} rounds"
+    r1 = sorted({m.get("stage1_rounds") for ms in (results or {}).values() for m in ms}
+                - {None})
+    at = f", stopped at round {', '.join(map(str, r1))}" if r1 else ""
+    return f"until the plateau rule on validation data (cap {cap} rounds{at})"
+
+
 def _full_size(size: Size) -> bool:
-    """Whether ``size`` is a table's (:data:`SIZES`) or the paper's (any seeds, threads,
-    workers)."""
+    """Whether ``size`` is a table's (:data:`SIZES`, :data:`PLATEAU`) or the paper's (any
+    seeds, threads, workers)."""
     return any(replace(size, seeds=s.seeds, threads=s.threads, workers=s.workers) == s
-               for s in (*SIZES.values(), PAPER))
+               for s in (*SIZES.values(), PLATEAU, PAPER))
 
 
 #: a measurement of the docstring's deviations made on the tiny corpus only, and what another
@@ -452,7 +467,7 @@ def _deviations(size: Size, stats: dict) -> list[str]:
     own data, model and round counts instead of the full table's."""
     bullets = docstring_bullets(__doc__, "Deviations, and why (also written into the summary;")
     tiny = (size.corpus, size.task) == ("tiny", "word")
-    if tiny and _full_size(size):
+    if tiny and _full_size(size) and not size.plateau:
         return bullets
     tok = _TASK_WORD[size.task]
     data = ("Shakespeare by speaking role" if size.corpus == "tiny" else
@@ -472,9 +487,13 @@ def _deviations(size: Size, stats: dict) -> list[str]:
             + f", vocabulary {stats['vocab_words']:,} {tok}s, transformer {size.num_layers} "
             f"blocks × "
             f"{size.num_heads} heads, hidden {size.d_model}, feed-forward {size.d_ff}; "
-            f"{size.pretrain_rounds} pre-training rounds at server Adam lr "
+            + ("caps of " if size.plateau else "")
+            + f"{size.pretrain_rounds} pre-training rounds at server Adam lr "
             f"{size.pretrain_server_lr:g} and {size.rounds} personalization rounds at "
-            f"{size.server_lr:g}, {size.clients_per_round} clients per round.",
+            f"{size.server_lr:g}"
+            + (" (each stage stopped by the plateau rule on validation data; see the last "
+               "section)" if size.plateau else "")
+            + f", {size.clients_per_round} clients per round.",
             *char, *(b if size.corpus == "tiny" else b.replace(_TINY_ONLY, _NOT_TUNED)
                      for b in bullets[_SIZE_DEVIATIONS:])]
 
