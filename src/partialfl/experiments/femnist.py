@@ -382,7 +382,7 @@ def _summary(results, size: Size, info, seconds: float, quick: bool) -> str:
         "'before stage 3' = the deployed model before fine-tuning (FedAvg: the global model; "
         "FFGG / Local FFGG: w at its restart value; FedAlt / FedSim: the w kept on clients).",
         "'new writers': test accuracy of writers never seen in training after fine-tuning "
-        "their w for the stage-3 epochs on the trained θ.",
+        "their w on the trained θ with the run's stage-3 setting.",
         "",
         "Wall-clock of this invocation (a resumed table reloads its finished runs, so this "
         f"counts only what ran now): {seconds / 60:.1f} min, {size.workers} worker "

@@ -232,7 +232,8 @@ def plateau_table(results: dict[str, Sequence[dict]], timings: dict[str, float])
             t = (m["stage2_seconds"] + m.get("stage3_seconds", 0.0) if "stage2_seconds" in m
                  else timings.get(f"seed{m['seed']}/{label}", float("nan")))
             rows.append([label, m["seed"], f"{rounds} ({how})",
-                         f"{c['epochs']} ep, lr {c['lr']:g}" if c else "-",
+                         ("0 ep (no fine-tuning)" if c and not c["epochs"] else
+                          f"{c['epochs']} ep, lr {c['lr']:g}" if c else "-"),
                          f"{100 * m['val_acc']:.2f}" if "val_acc" in m else "-",
                          f"{100 * m['test_acc']:.2f}", f"{t / 60:.1f}"])
     note = ("Under the plateau rule the round counts stated above are caps and stage 3 uses "
