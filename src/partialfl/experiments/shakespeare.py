@@ -408,7 +408,7 @@ def _summary(results, size: Size, tf, seconds: float, quick: bool,
         f"Stages: 1) FedAvg pre-training, {_budget(size, size.pretrain_rounds, results)} "
         f"(server Adam lr "
         f"{size.pretrain_server_lr}, client lr {size.pretrain_client_lr}; shared by all rows); "
-        f"2) {_budget(size, size.rounds)} of the method (server Adam lr {size.server_lr}, "
+        f"2) the method, {_budget(size, size.rounds)} (server Adam lr {size.server_lr}, "
         f"client lr {size.client_lr}); 3) "
         + ("fine-tuning of w per client with the epochs and lr chosen on validation data for "
            "each run" if size.plateau else f"{size.finetune_epochs} epochs of fine-tuning of w "
