@@ -80,7 +80,12 @@ from partialfl.experiments.report import (
     quick_note,
     versus_fedavg,
 )
-from partialfl.experiments.stopping import budget_plot, plateau_settings, plateau_table
+from partialfl.experiments.stopping import (
+    budget_plot,
+    plateau_settings,
+    plateau_table,
+    stage1_stop,
+)
 from partialfl.spec import ModelSpec
 
 MODEL = "emnist_cnn"
@@ -408,10 +413,9 @@ def _stages(size: Size, results) -> list[str]:
                 f"{PRETRAIN_LR}, shared by all rows); 2) {size.rounds} rounds of the method "
                 f"(client lr {PERSONAL_LR}; {server}); 3) {size.finetune_epochs} epochs of w "
                 f"fine-tuning per client (lr {PERSONAL_LR}). "]
-    r1 = sorted({m.get("stage1_rounds") for ms in results.values() for m in ms} - {None})
-    at = f", stopped at round {', '.join(map(str, r1))}" if r1 else ""
     return [f"Stages (budgets by the plateau rule on validation data, see the last section): "
-            f"1) FedAvg pre-training until the rule (cap {size.pretrain_rounds}{at}; client lr "
+            f"1) FedAvg pre-training until the rule (cap {size.pretrain_rounds}"
+            f"{stage1_stop(results)}; client lr "
             f"{PRETRAIN_LR}, shared by all rows); 2) the method until the rule (cap "
             f"{size.rounds}; client lr {PERSONAL_LR}; {server}); 3) w fine-tuning per client "
             "with the epochs and lr chosen on validation data for each run (new writers use "

@@ -83,7 +83,12 @@ from partialfl.experiments.report import (
     quick_note,
     versus_fedavg,
 )
-from partialfl.experiments.stopping import budget_plot, plateau_settings, plateau_table
+from partialfl.experiments.stopping import (
+    budget_plot,
+    plateau_settings,
+    plateau_table,
+    stage1_stop,
+)
 from partialfl.lm import NextWordAccuracy, token_cross_entropy
 from partialfl.models.transformer import TransformerConfig, TransformerLM, transformer_split
 from partialfl.rng import torch_seed
@@ -441,10 +446,8 @@ def _budget(size: Size, cap: int, results=None) -> str:
     with stage 1's stopping round(s) when ``results`` are given."""
     if not size.plateau:
         return f"{cap} rounds"
-    r1 = sorted({m.get("stage1_rounds") for ms in (results or {}).values() for m in ms}
-                - {None})
-    at = f", stopped at round {', '.join(map(str, r1))}" if r1 else ""
-    return f"until the plateau rule on validation data (cap {cap} rounds{at})"
+    return (f"until the plateau rule on validation data (cap {cap} rounds"
+            f"{stage1_stop(results or {})})")
 
 
 def _full_size(size: Size) -> bool:

@@ -103,6 +103,13 @@ def plateau_settings(stage1: bool = False, window: int = 3, min_delta: float = 0
     return (rule if stage1 else None, rule, ValidationConfig(0.1, 2), grid)
 
 
+def stage1_stop(results: dict[str, Sequence[dict]]) -> str:
+    """", stopped at round R" for the stage-1 stopping round(s) recorded in a table's run
+    metrics (``stage1_rounds``), or "" when none is recorded."""
+    r1 = sorted({m.get("stage1_rounds") for ms in results.values() for m in ms} - {None})
+    return f", stopped at round {', '.join(map(str, r1))}" if r1 else ""
+
+
 def plateaued(history: Sequence[dict[str, Any]], stop: StopConfig) -> bool:
     """Whether the plateau rule fires on the evaluation records ``history``."""
     if len(history) <= stop.window:
