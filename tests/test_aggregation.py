@@ -23,7 +23,7 @@ from partialfl.aggregation import (
     finite_rows,
 )
 from partialfl.build import make_aggregator
-from partialfl.build import names as _names
+from partialfl.registry import names as _names
 
 
 def rand(k, d, seed=0):

@@ -19,7 +19,7 @@ from partialfl.attacks import (
     flip_labels,
 )
 from partialfl.build import make_attack
-from partialfl.build import names as _names
+from partialfl.registry import names as _names
 
 
 def data(h=7, b=3, d=4, seed=0):

@@ -266,19 +266,16 @@ def test_the_pipeline_deploys_the_clients_own_statistics(tmp_path):
     the running statistics it kept in stage 2 (not the untrained layer's 0 / 1)."""
     from partialfl.evaluation import evaluate_model
     from partialfl.experiments.pipeline import (
-        ClientConfig,
-        MethodConfig,
-        PipelineConfig,
-        StageConfig,
         Task,
         load_params,
         run_pipeline,
     )
+    from partialfl.spec import FinetuneConfig, MethodConfig, RunSpec, StageConfig
 
     data = toy_data(8)
-    stage = StageConfig(rounds=2, clients_per_round=3, client=ClientConfig(lr=0.1, batch_size=4))
-    cfg = PipelineConfig(method=MethodConfig(algorithm="fedavg", split="none"), pretrain=stage,
-                         personalize=stage, finetune=ClientConfig(lr=0.1, epochs=1))
+    stage = StageConfig(rounds=2, clients_per_round=3, client=SGDConfig(lr=0.1, batch_size=4))
+    cfg = RunSpec(method=MethodConfig(algorithm="fedavg", split="none"), pretrain=stage,
+                         personalize=stage, finetune=FinetuneConfig(lr=0.1, epochs=1))
     res = run_pipeline(cfg, Task(data=data, model_fn=toy_bn_model, name="bn"), tmp_path,
                        progress=False)
     from partialfl.io import load_tensors

@@ -13,9 +13,10 @@ from partialfl.algorithms import FFGG, LocalGD, Scaffold
 from partialfl.algorithms.asynchronous import joint_sgd
 from partialfl.algorithms.base import RoundContext
 from partialfl.algorithms.byzantine import ByzantineConfig, ByzantineRobust, br_ffgg
-from partialfl.build import make_aggregator, make_attack, make_solver, names
+from partialfl.build import make_aggregator, make_attack, make_solver
 from partialfl.problems.least_squares import LeastSquaresProblem, generate_raw
 from partialfl.problems.overpersonalized import OverpersonalizedLeastSquares
+from partialfl.registry import names
 from partialfl.runtime import BatchedBackend, SequentialBackend, run_rounds
 from partialfl.server import SGD
 from partialfl.types import ClientUpdates

@@ -10,9 +10,11 @@ import sys
 import pytest
 from _summaries import check_standalone_summary
 
+from partialfl.build import problem_of
 from partialfl.cli import main
 from partialfl.config import ConfigError, apply_overrides, from_dict
-from partialfl.experiments.closed_form import ClosedFormConfig, load_closed_form, parse_lr
+from partialfl.experiments.closed_form import load_closed_form
+from partialfl.spec import RunSpec, parse_lr
 
 
 def test_list(capsys):
@@ -69,40 +71,46 @@ def test_reproduce_ls_compare_quick(tmp_path):
 
 def test_run_config_with_overrides(tmp_path, capsys):
     cfg = tmp_path / "c.toml"
-    cfg.write_text('[problem]\nnum_clients = 4\nn = 30\nd_theta = 5\nd_w = 2\n'
-                   '[algorithm]\nname = "ffgg"\nsolver = "cg"\ntau = 2\n[run]\nrounds = 5\n')
-    assert main(["run", str(cfg), "--set", "run.rounds=7", "--out", str(tmp_path),
+    cfg.write_text('[problem]\nname = "least-squares"\nnum_clients = 4\nn = 30\n'
+                   'd_theta = 5\nd_w = 2\n[method]\nalgorithm = "ffgg"\n'
+                   '[personalize]\nrounds = 5\nclient = { name = "cg", tau = 2 }\n')
+    assert main(["run", str(cfg), "--set", "personalize.rounds=7", "--out", str(tmp_path),
                  "--no-progress"]) == 0
     recs = [json.loads(x) for x in (tmp_path / "c.jsonl").read_text().splitlines()]
     assert recs[-1]["round"] == 7
 
 
+LS = {"name": "least-squares"}
+
+
 @pytest.mark.parametrize("data,match", [
-    ({"problem": {"nn": 3}}, "unknown key 'problem.nn' (did you mean 'n'?)"),
-    ({"algorithm": {"tua": 3}}, "unknown key 'algorithm.tua' (did you mean 'tau'?); allowed "
-                                "keys in [algorithm]"),
-    ({"algorithm": {"name": "scafold"}}, "'scafold' is not allowed (did you mean 'scaffold'?)"),
-    ({"problem": {"n": -4}}, "n must be a positive integer"),
-    ({"algorithm": {"tau": 0}}, "algorithm.tau"),
-    ({"algorithm": {"name": "fedprox"}}, "allowed: ffgg, local-gd, scaffold, l2gd"),
-    ({"algorithm": {"solver": "lbfgs"}}, "allowed: gd, cg, exact"),
-    ({"server": {"lr": -0.1}}, "positive"),
-    ({"server": {"lr": "two/L"}}, "c/L"),
-    ({"run": {"rounds": "many"}}, "expected an integer"),
-    ({"runs": {}}, "allowed keys"),
+    ({"problem": {**LS, "nn": 3}}, "unknown key 'problem.nn' (did you mean 'n'?)"),
+    ({"problem": LS, "personalize": {"client": {"name": "gd", "tua": 3}}},
+     "unknown key 'personalize.client.tua' (did you mean 'tau'?); allowed keys in "
+     "[personalize.client]"),
+    ({"problem": LS, "method": {"algorithm": "scafold"}},
+     "'scafold' is not allowed (did you mean 'scaffold'?)"),
+    ({"problem": {**LS, "n": -4}}, "n must be a positive integer"),
+    ({"problem": LS, "personalize": {"client": {"name": "gd", "tau": 0}}},
+     "personalize.client"),
+    ({"problem": LS, "personalize": {"client": {"name": "lbfgs"}}},
+     "allowed: cg, exact, gd, sgd"),
+    ({"problem": LS, "personalize": {"server": {"lr": -0.1}}}, "positive"),
+    ({"problem": LS, "personalize": {"server": {"lr": "two/L"}}}, "c/L"),
+    ({"problem": LS, "personalize": {"rounds": "many"}}, "expected an integer"),
+    ({"problem": LS, "runs": {}}, "allowed keys"),
+    ({"problem": {"name": "least-squares", "num_clients": 10 ** 6}}, "GiB"),
 ])
 def test_config_errors_name_the_problem(data, match):
     with pytest.raises(ConfigError, match=re.escape(match)):
-        cfg = load_closed_form(data)
-        from partialfl.experiments.closed_form import build_problem, problem_config_for
-
-        build_problem(problem_config_for(cfg))
+        problem_of(load_closed_form(data))
 
 
 def test_too_many_sampled_clients(tmp_path, capsys):
     cfg = tmp_path / "c.toml"
-    cfg.write_text('[problem]\nnum_clients = 4\nn = 30\nd_theta = 5\nd_w = 2\n'
-                   '[run]\nrounds = 2\nclients_per_round = 9\n')
+    cfg.write_text('[problem]\nname = "least-squares"\nnum_clients = 4\nn = 30\n'
+                   'd_theta = 5\nd_w = 2\n[personalize]\nrounds = 2\nclients_per_round = 9\n'
+                   'client = { name = "cg", tau = 2 }\n')
     assert main(["run", str(cfg), "--out", str(tmp_path), "--no-progress"]) == 2
     assert "clients_per_round=9" in capsys.readouterr().err
 
@@ -114,7 +122,7 @@ def test_overrides_and_lr_parsing():
         apply_overrides({}, ["nokey"])
     assert parse_lr("1/L", 50.0) == 0.02 and parse_lr("0.5 / L", 10.0) == 0.05
     assert parse_lr(0.3, 1.0) == 0.3
-    assert isinstance(from_dict(ClosedFormConfig, {}), ClosedFormConfig)
+    assert isinstance(from_dict(RunSpec, {}), RunSpec)
 
 
 def test_module_entry_point_runs():
@@ -133,7 +141,7 @@ def test_every_shipped_config_is_valid():
     assert files, "no configs shipped"
     for f in files:
         cfg = load_closed_form({**load_toml(f), "name": f.stem})
-        assert cfg.run.rounds > 0
+        assert cfg.personalize.rounds > 0
 
 
 # ----------------------------------------------------------------------- what a new user meets
@@ -153,13 +161,13 @@ def test_version(capsys):
 
 
 def test_reproduce_help_lists_every_name_and_says_what_quick_does(capsys):
-    from partialfl.build import REGISTRY
+    from partialfl.registry import names
 
     with pytest.raises(SystemExit) as e:
         main(["reproduce", "--help"])
     assert e.value.code == 0
     out = " ".join(capsys.readouterr().out.split())
-    for name in REGISTRY["reproduction"]:
+    for name in names("reproduction"):
         assert f" {name} " in out
     assert "(what CI runs)" not in out
     assert "reduced size (fewer clients, rounds and seeds)" in out
@@ -178,14 +186,15 @@ def test_list_into_a_closed_pipe_has_no_traceback():
 def test_list_head_two_lines_through_a_shell():
     r = subprocess.run(f"'{sys.executable}' -m partialfl list | head -2", shell=True,
                        capture_output=True, text=True, timeout=60)
-    assert len(r.stdout.splitlines()) == 2 and r.stdout.startswith("ls-tau")
+    assert len(r.stdout.splitlines()) == 2 and r.stdout.startswith("async ")
     assert r.stderr == ""
 
 
 def test_run_writes_plot_and_summary_like_a_reproduction(tmp_path, capsys):
     cfg = tmp_path / "small.toml"
-    cfg.write_text('[problem]\nnum_clients = 4\nn = 30\nd_theta = 5\nd_w = 2\n'
-                   '[algorithm]\nname = "ffgg"\nsolver = "cg"\ntau = 2\n[run]\nrounds = 20\n')
+    cfg.write_text('[problem]\nname = "least-squares"\nnum_clients = 4\nn = 30\nd_theta = 5\n'
+                   'd_w = 2\n[method]\nalgorithm = "ffgg"\n[personalize]\nrounds = 20\n'
+                   'eval_every = 10\nclient = { name = "cg", tau = 2 }\n')
     out = tmp_path / "o"
     assert main(["run", str(cfg), "--out", str(out), "--no-progress"]) == 0
     assert (out / "small.png").stat().st_size > 1000
@@ -204,8 +213,8 @@ def test_run_writes_plot_and_summary_like_a_reproduction(tmp_path, capsys):
 
 def test_run_shows_progress_while_building_the_problem(tmp_path):
     cfg = tmp_path / "p.toml"
-    cfg.write_text('[problem]\nnum_clients = 3\nn = 30\nd_theta = 5\nd_w = 2\n[run]\n'
-                   'rounds = 2\n')
+    cfg.write_text('[problem]\nname = "least-squares"\nnum_clients = 3\nn = 30\nd_theta = 5\n'
+                   'd_w = 2\n[personalize]\nrounds = 2\nclient = { name = "cg", tau = 2 }\n')
     r = subprocess.run([sys.executable, "-m", "partialfl", "run", str(cfg), "--out",
                         str(tmp_path / "o")], capture_output=True, text=True, timeout=120)
     assert r.returncode == 0, r.stderr

@@ -181,19 +181,16 @@ def test_the_pipeline_saves_every_clients_deployed_model(tmp_path):
     """run_pipeline(save_personalized=True): each client's saved model, loaded into a fresh
     module, has the per-client test accuracy of the run's metrics.json."""
     from partialfl.experiments.pipeline import (
-        ClientConfig,
-        MethodConfig,
-        PipelineConfig,
-        StageConfig,
         Task,
         run_pipeline,
     )
+    from partialfl.spec import FinetuneConfig, MethodConfig, RunSpec, StageConfig
 
     data = toy_data(5)
-    stage = StageConfig(rounds=2, clients_per_round=3, client=ClientConfig(lr=0.1, batch_size=4))
-    cfg = PipelineConfig(method=MethodConfig(algorithm="fedsim", split="output"),
+    stage = StageConfig(rounds=2, clients_per_round=3, client=SGDConfig(lr=0.1, batch_size=4))
+    cfg = RunSpec(method=MethodConfig(algorithm="fedsim", split="output"),
                          pretrain=stage, personalize=stage,
-                         finetune=ClientConfig(lr=0.1, epochs=1, batch_size=4))
+                         finetune=FinetuneConfig(lr=0.1, epochs=1, batch_size=4))
     task = Task(data=data, model_fn=toy_model, name="toy")
     res = run_pipeline(cfg, task, tmp_path, progress=False)
     assert not (tmp_path / "personalized").exists()  # opt-in

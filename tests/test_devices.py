@@ -14,10 +14,6 @@ from partialfl.algorithms.model import model_ffgg
 from partialfl.config import ConfigError
 from partialfl.devices import LossScaler, available_devices, check_precision, resolve_device
 from partialfl.experiments.pipeline import (
-    ClientConfig,
-    MethodConfig,
-    PipelineConfig,
-    StageConfig,
     Task,
     run_pipeline,
 )
@@ -25,6 +21,7 @@ from partialfl.local.sgd import SGDConfig
 from partialfl.problems.model import ModelProblem
 from partialfl.runtime import SequentialBackend, run_rounds
 from partialfl.server import SGD
+from partialfl.spec import FinetuneConfig, MethodConfig, RunSpec, StageConfig
 from partialfl.split import make_split
 
 HAS_CUDA = torch.cuda.is_available()
@@ -71,9 +68,9 @@ def test_precision_validation():
     with pytest.raises(ValueError, match=r"unknown precision 'fp8'.*fp32, bf16, fp16"):
         check_precision("fp8", torch.device("cpu"))
     with pytest.raises(ConfigError, match="precision"):
-        PipelineConfig(precision="half")
+        RunSpec(precision="half")
     with pytest.raises(ConfigError, match=r"device: 'gpu0' is not allowed"):
-        PipelineConfig(device="gpu0")
+        RunSpec(device="gpu0")
 
 
 def test_problem_refuses_missing_device_clearly():
@@ -133,17 +130,17 @@ def test_loss_scaler_returns_nonfinite_at_min_scale():
 
 # ----------------------------------------------------------------------------- pipeline
 def test_pipeline_device_is_not_part_of_run_identity(tmp_path):
-    stage = StageConfig(rounds=2, clients_per_round=3, client=ClientConfig(lr=0.1, batch_size=4))
-    cfg = PipelineConfig(method=MethodConfig(algorithm="ffgg", split="output"), pretrain=stage,
-                         personalize=stage, finetune=ClientConfig(lr=0.1, epochs=1))
+    stage = StageConfig(rounds=2, clients_per_round=3, client=SGDConfig(lr=0.1, batch_size=4))
+    cfg = RunSpec(method=MethodConfig(algorithm="ffgg", split="output"), pretrain=stage,
+                         personalize=stage, finetune=FinetuneConfig(lr=0.1, epochs=1))
     task = Task(data=toy_data(6), model_fn=toy_model, name="toy")
     a = run_pipeline(cfg, task, tmp_path / "r", progress=False)
     # the same run folder, opened with device "auto": accepted, and the finished run is reused
-    cfg2 = PipelineConfig(**{**cfg.__dict__, "device": "auto"})
+    cfg2 = RunSpec(**{**cfg.__dict__, "device": "auto"})
     b = run_pipeline(cfg2, task, tmp_path / "r", progress=False)
     assert a.metrics["test_acc"] == b.metrics["test_acc"]
     # precision IS part of the identity: another precision is another run
-    cfg3 = PipelineConfig(**{**cfg.__dict__, "precision": "bf16"})
+    cfg3 = RunSpec(**{**cfg.__dict__, "precision": "bf16"})
     with pytest.raises(ConfigError, match="different configuration"):
         run_pipeline(cfg3, task, tmp_path / "r", progress=False)
 

@@ -10,7 +10,6 @@ import torch
 from _nn_toy import one_thread
 
 from partialfl.data.femnist import load_femnist_npz, pixel_mean_std
-from partialfl.experiments import get_reproduction
 from partialfl.experiments.femnist import (
     METHODS,
     QUICK,
@@ -22,6 +21,7 @@ from partialfl.experiments.femnist import (
     reproduce_table,
     writer_folds,
 )
+from partialfl.registry import entry
 
 pytestmark = pytest.mark.data
 
@@ -45,7 +45,7 @@ def test_load_data_holds_out_writers_and_normalises_with_training_stats(data_dir
     x = torch.cat(list(seen.train_x))[:, 0].numpy()
     ref = (raw_seen.numpy()[:, 0] - mean) / np.maximum(std, 0.1)
     np.testing.assert_allclose(x, ref, atol=1e-5)
-    assert get_reproduction("femnist-table") is reproduce_table
+    assert entry("reproduction", "femnist-table").build is reproduce_table
 
 
 @pytest.mark.slow

@@ -134,7 +134,6 @@ def test_the_apps_defaults_are_the_specs():
     from partialfl.flower.models import pipeline_configs
     from partialfl.spec import (
         AlgorithmConfig,
-        ClientConfig,
         MethodConfig,
         ModelSpec,
         ProblemConfig,
@@ -154,7 +153,7 @@ def test_the_apps_defaults_are_the_specs():
         server.halve_every, server.clip_norm)
     method, stage = pipeline_configs(cfg.replace(problem="femnist", local_lr=0.1))
     assert (method.split, method.weighting) == (MethodConfig().split, MethodConfig().weighting)
-    client = ClientConfig()
+    client = SGDConfig()
     assert (stage.client.epochs, stage.client.batch_size) == (client.epochs, client.batch_size)
     assert cfg.model == ModelSpec().name
     # the types come from the spec too: an int field refuses a string, a float one an int-y bool

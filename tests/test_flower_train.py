@@ -8,7 +8,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from partialfl.experiments.train import load_train_spec
+from partialfl.experiments.train import load_run_spec as load_train_spec
 
 ROOT = Path(__file__).resolve().parents[1]
 QUICKSTART = ROOT / "configs" / "train" / "quickstart.toml"

@@ -18,16 +18,13 @@ from partialfl.experiments.pipeline import (
     CLIENT_STATE,
     THETA1,
     THETA2,
-    ClientConfig,
-    MethodConfig,
-    PipelineConfig,
-    StageConfig,
     Task,
     evaluate_run,
     run_pipeline,
 )
 from partialfl.local.sgd import SGDConfig, run_sgd
 from partialfl.problems.model import ModelProblem
+from partialfl.spec import FinetuneConfig, MethodConfig, RunSpec, StageConfig
 from partialfl.split import make_split
 
 
@@ -37,28 +34,29 @@ def _single_thread():
         yield
 
 
-def _cfg(method: MethodConfig, clients_per_round=3) -> PipelineConfig:
+def _cfg(method: MethodConfig, clients_per_round=3) -> RunSpec:
     stage = StageConfig(rounds=3, clients_per_round=clients_per_round,
-                        client=ClientConfig(lr=0.1, batch_size=4), eval_every=1)
-    return PipelineConfig(method=method, pretrain=stage, personalize=stage,
-                          finetune=ClientConfig(lr=0.1, epochs=2, batch_size=4))
+                        client=SGDConfig(lr=0.1, batch_size=4), eval_every=1)
+    return RunSpec(method=method, pretrain=stage, personalize=stage,
+                          finetune=FinetuneConfig(lr=0.1, epochs=2, batch_size=4))
 
 
 def test_method_config_for_full_personal_models():
     with pytest.raises(ConfigError, match="Ditto needs lam >= 0"):
         MethodConfig(algorithm="ditto", split="none")
-    with pytest.raises(ConfigError, match="other algorithms none"):
-        MethodConfig(algorithm="ffgg", split="output", lam=1.0)
+    with pytest.raises(ConfigError, match="unknown key 'method.lam'"):
+        MethodConfig(algorithm="ffgg", split="output", options={"lam": 1.0})
     with pytest.raises(ConfigError, match="keeps a full personal model"):
-        MethodConfig(algorithm="ditto", split="output", lam=1.0)
-    cfg = _cfg(MethodConfig(algorithm="ditto", split="none", lam=0.5))
-    assert PipelineConfig.from_dict(cfg.to_dict()) == cfg
+        MethodConfig(algorithm="ditto", split="output", options={"lam": 1.0})
+    cfg = _cfg(MethodConfig(algorithm="ditto", split="none", options={"lam": 0.5}))
+    assert RunSpec.from_dict(cfg.to_dict()) == cfg
 
 
 def test_ditto_pipeline_deploys_personal_models_and_evaluates_new_clients(tmp_path):
     data = toy_data(8)
     task = Task(data=data, model_fn=toy_model, name="toy")
-    res = run_pipeline(_cfg(MethodConfig(algorithm="ditto", split="none", lam=0.5)), task,
+    res = run_pipeline(_cfg(MethodConfig(algorithm="ditto", split="none",
+                                         options={"lam": 0.5})), task,
                        tmp_path / "d", progress=False)
     m = res.metrics
     assert m["test_acc"] == m["test_acc_before_ft"]  # no stage 3

@@ -6,9 +6,10 @@ import pytest
 import torch
 from torch import nn
 
-from partialfl.build import make_model, names
+from partialfl.build import make_model
 from partialfl.models import EmnistCNN, LeafCNN, ResNet18GN, load_pretrained
 from partialfl.models.resnet import PretrainedWeightsError
+from partialfl.registry import names
 
 
 def _count(m: nn.Module) -> int:

@@ -15,10 +15,6 @@ from partialfl.algorithms.base import ClientResult
 from partialfl.algorithms.model import FedAlt, FedAvg
 from partialfl.algorithms.wrapper import AlgorithmWrapper
 from partialfl.experiments.pipeline import (
-    ClientConfig,
-    MethodConfig,
-    PipelineConfig,
-    StageConfig,
     Task,
     run_pipeline,
 )
@@ -29,6 +25,7 @@ from partialfl.problems.model import ModelProblem
 from partialfl.runtime import run_rounds
 from partialfl.runtime.asynchronous import run_async
 from partialfl.runtime.sync import client_side_path
+from partialfl.spec import FinetuneConfig, MethodConfig, RunSpec, StageConfig
 from partialfl.split import make_split
 from partialfl.types import ClientUpdates
 
@@ -139,10 +136,10 @@ def test_non_private_checkpoints_are_an_explicit_choice(tmp_path):
 
 
 def test_no_server_side_pipeline_file_holds_personal_values(tmp_path):
-    st = StageConfig(rounds=1, clients_per_round=2, client=ClientConfig(lr=0.1, batch_size=4),
+    st = StageConfig(rounds=1, clients_per_round=2, client=SGDConfig(lr=0.1, batch_size=4),
                      eval_every=1)
-    cfg = PipelineConfig(method=MethodConfig(algorithm="fedalt", split="output"), pretrain=st,
-                         personalize=st, finetune=ClientConfig(lr=0.1, epochs=1, batch_size=4),
+    cfg = RunSpec(method=MethodConfig(algorithm="fedalt", split="output"), pretrain=st,
+                         personalize=st, finetune=FinetuneConfig(lr=0.1, epochs=1, batch_size=4),
                          checkpoint_every=1)
     run_pipeline(cfg, Task(toy_data(4), toy_model, name="toy"), tmp_path / "r", progress=False)
     run = tmp_path / "r"

@@ -38,7 +38,7 @@ from partialfl.attacks import (
     line_search,
 )
 from partialfl.build import make_aggregator, make_attack
-from partialfl.build import names as _names
+from partialfl.registry import names as _names
 
 BYZFL = load_byzfl()
 needs_byzfl = pytest.mark.skipif(BYZFL is None, reason="byzfl (reference library) not installed")

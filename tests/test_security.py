@@ -19,19 +19,17 @@ from partialfl.cli import main
 from partialfl.data import DataFormatError
 from partialfl.data.femnist import FEMNIST_NPZ
 from partialfl.experiments.pipeline import (
-    ClientConfig,
-    MethodConfig,
-    PipelineConfig,
-    StageConfig,
     Task,
     run_pipeline,
 )
 from partialfl.local import GradientDescent
+from partialfl.local.sgd_config import SGDConfig
 from partialfl.metrics import closed_form_metrics
 from partialfl.problems.least_squares import LeastSquaresProblem, LeastSquaresSpec
 from partialfl.runtime import run_rounds
 from partialfl.runtime.sync import ResumeError
 from partialfl.server import SGD
+from partialfl.spec import FinetuneConfig, MethodConfig, RunSpec, StageConfig
 
 
 class _Payload:
@@ -66,7 +64,7 @@ def _payload_run(tmp_path, name="deploy.pt"):
     (tmp_path / "table" / "data.json").write_text(json.dumps(
         {"train_writers": ["f0000_01", "f0001_02"], "new_writers": ["f0002_03"],
          "pixel_mean": np.zeros((28, 28)).tolist(), "pixel_std": np.ones((28, 28)).tolist()}))
-    (run / "config.json").write_text(json.dumps({**PipelineConfig().to_dict(), "task": "x"}))
+    (run / "config.json").write_text(json.dumps({**RunSpec().to_dict(), "task": "x"}))
     marker = tmp_path / "pwned"
     (run / name).write_bytes(pickle.dumps(_Payload(marker)))
     return run, data, marker
@@ -163,9 +161,9 @@ def test_atomic_write_keeps_the_old_file_on_failure(tmp_path):
 
 def _tiny_cfg(algorithm="fedalt", split="output", rounds=1):
     st = StageConfig(rounds=rounds, clients_per_round=2,
-                     client=ClientConfig(lr=0.1, batch_size=4), eval_every=1)
-    return PipelineConfig(method=MethodConfig(algorithm=algorithm, split=split), pretrain=st,
-                          personalize=st, finetune=ClientConfig(lr=0.1, epochs=1,
+                     client=SGDConfig(lr=0.1, batch_size=4), eval_every=1)
+    return RunSpec(method=MethodConfig(algorithm=algorithm, split=split), pretrain=st,
+                          personalize=st, finetune=FinetuneConfig(lr=0.1, epochs=1,
                                                                 batch_size=4),
                           checkpoint_every=1)
 
@@ -302,8 +300,9 @@ def test_cli_diverged_run_warns_and_exits_non_zero(tmp_path, capsys):
 def test_divergence_is_never_silent(tmp_path):
     from dataclasses import replace
 
-    from partialfl.experiments.pipeline import ServerConfig, pretrain
+    from partialfl.experiments.pipeline import pretrain
     from partialfl.runtime.faults import ClientFaultError
+    from partialfl.spec import ServerConfig
 
     cfg = _tiny_cfg("ffgg")
     # the server step overflows: θ is not finite after stage 1, a warning says so

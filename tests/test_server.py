@@ -6,7 +6,8 @@ import numpy as np
 import pytest
 
 from partialfl.build import make_optimizer
-from partialfl.server import SGD, Adam, Schedule
+from partialfl.registry import component
+from partialfl.server import SGD, Adam, Exponential, WarmupLinear
 
 
 def test_sgd_and_momentum():
@@ -31,18 +32,22 @@ def test_adam_first_step_is_sign_times_lr():
 
 
 def test_schedules():
-    s = Schedule("warmup-linear", total=10, warmup=2)
+    s = WarmupLinear(total=10, warmup=2)
     assert [round(s.factor(r), 6) for r in range(10)] == [0.5, 1.0, 1.0, 0.875, 0.75, 0.625,
                                                          0.5, 0.375, 0.25, 0.125]
-    e = Schedule("exponential", halve_every=3)
+    e = Exponential(halve_every=3)
     assert [e.factor(r) for r in (0, 2, 3, 6)] == [1.0, 1.0, 0.5, 0.25]
     opt = SGD(1.0, schedule=e)
     new, _ = opt.step({"a": np.zeros(1)}, {"a": np.ones(1)}, None, 3)
     assert new["a"][0] == -0.5
 
 
-@pytest.mark.parametrize("bad", [lambda: Schedule("cosine"), lambda: Schedule("warmup-linear"),
-                                 lambda: Schedule("exponential"), lambda: Adam(1.0, beta1=1.0),
+@pytest.mark.parametrize("bad", [lambda: component("schedule", "cosine"),
+                                 lambda: WarmupLinear(total=0),
+                                 lambda: Exponential(halve_every=0),
+                                 lambda: component("schedule", {"name": "exponential",
+                                                                "halve_every": 0}),
+                                 lambda: Adam(1.0, beta1=1.0),
                                  lambda: make_optimizer("lion", 1.0), lambda: SGD(float("inf")),
                                  lambda: SGD(0.1, momentum=1.0)])
 def test_bad_server_arguments(bad):

@@ -11,7 +11,6 @@ import pytest
 
 from partialfl.data.paths import default_data_dir
 from partialfl.data.shakespeare import FILE_NAME
-from partialfl.experiments import get_reproduction
 from partialfl.experiments.shakespeare import (
     FULL,
     METHODS,
@@ -20,6 +19,7 @@ from partialfl.experiments.shakespeare import (
     reproduce_table,
     stage_configs,
 )
+from partialfl.registry import entry
 from partialfl.runtime import read_jsonl
 
 pytestmark = pytest.mark.data
@@ -110,7 +110,7 @@ def test_worker_processes_give_the_same_table(tmp_path):
 
 
 def test_registered_and_settings():
-    assert get_reproduction("shakespeare-table") is reproduce_table
+    assert entry("reproduction", "shakespeare-table").build is reproduce_table
     pre, pers, ft = stage_configs(FULL)
     for st in (pre, pers):
         assert st.server.optimizer == "adam" and st.server.schedule == "warmup-linear"

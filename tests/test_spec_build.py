@@ -4,33 +4,44 @@ from __future__ import annotations
 
 import json
 import re
+import sys
 from pathlib import Path
 
 import pytest
 
-from partialfl.build import REGISTRY, build, build_algorithm, names
+from partialfl.build import build, build_algorithm
 from partialfl.cli import main
-from partialfl.config import ConfigError, from_dict
-from partialfl.spec import ClosedFormConfig, MethodConfig, StageConfig
+from partialfl.config import ConfigError, from_dict, to_dict
+from partialfl.registry import Component, entry, names
+from partialfl.spec import MethodConfig, RunSpec, StageConfig
 
 ROOT = Path(__file__).resolve().parents[1]
+LS = {"name": "least-squares", "num_clients": 3, "n": 40, "d_theta": 4, "d_w": 2}
 
 
 def _final(out: Path, name: str) -> dict:
     return json.loads((out / f"{name}.jsonl").read_text().splitlines()[-1])
 
 
+def _ls(algorithm: str = "ffgg", client=None, **over) -> RunSpec:
+    stage = {"rounds": 2, "clients_per_round": 0,
+             "client": client or {"name": "gd", "tau": 3}, **over.pop("stage", {})}
+    return from_dict(RunSpec, {"problem": LS, "method": {"algorithm": algorithm},
+                               "personalize": stage, **over})
+
+
 @pytest.mark.parametrize("config", ["ls-scaffold", "ls-ffgg"])
 def test_run_server_table_is_not_ignored(tmp_path, config):
-    """`partialfl run configs/ls-scaffold.toml --set server.lr=0.5` changes the result (the
-    [server] table used to be ignored for local-gd, scaffold and l2gd)."""
+    """`partialfl run configs/ls-scaffold.toml --set personalize.server.lr=0.5` changes the
+    result (the server table applies to every algorithm)."""
     small = ["--set", "problem.num_clients=4", "--set", "problem.n=60", "--set",
-             "problem.d_theta=6", "--set", "problem.d_w=3", "--set", "run.rounds=6",
-             "--set", "run.eval_every=3", "--set", "run.clients_per_round=4", "--no-progress"]
+             "problem.d_theta=6", "--set", "problem.d_w=3", "--set", "personalize.rounds=6",
+             "--set", "personalize.eval_every=3", "--set", "personalize.clients_per_round=4",
+             "--no-progress"]
     res = {}
     for lr in (None, "0.5"):
         out = tmp_path / str(lr)
-        extra = [] if lr is None else ["--set", f"server.lr={lr}"]
+        extra = [] if lr is None else ["--set", f"personalize.server.lr={lr}"]
         assert main(["run", str(ROOT / "configs" / f"{config}.toml"), "--out", str(out),
                      *small, *extra]) == 0
         res[lr] = _final(out, config)
@@ -38,100 +49,156 @@ def test_run_server_table_is_not_ignored(tmp_path, config):
     assert abs(res[None]["rel_dist2"] - res["0.5"]["rel_dist2"]) > 1e-6 * res[None]["rel_dist2"]
 
 
-@pytest.mark.parametrize("name", ["local-gd", "scaffold", "l2gd"])
+@pytest.mark.parametrize("name", ["fedavg", "scaffold", "l2gd"])
 def test_server_lr_one_is_the_plain_baseline(name):
-    """``auto`` (and lr 1) is the baselines' own averaging step: the server table default
-    reproduces what these algorithms did before it applied to them."""
-    base = {"problem": {"num_clients": 3, "n": 40, "d_theta": 4, "d_w": 2},
-            "algorithm": {"name": name, "tau": 3}, "run": {"rounds": 2}}
-    a = build(from_dict(ClosedFormConfig, base)).algorithm
-    b = build(from_dict(ClosedFormConfig, {**base, "server": {"lr": 0.25}})).algorithm
+    """``auto`` (and lr 1) is the baselines' own averaging step."""
+    a = build(_ls(name)).algorithm
+    b = build(_ls(name, stage={"server": {"lr": 0.25}})).algorithm
     assert a.server_opt.lr == 1.0 and b.server_opt.lr == 0.25
 
 
 def test_ffgg_auto_lr_is_one_over_L():
-    cfg = from_dict(ClosedFormConfig, {"problem": {"num_clients": 3, "n": 40, "d_theta": 4,
-                                                   "d_w": 2}, "run": {"rounds": 2}})
-    run = build(cfg)
+    run = build(_ls("ffgg"))
     assert run.algorithm.server_opt.lr == pytest.approx(1.0 / run.problem.L)
 
 
+def test_local_gd_is_fedavg_with_gd_steps_and_shares_w():
+    """The same FedAvg code under one name: ``local-gd`` is an alias of ``fedavg``; on a
+    closed-form problem it shares w (standard basis)."""
+    assert MethodConfig(algorithm="local-gd").algorithm == "fedavg"
+    run = build(_ls("local-gd"))
+    assert type(run.algorithm).__name__ == "FedAvg" and run.algorithm.share_w
+    assert run.problem.basis == "standard"
+    assert build(_ls("ffgg")).problem.basis == "eigen"
+
+
 @pytest.mark.parametrize("data, key, bad", [
-    ({"algorithm": {"name": "fedprox"}}, "algorithm.name", "fedprox"),
-    ({"server": {"optimizer": "rmsprop"}}, "server.optimizer", "rmsprop"),
-    ({"server": {"schedule": "cosine"}}, "server.schedule", "cosine"),
-    ({"problem": {"kind": "svm"}}, "problem.kind", "svm"),
+    ({"method": {"algorithm": "fedproxx"}}, "method.algorithm", "fedproxx"),
+    ({"personalize": {"server": {"optimizer": "rmsprop"}}}, "personalize.server.optimizer",
+     "rmsprop"),
+    ({"personalize": {"server": {"schedule": "cosine"}}}, "personalize.server.schedule",
+     "cosine"),
+    ({"problem": {"name": "svm"}}, "problem.name", "svm"),
+    ({"personalize": {"client": {"name": "adamw"}}}, "personalize.client.name", "adamw"),
 ])
 def test_bad_names_give_key_value_and_allowed(data, key, bad):
     with pytest.raises(ConfigError) as e:
-        from_dict(ClosedFormConfig, data)
+        from_dict(RunSpec, data)
     msg = str(e.value)
     assert key in msg and repr(bad) in msg and "allowed" in msg
 
 
-def test_unknown_key_is_named_with_its_table():
-    with pytest.raises(ConfigError, match=r"lrr.*\[server\]"):
-        from_dict(ClosedFormConfig, {"server": {"lrr": 1}})
+def test_bad_options_name_the_key_and_the_allowed_ones():
+    with pytest.raises(ConfigError, match=r"personalize\.server\.lrr.*\[personalize\.server\]"):
+        from_dict(RunSpec, {"personalize": {"server": {"lrr": 1}}})
+    with pytest.raises(ConfigError, match=r"unknown key 'method\.mu'.*allowed keys in "
+                                          r"\[method\]: local_steps"):
+        from_dict(RunSpec, {"method": {"algorithm": "local-ffgg", "mu": 1}})
+    with pytest.raises(ConfigError, match=r"personalize\.client\.tua.*did you mean 'tau'"):
+        from_dict(RunSpec, {"problem": LS, "personalize": {"client": {"name": "gd",
+                                                                      "tua": 3}}})
+    with pytest.raises(ConfigError, match="lam"):
+        MethodConfig(algorithm="ditto")
+
+
+def test_algorithm_options_live_in_the_method_table_and_round_trip():
+    m = from_dict(MethodConfig, {"algorithm": "ditto", "lam": 0.5})
+    assert m.option("lam") == 0.5 and to_dict(m)["lam"] == 0.5
+    assert MethodConfig(algorithm="ditto", options={"lam": 0.5}) == m
+    spec = from_dict(RunSpec, {"method": {"algorithm": "fedalt", "stateless": True},
+                               "personalize": {"rounds": 3}})
+    again = RunSpec.from_dict(json.loads(json.dumps(spec.to_dict())))
+    assert again == spec and again.method.name == "fedalt-output-stateless"
 
 
 def test_spec_choices_come_from_the_registry():
-    assert set(names("algorithm")) >= {"fedavg", "ffgg", "local-ffgg", "fedalt", "fedsim"}
-    for kind in ("optimizer", "schedule", "model", "dataset", "partitioner"):
-        assert names(kind) == tuple(REGISTRY[kind])
-    # splits: the registry's, then one "preset:NAME" per registered preset
-    assert names("split") == (*REGISTRY["split"], *(f"preset:{p}" for p in names("preset")))
-    assert {"ditto", "local", *names("preset")} <= set(names("algorithm"))
-    with pytest.raises(ConfigError, match="method.algorithm.*fedavg"):
+    assert {"fedavg", "ffgg", "local-ffgg", "fedalt", "fedsim", "ditto", "local", "fedper",
+            "fedrep", "lg-fedavg", "fedbn", "scaffold", "l2gd"} <= set(names("algorithm"))
+    with pytest.raises(ConfigError, match="method.algorithm.*allowed:.*fedavg"):
         MethodConfig(algorithm="nope")
 
 
-def test_model_algorithms_all_build():
-    stage = StageConfig(rounds=3)
-    for algo, split in (("fedavg", "none"), ("ffgg", "output"), ("local-ffgg", "adapter"),
-                        ("fedalt", "output"), ("fedsim", "input")):
-        alg = build_algorithm(MethodConfig(algorithm=algo, split=split), stage)
-        assert alg.name.replace("_", "-").lower().startswith(algo.split("-")[0]) or alg.name
+def test_closed_form_and_model_algorithms_are_one_kind():
+    """The same entry builds FFGG on least squares (its GD fine-tuner) and on a model (its SGD
+    fine-tuner); FedAvg likewise (GD steps / SGD epochs)."""
+    cf = build(_ls("ffgg")).algorithm
+    assert type(cf.solver).__name__ == "GradientDescent"
+    m = build_algorithm(RunSpec(), StageConfig(rounds=3), wrap=False)
+    assert type(m).__name__ == "FFGG" and type(m.solver).__name__ == "SGDFineTuner"
+    for algo in ("fedavg", "local-ffgg", "fedalt", "fedsim", "scaffold"):
+        alg = build_algorithm(RunSpec(method=MethodConfig(algorithm=algo)), StageConfig())
+        assert alg.name.startswith(entry("algorithm", algo).name.split("-")[0])
 
 
-def test_no_other_choice_helpers_or_name_tables():
-    """The builder is the only place that maps names to classes: no `_choice` helper and no
-    `if name == "..."` dispatch to constructors elsewhere in the run layers."""
-    src = ROOT / "src" / "partialfl"
-    for f in (src / "experiments" / "closed_form.py", src / "experiments" / "pipeline.py",
-              src / "flower" / "config.py", src / "flower" / "models.py"):
-        text = f.read_text()
-        assert "def _choice" not in text, f
-        assert not re.search(r'^\s+if (name|a\.name|method\.algorithm) == "', text, re.M), f
+def test_a_fine_tuning_solver_is_not_a_client_optimizer():
+    with pytest.raises(ConfigError, match="fedavg trains on the clients.*client optimizer"):
+        build(_ls("fedavg", client={"name": "cg", "tau": 3}))
 
 
-def test_presets_register_in_one_place_and_build(monkeypatch, tmp_path):
-    """A preset (as `partialfl.algorithms.presets.PRESETS` provides them) registered through
-    `build.preset_entry` is a method algorithm with its own split, usable from a train spec."""
-    from torch import nn
-
-    from partialfl import build as B
-    from partialfl.algorithms.model import FedSim
-    from partialfl.split import make_split
-
-    calls = {}
-
-    class FakePreset:
-        def make_algorithm(self, local, *, w_init, server_opt, weighting, **options):
-            calls["alg"] = options
-            return FedSim(local, w_init=w_init, server_opt=server_opt, weighting=weighting)
-
-        def make_split(self, model, example_input, **options):
-            calls["split"] = options
-            return make_split(model, "input")
-
-    names("algorithm")  # load the real presets (if any) first
-    monkeypatch.setitem(B.REGISTRY["preset"], "fakeper", B.preset_entry(FakePreset()))
-    m = MethodConfig(algorithm="fakeper", split_options={"layers": 1})
-    assert m.split == "preset:fakeper"
-    alg = build_algorithm(m, StageConfig(rounds=1))
-    assert isinstance(alg, FedSim) and calls["alg"] == {"layers": 1}
-    model = nn.Sequential(nn.Linear(3, 4), nn.ReLU(), nn.Linear(4, 2))
-    split = B.build_split(model, m.split, m.split_options)
-    assert split.personal_names == ("0.weight", "0.bias") and calls["split"] == {"layers": 1}
+def test_traits_replace_name_checks():
+    with pytest.raises(ConfigError, match="fedavg trains one shared model"):
+        MethodConfig(algorithm="fedavg", split="output")
+    with pytest.raises(ConfigError, match="ffgg needs personal parameters"):
+        MethodConfig(algorithm="ffgg", split="none")
     with pytest.raises(ConfigError, match="defines its own split"):
-        MethodConfig(algorithm="fakeper", split="input")
+        MethodConfig(algorithm="fedrep", split="input")
+    with pytest.raises(ConfigError, match="finetune_split applies to algorithms that train one"):
+        MethodConfig(algorithm="ffgg", finetune_split="output")
+    assert MethodConfig(algorithm="fedavg", finetune_split="adapter").finetune_split.name == \
+        "adapter"
+    with pytest.raises(ConfigError, match="full participation"):
+        build(_ls("l2gd", stage={"clients_per_round": 2}))
+
+
+def test_no_name_checks_in_the_run_layers():
+    """Nothing outside an entry checks an algorithm by its name."""
+    src = ROOT / "src" / "partialfl"
+    pat = re.compile(r"""(==|!=) *['"](ffgg|fedavg|local-ffgg|fedalt|fedsim|ditto|"""
+                     r"""local-gd|scaffold|l2gd)['"]|in \(['"](ffgg|fedavg)['"]""")
+    found = [f"{f.relative_to(src)}:{i}" for f in src.rglob("*.py")
+             for i, line in enumerate(f.read_text().splitlines(), 1) if pat.search(line)]
+    assert not found, found
+
+
+def test_components_accept_their_options_objects():
+    from partialfl.local.sgd_config import SGDConfig
+
+    st = StageConfig(client=SGDConfig(lr=0.5, epochs=2))
+    assert st.client == Component("local", "sgd", SGDConfig(lr=0.5, epochs=2))
+    assert StageConfig(client="gd").client.name == "gd"
+
+
+def test_import_spec_loads_no_torch():
+    import subprocess
+
+    out = subprocess.run([sys.executable, "-c", "import sys, partialfl.spec, partialfl.registry;"
+                          "print('torch' in sys.modules)"], capture_output=True, text=True,
+                         check=True)
+    assert out.stdout.strip() == "False"
+
+
+def test_closed_form_spec_validation_loads_no_torch():
+    import subprocess
+
+    code = ("import sys; from partialfl.config import load_toml, from_dict; "
+            "from partialfl.spec import RunSpec; "
+            f"s = from_dict(RunSpec, load_toml({str(ROOT / 'configs' / 'ls-ffgg.toml')!r})); "
+            "print('torch' in sys.modules)")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                         check=True)
+    assert out.stdout.strip() == "False"
+
+
+def test_code_in_configs_needs_allow_code(tmp_path, capsys):
+    """A config naming ``module:callable`` does not import it unless the user allows it."""
+    cfg = tmp_path / "evil.toml"
+    cfg.write_text('[model]\nname = "os:system"\noptions = { command = "touch PWNED" }\n'
+                   '[data]\nsource = "femnist"\n')
+    rc = main(["train", str(cfg), "--dry-run"])
+    err = capsys.readouterr().err
+    assert rc == 2 and "--allow-code" in err and "os:system" in err
+    assert not (tmp_path / "PWNED").exists() and not Path("PWNED").exists()
+    cfg2 = tmp_path / "plug.toml"
+    cfg2.write_text('plugins = ["os"]\n[problem]\nname = "least-squares"\n')
+    rc = main(["run", str(cfg2), "--dry-run"])
+    assert rc == 2 and "--allow-code" in capsys.readouterr().err

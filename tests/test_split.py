@@ -9,7 +9,6 @@ from torch import nn
 
 from partialfl.build import make_model
 from partialfl.split import (
-    SPLIT_KINDS,
     ConvAdapter,
     LowRankAdapter,
     Split,
@@ -194,7 +193,9 @@ def test_validate_partition_and_split_constructor():
 
 def test_bad_kind_and_empty_sides():
     m = toy_model()
-    with pytest.raises(SplitError, match="allowed: " + ", ".join(SPLIT_KINDS)):
+    from partialfl.registry import names
+
+    with pytest.raises(SplitError, match="allowed: " + ", ".join(names("split"))):
         make_split(m, "head")
     with pytest.raises(SplitError, match="every parameter personal"):
         make_split(m, "pattern", personal=["."])

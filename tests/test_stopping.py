@@ -16,10 +16,6 @@ from partialfl.config import ConfigError
 from partialfl.data.federated import FederatedDataset
 from partialfl.data.validation import carve_validation, validation_sizes
 from partialfl.experiments.pipeline import (
-    ClientConfig,
-    MethodConfig,
-    PipelineConfig,
-    StageConfig,
     Task,
     run_pipeline,
 )
@@ -31,6 +27,8 @@ from partialfl.experiments.stopping import (
     plateau_table,
     plateaued,
 )
+from partialfl.local.sgd_config import SGDConfig
+from partialfl.spec import FinetuneConfig, MethodConfig, RunSpec, StageConfig
 
 
 @pytest.fixture(autouse=True)
@@ -85,7 +83,7 @@ def test_plateau_rule_examples_and_errors():
     with pytest.raises(ConfigError, match="eval_every"):
         StageConfig(rounds=3, stop=StopConfig())
     with pytest.raises(ConfigError, match="personalize.stop reads validation data"):
-        PipelineConfig(personalize=StageConfig(rounds=3, eval_every=1, stop=StopConfig()))
+        RunSpec(personalize=StageConfig(rounds=3, eval_every=1, stop=StopConfig()))
     with pytest.raises(ConfigError, match="finetune_grid.lr"):
         FinetuneGrid(lr=(0.0,))
     assert FinetuneGrid(epochs=(0, 2), lr=(0.1, 0.2)).settings() == [(0, 0.1), (2, 0.1),
@@ -119,10 +117,10 @@ def test_validation_split_is_carved_from_training_data_only():
 def _plateau_cfg(algorithm="ffgg", split="output", rounds=30, **kw):
     stop = StopConfig(min_delta=0.02, window=2)
     stage = StageConfig(rounds=rounds, clients_per_round=3,
-                        client=ClientConfig(lr=0.1, batch_size=4), eval_every=2, stop=stop)
+                        client=SGDConfig(lr=0.1, batch_size=4), eval_every=2, stop=stop)
     method = MethodConfig(algorithm=algorithm, split=split)
-    return PipelineConfig(method=method, pretrain=replace(stage, rounds=6, stop=None),
-                          personalize=stage, finetune=ClientConfig(lr=0.1, epochs=2,
+    return RunSpec(method=method, pretrain=replace(stage, rounds=6, stop=None),
+                          personalize=stage, finetune=FinetuneConfig(lr=0.1, epochs=2,
                                                                     batch_size=4),
                           validation=ValidationConfig(0.3, 2),
                           finetune_grid=FinetuneGrid(epochs=(0, 1, 3), lr=(0.03, 0.3)),
@@ -201,13 +199,13 @@ def test_validation_needs_an_in_memory_dataset():
 
 
 def test_configs_without_the_rule_keep_their_identity():
-    cfg = PipelineConfig()
+    cfg = RunSpec()
     d = cfg.to_dict()
     assert "validation" not in d and "finetune_grid" not in d
     assert "stop" not in d["personalize"]
-    assert PipelineConfig.from_dict(d) == cfg
+    assert RunSpec.from_dict(d) == cfg
     p = _plateau_cfg()
-    assert PipelineConfig.from_dict(p.to_dict()) == p
+    assert RunSpec.from_dict(p.to_dict()) == p
 
 
 def test_budget_plot_and_table(tmp_path):

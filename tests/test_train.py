@@ -13,7 +13,8 @@ import numpy as np
 import pytest
 
 from partialfl.cli import main
-from partialfl.experiments.train import load_train_spec, run_train
+from partialfl.experiments.train import load_run_spec as load_train_spec
+from partialfl.experiments.train import run_train
 
 ROOT = Path(__file__).resolve().parents[1]
 TRAIN_CONFIGS = sorted((ROOT / "configs" / "train").glob("*.toml"))

@@ -43,7 +43,13 @@ from partialfl.rng import generator, torch_seed
 from partialfl.split import Split, SplitError, make_split, parameterised_modules
 from partialfl.types import Params
 
-DEFAULT_KINDS = ("input", "output", "adapter", "norm")
+
+
+def default_kinds() -> tuple[str, ...]:
+    """The registered splits the advisor scores by default (trait ``advise``)."""
+    from partialfl.registry import with_trait
+
+    return with_trait("split", "advise")
 
 
 @dataclass(frozen=True)
@@ -92,7 +98,7 @@ class Advice:
                 "settings": self.settings}
 
 
-def candidate_splits(model: nn.Module, kinds: Sequence[str] = DEFAULT_KINDS, layers: bool = True,
+def candidate_splits(model: nn.Module, kinds: Sequence[str] | None = None, layers: bool = True,
                      split_fn: Callable[[nn.Module, str, Mapping], Split] | None = None,
                      seed: int = 0, groups: Mapping[str, Sequence[str]] | None = None
                      ) -> dict[str, Split]:
@@ -101,7 +107,7 @@ def candidate_splits(model: nn.Module, kinds: Sequence[str] = DEFAULT_KINDS, lay
     per entry of ``groups`` (name → personal parameter-name regexes, e.g. a transformer
     block); a group equal to an earlier candidate is left out."""
     out: dict[str, Split] = {}
-    for k in kinds:
+    for k in default_kinds() if kinds is None else kinds:
         try:
             if split_fn is not None:
                 with torch.random.fork_rng(devices=[]):
@@ -175,7 +181,7 @@ def score_split(split: Split, data: FederatedDataset, cfg: SGDConfig, seed: int 
 
 
 def advise(model: nn.Module, data: FederatedDataset, theta: Mapping[str, torch.Tensor] | None
-           = None, *, kinds: Sequence[str] = DEFAULT_KINDS, layers: bool = True,
+           = None, *, kinds: Sequence[str] | None = None, layers: bool = True,
            clients: int = 10, epochs: int = 3, lr: float = 0.02, batch_size: int = 32,
            clip_norm: float | None = None, holdout: float = 0.25, seed: int = 0,
            loss_fn=cross_entropy, metric=accuracy, split_fn=None,

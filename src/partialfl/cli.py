@@ -10,17 +10,24 @@ import sys
 from pathlib import Path
 
 from partialfl import __version__
-from partialfl.config import ConfigError, apply_overrides, load_toml
+from partialfl.config import ConfigError
 from partialfl.runtime.faults import ClientFaultError
 
 
 def _cmd_list(args) -> int:
-    from partialfl.build import REGISTRY
+    from partialfl.registry import KINDS, entries
 
-    reps = REGISTRY["reproduction"]
-    width = max(map(len, reps))
-    for name, rep in reps.items():
-        print(f"{name:<{width}}  {rep.description}")
+    kinds = [args.kind] if args.kind else ["reproduction"]
+    for kind in kinds:
+        if kind not in KINDS:
+            raise ConfigError(f"list: {kind!r} is not a kind of component; allowed: "
+                              f"{', '.join(KINDS)}")
+        es = entries(kind)
+        if len(kinds) > 1 or args.kind:
+            print(f"{kind}: {KINDS[kind].doc}")
+        width = max(map(len, (e.name for e in es)), default=0)
+        for e in es:
+            print(f"{e.name:<{width}}  {e.doc}")
     return 0
 
 
@@ -36,14 +43,10 @@ def _diverged(record: dict) -> list[str]:
     return [k for k, v in record.items() if isinstance(v, float) and not math.isfinite(v)]
 
 
-#: reproductions that take ``--plateau``
-PLATEAU_TABLES = ("femnist-table", "shakespeare-table")
-
-
 def _cmd_reproduce(args) -> int:
-    from partialfl.experiments import get_reproduction
+    from partialfl.registry import entry
 
-    fn = get_reproduction(args.name)
+    fn = entry("reproduction", args.name, "reproduce").build
     out = _out_dir(args.out or Path("runs") / (args.name + ("-quick" if args.quick else "")))
     import inspect
 
@@ -69,13 +72,49 @@ def _cmd_reproduce(args) -> int:
     return 0
 
 
-def _cmd_run(args) -> int:
-    from partialfl.experiments.closed_form import load_closed_form, run_and_report
+def _load(args):
+    """The spec of ``args.config`` with the command line's overrides; code named by the
+    config may be imported only with ``--allow-code``."""
+    from partialfl.build import allow_code, config_folder_on_path
+    from partialfl.experiments.train import load_run_spec
 
-    data = apply_overrides(load_toml(args.config), args.set or [])
-    data.setdefault("name", Path(args.config).stem)
-    cfg = load_closed_form(data)
+    sets = list(args.set or [])
+    if args.threads is not None:
+        sets.append(f"threads={args.threads}")
+    if args.allow_code:
+        config_folder_on_path(Path(args.config).parent)
+    with allow_code(args.allow_code or None):
+        return load_run_spec(args.config, sets, device=args.device)
+
+
+def _cmd_run(args) -> int:
+    """``partialfl run`` / ``partialfl train``: one spec, a closed-form problem or a model."""
+    from partialfl.build import allow_code
+
+    spec = _load(args)
+    if args.engine == "local" and (args.superlink or args.root_certificates):
+        raise ConfigError("--superlink / --root-certificates need --engine flower")
+    if args.supernodes < 1:
+        raise ConfigError(f"--supernodes must be >= 1, got {args.supernodes}")
+    with allow_code(args.allow_code or None):
+        if spec.closed_form:
+            if args.engine != "local":
+                raise ConfigError(f"--engine {args.engine}: closed-form runs are simulated "
+                                  "in process")
+            return _run_closed_form(args, spec)
+        return _run_model(args, spec)
+
+
+def _run_closed_form(args, cfg) -> int:
+    from partialfl.experiments.closed_form import run_and_report
+
     out = _out_dir(args.out or Path("runs") / cfg.name)
+    if args.dry_run:
+        from partialfl.build import build
+
+        print(build(cfg).plan)
+        print("dry run: nothing trained, nothing written")
+        return 0
     res, summary = run_and_report(cfg, out, progress=not args.no_progress)
     last = res.history[-1]
     print(" ".join(f"{k}={v:.6g}" if isinstance(v, float) else f"{k}={v}"
@@ -88,42 +127,16 @@ def _cmd_run(args) -> int:
     bad = _diverged(last)
     if bad:
         print(f"partialfl: warning: the run diverged ({', '.join(bad)} not finite at round "
-              f"{last.get('round')}); lower the step sizes (server.lr, algorithm.local_lr)",
-              file=sys.stderr)
+              f"{last.get('round')}); lower the step sizes (personalize.server.lr, "
+              "personalize.client.lr)", file=sys.stderr)
         return 1
     return 0
 
 
-def _cmd_evaluate(args) -> int:
-    from partialfl.experiments.evaluate import evaluate_runs, evaluation_table, to_json
+def _run_model(args, spec) -> int:
+    from partialfl.experiments.train import format_plan, run_train
 
-    results = evaluate_runs(args.run, args.data_dir, finetune_epochs=args.finetune_epochs,
-                            lr=args.lr, progress=not args.no_progress)
-    if args.json is None:
-        print(evaluation_table(results))
-        return 0
-    text = to_json(results)
-    if args.json == "-":
-        print(text)
-    else:
-        from partialfl import io as pio
-
-        path = Path(args.json)
-        pio.write_text(path, text)
-        print(evaluation_table(results))
-        print(f"metrics written to {path}")
-    return 0
-
-
-def _cmd_train(args) -> int:
-    from partialfl.experiments.train import format_plan, load_train_spec, run_train
-
-    spec = load_train_spec(args.config, args.set or [], device=args.device)
-    out = Path(args.out or Path("runs") / spec.name)
-    if args.engine == "local" and (args.superlink or args.root_certificates):
-        raise ConfigError("--superlink / --root-certificates need --engine flower")
-    if args.supernodes < 1:
-        raise ConfigError(f"--supernodes must be >= 1, got {args.supernodes}")
+    out = _out_dir(args.out or Path("runs") / spec.name)
     if args.engine != "local":
         from partialfl.flower.train import run_flower_train
 
@@ -148,6 +161,27 @@ def _cmd_train(args) -> int:
     return 0
 
 
+def _cmd_evaluate(args) -> int:
+    from partialfl.experiments.evaluate import evaluate_runs, evaluation_table, to_json
+
+    results = evaluate_runs(args.run, args.data_dir, finetune_epochs=args.finetune_epochs,
+                            lr=args.lr, progress=not args.no_progress)
+    if args.json is None:
+        print(evaluation_table(results))
+        return 0
+    text = to_json(results)
+    if args.json == "-":
+        print(text)
+    else:
+        from partialfl import io as pio
+
+        path = Path(args.json)
+        pio.write_text(path, text)
+        print(evaluation_table(results))
+        print(f"metrics written to {path}")
+    return 0
+
+
 def _cmd_report(args) -> int:
     from partialfl.experiments.train_report import write_report
 
@@ -161,12 +195,12 @@ def _cmd_report(args) -> int:
 
 
 def _reproductions_epilog() -> str:
-    from partialfl.build import REGISTRY
+    from partialfl.registry import entries
 
-    reps = REGISTRY["reproduction"]
-    width = max(map(len, reps))
+    reps = entries("reproduction")
+    width = max(map(len, (e.name for e in reps)), default=0)
     return "reproductions (NAME):\n" + "\n".join(
-        f"  {name:<{width}}  {rep.description}" for name, rep in reps.items())
+        f"  {e.name:<{width}}  {e.doc}" for e in reps)
 
 
 def _cmd_data_convert(args) -> int:
@@ -192,7 +226,7 @@ def _cmd_data_convert(args) -> int:
 
 
 def _add_data_commands(sub) -> None:
-    from partialfl.build import names
+    from partialfl.registry import names
 
     d = sub.add_parser("data", help="data utilities (on-disk client stores)")
     dsub = d.add_subparsers(dest="data_command", required=True)
@@ -209,8 +243,9 @@ def _add_data_commands(sub) -> None:
     s.set_defaults(fn=_cmd_data_convert)
 
 
-def build_parser() -> argparse.ArgumentParser:
-    """The ``partialfl`` argument parser with its subcommands."""
+def build_parser(epilog: bool = True) -> argparse.ArgumentParser:
+    """The ``partialfl`` argument parser with its subcommands (``epilog``: list the
+    reproductions under ``reproduce --help``, which imports them)."""
     p = argparse.ArgumentParser(
         prog="partialfl",
         description="Partially personalized federated learning (FFGG and baselines).",
@@ -218,11 +253,13 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--version", action="version", version=f"%(prog)s {__version__}")
     sub = p.add_subparsers(dest="command", metavar="COMMAND")
 
-    s = sub.add_parser("list", help="list the reproductions")
+    s = sub.add_parser("list", help="list the reproductions, or the registered components "
+                       "of a kind (algorithm, aggregator, model, …)")
+    s.add_argument("kind", nargs="?", help="a kind of component (default: reproduction)")
     s.set_defaults(fn=_cmd_list)
 
     s = sub.add_parser("reproduce", help="run a paper reproduction (see `partialfl list`)",
-                       epilog=_reproductions_epilog(),
+                       epilog=_reproductions_epilog() if epilog else None,
                        formatter_class=argparse.RawDescriptionHelpFormatter)
     s.add_argument("name", metavar="NAME", help="which reproduction (listed below)")
     s.add_argument("--quick", action="store_true",
@@ -240,7 +277,7 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--store", help="read the data through an on-disk client store in this "
                    "folder, written on first use (femnist-table)")
     s.add_argument("--plateau", action="store_true",
-                   help=f"{' / '.join(PLATEAU_TABLES)}: stop each stage when validation "
+                   help="femnist-table / shakespeare-table: stop each stage when validation "
                         "accuracy (on 10%% of each client's training data) plateaus, under "
                         "caps beyond the fixed round counts (femnist-table: 600 / 1000 "
                         "rounds; tiny shakespeare-table: 500 / 200), and choose stage 3's "
@@ -272,16 +309,28 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--no-progress", action="store_true", help="no progress bar")
     s.set_defaults(fn=_cmd_evaluate)
 
-    s = sub.add_parser("run", help="run one closed-form experiment from a TOML config")
-    s.add_argument("config")
-    s.add_argument("--set", action="append", metavar="KEY=VALUE",
-                   help="override a config value, e.g. --set algorithm.tau=10 (repeatable)")
-    s.add_argument("--out", help="output folder (default runs/NAME)")
-    s.add_argument("--no-progress", action="store_true")
-    s.set_defaults(fn=_cmd_run)
+    for cmd, text in (("run", "run a TOML run spec: a closed-form problem (writes NAME.jsonl, "
+                              "a plot and summary.md) or a model (as train)"),
+                      ("train", "train a model (or run a closed-form problem) from a TOML run "
+                                "spec (see configs/, configs/train/)")):
+        s = sub.add_parser(cmd, help=text)
+        _add_run_args(s)
+        s.set_defaults(fn=_cmd_run)
 
-    s = sub.add_parser("train", help="train a neural model from a TOML train config "
-                       "(see configs/train/)")
+    s = sub.add_parser("report", help="rebuild report.md and the plots of a train run "
+                       "from its logs")
+    s.add_argument("run", help="a `partialfl train` output folder")
+    s.add_argument("--tensorboard", action="store_true",
+                   help="also (re)write TensorBoard scalars to RUN/tensorboard")
+    s.set_defaults(fn=_cmd_report)
+
+    _add_data_commands(sub)
+    _add_advise(sub)
+    return p
+
+
+def _add_run_args(s) -> None:
+    """The options of ``run`` and ``train`` (the same command)."""
     s.add_argument("config")
     s.add_argument("--set", action="append", metavar="KEY=VALUE",
                    help="override a config value, e.g. --set personalize.rounds=5 (repeatable)")
@@ -302,19 +351,18 @@ def build_parser() -> argparse.ArgumentParser:
                         "instead of starting one; insecure unless --root-certificates")
     s.add_argument("--root-certificates", metavar="PEM",
                    help="--superlink over TLS: the CA certificate of the SuperLink")
+    _add_common(s)
+
+
+def _add_common(s) -> None:
+    """Options every run command takes."""
+    s.add_argument("--threads", type=int, metavar="N",
+                   help="torch/BLAS threads (overrides the config's threads; recorded with "
+                        "the run: a run repeats exactly at the same thread count)")
+    s.add_argument("--allow-code", action="store_true",
+                   help="allow the config to import code (model.name = 'module:callable', "
+                        "plugins); modules beside the config file are found")
     s.add_argument("--no-progress", action="store_true")
-    s.set_defaults(fn=_cmd_train)
-
-    s = sub.add_parser("report", help="rebuild report.md and the plots of a train run "
-                       "from its logs")
-    s.add_argument("run", help="a `partialfl train` output folder")
-    s.add_argument("--tensorboard", action="store_true",
-                   help="also (re)write TensorBoard scalars to RUN/tensorboard")
-    s.set_defaults(fn=_cmd_report)
-
-    _add_data_commands(sub)
-    _add_advise(sub)
-    return p
 
 
 def _add_advise(sub) -> None:
@@ -335,7 +383,8 @@ def _stdout_closed() -> int:
 def main(argv: list[str] | None = None) -> int:
     """Run the command line with ``argv`` (default ``sys.argv[1:]``); returns the exit status (0
     success, 2 bad input, 130 interrupted, 141 output pipe closed)."""
-    parser = build_parser()
+    argv = sys.argv[1:] if argv is None else list(argv)
+    parser = build_parser(epilog="reproduce" in argv and ("-h" in argv or "--help" in argv))
     args = parser.parse_args(argv)
     if args.command is None:
         parser.print_help()

@@ -112,19 +112,47 @@ def _coerce(value: Any, tp, where: str):
     return value
 
 
+def _component(value: Any, f: dataclasses.Field, where: str) -> Any:
+    """A field that names a registry component (``metadata["kind"]``): ``"name"`` or
+    ``{name = …, …options}``, validated against :mod:`partialfl.registry`."""
+    from partialfl.registry import component
+
+    if value is None:
+        return None
+    return component(f.metadata["kind"], value, where, f.metadata.get("default_name"))
+
+
 def from_dict(cls: type[T], data: Mapping[str, Any], where: str = "") -> T:
     """Build dataclass ``cls`` from ``data``, validating keys and types recursively.
 
-    ``__post_init__`` validation errors are re-raised as :class:`ConfigError` with the path.
+    A field with ``metadata["kind"]`` names a registry component (:func:`_component`). A
+    class with ``__options_of__ = (name_field, kind)`` takes the keys it does not define as
+    the options of the component its ``name_field`` names (e.g. ``[method] algorithm =
+    "ditto"`` with ``lam = 0.1``), validated by that entry's ``Options`` into its
+    ``options`` field. ``__post_init__`` validation errors are re-raised as
+    :class:`ConfigError` with the path.
     """
+    if not isinstance(data, Mapping):
+        raise ConfigError(f"{where or cls.__name__}: expected a table, got {data!r}")
     hints = typing.get_type_hints(cls)
     fields = {f.name: f for f in dataclasses.fields(cls) if f.init}
     unknown = sorted(set(data) - set(fields))
+    flat = getattr(cls, "__options_of__", None)
+    kwargs: dict[str, Any] = {}
+    if flat is not None and unknown:
+        if "options" in data:
+            raise unknown_key_error(unknown[0], fields, where)
+        kwargs["options"] = {k: data[k] for k in unknown}
+        unknown = []
     if unknown:
         raise unknown_key_error(unknown[0], fields, where)
-    kwargs = {}
     for name, value in data.items():
-        kwargs[name] = _coerce(value, hints[name], f"{where}.{name}" if where else name)
+        if name not in fields:
+            continue
+        key = f"{where}.{name}" if where else name
+        f = fields[name]
+        kwargs[name] = (_component(value, f, key) if "kind" in f.metadata
+                        else _coerce(value, hints[name], key))
     try:
         return cls(**kwargs)
     except ConfigError:
@@ -134,8 +162,30 @@ def from_dict(cls: type[T], data: Mapping[str, Any], where: str = "") -> T:
 
 
 def to_dict(obj) -> dict[str, Any]:
-    """The plain-dict form of a config dataclass (for logging next to results)."""
-    return dataclasses.asdict(obj)
+    """The plain-dict form of a config dataclass (for logging next to results and for
+    :func:`from_dict` to read back): components as ``{name = …, …options}``, a class with
+    ``__options_of__`` with its options flattened into its own table."""
+    out: dict[str, Any] = {}
+    flat = getattr(type(obj), "__options_of__", None)
+    for f in dataclasses.fields(obj):
+        v = getattr(obj, f.name)
+        if flat is not None and f.name == "options":
+            out.update(_plain(v) if v is not None else {})
+            continue
+        out[f.name] = _plain(v)
+    return out
+
+
+def _plain(v: Any) -> Any:
+    if hasattr(v, "to_dict") and dataclasses.is_dataclass(v) and not isinstance(v, type):
+        return v.to_dict()
+    if dataclasses.is_dataclass(v) and not isinstance(v, type):
+        return to_dict(v)
+    if isinstance(v, tuple | list):
+        return [_plain(x) for x in v]
+    if isinstance(v, Mapping):
+        return {k: _plain(x) for k, x in v.items()}
+    return v
 
 
 def load_toml(path: str | Path) -> dict[str, Any]:
@@ -185,3 +235,28 @@ def deep_merge(base: dict[str, Any], over: Mapping[str, Any]) -> dict[str, Any]:
             out.get(k), dict) else v
     return out
 
+
+
+def _toml_value(v: Any) -> str:
+    if isinstance(v, bool):
+        return "true" if v else "false"
+    if isinstance(v, str):
+        return '"' + v.replace("\\", "\\\\").replace('"', '\\"') + '"'
+    if isinstance(v, list | tuple):
+        return "[" + ", ".join(_toml_value(x) for x in v) + "]"
+    if isinstance(v, Mapping):
+        return "{" + ", ".join(f"{k} = {_toml_value(x)}" for k, x in v.items()
+                               if x is not None) + "}"
+    return repr(v)
+
+
+def toml_text(d: Mapping[str, Any], prefix: str = "") -> str:
+    """``d`` as TOML (None values left out, nested tables as ``[a.b]`` sections); what
+    :func:`load_toml` reads back to ``d`` (without its None values)."""
+    lines = [f"{k} = {_toml_value(v)}" for k, v in d.items()
+             if v is not None and not isinstance(v, Mapping)]
+    for k, v in d.items():
+        if isinstance(v, Mapping):
+            name = f"{prefix}.{k}" if prefix else k
+            lines += ["", f"[{name}]", toml_text(v, name)]
+    return "\n".join(lines).replace("\n\n\n", "\n\n")

@@ -111,3 +111,14 @@ class LossScaler:
             if self.scale <= self.min_scale:
                 return g, aux
             self.scale = max(self.scale / 2.0, self.min_scale)
+
+
+def use_threads(n: int) -> None:
+    """Run torch's intra-op pool and the BLAS/OpenMP pools with ``n`` threads (a run's
+    ``threads``: results repeat exactly at the same thread count)."""
+    from threadpoolctl import threadpool_limits
+
+    if not (isinstance(n, int) and n >= 1):
+        raise ValueError(f"threads must be an integer >= 1, got {n!r}")
+    torch.set_num_threads(n)
+    threadpool_limits(n)

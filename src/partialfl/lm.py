@@ -29,6 +29,7 @@ import torch.nn.functional as F
 from torch import Tensor
 
 from partialfl.data.text import PAD, SPECIAL_IDS
+from partialfl.registry import register
 
 
 def lm_loss(logits: Tensor, targets: Tensor, ignore_index: int = PAD) -> Tensor:
@@ -87,3 +88,17 @@ class NextWordAccuracy:
 
     def __repr__(self) -> str:
         return f"NextWordAccuracy(ignore={self.ignore})"
+
+
+@register("loss", "token-cross-entropy")
+def _token_cross_entropy(opts: None = None, ctx=None):
+    """Mean cross-entropy over the non-padding tokens of ``[B, T, V]`` logits (language
+    models)."""
+    return token_cross_entropy
+
+
+@register("metric", "next-word-accuracy")
+def _next_word_accuracy(opts: None = None, ctx=None):
+    """Accuracy of next-word prediction over the counted tokens (no padding, <unk>, <bos>,
+    <eos>), as in the paper's StackOverflow / Shakespeare tables."""
+    return NextWordAccuracy()

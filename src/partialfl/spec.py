@@ -1,17 +1,19 @@
-"""The run specification: every run partialfl makes, as frozen dataclasses read from TOML.
+"""The run specification: every run partialfl makes, as ONE frozen dataclass read from TOML.
 
-One schema for the three kinds of run, validated on load by :func:`partialfl.config.from_dict`
-(an unknown key or a bad value names the dotted key, the value and what is allowed; the
-allowed names come from the one registry, :data:`partialfl.build.REGISTRY`):
+:class:`RunSpec` is what ``partialfl run`` / ``partialfl train``, the pipeline, the
+reproductions and the Flower app read. A run trains either a closed-form problem
+(``[problem]``: least squares, GLM — one stage, ``[personalize]``) or a neural model on
+federated data (``[model]``, ``[data]``: the three-stage pipeline pre-train → personalize →
+fine-tune). Components are named by the registry (:mod:`partialfl.registry`): ``"name"`` or
+``{name = "…", …options}``, validated by each entry's ``Options``; the algorithm's options sit
+in the ``[method]`` table itself (``algorithm = "ditto"``, ``lam = 0.1``). Optional blocks wrap
+the algorithm: ``[aggregation]`` (the server's aggregation rule), ``[attack]`` (Byzantine
+clients), ``[privacy]`` (client-level DP of θ), ``[faults]`` (fault injection),
+``[asynchronous]`` (the asynchronous runtime).
 
-* :class:`ClosedFormConfig` — ``partialfl run``: least squares / GLM with FFGG, Local GD,
-  Scaffold or L2GD (tables ``[problem]``, ``[algorithm]``, ``[server]``, ``[run]``);
-* :class:`PipelineConfig` — the three-stage pipeline of a neural model (pre-train →
-  personalize → fine-tune), used by the reproductions;
-* :class:`TrainSpec` — ``partialfl train``: a pipeline plus the model, the data (and its
-  partitioning), the stages to run, device, precision and logging.
-
-:func:`partialfl.build.build` turns any of them into objects.
+Validation happens on load (:func:`partialfl.config.from_dict`): an unknown key or a bad value
+names the dotted key, the value and what is allowed. :func:`partialfl.build.build` turns a spec
+into the objects that run it. Importing this module loads no array library.
 """
 
 from __future__ import annotations
@@ -23,186 +25,181 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
-from partialfl.build import names, parse_lr
-from partialfl.config import ConfigError, check_choice, from_dict, to_dict
-from partialfl.devices import DEVICES, PRECISIONS
-from partialfl.experiments.stopping import FinetuneGrid, StopConfig, ValidationConfig
-from partialfl.local.sgd import SGDConfig
+from partialfl.config import ConfigError, check_choice, from_dict, to_dict, unknown_key_error
+from partialfl.registry import Component, component, entry, option
+
+#: what a device name may look like (checked against the machine when a run is built)
+DEVICE_PATTERN = re.compile(r"cpu|cuda(:\d+)?|mps|auto")
+DEVICES = ("cpu", "cuda", "cuda:N", "mps", "auto")
+PRECISIONS = ("fp32", "bf16", "fp16")
+#: what a run's name (its output file name) may look like
+NAME_PATTERN = r"[A-Za-z0-9][A-Za-z0-9._-]{0,99}"
+STAGES = ("pretrain", "personalize", "finetune")
+W_INITS = ("pretrained", "zero", "random")
+WEIGHTINGS = ("uniform", "examples")
+
+
+def comp(kind: str, default: str | None, doc: str) -> Any:
+    """A spec field naming a component of ``kind`` (``default``: its name, or None for an
+    optional block; a table without ``name`` means ``default``)."""
+    meta = {"kind": kind, "doc": doc, "default_name": default}
+    if default is None:
+        return field(default=None, metadata=meta)
+    return field(default_factory=lambda: component(kind, default), metadata=meta)
+
+
+class _Spec:
+    """Mixin: component fields given as a name or a dict (Python) become :class:`Component` s,
+    and ``ValueError`` s of ``__post_init__`` checks read as :class:`ConfigError`."""
+
+    def _components(self, where: str) -> None:
+        for f in dataclasses.fields(self):
+            kind = f.metadata.get("kind")
+            v = getattr(self, f.name)
+            if kind and v is not None and not (isinstance(v, Component) and v.kind == kind):
+                key = f"{where}.{f.name}" if where else f.name
+                object.__setattr__(self, f.name, component(kind, v, key,
+                                                           f.metadata.get("default_name")))
+
+
+# ----------------------------------------------------------------------------- budgets
+@dataclass(frozen=True)
+class StopConfig:
+    """The plateau rule of one stage (:func:`partialfl.pipeline.stopping.plateaued`): stop
+    when the last ``window`` evaluations improved the best ``metric`` by less than
+    ``min_delta``; the stage's ``rounds`` is then the cap."""
+
+    metric: str = option("val_acc", "a validation metric (val_acc, val_loss, …)")
+    mode: str = option("max", "max or min: which direction is better")
+    min_delta: float = option(0.001, "smallest improvement that counts, >= 0")
+    window: int = option(3, "evaluations without improvement before stopping, >= 1")
+
+    def __post_init__(self) -> None:
+        check_choice("stop.mode", self.mode, ("max", "min"))
+        if not self.metric.startswith("val_"):
+            raise ConfigError(f"stop.metric must be a validation metric (val_acc, val_loss, "
+                              f"...), got {self.metric!r}")
+        if not (isinstance(self.window, int) and self.window >= 1):
+            raise ConfigError(f"stop.window must be an integer >= 1, got {self.window!r}")
+        if not (math.isfinite(self.min_delta) and self.min_delta >= 0):
+            raise ConfigError(f"stop.min_delta must be finite and >= 0, got {self.min_delta}")
+
+
+@dataclass(frozen=True)
+class ValidationConfig:
+    """A validation split carved from each client's training data (seeded): ``fraction`` of
+    it, at least ``min_examples``; the stages' stopping rules and stage 3's grid read it."""
+
+    fraction: float = option(0.1, "fraction of each client's training data, in (0, 1)")
+    min_examples: int = option(2, "at least this many validation examples per client")
+
+    def __post_init__(self) -> None:
+        if not 0.0 < self.fraction < 1.0:
+            raise ConfigError(f"validation.fraction must be in (0, 1), got {self.fraction}")
+        if not (isinstance(self.min_examples, int) and self.min_examples >= 0):
+            raise ConfigError(f"validation.min_examples must be an integer >= 0, got "
+                              f"{self.min_examples!r}")
+
+
+@dataclass(frozen=True)
+class FinetuneGrid:
+    """Stage 3's grid: fine-tuning ``epochs`` × ``lr`` chosen on validation ``metric`` (ties:
+    fewer epochs, then the smaller lr)."""
+
+    epochs: tuple[int, ...] = option((0, 1, 3, 5), "fine-tuning epochs to try (0: none)")
+    lr: tuple[float, ...] = option((0.003, 0.01, 0.03), "stepsizes to try")
+    metric: str = option("val_acc", "val_acc or val_loss")
+
+    def __post_init__(self) -> None:
+        if not self.epochs or any(not isinstance(e, int) or e < 0 for e in self.epochs):
+            raise ConfigError(f"finetune_grid.epochs must be integers >= 0, got {self.epochs}")
+        if not self.lr or any(not (math.isfinite(v) and v > 0) for v in self.lr):
+            raise ConfigError(f"finetune_grid.lr must be finite and > 0, got {self.lr}")
+        check_choice("finetune_grid.metric", self.metric, ("val_acc", "val_loss"))
+
+    def settings(self) -> list[tuple[int, float]]:
+        """(epochs, lr) in grid order; epochs 0 once (the lr does not matter)."""
+        out = [(0, float(self.lr[0]))] if 0 in self.epochs else []
+        return out + [(e, float(v)) for e in sorted(set(self.epochs)) if e > 0 for v in self.lr]
 
 
 # ----------------------------------------------------------------------------- optimizers
 @dataclass(frozen=True)
-class ClientConfig:
-    """Client SGD: stepsize, epochs (or exact steps), minibatch size, gradient clipping."""
-
-    lr: float = 0.01
-    epochs: int = 1
-    batch_size: int = 32
-    steps: int | None = None
-    clip_norm: float | None = None
-
-    def __post_init__(self) -> None:
-        try:
-            self.sgd()
-        except ValueError as e:
-            raise ConfigError(f"client: {e}") from None
-
-    def sgd(self, **over) -> SGDConfig:
-        kw = dict(lr=self.lr, epochs=self.epochs, batch_size=self.batch_size, steps=self.steps,
-                  clip_norm=self.clip_norm)
-        kw.update(over)
-        return SGDConfig(**kw)
-
-
-@dataclass(frozen=True)
-class ServerConfig:
-    """Server optimizer on the aggregated pseudo-gradient, its schedule and optional clipping.
+class ServerConfig(_Spec):
+    """The server optimizer on the aggregated pseudo-gradient, its schedule and clipping.
 
     ``lr``: a number, ``"c/L"`` (problems with a smoothness constant L) or ``"auto"`` = 1/L
-    for FFGG on a closed-form problem (Theorem 1) and 1 otherwise (with a delta method, SGD
-    lr 1 is FedAvg's plain averaging; ``adam`` is FedAdam)."""
+    for algorithms that send θ-gradients on a closed-form problem (Theorem 1) and 1
+    otherwise (with a delta method, SGD lr 1 is FedAvg's plain averaging; ``adam`` is
+    FedAdam)."""
 
-    optimizer: str = "sgd"
-    lr: float | str = "auto"
-    momentum: float = 0.0
-    schedule: str = "constant"
-    warmup: int = 0
-    halve_every: int = 0
-    clip_norm: float | None = None
+    optimizer: Component = comp("optimizer", "sgd", "server optimizer: sgd {momentum} or "
+                                "adam {beta1, beta2, eps}")
+    lr: float | str = option("auto", "stepsize: a number, 'c/L' or 'auto'")
+    schedule: Component = comp("schedule", "constant", "stepsize schedule over the stage's "
+                               "rounds: constant, warmup-linear {warmup}, exponential "
+                               "{halve_every}")
+    clip_norm: float | None = option(None, "clip the pseudo-gradient to this norm")
 
     def __post_init__(self) -> None:
-        check_choice("server.optimizer", self.optimizer, names("optimizer"))
-        check_choice("server.schedule", self.schedule, names("schedule"))
+        self._components("server")
         if self.lr != "auto":
             parse_lr(self.lr, 1.0)
-        if self.optimizer != "sgd" and self.momentum:
-            raise ConfigError("server.momentum applies to optimizer 'sgd' only")
-        if not 0 <= self.momentum < 1:
-            raise ConfigError(f"server.momentum must be in [0, 1), got {self.momentum}")
         if self.clip_norm is not None and not self.clip_norm > 0:
             raise ConfigError(f"server.clip_norm must be None or > 0, got {self.clip_norm}")
 
-    @property
-    def is_default(self) -> bool:
-        return self == ServerConfig()
-
     def build(self, rounds: int, L: float | None = None, auto_lr: float = 1.0):
-        """The optimizer (see :func:`partialfl.build.build_server_opt`)."""
+        """The optimizer over ``rounds`` rounds (:func:`partialfl.build.build_server_opt`)."""
         from partialfl.build import build_server_opt
 
         return build_server_opt(self, rounds, L, auto_lr)
 
 
-# ----------------------------------------------------------------------------- closed form
-#: the largest closed-form problem a config may ask for (data and per-client matrices)
-MAX_PROBLEM_BYTES = 8 * 2**30
-#: what a run's name (its output file name) may look like
-NAME_PATTERN = r"[A-Za-z0-9][A-Za-z0-9._-]{0,99}"
+def parse_lr(lr: float | str, L: float | None, key: str = "server.lr") -> float:
+    """A stepsize given as a number or as ``"c/L"`` (e.g. ``"1/L"``, ``"0.5/L"``) with ``L``
+    the problem's smoothness constant."""
+    if isinstance(lr, str):
+        m = re.fullmatch(r"\s*([0-9.eE+-]+)\s*/\s*L\s*", lr)
+        if not m:
+            raise ConfigError(f"{key}: {lr!r} is neither a number, 'auto' nor of the form 'c/L'")
+        if L is None:
+            raise ConfigError(f"{key}: {lr!r} needs a problem with a known smoothness constant "
+                              "L (least squares, GLM); give a number")
+        value = float(m.group(1)) / L
+    else:
+        value = float(lr)
+    if not (value > 0 and math.isfinite(value)):
+        raise ConfigError(f"{key} must be positive, got {lr!r}")
+    return value
 
+
+# ----------------------------------------------------------------------------- stages
 @dataclass(frozen=True)
-class ProblemConfig:
-    kind: str = "least-squares"
-    num_clients: int = 32
-    n: int = 10_000
-    d_theta: int = 100
-    d_w: int = 50
-    seed: int = 0
-    basis: str = "eigen"          # least squares: personal coordinates (see LeastSquaresProblem)
-    psi: str = "logcosh"          # glm only
-    ridge: float = 1e-3           # glm only
-    huber_delta: float = 1.0      # glm only
+class StageConfig(_Spec):
+    """One federated training stage: rounds, clients per round, the client optimizer
+    (``client``: SGD epochs on a model; GD / CG / exact fine-tuning on a closed form), the
+    server optimizer, evaluation every ``eval_every`` rounds (0: only before the first and
+    after the last). ``stop``: a plateau rule on validation data; ``rounds`` is then the
+    cap."""
+
+    rounds: int = option(0, "rounds (the cap with a stop rule)")
+    clients_per_round: int | None = option(None, "clients sampled per round (None or 0: all)")
+    client: Component = comp("local", "sgd", "client optimizer or fine-tuning solver: sgd "
+                             "{lr, epochs, batch_size, steps, clip_norm}, gd {tau, lr}, cg "
+                             "{tau}, exact")
+    server: ServerConfig = option(factory=ServerConfig, doc="the server optimizer")
+    eval_every: int = option(0, "evaluate every this many rounds (0: first and last only)")
+    stop: StopConfig | None = option(None, "a plateau rule on validation data")
 
     def __post_init__(self) -> None:
-        check_choice("problem.kind", self.kind, names("problem"))
-        check_choice("problem.basis", self.basis, ("eigen", "standard"))
-        for key in ("num_clients", "n", "d_theta", "d_w"):
-            if getattr(self, key) < 1:
-                raise ConfigError(f"problem.{key}: {key} must be a positive integer, got "
-                                  f"{getattr(self, key)}")
-        d = self.d_theta + self.d_w
-        need = 8 * self.num_clients * (self.n * d + d * d)
-        if need > MAX_PROBLEM_BYTES:
-            raise ConfigError(
-                f"problem: num_clients={self.num_clients}, n={self.n}, d_theta+d_w={d} need "
-                f"about {need / 2**30:.3g} GiB of data; the limit is "
-                f"{MAX_PROBLEM_BYTES / 2**30:.3g} GiB (partialfl.spec.MAX_PROBLEM_BYTES)")
-
-
-@dataclass(frozen=True)
-class AlgorithmConfig:
-    name: str = "ffgg"
-    solver: str = "cg"            # ffgg: gd | cg | exact
-    tau: int = 40                 # local steps (fine-tuning steps for FFGG)
-    local_lr: float | None = None  # default: 1/L of the local problem
-    init: str = "zero"            # ffgg: fresh w each round from zero or random
-    lam: float = 0.1              # l2gd
-    p: float | None = None        # l2gd: communication probability (default 1/tau)
-
-    def __post_init__(self) -> None:
-        check_choice("algorithm.name", self.name, names("closed-form-algorithm"))
-        check_choice("algorithm.solver", self.solver, names("solver"))
-        check_choice("algorithm.init", self.init, ("zero", "random"))
-        if self.tau < 1:
-            raise ConfigError(f"algorithm.tau must be >= 1, got {self.tau}")
-        for key in ("local_lr", "p"):
-            v = getattr(self, key)
-            if v is not None and not v > 0:
-                raise ConfigError(f"algorithm.{key} must be > 0, got {v}")
-
-
-@dataclass(frozen=True)
-class RunConfig:
-    rounds: int = 3000
-    clients_per_round: int | None = None
-    seed: int = 0
-    eval_every: int = 10
-    backend: str = "batched"
-
-    def __post_init__(self) -> None:
-        if self.rounds < 0:
-            raise ConfigError(f"run.rounds must be >= 0, got {self.rounds}")
-        if self.eval_every < 1:
-            raise ConfigError(f"run.eval_every must be >= 1, got {self.eval_every}")
-        check_choice("run.backend", self.backend, [b for b in names("backend") if b != "vmap"])
-
-
-@dataclass(frozen=True)
-class ClosedFormConfig:
-    """``partialfl run``: the server table applies to every algorithm (FFGG's ``auto`` lr is
-    1/L; Local GD / Scaffold / L2GD's is 1, plain averaging)."""
-
-    problem: ProblemConfig = field(default_factory=ProblemConfig)
-    algorithm: AlgorithmConfig = field(default_factory=AlgorithmConfig)
-    server: ServerConfig = field(default_factory=ServerConfig)
-    run: RunConfig = field(default_factory=RunConfig)
-    name: str = "run"
-
-    def __post_init__(self) -> None:
-        if not re.fullmatch(NAME_PATTERN, self.name):
-            raise ConfigError(f"name: {self.name!r} is not allowed; a run's name is a plain "
-                              "file name (letters, digits, '.', '_', '-'; no folders)")
-
-
-# ----------------------------------------------------------------------------- pipeline
-@dataclass(frozen=True)
-class StageConfig:
-    """One federated training stage: rounds, clients per round, client and server optimizers,
-    evaluation every ``eval_every`` rounds (0: only before the first and after the last).
-    ``stop``: a plateau rule on validation data (:mod:`partialfl.experiments.stopping`);
-    ``rounds`` is then the cap."""
-
-    rounds: int = 0
-    clients_per_round: int | None = 10
-    client: ClientConfig = field(default_factory=ClientConfig)
-    server: ServerConfig = field(default_factory=ServerConfig)
-    eval_every: int = 0
-    stop: StopConfig | None = None
-
-    def __post_init__(self) -> None:
+        self._components("")
         if not isinstance(self.rounds, int) or self.rounds < 0:
             raise ConfigError(f"rounds must be a non-negative integer, got {self.rounds!r}")
-        if self.clients_per_round is not None and self.clients_per_round < 1:
-            raise ConfigError(f"clients_per_round must be >= 1, got {self.clients_per_round}")
+        if self.clients_per_round is not None and self.clients_per_round < 0:
+            raise ConfigError(f"clients_per_round must be >= 0 (0: all), got "
+                              f"{self.clients_per_round}")
+        if self.clients_per_round == 0:
+            object.__setattr__(self, "clients_per_round", None)
         if self.eval_every < 0:
             raise ConfigError(f"eval_every must be >= 0, got {self.eval_every}")
         if self.stop is not None and self.eval_every < 1:
@@ -210,114 +207,278 @@ class StageConfig:
                               "evaluations)")
 
 
-#: methods that train a fully personal model per client (split "none", no stage 3)
-FULL_PERSONAL = ("ditto", "local")
-
-
 @dataclass(frozen=True)
-class MethodConfig:
-    """The stage-2 method and its split.
+class FinetuneConfig:
+    """Stage 3: every client fine-tunes its personal parameters with θ fixed (SGD)."""
 
-    ``algorithm``: a model algorithm or a named preset of :data:`partialfl.build.REGISTRY`.
-    ``local_steps``: Local FFGG's K alternating steps (None: ``client.epochs`` passes).
-    ``finetune_split``: FedAvg only — the split whose w stage 3 fine-tunes (e.g. ``output``:
-    "FedAvg + fine-tuning"); None: FedAvg is evaluated as is.
-    ``lam``: Ditto's λ ≥ 0 (``inf`` allowed).
-    """
-
-    algorithm: str = "ffgg"
-    split: str = "output"
-    split_options: dict[str, Any] = field(default_factory=dict)
-    w_init: str = "pretrained"
-    stateless: bool = False
-    local_steps: int | None = None
-    finetune_split: str | None = None
-    weighting: str = "uniform"
-    label: str = ""
-    lam: float | None = None
+    lr: float = option(0.01, "stepsize")
+    epochs: int = option(5, "passes over the client's data (0: no fine-tuning)")
+    batch_size: int = option(32, "minibatch size")
+    steps: int | None = option(None, "exact number of steps instead of epochs")
+    clip_norm: float | None = option(None, "clip each step's gradient to this norm")
 
     def __post_init__(self) -> None:
-        check_choice("method.algorithm", self.algorithm, names("algorithm"))
-        if (self.lam is None) != (self.algorithm != "ditto") or (
-                self.lam is not None and not float(self.lam) >= 0):
-            raise ConfigError(f"method.lam: Ditto needs lam >= 0 and other algorithms none; "
-                              f"got lam={self.lam!r} for {self.algorithm!r}")
-        if self.algorithm in FULL_PERSONAL and self.split != "none":
-            raise ConfigError(f"method.split: {self.algorithm} keeps a full personal model; use "
-                              f"'none', got {self.split!r}")
-        if self.algorithm in names("preset"):  # a preset brings its own split
-            if self.split not in ("output", f"preset:{self.algorithm}"):
-                raise ConfigError(f"method.split: preset {self.algorithm!r} defines its own "
-                                  f"split; leave method.split out, got {self.split!r}")
-            object.__setattr__(self, "split", f"preset:{self.algorithm}")
-        splits = names("split")
-        check_choice("method.split", self.split, splits)
-        check_choice("method.w_init", self.w_init, ("pretrained", "zero", "random"))
-        check_choice("method.weighting", self.weighting, ("uniform", "examples"))
-        if self.algorithm == "fedavg" and self.split != "none":
-            raise ConfigError(f"method.split: FedAvg trains every parameter globally; use "
-                              f"'none' (and finetune_split for stage 3), got {self.split!r}")
-        if self.algorithm not in ("fedavg", *FULL_PERSONAL) and self.split == "none":
-            raise ConfigError(f"method.split: {self.algorithm} needs personal parameters; "
-                              f"allowed: {', '.join(k for k in splits if k != 'none')}")
+        try:
+            self.sgd()
+        except ValueError as e:
+            raise ConfigError(f"finetune: {e}") from None
+
+    def sgd(self, **over):
+        """The :class:`~partialfl.local.sgd.SGDConfig` of these settings (with ``over``)."""
+        from partialfl.local.sgd_config import SGDConfig
+
+        return SGDConfig(**{**{f.name: getattr(self, f.name)
+                              for f in dataclasses.fields(self)}, **over})
+
+
+# ----------------------------------------------------------------------------- method
+@dataclass(frozen=True)
+class MethodConfig(_Spec):
+    """The method and its split. ``algorithm``: a registered algorithm; its own options are
+    keys of this table too (validated by the algorithm's entry; in Python:
+    ``options={...}``). ``split``: which parameters are personal (model runs; default
+    ``output`` for algorithms that need a personal part, ``none`` for those that train one
+    shared model; closed-form problems define their own). ``finetune_split``: for an
+    algorithm that trains one shared model (FedAvg, Scaffold), the part stage 3 fine-tunes
+    per client ("FedAvg + fine-tuning"); None: evaluated as is."""
+
+    __options_of__ = ("algorithm", "algorithm")
+
+    algorithm: str = option("ffgg", "a registered algorithm")
+    split: Component | None = comp("split", None, "personal parameters: none, input, output "
+                                   "{layers, modules}, adapter {rank, modules}, norm, pattern "
+                                   "{personal, global_}")
+    w_init: str = option("pretrained", "where personal parameters start: pretrained, zero, "
+                         "random")
+    weighting: str = option("uniform", "aggregation weights: uniform or examples")
+    finetune_split: Component | None = comp("split", None, "the part stage 3 fine-tunes after "
+                                            "a shared-model algorithm")
+    label: str = option("", "the method's name in tables (default: algorithm-split)")
+    options: Any = option(None, "the algorithm's options (TOML: keys of this table)")
+
+    def __post_init__(self) -> None:
+        self._components("method")
+        e = entry("algorithm", self.algorithm, "method.algorithm")
+        object.__setattr__(self, "algorithm", e.name)
+        opts = self.options
+        if opts is None or isinstance(opts, Mapping):
+            own = [f.name for f in dataclasses.fields(e.options)] if e.options else []
+            bad = sorted(set(opts or {}) - set(own))
+            if bad:
+                keys = [f.name for f in dataclasses.fields(self) if f.name != "options"]
+                raise unknown_key_error(bad[0], [*keys, *own], "method")
+            object.__setattr__(self, "options", e.parse(opts, "method"))
+        elif e.options is None or not isinstance(opts, e.options):
+            raise ConfigError(f"method.options: expected {e.options} for {e.name!r}, got "
+                              f"{type(opts).__name__}")
+        check_choice("method.w_init", self.w_init, W_INITS)
+        check_choice("method.weighting", self.weighting, WEIGHTINGS)
+        kind = e.trait("split", "personal")
+        s = self.split.name if self.split is not None else None
+        if kind in ("none", "full") and s not in (None, "none"):
+            what = ("trains one shared model" if kind == "none"
+                    else "keeps a full personal model")
+            raise ConfigError(f"method.split: {e.name} {what}; use 'none' (or leave it out), "
+                              f"got {s!r}")
+        if kind == "personal" and s == "none":
+            raise ConfigError(f"method.split: {e.name} needs personal parameters; give a split "
+                              "other than 'none'")
+        if kind == "preset" and self.split is not None:
+            raise ConfigError(f"method.split: {e.name} defines its own split; leave it out")
         if self.finetune_split is not None:
-            if self.algorithm != "fedavg":
-                raise ConfigError("method.finetune_split applies to algorithm 'fedavg' only")
-            check_choice("method.finetune_split", self.finetune_split,
-                         [k for k in splits if k not in ("none", "adapter")
-                          and not k.startswith("preset:")])
-        if self.stateless and self.algorithm not in ("fedalt", "fedsim"):
-            raise ConfigError("method.stateless applies to 'fedalt' and 'fedsim' only")
-        if self.local_steps is not None and (self.algorithm != "local-ffgg"
-                                             or self.local_steps < 1):
-            raise ConfigError("method.local_steps must be >= 1 and applies to 'local-ffgg' only")
+            if kind != "none":
+                raise ConfigError(f"method.finetune_split applies to algorithms that train one "
+                                  f"shared model (split 'none'), not {e.name!r}")
+            if self.finetune_split.name == "none":
+                raise ConfigError("method.finetune_split: give the part to fine-tune, not "
+                                  "'none'")
+
+    @property
+    def entry(self):
+        """The algorithm's registry entry."""
+        return entry("algorithm", self.algorithm)
+
+    @property
+    def split_kind(self) -> str:
+        """The split's name (a model run's default when none is given)."""
+        if self.split is not None:
+            return self.split.name
+        kind = self.entry.trait("split", "personal")
+        return {"personal": "output", "preset": f"preset:{self.algorithm}"}.get(kind, "none")
+
+    def option(self, key: str, default: Any = None) -> Any:
+        """One of the algorithm's options (``default`` if it has no such option)."""
+        return getattr(self.options, key, default)
 
     @property
     def name(self) -> str:
+        """The method's label: ``label``, else ``algorithm-split`` (``-stateless``)."""
         if self.label:
             return self.label
-        s = self.algorithm + ("" if self.split == "none" else f"-{self.split}")
-        return s + ("-stateless" if self.stateless else "")
+        s = self.split_kind
+        base = self.algorithm + ("" if s == "none" or s.startswith("preset:") else f"-{s}")
+        return base + ("-stateless" if self.option("stateless") else "")
 
 
-#: a pipeline's backends (the registry's; "batched" is the closed-form name of "vmap")
-BACKENDS = tuple(b for b in names("backend") if b != "batched")
-_DEVICE = re.compile(r"cpu|cuda(:\d+)?|mps|auto")
+# ----------------------------------------------------------------------------- model, data
+@dataclass(frozen=True)
+class ModelSpec:
+    """``name``: a registered model or ``package.module:callable`` returning an
+    ``nn.Module`` (code named by a config runs only with ``--allow-code``);
+    ``options``: its keyword arguments (``num_classes`` is passed when the callable accepts
+    it and it is not given)."""
+
+    name: str = option("emnist_cnn", "a registered model, or package.module:callable")
+    options: dict[str, Any] = option(factory=dict, doc="the model's keyword arguments")
+
+    def __post_init__(self) -> None:
+        if ":" not in self.name:
+            entry("model", self.name.replace("-", "_"), "model.name")
 
 
 @dataclass(frozen=True)
-class PipelineConfig:
-    """Everything one pipeline run needs besides the task.
+class DataSpec(_Spec):
+    """``source``: a registered data source (``femnist``, ``shakespeare``, ``har``, ``folder``,
+    ``hf-disk``, …); ``path``: its folder or file (relative to the config file's folder);
+    ``options``: the source's keyword arguments. ``num_clients``: a seeded subset of the
+    clients; ``holdout``: clients kept out of training as *new clients*. ``hf-disk`` /
+    ``folder`` data with ``x, y`` only: ``test_fraction`` of each client's examples are its
+    test set; ``input_key`` / ``label_key`` / ``client_key`` are the dataset's columns
+    (``client_key`` '' = split with ``partition``)."""
 
-    ``seed`` drives stages 2 and 3 (sampling, minibatches, adapter initialisation);
-    ``pretrain_seed`` (default ``seed``) drives stage 1 and the model initialisation, so several
-    seeds can share one pre-training. ``backend``: ``vmap`` (clients batched with
-    torch.func.vmap), ``sequential`` (one client at a time) or ``processes`` (the cohort's
-    clients over worker processes, :mod:`partialfl.runtime.cohort_pool`); all give the same θ.
-    ``device`` (cpu, cuda, cuda:N, mps, auto) is where the model runs: it is not part of a
-    run's identity, so a run started on one device resumes on another (same steps, results
-    equal up to floating-point rounding). ``precision``: fp32, bf16 or fp16 (autocast).
-    ``validation``: carve a validation split from each client's training data (seed
-    ``stage1_seed``); the stages then train on the rest and log validation curves
-    (``val_*``), the stages' ``stop`` rules and ``finetune_grid`` (stage 3's epochs and lr,
-    replacing ``finetune``'s) read it, and only the final model is evaluated on test.
-    """
-
-    method: MethodConfig = field(default_factory=MethodConfig)
-    pretrain: StageConfig = field(default_factory=StageConfig)
-    personalize: StageConfig = field(default_factory=StageConfig)
-    finetune: ClientConfig = field(default_factory=lambda: ClientConfig(lr=0.01, epochs=5))
-    seed: int = 0
-    pretrain_seed: int | None = None
-    backend: str = "sequential"
-    checkpoint_every: int = 10
-    device: str = "cpu"
-    precision: str = "fp32"
-    validation: ValidationConfig | None = None
-    finetune_grid: FinetuneGrid | None = None
+    source: str = option("femnist", "a registered data source")
+    path: str = option("", "the data folder or file ('' = the source's default)")
+    options: dict[str, Any] = option(factory=dict, doc="the source's keyword arguments")
+    num_clients: int | None = option(None, "keep a seeded subset of this many clients")
+    holdout: int = option(0, "clients held out of training as new clients")
+    seed: int = option(0, "seed of the subset, holdout and test splits")
+    input_key: str = option("image", "hf-disk: the input column")
+    label_key: str = option("label", "hf-disk: the label column")
+    client_key: str = option("", "hf-disk: the client column ('' = partition)")
+    test_fraction: float = option(0.2, "x/y-only data: each client's test fraction")
+    partition: Component | None = comp("partitioner", None, "how to split data without a "
+                                       "client column: iid, dirichlet {alpha}, pathological "
+                                       "{classes_per_client}, shard {shards_per_client}; "
+                                       "each with num_clients and seed")
 
     def __post_init__(self) -> None:
-        check_choice("backend", self.backend, BACKENDS)
+        self._components("data")
+        e = entry("dataset", self.source, "data.source")
+        object.__setattr__(self, "source", e.name)
+        if self.num_clients is not None and self.num_clients < 1:
+            raise ConfigError(f"data.num_clients must be >= 1, got {self.num_clients}")
+        if self.holdout < 0:
+            raise ConfigError(f"data.holdout must be >= 0, got {self.holdout}")
+        if not 0 < self.test_fraction < 1:
+            raise ConfigError(f"data.test_fraction must be in (0, 1), got {self.test_fraction}")
+        if e.trait("needs_path") and not self.path:
+            raise ConfigError(f"data.path: source {self.source!r} needs the folder")
+        if self.partition is not None and not e.trait("partitionable"):
+            raise ConfigError(f"data.partition applies to sources with centralised data "
+                              f"(hf-disk), not {self.source!r} (its clients are natural)")
+        if e.trait("partitionable") and not self.client_key and self.partition is None:
+            raise ConfigError("data: this dataset needs client_key (its client column) or a "
+                              "partition (iid, dirichlet, pathological, shard)")
+
+
+@dataclass(frozen=True)
+class LoggingSpec:
+    """JSONL metrics are always written; ``tensorboard`` adds event files (extra
+    ``partialfl[tensorboard]``); ``progress`` shows progress bars."""
+
+    tensorboard: bool = option(False, "also write TensorBoard event files")
+    progress: bool = option(True, "show progress bars")
+
+
+# ----------------------------------------------------------------------------- wrappers
+@dataclass(frozen=True)
+class AsyncSpec(_Spec):
+    """The asynchronous runtime (Algorithm 3): the server applies each client's update as it
+    arrives. ``rule``: fedasync (staleness-weighted, one update per step) or fedbuff (a
+    buffer of ``buffer`` updates per step); ``concurrency``: clients computing at once;
+    ``compute_time``: mean seconds of a client's computation (exponential, seeded)."""
+
+    rule: Component = comp("wrapper", "fedasync", "fedasync {staleness, a, b} or fedbuff "
+                           "{buffer, staleness, a, b}")
+    concurrency: int = option(4, "client computations in flight")
+    compute_time: float = option(1.0, "mean simulated seconds of a client computation")
+
+    def __post_init__(self) -> None:
+        self._components("asynchronous")
+        if not self.rule.entry.trait("asynchronous"):
+            raise ConfigError(f"asynchronous.rule: {self.rule.name!r} is not an asynchronous "
+                              f"rule")
+        if self.concurrency < 1:
+            raise ConfigError(f"asynchronous.concurrency must be >= 1, got {self.concurrency}")
+        if not (math.isfinite(self.compute_time) and self.compute_time > 0):
+            raise ConfigError(f"asynchronous.compute_time must be > 0, got {self.compute_time}")
+
+
+# ----------------------------------------------------------------------------- the run
+@dataclass(frozen=True)
+class RunSpec(_Spec):
+    """One run (see the module docstring). ``seed`` drives stages 2 and 3 (sampling,
+    minibatches, adapter initialisation); ``pretrain_seed`` (default ``seed``) drives stage 1
+    and the model initialisation, so several seeds can share one pre-training. ``backend``:
+    how a cohort's clients run (``sequential``, ``vmap``, ``processes``; all give the same
+    θ). ``threads``: torch and BLAS threads of this process (recorded with the run; a run
+    repeats exactly at the same thread count). ``device`` is where the model runs (not part
+    of a run's identity: a run started on one device resumes on another)."""
+
+    name: str = option("run", "the run's name (its output folder or file)")
+    seed: int = option(0, "seed of stages 2 and 3 (a closed-form run: its only seed)")
+    pretrain_seed: int | None = option(None, "seed of stage 1 and the model (default seed)")
+    stages: tuple[str, ...] = option(STAGES, "the stages to run, in order")
+    threads: int = option(1, "torch/BLAS threads of this process")
+    device: str = option("cpu", "cpu, cuda, cuda:N, mps or auto")
+    precision: str = option("fp32", "fp32, bf16 or fp16 (autocast)")
+    backend: Component | None = comp("executor", None, "how a cohort's clients run: "
+                                     "sequential, vmap {max_examples}, processes {workers} "
+                                     "(default: vmap on a closed form, sequential on a model)")
+    checkpoint_every: int = option(10, "checkpoint every this many rounds")
+    plugins: tuple[str, ...] = option((), "modules that register components (code: needs "
+                                      "--allow-code)")
+    problem: Component | None = comp("problem", None, "a closed-form problem (instead of "
+                                     "model and data)")
+    model: ModelSpec | None = option(None, "the model (a model run; default emnist_cnn)")
+    data: DataSpec | None = option(None, "the federated data (a model run; default femnist)")
+    method: MethodConfig = option(factory=MethodConfig, doc="the method and its split")
+    pretrain: StageConfig = option(factory=StageConfig, doc="stage 1: FedAvg on every "
+                                   "parameter")
+    personalize: StageConfig = option(factory=StageConfig, doc="stage 2: the method (a "
+                                      "closed-form run's only stage)")
+    finetune: FinetuneConfig = option(factory=FinetuneConfig, doc="stage 3: fine-tuning")
+    validation: ValidationConfig | None = option(None, "carve a validation split")
+    finetune_grid: FinetuneGrid | None = option(None, "choose stage 3 on validation data")
+    aggregation: Component | None = comp("aggregator", None, "the server's aggregation rule "
+                                         "(default: the mean)")
+    attack: Component | None = comp("wrapper", None, "Byzantine clients: byzantine "
+                                    "{fraction, attack, …}")
+    privacy: Component | None = comp("wrapper", None, "client-level differential privacy "
+                                     "of θ: dp {…}")
+    faults: Component | None = comp("wrapper", None, "fault injection: faults {rate, kinds}")
+    asynchronous: AsyncSpec | None = option(None, "run asynchronously (Algorithm 3)")
+    logging: LoggingSpec = option(factory=LoggingSpec, doc="metrics files and progress")
+    loss: str = option("auto", "training loss (auto: by the data's kind)")
+    metric: str = option("auto", "evaluation metric (auto: by the data's kind)")
+    max_failure_fraction: float = option(0.5, "abort when more client computations than "
+                                         "this fraction fail")
+
+    def __post_init__(self) -> None:
+        self._components("")
+        if self.backend is None:
+            object.__setattr__(self, "backend", component(
+                "executor", "vmap" if self.closed_form else "sequential"))
+        if not re.fullmatch(NAME_PATTERN, self.name):
+            raise ConfigError(f"name: {self.name!r} is not allowed; a run's name is a plain "
+                              "file name (letters, digits, '.', '_', '-'; no folders)")
+        for s in self.stages:
+            check_choice("stages", s, STAGES)
+        if list(self.stages) != [s for s in STAGES if s in self.stages]:
+            raise ConfigError(f"stages: {list(self.stages)} must be distinct and in the order "
+                              f"{', '.join(STAGES)}")
+        if not (isinstance(self.threads, int) and self.threads >= 1):
+            raise ConfigError(f"threads must be an integer >= 1, got {self.threads!r}")
         for key, used in (("pretrain.stop", self.pretrain.stop),
                           ("personalize.stop", self.personalize.stop),
                           ("finetune_grid", self.finetune_grid)):
@@ -325,184 +486,96 @@ class PipelineConfig:
                 raise ConfigError(f"{key} reads validation data: set validation (e.g. "
                                   "validation = {fraction = 0.1, min_examples = 2})")
         check_choice("precision", self.precision, PRECISIONS)
-        if not isinstance(self.device, str) or not _DEVICE.fullmatch(self.device):
+        if not isinstance(self.device, str) or not DEVICE_PATTERN.fullmatch(self.device):
             raise ConfigError(f"device: {self.device!r} is not allowed; allowed: "
                               f"{', '.join(DEVICES)}")
-        if self.backend == "processes" and self.device != "cpu":
-            raise ConfigError(f"backend 'processes' runs clients in CPU worker processes; "
-                              f"device must be 'cpu', got {self.device!r}")
+        if self.backend.entry.trait("cpu_only") and self.device != "cpu":
+            raise ConfigError(f"backend {self.backend.name!r} runs clients in CPU worker "
+                              f"processes; device must be 'cpu', got {self.device!r}")
         if self.checkpoint_every < 1:
             raise ConfigError(f"checkpoint_every must be >= 1, got {self.checkpoint_every}")
+        if not 0 <= self.max_failure_fraction <= 1:
+            raise ConfigError(f"max_failure_fraction must be in [0, 1], got "
+                              f"{self.max_failure_fraction}")
+        for key, c, want in (("attack", self.attack, "byzantine"),
+                             ("privacy", self.privacy, "privacy"),
+                             ("faults", self.faults, "faults")):
+            if c is not None and c.entry.trait("block") != want:
+                raise ConfigError(f"{key}: {c.name!r} is not allowed here; allowed: "
+                                  f"{', '.join(_block_names(want))}")
+        if self.closed_form and self.method.split is not None:
+            raise ConfigError("method.split: a closed-form problem defines its own personal "
+                              "coordinates; leave split out")
+        if self.closed_form and (self.model is not None or self.data is not None):
+            raise ConfigError("problem: a closed-form run has no model or data; give either "
+                              "[problem] or [model] and [data]")
+        for key, name in (("loss", self.loss), ("metric", self.metric)):
+            if name != "auto":
+                entry(key, name, key)
+
+    @property
+    def closed_form(self) -> bool:
+        """Whether this run trains a closed-form problem (one stage, no model or data)."""
+        return self.problem is not None
 
     @property
     def stage1_seed(self) -> int:
+        """The seed of stage 1 and of the model's initialisation."""
         return self.seed if self.pretrain_seed is None else self.pretrain_seed
 
+    def effective(self) -> RunSpec:
+        """The spec as the pipeline runs it: a stage left out of ``stages`` runs 0 rounds
+        (pre-training, personalization) or 0 epochs (fine-tuning)."""
+        over: dict[str, Any] = {}
+        if "pretrain" not in self.stages:
+            over["pretrain"] = dataclasses.replace(self.pretrain, rounds=0)
+        if "personalize" not in self.stages:
+            over["personalize"] = dataclasses.replace(self.personalize, rounds=0)
+        if "finetune" not in self.stages:
+            over["finetune"] = dataclasses.replace(self.finetune, epochs=0, steps=None)
+        return dataclasses.replace(self, **over) if over else self
+
     @classmethod
-    def from_dict(cls, data: Mapping[str, Any]):
-        """Validated config from a (TOML) dict; errors name the key and the allowed values."""
-        return from_dict(cls, data)
+    def from_dict(cls, data: Mapping[str, Any], where: str = "") -> RunSpec:
+        """Validated spec from a (TOML) dict; errors name the key and the allowed values."""
+        return from_dict(cls, data, where)
 
     def to_dict(self) -> dict[str, Any]:
-        """The configuration as a plain dict (written to ``config.json``); the validation
-        settings appear only when set, so runs without them keep their identity."""
+        """The spec as a plain dict (``spec.json``; :meth:`from_dict` reads it back); unset
+        optional blocks are left out, so runs without them keep their identity."""
         return drop_unset(to_dict(self))
 
+    def identity(self) -> dict[str, Any]:
+        """What a resumed run must match: the spec without what does not change results
+        (device, logging, progress)."""
+        d = self.to_dict()
+        for k in ("device", "logging", "name"):
+            d.pop(k, None)
+        return d
 
-_OPTIONAL_KEYS = ("stop", "validation", "finetune_grid")
+
+def _block_names(block: str) -> list[str]:
+    from partialfl.registry import with_trait
+
+    return list(with_trait("wrapper", "block", block))
+
+
+_OPTIONAL_KEYS = ("stop", "validation", "finetune_grid", "problem", "aggregation", "attack",
+                  "privacy", "faults", "asynchronous", "split", "finetune_split",
+                  "pretrain_seed", "partition", "model", "data")
 
 
 def drop_unset(d: dict) -> dict:
-    """``d`` without the optional validation keys that are None (recursively)."""
+    """``d`` without the optional keys that are None (recursively)."""
     return {k: (drop_unset(v) if isinstance(v, dict) else v) for k, v in d.items()
             if not (k in _OPTIONAL_KEYS and v is None)}
 
 
-# ----------------------------------------------------------------------------- train
-STAGES = ("pretrain", "personalize", "finetune")
+def load_spec(data: Mapping[str, Any], where: str = "") -> RunSpec:
+    """A validated :class:`RunSpec` from a (TOML) mapping."""
+    return from_dict(RunSpec, data, where)
 
 
-@dataclass(frozen=True)
-class ModelSpec:
-    """``name``: a registry model (``partialfl.build.names("model")``) or
-    ``package.module:callable`` returning an ``nn.Module``; ``options`` are its keyword
-    arguments (``num_classes`` is passed when the callable accepts it and it is not given)."""
-
-    name: str = "emnist_cnn"
-    options: dict[str, Any] = field(default_factory=dict)
-
-    def __post_init__(self) -> None:
-        if ":" not in self.name:
-            check_choice("model.name", self.name.replace("-", "_"),
-                         [n.replace("-", "_") for n in names("model")])
-
-
-@dataclass(frozen=True)
-class PartitionSpec:
-    """How to split data with no natural client key into clients (``flwr-datasets``
-    partitioners, extra ``partialfl[partition]``): ``iid``, ``dirichlet`` (label proportions
-    ~ Dir(alpha) per class), ``pathological`` (``classes_per_client`` labels each),
-    ``shard`` (sorted-by-label shards, ``shards_per_client`` each); ``none`` = use the data's
-    client key."""
-
-    kind: str = "none"
-    num_clients: int = 10
-    alpha: float = 0.5
-    classes_per_client: int = 2
-    shards_per_client: int = 2
-    seed: int = 0
-
-    def __post_init__(self) -> None:
-        check_choice("data.partition.kind", self.kind, ("none", *names("partitioner")))
-        if self.num_clients < 1:
-            raise ConfigError(f"data.partition.num_clients must be >= 1, got {self.num_clients}")
-        if not (self.alpha > 0 and math.isfinite(self.alpha)):
-            raise ConfigError(f"data.partition.alpha must be > 0, got {self.alpha}")
-        if self.classes_per_client < 1 or self.shards_per_client < 1:
-            raise ConfigError("data.partition.classes_per_client and shards_per_client must "
-                              "be >= 1")
-
-
-@dataclass(frozen=True)
-class DataSpec:
-    """``source``: a registry loader (``femnist``, ``shakespeare``), ``folder`` (one
-    ``CLIENT.npz`` per client with ``train_x, train_y, test_x, test_y`` or ``x, y``) or
-    ``hf-disk`` (a Hugging Face ``datasets`` dataset written by ``save_to_disk``).
-
-    ``path``: the data folder (loaders: where their file lives, '' = the default), the
-    per-client folder, or the saved dataset. ``options``: the loader's keyword arguments.
-    ``num_clients``: keep a seeded random subset of the clients; ``holdout``: clients kept
-    out of training as *new clients* for the evaluation. ``hf-disk`` / ``folder`` with
-    ``x, y`` only: ``test_fraction`` of each client's examples are its test set;
-    ``input_key`` / ``label_key`` / ``client_key`` are the dataset's columns (``client_key``
-    '' = partition with ``partition``)."""
-
-    source: str = "femnist"
-    path: str = ""
-    options: dict[str, Any] = field(default_factory=dict)
-    num_clients: int | None = None
-    holdout: int = 0
-    seed: int = 0
-    input_key: str = "image"
-    label_key: str = "label"
-    client_key: str = ""
-    test_fraction: float = 0.2
-    partition: PartitionSpec = field(default_factory=PartitionSpec)
-
-    def __post_init__(self) -> None:
-        check_choice("data.source", self.source, names("dataset"))
-        if self.num_clients is not None and self.num_clients < 1:
-            raise ConfigError(f"data.num_clients must be >= 1, got {self.num_clients}")
-        if self.holdout < 0:
-            raise ConfigError(f"data.holdout must be >= 0, got {self.holdout}")
-        if not 0 < self.test_fraction < 1:
-            raise ConfigError(f"data.test_fraction must be in (0, 1), got {self.test_fraction}")
-        if self.source in ("folder", "hf-disk") and not self.path:
-            raise ConfigError(f"data.path: source {self.source!r} needs the folder")
-        if self.partition.kind != "none" and self.source != "hf-disk":
-            raise ConfigError(f"data.partition applies to source 'hf-disk' only, got "
-                              f"{self.source!r} (its clients are natural)")
-        if self.source == "hf-disk" and not self.client_key and self.partition.kind == "none":
-            raise ConfigError("data: an hf-disk dataset needs client_key (its client column) "
-                              "or a partition.kind: "
-                              + ", ".join(names("partitioner")))
-
-
-@dataclass(frozen=True)
-class LoggingSpec:
-    """JSONL metrics are always written; ``tensorboard`` adds event files (extra
-    ``partialfl[tensorboard]``); ``progress`` shows tqdm bars."""
-
-    tensorboard: bool = False
-    progress: bool = True
-
-
-@dataclass(frozen=True)
-class TrainSpec(PipelineConfig):
-    """``partialfl train CONFIG.toml``: a :class:`PipelineConfig` (tables ``[method]``,
-    ``[pretrain]``, ``[personalize]``, ``[finetune]``) plus ``[model]``, ``[data]``,
-    ``[logging]``, the ``stages`` to run (any subset of pretrain → personalize → finetune, in
-    that order), ``device``, ``precision`` and the ``loss`` / ``metric`` (``auto``: token
-    cross-entropy / next-word accuracy for text data, else cross-entropy / accuracy)."""
-
-    name: str = "train"
-    model: ModelSpec = field(default_factory=ModelSpec)
-    data: DataSpec = field(default_factory=DataSpec)
-    logging: LoggingSpec = field(default_factory=LoggingSpec)
-    stages: tuple[str, ...] = STAGES
-    loss: str = "auto"
-    metric: str = "auto"
-
-    def __post_init__(self) -> None:
-        super().__post_init__()
-        for s in self.stages:
-            check_choice("stages", s, STAGES)
-        if list(self.stages) != [s for s in STAGES if s in self.stages]:
-            raise ConfigError(f"stages: {list(self.stages)} must be distinct and in the order "
-                              f"{', '.join(STAGES)}")
-        check_choice("loss", self.loss, ("auto", *names("loss")))
-        check_choice("metric", self.metric, ("auto", *names("metric")))
-
-    def pipeline_config(self) -> PipelineConfig:
-        """The pipeline's config: a stage left out of ``stages`` runs 0 rounds (pre-training)
-        or 0 epochs (fine-tuning); left-out personalization keeps θ of stage 1."""
-        pre = self.pretrain if "pretrain" in self.stages else dataclasses.replace(
-            self.pretrain, rounds=0)
-        pers = self.personalize if "personalize" in self.stages else dataclasses.replace(
-            self.personalize, rounds=0)
-        ft = self.finetune if "finetune" in self.stages else dataclasses.replace(
-            self.finetune, epochs=0, steps=None)
-        kw = {f.name: getattr(self, f.name) for f in dataclasses.fields(PipelineConfig)}
-        kw.update(pretrain=pre, personalize=pers, finetune=ft)
-        return PipelineConfig(**kw)
-
-
-def load_spec(cls, data: Mapping[str, Any], where: str = ""):
-    """A validated spec of type ``cls`` from a (TOML) mapping."""
-    return from_dict(cls, data, where)
-
-
-__all__ = ["AlgorithmConfig", "ClientConfig", "ClosedFormConfig", "DataSpec", "LoggingSpec",
-           "MethodConfig", "ModelSpec", "PartitionSpec", "PipelineConfig", "ProblemConfig",
-           "RunConfig", "STAGES", "ServerConfig", "StageConfig", "TrainSpec", "load_spec",
-           "parse_lr"]
+__all__ = ["AsyncSpec", "DataSpec", "FinetuneConfig", "FinetuneGrid", "LoggingSpec",
+           "MethodConfig", "ModelSpec", "RunSpec", "STAGES", "ServerConfig", "StageConfig",
+           "StopConfig", "ValidationConfig", "drop_unset", "load_spec", "parse_lr"]

@@ -38,14 +38,15 @@ import copy
 import re
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 from torch import Tensor, nn
 
+from partialfl import registry
+from partialfl.registry import option, register
 from partialfl.rng import torch_seed
 from partialfl.types import Params
-
-SPLIT_KINDS = ("none", "input", "output", "adapter", "norm", "pattern")
 
 #: module types whose parameters count as normalization parameters
 NORM_TYPES: tuple[type[nn.Module], ...] = tuple(
@@ -359,7 +360,8 @@ def make_split(
 
     Args:
         model: any ``nn.Module``; only ``adapter`` copies it (the original is untouched).
-        kind: one of :data:`SPLIT_KINDS`.
+        kind: a registered split (``none``, ``input``, ``output``, ``adapter``, ``norm``,
+            ``pattern``).
         layers: number of layers made personal by ``input`` / ``output``.
         modules: module-name regexes (full match) replacing the automatic choice of
             ``input`` / ``output`` layers, or of the modules that get adapters.
@@ -372,8 +374,9 @@ def make_split(
             ``partialfl.rng.torch_seed(seed, "adapters")``, the global torch RNG untouched);
             None draws it from the global torch RNG.
     """
-    if kind not in SPLIT_KINDS:
-        raise SplitError(f"unknown split kind {kind!r}; allowed: {', '.join(SPLIT_KINDS)}")
+    if kind not in registry.names("split"):
+        raise SplitError(f"unknown split kind {kind!r}; allowed: "
+                         f"{', '.join(registry.names('split'))}")
     if not isinstance(model, nn.Module):
         raise TypeError(f"make_split needs a torch nn.Module, got {type(model).__name__}")
     if kind != "pattern" and (personal is not None or global_ is not None):
@@ -435,7 +438,7 @@ def split_report(model: nn.Module, kinds: Sequence[str] | None = None,
                  options: Mapping[str, Mapping] | None = None) -> str:
     """A markdown table of #global / #personal parameters for each split kind of ``model``
     (kinds that do not apply to the model are listed with the reason)."""
-    kinds = kinds or [k for k in SPLIT_KINDS if k != "pattern"]
+    kinds = kinds or [k for k in registry.names("split") if k != "pattern"]
     options = options or {}
     rows = ["| split | global params | personal params | personal % | personal tensors |",
             "| --- | ---: | ---: | ---: | --- |"]
@@ -452,3 +455,100 @@ def split_report(model: nn.Module, kinds: Sequence[str] | None = None,
                     f"{_abbrev(s.personal_names, 4)} |")
     return "\n".join(rows)
 
+
+
+# ----------------------------------------------------------------------------- registry
+@dataclass(frozen=True)
+class SplitContext:
+    """What a split entry is built with: the model, an example input batch (layers then
+    follow their order in ``forward``) and the adapters' seed (None: the global torch RNG).
+    A model with its own splits (a method ``partialfl_split(kind, options)``, e.g. the
+    transformer's bottleneck adapters) builds them itself."""
+
+    model: Any
+    example_input: Any = None
+    seed: int | None = None
+
+
+def _build(kind: str, opts: Any, ctx: SplitContext) -> Split:
+    own = getattr(ctx.model, "partialfl_split", None)
+    if own is not None:
+        return own(kind, opts)
+    kw = {} if opts is None else {f: getattr(opts, f) for f in opts.__dataclass_fields__}
+    kw = {k: (list(v) if isinstance(v, tuple) else v) for k, v in kw.items()}
+    kw.pop("adapter_dim", None)
+    return make_split(ctx.model, kind, example_input=ctx.example_input, seed=ctx.seed, **kw)
+
+
+@register("split", "none")
+def _none(opts: None, ctx: SplitContext) -> Split:
+    """Every parameter global (non-personalized training)."""
+    return _build("none", opts, ctx)
+
+
+@dataclass(frozen=True)
+class LayerOptions:
+    """Which layers: the first / last ``layers``, or explicit module-name regexes."""
+
+    layers: int = option(1, "number of layers made personal")
+    modules: tuple[str, ...] | None = option(None, "module-name regexes (full match) instead "
+                                             "of the automatic choice")
+
+
+@register("split", "input", options=LayerOptions, advise=True)
+def _input(opts: LayerOptions, ctx: SplitContext) -> Split:
+    """The first ``layers`` layer(s) personal."""
+    return _build("input", opts, ctx)
+
+
+@register("split", "output", options=LayerOptions, advise=True)
+def _output(opts: LayerOptions, ctx: SplitContext) -> Split:
+    """The last ``layers`` layer(s) personal (e.g. the classification head)."""
+    return _build("output", opts, ctx)
+
+
+@dataclass(frozen=True)
+class AdapterOptions:
+    """The inserted adapters."""
+
+    rank: int = option(8, "rank of the low-rank adapters of Linear modules")
+    modules: tuple[str, ...] | None = option(None, "module-name regexes of the adapted "
+                                             "modules (None: every Linear/Conv)")
+    adapter_dim: int | None = option(None, "models with their own bottleneck adapters "
+                                     "(transformer): the bottleneck (None: d_model/16)")
+
+
+@register("split", "adapter", options=AdapterOptions, adds_parameters=True, advise=True)
+def _adapter(opts: AdapterOptions, ctx: SplitContext) -> Split:
+    """Zero-initialised residual adapters inserted and personal; the base model global."""
+    return _build("adapter", opts, ctx)
+
+
+@register("split", "norm", advise=True)
+def _norm(opts: None, ctx: SplitContext) -> Split:
+    """The normalization layers' parameters personal."""
+    return _build("norm", opts, ctx)
+
+
+@dataclass(frozen=True)
+class PatternOptions:
+    """Regular expressions on parameter names (``re.search``)."""
+
+    personal: tuple[str, ...] = option((), "names matching any of these are personal")
+    global_: tuple[str, ...] | None = option(None, "names matching these are global (with "
+                                             "both, every name must match exactly one side)")
+
+
+@register("split", "pattern", options=PatternOptions)
+def _pattern(opts: PatternOptions, ctx: SplitContext) -> Split:
+    """Personal parameters named by regular expressions."""
+    return _build("pattern", opts, ctx)
+
+
+def build_split(model, kind: str, options: Mapping[str, Any] | None = None, *,
+                example_input=None) -> Split:
+    """The registered split ``kind`` of ``model`` with ``options`` (its entry's options)."""
+    from partialfl.registry import component
+
+    c = component("split", {"name": kind, **dict(options or {})}, "method.split")
+    return c.build(SplitContext(model, example_input))

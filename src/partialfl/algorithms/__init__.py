@@ -1,5 +1,14 @@
-"""Algorithms: what a client computes and sends, and how the server updates θ."""
+"""Algorithms: what a client computes and sends, and how the server updates θ.
 
+Importing this package registers every algorithm and wrapper (registry kinds ``algorithm``
+and ``wrapper``)."""
+
+from partialfl.algorithms import (  # noqa: F401 - registers their entries
+    asynchronous,
+    byzantine,
+    ditto,
+    presets,
+)
 from partialfl.algorithms.base import (
     Algorithm,
     ClientResult,

@@ -23,13 +23,17 @@ and records its staleness τ (server steps since the client received θ) in
 from __future__ import annotations
 
 import math
+from dataclasses import dataclass
 
 import numpy as np
 
 from partialfl import arrays
 from partialfl.algorithms.base import Algorithm, ClientResult, ServerState, concat_results
+from partialfl.algorithms.context import WrapperContext
 from partialfl.algorithms.fedavg import LocalGD
 from partialfl.algorithms.wrapper import AlgorithmWrapper
+from partialfl.config import check_choice
+from partialfl.registry import option, register
 from partialfl.server import SGD
 from partialfl.types import ClientUpdates
 
@@ -128,3 +132,46 @@ class FedBuff(AlgorithmWrapper):
         new = self.base.server_update(state, merged, ctx)
         new.extra["buffer"] = ()
         return new
+
+
+@dataclass(frozen=True)
+class FedAsyncOptions:
+    """FedAsync's staleness weighting s(τ)."""
+
+    staleness: str = option("polynomial", "s(τ): constant, polynomial (1+τ)^-a, hinge")
+    a: float = option(0.5, "the decay a > 0")
+    b: float = option(4.0, "hinge: the staleness b >= 0 up to which s = 1")
+
+    def __post_init__(self) -> None:
+        check_choice("staleness", self.staleness, STALENESS_FUNCTIONS)
+        _check_staleness_args(self.staleness, self.a, self.b)
+
+
+@register("wrapper", "fedasync", options=FedAsyncOptions, asynchronous=True)
+def _fedasync(opts: FedAsyncOptions, ctx: WrapperContext) -> FedAsync:
+    """FedAsync (Xie et al. 2019): each arriving update, scaled by s(τ), is applied at once
+    (with FFGG: Algorithm 3)."""
+    return FedAsync(ctx.base, opts.staleness, opts.a, opts.b)
+
+
+@dataclass(frozen=True)
+class FedBuffOptions:
+    """FedBuff's buffer and staleness weighting."""
+
+    buffer: int = option(4, "K: arriving updates per server step")
+    staleness: str = option("constant", "s(τ): constant, polynomial (1+τ)^-a, hinge")
+    a: float = option(0.5, "the decay a > 0")
+    b: float = option(4.0, "hinge: the staleness b >= 0 up to which s = 1")
+
+    def __post_init__(self) -> None:
+        if not (isinstance(self.buffer, int) and self.buffer >= 1):
+            raise ValueError(f"buffer must be an integer >= 1, got {self.buffer!r}")
+        check_choice("staleness", self.staleness, STALENESS_FUNCTIONS)
+        _check_staleness_args(self.staleness, self.a, self.b)
+
+
+@register("wrapper", "fedbuff", options=FedBuffOptions, asynchronous=True)
+def _fedbuff(opts: FedBuffOptions, ctx: WrapperContext) -> FedBuff:
+    """FedBuff (Nguyen et al. 2022): K arriving (s(τ)-scaled) updates are buffered, then the
+    server steps once on all of them."""
+    return FedBuff(ctx.base, opts.buffer, opts.staleness, opts.a, opts.b)

@@ -26,13 +26,15 @@ the client has a personal model).
 from __future__ import annotations
 
 import math
+from dataclasses import dataclass
 
 import numpy as np
-import torch
 
 from partialfl.algorithms.base import Algorithm, ClientResult, Deployed, RoundContext
 from partialfl.algorithms.common import check_weighting, client_weights, delta
-from partialfl.local.sgd import SGDConfig, run_sgd
+from partialfl.algorithms.context import AlgorithmContext
+from partialfl.local.sgd_config import SGDConfig
+from partialfl.registry import option, register
 from partialfl.types import ClientUpdates, Params
 
 PREFIX = "v/"
@@ -43,6 +45,8 @@ def personal_models(problem, cohort, v: Params, centre: Params, cfg: SGDConfig, 
                     seed: int, round_: int, stream: str = "personal") -> tuple[Params, np.ndarray]:
     """``cfg`` proximal SGD epochs on each client's full model ``v`` (stacked ``[k, ...]``)
     pulled to ``centre`` with strength λ; returns (new v, mean loss per client)."""
+    from partialfl.local.sgd import run_sgd
+
     if cfg.epochs == 0 and cfg.steps in (None, 0):
         return {n: t.clone() for n, t in v.items()}, np.full(len(cohort), np.nan)
     res = run_sgd(problem, cohort, v, {}, train="theta", cfg=cfg, seed=seed, round_=round_,
@@ -83,6 +87,8 @@ class Ditto(Algorithm):
                              f"{list(problem.w_names)[:4]}")
 
     def init_client_state(self, problem) -> Params:
+        import torch
+
         self._check(problem)
         M = problem.num_clients
         dev = getattr(problem, "device", None)
@@ -94,6 +100,8 @@ class Ditto(Algorithm):
     @staticmethod
     def personal_v(theta: Params, client_state: Params) -> Params:
         """Each client's v (θ itself for a client that has not joined yet), stacked."""
+        import torch
+
         joined = client_state[JOINED]
         out = {}
         for n, t in theta.items():
@@ -103,6 +111,10 @@ class Ditto(Algorithm):
         return out
 
     def client_update(self, state, problem, cohort, ctx: RoundContext, client_state=None):
+        import torch
+
+        from partialfl.local.sgd import run_sgd
+
         self._check(problem)
         if client_state is None:
             raise ValueError("Ditto keeps v_m on the clients: run it with a runtime that holds "
@@ -136,3 +148,30 @@ def local_only(personal: SGDConfig) -> Ditto:
     client trains its own copy of θ⁰ and shares nothing)."""
     return Ditto(SGDConfig(lr=personal.lr, epochs=0, batch_size=personal.batch_size),
                  personal, 0.0)
+
+
+@dataclass(frozen=True)
+class DittoOptions:
+    """Ditto's proximal strength."""
+
+    lam: float | None = option(None, "λ >= 0 pulling each personal model to θ (inf allowed)")
+
+    def __post_init__(self) -> None:
+        if self.lam is None or not float(self.lam) >= 0:
+            raise ValueError(f"Ditto needs lam >= 0 (inf allowed), got {self.lam!r}")
+
+
+@register("algorithm", "ditto", options=DittoOptions, split="full", problems=("model",))
+def _ditto(opts: DittoOptions, ctx: AlgorithmContext) -> Ditto:
+    """Ditto (Li et al. 2021): θ by FedAvg, and a fully personal model v_m per client pulled
+    to θ with strength λ (proximal SGD)."""
+    sgd = ctx.trainer()
+    return Ditto(sgd, sgd, float(opts.lam), server_opt=ctx.server_opt,
+                 aggregator=ctx.aggregator, weighting=ctx.weighting)
+
+
+@register("algorithm", "local", split="full", fresh_model=True, problems=("model",))
+def _local(opts: None, ctx: AlgorithmContext) -> Ditto:
+    """Local training only: every client trains its own copy of a fresh model; nothing is
+    shared."""
+    return local_only(ctx.trainer())

@@ -35,7 +35,9 @@ from partialfl.algorithms.common import (
     pick,
     repeat_tree,
 )
+from partialfl.algorithms.context import AlgorithmContext
 from partialfl.local.gd import GDConfig
+from partialfl.registry import register
 from partialfl.tree import tree_copy
 from partialfl.types import ClientUpdates, Params
 
@@ -241,3 +243,17 @@ class Scaffold(FedAvg):
         dc = updates.extra["dc"]
         new.extra["c"] = {n: state.extra["c"][n] + frac * dc[n].mean(0) for n in dc}
         return new
+
+
+@register("algorithm", "fedavg", aliases=("local-gd",), split="none", shared_w=True)
+def _fedavg(opts: None, ctx: AlgorithmContext) -> FedAvg:
+    """FedAvg / Local GD (McMahan et al. 2017): local training of one shared model from θʳ,
+    the server steps with −mean Δ (SGD lr 1: averaging; Adam: FedAdam)."""
+    return FedAvg(ctx.trainer(), **ctx.common(), share_w=True, w_init=ctx.w_init)
+
+
+@register("algorithm", "scaffold", split="none", shared_w=True)
+def _scaffold(opts: None, ctx: AlgorithmContext) -> Scaffold:
+    """Scaffold (Karimireddy et al. 2020): local steps corrected by control variates c_m
+    (kept on the clients) and c (on the server)."""
+    return Scaffold(local=ctx.trainer(), **ctx.common())

@@ -13,6 +13,8 @@ from __future__ import annotations
 import numpy as np
 
 from partialfl.algorithms.base import Algorithm, ClientResult, Deployed, RoundContext
+from partialfl.algorithms.context import AlgorithmContext
+from partialfl.registry import register
 from partialfl.types import ClientUpdates
 
 
@@ -46,3 +48,10 @@ class FFGG(Algorithm):
         """θ with each client's w fine-tuned afresh by the solver (what a client would deploy)."""
         return Deployed(state.theta, self.solver(problem, np.asarray(cohort), state.theta,
                                                  ctx.seed, -1).w)
+
+
+@register("algorithm", "ffgg", split="personal", sends="gradient")
+def _ffgg(opts: None, ctx: AlgorithmContext) -> FFGG:
+    """FFGG (Algorithm 1): each sampled client fine-tunes its w from scratch with the stage's
+    fine-tuner and sends ∇_θ f_m(θ, w); the server aggregates and steps."""
+    return FFGG(ctx.finetuner(), **ctx.common())

@@ -15,14 +15,19 @@ broadcast. All clients participate. Each client deploys its own x_m.
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import numpy as np
 
 from partialfl import arrays
 from partialfl import rng as prng
 from partialfl.algorithms.base import Algorithm, ClientResult, Deployed
 from partialfl.algorithms.common import DeployAll, pick, repeat_tree
+from partialfl.algorithms.context import AlgorithmContext
 from partialfl.algorithms.fedavg import shared_model, theta_part
+from partialfl.config import ConfigError
 from partialfl.local.gd import GDConfig, check_tau
+from partialfl.registry import option, register
 from partialfl.types import ClientUpdates, Params
 
 
@@ -96,3 +101,32 @@ class L2GD(DeployAll, Algorithm):
     def global_theta(self, state, problem) -> Params:
         """θ, the global part of the average model x̄."""
         return theta_part(problem, state.theta)
+
+
+@dataclass(frozen=True)
+class L2GDOptions:
+    """L2GD's penalty and communication probability."""
+
+    lam: float = option(0.1, "penalty λ > 0 pulling each x_m to the average")
+    p: float | None = option(None, "communication probability (None: 1/τ)")
+
+    def __post_init__(self) -> None:
+        if not self.lam > 0:
+            raise ValueError(f"lam must be > 0, got {self.lam!r}")
+        if self.p is not None and not 0 < self.p <= 1:
+            raise ValueError(f"p must be in (0, 1], got {self.p!r}")
+
+
+@register("algorithm", "l2gd", options=L2GDOptions, split="none", shared_w=True,
+          full_participation=True)
+def _l2gd(opts: L2GDOptions, ctx: AlgorithmContext) -> L2GD:
+    """L2GD (Hanzely & Richtárik 2020): one full model per client pulled to the average with
+    penalty λ; a geometric number of local GD steps per communication."""
+    tau = getattr(ctx.local, "tau", None)
+    if tau is None:
+        raise ConfigError("l2gd takes full-gradient local steps: use client = {name = \"gd\", "
+                          "tau = …}")
+    alg = L2GD(tau, lam=opts.lam, p=opts.p)
+    if ctx.server_opt is not None:  # the averaging step x̄ ← x̄ + lr·mean Δ (lr 1: its own)
+        alg.server_opt = ctx.server_opt
+    return alg

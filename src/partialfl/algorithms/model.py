@@ -20,7 +20,7 @@ from partialfl.algorithms.common import WEIGHTINGS, check_init
 from partialfl.algorithms.fedavg import FedAvg
 from partialfl.algorithms.ffgg import FFGG
 from partialfl.algorithms.personal import FedAlt, FedSim, LocalFFGG
-from partialfl.local.sgd import SGDConfig, SGDFineTuner
+from partialfl.local.sgd_config import SGDConfig
 
 __all__ = ["WEIGHTINGS", "FedAlt", "FedAvg", "FedSim", "LocalFFGG", "model_ffgg"]
 
@@ -30,4 +30,4 @@ def model_ffgg(finetune: SGDConfig, init: str = "pretrained", server_opt=None, a
     """FFGG (Algorithm 1) on a model problem: each sampled client fine-tunes a fresh w with
     ``finetune`` SGD epochs (θʳ fixed, w from ``init``) and sends ∇_θ f_m(θʳ, w_m) on its full
     training data."""
-    return FFGG(SGDFineTuner(finetune, check_init(init)), server_opt, aggregator, weighting)
+    return FFGG(finetune.finetuner(check_init(init)), server_opt, aggregator, weighting)

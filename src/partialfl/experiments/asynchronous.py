@@ -49,6 +49,7 @@ from partialfl.experiments.report import (
     quick_note,
 )
 from partialfl.problems.overpersonalized import OverpersonalizedLeastSquares
+from partialfl.registry import register
 from partialfl.runtime import JsonlLogger, run_rounds
 from partialfl.runtime.asynchronous import (
     ComputeTimeModel,
@@ -415,6 +416,8 @@ def _summary(results: list[dict], study: AsyncStudy, quick: bool, seconds: float
     return "\n".join(lines)
 
 
+@register("reproduction", "async",
+          doc="Asynchronous FFGG vs sync FFGG, FedBuff, async SGD on least squares")
 def reproduce_async(out_dir: Path, *, quick: bool = False, seeds: list[int] | None = None,
                     data_dir: Path | None = None, progress: bool = True) -> Path:
     """Run the study, write JSONL, plots and ``summary.md``; returns the summary path."""

@@ -40,6 +40,7 @@ from partialfl.algorithms.ffgg import FFGG
 from partialfl.build import make_aggregator, make_attack, make_solver
 from partialfl.experiments.report import error_ratio_section, markdown_table, quick_note
 from partialfl.problems.overpersonalized import OverpersonalizedLeastSquares
+from partialfl.registry import register
 from partialfl.runtime import JsonlLogger, run_rounds
 from partialfl.server import SGD
 
@@ -375,6 +376,8 @@ def _summary(rows, study, problem_stats, quick, seconds) -> str:
     return "\n".join(lines) + "\n"
 
 
+@register("reproduction", "byzantine",
+          doc="Byzantine-robust FFGG: attacks x aggregators (+bucketing) on least squares")
 def reproduce_byzantine(out_dir: Path, *, quick: bool = False, seeds: list[int] | None = None,
                         data_dir: Path | None = None, progress: bool = True,
                         study: ByzantineStudy | None = None) -> Path:

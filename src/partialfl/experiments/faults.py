@@ -44,10 +44,11 @@ from partialfl.algorithms import FFGG
 from partialfl.build import make_solver
 from partialfl.experiments.report import error_ratio_section
 from partialfl.problems.least_squares import LeastSquaresProblem, LeastSquaresSpec
+from partialfl.registry import register
 from partialfl.runtime import run_rounds
 from partialfl.runtime.asynchronous import run_async
 from partialfl.runtime.faults import DropClients, FaultInjector
-from partialfl.server import SGD, Schedule
+from partialfl.server import SGD, Exponential
 
 #: the distance to θ* (‖θ − θ*‖² / ‖θ⁰ − θ*‖²) every run must reach, per runtime (the worker
 #: processes run far fewer steps: each step is a real round trip between processes)
@@ -90,8 +91,8 @@ def _ls_metrics(star: np.ndarray) -> Callable:
 def _ffgg(problem, halve_every: int, scale: int = 1) -> FFGG:
     """FFGG with CG; server step 1/(L·scale) halved every ``halve_every·scale`` steps
     (asynchronous steps apply one client's gradient: ``scale`` = number of clients)."""
-    return FFGG(make_solver("cg", 10), SGD(1.0 / problem.L / scale, schedule=Schedule(
-        "exponential", halve_every=halve_every * scale)))
+    return FFGG(make_solver("cg", 10), SGD(1.0 / problem.L / scale, schedule=Exponential(
+        halve_every * scale)))
 
 
 def _injected(inj: FaultInjector, pairs) -> dict[str, int]:
@@ -325,6 +326,8 @@ def _plot(rows: list[dict], path: Path) -> None:
     plt.close(fig)
 
 
+@register("reproduction", "faults",
+          doc="Fault injection: FFGG with 0-30% of clients raising / NaN / dying workers")
 def reproduce_faults(out_dir: Path, *, quick: bool = False, seeds: list[int] | None = None,
                      data_dir: Path | None = None, progress: bool = True) -> Path:
     """Run the study; writes ``summary.md`` (returned), ``results.json`` and ``faults.png``."""

@@ -38,6 +38,7 @@ from __future__ import annotations
 
 import json
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, replace
 from pathlib import Path
 
@@ -53,11 +54,6 @@ from partialfl.data.femnist import (
     raw_writers,
 )
 from partialfl.experiments.pipeline import (
-    ClientConfig,
-    MethodConfig,
-    PipelineConfig,
-    ServerConfig,
-    StageConfig,
     Task,
     check_or_write_json,
     evaluate_run,
@@ -86,7 +82,16 @@ from partialfl.experiments.stopping import (
     plateau_table,
     stage1_stop,
 )
-from partialfl.spec import ModelSpec
+from partialfl.local.sgd_config import SGDConfig
+from partialfl.registry import register
+from partialfl.spec import (
+    FinetuneConfig,
+    MethodConfig,
+    ModelSpec,
+    RunSpec,
+    ServerConfig,
+    StageConfig,
+)
 
 MODEL = "emnist_cnn"
 FFGG_SERVER_LR = 0.05
@@ -151,19 +156,24 @@ def _methods(size: Size) -> tuple[tuple[str, MethodConfig], ...]:
     return tuple(m for m in METHODS if m[0] in size.methods)
 
 
-def stage_configs(size: Size) -> tuple[StageConfig, dict[str, StageConfig], ClientConfig]:
-    """(stage 1, stage 2 per algorithm, stage 3 client config) of the table."""
+def stage_configs(size: Size) -> tuple[StageConfig, Callable[[MethodConfig], StageConfig],
+                                       FinetuneConfig]:
+    """(stage 1, stage 2 of a method, stage 3 client config) of the table: methods that send
+    θ-gradients (FFGG) take their own server stepsize."""
     stop1, stop2 = size.plateau[:2] if size.plateau else (None, None)
     pre = StageConfig(stop=stop1, rounds=size.pretrain_rounds, clients_per_round=10,
-                      client=ClientConfig(lr=PRETRAIN_LR, epochs=1, batch_size=32),
+                      client=SGDConfig(lr=PRETRAIN_LR, epochs=1, batch_size=32),
                       server=ServerConfig("sgd", 1.0),
                       eval_every=size.eval_every if stop1 else max(1, size.pretrain_rounds // 6))
-    client = ClientConfig(lr=PERSONAL_LR, epochs=1, batch_size=32)
+    client = SGDConfig(lr=PERSONAL_LR, epochs=1, batch_size=32)
     delta = StageConfig(rounds=size.rounds, clients_per_round=10, client=client, stop=stop2,
                         server=ServerConfig("sgd", 1.0), eval_every=size.eval_every)
-    stage2 = {a: delta for a in ("fedavg", "local-ffgg", "fedalt", "fedsim")}
-    stage2["ffgg"] = replace(delta, server=ServerConfig("sgd", FFGG_SERVER_LR))
-    return pre, stage2, ClientConfig(lr=PERSONAL_LR, epochs=size.finetune_epochs, batch_size=32)
+    gradient = replace(delta, server=ServerConfig("sgd", FFGG_SERVER_LR))
+
+    def stage2(method: MethodConfig) -> StageConfig:
+        return gradient if method.entry.trait("sends") == "gradient" else delta
+
+    return pre, stage2, FinetuneConfig(lr=PERSONAL_LR, epochs=size.finetune_epochs, batch_size=32)
 
 
 def load_data(data_dir=None, num_writers: int | None = None, holdout: int = HOLDOUT_WRITERS,
@@ -201,10 +211,10 @@ def femnist_task(data) -> Task:
 
 
 def _pipeline_config(size: Size, method: MethodConfig, seed: int,
-                     backend: str = "sequential") -> PipelineConfig:
+                     backend: str = "sequential") -> RunSpec:
     pre, stage2, ft = stage_configs(size)
     val, grid = size.plateau[2:] if size.plateau else (None, None)
-    return PipelineConfig(method=method, pretrain=pre, personalize=stage2[method.algorithm],
+    return RunSpec(method=method, pretrain=pre, personalize=stage2(method),
                           finetune=ft, seed=seed, pretrain_seed=0, backend=backend,
                           validation=val, finetune_grid=grid)
 
@@ -281,6 +291,8 @@ def _run_one(job: tuple) -> tuple[str, int, dict, float]:
     return label, seed, m, time.perf_counter() - t0
 
 
+@register("reproduction", "femnist-table",
+          doc="Table 2 (FEMNIST): FedAvg vs FFGG splits, Local FFGG, FedAlt/FedSim")
 def reproduce_table(out_dir: Path, *, quick: bool = False, seeds: list[int] | None = None,
                     data_dir: Path | None = None, progress: bool = True,
                     size: Size | None = None, backend: str = "sequential",
@@ -624,6 +636,8 @@ def collect_kfold(out_dir: Path, *, folds: int = DEFAULT_FOLDS,
             "stage1_seconds": s1, "total_seconds": None}
 
 
+@register("reproduction", "femnist-kfold",
+          doc="FEMNIST new writers by k-fold over writers (--folds K): FedAvg vs FFGG")
 def reproduce_kfold(out_dir: Path, *, quick: bool = False, seeds: list[int] | None = None,
                     data_dir: Path | None = None, progress: bool = True,
                     folds: int | None = None) -> Path:

@@ -37,6 +37,7 @@ Set-up, and why (also written into the summary):
 from __future__ import annotations
 
 import time
+from collections.abc import Callable
 from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 
@@ -47,11 +48,6 @@ from partialfl import io as pio
 from partialfl.build import make_model
 from partialfl.data.har import channel_mean_std, load_hapt, standardize
 from partialfl.experiments.pipeline import (
-    ClientConfig,
-    MethodConfig,
-    PipelineConfig,
-    ServerConfig,
-    StageConfig,
     Task,
     check_or_write_json,
     evaluate_run,
@@ -69,6 +65,9 @@ from partialfl.experiments.report import (
     pipeline_plots,
     versus_fedavg,
 )
+from partialfl.local.sgd_config import SGDConfig
+from partialfl.registry import register
+from partialfl.spec import FinetuneConfig, MethodConfig, RunSpec, ServerConfig, StageConfig
 
 MODEL = "har_cnn"
 PRETRAIN_LR = 0.05
@@ -105,8 +104,6 @@ FULL = Size(pretrain_rounds=100, rounds=25, eval_every=0, finetune_epochs=5, num
 QUICK = Size(pretrain_rounds=4, rounds=2, eval_every=0, finetune_epochs=1, num_subjects=8,
              holdout=2, seeds=(0,), threads=1, workers=1, clients_per_round=3)
 
-_DELTA = ("fedavg", "local-ffgg", "fedalt", "fedsim", "ditto")
-
 #: (row label, method) of the table, in order
 METHODS: tuple[tuple[str, MethodConfig], ...] = (
     ("Local only", MethodConfig(algorithm="local", split="none")),
@@ -120,25 +117,33 @@ METHODS: tuple[tuple[str, MethodConfig], ...] = (
     ("Local FFGG (adapter)", MethodConfig(algorithm="local-ffgg", split="adapter")),
     ("FedAlt (output)", MethodConfig(algorithm="fedalt", split="output")),
     ("FedSim (output)", MethodConfig(algorithm="fedsim", split="output")),
-    ("Ditto", MethodConfig(algorithm="ditto", split="none", lam=DITTO_LAMBDA)),
+    ("Ditto", MethodConfig(algorithm="ditto", split="none", options={"lam": DITTO_LAMBDA})),
 )
 
 
-def stage_configs(size: Size) -> tuple[StageConfig, dict[str, StageConfig], ClientConfig]:
-    """(stage 1, stage 2 per algorithm, stage-3 client config) of the table."""
+def stage_configs(size: Size) -> tuple[StageConfig, Callable[[MethodConfig], StageConfig],
+                                       FinetuneConfig]:
+    """(stage 1, stage 2 of a method, stage-3 client config) of the table: methods that send
+    θ-gradients (FFGG) take their own server stepsize; local-only training (a fresh model)
+    trains every client every round at the pre-training stepsize."""
     k = size.clients_per_round
     pre = StageConfig(rounds=size.pretrain_rounds, clients_per_round=k,
-                      client=ClientConfig(lr=PRETRAIN_LR, epochs=1, batch_size=BATCH),
+                      client=SGDConfig(lr=PRETRAIN_LR, epochs=1, batch_size=BATCH),
                       server=ServerConfig("sgd", 1.0),
                       eval_every=max(1, size.pretrain_rounds // 6))
-    client = ClientConfig(lr=PERSONAL_LR, epochs=1, batch_size=BATCH)
+    client = SGDConfig(lr=PERSONAL_LR, epochs=1, batch_size=BATCH)
     delta = StageConfig(rounds=size.rounds, clients_per_round=k, client=client,
                         server=ServerConfig("sgd", 1.0), eval_every=size.eval_every)
-    stage2 = {a: delta for a in _DELTA}
-    stage2["ffgg"] = replace(delta, server=ServerConfig("sgd", FFGG_SERVER_LR))
-    stage2["local"] = replace(delta, clients_per_round=None,
-                              client=ClientConfig(lr=PRETRAIN_LR, epochs=1, batch_size=BATCH))
-    return pre, stage2, ClientConfig(lr=PERSONAL_LR, epochs=size.finetune_epochs,
+    gradient = replace(delta, server=ServerConfig("sgd", FFGG_SERVER_LR))
+    local = replace(delta, clients_per_round=None,
+                    client=SGDConfig(lr=PRETRAIN_LR, epochs=1, batch_size=BATCH))
+
+    def stage2(method: MethodConfig) -> StageConfig:
+        e = method.entry
+        return local if e.trait("fresh_model") else (
+            gradient if e.trait("sends") == "gradient" else delta)
+
+    return pre, stage2, FinetuneConfig(lr=PERSONAL_LR, epochs=size.finetune_epochs,
                                      batch_size=BATCH)
 
 
@@ -167,9 +172,9 @@ def har_task(data) -> Task:
                 name=f"har-{MODEL}")
 
 
-def _pipeline_config(size: Size, method: MethodConfig, seed: int) -> PipelineConfig:
+def _pipeline_config(size: Size, method: MethodConfig, seed: int) -> RunSpec:
     pre, stage2, ft = stage_configs(size)
-    return PipelineConfig(method=method, pretrain=pre, personalize=stage2[method.algorithm],
+    return RunSpec(method=method, pretrain=pre, personalize=stage2(method),
                           finetune=ft, seed=seed, pretrain_seed=0, backend="sequential")
 
 
@@ -227,6 +232,8 @@ def evaluate_new_subjects(run_dir: str | Path, data_dir=None, *,
     return {**res, "client_ids": [str(c) for c in new.client_ids]}
 
 
+@register("reproduction", "har-table",
+          doc="Activity recognition by subject (HAPT): local, FedAvg(+FT), FFGG splits, Ditto")
 def reproduce_table(out_dir: Path, *, quick: bool = False, seeds: list[int] | None = None,
                     data_dir: Path | None = None, progress: bool = True,
                     size: Size | None = None) -> Path:

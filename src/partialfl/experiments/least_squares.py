@@ -19,15 +19,11 @@ from importlib import resources
 from pathlib import Path
 
 from partialfl import io as pio
+from partialfl.build import problem_of
 from partialfl.config import ConfigError, deep_merge, load_toml
-from partialfl.experiments.closed_form import (
-    build_problem,
-    load_closed_form,
-    problem_config_for,
-    run_closed_form,
-    summary_markdown,
-)
+from partialfl.experiments.closed_form import load_closed_form, run_closed_form, summary_markdown
 from partialfl.experiments.report import REL_DIST2, error_ratio_section, plot_curves, quick_note
+from partialfl.registry import register
 
 
 def load_sweep(name: str, quick: bool) -> tuple[list[str], list[int], dict]:
@@ -76,9 +72,9 @@ def run_sweep(name: str, out_dir: Path, quick: bool, seeds, progress: bool,
     for seed in seeds or [0]:
         for method in methods:
             for tau in taus:
-                cfg_dict = deep_merge(base, {"algorithm": {"name": method, "tau": tau},
-                                             "run": {"seed": seed},
-                                             "problem": {"seed": seed}})
+                cfg_dict = deep_merge(base, {"method": {"algorithm": method, "label": method},
+                                             "personalize": {"client": {"tau": tau}},
+                                             "seed": seed, "problem": {"seed": seed}})
                 run_name = f"{method}-tau{tau}" + (f"-seed{seed}" if seeds else "")
                 cfg_dict = {**cfg_dict, "name": run_name}
                 load_closed_form(cfg_dict)  # validate everything before running anything
@@ -91,7 +87,7 @@ def run_sweep(name: str, out_dir: Path, quick: bool, seeds, progress: bool,
         results = [_run_job((j, str(out_dir), progress)) for j in jobs]
     else:
         for j in jobs:  # build (and cache) each problem once, before forking
-            build_problem(problem_config_for(load_closed_form(j)))
+            problem_of(load_closed_form(j))
         ctx = mp.get_context("fork")
         with ctx.Pool(workers, initializer=_single_thread) as pool:
             it = pool.imap(_run_job, [(j, str(out_dir), False) for j in jobs])
@@ -109,7 +105,7 @@ def _size_notes(name: str, quick: bool, rows: list[dict]) -> list[str]:
     """What this run was (sizes of the sweep's config), and for a quick run that its size
     cannot support a verdict."""
     _, _, base = load_sweep(name, quick)
-    p, r = base.get("problem", {}), base.get("run", {})
+    p, r = base.get("problem", {}), base.get("personalize", {})
     size = (f"{p.get('num_clients')} clients × {p.get('n'):,} rows, d_θ = {p.get('d_theta')}, "
             f"d_w = {p.get('d_w')}, {r.get('rounds')} rounds, seeds "
             f"{sorted({row['seed'] for row in rows})}")
@@ -152,6 +148,8 @@ def comparison(rows: list[dict], pairs: dict[str, tuple[dict, dict]], reference:
                                  verdict=not quick), ""]
 
 
+@register("reproduction", "ls-tau",
+          doc="Figure 1(a): FFGG with CG, tau in {1,5,10,20,30,40} on least squares")
 def reproduce_tau(out_dir: Path, *, quick: bool = False, seeds=None, data_dir=None,
                   progress: bool = True) -> Path:
     """Figure 1(a): FFGG + CG for several τ; more local work → faster convergence."""
@@ -178,6 +176,8 @@ def reproduce_tau(out_dir: Path, *, quick: bool = False, seeds=None, data_dir=No
     return path
 
 
+@register("reproduction", "ls-compare",
+          doc="Figure 1(b-d): FFGG (GD) vs Scaffold, Local GD, L2GD, tau in {100,200,500}")
 def reproduce_compare(out_dir: Path, *, quick: bool = False, seeds=None, data_dir=None,
                       progress: bool = True) -> Path:
     """Figure 1(b–d): FFGG (GD) vs Scaffold, Local GD and L2GD for each τ."""
@@ -202,10 +202,10 @@ def reproduce_compare(out_dir: Path, *, quick: bool = False, seeds=None, data_di
         "and is compared through the θ-part of its average model x̄ and its clients' own "
         "models. Only FFGG targets θ*, the solution of the partially personalized problem.",
     ]
+    ref, *others = dict.fromkeys(r["method"] for r in rows)  # the sweep's first: FFGG
     notes = _size_notes("ls-compare", quick, rows) + notes + [""] + comparison(
-        rows, {f"{m}, τ = {t}": ({"method": m, "tau": t}, {"method": "ffgg", "tau": t})
-               for t in taus for m in dict.fromkeys(r["method"] for r in rows) if m != "ffgg"},
-        "FFGG (same τ)", quick)
+        rows, {f"{m}, τ = {t}": ({"method": m, "tau": t}, {"method": ref, "tau": t})
+               for t in taus for m in others}, f"{ref.upper()} (same τ)", quick)
     path = out_dir / "summary.md"
     title = "ls-compare: Figure 1(b–d)" + (" (quick)" if quick else "")
     pio.write_text(path, summary_markdown(rows, title, notes))

@@ -35,7 +35,7 @@ older version (``*.pt``) is refused with a message naming it, never loaded.
 
 Stage budgets: ``stage1/timing.json`` and ``stage2_timing.json`` record the rounds run, the
 cap and whether the plateau rule (``StageConfig.stop``, :mod:`partialfl.experiments.stopping`)
-stopped the stage; with ``PipelineConfig.validation`` every choice reads a validation split
+stopped the stage; with ``RunSpec.validation`` every choice reads a validation split
 carved from the training data and the test split is read once, at the end.
 
 A text task reuses this unchanged: give a different ``Task`` (model factory, data, a token
@@ -61,7 +61,7 @@ from torch import nn
 from partialfl import io as pio
 from partialfl.algorithms.base import Algorithm
 from partialfl.algorithms.ditto import Ditto, personal_models
-from partialfl.build import Task, build_algorithm, build_backend
+from partialfl.build import Task, build_algorithm, split_of
 from partialfl.config import ConfigError, to_dict
 from partialfl.data.federated import FederatedDataset
 from partialfl.data.validation import carve_validation
@@ -80,22 +80,13 @@ from partialfl.experiments.stopping import (  # noqa: F401 - the config types, r
 )
 from partialfl.local.sgd import SGDConfig
 from partialfl.problems.model import ModelProblem, accuracy, cross_entropy
+from partialfl.registry import Component
 from partialfl.rng import torch_seed
 from partialfl.runtime import JsonlLogger, run_rounds
-from partialfl.spec import (
-    BACKENDS,
-    FULL_PERSONAL,
-    ClientConfig,
-    MethodConfig,
-    PipelineConfig,
-    ServerConfig,
-    StageConfig,
-)
+from partialfl.spec import MethodConfig, RunSpec, StageConfig
 from partialfl.spec import drop_unset as _drop_unset
 from partialfl.split import Split
 from partialfl.types import Params
-
-ALGORITHMS = ("fedavg", "ffgg", "local-ffgg", "fedalt", "fedsim", "ditto", "local")
 
 
 # ----------------------------------------------------------------------------- the task
@@ -110,9 +101,9 @@ class PipelineResult:
 
 
 # ----------------------------------------------------------------------------- building blocks
-def _problem(task: Task, split: Split, cfg: PipelineConfig, w_pretrained=None) -> ModelProblem:
+def _problem(task: Task, split: Split, cfg: RunSpec, w_pretrained=None) -> ModelProblem:
     return ModelProblem(split, task.data, loss_fn=task.loss_fn, metric=task.metric,
-                        w_pretrained=w_pretrained, batching=_backend(cfg.backend),
+                        w_pretrained=w_pretrained, batching=cfg.backend.build(),
                         device=cfg.device, precision=cfg.precision)
 
 
@@ -124,10 +115,6 @@ def _host(params: Params) -> Params:
 def _on(params: Params, problem: ModelProblem) -> Params:
     """``params`` on the problem's device."""
     return {n: v.to(problem.device) for n, v in params.items()}
-
-
-def _backend(name: str):
-    return build_backend(name)
 
 
 def load_params(model: nn.Module, params: Mapping[str, torch.Tensor]) -> nn.Module:
@@ -216,10 +203,10 @@ def _val_evaluator():
 
 
 def _run_stage(problem, algorithm, stage: StageConfig, seed: int, out: Path, tag: str,
-               checkpoint_every: int, backend: str, progress, theta0=None, on_round=None,
-               validation: bool = False):
+               checkpoint_every: int, backend: Component, progress, theta0=None,
+               on_round=None, validation: bool = False, max_failure_fraction: float = 0.5):
     logger = JsonlLogger(out / f"{tag}.jsonl", stage=tag)
-    runner = _backend(backend)
+    runner = backend.build()
     stop = stage.stop
     t0 = time.perf_counter()
     try:
@@ -233,6 +220,7 @@ def _run_stage(problem, algorithm, stage: StageConfig, seed: int, out: Path, tag
             logger=logger, progress=(f"{tag}" if progress is True else progress),
             checkpoint=out / f"{tag}.ckpt", checkpoint_every=checkpoint_every, resume=True,
             on_round=on_round, stop=(lambda h: plateaued(h, stop)) if stop else None,
+            max_failure_fraction=max_failure_fraction,
         )
     finally:
         logger.close()
@@ -307,27 +295,28 @@ def run_table(run_one: Callable[[tuple], tuple[str, int, dict, float]],
 
 
 # ----------------------------------------------------------------------------- stages
-def stage1_setup(cfg: PipelineConfig, task: Task) -> tuple[ModelProblem, Algorithm]:
+def stage1_setup(cfg: RunSpec, task: Task) -> tuple[ModelProblem, Algorithm]:
     """Stage 1's problem (every parameter global, the model seeded with ``stage1_seed``) and
     FedAvg with the pre-training optimizers (also what a Flower node builds for it)."""
     split = task.make_split(task.model_fn(cfg.stage1_seed), "none", {})
     problem = _problem(task, split, cfg)
-    return problem, build_algorithm(MethodConfig(algorithm="fedavg", split="none"),
-                                    cfg.pretrain)
+    return problem, build_algorithm(cfg, cfg.pretrain, method=MethodConfig(algorithm="fedavg"),
+                                    num_clients=problem.num_clients)
 
 
-def stage2_setup(cfg: PipelineConfig, task: Task, theta1: Params
+def stage2_setup(cfg: RunSpec, task: Task, theta1: Params
                  ) -> tuple[Split, ModelProblem, Algorithm, Params]:
     """Stage 2's split (of the model with the stage-1 parameters ``theta1``), problem (w_pre
     = the stage-1 personal values), algorithm and θ⁰ (also what a Flower node builds)."""
     model = load_params(task.model_fn(cfg.stage1_seed), theta1)
-    split = _seeded_split(task, model, cfg.method.split, cfg.method.split_options, cfg.seed)
+    split = _seeded_split(task, model, *split_of(cfg.method), cfg.seed)
     theta_start, w_pre = split.params()
     problem = _problem(task, split, cfg, w_pre)
-    return split, problem, build_algorithm(cfg.method, cfg.personalize), theta_start
+    return split, problem, build_algorithm(cfg, cfg.personalize,
+                                           num_clients=problem.num_clients), theta_start
 
 
-def pretrain(cfg: PipelineConfig, task: Task, stage1_dir: Path, progress: bool | str = False,
+def pretrain(cfg: RunSpec, task: Task, stage1_dir: Path, progress: bool | str = False,
              on_round=None) -> Params:
     """Stage 1 (FedAvg on every parameter); returns all parameters. Cached in
     ``stage1_dir/theta.safetensors``; resumable."""
@@ -345,7 +334,8 @@ def pretrain(cfg: PipelineConfig, task: Task, stage1_dir: Path, progress: bool |
     t0 = time.perf_counter()
     res = _run_stage(problem, alg, cfg.pretrain, cfg.stage1_seed, stage1_dir, "stage1",
                      cfg.checkpoint_every, cfg.backend, progress, on_round=on_round,
-                     validation=cfg.validation is not None)
+                     validation=cfg.validation is not None,
+                     max_failure_fraction=cfg.max_failure_fraction)
     theta = _host(res.state.theta)
     _check_finite(theta, "stage 1")
     pio.save_tensors(stage1_dir / THETA1, theta)
@@ -366,11 +356,11 @@ class _Stage2:
     seconds: float
 
 
-def personalize(cfg: PipelineConfig, task: Task, theta1: Params, run_dir: Path,
+def personalize(cfg: RunSpec, task: Task, theta1: Params, run_dir: Path,
                 progress: bool | str = False, on_round=None) -> _Stage2:
     """Stage 2: the method from the stage-1 parameters ``theta1``; resumable."""
     run_dir = Path(run_dir)
-    if cfg.method.algorithm == "local":  # nothing shared: a fresh model per seed
+    if cfg.method.entry.trait("fresh_model"):  # nothing shared: a fresh model per seed
         theta1 = {n: p.detach().clone() for n, p in task.model_fn(cfg.seed).named_parameters()}
     split, problem, alg, theta_start = stage2_setup(cfg, task, theta1)
     theta = _load_params(run_dir, THETA2)
@@ -383,7 +373,8 @@ def personalize(cfg: PipelineConfig, task: Task, theta1: Params, run_dir: Path,
     res = _run_stage(problem, alg, cfg.personalize, cfg.seed, run_dir, "stage2",
                      cfg.checkpoint_every, cfg.backend, progress,
                      theta0=_on(theta_start, problem), on_round=on_round,
-                     validation=cfg.validation is not None)
+                     validation=cfg.validation is not None,
+                     max_failure_fraction=cfg.max_failure_fraction)
     theta = {n: v.detach().clone() for n, v in res.state.theta.items()}
     _check_finite(theta, "stage 2")
     if res.client_state is not None:
@@ -393,7 +384,7 @@ def personalize(cfg: PipelineConfig, task: Task, theta1: Params, run_dir: Path,
     return _Stage2(split, problem, alg, theta, res.client_state, time.perf_counter() - t0)
 
 
-def _deploy_start(cfg: PipelineConfig, s2: _Stage2) -> Params:
+def _deploy_start(cfg: RunSpec, s2: _Stage2) -> Params:
     """w_m at the start of stage 3 (see the module docstring)."""
     allc = np.arange(s2.problem.num_clients)
     if s2.client_state is not None:  # FedAlt/FedSim's w_m; FedAvg's BatchNorm statistics
@@ -401,7 +392,7 @@ def _deploy_start(cfg: PipelineConfig, s2: _Stage2) -> Params:
     return s2.problem.init_w(allc, cfg.method.w_init, cfg.seed, -1)
 
 
-def finetune_and_evaluate(cfg: PipelineConfig, task: Task, s2: _Stage2, run_dir: Path,
+def finetune_and_evaluate(cfg: RunSpec, task: Task, s2: _Stage2, run_dir: Path,
                           test_task: Task | None = None, save_personalized: bool = False
                           ) -> tuple[dict[str, Any], Split, Params]:
     """Stage 3: fine-tune every client's w, evaluate; returns (metrics, split, θ).
@@ -412,24 +403,26 @@ def finetune_and_evaluate(cfg: PipelineConfig, task: Task, s2: _Stage2, run_dir:
     ``save_personalized`` every client's deployed model (θ, fine-tuned w_m) is saved in
     ``run_dir/personalized`` (:mod:`partialfl.deploy`)."""
     split, problem, theta = s2.split, s2.problem, s2.theta
-    w0 = {} if cfg.method.algorithm in FULL_PERSONAL else _deploy_start(cfg, s2)
-    if cfg.method.algorithm == "fedavg" and cfg.method.finetune_split:
+    full = cfg.method.entry.trait("split") == "full"
+    w0 = {} if full else _deploy_start(cfg, s2)
+    built = split_of(cfg.method)
+    if cfg.method.finetune_split is not None:
         # FedAvg + fine-tuning: a split of the trained shared model, w_pre = trained layers
+        # (an adapter split inserts zero-initialised adapters)
         model = load_params(task.model_fn(cfg.stage1_seed), theta)
-        split = _seeded_split(task, model, cfg.method.finetune_split,
-                              cfg.method.split_options, cfg.seed)
+        built = split_of(cfg.method, finetune=True)
+        split = _seeded_split(task, model, *built, cfg.seed)
         theta, w_pre = split.params()
         problem = _problem(task, split, cfg, w_pre)
         theta = _on(theta, problem)
         w0 = {**problem.init_w(np.arange(problem.num_clients), "pretrained", cfg.seed, -1),
               **(w0 if problem.state_names else {})}  # keep each client's BatchNorm stats
     # Ditto / local-only deploy each client's v_m (no w, so stage 3 changes nothing)
-    deployed = (Ditto.personal_v(theta, s2.client_state)
-                if cfg.method.algorithm in FULL_PERSONAL else theta)
+    deployed = Ditto.personal_v(theta, s2.client_state) if full else theta
     counts = split.counts()
-    if cfg.method.algorithm in FULL_PERSONAL:  # v_m: a personal copy of every parameter
+    if full:  # v_m: a personal copy of every parameter
         counts["personal_params"] = counts["global_params"]
-        if cfg.method.algorithm == "local":
+        if cfg.method.entry.trait("fresh_model"):
             counts["global_params"] = 0
     t0 = time.perf_counter()
     extra: dict[str, Any] = {}
@@ -464,8 +457,7 @@ def finetune_and_evaluate(cfg: PipelineConfig, task: Task, s2: _Stage2, run_dir:
         PersonalizedModels(split, theta, w, task.data.client_ids, problem,
                            {"method": cfg.method.name, "seed": cfg.seed, "task": task.name}
                            ).save(run_dir / "personalized")
-    save_deploy(run_dir, split, _host(theta), _host(problem.w_pretrained),
-                cfg.method.split_options)
+    save_deploy(run_dir, split, _host(theta), _host(problem.w_pretrained), *built)
     return metrics, split, theta
 
 
@@ -479,7 +471,7 @@ def _budgets(run_dir: Path) -> dict[str, Any]:
             "stage2_stopped": t["stopped"]}
 
 
-def validation_tasks(cfg: PipelineConfig, task: Task) -> tuple[Task, Task | None]:
+def validation_tasks(cfg: RunSpec, task: Task) -> tuple[Task, Task | None]:
     """(the task the stages train and choose on, the task of the final test or None):
     with ``cfg.validation`` the validation view and the fit view of
     :func:`partialfl.data.validation.carve_validation`, else ``(task, None)``."""
@@ -493,7 +485,7 @@ def validation_tasks(cfg: PipelineConfig, task: Task) -> tuple[Task, Task | None
     return replace(task, data=v.val), replace(task, data=v.fit)
 
 
-def run_pipeline(cfg: PipelineConfig, task: Task, run_dir: str | Path, *,
+def run_pipeline(cfg: RunSpec, task: Task, run_dir: str | Path, *,
                  stage1_dir: str | Path | None = None, progress: bool = True,
                  on_round: Callable[[str, int], None] | None = None,
                  save_personalized: bool = False) -> PipelineResult:
@@ -505,8 +497,8 @@ def run_pipeline(cfg: PipelineConfig, task: Task, run_dir: str | Path, *,
     :func:`partialfl.deploy.load_personalized`)."""
     run_dir = Path(run_dir)
     run_dir.mkdir(parents=True, exist_ok=True)
-    ident = {k: v for k, v in cfg.to_dict().items() if k != "device"}
-    check_or_write_json(run_dir / "config.json", {**ident, "task": task.name}, "pipeline run")
+    check_or_write_json(run_dir / "config.json", {**cfg.identity(), "task": task.name},
+                        "pipeline run")
     s1 = Path(stage1_dir) if stage1_dir is not None else run_dir / "stage1"
     hook1 = hook2 = None
     if on_round is not None:
@@ -545,7 +537,8 @@ def _check_finite(theta: Params, stage: str) -> None:
 
 
 def save_deploy(run_dir: Path, split: Split, theta: Params, w_pretrained: Params | None,
-                split_options: Mapping[str, Any] | None = None) -> None:
+                built_as: str | None = None, split_options: Mapping[str, Any] | None = None
+                ) -> None:
     """``deploy.safetensors``: every tensor of the split model (``model/…``), θ
     (``theta/…``), w_pre (``w_pretrained/…``) and the split's description as JSON."""
     tensors = {f"model/{n}": v for n, v in split.model.state_dict().items()}
@@ -554,7 +547,7 @@ def save_deploy(run_dir: Path, split: Split, theta: Params, w_pretrained: Params
     pio.save_tensors(Path(run_dir) / DEPLOY, tensors, {
         "kind": split.kind, "global_names": list(split.global_names),
         "personal_names": list(split.personal_names),
-        "split_options": dict(split_options or {})})
+        "built_as": built_as or split.kind, "split_options": dict(split_options or {})})
 
 
 def read_deploy(run_dir: str | Path) -> tuple[dict[str, dict[str, torch.Tensor]], dict]:
@@ -575,11 +568,12 @@ def read_deploy(run_dir: str | Path) -> tuple[dict[str, dict[str, torch.Tensor]]
     return groups, meta
 
 
-def _deployed_split(run_dir: Path, cfg: PipelineConfig, model_fn, split_fn) -> tuple:
+def _deployed_split(run_dir: Path, cfg: RunSpec, model_fn, split_fn) -> tuple:
     groups, meta = read_deploy(run_dir)
     task = Task(data=None, model_fn=model_fn, split_fn=split_fn)
     model = task.model_fn(cfg.stage1_seed)
-    split = _seeded_split(task, model, meta["kind"], meta.get("split_options", {}), cfg.seed)
+    split = _seeded_split(task, model, meta.get("built_as", meta["kind"]),
+                          meta.get("split_options", {}), cfg.seed)
     if (list(split.global_names), list(split.personal_names)) != (meta["global_names"],
                                                                   meta["personal_names"]):
         raise pio.FileFormatError(f"{run_dir / DEPLOY} does not fit the model: its split has "
@@ -603,11 +597,11 @@ def evaluate_run(run_dir: str | Path, data, *, model_fn: Callable[[int], nn.Modu
     from ``deploy.safetensors`` (no code is loaded from the run folder)."""
     run_dir = Path(run_dir)
     read_deploy(run_dir)  # a clear error first if the run is unfinished or the file unsafe
-    cfg = PipelineConfig.from_dict(
+    cfg = RunSpec.from_dict(
         {k: v for k, v in pio.read_json(run_dir / "config.json").items() if k != "task"})
     split, theta, w_pre = _deployed_split(run_dir, cfg, model_fn, split_fn)
     ft = cfg.finetune
-    if cfg.method.algorithm in FULL_PERSONAL:
+    if cfg.method.entry.trait("split") == "full":
         return _evaluate_new_full_personal(cfg, split, theta, data, finetune_epochs, lr,
                                            batch_size, seed, loss_fn, metric, vectorize, device)
     mfile = run_dir / "metrics.json"
@@ -627,14 +621,14 @@ def evaluate_run(run_dir: str | Path, data, *, model_fn: Callable[[int], nn.Modu
     return res
 
 
-def _evaluate_new_full_personal(cfg: PipelineConfig, split: Split, theta: Params, data, epochs,
+def _evaluate_new_full_personal(cfg: RunSpec, split: Split, theta: Params, data, epochs,
                                 lr, batch_size, seed, loss_fn, metric, vectorize, device
                                 ) -> dict[str, Any]:
     """New clients of Ditto / local-only (see the module docstring): v from the deployed θ."""
     problem = ModelProblem(split, data, loss_fn=loss_fn, metric=metric, vectorize=vectorize,
                            device=device, precision=cfg.precision)
     theta = _on(theta, problem)
-    local = cfg.method.algorithm == "local"
+    local = bool(cfg.method.entry.trait("fresh_model"))
     if epochs is None:
         epochs = (cfg.personalize.rounds * cfg.personalize.client.epochs if local
                   else cfg.finetune.epochs)
@@ -643,7 +637,8 @@ def _evaluate_new_full_personal(cfg: PipelineConfig, split: Split, theta: Params
                     clip_norm=cfg.finetune.clip_norm)
     allc = np.arange(problem.num_clients)
     stacked = {n: t.unsqueeze(0).repeat(len(allc), *([1] * t.dim())) for n, t in theta.items()}
-    v, _ = personal_models(problem, allc, stacked, theta, sgd, 0.0 if local else cfg.method.lam,
+    v, _ = personal_models(problem, allc, stacked, theta, sgd,
+                           0.0 if local else cfg.method.option("lam", 0.0),
                            cfg.seed if seed is None else seed, -1, stream="new-clients")
     return {"test": evaluate_model(problem, v, {}, "test"),
             "train": evaluate_model(problem, v, {}, "train"),
@@ -651,7 +646,6 @@ def _evaluate_new_full_personal(cfg: PipelineConfig, split: Split, theta: Params
             "num_clients": problem.num_clients, "split": "none"}
 
 
-__all__ = ["ALGORITHMS", "BACKENDS", "ClientConfig", "MethodConfig", "PipelineConfig",
-           "PipelineResult", "ServerConfig", "StageConfig", "Task", "build_algorithm",
+__all__ = ["PipelineResult", "Task", "build_algorithm", "split_of",
            "evaluate_run", "finetune_and_evaluate", "load_params", "personalize", "pretrain",
            "run_jobs", "run_pipeline", "stage1_setup", "stage2_setup"]

@@ -60,11 +60,6 @@ import torch
 from partialfl import io as pio
 from partialfl.data.shakespeare import DEFAULT_MIN_TEST, DEFAULT_MIN_TRAIN, load_shakespeare
 from partialfl.experiments.pipeline import (
-    ClientConfig,
-    MethodConfig,
-    PipelineConfig,
-    ServerConfig,
-    StageConfig,
     Task,
     check_or_write_json,
     pretrain,
@@ -90,8 +85,11 @@ from partialfl.experiments.stopping import (
     stage1_stop,
 )
 from partialfl.lm import NextWordAccuracy, token_cross_entropy
+from partialfl.local.sgd_config import SGDConfig
 from partialfl.models.transformer import TransformerConfig, TransformerLM, transformer_split
+from partialfl.registry import register
 from partialfl.rng import torch_seed
+from partialfl.spec import FinetuneConfig, MethodConfig, RunSpec, ServerConfig, StageConfig
 
 DEFAULT_SEEDS = (0, 1, 2)
 WARMUP_FRACTION = 0.1
@@ -204,27 +202,27 @@ METHODS: tuple[tuple[str, MethodConfig], ...] = (
 )
 
 
-def stage_configs(size: Size) -> tuple[StageConfig, StageConfig, ClientConfig]:
+def stage_configs(size: Size) -> tuple[StageConfig, StageConfig, FinetuneConfig]:
     """(stage 1, stage 2, stage-3 client config): FedAdam with 10% linear warm-up then linear
     decay, client SGD with clipping 0.1, batch 64, one local epoch."""
 
     def server(lr: float, rounds: int) -> ServerConfig:
         warmup = min(int(round(WARMUP_FRACTION * rounds)), max(rounds - 1, 0))
-        return ServerConfig("adam", lr, schedule="warmup-linear", warmup=warmup)
+        return ServerConfig("adam", lr, schedule={"name": "warmup-linear", "warmup": warmup})
 
     stop1, stop2 = size.plateau[:2] if size.plateau else (None, None)
     pre = StageConfig(rounds=size.pretrain_rounds, clients_per_round=size.clients_per_round,
                       stop=stop1,
-                      client=ClientConfig(lr=size.pretrain_client_lr, epochs=1,
+                      client=SGDConfig(lr=size.pretrain_client_lr, epochs=1,
                                           batch_size=BATCH_SIZE, clip_norm=CLIP_NORM),
                       server=server(size.pretrain_server_lr, size.pretrain_rounds),
                       eval_every=max(size.pretrain_eval_every, 1 if stop1 else 0))
     pers = StageConfig(rounds=size.rounds, clients_per_round=size.clients_per_round,
-                       client=ClientConfig(lr=size.client_lr, epochs=1, batch_size=BATCH_SIZE,
+                       client=SGDConfig(lr=size.client_lr, epochs=1, batch_size=BATCH_SIZE,
                                            clip_norm=CLIP_NORM),
                        server=server(size.server_lr, size.rounds), stop=stop2,
                        eval_every=max(size.eval_every, 1 if stop2 else 0))
-    ft = ClientConfig(lr=size.finetune_lr, epochs=size.finetune_epochs, batch_size=BATCH_SIZE,
+    ft = FinetuneConfig(lr=size.finetune_lr, epochs=size.finetune_epochs, batch_size=BATCH_SIZE,
                       clip_norm=CLIP_NORM)
     return pre, pers, ft
 
@@ -267,10 +265,10 @@ def _task(size: Size, data_dir):
     return _TASKS[key]
 
 
-def _pipeline_config(size: Size, method: MethodConfig, seed: int) -> PipelineConfig:
+def _pipeline_config(size: Size, method: MethodConfig, seed: int) -> RunSpec:
     pre, pers, ft = stage_configs(size)
     val, grid = size.plateau[2:] if size.plateau else (None, None)
-    return PipelineConfig(method=method, pretrain=pre, personalize=pers, finetune=ft,
+    return RunSpec(method=method, pretrain=pre, personalize=pers, finetune=ft,
                           seed=seed, pretrain_seed=0, backend="sequential",
                           validation=val, finetune_grid=grid)
 
@@ -288,6 +286,8 @@ def _run_one(job: tuple) -> tuple[str, int, dict, float]:
     return label, seed, dict(res.metrics), time.perf_counter() - t0
 
 
+@register("reproduction", "shakespeare-table",
+          doc="Next-word prediction by role: FedAvg vs FFGG splits (transformer)")
 def reproduce_table(out_dir: Path, *, quick: bool = False, seeds: list[int] | None = None,
                     data_dir: Path | None = None, progress: bool = True,
                     size: Size | None = None, plateau: bool = False, corpus: str = "tiny",

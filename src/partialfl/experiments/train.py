@@ -1,6 +1,7 @@
-"""``partialfl train CONFIG.toml``: a neural run from one :class:`~partialfl.spec.TrainSpec`.
+"""``partialfl train CONFIG.toml``: a neural run from one :class:`~partialfl.spec.RunSpec`.
 
-:func:`load_train_spec` reads and validates the TOML (``--set`` overrides, ``--device``);
+:func:`load_run_spec` reads and validates the TOML (``--set`` overrides, ``--device``; a
+relative ``data.path`` is relative to the config file's folder);
 :func:`partialfl.build.build` loads the data, builds the model, split and algorithm (so a bad
 name, a missing data folder or an impossible split fails before anything is written);
 :func:`run_train` then runs the three-stage pipeline (:mod:`partialfl.experiments.pipeline`:
@@ -21,21 +22,34 @@ from pathlib import Path
 from typing import Any
 
 from partialfl import io as pio
-from partialfl.build import TrainRun, build
-from partialfl.config import ConfigError, apply_overrides, from_dict, load_toml, to_dict
-from partialfl.spec import TrainSpec
+from partialfl.build import Run, Task, build, build_loss_metric, build_split, load_spec_plugins
+from partialfl.config import ConfigError, apply_overrides, from_dict, load_toml
+from partialfl.spec import DataSpec, ModelSpec, RunSpec
 
 
-def load_train_spec(path: str | Path | None = None, overrides: Sequence[str] = (), *,
-                    device: str | None = None, data: dict | None = None) -> TrainSpec:
-    """The validated spec of a TOML file (or of ``data``) with ``key=value`` overrides."""
+def load_run_spec(path: str | Path | None = None, overrides: Sequence[str] = (), *,
+                  device: str | None = None, data: dict | None = None) -> RunSpec:
+    """The validated spec of a TOML file (or of ``data``) with ``key=value`` overrides. A
+    model run without ``[model]`` / ``[data]`` gets the defaults (emnist_cnn on FEMNIST); a
+    relative ``data.path`` is taken relative to the config file's folder when it exists
+    there."""
     raw = load_toml(path) if path is not None else dict(data or {})
     raw = apply_overrides(raw, list(overrides))
     if device is not None:
         raw["device"] = device
     if path is not None:
         raw.setdefault("name", Path(path).stem)
-    return from_dict(TrainSpec, raw)
+    load_spec_plugins(raw.get("plugins", []))
+    if "problem" not in raw:
+        raw.setdefault("model", {})
+        raw.setdefault("data", {})
+        d = raw["data"]
+        if path is not None and isinstance(d, dict) and d.get("path"):
+            p = Path(str(d["path"])).expanduser()
+            here = Path(path).resolve().parent / p
+            if not p.is_absolute() and here.exists():
+                raw["data"] = {**d, "path": str(here)}
+    return from_dict(RunSpec, raw)
 
 
 def format_plan(plan: dict[str, Any]) -> str:
@@ -65,25 +79,27 @@ def _write_json(path: Path, obj) -> None:
     pio.write_json(path, jsonable(obj), indent=1)
 
 
-def run_built(run: TrainRun, out: str | Path, *, progress: bool | None = None,
+def run_built(run: Run, out: str | Path, *, progress: bool | None = None,
               on_round: Callable[[str, int], None] | None = None) -> dict[str, Any]:
     """Run a built spec into ``out``; returns stage 3's metrics (plus ``new_clients``)."""
+    from partialfl.devices import use_threads
     from partialfl.evaluation import evaluate_new_clients
     from partialfl.experiments.pipeline import run_pipeline
     from partialfl.experiments.train_report import write_report
 
     spec, out = run.spec, Path(out)
+    use_threads(spec.threads)
     out.mkdir(parents=True, exist_ok=True)
-    _write_json(out / "spec.json", to_dict(spec))
+    _write_json(out / "spec.json", spec.to_dict())
     show = spec.logging.progress if progress is None else progress
-    res = run_pipeline(run.pipeline, run.task, out, progress=show, on_round=on_round)
+    res = run_pipeline(spec.effective(), run.task, out, progress=show, on_round=on_round)
     metrics = dict(res.metrics)
     if run.new_clients is not None:
-        ft = run.pipeline.finetune
+        ft = spec.effective().finetune
         _, w_pre = res.split.params()
         ev = evaluate_new_clients(res.theta, None, res.split, run.new_clients, ft.epochs,
                                   lr=ft.lr, batch_size=ft.batch_size, clip_norm=ft.clip_norm,
-                                  w_pretrained=w_pre, seed=run.pipeline.seed,
+                                  w_pretrained=w_pre, seed=spec.seed,
                                   loss_fn=run.task.loss_fn, metric=run.task.metric,
                                   vectorize=False)
         new = {**ev["test"].as_dict("test"), "test_acc_before_ft": ev["before"].accuracy,
@@ -95,8 +111,8 @@ def run_built(run: TrainRun, out: str | Path, *, progress: bool | None = None,
     return metrics
 
 
-def run_train(spec: TrainSpec, out: str | Path | None = None, *, dry_run: bool = False,
-              progress: bool | None = None) -> tuple[TrainRun, dict[str, Any] | None]:
+def run_train(spec: RunSpec, out: str | Path | None = None, *, dry_run: bool = False,
+              progress: bool | None = None) -> tuple[Run, dict[str, Any] | None]:
     """Build ``spec``; unless ``dry_run``, run it into ``out`` (default ``runs/NAME``)."""
     run = build(spec)
     if dry_run:
@@ -114,18 +130,16 @@ def train(model_fn: Callable[[int], Any], data, out: str | Path, **spec: Any):
         metrics = train(lambda seed: MyNet(), my_federated_dataset, "runs/mine",
                         method={"algorithm": "ffgg", "split": "output"})
     """
-    from partialfl.build import Task, build_loss_metric, build_split
-
-    bad = sorted(set(spec) & {"model", "data"})
+    bad = sorted(set(spec) & {"model", "data", "problem"})
     if bad:
         raise ConfigError(f"train(): {bad} come from the model_fn and data arguments")
-    s = from_dict(TrainSpec, {"name": Path(out).name, **spec})
+    s = from_dict(RunSpec, {"name": Path(out).name, **spec})
     text = data.train_x[0].dim() == 2 and not data.train_x[0].is_floating_point()
     loss_fn, metric = build_loss_metric(s, text)
     task = Task(data=data, model_fn=model_fn, loss_fn=loss_fn, metric=metric,
-                split_fn=lambda m, k, o: build_split(m, k, o), name=f"user-{Path(out).name}")
-    run = TrainRun(s, s.pipeline_config(), task, None, {})
-    return run_built(run, out)
+                split_fn=build_split, name=f"user-{Path(out).name}")
+    return run_built(Run(s, task=task), out)
 
 
-__all__ = ["format_plan", "load_train_spec", "run_built", "run_train", "train"]
+__all__ = ["DataSpec", "ModelSpec", "format_plan", "load_run_spec", "run_built", "run_train",
+           "train"]

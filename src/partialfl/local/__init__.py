@@ -5,11 +5,12 @@ the approximate minimiser together with the number of local gradient (or Hessian
 computations it spent per client. Local *trainers* (:class:`LocalTrainer`: full-gradient
 :class:`GDConfig` on any problem, :class:`~partialfl.local.sgd.SGDConfig` on model problems) are
 the client optimizers of the algorithms that train θ locally (FedAvg, Scaffold, FedAlt, ...).
-By name: :func:`partialfl.build.make_solver`.
+By name: the registry's kind ``local`` (``sgd``, ``gd``, ``cg``, ``exact``).
 """
 
 from partialfl.local.base import LocalResult, LocalTrainer
 from partialfl.local.gd import GDConfig
+from partialfl.local.sgd_config import SGDConfig
 from partialfl.local.solvers import (
     ConjugateGradient,
     ExactSolver,
@@ -23,6 +24,7 @@ __all__ = [
     "ExactSolver",
     "GDConfig",
     "GradientDescent",
+    "SGDConfig",
     "LocalResult",
     "LocalSolver",
     "LocalTrainer",

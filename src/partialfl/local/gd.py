@@ -20,6 +20,7 @@ import numpy as np
 
 from partialfl import arrays
 from partialfl.local.base import LocalResult, check_train
+from partialfl.registry import option, register
 from partialfl.types import Params
 
 
@@ -113,3 +114,32 @@ class GDConfig:
             if train in ("theta", "alternate"):
                 theta = _step(theta, problem.grad_theta(cohort, theta, w), eta, st)
         return LocalResult(theta, w, self.tau, None, np.full(k, self.tau))
+
+
+@dataclass(frozen=True)
+class GDOptions:
+    """τ full-gradient local steps (any problem; Algorithm 2 as FFGG's fine-tuner)."""
+
+    tau: int = option(1, "local steps τ >= 1")
+    lr: float | None = option(None, "stepsize (None: 1/L_m per client)")
+    fast: bool = option(True, "use the problem's closed form for the τ steps where it has one")
+
+    def __post_init__(self) -> None:
+        GDConfig(self.tau, self.lr, self.fast)  # validates
+
+    def trainer(self, steps: int | None = None, epochs: int | None = None) -> GDConfig:
+        """The client optimizer: τ steps (``steps``: K steps instead; ``epochs`` is SGD's)."""
+        return GDConfig(self.tau if steps is None else steps, self.lr, self.fast)
+
+    def finetuner(self, w_init: str):
+        """FFGG's fine-tuner: Algorithm 2, τ GD steps on w from ``w_init``."""
+        from partialfl.local.solvers import GradientDescent
+
+        return GradientDescent(self.tau, self.lr, w_init, closed_form=self.fast)
+
+
+@register("local", "gd", options=GDOptions, trainer=True)
+def _gd(opts: GDOptions, ctx=None) -> GDOptions:
+    """τ full-gradient local steps with η = 1/L_m (or ``lr``): Local GD's client optimizer and
+    FFGG's Algorithm 2 fine-tuner."""
+    return opts

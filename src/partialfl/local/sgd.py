@@ -34,53 +34,12 @@ import torch
 
 from partialfl.batching import map_clients
 from partialfl.local.base import LocalResult, check_train
+from partialfl.local.sgd_config import SGDConfig
 from partialfl.local.solvers import SolverResult
 from partialfl.problems.base import check_w_init
 from partialfl.problems.model import round_path
 from partialfl.rng import generator
 from partialfl.types import Params
-
-
-@dataclass(frozen=True)
-class SGDConfig:
-    """Client optimizer: plain minibatch SGD.
-
-    Attributes:
-        lr: stepsize η.
-        epochs: passes over the client's data (ignored when ``steps`` is given).
-        batch_size: minibatch size.
-        steps: exact number of minibatch steps instead of epochs (None: use epochs).
-        clip_norm: clip each client's step gradient to this Euclidean norm (None: no clip).
-    """
-
-    lr: float
-    epochs: int = 1
-    batch_size: int = 32
-    steps: int | None = None
-    clip_norm: float | None = None
-
-    def __post_init__(self) -> None:
-        if not (isinstance(self.lr, int | float) and self.lr > 0 and math.isfinite(self.lr)):
-            raise ValueError(f"client lr must be a positive finite number, got {self.lr!r}")
-        if not isinstance(self.epochs, int) or self.epochs < 0:
-            raise ValueError(f"epochs must be a non-negative integer, got {self.epochs!r}")
-        if not isinstance(self.batch_size, int) or self.batch_size < 1:
-            raise ValueError(f"batch_size must be a positive integer, got {self.batch_size!r}")
-        if self.steps is not None and (not isinstance(self.steps, int) or self.steps < 0):
-            raise ValueError(f"steps must be None or a non-negative integer, got {self.steps!r}")
-        if self.clip_norm is not None and not self.clip_norm > 0:
-            raise ValueError(f"clip_norm must be None or > 0, got {self.clip_norm!r}")
-
-    def run(self, problem, cohort, theta: Params, w: Params, train: str, *, seed: int,
-            round_: int, stream: str, shift: Params | None = None) -> LocalResult:
-        """:func:`run_sgd` with this configuration (the
-        :class:`~partialfl.local.base.LocalTrainer` interface)."""
-        return run_sgd(problem, cohort, theta, w, train=train, cfg=self, seed=seed,
-                       round_=round_, stream=stream, shift=shift)
-
-    def stepsizes(self, problem, cohort) -> np.ndarray:
-        """η = ``lr`` for every client of the cohort ``[k]``."""
-        return np.full(len(cohort), float(self.lr))
 
 
 def batch_plan(n: int, batch_size: int, epochs: int, steps: int | None,

@@ -18,9 +18,11 @@ import numpy as np
 from partialfl import arrays
 from partialfl.local.base import one_of
 from partialfl.local.gd import check_tau
+from partialfl.problems.base import W_INITS
+from partialfl.registry import option, register
 from partialfl.types import Params
 
-INITS = ("zero", "random")
+INITS = W_INITS  # pretrained = the problem's own start (0 for the closed forms)
 
 
 @dataclass(frozen=True)
@@ -160,3 +162,36 @@ def _w_leaf(problem, w: Params) -> str:
         raise TypeError(f"{type(problem).__name__}.w_system needs exactly one personal leaf, "
                         f"the problem has {list(names)}")
     return names[0]
+
+
+@dataclass(frozen=True)
+class CGOptions:
+    """τ conjugate-gradient iterations on the quadratic w-subproblem (FFGG's fine-tuner)."""
+
+    tau: int = option(1, "CG iterations τ >= 1")
+
+    def __post_init__(self) -> None:
+        check_tau(self.tau)
+
+    def finetuner(self, w_init: str) -> ConjugateGradient:
+        """CG from ``w_init``."""
+        return ConjugateGradient(self.tau, w_init)
+
+
+@register("local", "cg", options=CGOptions, trainer=False)
+def _cg(opts: CGOptions, ctx=None) -> CGOptions:
+    """τ conjugate-gradient iterations on Q_m w = c_m(θ) (problems quadratic in w): a
+    fine-tuning solver for FFGG only."""
+    return opts
+
+
+@dataclass(frozen=True)
+class _Exact:
+    def finetuner(self, w_init: str) -> ExactSolver:
+        return ExactSolver()
+
+
+@register("local", "exact", trainer=False)
+def _exact(opts=None, ctx=None) -> _Exact:
+    """w*_m(θ) exactly (the problem's own solve): a fine-tuning solver for FFGG only."""
+    return _Exact()

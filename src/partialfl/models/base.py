@@ -13,6 +13,10 @@ Splits (``partialfl.split``) use these to make the first / last layer personal.
 
 from __future__ import annotations
 
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
 from torch import nn
 
 _NORM_TYPES = (nn.GroupNorm, nn.LayerNorm, nn.BatchNorm1d, nn.BatchNorm2d, nn.InstanceNorm2d)
@@ -48,3 +52,31 @@ class NamedLayersMixin:
             if isinstance(mod, _NORM_TYPES):
                 out += [f"{mname}.{p}" if mname else p for p, _ in mod.named_parameters()]
         return out
+
+
+@dataclass(frozen=True)
+class ModelContext:
+    """What a model entry is built with: the number of classes, the seed of its initial
+    weights (None: the global torch RNG) and the data (a model may read shapes from it)."""
+
+    num_classes: int
+    seed: int | None = None
+    data: Any = None
+
+
+def seeded(factory: Callable[..., nn.Module], num_classes: int, seed: int | None = None,
+           **kw: Any) -> nn.Module:
+    """``factory(num_classes=num_classes, **kw)`` with its initial weights drawn from
+    ``partialfl.rng.torch_seed(seed, "model_init")`` inside ``torch.random.fork_rng`` (the
+    global torch RNG is left untouched); ``seed`` None: from the global torch RNG."""
+    import torch
+
+    from partialfl.rng import torch_seed
+
+    if int(num_classes) < 1:
+        raise ValueError(f"num_classes must be >= 1, got {num_classes}")
+    if seed is None:
+        return factory(num_classes=int(num_classes), **kw)
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(torch_seed(seed, "model_init"))
+        return factory(num_classes=int(num_classes), **kw)

@@ -16,11 +16,14 @@ Parameter counts with 62 classes (weights + biases):
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from partialfl.models.base import NamedLayersMixin
+from partialfl.models.base import ModelContext, NamedLayersMixin, seeded
+from partialfl.registry import option, register
 
 
 class EmnistCNN(NamedLayersMixin, nn.Module):
@@ -73,3 +76,31 @@ class LeafCNN(NamedLayersMixin, nn.Module):
         x = F.max_pool2d(F.relu(self.conv2(x)), 2)
         x = F.relu(self.dense(torch.flatten(x, 1)))
         return self.fc(x)
+
+
+@dataclass(frozen=True)
+class ImageCNNOptions:
+    """Input channels of an image CNN."""
+
+    in_channels: int = option(1, "input channels")
+
+
+@register("model", "emnist_cnn", options=ImageCNNOptions)
+def _emnist_cnn(opts: ImageCNNOptions, ctx: ModelContext) -> EmnistCNN:
+    """The EMNIST CNN (2 conv + 2 dense layers) of the partial-personalization papers."""
+    return seeded(EmnistCNN, ctx.num_classes, ctx.seed, in_channels=opts.in_channels)
+
+
+@dataclass(frozen=True)
+class LeafCNNOptions:
+    """Input channels and the dense width of LEAF's CNN."""
+
+    in_channels: int = option(1, "input channels")
+    hidden: int = option(2048, "width of the dense layer")
+
+
+@register("model", "leaf_cnn", options=LeafCNNOptions)
+def _leaf_cnn(opts: LeafCNNOptions, ctx: ModelContext) -> LeafCNN:
+    """LEAF's FEMNIST CNN (5×5 conv 32, pool, 5×5 conv 64, pool, dense, output)."""
+    return seeded(LeafCNN, ctx.num_classes, ctx.seed, in_channels=opts.in_channels,
+                  hidden=opts.hidden)

@@ -18,10 +18,13 @@ Works for any window length ≥ 14.
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from partialfl.models.base import NamedLayersMixin
+from partialfl.models.base import ModelContext, NamedLayersMixin, seeded
+from partialfl.registry import option, register
 
 
 class HarCNN(NamedLayersMixin, nn.Module):
@@ -44,3 +47,19 @@ class HarCNN(NamedLayersMixin, nn.Module):
         x = F.max_pool1d(F.relu(self.norm1(self.conv1(x))), 2)
         x = F.relu(self.norm2(self.conv2(x)))
         return self.fc(x.mean(dim=-1))
+
+
+@dataclass(frozen=True)
+class HarCNNOptions:
+    """Channels and normalisation of the HAR CNN."""
+
+    in_channels: int = option(6, "input channels (accelerometer and gyroscope axes)")
+    norm: bool = option(True, "GroupNorm after each convolution")
+    groups: int = option(4, "GroupNorm groups")
+
+
+@register("model", "har_cnn", options=HarCNNOptions)
+def _har_cnn(opts: HarCNNOptions, ctx: ModelContext) -> HarCNN:
+    """The 1-D CNN for activity recognition windows ``[B, 6, 128]``."""
+    return seeded(HarCNN, ctx.num_classes, ctx.seed, in_channels=opts.in_channels,
+                  norm=opts.norm, groups=opts.groups)

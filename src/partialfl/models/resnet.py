@@ -26,6 +26,7 @@ are GroupNorm. Convolutions have no bias; Kaiming-normal (fan_out) init, GN weig
 from __future__ import annotations
 
 from collections.abc import Sequence
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Literal
 
@@ -33,7 +34,8 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from partialfl.models.base import NamedLayersMixin
+from partialfl.models.base import ModelContext, NamedLayersMixin, seeded
+from partialfl.registry import option, register
 
 GROUP_NORM_GROUPS = {64: 8, 128: 8, 256: 16, 512: 32}
 # BatchNorm buffers in torchvision checkpoints; GroupNorm has no running statistics.
@@ -204,3 +206,25 @@ def load_pretrained(
     for k in shared:
         params[k].copy_(state[k].to(params[k].dtype))
     return shared
+
+
+@dataclass(frozen=True)
+class ResNetOptions:
+    """Input channels and pre-trained weights of a ResNet-18."""
+
+    in_channels: int | None = option(None, "input channels (None: the variant's)")
+    pretrained: str | None = option(None, "a state_dict file (safetensors) to start from")
+
+
+@register("model", "resnet18_emnist", options=ResNetOptions)
+def _resnet18_emnist(opts: ResNetOptions, ctx: ModelContext) -> ResNet18GN:
+    """ResNet-18 (GroupNorm) for 28×28 single-channel images."""
+    return seeded(resnet18_emnist, ctx.num_classes, ctx.seed, in_channels=opts.in_channels,
+                  pretrained=opts.pretrained)
+
+
+@register("model", "resnet18_224", options=ResNetOptions)
+def _resnet18_224(opts: ResNetOptions, ctx: ModelContext) -> ResNet18GN:
+    """ResNet-18 (GroupNorm) for 224×224 RGB images (``pretrained``: a state_dict file)."""
+    return seeded(resnet18_224, ctx.num_classes, ctx.seed, in_channels=opts.in_channels,
+                  pretrained=opts.pretrained)

@@ -49,11 +49,9 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from partialfl.models.base import NamedLayersMixin
+from partialfl.models.base import ModelContext, NamedLayersMixin
+from partialfl.registry import option, register
 from partialfl.split import Split, make_split
-
-SPLITS = ("none", "input", "output", "adapter")
-
 
 @dataclass(frozen=True)
 class TransformerConfig:
@@ -194,6 +192,12 @@ class TransformerLM(NamedLayersMixin, nn.Module):
     transformer block (the paper's input / output splits for this model).
     """
 
+    def partialfl_split(self, kind: str, options) -> Split:
+        """This model's own splits (the registry's split entries ask it first):
+        :func:`transformer_split` (``options``: the split's registry options)."""
+        dim = getattr(options, "adapter_dim", None)
+        return transformer_split(self, kind, {} if dim is None else {"adapter_dim": dim})
+
     def __init__(self, cfg: TransformerConfig | None = None, **sizes) -> None:
         super().__init__()
         if cfg is None:
@@ -240,16 +244,18 @@ _ADAPTER_RE = re.compile(r"^blocks\.\d+\.adapter[12]\.")
 
 def personal_patterns(split: str, num_layers: int) -> list[str]:
     """Regular expressions (``re.match`` on parameter names) of the personal parameters."""
-    if split not in SPLITS:
-        raise ValueError(f"unknown transformer split {split!r}; allowed: {', '.join(SPLITS)}")
     if num_layers < 1:
         raise ValueError(f"num_layers must be >= 1, got {num_layers}")
-    return {
-        "none": [],
-        "input": [r"^blocks\.0\."],
-        "output": [rf"^blocks\.{num_layers - 1}\."],
-        "adapter": [_ADAPTER_RE.pattern],
-    }[split]
+    if split == "none":
+        return []
+    if split == "input":
+        return [r"^blocks\.0\."]
+    if split == "output":
+        return [rf"^blocks\.{num_layers - 1}\."]
+    if split == "adapter":
+        return [_ADAPTER_RE.pattern]
+    raise ValueError(f"unknown transformer split {split!r}; allowed: none, input, output, "
+                     "adapter")
 
 
 def split_names(model: TransformerLM, split: str) -> tuple[list[str], list[str]]:
@@ -268,8 +274,7 @@ def split_names(model: TransformerLM, split: str) -> tuple[list[str], list[str]]
 def make_transformer_split(model: TransformerLM, split: str) -> Split:
     """The validated :class:`partialfl.split.Split` of ``model`` for ``split`` (the same
     partition as :func:`split_names`)."""
-    if split not in SPLITS:
-        raise ValueError(f"unknown transformer split {split!r}; allowed: {', '.join(SPLITS)}")
+    personal_patterns(split, model.cfg.num_layers)  # validates the name
     if split == "none":
         return make_split(model, "none")
     if split in ("input", "output"):
@@ -305,8 +310,7 @@ def model_for_split(cfg: TransformerConfig, split: str,
                     adapter_dim: int | None = None) -> TransformerLM:
     """A fresh model for ``split``: with adapters (``adapter_dim``, default
     ``max(4, d_model // 16)``) for the adapter split, without for the others."""
-    if split not in SPLITS:
-        raise ValueError(f"unknown transformer split {split!r}; allowed: {', '.join(SPLITS)}")
+    personal_patterns(split, cfg.num_layers)  # validates the name
     if split == "adapter":
         dim = adapter_dim if adapter_dim is not None else max(4, cfg.d_model // 16)
         return TransformerLM(cfg.with_adapters(dim))
@@ -318,3 +322,32 @@ def count_parameters(model: nn.Module, names: list[str] | None = None) -> int:
     params = dict(model.named_parameters())
     keys = names if names is not None else list(params)
     return int(sum(params[n].numel() for n in keys))
+
+
+@dataclass(frozen=True)
+class TransformerOptions:
+    """Sizes of the causal transformer (the vocabulary is the data's)."""
+
+    seq_len: int | None = option(None, "sequence length (None: the data's, else 20)")
+    num_layers: int = option(4, "transformer blocks")
+    num_heads: int = option(4, "attention heads")
+    d_model: int = option(256, "model width")
+    d_ff: int = option(1024, "feed-forward width")
+    adapter_dim: int = option(0, "residual adapters' bottleneck (0: none)")
+    norm_first: bool = option(True, "pre-LayerNorm blocks")
+
+
+@register("model", "transformer", options=TransformerOptions)
+def _transformer(opts: TransformerOptions, ctx: ModelContext) -> TransformerLM:
+    """A causal transformer language model over the data's vocabulary (next-token
+    prediction)."""
+    from partialfl.rng import torch_seed
+
+    data = ctx.data
+    seq = opts.seq_len or (int(data.train_x[0].shape[1]) if data is not None
+                           and data.train_x[0].dim() == 2 else 20)
+    kw = {k: v for k, v in asdict(opts).items() if k != "seq_len"}
+    cfg = TransformerConfig(vocab_size=int(ctx.num_classes), seq_len=seq, **kw)
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(torch_seed(ctx.seed or 0, "model"))  # as the Shakespeare table
+        return TransformerLM(cfg)

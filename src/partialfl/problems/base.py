@@ -8,6 +8,7 @@ local solvers.
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import Protocol, runtime_checkable
 
 import numpy as np
@@ -110,3 +111,28 @@ def check_cohort(cohort: np.ndarray, num_clients: int) -> np.ndarray:
     if c.size and (c.min() < 0 or c.max() >= num_clients):
         raise ValueError(f"client ids must be in [0, {num_clients}), got {c.min()}..{c.max()}")
     return c
+
+
+@dataclass(frozen=True)
+class ProblemContext:
+    """What a closed-form problem's registry entry is built with: ``progress`` (a bar while
+    the clients' data are generated) and ``shared_w`` (the algorithm trains one w shared by
+    all clients, so w must mean the same on every client: least squares then uses its
+    standard basis)."""
+
+    progress: bool | str = False
+    shared_w: bool = False
+
+
+#: the largest closed-form problem a config may ask for (data and per-client matrices)
+MAX_PROBLEM_BYTES = 8 * 2**30
+
+
+def check_size(num_clients: int, n: int, d: int) -> None:
+    """A ValueError when ``num_clients`` clients of ``n`` rows and ``d`` columns would need
+    more than :data:`MAX_PROBLEM_BYTES`."""
+    need = 8 * num_clients * (n * d + d * d)
+    if need > MAX_PROBLEM_BYTES:
+        raise ValueError(f"num_clients={num_clients}, n={n}, d_theta+d_w={d} need about "
+                         f"{need / 2**30:.3g} GiB of data; the limit is "
+                         f"{MAX_PROBLEM_BYTES / 2**30:.3g} GiB")

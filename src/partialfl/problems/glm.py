@@ -25,6 +25,7 @@ import numpy as np
 
 from partialfl import rng as prng
 from partialfl.problems.base import W_INITS, check_cohort
+from partialfl.registry import option, register
 from partialfl.types import Params
 
 PSI = ("logcosh", "softplus", "huber")
@@ -258,3 +259,33 @@ class GeneralizedLinearProblem:
                 out[m] = f
             self._f_star = out
         return self._f_star.copy()
+
+
+@dataclass(frozen=True)
+class GLMOptions:
+    """The paper's Example 3 (a generalized linear model per client)."""
+
+    num_clients: int = option(16, "clients M")
+    n: int = option(400, "rows per client")
+    d_theta: int = option(20, "global dimension")
+    d_w: int = option(10, "personal dimension")
+    psi: str = option("logcosh", "the convex link on the personal residual: logcosh, "
+                      "softplus, huber")
+    huber_delta: float = option(1.0, "huber: the threshold δ > 0")
+    ridge: float = option(1e-3, "ℓ2 weight on w (> 0 for huber)")
+    seed: int = option(0, "data seed")
+
+    def __post_init__(self) -> None:
+        from partialfl.problems.base import check_size
+
+        GLMSpec(self.num_clients, self.n, self.d_theta, self.d_w, self.psi, self.huber_delta,
+                self.ridge, seed=self.seed)
+        check_size(self.num_clients, self.n, self.d_theta + self.d_w)
+
+
+@register("problem", "glm", options=GLMOptions)
+def _glm(opts: GLMOptions, ctx) -> GeneralizedLinearProblem:
+    """Example 3: a generalized linear model per client; w*(θ) has no closed form."""
+    return GeneralizedLinearProblem(GLMSpec(opts.num_clients, opts.n, opts.d_theta, opts.d_w,
+                                            opts.psi, opts.huber_delta, opts.ridge,
+                                            seed=opts.seed))

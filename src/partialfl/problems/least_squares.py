@@ -35,6 +35,7 @@ import numpy as np
 
 from partialfl import rng as prng
 from partialfl.problems.base import W_INITS, check_cohort
+from partialfl.registry import option, register
 from partialfl.types import Params
 
 
@@ -327,3 +328,35 @@ class LeastSquaresProblem:
 def _per_client(t: np.ndarray, k: int) -> np.ndarray:
     return np.broadcast_to(t, (k, t.shape[-1])) if t.ndim == 1 else t
 
+
+
+@dataclass(frozen=True)
+class LeastSquaresOptions:
+    """The paper's Example 1 (defaults are its sizes)."""
+
+    num_clients: int = option(32, "clients M")
+    n: int = option(10_000, "rows per client")
+    d_theta: int = option(100, "global dimension")
+    d_w: int = option(50, "personal dimension")
+    seed: int = option(0, "data seed")
+    basis: str = option("eigen", "personal coordinates: eigen or standard")
+
+    def __post_init__(self) -> None:
+        from partialfl.config import check_choice
+        from partialfl.problems.base import check_size
+
+        check_choice("basis", self.basis, ("eigen", "standard"))
+        LeastSquaresSpec(self.num_clients, self.n, self.d_theta, self.d_w, self.seed)
+        check_size(self.num_clients, self.n, self.d_theta + self.d_w)
+
+
+@register("problem", "least-squares", options=LeastSquaresOptions)
+def _least_squares(opts: LeastSquaresOptions, ctx) -> LeastSquaresProblem:
+    """Example 1: f_m(θ, w) = ‖A_m θ + B_m w − y_m‖²/(2n), with exact w*(θ), F(θ), θ*."""
+    spec = LeastSquaresSpec(opts.num_clients, opts.n, opts.d_theta, opts.d_w, opts.seed)
+    shared = ctx is not None and ctx.shared_w
+    progress = ctx.progress if ctx is not None else False
+    return LeastSquaresProblem(spec, basis="standard" if shared else opts.basis,
+                               progress=progress and (
+                                   f"building the problem ({opts.num_clients} clients × "
+                                   f"{opts.n:,} rows)"))

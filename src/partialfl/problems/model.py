@@ -61,6 +61,7 @@ from torch.func import functional_call, grad, vmap
 from partialfl.batching import Loop, Vmap, in_process, map_clients
 from partialfl.devices import LossScaler, amp_dtype, check_precision, resolve_device
 from partialfl.problems.base import W_INITS, check_cohort
+from partialfl.registry import register
 from partialfl.rng import torch_seed
 from partialfl.split import Split
 from partialfl.types import Params
@@ -821,3 +822,15 @@ def _resettable_owners(module: nn.Module, names: Sequence[str]) -> list[str]:
             f"parameters; none for {missing[:6]}"
         )
     return chosen
+
+
+@register("loss", "cross-entropy")
+def _cross_entropy(opts: None = None, ctx=None) -> Callable:
+    """Mean cross-entropy of class logits ``[B, C]`` (classification)."""
+    return cross_entropy
+
+
+@register("metric", "accuracy")
+def _accuracy(opts: None = None, ctx=None) -> Callable:
+    """Classification accuracy: (correct, counted) per batch."""
+    return accuracy

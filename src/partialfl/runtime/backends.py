@@ -10,16 +10,19 @@
 * ``processes`` (:class:`partialfl.runtime.cohort_pool.ProcessBackend`) spreads the cohort's
   clients over worker processes; same results as the sequential backend, bit for bit.
 
-By name: :func:`partialfl.build.make_backend`. Which clients run together is decided in one
-place, :func:`partialfl.batching.map_clients`.
+By name: the registry's kind ``executor`` (``sequential``, ``vmap``, ``processes``).
+Which clients run together is decided in one place, :func:`partialfl.batching.map_clients`.
 """
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 from partialfl.algorithms.base import ClientResult, concat_results
 from partialfl.batching import Loop, Vmap
+from partialfl.registry import option, register
 from partialfl.runtime.clients import CohortRunner
-from partialfl.runtime.cohort_pool import ProcessBackend
+from partialfl.runtime.cohort_pool import START_METHODS, ProcessBackend
 
 
 class BatchedBackend(CohortRunner, Vmap):
@@ -33,6 +36,54 @@ class SequentialBackend(CohortRunner, Loop):
     as the batched one)."""
 
     name = "sequential"
+
+
+@register("executor", "sequential")
+def _sequential(opts: None = None, ctx=None) -> SequentialBackend:
+    """One client at a time, in cohort order (the reference path)."""
+    return SequentialBackend()
+
+
+@dataclass(frozen=True)
+class VmapOptions:
+    """How many clients one vectorised call may hold."""
+
+    max_examples: int | None = option(None, "at most this many examples (clients × batch) in "
+                                      "one call (None: the whole cohort)")
+
+    def __post_init__(self) -> None:
+        Vmap(self.max_examples)
+
+
+@register("executor", "vmap", options=VmapOptions, aliases=("batched",))
+def _vmap(opts: VmapOptions, ctx=None) -> BatchedBackend:
+    """The cohort's clients in one vectorised call (torch.func.vmap on a model, batched
+    numpy on a closed form)."""
+    return BatchedBackend(opts.max_examples)
+
+
+@dataclass(frozen=True)
+class ProcessOptions:
+    """The worker processes."""
+
+    workers: int | None = option(None, "worker processes (None: the usable CPU cores)")
+    start_method: str | None = option(None, "fork, spawn or forkserver (None: fork unless "
+                                      "torch sees a GPU)")
+
+    def __post_init__(self) -> None:
+        if self.workers is not None and not (isinstance(self.workers, int) and
+                                             self.workers >= 1):
+            raise ValueError(f"workers must be an integer >= 1, got {self.workers!r}")
+        if self.start_method is not None and self.start_method not in START_METHODS:
+            raise ValueError(f"start_method {self.start_method!r} is not allowed; allowed: "
+                             f"{', '.join(START_METHODS)}")
+
+
+@register("executor", "processes", options=ProcessOptions, cpu_only=True)
+def _processes(opts: ProcessOptions, ctx=None) -> ProcessBackend:
+    """The cohort's clients over CPU worker processes (θ in shared memory; bit-exact with
+    sequential)."""
+    return ProcessBackend(opts.workers, opts.start_method)
 
 
 __all__ = ["BatchedBackend", "ClientResult", "ProcessBackend", "SequentialBackend",
