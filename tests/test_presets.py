@@ -7,11 +7,13 @@ import pytest
 from _nn_toy import max_diff, one_thread, toy_bn_model, toy_data, toy_model
 
 from partialfl.algorithms.base import RoundContext
+from partialfl.algorithms.context import AlgorithmContext
 from partialfl.algorithms.model import FedAlt, FedSim
-from partialfl.algorithms.presets import PRESETS, build_preset, get_preset
+from partialfl.algorithms.presets import build_preset, preset_names, preset_split
 from partialfl.evaluation import round_evaluator
 from partialfl.local.sgd import SGDConfig
 from partialfl.problems.model import ModelProblem
+from partialfl.registry import entry
 from partialfl.runtime import run_rounds
 from partialfl.split import SplitError, make_split
 
@@ -40,34 +42,36 @@ def _model(name):
 
 
 def test_the_registry():
-    assert list(PRESETS) == ["fedper", "fedrep", "lg-fedavg", "fedbn"]
-    for name, p in PRESETS.items():
-        assert p.name == name and p.paper and p.schedule and p.personal
-    with pytest.raises(ValueError, match="unknown preset 'fedx'; allowed: fedper, fedrep"):
-        get_preset("fedx")
+    assert sorted(preset_names()) == ["fedbn", "fedper", "fedrep", "lg-fedavg"]
+    for name in preset_names():
+        e = entry("algorithm", name)
+        assert e.trait("paper") and e.trait("schedule") and e.trait("personal") and e.doc
+    with pytest.raises(ValueError, match="'fedx' is not allowed.*allowed: .*fedper"):
+        build_preset("fedx", toy_model(0), CFG)
     # split and algorithm can be built apart (a builder makes the split in a later stage)
-    rep = PRESETS["fedrep"]
-    alg = rep.make_algorithm(CFG, weighting="examples", layers=2, head_epochs=3)
+    e = entry("algorithm", "fedrep")
+    opts = e.parse({"layers": 2, "head_epochs": 3})
+    alg = e.create(opts, AlgorithmContext(CFG, weighting="examples"))
     assert (alg.local.epochs, alg.local_theta.epochs, alg.weighting) == (3, 1, "examples")
-    assert rep.make_split(toy_model(0), layers=2, head_epochs=3).personal_names == \
+    assert preset_split("fedrep", toy_model(0), opts).personal_names == \
         ("mid2.weight", "mid2.bias", "fc.weight", "fc.bias")
 
 
 @pytest.mark.parametrize("name", list(PERSONAL))
 def test_each_preset_has_the_documented_split_and_schedule(name):
     alg, split = build_preset(name, _model(name), CFG)
-    p = PRESETS[name]
+    p = entry("algorithm", name)
     assert split.personal_names == PERSONAL[name]
     names = BN_TOY if name == "fedbn" else TOY
     assert split.global_names == tuple(n for n in names if n not in PERSONAL[name])
-    assert split.kind == p.split
+    assert split.kind == p.trait("split_kind")
     assert alg.name == name
     if name == "fedrep":
-        assert type(alg) is FedAlt and p.algorithm == "fedalt"
+        assert type(alg) is FedAlt
         assert (alg.local.epochs, alg.local_theta.epochs) == (10, 1)
         assert alg.local.lr == alg.local_theta.lr == CFG.lr
     else:
-        assert type(alg) is FedSim and p.algorithm == "fedsim" and alg.local == CFG
+        assert type(alg) is FedSim and alg.local == CFG
     assert not alg.stateless  # w_m is kept on the clients across rounds
 
 
@@ -117,10 +121,9 @@ def test_preset_options_and_errors():
     assert s.personal_names == ("mid2.weight", "mid2.bias", "fc.weight", "fc.bias")
     _, s = build_preset("lg-fedavg", toy_model(0), CFG, global_layers=2)
     assert s.global_names == ("mid2.weight", "mid2.bias", "fc.weight", "fc.bias")
-    with pytest.raises(ValueError, match=r"unknown option\(s\) \['head_epochs'\] for preset "
-                                         "'fedper'; allowed: layers"):
+    with pytest.raises(ValueError, match=r"unknown key .*head_epochs.*allowed keys.*layers"):
         build_preset("fedper", toy_model(0), CFG, head_epochs=3)
-    with pytest.raises(ValueError, match="option 'body_epochs' must be a positive integer"):
+    with pytest.raises(ValueError, match="body_epochs must be a positive integer"):
         build_preset("fedrep", toy_model(0), CFG, body_epochs=0)
     with pytest.raises(SplitError, match="'fedbn' keeps the BatchNorm layers local"):
         build_preset("fedbn", toy_model(0), CFG)

@@ -32,11 +32,13 @@ def tiny(num_classes: int = 3, width: int = 6):
 
 @pytest.fixture
 def tiny_module(tmp_path, monkeypatch):
-    """A user's own model module ``usermodels.tiny`` on sys.path."""
+    """A user's own model module ``usermodels.tiny`` on sys.path (code named by a config:
+    allowed on this machine, as ``--allow-code`` does)."""
     d = tmp_path / "pkg"
     d.mkdir()
     (d / "usermodels.py").write_text(TINY_MODEL)
     monkeypatch.syspath_prepend(str(d))
+    monkeypatch.setenv("PARTIALFL_ALLOW_CODE", "1")
     yield "usermodels:tiny"
     sys.modules.pop("usermodels", None)
 
@@ -146,7 +148,7 @@ def test_stages_subset(tmp_path, tiny_module):
     data = _client_folder(tmp_path / "clients")
     cfg = _tiny_toml(tmp_path / "t.toml", tiny_module, data)
     spec = load_train_spec(cfg, ["stages=['personalize']"])
-    pc = spec.pipeline_config()
+    pc = spec.effective()
     assert pc.pretrain.rounds == 0 and pc.personalize.rounds == 2 and pc.finetune.epochs == 0
     _, m = run_train(spec, tmp_path / "o", progress=False)
     assert m["test_acc"] == m["test_acc_before_ft"]  # no fine-tuning stage
@@ -156,7 +158,7 @@ def test_stages_subset(tmp_path, tiny_module):
     (["--set", "model.name=no_such_net"], "model.name"),
     (["--set", "model.name=nosuchpkg.mod:fn"], "nosuchpkg"),
     (["--set", "data.path=/no/such/folder"], "/no/such/folder"),
-    (["--set", "method.algorithm=fedprox"], "method.algorithm"),
+    (["--set", "method.algorithm=fedproxy"], "method.algorithm"),
     (["--set", "data.sorce=femnist"], "sorce"),
     (["--set", "stages=['finetune','pretrain']"], "stages"),
     (["--device", "tpu"], "device"),
@@ -186,6 +188,12 @@ def _hf_dataset(path: Path, n: int = 300, classes: int = 4, seed: int = 0, side:
     return path
 
 
+def _spec(data):
+    from partialfl.spec import RunSpec
+
+    return RunSpec(data=data)
+
+
 def _hf_spec(path, **partition):
     from partialfl.config import from_dict
     from partialfl.spec import DataSpec
@@ -203,7 +211,7 @@ def test_hf_partitions_cover_the_data_disjointly(tmp_path, kind, opts):
     from partialfl.build import build_data as load_data
 
     path = _hf_dataset(tmp_path / "hf")
-    ds, new = load_data(_hf_spec(path, kind=kind, num_clients=5, **opts))
+    ds, new = load_data(_spec(_hf_spec(path, name=kind, num_clients=5, **opts)))
     assert new is None and ds.num_clients == 5 and ds.num_classes == 4
     x = np.concatenate([np.concatenate([a.numpy(), b.numpy()])
                         for a, b in zip(ds.train_x, ds.test_x)])
@@ -228,7 +236,8 @@ def test_dirichlet_alpha_controls_heterogeneity(tmp_path):
     path = _hf_dataset(tmp_path / "hf", n=2000)
 
     def skew(alpha):
-        ds, _ = load_data(_hf_spec(path, kind="dirichlet", num_clients=5, alpha=alpha))
+        ds, _ = load_data(_spec(_hf_spec(path, name="dirichlet", num_clients=5,
+                                         alpha=alpha)))
         tv = []
         for a, b in zip(ds.train_y, ds.test_y):
             p = np.bincount(np.concatenate([a.numpy(), b.numpy()]), minlength=4)
@@ -264,7 +273,7 @@ def _tiny_overrides(cfg: Path) -> list[str]:
                 "data.options.max_train=8", "data.options.min_train=4",
                 "model.options.d_model=8", "model.options.d_ff=8",
                 "model.options.num_layers=1", "model.options.num_heads=2",
-                "pretrain.server.warmup=0", "personalize.server.warmup=0"]
+                "pretrain.server.schedule.warmup=0", "personalize.server.schedule.warmup=0"]
     if 'source = "hf-disk"' in text:
         out += ["data.partition.num_clients=4"]
     return out
@@ -308,21 +317,23 @@ def _table_rows():
     for method in (m for _, m in F.METHODS):
         yield "femnist", method, F._pipeline_config(F.FULL, method, 0)
     for method in (m for _, m in S.METHODS):
-        m2 = dataclasses.replace(method, split_options={"adapter_dim": S.FULL.adapter_dim})
-        yield "shakespeare", method, S._pipeline_config(S.FULL, m2, 0)
-        m3 = dataclasses.replace(method, split_options={"adapter_dim":
-                                                        S.COMPLETE_CHAR.adapter_dim})
-        yield "shakespeare-complete", method, S._pipeline_config(S.COMPLETE_CHAR, m3, 0)
+        for table, size in (("shakespeare", S.FULL), ("shakespeare-complete", S.COMPLETE_CHAR)):
+            m2 = method
+            if method.split is not None and method.split.name == "adapter":
+                m2 = dataclasses.replace(method, split={"name": "adapter",
+                                                       "adapter_dim": size.adapter_dim})
+            yield table, method, S._pipeline_config(size, m2, 0)
 
 
 @pytest.mark.parametrize("table, method, expected", list(_table_rows()),
                          ids=lambda v: getattr(v, "name", v if isinstance(v, str) else ""))
 def test_table_configs_are_the_reproductions(table, method, expected):
     """configs/train/<table>-table-<method>.toml is exactly the reproduction's FULL-size
-    pipeline configuration (seed 0)."""
+    pipeline configuration (seed 0), with the model and data the table's task uses."""
     cfg = ROOT / "configs" / "train" / f"{table}-table-{method.name}.toml"
     spec = load_train_spec(cfg)
-    assert spec.pipeline_config() == expected
+    assert dataclasses.replace(spec.effective(), model=None, data=None,
+                               name=expected.name) == expected
 
 
 def test_progress_bar_shows_round_metric_and_eta(tmp_path, tiny_module, capsys):

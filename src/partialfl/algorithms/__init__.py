@@ -4,9 +4,11 @@ Importing this package registers every algorithm and wrapper (registry kinds ``a
 and ``wrapper``)."""
 
 from partialfl.algorithms import (  # noqa: F401 - registers their entries
+    apfl,
     asynchronous,
     byzantine,
     ditto,
+    fedprox,
     presets,
 )
 from partialfl.algorithms.base import (

@@ -59,7 +59,7 @@ import torch
 from torch import nn
 
 from partialfl import io as pio
-from partialfl.algorithms.base import Algorithm
+from partialfl.algorithms.base import Algorithm, RoundContext, ServerState
 from partialfl.algorithms.ditto import Ditto, personal_models
 from partialfl.build import Task, build_algorithm, split_of
 from partialfl.config import ConfigError, to_dict
@@ -418,7 +418,8 @@ def finetune_and_evaluate(cfg: RunSpec, task: Task, s2: _Stage2, run_dir: Path,
         w0 = {**problem.init_w(np.arange(problem.num_clients), "pretrained", cfg.seed, -1),
               **(w0 if problem.state_names else {})}  # keep each client's BatchNorm stats
     # Ditto / local-only deploy each client's v_m (no w, so stage 3 changes nothing)
-    deployed = Ditto.personal_v(theta, s2.client_state) if full else theta
+    deployed = (s2.algorithm.deployed(ServerState(theta), problem, s2.client_state,
+                                      RoundContext(cfg.seed, -1)).theta if full else theta)
     counts = split.counts()
     if full:  # v_m: a personal copy of every parameter
         counts["personal_params"] = counts["global_params"]
