@@ -111,7 +111,7 @@ class APFL(Algorithm):
                 alpha_next = torch.where(active, new_alpha, alpha)
             else:
                 alpha_next = alpha
-            v = {n: x - lr * a.reshape((-1,) + (1,) * (x.dim() - 1)).to(x.dtype) * g[n]
+            v = {n: x - lr * alpha.reshape((-1,) + (1,) * (x.dim() - 1)).to(x.dtype) * g[n]
                  for n, x in v.items()}
             th = {n: x - lr * g_th[n] for n, x in th.items()}
             alpha = alpha_next
