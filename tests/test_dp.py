@@ -368,8 +368,9 @@ def test_refusals_name_the_problem(ls):
         DPOptions()
     with pytest.raises(ValueError, match="no guarantee"):
         DPOptions(clip_norm=None, noise_multiplier=1.0)
-    with pytest.raises(ValueError, match="target_epsilon needs rounds"):
-        DPOptions(target_epsilon=1.0)
+    for z in (None, 1.0):  # a finite target is checked (or solved for) over the rounds
+        with pytest.raises(ValueError, match="target_epsilon needs rounds"):
+            DPOptions(target_epsilon=1.0, noise_multiplier=z)
     with pytest.raises(ValueError, match="sampling='uniform'; allowed: poisson, fixed"):
         DPOptions(noise_multiplier=1.0, sampling="uniform")
     with pytest.raises(ValueError, match="adaptive clipping needs mode 'central'"):

@@ -138,7 +138,7 @@ class DPOptions:
         for name in ("rounds", "clients_per_round"):
             if getattr(self, name) is not None:
                 f(self, name, _int(getattr(self, name), name))
-        if self.noise_multiplier is None and self.rounds is None:
+        if self.target_epsilon not in (None, math.inf) and self.rounds is None:
             raise ValueError("DP option target_epsilon needs rounds (the budget covers them)")
         if self.clip_norm is None and (self.noise_multiplier or self.adaptive_clipping
                                        or (self.target_epsilon or math.inf) < math.inf):
