@@ -373,6 +373,13 @@ def test_refusals_name_the_problem(ls):
             DPOptions(target_epsilon=1.0, noise_multiplier=z)
     with pytest.raises(ValueError, match="sampling='uniform'; allowed: poisson, fixed"):
         DPOptions(noise_multiplier=1.0, sampling="uniform")
+    for bad, msg in ((dict(delta=1.0), "delta must be in"), (dict(delta="x"), "delta must be a "
+                      "number"), (dict(clip_norm=0.0), "clip_norm must be > 0"),
+                     (dict(noise_multiplier=-1.0), "noise_multiplier must be >= 0"),
+                     (dict(target_quantile=1.0), "target_quantile must be in"),
+                     (dict(adaptive_clipping="yes"), "adaptive_clipping must be true or false")):
+        with pytest.raises(ValueError, match=msg):
+            DPOptions(**{"noise_multiplier": 1.0, **bad})
     with pytest.raises(ValueError, match="adaptive clipping needs mode 'central'"):
         DPOptions(noise_multiplier=1.0, mode="local", adaptive_clipping=True)
     with pytest.raises(ValueError, match="clients_per_round=20 exceeds the 12 clients"):

@@ -133,8 +133,10 @@ class DPOptions:
               _num(self.target_epsilon, "target_epsilon", strict=True, inf=True))
         if self.noise_multiplier is None and self.target_epsilon is None:
             raise ValueError("DP options need noise_multiplier or target_epsilon")
-        if self.delta is not None and not 0 < self.delta < 1:
-            raise ValueError(f"DP option delta must be in (0, 1), got {self.delta!r}")
+        if self.delta is not None:
+            f(self, "delta", _num(self.delta, "delta", strict=True))
+            if self.delta >= 1:
+                raise ValueError(f"DP option delta must be in (0, 1), got {self.delta!r}")
         for name in ("rounds", "clients_per_round"):
             if getattr(self, name) is not None:
                 f(self, name, _int(getattr(self, name), name))
@@ -151,6 +153,10 @@ class DPOptions:
         if self.accountant == "pld" and self.sampling == "fixed" and self.mode == "central":
             raise ValueError("the PLD accountant has no fixed-size sampling: use accountant "
                              "'rdp' or sampling 'poisson'")
+        if not isinstance(self.adaptive_clipping, bool):
+            raise ValueError(f"DP option adaptive_clipping must be true or false, got "
+                             f"{self.adaptive_clipping!r}")
+        f(self, "target_quantile", _num(self.target_quantile, "target_quantile"))
         if not 0 < self.target_quantile < 1:
             raise ValueError(f"DP option target_quantile must be in (0, 1), got "
                              f"{self.target_quantile!r}")
