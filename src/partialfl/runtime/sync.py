@@ -2,7 +2,10 @@
 
 Round r: sample a cohort C_r (uniformly without replacement, from generator(seed, "sample",
 r); all clients in order under full participation), run the clients' updates on a backend,
-apply the server update; every ``eval_every`` rounds evaluate and log. Client state of
+apply the server update; every ``eval_every`` rounds evaluate and log. Hooks an algorithm
+may have (the DP wrapper, :mod:`partialfl.algorithms.dp`): ``sample_cohort(seed, r, M, k)``
+draws its own cohorts, ``server_update_empty(state, ctx)`` is its step for a round in which
+no update arrived, ``round_metrics(state)`` adds entries to every record. Client state of
 stateful baselines is held here, on the client side. Runs can checkpoint and resume exactly:
 all randomness is derived from (seed, round, client), never from a running generator.
 
@@ -247,8 +250,10 @@ def run_rounds(
     if eval_every < 1:
         raise ValueError(f"eval_every must be >= 1, got {eval_every}")
     M = problem.num_clients
-    if clients_per_round is not None:
-        sample_cohort(seed, 0, M, clients_per_round)  # validate early
+    # hooks of algorithms that sample their own cohorts and release a step every round (DP)
+    sample = getattr(algorithm, "sample_cohort", sample_cohort)
+    skip = getattr(algorithm, "server_update_empty", None)
+    sample(seed, 0, M, clients_per_round)  # validate early
     backend = backend or BatchedBackend()
     transport = backend if isinstance(backend, SyncTransport) else InProcess(backend)
     faults = FaultLog(max_failure_fraction)
@@ -279,6 +284,8 @@ def run_rounds(
         if evaluate is not None:
             rec.update(evaluate(algorithm, st, problem, client_state,
                                 RoundContext(seed, st.round)))
+        if hasattr(algorithm, "round_metrics"):  # e.g. DP's ε spent so far
+            rec.update(algorithm.round_metrics(st))
         rec.update(faults.record())
         history.append(rec)
         if logger is not None:
@@ -304,13 +311,16 @@ def run_rounds(
             bar.close()
     for r in it:
         ctx = RoundContext(seed, r)
-        cohort = sample_cohort(seed, r, M, clients_per_round)
+        cohort = sample(seed, r, M, clients_per_round)
         cs = None if client_state is None else {n: v[cohort] for n, v in client_state.items()}
-        result, pos = transport.run_round(algorithm, state, problem, cohort, ctx, cs, faults)
+        result, pos = (transport.run_round(algorithm, state, problem, cohort, ctx, cs, faults)
+                       if len(cohort) else (None, np.arange(0)))
         if result is not None:
             result, kept = receive(result, state, algorithm, faults, f"round {r}")
             pos = pos[kept]
-        if result is None:  # every client of the round was lost: θ stays
+        if result is None and skip is not None:  # nobody sampled or every client lost
+            state = skip(state, ctx)
+        elif result is None:  # every client of the round was lost: θ stays
             state = ServerState(state.theta, state.opt_state, state.round + 1,
                                 dict(state.extra))
         else:
