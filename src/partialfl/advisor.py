@@ -44,7 +44,6 @@ from partialfl.split import Split, SplitError, make_split, parameterised_modules
 from partialfl.types import Params
 
 
-
 def default_kinds() -> tuple[str, ...]:
     """The registered splits the advisor scores by default (trait ``advise``)."""
     from partialfl.registry import with_trait

@@ -134,19 +134,19 @@ def build_algorithm(spec: RunSpec, stage: StageConfig, *, method=None, problem=N
         raise ConfigError(f"method: {err}") from None
     if wrap:
         n = num_clients if num_clients is not None else getattr(problem, "num_clients", None)
-        alg = wrap_algorithm(spec, alg, n, stage.clients_per_round, agg)
+        alg = wrap_algorithm(spec, alg, n, stage.clients_per_round, agg, stage.rounds)
     return alg
 
 
 def wrap_algorithm(spec: RunSpec, alg, num_clients: int | None,
-                   clients_per_round: int | None, aggregator=None):
+                   clients_per_round: int | None, aggregator=None, rounds: int | None = None):
     """``alg`` inside the run's wrappers (faults, attack, privacy), innermost first."""
     from partialfl.algorithms.context import WrapperContext
 
     for block in (spec.faults, spec.attack, spec.privacy):
         if block is None:
             continue
-        ctx = WrapperContext(alg, spec.seed, num_clients, clients_per_round, aggregator)
+        ctx = WrapperContext(alg, spec.seed, num_clients, clients_per_round, aggregator, rounds)
         try:
             alg = block.build(ctx)
         except ValueError as err:

@@ -8,6 +8,7 @@ from partialfl.algorithms import (  # noqa: F401 - registers their entries
     asynchronous,
     byzantine,
     ditto,
+    dp,
     fedprox,
     presets,
 )

@@ -56,11 +56,12 @@ class AlgorithmContext:
 @dataclass(frozen=True)
 class WrapperContext:
     """What a wrapper's entry (kind ``wrapper``) is built from: the algorithm it wraps, the
-    run's seed, the number of clients and the cohort size (None: all), and the aggregation
-    rule the run configured (None: the mean)."""
+    run's seed, the number of clients and the cohort size (None: all), the aggregation rule
+    the run configured (None: the mean) and the stage's rounds."""
 
     base: Any
     seed: int = 0
     num_clients: int | None = None
     clients_per_round: int | None = None
     aggregator: Any = None
+    rounds: int | None = None

@@ -35,6 +35,7 @@ Accounting (ε for δ from z, q and the rounds) is :mod:`partialfl.dp_accounting
 from __future__ import annotations
 
 import copy
+import dataclasses
 import math
 from dataclasses import dataclass
 
@@ -44,8 +45,10 @@ from partialfl import arrays
 from partialfl import rng as prng
 from partialfl.aggregation import Mean
 from partialfl.algorithms.base import Algorithm, ClientResult, ServerState
+from partialfl.algorithms.context import WrapperContext
 from partialfl.algorithms.wrapper import AlgorithmWrapper
 from partialfl.dp_accounting import ACCOUNTANTS, Mechanism, epsilon, solve_noise_multiplier
+from partialfl.registry import option, register
 from partialfl.sampling import SAMPLINGS, draw_cohort
 from partialfl.types import ClientUpdates, Params
 
@@ -103,19 +106,27 @@ class DPOptions:
         clip_count_std: σ_b, the noise std of the unclipped count; None: k/20.
     """
 
-    clip_norm: float | None = 1.0
-    noise_multiplier: float | None = None
-    target_epsilon: float | None = None
-    delta: float | None = None
-    rounds: int | None = None
-    clients_per_round: int | None = None
-    sampling: str = "poisson"
-    mode: str = "central"
-    accountant: str = "rdp"
-    adaptive_clipping: bool = False
-    target_quantile: float = 0.5
-    clip_lr: float = 0.2
-    clip_count_std: float | None = None
+    clip_norm: float | None = option(1.0, "C: each client's update clipped to this norm (None: no "
+                                     "clipping, only with noise 0)")
+    noise_multiplier: float | None = option(None, "z: noise std / C (None: solved for "
+                                            "target_epsilon)")
+    target_epsilon: float | None = option(None, "the ε to meet after rounds (z solved for it, or "
+                                          "checked)")
+    delta: float | None = option(None, "δ of the (ε, δ) guarantee (None: 1/M)")
+    rounds: int | None = option(None, "the rounds the budget covers (None: the stage's rounds)")
+    clients_per_round: int | None = option(None, "k, the expected cohort size (None: the stage's, "
+                                           "or all)")
+    sampling: str = option("poisson", "poisson (add/remove one client) or fixed (k of M; replace "
+                           "one)")
+    mode: str = option("central", "central (the server noises the sum) or local (each client "
+                       "noises)")
+    accountant: str = option("rdp", "rdp or pld (dp-accounting)")
+    adaptive_clipping: bool = option(False, "follow the target_quantile of the update norms "
+                                     "(central)")
+    target_quantile: float = option(0.5, "γ: the fraction of updates left unclipped")
+    clip_lr: float = option(0.2, "η_C: the geometric step of the adaptive clip norm")
+    clip_count_std: float | None = option(None, "σ_b: noise std of the unclipped count (None: "
+                                          "k/20)")
 
     def __post_init__(self) -> None:
         f = object.__setattr__
@@ -423,3 +434,16 @@ class DifferentiallyPrivate(AlgorithmWrapper):
                                               else self.epsilon(rounds, num_clients)),
                 "clip_norm": self.options.clip_norm,
                 "adaptive_clipping": self.options.adaptive_clipping}
+
+
+@register("wrapper", "dp", options=DPOptions, block="privacy")
+def _dp(opts: DPOptions, ctx: WrapperContext) -> DifferentiallyPrivate:
+    """Client-level differential privacy of θ: each client's update clipped, Gaussian noise
+    on the aggregate (central) or on each update (local), ε from dp-accounting; personal
+    parameters never clipped, noised or sent."""
+    fill = {}
+    if opts.rounds is None and ctx.rounds:
+        fill["rounds"] = ctx.rounds
+    if opts.clients_per_round is None and ctx.clients_per_round:
+        fill["clients_per_round"] = ctx.clients_per_round
+    return DifferentiallyPrivate(ctx.base, dataclasses.replace(opts, **fill) if fill else opts)

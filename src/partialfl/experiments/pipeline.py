@@ -60,7 +60,7 @@ from torch import nn
 
 from partialfl import io as pio
 from partialfl.algorithms.base import Algorithm, RoundContext, ServerState
-from partialfl.algorithms.ditto import Ditto, personal_models
+from partialfl.algorithms.ditto import personal_models
 from partialfl.build import Task, build_algorithm, split_of
 from partialfl.config import ConfigError, to_dict
 from partialfl.data.federated import FederatedDataset

@@ -53,6 +53,7 @@ from partialfl.models.base import ModelContext, NamedLayersMixin
 from partialfl.registry import option, register
 from partialfl.split import Split, make_split
 
+
 @dataclass(frozen=True)
 class TransformerConfig:
     """Sizes of :class:`TransformerLM`. ``vocab_size`` counts the special tokens too."""
