@@ -153,11 +153,14 @@ def test_pipeline_with_processes_and_a_store_matches_sequential(tmp_path):
 def test_closed_form_config_runs_on_processes(tmp_path):
     from partialfl.experiments.closed_form import load_closed_form, run_closed_form
 
-    base = {"name": "t", "problem": {"num_clients": 6, "n": 40, "d_theta": 6, "d_w": 3},
-            "algorithm": {"name": "ffgg"}, "run": {"rounds": 3, "clients_per_round": 3}}
+    base = {"name": "t", "problem": {"name": "least-squares", "num_clients": 6, "n": 40,
+                                     "d_theta": 6, "d_w": 3},
+            "method": {"algorithm": "ffgg"},
+            "personalize": {"rounds": 3, "clients_per_round": 3,
+                            "client": {"name": "cg", "tau": 3}}}
     out = {}
     for b in ("sequential", "processes"):
-        cfg = load_closed_form({**base, "run": {**base["run"], "backend": b}})
+        cfg = load_closed_form({**base, "backend": b})
         out[b] = run_closed_form(cfg, tmp_path / b, progress=False).state.theta
     for n in out["sequential"]:
         assert np.array_equal(out["sequential"][n], out["processes"][n])

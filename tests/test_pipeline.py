@@ -9,6 +9,7 @@ import pytest
 import torch
 from _nn_toy import max_diff, one_thread, toy_data, toy_model
 
+from partialfl.build import build_server_opt
 from partialfl.config import ConfigError
 from partialfl.evaluation import evaluate_new_clients
 from partialfl.experiments.pipeline import (
@@ -231,9 +232,9 @@ def test_task_split_fn_is_used(tmp_path):
 
 def test_server_config_builds_schedules_and_clipping():
     warm = {"name": "warmup-linear", "warmup": 2}
-    opt = ServerConfig("adam", 0.01, schedule=warm, clip_norm=1.0).build(10)
+    opt = build_server_opt(ServerConfig("adam", 0.01, schedule=warm, clip_norm=1.0), 10)
     assert type(opt).__name__ == "Clipped" and opt.inner.schedule.total == 10
     with pytest.raises(ConfigError, match="warmup-linear needs"):
-        ServerConfig("sgd", 1.0, schedule={**warm, "warmup": 20}).build(10)
+        build_server_opt(ServerConfig("sgd", 1.0, schedule={**warm, "warmup": 20}), 10)
     with pytest.raises(ConfigError, match="server.schedule: 'cosine' is not allowed"):
         ServerConfig("sgd", 1.0, schedule="cosine")

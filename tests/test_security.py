@@ -23,7 +23,7 @@ from partialfl.experiments.pipeline import (
     run_pipeline,
 )
 from partialfl.local import GradientDescent
-from partialfl.local.sgd_config import SGDConfig
+from partialfl.local.sgd import SGDConfig
 from partialfl.metrics import closed_form_metrics
 from partialfl.problems.least_squares import LeastSquaresProblem, LeastSquaresSpec
 from partialfl.runtime import run_rounds
@@ -255,8 +255,9 @@ def test_federated_dataset_refuses_non_finite_inputs():
 
 
 # ----------------------------------------------------------------------------- CLI
-_TOML = ('[problem]\nnum_clients = 4\nn = 30\nd_theta = 5\nd_w = 2\n'
-         '[algorithm]\nname = "ffgg"\nsolver = "gd"\ntau = 2\n[run]\nrounds = 5\n')
+_TOML = ('[problem]\nname = "least-squares"\nnum_clients = 4\nn = 30\nd_theta = 5\nd_w = 2\n'
+         '[method]\nalgorithm = "ffgg"\n[personalize]\nrounds = 5\n'
+         'client = { name = "gd", tau = 2 }\n')
 
 
 @pytest.mark.parametrize("case,match", [
@@ -280,7 +281,7 @@ def test_cli_edge_cases_exit_2_with_one_line(tmp_path, capsys, case, match):
     elif case == "name-escape":
         args += ["--set", "name=../../escaped"]
     else:
-        args += ["--set", "algorithm.local_lr=nan"]
+        args += ["--set", "personalize.client.lr=nan"]
     assert main(args) == 2
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and match in err[0]
@@ -292,7 +293,7 @@ def test_cli_diverged_run_warns_and_exits_non_zero(tmp_path, capsys):
     cfg = tmp_path / "c.toml"
     cfg.write_text(_TOML)
     code = main(["run", str(cfg), "--out", str(tmp_path), "--no-progress",
-                 "--set", "server.lr=1e6", "--set", "run.rounds=60"])
+                 "--set", "personalize.server.lr=1e6", "--set", "personalize.rounds=60"])
     err = capsys.readouterr().err
     assert code == 1 and "diverged" in err
 

@@ -68,7 +68,7 @@ def _check_outputs(out, size):
             d, ff, a, L = size.d_model, size.d_ff, size.adapter_dim, size.num_layers
             expect = {"none": _block_params(d, ff),   # FedAvg + FT: its last block
                       "input": _block_params(d, ff), "output": _block_params(d, ff),
-                      "adapter": L * 2 * (d * a + a + a * d + d)}[method.split]
+                      "adapter": L * 2 * (d * a + a + a * d + d)}[method.split_kind]
             assert pc == expect
         for seed in size.seeds:
             curve = read_jsonl(out / f"seed{seed}" / method.name / "stage2.jsonl")
@@ -113,8 +113,8 @@ def test_registered_and_settings():
     assert entry("reproduction", "shakespeare-table").build is reproduce_table
     pre, pers, ft = stage_configs(FULL)
     for st in (pre, pers):
-        assert st.server.optimizer == "adam" and st.server.schedule == "warmup-linear"
-        assert st.server.warmup == round(0.1 * st.rounds)
+        assert st.server.optimizer.name == "adam" and st.server.schedule.name == "warmup-linear"
+        assert st.server.schedule.options.warmup == round(0.1 * st.rounds)
         assert st.client.batch_size == 64 and st.client.epochs == 1
         assert st.client.clip_norm == 0.1
     assert ft.epochs == 5

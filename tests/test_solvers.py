@@ -92,7 +92,7 @@ def test_cg_with_zero_residual_stays_finite():
 
 @pytest.mark.parametrize("kw,match", [(dict(name="gd", tau=0), "tau"),
                                       (dict(name="cg", tau=-2), "tau"),
-                                      (dict(name="newton"), "unknown local solver"),
+                                      (dict(name="newton"), "'newton' is not allowed"),
                                       (dict(name="gd", tau=3, init="ones"), "initialisation"),
                                       (dict(name="gd", tau=3, lr=-1.0), "positive")])
 def test_bad_solver_arguments(kw, match):

@@ -92,7 +92,7 @@ def test_bad_options_name_the_key_and_the_allowed_ones():
     with pytest.raises(ConfigError, match=r"personalize\.server\.lrr.*\[personalize\.server\]"):
         from_dict(RunSpec, {"personalize": {"server": {"lrr": 1}}})
     with pytest.raises(ConfigError, match=r"unknown key 'method\.mu'.*allowed keys in "
-                                          r"\[method\]: local_steps"):
+                                          r"\[method\]: algorithm, .*local_steps"):
         from_dict(RunSpec, {"method": {"algorithm": "local-ffgg", "mu": 1}})
     with pytest.raises(ConfigError, match=r"personalize\.client\.tua.*did you mean 'tau'"):
         from_dict(RunSpec, {"problem": LS, "personalize": {"client": {"name": "gd",
@@ -161,7 +161,7 @@ def test_no_name_checks_in_the_run_layers():
 
 
 def test_components_accept_their_options_objects():
-    from partialfl.local.sgd_config import SGDConfig
+    from partialfl.local.sgd import SGDConfig
 
     st = StageConfig(client=SGDConfig(lr=0.5, epochs=2))
     assert st.client == Component("local", "sgd", SGDConfig(lr=0.5, epochs=2))

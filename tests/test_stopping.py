@@ -27,7 +27,7 @@ from partialfl.experiments.stopping import (
     plateau_table,
     plateaued,
 )
-from partialfl.local.sgd_config import SGDConfig
+from partialfl.local.sgd import SGDConfig
 from partialfl.spec import FinetuneConfig, MethodConfig, RunSpec, StageConfig
 
 
@@ -278,7 +278,7 @@ def test_tables_at_convergence_rule_every_stage_under_caps_beyond_the_fixed_budg
     from partialfl.experiments import shakespeare as sh
 
     for mod, cfgs in ((fm, fm.stage_configs(fm.PLATEAU)), (sh, sh.stage_configs(sh.PLATEAU))):
-        pre, pers = cfgs[0], (cfgs[1]["ffgg"] if isinstance(cfgs[1], dict) else cfgs[1])
+        pre, pers = cfgs[0], (cfgs[1](MethodConfig()) if callable(cfgs[1]) else cfgs[1])
         assert pre.stop is not None and pers.stop is not None, mod.__name__
         assert pre.rounds > mod.FULL.pretrain_rounds and pers.rounds > mod.FULL.rounds
         for st in (pre, pers):

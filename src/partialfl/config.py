@@ -11,6 +11,7 @@ from __future__ import annotations
 import dataclasses
 import difflib
 import math
+import os
 import tomllib
 import types
 import typing
@@ -106,26 +107,19 @@ def _coerce(value: Any, tp, where: str):
             raise ConfigError(f"{where}: expected true or false, got {value!r}")
         return value
     if tp is str:
+        if isinstance(value, os.PathLike):
+            return os.fspath(value)
         if not isinstance(value, str):
             raise ConfigError(f"{where}: expected a string, got {value!r}")
         return value
     return value
 
 
-def _component(value: Any, f: dataclasses.Field, where: str) -> Any:
-    """A field that names a registry component (``metadata["kind"]``): ``"name"`` or
-    ``{name = …, …options}``, validated against :mod:`partialfl.registry`."""
-    from partialfl.registry import component
-
-    if value is None:
-        return None
-    return component(f.metadata["kind"], value, where, f.metadata.get("default_name"))
-
-
 def from_dict(cls: type[T], data: Mapping[str, Any], where: str = "") -> T:
     """Build dataclass ``cls`` from ``data``, validating keys and types recursively.
 
-    A field with ``metadata["kind"]`` names a registry component (:func:`_component`). A
+    A field with ``metadata["parse"]`` is read by that function ``parse(value, key)`` (a
+    registry component: :func:`partialfl.spec.comp`). A
     class with ``__options_of__ = (name_field, kind)`` takes the keys it does not define as
     the options of the component its ``name_field`` names (e.g. ``[method] algorithm =
     "ditto"`` with ``lam = 0.1``), validated by that entry's ``Options`` into its
@@ -151,8 +145,8 @@ def from_dict(cls: type[T], data: Mapping[str, Any], where: str = "") -> T:
             continue
         key = f"{where}.{name}" if where else name
         f = fields[name]
-        kwargs[name] = (_component(value, f, key) if "kind" in f.metadata
-                        else _coerce(value, hints[name], key))
+        parse = f.metadata.get("parse")
+        kwargs[name] = parse(value, key) if parse else _coerce(value, hints[name], key)
     try:
         return cls(**kwargs)
     except ConfigError:

@@ -271,6 +271,16 @@ class Component:
         """An option's value (``default`` when the entry has no such option)."""
         return getattr(self.options, key, default) if self.options is not None else default
 
+    def __getattr__(self, key: str) -> Any:
+        """An option's value as an attribute (``stage.client.lr``)."""
+        if key.startswith("_") or key in ("kind", "name", "options"):
+            raise AttributeError(key)
+        opts = self.__dict__.get("options")
+        if opts is not None and key in getattr(opts, "__dataclass_fields__", {}):
+            return getattr(opts, key)
+        raise AttributeError(f"{self.__dict__.get('kind')} {self.__dict__.get('name')!r} has "
+                             f"no option {key!r}")
+
 
 def _plain(v: Any) -> Any:
     if isinstance(v, Component):

@@ -39,3 +39,10 @@ def generator(seed: int, *path: int | str) -> np.random.Generator:
 def torch_seed(seed: int, *path: int | str) -> int:
     """A 63-bit seed for ``torch.Generator().manual_seed`` for one purpose."""
     return int(seed_sequence(seed, *path).generate_state(1, np.uint64)[0] >> np.uint64(1))
+
+
+def round_path(round_: int) -> tuple:
+    """The rng path component for a round: non-negative rounds as is, negative ones (used
+    for deployment / evaluation outside training) as ``("offline", -round_)``."""
+    r = int(round_)
+    return (r,) if r >= 0 else ("offline", -r)

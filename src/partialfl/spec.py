@@ -42,7 +42,10 @@ WEIGHTINGS = ("uniform", "examples")
 def comp(kind: str, default: str | None, doc: str) -> Any:
     """A spec field naming a component of ``kind`` (``default``: its name, or None for an
     optional block; a table without ``name`` means ``default``)."""
-    meta = {"kind": kind, "doc": doc, "default_name": default}
+    def parse(value, key):
+        return None if value is None else component(kind, value, key, default)
+
+    meta = {"kind": kind, "doc": doc, "default_name": default, "parse": parse}
     if default is None:
         return field(default=None, metadata=meta)
     return field(default_factory=lambda: component(kind, default), metadata=meta)
@@ -148,12 +151,6 @@ class ServerConfig(_Spec):
         if self.clip_norm is not None and not self.clip_norm > 0:
             raise ConfigError(f"server.clip_norm must be None or > 0, got {self.clip_norm}")
 
-    def build(self, rounds: int, L: float | None = None, auto_lr: float = 1.0):
-        """The optimizer over ``rounds`` rounds (:func:`partialfl.build.build_server_opt`)."""
-        from partialfl.build import build_server_opt
-
-        return build_server_opt(self, rounds, L, auto_lr)
-
 
 def parse_lr(lr: float | str, L: float | None, key: str = "server.lr") -> float:
     """A stepsize given as a number or as ``"c/L"`` (e.g. ``"1/L"``, ``"0.5/L"``) with ``L``
@@ -225,7 +222,7 @@ class FinetuneConfig:
 
     def sgd(self, **over):
         """The :class:`~partialfl.local.sgd.SGDConfig` of these settings (with ``over``)."""
-        from partialfl.local.sgd_config import SGDConfig
+        from partialfl.local.sgd import SGDConfig
 
         return SGDConfig(**{**{f.name: getattr(self, f.name)
                               for f in dataclasses.fields(self)}, **over})

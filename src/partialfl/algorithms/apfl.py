@@ -30,7 +30,7 @@ from partialfl.algorithms.base import Algorithm, ClientResult, Deployed, RoundCo
 from partialfl.algorithms.common import check_weighting, client_weights, delta
 from partialfl.algorithms.context import AlgorithmContext
 from partialfl.algorithms.ditto import JOINED, PREFIX, Ditto
-from partialfl.local.sgd_config import SGDConfig
+from partialfl.local.sgd import SGDConfig
 from partialfl.registry import option, register
 from partialfl.types import ClientUpdates, Params
 

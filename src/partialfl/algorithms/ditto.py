@@ -33,7 +33,7 @@ import numpy as np
 from partialfl.algorithms.base import Algorithm, ClientResult, Deployed, RoundContext
 from partialfl.algorithms.common import check_weighting, client_weights, delta
 from partialfl.algorithms.context import AlgorithmContext
-from partialfl.local.sgd_config import SGDConfig
+from partialfl.local.sgd import SGDConfig
 from partialfl.registry import option, register
 from partialfl.types import ClientUpdates, Params
 

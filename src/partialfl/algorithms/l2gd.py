@@ -26,7 +26,8 @@ from partialfl.algorithms.common import DeployAll, pick, repeat_tree
 from partialfl.algorithms.context import AlgorithmContext
 from partialfl.algorithms.fedavg import shared_model, theta_part
 from partialfl.config import ConfigError
-from partialfl.local.gd import GDConfig, check_tau
+from partialfl.local.base import check_tau
+from partialfl.local.gd import GDConfig
 from partialfl.registry import option, register
 from partialfl.types import ClientUpdates, Params
 

@@ -20,7 +20,7 @@ from partialfl.algorithms.common import WEIGHTINGS, check_init
 from partialfl.algorithms.fedavg import FedAvg
 from partialfl.algorithms.ffgg import FFGG
 from partialfl.algorithms.personal import FedAlt, FedSim, LocalFFGG
-from partialfl.local.sgd_config import SGDConfig
+from partialfl.local.sgd import SGDConfig
 
 __all__ = ["WEIGHTINGS", "FedAlt", "FedAvg", "FedSim", "LocalFFGG", "model_ffgg"]
 

@@ -57,7 +57,7 @@ from partialfl.registry import entry, option, register, with_trait
 if TYPE_CHECKING:
     from torch import Tensor, nn
 
-    from partialfl.local.sgd_config import SGDConfig
+    from partialfl.local.sgd import SGDConfig
     from partialfl.split import Split
 
 

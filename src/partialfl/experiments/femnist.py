@@ -82,7 +82,7 @@ from partialfl.experiments.stopping import (
     plateau_table,
     stage1_stop,
 )
-from partialfl.local.sgd_config import SGDConfig
+from partialfl.local.sgd import SGDConfig
 from partialfl.registry import register
 from partialfl.spec import (
     FinetuneConfig,

@@ -65,7 +65,7 @@ from partialfl.experiments.report import (
     pipeline_plots,
     versus_fedavg,
 )
-from partialfl.local.sgd_config import SGDConfig
+from partialfl.local.sgd import SGDConfig
 from partialfl.registry import register
 from partialfl.spec import FinetuneConfig, MethodConfig, RunSpec, ServerConfig, StageConfig
 

@@ -631,9 +631,9 @@ def _evaluate_new_full_personal(cfg: RunSpec, split: Split, theta: Params, data,
     theta = _on(theta, problem)
     local = bool(cfg.method.entry.trait("fresh_model"))
     if epochs is None:
-        epochs = (cfg.personalize.rounds * cfg.personalize.client.epochs if local
+        epochs = (cfg.personalize.rounds * cfg.personalize.client.get("epochs", 1) if local
                   else cfg.finetune.epochs)
-    sgd = SGDConfig(lr=lr or (cfg.personalize.client.lr if local else cfg.finetune.lr),
+    sgd = SGDConfig(lr=lr or (cfg.personalize.client.get("lr") if local else cfg.finetune.lr),
                     epochs=int(epochs), batch_size=batch_size or cfg.finetune.batch_size,
                     clip_norm=cfg.finetune.clip_norm)
     allc = np.arange(problem.num_clients)

@@ -85,7 +85,7 @@ from partialfl.experiments.stopping import (
     stage1_stop,
 )
 from partialfl.lm import NextWordAccuracy, token_cross_entropy
-from partialfl.local.sgd_config import SGDConfig
+from partialfl.local.sgd import SGDConfig
 from partialfl.models.transformer import TransformerConfig, TransformerLM, transformer_split
 from partialfl.registry import register
 from partialfl.rng import torch_seed

@@ -20,74 +20,13 @@ the first in grid order, i.e. fewer epochs, then smaller lr); epochs 0 = no fine
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 
-from partialfl.config import ConfigError, check_choice
-
-MODES = ("max", "min")
-
-
-@dataclass(frozen=True)
-class StopConfig:
-    """The plateau rule of one stage (see the module docstring); ``window`` counts
-    evaluations (every ``eval_every`` rounds)."""
-
-    metric: str = "val_acc"
-    mode: str = "max"
-    min_delta: float = 0.001
-    window: int = 3
-
-    def __post_init__(self) -> None:
-        check_choice("stop.mode", self.mode, MODES)
-        if not self.metric.startswith("val_"):
-            raise ConfigError(f"stop.metric must be a validation metric (val_acc, val_loss, "
-                              f"...), got {self.metric!r}")
-        if not (isinstance(self.window, int) and self.window >= 1):
-            raise ConfigError(f"stop.window must be an integer >= 1, got {self.window!r}")
-        if not (np.isfinite(self.min_delta) and self.min_delta >= 0):
-            raise ConfigError(f"stop.min_delta must be finite and >= 0, got {self.min_delta}")
-
-
-@dataclass(frozen=True)
-class ValidationConfig:
-    """The validation split: ``fraction`` of each client's training data, at least
-    ``min_examples`` (see :func:`partialfl.data.validation.carve_validation`)."""
-
-    fraction: float = 0.1
-    min_examples: int = 2
-
-    def __post_init__(self) -> None:
-        if not 0.0 < self.fraction < 1.0:
-            raise ConfigError(f"validation.fraction must be in (0, 1), got {self.fraction}")
-        if not (isinstance(self.min_examples, int) and self.min_examples >= 0):
-            raise ConfigError(f"validation.min_examples must be an integer >= 0, got "
-                              f"{self.min_examples!r}")
-
-
-@dataclass(frozen=True)
-class FinetuneGrid:
-    """Stage 3's grid: fine-tuning ``epochs`` × ``lr`` chosen on validation ``metric``."""
-
-    epochs: tuple[int, ...] = (0, 1, 3, 5)
-    lr: tuple[float, ...] = (0.003, 0.01, 0.03)
-    metric: str = "val_acc"
-
-    def __post_init__(self) -> None:
-        if not self.epochs or any(not isinstance(e, int) or e < 0 for e in self.epochs):
-            raise ConfigError(f"finetune_grid.epochs must be integers >= 0, got {self.epochs}")
-        if not self.lr or any(not (np.isfinite(v) and v > 0) for v in self.lr):
-            raise ConfigError(f"finetune_grid.lr must be finite and > 0, got {self.lr}")
-        check_choice("finetune_grid.metric", self.metric, ("val_acc", "val_loss"))
-
-    def settings(self) -> list[tuple[int, float]]:
-        """(epochs, lr) in grid order; epochs 0 once (the lr does not matter)."""
-        out = [(0, float(self.lr[0]))] if 0 in self.epochs else []
-        return out + [(e, float(v)) for e in sorted(set(self.epochs)) if e > 0 for v in self.lr]
-
+from partialfl.config import ConfigError
+from partialfl.spec import FinetuneGrid, StopConfig, ValidationConfig
 
 #: stage 3's grid of a ``--quick --plateau`` table (CI): two settings
 QUICK_GRID = FinetuneGrid(epochs=(0, 1), lr=(0.01,))

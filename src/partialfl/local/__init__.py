@@ -10,7 +10,7 @@ By name: the registry's kind ``local`` (``sgd``, ``gd``, ``cg``, ``exact``).
 
 from partialfl.local.base import LocalResult, LocalTrainer
 from partialfl.local.gd import GDConfig
-from partialfl.local.sgd_config import SGDConfig
+from partialfl.local.sgd import SGDConfig
 from partialfl.local.solvers import (
     ConjugateGradient,
     ExactSolver,

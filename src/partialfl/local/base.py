@@ -61,3 +61,10 @@ class LocalTrainer(Protocol):
     def stepsizes(self, problem, cohort: np.ndarray) -> np.ndarray:
         """The stepsize η of each client of the cohort ``[k]``."""
         ...
+
+
+def check_tau(tau) -> int:
+    """``tau`` as an int if it is an integer >= 1, else a ValueError."""
+    if isinstance(tau, bool) or not isinstance(tau, int | np.integer) or tau < 1:
+        raise ValueError(f"local steps tau must be an integer >= 1, got {tau!r}")
+    return int(tau)

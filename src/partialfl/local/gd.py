@@ -19,16 +19,9 @@ from dataclasses import dataclass
 import numpy as np
 
 from partialfl import arrays
-from partialfl.local.base import LocalResult, check_train
+from partialfl.local.base import LocalResult, check_tau, check_train
 from partialfl.registry import option, register
 from partialfl.types import Params
-
-
-def check_tau(tau) -> int:
-    """``tau`` as an int if it is an integer >= 1, else a ValueError."""
-    if isinstance(tau, bool) or not isinstance(tau, int | np.integer) or tau < 1:
-        raise ValueError(f"local steps tau must be an integer >= 1, got {tau!r}")
-    return int(tau)
 
 
 def stepsizes(problem, cohort: np.ndarray, lr: float | None) -> np.ndarray:

@@ -26,20 +26,70 @@ other clients share the cohort, so the vectorised and the sequential paths take 
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from dataclasses import dataclass
 
 import numpy as np
-import torch
 
 from partialfl.batching import map_clients
 from partialfl.local.base import LocalResult, check_train
-from partialfl.local.sgd_config import SGDConfig
 from partialfl.local.solvers import SolverResult
 from partialfl.problems.base import check_w_init
-from partialfl.problems.model import round_path
-from partialfl.rng import generator
+from partialfl.registry import option, register
+from partialfl.rng import generator, round_path
 from partialfl.types import Params
+
+
+@dataclass(frozen=True)
+class SGDConfig:
+    """Minibatch SGD epochs on the client's data (model problems): the client optimizer of
+    every model algorithm, and FFGG's fine-tuner."""
+
+    lr: float = option(0.01, "stepsize η > 0")
+    epochs: int = option(1, "passes over the client's data (ignored when steps is given)")
+    batch_size: int = option(32, "minibatch size")
+    steps: int | None = option(None, "exact number of minibatch steps instead of epochs")
+    clip_norm: float | None = option(None, "clip each step's gradient to this norm")
+
+    def __post_init__(self) -> None:
+        if not (isinstance(self.lr, int | float) and self.lr > 0 and math.isfinite(self.lr)):
+            raise ValueError(f"client lr must be a positive finite number, got {self.lr!r}")
+        if not isinstance(self.epochs, int) or self.epochs < 0:
+            raise ValueError(f"epochs must be a non-negative integer, got {self.epochs!r}")
+        if not isinstance(self.batch_size, int) or self.batch_size < 1:
+            raise ValueError(f"batch_size must be a positive integer, got {self.batch_size!r}")
+        if self.steps is not None and (not isinstance(self.steps, int) or self.steps < 0):
+            raise ValueError(f"steps must be None or a non-negative integer, got {self.steps!r}")
+        if self.clip_norm is not None and not self.clip_norm > 0:
+            raise ValueError(f"clip_norm must be None or > 0, got {self.clip_norm!r}")
+
+    def run(self, problem, cohort, theta: Params, w: Params, train: str, *, seed: int,
+            round_: int, stream: str, shift: Params | None = None) -> LocalResult:
+        """:func:`~partialfl.local.sgd.run_sgd` with this configuration (the
+        :class:`~partialfl.local.base.LocalTrainer` interface)."""
+        return run_sgd(problem, cohort, theta, w, train=train, cfg=self, seed=seed,
+                       round_=round_, stream=stream, shift=shift)
+
+    def stepsizes(self, problem, cohort) -> np.ndarray:
+        """η = ``lr`` for every client of the cohort ``[k]``."""
+        return np.full(len(cohort), float(self.lr))
+
+    # -- the local component interface (partialfl.algorithms.context) -------------------
+    def trainer(self, **over) -> SGDConfig:
+        """This trainer with some settings replaced (e.g. ``steps=K``)."""
+        return dataclasses.replace(self, **over) if over else self
+
+    def finetuner(self, w_init: str):
+        """FFGG's fine-tuner: SGD on w alone from ``w_init``."""
+        return SGDFineTuner(self, w_init)
+
+
+@register("local", "sgd", options=SGDConfig, trainer=True)
+def _sgd(opts: SGDConfig, ctx=None) -> SGDConfig:
+    """Minibatch SGD epochs on the client's data (model problems): the client optimizer of
+    every model algorithm, and FFGG's fine-tuner."""
+    return opts
 
 
 def batch_plan(n: int, batch_size: int, epochs: int, steps: int | None,
@@ -70,6 +120,8 @@ SGDResult = LocalResult  # loss: the mean minibatch loss per client ([k], nan if
 
 
 def _clip(g: Params, c: float | None) -> Params:
+    import torch
+
     if c is None:
         return g
     v0 = next(iter(g.values()))
@@ -145,6 +197,8 @@ def _grads(problem, cohort, theta, w, batches, wrt):
 
 def _prox_step(x: Params, prox: tuple[float, Params], lr: float, active: np.ndarray) -> Params:
     """x ← (x + ηλ c)/(1 + ηλ) on the rows of clients that took a step (``active``)."""
+    import torch
+
     lam, centre = float(prox[0]), prox[1]
     out = {}
     for n, v in x.items():
@@ -158,6 +212,8 @@ def _prox_step(x: Params, prox: tuple[float, Params], lr: float, active: np.ndar
 
 def _shifted(g: Params, shift: Params | None, active: np.ndarray) -> Params:
     """g − shift on the rows of clients that take the step (``active``)."""
+    import torch
+
     if shift is None:
         return g
     out = {}
@@ -171,6 +227,8 @@ def _shifted(g: Params, shift: Params | None, active: np.ndarray) -> Params:
 
 
 def _loop(problem, cohort, theta, w, plans, train, cfg, prox=None, shift=None):
+    import torch
+
     k = len(cohort)
     n_steps = max((len(p) for p in plans), default=0)
     # summed on the problem's device (no host sync per step); float64 where it exists

@@ -16,8 +16,7 @@ from typing import Protocol
 import numpy as np
 
 from partialfl import arrays
-from partialfl.local.base import one_of
-from partialfl.local.gd import check_tau
+from partialfl.local.base import check_tau, one_of
 from partialfl.problems.base import W_INITS
 from partialfl.registry import option, register
 from partialfl.types import Params

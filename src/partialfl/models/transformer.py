@@ -196,8 +196,11 @@ class TransformerLM(NamedLayersMixin, nn.Module):
     def partialfl_split(self, kind: str, options) -> Split:
         """This model's own splits (the registry's split entries ask it first):
         :func:`transformer_split` (``options``: the split's registry options)."""
-        dim = getattr(options, "adapter_dim", None)
-        return transformer_split(self, kind, {} if dim is None else {"adapter_dim": dim})
+        opts = {} if options is None else {k: getattr(options, k)
+                                           for k in options.__dataclass_fields__}
+        if opts.get("adapter_dim") is None:
+            opts.pop("adapter_dim", None)
+        return transformer_split(self, kind, opts)
 
     def __init__(self, cfg: TransformerConfig | None = None, **sizes) -> None:
         super().__init__()
@@ -295,6 +298,10 @@ def transformer_split(model: TransformerLM, kind: str,
     pipeline seeds) and ``model``'s parameters are copied into it, so the adapted model starts
     as the pre-trained one plus near-identity adapters."""
     options = dict(options or {})
+    # the generic split options at their defaults mean nothing here (whole blocks, own adapters)
+    for key, default in (("layers", 1), ("modules", None), ("rank", 8)):
+        if options.get(key, default) == default:
+            options.pop(key, None)
     unknown = sorted(set(options) - {"adapter_dim"})
     if unknown:
         raise ValueError(f"unknown transformer split options {unknown}; allowed: adapter_dim")

@@ -62,7 +62,7 @@ from partialfl.batching import Loop, Vmap, in_process, map_clients
 from partialfl.devices import LossScaler, amp_dtype, check_precision, resolve_device
 from partialfl.problems.base import W_INITS, check_cohort
 from partialfl.registry import register
-from partialfl.rng import torch_seed
+from partialfl.rng import round_path, torch_seed
 from partialfl.split import Split
 from partialfl.types import Params
 
@@ -642,13 +642,6 @@ class ModelProblem:
 
 
 # ----------------------------------------------------------------------------- helpers
-def round_path(round_: int) -> tuple:
-    """The rng path component for a round: non-negative rounds as is, negative ones (used
-    for deployment / evaluation outside training) as ``("offline", -round_)``."""
-    r = int(round_)
-    return (r,) if r >= 0 else ("offline", -r)
-
-
 def _chunk_batches(sizes: np.ndarray, j: int, chunk: int) -> list[np.ndarray]:
     """Chunk j (examples [j·chunk, (j+1)·chunk)) of every client; empty past its end."""
     return [np.arange(min(int(n), j * chunk), min(int(n), (j + 1) * chunk)) for n in sizes]
