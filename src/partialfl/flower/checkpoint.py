@@ -232,6 +232,11 @@ def _load(cfg: FlowerConfig, like) -> tuple[Any, int, dict[str, Any]]:
             if signature(got) != signature(ref):
                 raise CheckpointError(f"checkpoint {path}: the {part} differs in structure, "
                                       "shape or dtype from this run's model and optimizer")
+        for k, v in state.extra.items():  # the algorithm's own, or counters it adds later
+            if k in like.extra and signature(v) != signature(like.extra[k]) or \
+                    k not in like.extra and (type(v) not in (int, float) or v != v):
+                raise CheckpointError(f"checkpoint {path}: algorithm state {k[:40]!r} differs "
+                                      "from this run's")
     if not all(np.isfinite(_np(v)).all() for v in state.theta.values()):
         raise CheckpointError(f"checkpoint {path}: θ is not finite")
     report = check_report(meta["report"], ("skipped_rounds", "requested", "grads"),
