@@ -230,3 +230,25 @@ def test_nan_weight_client_is_rejected_counted_and_skipped(flower_runs):
     assert report.server_steps == 3 and np.isfinite(report.theta["theta"]).all()
     assert report.history[2]["failed_clients"] == 4 and report.history[2]["clients"] == 4
     assert report.history[2]["clients_failed"] == 4  # the JSONL fault counter too
+
+
+@pytest.mark.parametrize("attack", ["dtype", "extra", "record"])
+def test_a_hostile_supernode_in_async_mode_is_counted(loopback, attack):
+    """The asynchronous transport decodes replies through the same checks: every task sent
+    to the hostile node is lost and counted, the others are applied."""
+    from partialfl.flower.server import run_server
+
+    kind, fn = TAMPER[attack]
+
+    def tamper(partition, mtype, content):
+        if partition == 1 and mtype == kind:
+            fn(content)
+
+    run = {**SMALL, "mode": "async", "concurrency": 2, "num-rounds": 6, "server-lr": 0.05,
+           "max-failure-fraction": 0.9}
+    report = run_server(loopback(2, tamper=tamper), run)
+    assert report.server_steps == 6 and report.failures
+    assert all((f.kind, f.partition, len(f.clients)) == ("invalid", 1, 1)
+               for f in report.failures)
+    assert report.history[-1]["clients_failed"] == len(report.failures)
+    assert report.theta["theta"].dtype == np.float64 and np.isfinite(report.theta["theta"]).all()
