@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
+from _flower_loopback import loopback  # noqa: F401 - a federation in one process, no Ray
 from _flower_sims import flower_runs  # noqa: F401 - one simulated federation, shared
 
 from partialfl.data.paths import default_data_dir

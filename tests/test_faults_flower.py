@@ -1,6 +1,7 @@
 """Flower fault handling (issue 13): a lost SuperNode is skipped and counted below
 ``max-failure-fraction`` and aborts the run with a reason above it; the ServerApp checkpoints
-(safetensors + JSON, never pickle) and an interrupted run resumes to the same θ."""
+(safetensors + JSON, never pickle) and an interrupted run resumes to the same θ; a crafted
+checkpoint is refused with one line (issue 21)."""
 
 from __future__ import annotations
 
@@ -147,3 +148,57 @@ def test_checkpoint_keys_are_validated():
         parse_run_config({"fault-injection": "stop:partition=1,round=2"})
     with pytest.raises(ConfigError, match="max-failure-fraction"):
         parse_run_config({"max-failure-fraction": 1.5})
+
+
+# -- crafted checkpoint.json: one line, never a traceback (issue 21) ------------------------
+def _rewrite_tensors(d: Path, meta: dict, arrays: dict) -> None:
+    import hashlib
+
+    from safetensors.numpy import save
+
+    blob = save(arrays)
+    (d / meta["tensors"]).write_bytes(blob)
+    meta["sha256"] = hashlib.sha256(blob).hexdigest()
+
+
+DEEP = '{"dict": {"a": ' * 3000 + '{"value": 1}' + "}}" * 3000  # JSON nested 6000 deep
+
+
+CRAFTED = {
+    "config-not-a-dict": lambda d, m: m.__setitem__("config", []),
+    "no-tensors-entry": lambda d, m: m.pop("tensors"),
+    "tensors-not-a-name": lambda d, m: m.__setitem__("tensors", 5),
+    "tensors-outside": lambda d, m: m.__setitem__("tensors", "../checkpoint.json"),
+    "missing-array": lambda d, m: m["state"]["theta"]["dict"].__setitem__(
+        "theta", {"array": "nope"}),
+    "state-not-a-tree": lambda d, m: m.__setitem__("state", {"theta": 1}),
+    "deep-state": lambda d, m: m["state"].__setitem__("extra", "DEEP"),
+    "failures-malformed": lambda d, m: m["report"].__setitem__("failures", [{"x": 1}]),
+    "report-empty": lambda d, m: m.__setitem__("report", {}),
+    "round-not-int": lambda d, m: m.__setitem__("state_round", "x"),
+    "next-round-bool": lambda d, m: m.__setitem__("next_round", True),
+    "faults-not-ints": lambda d, m: m["report"].__setitem__("faults", {"clients_failed": "x"}),
+    "theta-wrong-shape": lambda d, m: _rewrite_tensors(d, m, {"theta/theta": np.zeros(3)}),
+    "theta-nan": lambda d, m: _rewrite_tensors(d, m, {"theta/theta": np.full(10, np.nan)}),
+}
+
+
+@pytest.mark.parametrize("variant", sorted(CRAFTED))
+def test_crafted_checkpoint_json_is_one_line_refusal(variant, loopback, tmp_path):
+    """Resuming from a crafted ``checkpoint.json`` raises CheckpointError (a ConfigError:
+    one line, exit 2 on the command line) naming the problem — never KeyError, TypeError,
+    RecursionError, nor a resumed run with a θ of another shape or NaN."""
+    from partialfl.flower import checkpoint
+    from partialfl.flower.server import run_server
+
+    run = {"ls-clients": 8, "ls-n": 200, "ls-d-theta": 10, "ls-d-w": 5, "local-steps": 5,
+           "seed": 3, "num-rounds": 2, "eval-every": 0, "checkpoint-every": 1,
+           "out-dir": str(tmp_path)}
+    run_server(loopback(2), run)
+    path = tmp_path / "checkpoint.json"
+    meta = json.loads(path.read_text())
+    CRAFTED[variant](tmp_path, meta)
+    path.write_text(json.dumps(meta).replace('"DEEP"', DEEP))
+    with pytest.raises(checkpoint.CheckpointError) as e:
+        run_server(loopback(2), {**run, "resume": True})
+    assert "\n" not in str(e.value) and len(str(e.value)) < 400

@@ -410,7 +410,7 @@ def test_a_server_without_data_initialises_every_model_algorithm(name):
     """A ServerApp holding no data sees only θ's names and shapes and the example counts
     (no personal names): model algorithms must initialise and report θ from that alone."""
     from partialfl.build import build_algorithm as build_model_algorithm
-    from partialfl.flower.server import _ServerProblem
+    from partialfl.flower.federation import ServerProblem as _ServerProblem
     from partialfl.spec import MethodConfig, StageConfig
 
     theta0 = {"fc.weight": np.ones((3, 4), np.float32), "fc.bias": np.zeros(3, np.float32)}

@@ -209,3 +209,31 @@ def test_an_unreachable_superlink_is_a_one_line_error_and_writes_nothing(tmp_pat
     with pytest.raises(ConnectionError, match=f"no SuperLink answers at 127.0.0.1:{port}"):
         conn.start()
     assert conn.procs == [] and not (tmp_path / "w" / "flwr-home" / "config.toml").exists()
+
+
+def test_flower_engines_without_flower_are_one_line_errors(data_dir, tmp_path, capsys,
+                                                           monkeypatch):
+    """Issue 21: `--engine flower-sim` without flwr (or without its simulation engine, Ray)
+    is one line and exit 2 — before any Flower process is started or anything is written."""
+    import subprocess
+    import sys
+
+    from partialfl import cli
+
+    def no_process(*args, **kw):
+        raise AssertionError(f"a process was started: {args[0] if args else kw}")
+
+    monkeypatch.setattr(subprocess, "Popen", no_process)
+    monkeypatch.setitem(sys.modules, "ray", None)  # an import of it fails, as if missing
+    out = tmp_path / "run"
+    argv = ["train", str(QUICKSTART), "--set", f"data.path={data_dir}", "--out", str(out)]
+    rc = cli.main([*argv, "--engine", "flower-sim"])  # flwr present, Ray missing
+    err = capsys.readouterr().err
+    assert rc == 2 and err.count("\n") == 1 and "simulation engine (Ray)" in err
+    monkeypatch.setitem(sys.modules, "flwr", None)
+    for engine in ("flower-sim", "flower"):
+        rc = cli.main([*argv, "--engine", engine])
+        err = capsys.readouterr().err
+        assert rc == 2 and err.count("\n") == 1, err
+        assert err.startswith("partialfl: error: the Flower engines need Flower: pip install")
+    assert not out.exists()

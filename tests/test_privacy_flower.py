@@ -1,6 +1,7 @@
-"""Flower privacy (issue 13): metrics leave a SuperNode only as allowed, aggregated scalars
-(checked when encoding on the client and when decoding on the server), and evaluation replies
-carry only counts and sums — no per-client value reaches the server."""
+"""Flower privacy (issues 13, 21): metrics leave a SuperNode only as allowed, aggregated
+scalars (checked when encoding on the client and when decoding on the server), and evaluation
+replies carry only counts and sums over at least ``eval-min-clients`` clients — no per-client
+value (no histogram of them, no sum over one client) reaches the server."""
 
 from __future__ import annotations
 
@@ -9,7 +10,7 @@ import pytest
 
 pytest.importorskip("flwr", reason="flwr is not installed (pip install 'partialfl[flower]')")
 
-from flwr.app import MetricRecord  # noqa: E402
+from flwr.app import MetricRecord, RecordDict  # noqa: E402
 
 from partialfl.flower.codec import (  # noqa: E402
     PrivacyError,
@@ -49,9 +50,14 @@ def test_server_refuses_unaggregated_or_unlisted_metrics(record, match):
         decode_updates(content, THETA, np.arange(3))
 
 
-def test_evaluation_replies_are_sums_and_refused_otherwise(flower_runs):
-    from partialfl.flower.server import _eval_sums
+def _eval(rec, **kw):
+    from partialfl.flower.codec import decode_eval
 
+    return decode_eval(RecordDict({"eval": MetricRecord(rec)}), **{
+        "kind": "least-squares", "min_clients": 2, "max_clients": 4, **kw})
+
+
+def test_evaluation_replies_are_sums_and_refused_otherwise(flower_runs):
     _, report, received = flower_runs["nan"]
     evals = [m for m in received if m.metadata.message_type == "evaluate"]
     assert len(evals) == 2 * 4
@@ -63,10 +69,10 @@ def test_evaluation_replies_are_sums_and_refused_otherwise(flower_runs):
         assert all(k.endswith((".sum", ".count")) for k in m.content["metrics"])
     assert report.history[-1]["eval_clients"] == 8 and np.isfinite(
         report.history[-1]["eval_loss_gap"])
-    with pytest.raises(ValueError, match="no per-client list"):
-        _eval_sums({"clients": 4.0, "loss.sum": [1.0, 2.0]})
-    with pytest.raises(ValueError, match="'correct' is not allowed"):
-        _eval_sums({"clients": 4.0, "correct": 3.0})
+    with pytest.raises(WireFormatError, match="no per-client list"):
+        _eval({"clients": 4.0, "loss.sum": [1.0, 2.0], "loss-gap.sum": 1.0})
+    with pytest.raises(WireFormatError, match="are not allowed"):
+        _eval({"clients": 4.0, "correct": 3.0})
 
 
 def test_evaluation_means_equal_the_in_process_per_client_means(flower_runs):
@@ -87,27 +93,65 @@ def test_evaluation_means_equal_the_in_process_per_client_means(flower_runs):
 
 
 def test_model_evaluation_sums_give_the_pooled_metrics():
-    """FEMNIST path without data: a node's reply from per-client counts is sums and a
-    histogram only; the server's metrics from two nodes' replies equal the pooled ones
-    (accuracy, loss, client mean exactly; percentiles to the histogram's resolution)."""
+    """FEMNIST path without data: a node's reply from per-client counts is sums only (no
+    histogram); the server's metrics from two nodes' replies equal the pooled ones (accuracy,
+    loss, client mean exactly). Percentiles over clients are not computed on Flower."""
     from partialfl.evaluation import summarize_counts
-    from partialfl.flower.models import ACC_BINS, count_sums
-    from partialfl.flower.server import _eval_sums
+    from partialfl.flower.codec import decode_eval
+    from partialfl.flower.models import count_sums, summarize_sums
 
     g = np.random.default_rng(0)
     total = g.integers(0, 60, 400).astype(float)
     counts = {"correct": np.floor(total * g.random(400)), "total": total,
               "loss_sum": g.random(400) * total, "loss_weight": total}
     parts = [{k: v[:150] for k, v in counts.items()}, {k: v[150:] for k, v in counts.items()}]
-    replies = [_eval_sums(count_sums(p)) for p in parts]
-    assert all(not isinstance(v, list) or k == "acc.hist" for r in replies for k, v in r.items())
+    replies = [decode_eval(RecordDict({"eval": MetricRecord(count_sums(p, 2))}), kind="model",
+                           min_clients=2, max_clients=len(p["total"])) for p in parts]
+    assert all(isinstance(v, float) for r in replies for v in r.values())
     pooled = {k: replies[0][k] + replies[1][k] for k in replies[0]}
-    from partialfl.flower.models import summarize_sums
-
     got = summarize_sums(pooled)
     ref = summarize_counts(counts)
     assert got["eval_acc"] == pytest.approx(ref.accuracy, rel=1e-12)
     assert got["eval_loss"] == pytest.approx(ref.loss, rel=1e-12)
     assert got["eval_acc_client_mean"] == pytest.approx(ref.mean_client, rel=1e-12)
-    for q, name in ((ref.p10, "p10"), (ref.p50, "p50"), (ref.p90, "p90")):
-        assert abs(got[f"eval_acc_{name}"] - q) <= 5.0 / ACC_BINS + 0.01, name
+    assert not any("p10" in k or "p50" in k or "p90" in k for k in got)
+
+
+def test_model_node_with_too_few_evaluable_clients_sends_nothing():
+    """Clients without test data do not count towards eval-min-clients."""
+    from partialfl.flower.models import count_sums
+
+    counts = {"correct": np.array([3.0, 0.0, 0.0]), "total": np.array([5.0, 0.0, 0.0]),
+              "loss_sum": np.array([1.0, 0.0, 0.0]), "loss_weight": np.array([5.0, 0, 0])}
+    assert count_sums(counts, 2) == {}  # one client with data: its exact accuracy, withheld
+    assert count_sums(counts, 1)["acc.sum"] == pytest.approx(0.6)
+
+
+def test_a_node_with_fewer_than_eval_min_clients_sends_nothing(loopback):
+    """Issue 21: a node with one client sent that client's exact loss. Now (default
+    eval-min-clients = 2) such a node sends an empty evaluation, counted as withheld; the
+    key is configurable, and a node's own floor raises it."""
+    from partialfl.flower.server import run_server
+
+    run = {"ls-clients": 4, "ls-n": 200, "ls-d-theta": 10, "ls-d-w": 5, "local-steps": 5,
+           "seed": 3, "num-rounds": 2, "eval-every": 1}
+    grid = loopback(4)  # one client per SuperNode
+    rep = run_server(grid, run)
+    for h in rep.history:
+        assert "eval_loss" not in h and "eval_clients" not in h and h["eval_withheld_nodes"] == 4
+    assert rep.eval_withheld == 3 * 4 and rep.summary()["eval_withheld"] == 12
+    assert rep.server_steps == 2 and not rep.failures  # training is unaffected
+    # what the nodes sent: an empty evaluation record each
+    got = []
+    run_server(loopback(4, tamper=lambda p, t, c: got.append(dict(c["eval"]))
+                        if t == "evaluate" else None), run)
+    assert got == [{}] * 12
+    # configurable: pairs of clients per node are enough for eval-min-clients = 2 ...
+    rep = run_server(loopback(2), run)
+    assert rep.history[-1]["eval_clients"] == 4 and rep.eval_withheld == 0
+    # ... unless a SuperNode's own node config asks for more
+    rep = run_server(loopback(2, node_config={"eval-min-clients": 3}), run)
+    assert rep.eval_withheld == 2 * 3 and "eval_loss" not in rep.history[-1]
+    # and eval-min-clients = 1 restores per-node sums over a single client
+    rep = run_server(loopback(4), {**run, "eval-min-clients": 1})
+    assert rep.history[-1]["eval_clients"] == 4 and rep.eval_withheld == 0

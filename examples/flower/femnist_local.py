@@ -61,14 +61,15 @@ def main() -> None:
 
 
 def stage_summary(name: str, cfg: dict, rep: dict) -> str:
-    """One line per stage from its result.json: rounds, time, final test accuracy and its
-    spread over writers, failures."""
+    """One line per stage from its result.json: rounds, time, final test accuracy and the
+    mean per-writer accuracy (the SuperNodes send sums only: no percentiles over writers),
+    failures."""
     last = rep["history"][-1]
     s = rep["summary"]
     return (f"{name}: {cfg['algorithm']} {cfg['num-rounds']} rounds in {s['seconds']:.0f} s "
             f"(setup {s['setup_seconds']:.0f} s); test accuracy "
-            f"{last.get('eval_acc', float('nan')):.4f} (writers' p10 "
-            f"{last.get('eval_acc_p10', float('nan')):.3f}); failures {s['failures']}")
+            f"{last.get('eval_acc', float('nan')):.4f} (mean over writers "
+            f"{last.get('eval_acc_client_mean', float('nan')):.3f}); failures {s['failures']}")
 
 
 if __name__ == "__main__":

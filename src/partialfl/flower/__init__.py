@@ -1,11 +1,16 @@
 """partialfl on Flower (``pip install 'partialfl[flower]'``, Flower >= 1.42, Message API).
 
 * :mod:`partialfl.flower.server` — the ServerApp (``partialfl.flower.server:app``): θ, the
-  aggregator and the server optimizer; synchronous rounds or asynchronous push/pull
-  (FedBuff-style buffer K, K = 1 = the paper's Algorithm 3); failure handling.
+  aggregator and the server optimizer; synchronous rounds (:mod:`~partialfl.flower.rounds`)
+  or asynchronous push/pull (:mod:`~partialfl.flower.jobs`: FedBuff-style buffer K, K = 1 =
+  the paper's Algorithm 3), the nodes' evaluation (:mod:`~partialfl.flower.evaluate`);
+  failure handling (:mod:`~partialfl.flower.report`).
+* :mod:`partialfl.flower.codec` — the wire format; every reply a SuperNode sends is checked
+  there against what the server sent (a bad reply is a counted failure of its node).
 * :mod:`partialfl.flower.client` — the ClientApp (``partialfl.flower.client:app``): a
   SuperNode serves the clients of its partition, fine-tunes their personal parameters locally
-  and sends only :class:`~partialfl.types.ClientUpdates`.
+  and sends only :class:`~partialfl.types.ClientUpdates`; :mod:`partialfl.flower.node`: what
+  only the node's own configuration decides (it never imports code a message names).
 * :mod:`partialfl.flower.config` — ``flwr run -c key=value`` keys → validated config → the same
   problem/algorithm objects as the in-process simulator (no ``flwr`` import).
 * :mod:`partialfl.flower.simulation` — run the app in Flower's simulation engine from Python.

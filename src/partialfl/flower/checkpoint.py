@@ -61,12 +61,17 @@ def _join(skel: Any, arrays: dict[str, np.ndarray]) -> Any:
     return to_torch(arr) if skel.get("torch") else arr
 
 
+def _show(v: Any, n: int = 60) -> str:
+    r = repr(v)
+    return r if len(r) <= n else r[:n - 3] + "..."
+
+
 def _compare(cfg: FlowerConfig, saved: dict[str, Any]) -> None:
     now = {k: v for k, v in cfg.to_run_config().items() if k not in VOLATILE}
-    old = {k: v for k, v in saved.items() if k not in VOLATILE}
+    old = {" ".join(str(k).split())[:60]: v for k, v in saved.items() if k not in VOLATILE}
     diff = sorted(k for k in set(now) | set(old) if now.get(k) != old.get(k))
     if diff:
-        shown = ", ".join(f"{k}: checkpoint {old.get(k)!r} vs now {now.get(k)!r}"
+        shown = ", ".join(f"{k}: checkpoint {_show(old.get(k))} vs now {_show(now.get(k))}"
                           for k in diff[:6])
         raise CheckpointError(f"refusing to resume: the checkpoint in {cfg.out_dir} was "
                               f"written by another configuration ({shown})")
@@ -96,9 +101,89 @@ def save(cfg: FlowerConfig, state, next_round: int, report: dict[str, Any]) -> P
     return out / "checkpoint.json"
 
 
-def load(cfg: FlowerConfig) -> tuple[Any, int, dict[str, Any]]:
+def _int(v: Any, what: str) -> int:
+    if isinstance(v, bool) or not isinstance(v, int) or v < 0:
+        raise CheckpointError(f"checkpoint {what} must be an integer >= 0, got "
+                              f"{str(v)[:40]!r}")
+    return v
+
+
+def _skeleton(skel: Any, arrays: dict[str, np.ndarray], depth: int = 0) -> None:
+    """Raise unless ``skel`` is what :func:`_split` writes, over arrays in ``arrays``."""
+    if depth > 32 or not isinstance(skel, dict) or len(skel) not in (1, 2):
+        raise CheckpointError("checkpoint state is not a partialfl state tree")
+    kind = next(iter(skel))
+    if kind == "dict" and isinstance(skel[kind], dict) and len(skel) == 1:
+        for v in skel[kind].values():
+            _skeleton(v, arrays, depth + 1)
+    elif kind == "list" and isinstance(skel[kind], list) and len(skel) == 1:
+        for v in skel[kind]:
+            _skeleton(v, arrays, depth + 1)
+    elif kind == "value" and len(skel) == 1:
+        if not (skel[kind] is None or isinstance(skel[kind], bool | int | float | str)):
+            raise CheckpointError("checkpoint state holds a value that is not a scalar")
+    elif kind == "array" and set(skel) <= {"array", "torch"} and isinstance(skel[kind], str):
+        if skel[kind] not in arrays or not isinstance(skel.get("torch", False), bool):
+            raise CheckpointError(f"checkpoint state names a missing array {skel[kind][:80]!r}")
+    else:
+        raise CheckpointError("checkpoint state is not a partialfl state tree")
+
+
+def signature(tree: Any) -> Any:
+    """The structure of a state tree: dict keys, list lengths, array shapes and dtypes, scalar
+    types (what a resumed state must share with a fresh one)."""
+    if isinstance(tree, dict):
+        return {str(k): signature(v) for k, v in tree.items()}
+    if isinstance(tree, list | tuple):
+        return [signature(v) for v in tree]
+    if hasattr(tree, "shape"):
+        a = _np(tree)
+        return ("array", tuple(a.shape), a.dtype.str, is_torch(tree))
+    return type(tree).__name__
+
+
+#: what a failure recorded in a checkpoint holds (:class:`partialfl.flower.report.Failure`)
+FAILURE_FIELDS = {"round": int, "kind": str, "partition": int, "clients": list, "reason": str}
+
+
+def check_report(rep: Any, counters: tuple[str, ...], what: str = "checkpoint") -> dict:
+    """``rep`` if it is a saved report: ``failures`` (a list of failure records), the
+    integer ``counters`` and, when present, ``history`` (a list of dicts); else
+    :class:`CheckpointError`."""
+    if not isinstance(rep, dict):
+        raise CheckpointError(f"{what} report is not a dict")
+    fails = rep.get("failures")
+    if not isinstance(fails, list) or not all(
+            isinstance(f, dict) and set(f) == set(FAILURE_FIELDS)
+            and all(isinstance(f[k], t) and not isinstance(f[k], bool)
+                    for k, t in FAILURE_FIELDS.items())
+            and all(isinstance(c, int) for c in f["clients"]) for f in fails):
+        raise CheckpointError(f"{what} report has malformed failures")
+    if "history" in rep and not (isinstance(rep["history"], list)
+                                 and all(isinstance(h, dict) for h in rep["history"])):
+        raise CheckpointError(f"{what} report has a malformed history")
+    for k in counters:
+        if k not in rep or isinstance(rep[k], bool) or not isinstance(rep[k], int):
+            raise CheckpointError(f"{what} report lacks the integer {k!r}")
+    return rep
+
+
+def load(cfg: FlowerConfig, like=None) -> tuple[Any, int, dict[str, Any]]:
     """``(state, next_round, report)`` from ``cfg.out_dir``, validated (format, hash,
-    configuration); raises :class:`CheckpointError` naming what is wrong."""
+    configuration, the structure of every part; with ``like``, a fresh state, θ and the
+    optimizer state must have its :func:`signature`); raises :class:`CheckpointError` (one
+    line) naming what is wrong, whatever the files hold."""
+    try:
+        return _load(cfg, like)
+    except CheckpointError:
+        raise
+    except (KeyError, TypeError, ValueError, AttributeError, RecursionError, OSError) as e:
+        path = Path(cfg.out_dir) / "checkpoint.json"
+        raise CheckpointError(f"checkpoint {path} is malformed ({type(e).__name__}: "
+                              f"{' '.join(str(e).split())[:200]})") from None
+
+
+def _load(cfg: FlowerConfig, like) -> tuple[Any, int, dict[str, Any]]:
     from safetensors import SafetensorError
     from safetensors.numpy import load as st_load
 
@@ -109,14 +194,20 @@ def load(cfg: FlowerConfig) -> tuple[Any, int, dict[str, Any]]:
         raise CheckpointError(f"run-config key 'resume': no checkpoint at {path}")
     try:
         meta = json.loads(path.read_text())
-    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
-        raise CheckpointError(f"checkpoint {path} is not valid JSON: {e}") from None
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError, RecursionError) as e:
+        msg = " ".join(str(e).split()) or type(e).__name__
+        raise CheckpointError(f"checkpoint {path} is not valid JSON: {msg}") from None
     if not isinstance(meta, dict) or meta.get("format") != FORMAT:
         raise CheckpointError(f"checkpoint {path} is not a {FORMAT} file")
+    want = {"config": dict, "tensors": str, "sha256": str, "state": dict, "report": dict}
+    bad = sorted(k for k, t in want.items() if not isinstance(meta.get(k), t))
+    if bad:
+        raise CheckpointError(f"checkpoint {path} lacks or has malformed entries {bad}")
     _compare(cfg, meta["config"])
-    tensors = path.parent / str(meta["tensors"])
-    if Path(meta["tensors"]).name != meta["tensors"] or not tensors.is_file():
-        raise CheckpointError(f"checkpoint {path} names a missing tensor file {meta['tensors']!r}")
+    name = meta["tensors"]
+    tensors = path.parent / name
+    if Path(name).name != name or name in ("", ".", "..") or not tensors.is_file():
+        raise CheckpointError(f"checkpoint {path} names a missing tensor file {name[:80]!r}")
     blob = tensors.read_bytes()
     if hashlib.sha256(blob).hexdigest() != meta["sha256"]:
         raise CheckpointError(f"checkpoint tensor file {tensors} does not match its SHA-256 "
@@ -126,6 +217,30 @@ def load(cfg: FlowerConfig) -> tuple[Any, int, dict[str, Any]]:
     except (SafetensorError, ValueError) as e:
         raise CheckpointError(f"checkpoint tensor file {tensors} is not valid: {e}") from None
     sk = meta["state"]
+    if set(sk) != {"theta", "opt", "extra"}:
+        raise CheckpointError(f"checkpoint {path} state must have theta, opt and extra")
+    for part in sk.values():
+        _skeleton(part, arrays)
     state = ServerState(theta=_join(sk["theta"], arrays), opt_state=_join(sk["opt"], arrays),
-                        round=int(meta["state_round"]), extra=_join(sk["extra"], arrays))
-    return state, int(meta["next_round"]), meta["report"]
+                        round=_int(meta.get("state_round"), "state_round"),
+                        extra=_join(sk["extra"], arrays))
+    if not isinstance(state.theta, dict) or not isinstance(state.extra, dict):
+        raise CheckpointError(f"checkpoint {path}: θ and the extras must be dicts")
+    if like is not None:
+        for part, got, ref in (("θ", state.theta, like.theta),
+                               ("optimizer state", state.opt_state, like.opt_state)):
+            if signature(got) != signature(ref):
+                raise CheckpointError(f"checkpoint {path}: the {part} differs in structure, "
+                                      "shape or dtype from this run's model and optimizer")
+        for k, v in state.extra.items():  # the algorithm's own, or counters it adds later
+            if k in like.extra and signature(v) != signature(like.extra[k]) or \
+                    k not in like.extra and (type(v) not in (int, float) or v != v):
+                raise CheckpointError(f"checkpoint {path}: algorithm state {k[:40]!r} differs "
+                                      "from this run's")
+    if not all(np.isfinite(_np(v)).all() for v in state.theta.values()):
+        raise CheckpointError(f"checkpoint {path}: θ is not finite")
+    report = check_report(meta["report"], ("skipped_rounds", "requested", "grads"),
+                          f"checkpoint {path}")
+    if "history" not in report:
+        raise CheckpointError(f"checkpoint {path} report lacks its history")
+    return state, _int(meta.get("next_round"), "next_round"), report

@@ -40,11 +40,11 @@ from partialfl.flower.codec import (
 )
 from partialfl.flower.config import (
     FlowerConfig,
-    node_partition,
     parse_fault_injection,
     parse_run_config,
     partition_clients,
 )
+from partialfl.flower.node import check_code, node_options
 
 
 @dataclass
@@ -58,6 +58,7 @@ class NodeRuntime:
     algorithm: Any
     clients: np.ndarray
     torch: bool
+    eval_min_clients: int = 2  # the run config's, raised by the node's own floor
 
     def check_clients(self, cohort: np.ndarray) -> np.ndarray:
         """``cohort`` if this SuperNode holds every client in it, else a ValueError naming them."""
@@ -80,15 +81,19 @@ def node_runtime(context: Context, msg: Message | None = None,
                  algorithm_factory: AlgorithmFactory | None = None) -> NodeRuntime:
     """The (cached) runtime of this SuperNode: the run config is the one the server sent with
     the message (the server's validated copy of ``flwr run``'s config), else
-    ``context.run_config``; the partition comes from the SuperNode's node config. The
-    algorithm is ``algorithm_factory(cfg, problem)`` when given (programmatic use, e.g. an
-    algorithm defined outside partialfl), else the run config's."""
+    ``context.run_config``; the partition, whether code named in the run config may be
+    imported and the evaluation floor come from the SuperNode's own node config and
+    environment (:mod:`partialfl.flower.node`). The algorithm is
+    ``algorithm_factory(cfg, problem)`` when given (programmatic use, e.g. an algorithm
+    defined outside partialfl), else the run config's."""
     if msg is not None and "run-config" in msg.content:
         cfg = parse_run_config(dict(msg.content["run-config"]))
     else:
         cfg = parse_run_config(dict(context.run_config))
-    part, nparts = node_partition(context.node_config)
-    key = (tuple(sorted(cfg.to_run_config().items())), part, nparts, algorithm_factory)
+    opts = node_options(context.node_config)
+    check_code(cfg, opts)  # before anything is built from the config
+    part, nparts = opts.partition, opts.num_partitions
+    key = (tuple(sorted(cfg.to_run_config().items())), opts, algorithm_factory)
     rt = _CACHE.get(key)
     if rt is None:
         problem = build_problem(cfg)
@@ -99,7 +104,8 @@ def node_runtime(context: Context, msg: Message | None = None,
                              "runs stateless algorithms only")
         clients = partition_clients(problem.num_clients, nparts, part)
         rt = NodeRuntime(cfg, part, nparts, problem, algorithm, clients,
-                         torch=cfg.problem != "least-squares")
+                         torch=cfg.problem != "least-squares",
+                         eval_min_clients=max(cfg.eval_min_clients, opts.eval_min_clients))
         _CACHE.clear()  # one run per process at a time
         _CACHE[key] = rt
     return rt
@@ -139,7 +145,8 @@ def train(rt: NodeRuntime, msg: Message) -> Message:
 
 
 def evaluate(rt: NodeRuntime, msg: Message) -> Message:
-    """Personalized loss of this node's clients at θ (w fine-tuned here, never sent)."""
+    """Personalized loss of this node's clients at θ (w fine-tuned here, never sent): sums
+    over at least ``rt.eval_min_clients`` clients, or an empty record (withheld)."""
     r = int(msg.content["task"]["round"])
     theta = decode_params(msg.content["theta"], rt.torch)
     sums = evaluate_clients(rt, theta, r)
@@ -173,12 +180,15 @@ def evaluate_clients(rt: NodeRuntime, theta, round_: int) -> dict[str, Any]:
     """Sums over this node's clients at θ (the server adds all nodes' sums): least squares
     ``clients``, ``loss.sum`` = Σ_m f_m(θ, w_m) and ``loss-gap.sum`` = Σ_m (f_m − min f_m);
     model problems see :func:`~partialfl.flower.models.evaluate_model_clients`. w_m is what
-    the algorithm deploys, computed here and never sent; no per-client value is sent."""
+    the algorithm deploys, computed here and never sent; no per-client value is sent, and
+    nothing at all (``{}``) when the node holds fewer than ``rt.eval_min_clients`` clients."""
     if rt.torch:
         from partialfl.flower.models import evaluate_model_clients
 
         return evaluate_model_clients(rt, theta, round_)
     own = rt.clients
+    if len(own) < rt.eval_min_clients:
+        return {}
     dep = rt.algorithm.deploy(ServerState(theta=theta, round=round_), rt.problem, own, None,
                               RoundContext(rt.cfg.seed, -1))
     th, w = dep.theta, dep.w

@@ -1,4 +1,5 @@
-"""Wire format between the ServerApp and the ClientApps (Flower's Message API records).
+"""Wire format between the ServerApp and the ClientApps (Flower's Message API records), and
+the one place where the server checks what a SuperNode sends.
 
 Server → SuperNode (``train``): ``content["theta"]`` an :class:`ArrayRecord` of θ (the server
 model) and ``content["task"]`` a :class:`ConfigRecord` ``{"round", "clients"}``.
@@ -6,16 +7,29 @@ model) and ``content["task"]`` a :class:`ConfigRecord` ``{"round", "clients"}``.
 SuperNode → server: exactly one :class:`~partialfl.types.ClientUpdates` — the only thing that
 leaves a client — as ``content["vectors"]`` (stacked ``[k, *θ-shape]``), ``content["update"]``
 (``cohort``, ``weights``, ``grad-evals``), ``content["metrics"]`` and one
-``content["extra.<name>"]`` per algorithm extra. :func:`encode_updates` refuses any tree whose
-leaf names are not names of θ, so a personal parameter (whose name is never a θ name: the
-split is a partition) cannot be put on the wire even by a buggy algorithm.
+``content["extra.<name>"]`` per extra the algorithm declares (:func:`declared_extras`).
+:func:`encode_updates` refuses any tree whose leaf names are not names of θ, so a personal
+parameter (whose name is never a θ name: the split is a partition) cannot be put on the wire
+even by a buggy algorithm.
 
 Metrics are aggregated on the SuperNode: for each metric allowed by name
 (:data:`ALLOWED_METRICS`) only its sum over the node's clients (``"<name>.sum"``) and the
 number of clients (``"<name>.count"``) travel, as two scalars — never a per-client list, never
-an unlisted name (e.g. a personal parameter smuggled as a "metric"). :func:`decode_updates`
-checks the same on the server (a reply that breaks it is refused and counted), and refuses
-non-finite vectors and weights that are not finite numbers ≥ 0.
+an unlisted name (e.g. a personal parameter smuggled as a "metric").
+
+Every reply is untrusted. The decoders (:func:`decode_updates`, :func:`decode_eval`,
+:func:`decode_describe`, :func:`decode_theta0`) check it against what the server sent and what
+the node declared, and raise :class:`WireFormatError` (one line) for anything else — never
+another exception: the server counts that reply as a failure of its node. A train reply must
+have exactly the records above; the θ leaves, shapes ``[k, *θ-shape]`` and dtypes of θ in
+``vectors`` and in every declared extra; the asked clients in order; per client a weight
+``0 ≤ w_m ≤ max(1, n_m)`` (``n_m`` the example count its node declared) and finite values
+(:func:`partialfl.runtime.faults.finite_mask`); names that pass the simulator's privacy check
+(:func:`partialfl.privacy.check_updates`); metrics as above with counts ≤ k.
+
+Evaluation replies (``content["eval"]``) are sums and counts over at least ``eval-min-clients``
+of the node's clients (:data:`EVAL_KEYS`), or nothing at all (an empty record: the node has
+fewer clients and withholds its evaluation). No per-client value, no histogram.
 
 Arrays travel as numpy; torch leaves are converted on both ends (``torch=True``) in their own
 dtype, so a round trip is bit-exact.
@@ -23,7 +37,8 @@ dtype, so a round trip is bit-exact.
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+from collections.abc import Iterable, Mapping
+from typing import Any
 
 import numpy as np
 from flwr.app import Array, ArrayRecord, ConfigRecord, MetricRecord, RecordDict
@@ -37,11 +52,25 @@ class PrivacyError(RuntimeError):
 
 
 class WireFormatError(ValueError):
-    """A reply that does not decode into the expected updates."""
+    """A reply that does not decode into what the server expects (one line: the reason)."""
 
 
 #: metric names a SuperNode may report (aggregated: sum and count over its clients)
 ALLOWED_METRICS: tuple[str, ...] = ("loss", "train_loss")
+#: the largest example count a node may declare for one client (weights are bounded by it)
+MAX_EXAMPLES = 1e12
+#: the largest number of clients a node may declare (the server allocates per-client arrays)
+MAX_CLIENTS = 10 ** 7
+#: the entries of an evaluation reply: least squares, and model problems
+#: (:meth:`~partialfl.problems.model.ModelProblem.metric_counts` summed, and Σ / number of
+#: per-client accuracies over the clients with test data)
+EVAL_KEYS: dict[str, frozenset[str]] = {
+    "least-squares": frozenset({"clients", "loss.sum", "loss-gap.sum"}),
+    "model": frozenset({"clients", "correct.sum", "total.sum", "loss_sum.sum",
+                        "loss_weight.sum", "acc.sum", "acc.count"}),
+}
+#: evaluation entries that count something (integers >= 0)
+_EVAL_COUNTS = frozenset({"clients", "correct.sum", "total.sum", "acc.count"})
 
 
 def aggregate_metrics(metrics, allowed=ALLOWED_METRICS) -> dict[str, float]:
@@ -59,27 +88,6 @@ def aggregate_metrics(metrics, allowed=ALLOWED_METRICS) -> dict[str, float]:
         arr = arr.reshape(-1)
         out[f"{n}.sum"] = float(arr.sum())
         out[f"{n}.count"] = float(arr.size)
-    return out
-
-
-def decode_metrics(record, allowed=ALLOWED_METRICS) -> dict[str, tuple[float, float]]:
-    """``{name: (sum, count)}`` from a reply's metric record; refuses lists, unlisted names,
-    a sum without its count and non-finite values (:class:`WireFormatError`)."""
-    sums: dict[str, dict[str, float]] = {}
-    for key, v in record.items():
-        name, _, part = key.rpartition(".")
-        if name not in allowed or part not in ("sum", "count"):
-            raise WireFormatError(f"reply metric {key!r} is not allowed: only "
-                                  f"'<name>.sum' / '<name>.count' for {sorted(allowed)}")
-        if isinstance(v, list | tuple) or not np.isfinite(float(v)):
-            raise WireFormatError(f"reply metric {key!r} must be one finite scalar, got "
-                                  f"{type(v).__name__}")
-        sums.setdefault(name, {})[part] = float(v)
-    out = {}
-    for name, parts in sums.items():
-        if set(parts) != {"sum", "count"} or parts["count"] < 0:
-            raise WireFormatError(f"reply metric {name!r} needs one sum and one count >= 0")
-        out[name] = (parts["sum"], parts["count"])
     return out
 
 
@@ -125,43 +133,303 @@ def encode_updates(updates: ClientUpdates, theta_names: Iterable[str]) -> Record
     return content
 
 
-def decode_updates(content: RecordDict, theta: Params, cohort: np.ndarray,
-                   torch: bool = False) -> tuple[ClientUpdates, dict[str, tuple[float, float]]]:
-    """Reply content → ``(updates, metric sums)``, checked against the θ the server sent and
-    the clients it asked for (names, shapes, cohort, finite vectors, finite weights ≥ 0,
-    aggregated metrics): a malformed reply raises :class:`WireFormatError` and the server
-    counts it as a failed update. The updates carry no metrics (only the node's sums do)."""
+def declared_extras(algorithm) -> frozenset[str]:
+    """The ``extra`` payload names ``algorithm`` declares (``extra_names``; a wrapper's own
+    declaration, else its base's); none when it declares nothing."""
+    while algorithm is not None:
+        names = getattr(algorithm, "extra_names", None)
+        if names is not None:
+            return frozenset(names)
+        algorithm = getattr(algorithm, "base", None)
+    return frozenset()
+
+
+# -- decoding untrusted replies ---------------------------------------------------------------
+def _one_line(text: str, n: int = 300) -> str:
+    text = " ".join(str(text).split())
+    return text if len(text) <= n else text[:n - 3] + "..."
+
+
+def _guard(what: str, fn, *args, **kw):
+    """``fn(*args, **kw)``; any error but :class:`WireFormatError` becomes one (a safety net:
+    the checks below name every case they know)."""
     try:
-        vec_rec, upd = content["vectors"], content["update"]
-    except KeyError as e:
-        raise WireFormatError(f"reply lacks record {e.args[0]!r}") from None
-    vectors = decode_params(vec_rec, torch)
-    if set(vectors) != set(theta):
-        raise WireFormatError(f"reply vectors {sorted(vectors)} != θ leaves {sorted(theta)}")
-    got = np.asarray(upd["cohort"], dtype=np.int64)
-    if not np.array_equal(got, np.asarray(cohort, dtype=np.int64)):
-        raise WireFormatError(f"reply is for clients {got.tolist()}, asked for "
-                              f"{np.asarray(cohort).tolist()}")
-    k = len(got)
-    for n, v in vectors.items():
-        if tuple(v.shape) != (k, *tuple(theta[n].shape)):
-            raise WireFormatError(f"reply vector {n!r} has shape {tuple(v.shape)}, expected "
-                                  f"{(k, *tuple(theta[n].shape))}")
-        if not bool(np.isfinite(_to_numpy(v)).all()):
-            raise WireFormatError(f"reply vector {n!r} is not finite")
-    weights = np.asarray(upd["weights"], dtype=np.float64).reshape(-1)
-    if len(weights) != k or not (np.isfinite(weights).all() and (weights >= 0).all()):
-        raise WireFormatError(f"reply weights {weights.tolist()} must be {k} finite numbers "
-                              ">= 0")
-    extra = {}
-    for key in content.array_records:
-        if key.startswith("extra."):
-            tree = decode_params(content[key], torch)
-            if set(tree) - set(theta):
-                raise WireFormatError(f"reply extra {key!r} has leaves "
-                                      f"{sorted(set(tree) - set(theta))} that are not θ leaves")
-            if not all(bool(np.isfinite(_to_numpy(v)).all()) for v in tree.values()):
-                raise WireFormatError(f"reply extra {key!r} is not finite")
-            extra[key[len("extra."):]] = tree
-    metrics = decode_metrics(content["metrics"]) if "metrics" in content else {}
-    return ClientUpdates(vectors, weights, got, int(upd["grad-evals"]), {}, extra), metrics
+        return fn(*args, **kw)
+    except WireFormatError:
+        raise
+    except Exception as e:  # noqa: BLE001 - untrusted input: every failure is the reply's
+        raise WireFormatError(_one_line(f"malformed {what} ({type(e).__name__}: {e})")) from None
+
+
+def _record(content, key: str, kind: type, what: str):
+    rec = content[key]
+    if not isinstance(rec, kind):
+        raise WireFormatError(f"{what} record {key!r} must be a {kind.__name__}, got "
+                              f"{type(rec).__name__}")
+    return rec
+
+
+def _keys(content) -> set[str]:
+    if not isinstance(content, RecordDict):
+        raise WireFormatError(f"reply content must be a RecordDict, got {type(content).__name__}")
+    return {str(k) for k in content.keys()}
+
+
+def _int(v, what: str, lo: int = 0, hi: float = 2 ** 53) -> int:
+    ok = not isinstance(v, bool) and (isinstance(v, int) or (isinstance(v, float)
+                                                             and v.is_integer()))
+    if not ok or not lo <= v <= hi:
+        raise WireFormatError(f"{what} must be an integer in [{lo}, {hi:g}], got "
+                              f"{_one_line(repr(v), 60)}")
+    return int(v)
+
+
+def _float(v, what: str) -> float:
+    if isinstance(v, bool) or not isinstance(v, int | float):
+        raise WireFormatError(f"{what} must be one number, got {type(v).__name__}")
+    try:
+        x = float(v)
+    except OverflowError:
+        x = float("inf")
+    if not np.isfinite(x):
+        raise WireFormatError(f"{what} must be finite, got {_one_line(repr(v), 60)}")
+    return x
+
+
+def _list(v, what: str, n: int) -> list:
+    if not isinstance(v, list) or len(v) != n:
+        got = f"{len(v)} values" if isinstance(v, list) else type(v).__name__
+        raise WireFormatError(f"{what} must be a list of {n} values, got {got}")
+    return v
+
+
+def _array(a, what: str) -> np.ndarray:
+    if not isinstance(a, Array):
+        raise WireFormatError(f"{what} is not an Array")
+    try:
+        x = a.numpy()  # np.load(allow_pickle=False): object arrays are refused there
+    except Exception as e:  # noqa: BLE001 - any undecodable payload
+        raise WireFormatError(_one_line(f"{what} does not decode ({type(e).__name__}: {e})")
+                              ) from None
+    if x.dtype.kind != "f":
+        raise WireFormatError(f"{what} has dtype {x.dtype}, not a float dtype")
+    return x
+
+
+def _tree(content, key: str, theta: Mapping[str, Any], k: int) -> dict[str, np.ndarray]:
+    """A stacked θ-tree: exactly θ's leaves, each ``[k, *θ-shape]`` in θ's dtype."""
+    rec = _record(content, key, ArrayRecord, "reply")
+    names = set(rec.keys())
+    if names != set(theta):
+        extra, missing = sorted(names - set(theta)), sorted(set(theta) - names)
+        raise WireFormatError(f"reply {key!r} leaves differ from θ's: unexpected {extra[:5]}, "
+                              f"missing {missing[:5]}")
+    out = {}
+    for n in theta:
+        x = _array(rec[n], f"reply {key!r} leaf {n!r}")
+        ref = _to_numpy(theta[n])
+        want = (k, *ref.shape)
+        if tuple(x.shape) != want:
+            raise WireFormatError(f"reply {key!r} leaf {n!r} has shape {tuple(x.shape)}, "
+                                  f"expected {want}")
+        if x.dtype != ref.dtype:
+            raise WireFormatError(f"reply {key!r} leaf {n!r} has dtype {x.dtype}, θ is "
+                                  f"{ref.dtype}")
+        out[n] = x
+    return out
+
+
+def decode_metrics(record, k: float = np.inf,
+                   allowed=ALLOWED_METRICS) -> dict[str, tuple[float, float]]:
+    """``{name: (sum, count)}`` from a reply's metric record; refuses lists, unlisted names,
+    a sum without its count, non-finite values and counts that are not integers in
+    ``[0, k]`` (:class:`WireFormatError`)."""
+    if not isinstance(record, MetricRecord):
+        raise WireFormatError(f"reply metrics must be a MetricRecord, got "
+                              f"{type(record).__name__}")
+    sums: dict[str, dict[str, float]] = {}
+    for key, v in record.items():
+        name, _, part = str(key).rpartition(".")
+        if name not in allowed or part not in ("sum", "count"):
+            raise WireFormatError(f"reply metric {_one_line(repr(key), 60)} is not allowed: "
+                                  f"only '<name>.sum' / '<name>.count' for {sorted(allowed)}")
+        if isinstance(v, list | tuple):
+            raise WireFormatError(f"reply metric {key!r} must be one finite scalar, got a list")
+        sums.setdefault(name, {})[part] = _float(v, f"reply metric {key!r}")
+    out = {}
+    for name, parts in sums.items():
+        if set(parts) != {"sum", "count"}:
+            raise WireFormatError(f"reply metric {name!r} needs one sum and one count >= 0")
+        out[name] = (parts["sum"], float(_int(parts["count"], f"reply metric '{name}.count'",
+                                              0, k)))
+    return out
+
+
+def _decode_updates(content, theta: Params, cohort: np.ndarray, max_weights, extras,
+                    algorithm) -> tuple[ClientUpdates, dict[str, tuple[float, float]]]:
+    from partialfl.privacy import check_updates
+    from partialfl.runtime.faults import finite_mask
+
+    keys = _keys(content)
+    allowed = {"vectors", "update", "metrics"} | {f"extra.{e}" for e in extras}
+    if keys - allowed or not {"vectors", "update"} <= keys:
+        raise WireFormatError(
+            f"reply records {sorted(keys)[:8]}: expected 'vectors', 'update', optional "
+            f"'metrics' and the declared extras {sorted(extras)} "
+            f"(unexpected {sorted(keys - allowed)[:5]})")
+    missing = sorted(allowed - keys - {"metrics"})
+    if missing:
+        raise WireFormatError(f"reply lacks record(s) {missing}")
+    upd = _record(content, "update", ConfigRecord, "reply")
+    if set(upd.keys()) != {"cohort", "weights", "grad-evals"}:
+        raise WireFormatError(f"reply 'update' has entries {sorted(upd.keys())[:8]}, expected "
+                              "['cohort', 'grad-evals', 'weights']")
+    asked = np.asarray(cohort, dtype=np.int64)
+    k = len(asked)
+    got = [_int(c, "reply cohort id") for c in _list(upd["cohort"], "reply cohort", k)]
+    if got != asked.tolist():
+        raise WireFormatError(_one_line(f"reply is for clients {got}, asked for "
+                                        f"{asked.tolist()}"))
+    weights = np.asarray([_float(w, "reply weight")
+                          for w in _list(upd["weights"], "reply weights", k)])
+    bound = np.ones(k) if max_weights is None else np.asarray(max_weights, dtype=np.float64)
+    bad = np.flatnonzero(~((weights >= 0) & (weights <= bound)))
+    if bad.size:
+        i = int(bad[0])
+        raise WireFormatError(f"reply weights must be {k} finite numbers >= 0 and at most "
+                              f"max(1, examples): client {int(asked[i])} sent {weights[i]:g}, "
+                              f"bound {bound[i]:g}")
+    grads = _int(upd["grad-evals"], "reply grad-evals")
+    vectors = _tree(content, "vectors", theta, k)
+    extra = {e: _tree(content, f"extra.{e}", theta, k) for e in sorted(extras)}
+    updates = ClientUpdates(vectors, weights, asked.copy(), grads, {}, extra)
+    try:
+        check_updates(updates, theta.keys(), algorithm)
+    except ValueError as e:
+        raise WireFormatError(_one_line(str(e))) from None
+    ok = finite_mask(updates)
+    if not ok.all():
+        raise WireFormatError(f"reply is not finite for clients "
+                              f"{asked[~ok].tolist()[:8]} (vectors, weights or extras)")
+    metrics = decode_metrics(content["metrics"], k) if "metrics" in keys else {}
+    return updates, metrics
+
+
+def decode_updates(content, theta: Params, cohort, torch: bool = False, *,
+                   max_weights=None, algorithm=None
+                   ) -> tuple[ClientUpdates, dict[str, tuple[float, float]]]:
+    """Train reply content → ``(updates, metric sums)``, checked against the θ the server
+    sent (leaves, shapes, dtypes), the clients it asked for, ``max_weights`` (per client, the
+    bound ``max(1, n_m)``; default 1) and ``algorithm``'s declared extras and privacy rules
+    (see the module docstring). Raises :class:`WireFormatError` only; the updates carry no
+    metrics (only the node's sums do)."""
+    extras = declared_extras(algorithm)
+    updates, metrics = _guard("train reply", _decode_updates, content, theta, cohort,
+                              max_weights, extras, algorithm)
+    if torch:
+        updates = ClientUpdates({n: arrays.to_torch(v) for n, v in updates.vectors.items()},
+                                updates.weights, updates.cohort, updates.grad_evals, {},
+                                {e: {n: arrays.to_torch(v) for n, v in t.items()}
+                                 for e, t in updates.extra.items()})
+    return updates, metrics
+
+
+def _decode_eval(content, kind: str, min_clients: int, max_clients: int
+                 ) -> dict[str, float] | None:
+    keys = _keys(content)
+    if keys != {"eval"}:
+        raise WireFormatError(f"evaluation reply records {sorted(keys)[:8]}, expected ['eval']")
+    rec = _record(content, "eval", MetricRecord, "evaluation")
+    if len(rec) == 0:
+        return None  # withheld: the node has fewer than eval-min-clients clients
+    want = EVAL_KEYS[kind]
+    got = {str(k) for k in rec.keys()}
+    if got != want:
+        raise WireFormatError(
+            f"evaluation entries {sorted(got)[:8]} are not allowed: expected exactly "
+            f"{sorted(want)} (sums and counts only, no per-client list)")
+    out: dict[str, float] = {}
+    for k in sorted(want):
+        v = rec[k]
+        if isinstance(v, list | tuple):
+            raise WireFormatError(f"evaluation entry {k!r} must be one finite scalar (no "
+                                  "per-client list reaches the server)")
+        out[k] = float(_int(v, f"evaluation entry {k!r}")) if k in _EVAL_COUNTS \
+            else _float(v, f"evaluation entry {k!r}")
+    n = out["clients"]
+    evaluated = out.get("acc.count", n)  # model problems: clients with test data
+    if not (evaluated <= n <= max_clients):
+        raise WireFormatError(f"evaluation reply counts {n:g} clients ({evaluated:g} "
+                              f"evaluated); the node holds {max_clients}")
+    if evaluated < min_clients:
+        raise WireFormatError(f"evaluation reply sums over {evaluated:g} clients, fewer than "
+                              f"eval-min-clients = {min_clients}")
+    if kind == "model" and not (out["correct.sum"] <= out["total.sum"]
+                                and 0 <= out["acc.sum"] <= out["acc.count"]):
+        raise WireFormatError("evaluation reply has correct > total or a mean accuracy "
+                              "outside [0, 1]")
+    return out
+
+
+def decode_eval(content, *, kind: str, min_clients: int, max_clients: int
+                ) -> dict[str, float] | None:
+    """Evaluation reply → its sums (:data:`EVAL_KEYS` of ``kind``), or None when the node
+    withheld its evaluation (an empty record). The sums must be over at least
+    ``min_clients`` and at most ``max_clients`` (the node's) clients. Raises
+    :class:`WireFormatError` only."""
+    return _guard("evaluation reply", _decode_eval, content, kind, min_clients, max_clients)
+
+
+def _decode_describe(content) -> dict[str, Any]:
+    from partialfl.flower.config import partition_clients
+
+    keys = _keys(content)
+    if "info" not in keys or keys - {"info", "theta0"}:
+        raise WireFormatError(f"describe reply records {sorted(keys)[:8]}, expected 'info' "
+                              "and optionally 'theta0'")
+    info = _record(content, "info", ConfigRecord, "describe")
+    want = {"partition-id", "num-partitions", "num-clients", "clients", "num-examples", "torch"}
+    if set(info.keys()) != want:
+        raise WireFormatError(f"describe info entries {sorted(info.keys())[:8]}, expected "
+                              f"{sorted(want)}")
+    nparts = _int(info["num-partitions"], "describe num-partitions", 1, MAX_CLIENTS)
+    part = _int(info["partition-id"], "describe partition-id", 0, nparts - 1)
+    M = _int(info["num-clients"], "describe num-clients", nparts, MAX_CLIENTS)
+    clients = partition_clients(M, nparts, part)
+    got = [_int(c, "describe client id", 0, M - 1)
+           for c in _list(info["clients"], "describe clients", len(clients))]
+    if got != clients.tolist():
+        raise WireFormatError(f"describe clients of partition {part} must be "
+                              f"{clients[0]}..{clients[-1]}")
+    examples = [_float(x, "describe num-examples")
+                for x in _list(info["num-examples"], "describe num-examples", len(clients))]
+    if not all(0 <= x <= MAX_EXAMPLES for x in examples):
+        raise WireFormatError(f"describe num-examples must be in [0, {MAX_EXAMPLES:g}]")
+    torch = _int(info["torch"], "describe torch", 0, 1)
+    return {"partition-id": part, "num-partitions": nparts, "num-clients": M,
+            "clients": got, "num-examples": examples, "torch": torch}
+
+
+def decode_describe(content) -> dict[str, Any]:
+    """A ``query.describe`` reply's ``info`` → a checked dict (partition in range, the
+    partition's clients exactly, example counts in ``[0, MAX_EXAMPLES]``). Raises
+    :class:`WireFormatError` only."""
+    return _guard("describe reply", _decode_describe, content)
+
+
+def _decode_theta0(record, torch: bool) -> Params:
+    if not isinstance(record, ArrayRecord) or len(record) == 0:
+        raise WireFormatError("initial model 'theta0' must be a non-empty ArrayRecord")
+    out = {}
+    for n in record.keys():
+        x = _array(record[n], f"initial model leaf {n!r}")
+        if not np.isfinite(x).all():
+            raise WireFormatError(f"initial model leaf {n!r} is not finite")
+        out[str(n)] = arrays.to_torch(x) if torch else x
+    return out
+
+
+def decode_theta0(record, torch: bool = False) -> Params:
+    """The initial model partition 0 sends: float leaves, finite. Raises
+    :class:`WireFormatError` only."""
+    return _guard("initial model", _decode_theta0, record, torch)

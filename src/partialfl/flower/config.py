@@ -228,6 +228,9 @@ FIELDS: tuple[Field, ...] = (
     # -- output and testing -------------------------------------------------------------
     Field("eval-every", int, 1, "evaluate on the SuperNodes every k server steps (0 = never)",
           check=_nonneg, requirement="an integer >= 0"),
+    Field("eval-min-clients", int, 2, "privacy: a SuperNode sends evaluation sums over at least "
+          "this many clients, or nothing (a SuperNode may raise it in its node config)",
+          check=_pos, requirement="an integer >= 1"),
     Field("out-dir", str, "", "server: write result.json, metrics.jsonl and theta.npz here "
           "('' = do not write)"),
     Field("checkpoint-every", int, 0, "server: write a checkpoint (safetensors + JSON, "

@@ -49,3 +49,24 @@ def apply_flower_env() -> None:
     tel = sys.modules.get("flwr.supercore.telemetry")
     if tel is not None:
         tel.FLWR_TELEMETRY_ENABLED = os.environ["FLWR_TELEMETRY_ENABLED"]
+
+
+def require_flower(simulation: bool = False) -> None:
+    """Raise :class:`~partialfl.flower.config.ConfigError` (one line) unless Flower — and for
+    its simulation engine, Ray — is installed, before anything is built or started."""
+    import importlib.util
+
+    from partialfl.flower.config import ConfigError
+
+    def missing(name: str) -> bool:
+        try:
+            return importlib.util.find_spec(name) is None
+        except (ImportError, ValueError):
+            return True
+
+    if missing("flwr"):
+        raise ConfigError("the Flower engines need Flower: pip install 'partialfl[flower]' "
+                          "(flwr[simulation] >= 1.42)")
+    if simulation and missing("ray"):
+        raise ConfigError("--engine flower-sim needs Flower's simulation engine (Ray): pip "
+                          "install 'partialfl[flower]' (flwr[simulation] >= 1.42)")

@@ -180,49 +180,39 @@ def build_model_algorithm(cfg: FlowerConfig, aggregator=None):
     return algorithm
 
 
-#: bins of the per-client accuracy histogram a SuperNode sends (percentiles to ±1/(2·BINS))
-ACC_BINS = 1000
-
-
 def evaluate_model_clients(rt, theta, round_: int) -> dict[str, Any]:
     """Sums over this node's clients of the test counts of
-    :meth:`~partialfl.problems.model.ModelProblem.metric_counts` (``correct.sum``,
-    ``total.sum``, ``loss_sum.sum``, ``loss_weight.sum``), ``acc.sum`` / ``acc.count`` (Σ and
-    number of per-client accuracies) and ``acc.hist``: how many clients fall in each of
-    :data:`ACC_BINS` accuracy bins (counts, for the server's percentiles). No per-client value
+    :meth:`~partialfl.problems.model.ModelProblem.metric_counts` (:func:`count_sums`), or
+    ``{}`` when fewer than ``rt.eval_min_clients`` of them have test data. No per-client value
     is sent."""
     own = rt.clients
     dep = rt.algorithm.deploy(ServerState(theta=theta, round=round_), rt.problem, own, None,
                               RoundContext(rt.cfg.seed, -1))
-    return count_sums(rt.problem.metric_counts(own, dep.theta, dep.w, "test"))
+    return count_sums(rt.problem.metric_counts(own, dep.theta, dep.w, "test"),
+                      getattr(rt, "eval_min_clients", 1))
 
 
-def count_sums(per_client: dict[str, Any]) -> dict[str, Any]:
-    """The node's evaluation reply from its per-client counts (which stay on the node)."""
+def count_sums(per_client: dict[str, Any], min_clients: int = 1) -> dict[str, Any]:
+    """The node's evaluation reply from its per-client counts (which stay on the node):
+    ``clients``, ``correct.sum``, ``total.sum``, ``loss_sum.sum``, ``loss_weight.sum`` and
+    ``acc.sum`` / ``acc.count`` (Σ and number of per-client accuracies over the clients with
+    test data) — or ``{}`` (withheld) when fewer than ``min_clients`` clients have test data,
+    so no reply is about fewer clients than that."""
     counts = {k: np.asarray(v, dtype=np.float64) for k, v in per_client.items()}
     t = counts["total"]
+    acc = counts["correct"][t > 0] / t[t > 0]
+    if acc.size < min_clients:
+        return {}
     out: dict[str, Any] = {"clients": float(len(t))}
     out.update({f"{k}.sum": float(v.sum()) for k, v in counts.items()})
-    acc = counts["correct"][t > 0] / t[t > 0]
     out["acc.sum"], out["acc.count"] = float(acc.sum()), float(acc.size)
-    hist = np.bincount(np.minimum((acc * ACC_BINS).astype(np.int64), ACC_BINS - 1),
-                       minlength=ACC_BINS)
-    out["acc.hist"] = [float(c) for c in hist]
     return out
 
 
 def summarize_sums(sums: dict[str, Any]) -> dict[str, float]:
-    """The server's evaluation metrics from the nodes' summed counts: pooled accuracy, loss,
-    mean per-client accuracy (exact) and its 10/50/90th percentiles (from the histogram:
-    the centre of the bin where the cumulative count passes q, ±1/(2·ACC_BINS))."""
-    hist = np.asarray(sums["acc.hist"], dtype=np.float64)
-    cum = np.cumsum(hist)
-
-    def pct(q: float) -> float:
-        i = int(np.searchsorted(cum, q / 100 * cum[-1], side="left"))
-        return (min(i, ACC_BINS - 1) + 0.5) / ACC_BINS
-
+    """The server's evaluation metrics from the nodes' summed counts: pooled accuracy, loss
+    and the mean per-client accuracy (exact). No percentiles over clients: they would need
+    per-client values at the server, which the SuperNodes do not send."""
     return {"eval_acc": sums["correct.sum"] / max(sums["total.sum"], 1e-12),
-            "eval_acc_p10": pct(10), "eval_acc_p50": pct(50), "eval_acc_p90": pct(90),
             "eval_acc_client_mean": sums["acc.sum"] / max(sums["acc.count"], 1.0),
             "eval_loss": sums["loss_sum.sum"] / max(sums["loss_weight.sum"], 1e-12)}

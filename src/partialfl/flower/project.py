@@ -33,6 +33,7 @@ from typing import Any
 
 from partialfl.flower.config import FIELDS, parse_run_config
 from partialfl.flower.env import flower_env
+from partialfl.flower.node import ALLOW_IMPORTS_ENV
 
 APP_NAME = "partialfl-flower"
 
@@ -143,12 +144,14 @@ class LocalFederation:
         work_dir: holds FLWR_HOME (Flower's config.toml, installed apps), logs and the app;
             a temporary folder (deleted on exit) when None.
         app_defaults: run-config defaults written into the app's pyproject.toml.
+        allow_imports: let the SuperNodes started here import a ``package.module:callable``
+            the run config names (:mod:`partialfl.flower.node`; off by default).
     """
 
     def __init__(self, num_supernodes: int = 2, *, simulation: bool = False,
                  work_dir: str | Path | None = None,
                  app_defaults: dict[str, Any] | None = None,
-                 startup_timeout: float = 60.0) -> None:
+                 startup_timeout: float = 60.0, allow_imports: bool = False) -> None:
         if num_supernodes < 1:
             raise ValueError(f"num_supernodes must be >= 1, got {num_supernodes}")
         self.num_supernodes = num_supernodes
@@ -164,6 +167,8 @@ class LocalFederation:
         bindir = str(Path(sys.executable).parent)
         self.env = flower_env(FLWR_HOME=str(self.home),
                               PATH=bindir + os.pathsep + os.environ.get("PATH", ""))
+        if allow_imports:  # SuperNodes started here may import code the run config names
+            self.env[ALLOW_IMPORTS_ENV] = "1"
 
     # -- processes -------------------------------------------------------------------------
     def _start(self, name: str, args: list[str]) -> subprocess.Popen:

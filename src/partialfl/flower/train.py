@@ -32,7 +32,7 @@ import numpy as np
 
 from partialfl import io as pio
 from partialfl.config import to_dict
-from partialfl.flower.env import apply_flower_env
+from partialfl.flower.env import apply_flower_env, require_flower
 
 ENGINES = ("flower-sim", "flower")
 
@@ -70,6 +70,15 @@ def spec_run_config(spec, stage: str, init_from: str | Path | None = None
     }
 
 
+def _names_code(spec) -> bool:
+    """Whether ``spec`` names a ``package.module:callable`` (see
+    :func:`partialfl.flower.node.code_refs`)."""
+    from partialfl.flower.config import parse_run_config
+    from partialfl.flower.node import code_refs
+
+    return bool(code_refs(parse_run_config(spec_run_config(spec, "pretrain"))))
+
+
 def _write_history(path: Path, stage: str, history: list[dict]) -> None:
     path.parent.mkdir(parents=True, exist_ok=True)
     pio.write_text(path, "".join(json.dumps({"stage": stage, **r}, default=float) + "\n"
@@ -85,6 +94,8 @@ def run_flower_train(spec, out: str | Path, *, engine: str = "flower-sim",
     ``superlink`` (engine ``flower`` only): ``HOST:PORT`` of a running SuperLink with
     ``num_supernodes`` SuperNodes (nothing is started; insecure unless ``root_certificates``
     names the PEM file of its CA)."""
+    if engine in ENGINES:
+        require_flower(simulation=engine == "flower-sim")
     apply_flower_env()
     import torch
 
@@ -121,7 +132,9 @@ def run_flower_train(spec, out: str | Path, *, engine: str = "flower-sim",
         fed = SuperLinkConnection(superlink, num_supernodes,
                                   root_certificates=root_certificates)
     else:
-        fed = LocalFederation(num_supernodes, simulation=engine == "flower-sim")
+        # the user's own spec names the code: their own SuperNodes may import it
+        fed = LocalFederation(num_supernodes, simulation=engine == "flower-sim",
+                              allow_imports=_names_code(spec))
     with fed:  # nothing is written before the federation answers
         out.mkdir(parents=True, exist_ok=True)
         _write_json(out / "spec.json", to_dict(spec))

@@ -1,0 +1,200 @@
+"""The ServerApp's view of the federation: the message link to the SuperNodes, which
+SuperNode holds which clients (from their checked ``query.describe`` replies), and the problem
+as a server without data sees it.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+from flwr.app import ConfigRecord, Message, RecordDict
+from flwr.serverapp import Grid
+
+from partialfl.flower.codec import WireFormatError, decode_describe, decode_theta0
+from partialfl.flower.config import ConfigError, FlowerConfig
+from partialfl.flower.report import Failure, log, short
+from partialfl.types import Params
+
+MessageHook = Callable[[Message], None]
+
+
+class Link:
+    """push/pull with our own polling (``send_and_receive`` of the deployment Grid sleeps 3 s
+    between pulls); every received message goes through ``hook`` first."""
+
+    def __init__(self, grid: Grid, cfg: FlowerConfig, hook: MessageHook | None) -> None:
+        self.grid, self.cfg, self.hook = grid, cfg, hook
+        self.ttl = max(cfg.round_timeout, cfg.node_wait_timeout) + 60.0
+        # The server's validated config travels with every message, so all SuperNodes run
+        # exactly the server's configuration (and simulation needs no app folder).
+        self.run_config = ConfigRecord(cfg.to_run_config())
+
+    def push(self, items: list[tuple[int, str, RecordDict, int]]) -> list[str]:
+        msgs = []
+        for node, mtype, content, group in items:
+            content["run-config"] = self.run_config
+            msgs.append(Message(content, node, mtype, ttl=self.ttl, group_id=str(group)))
+        ids = [str(i) if i is not None else "" for i in self.grid.push_messages(msgs)]
+        return ids
+
+    def pull(self, ids) -> dict[str, Message]:
+        if not ids:
+            return {}
+        out = {}
+        for m in self.grid.pull_messages(list(ids)):
+            if self.hook is not None:
+                self.hook(m)
+            out[m.metadata.reply_to_message_id] = m
+        return out
+
+    def exchange(self, items, timeout: float) -> tuple[list[str], dict[str, Message]]:
+        """Push ``items`` and pull until every reply arrived or ``timeout`` seconds passed."""
+        ids = self.push(items)
+        pending = {i for i in ids if i}
+        got: dict[str, Message] = {}
+        deadline = time.monotonic() + timeout
+        while pending:
+            new = self.pull(pending)
+            got.update(new)
+            pending -= set(new)
+            if not pending or time.monotonic() >= deadline:
+                break
+            time.sleep(self.cfg.poll_interval)
+        return ids, got
+
+
+@dataclass
+class Federation:
+    nodes: dict[int, dict[str, Any]]  # node id -> describe info (checked)
+    order: list[int]  # node ids by partition
+    owner: np.ndarray  # client id -> position in `order` (node ids exceed int64)
+    num_clients: int
+    theta0: Params
+    torch: bool
+    examples: np.ndarray  # client id -> its number of training examples (from the nodes)
+    failures: list[Failure] = field(default_factory=list)  # describe replies refused
+
+    def partition(self, node: int) -> int:
+        return int(self.nodes[node]["partition-id"])
+
+    def clients_of(self, node: int) -> int:
+        """How many clients ``node`` holds (from its description)."""
+        return len(self.nodes[node]["clients"])
+
+    def max_weights(self, clients) -> np.ndarray:
+        """The largest aggregation weight each client may send: ``max(1, n_m)``, n_m the
+        example count its node declared."""
+        return np.maximum(1.0, self.examples[np.asarray(clients, dtype=np.int64)])
+
+
+def wait_for_nodes(grid: Grid, cfg: FlowerConfig) -> list[int]:
+    deadline = time.monotonic() + cfg.node_wait_timeout
+    while True:
+        nodes = sorted(int(n) for n in grid.get_node_ids())
+        if len(nodes) >= cfg.min_nodes:
+            return nodes
+        if time.monotonic() >= deadline:
+            raise TimeoutError(f"only {len(nodes)} SuperNode(s) connected after "
+                               f"{cfg.node_wait_timeout}s; min-nodes = {cfg.min_nodes}")
+        time.sleep(min(0.5, cfg.poll_interval * 5))
+
+
+def describe(link: Link, cfg: FlowerConfig, node_ids: list[int]) -> Federation:
+    """Ask every SuperNode which clients it holds (partition 0 also sends θ⁰); SuperNodes
+    that connect later are asked too, until every partition has one or ``node-wait-timeout``
+    passed. A description the codec refuses (:func:`~partialfl.flower.codec.decode_describe`)
+    leaves its node out (recorded as a ``describe-invalid`` failure)."""
+    request = RecordDict({"request": ConfigRecord({"init-partition": 0})})
+    deadline = time.monotonic() + cfg.node_wait_timeout
+    nodes: dict[int, dict[str, Any]] = {}
+    seen: dict[int, int] = {}  # partition -> node
+    asked: set[int] = set()
+    failures: list[Failure] = []
+    theta0 = None
+    last = ""  # the last refusal, for the error when no node is left
+    while True:
+        new = [n for n in node_ids if n not in asked]
+        asked.update(new)
+        # Starting ClientApps (Ray actors, processes, data) can take longer than a round.
+        ids, got = link.exchange([(n, "query.describe", request, -1) for n in new],
+                                 max(cfg.round_timeout, cfg.node_wait_timeout))
+        for node, mid in zip(new, ids):
+            m = got.get(mid)
+            if m is None or m.has_error():
+                reason = "no reply" if m is None else short(m.error.reason)
+                log.warning("SuperNode %s did not describe itself (%s); it is left out", node,
+                            reason)
+                last = reason.strip().splitlines()[-1] if reason.strip() else last
+                continue
+            try:
+                info = decode_describe(m.content)
+                p = info["partition-id"]
+                if p == 0 and theta0 is None:
+                    if "theta0" not in m.content:
+                        raise WireFormatError("partition 0 did not send the initial model")
+                    theta0 = decode_theta0(m.content["theta0"], bool(info["torch"]))
+            except WireFormatError as e:
+                log.warning("SuperNode %s sent an invalid description (%s); it is left out",
+                            node, e)
+                failures.append(Failure(-1, "describe-invalid", -1, [], short(str(e))))
+                last = str(e)
+                continue
+            if p in seen:
+                log.warning("SuperNodes %s and %s both hold partition %d; using %s", seen[p],
+                            node, p, seen[p])
+                continue
+            seen[p], nodes[node] = node, info
+        infos = list(nodes.values())
+        nparts = {i["num-partitions"] for i in infos}
+        if len(nparts) > 1 or len({(i["num-clients"], i["torch"]) for i in infos}) > 1:
+            raise ConfigError(f"SuperNodes disagree on num-partitions {sorted(nparts)}, the "
+                              "number of clients or the kind of problem: start them with the "
+                              "same node config")
+        missing = sorted(set(range(nparts.pop())) - set(seen)) if nparts else None
+        if missing == []:
+            break
+        if time.monotonic() >= deadline:
+            why = f" (last refusal: {last[:300]})" if last else ""
+            if missing is None:
+                raise RuntimeError(f"no SuperNode answered the describe query{why}")
+            raise RuntimeError(f"no SuperNode holds partition(s) {missing} after "
+                               f"{cfg.node_wait_timeout}s; partitions present: {sorted(seen)}"
+                               f"{why}")
+        time.sleep(min(1.0, 20 * cfg.poll_interval))
+        node_ids = sorted(int(n) for n in link.grid.get_node_ids())
+    order = sorted(nodes, key=lambda n: int(nodes[n]["partition-id"]))
+    M = int(infos[0]["num-clients"])
+    owner = np.full(M, -1, dtype=np.int64)  # client id -> position in `order`
+    examples = np.zeros(M)
+    for pos, node in enumerate(order):
+        ids = np.asarray(nodes[node]["clients"], dtype=np.int64)
+        owner[ids] = pos
+        examples[ids] = np.asarray(nodes[node]["num-examples"], dtype=np.float64)
+    if theta0 is None:
+        raise RuntimeError("the SuperNode of partition 0 did not send the initial model")
+    return Federation(nodes, order, owner, M, theta0, bool(int(nodes[order[0]]["torch"])),
+                      examples, failures)
+
+
+class ServerProblem:
+    """What the server knows of the problem when it holds no data: the number of clients,
+    their example counts (from the SuperNodes' descriptions) and the names and shapes of θ.
+    Personal parameter names never reach the server: ``w_names`` and ``state_names`` are
+    empty here (an algorithm that shares w refuses a personal split on the clients)."""
+
+    w_names: tuple[str, ...] = ()
+    state_names: tuple[str, ...] = ()
+
+    def __init__(self, num_clients: int, examples: np.ndarray, theta0: Params) -> None:
+        self.num_clients = num_clients
+        self._examples = np.asarray(examples, dtype=np.float64)
+        self.theta_names = tuple(theta0)
+        self.theta_shapes = {n: tuple(np.shape(v)) for n, v in theta0.items()}
+
+    def num_examples(self, cohort) -> np.ndarray:
+        """The example counts the SuperNodes reported for ``cohort``."""
+        return self._examples[np.asarray(cohort, dtype=np.int64)]

@@ -1,0 +1,217 @@
+"""Asynchronous mode (the paper's Algorithm 3): :func:`partialfl.runtime.asynchronous.drive`
+with :class:`FlowerJobs` as transport.
+
+``concurrency`` single-client tasks are kept in flight; task j trains a client sampled among
+the idle ones (``generator(seed, "sample", j)``) at the θ current when it was sent; replies
+are applied as they arrive (each checked by :func:`partialfl.flower.rounds.decode_reply`), and
+with ``buffer-size`` = K > 1 every K arrived updates make one server step
+(:class:`~partialfl.algorithms.asynchronous.FedBuff`; K = 1: θ ← θ − γ g_m(θ_stale)). The
+staleness (server steps between sending θ and applying the update) of every applied update is
+recorded; checkpoints are the loop's own
+:class:`~partialfl.runtime.asynchronous.AsyncCheckpoint` in ``out-dir`` (on resume the tasks in
+flight are sent again). Flower has no asynchronous strategy; this loop only uses
+``push_messages``/``pull_messages``.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import asdict
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from partialfl.algorithms.asynchronous import FedBuff
+from partialfl.algorithms.base import ClientResult, RoundContext, ServerState
+from partialfl.flower import checkpoint
+from partialfl.flower.config import FlowerConfig, parse_fault_injection
+from partialfl.flower.evaluate import evaluate_now
+from partialfl.flower.federation import Federation, Link, ServerProblem
+from partialfl.flower.report import (
+    Failure,
+    FlowerRunReport,
+    ReportLog,
+    ServerStopped,
+    check_failures,
+    log,
+)
+from partialfl.flower.rounds import decode_reply, train_content
+from partialfl.metrics import closed_form_metrics
+from partialfl.runtime.asynchronous import (
+    AsyncCheckpoint,
+    AsyncServer,
+    ComputeTimeModel,
+    Event,
+    drive,
+)
+
+#: the asynchronous mode's checkpoint file in ``out-dir`` (synchronous mode:
+#: ``checkpoint.json`` + ``checkpoint-<round>.safetensors``, :mod:`partialfl.flower.checkpoint`)
+ASYNC_CHECKPOINT = "checkpoint-async.safetensors"
+
+
+class FlowerJobs:
+    """The Flower transport of :func:`partialfl.runtime.asynchronous.drive`: a job is one
+    ``train`` message for its client (task number = job number) to the SuperNode holding it;
+    replies are pulled as they arrive, a task without a reply within ``round-timeout`` is
+    lost. After ``max(10, 3 × concurrency)`` consecutive failed tasks the run stops early
+    (``report.stopped``). Its :meth:`state` / :meth:`restore` (the report so far) go into
+    the run's :class:`~partialfl.runtime.asynchronous.AsyncCheckpoint`. Fault injection
+    ``stop:round=R`` stops the ServerApp at the first send after server step R + 1 (after
+    that step's checkpoint), as a killed one would."""
+
+    def __init__(self, link: Link, cfg: FlowerConfig, fed: Federation,
+                 report: FlowerRunReport, concurrency: int, t0: float,
+                 algorithm=None) -> None:
+        self.link, self.cfg, self.fed, self.report, self.t0 = link, cfg, fed, report, t0
+        self.algorithm = algorithm  # what replies are checked against (declared extras)
+        self.inflight: dict[str, tuple] = {}
+        self.queue: list = []
+        self.streak, self.max_streak = 0, max(10, 3 * concurrency)
+        self.stops = {f.round for f in parse_fault_injection(cfg.fault_injection)
+                      if f.kind == "stop"}
+        self.server: AsyncServer | None = None  # set by run_async (the step to checkpoint)
+
+    def start(self) -> None:
+        """The SuperNodes are up already."""
+
+    def now(self) -> float:
+        """Seconds since the ServerApp started."""
+        return time.perf_counter() - self.t0
+
+    def send(self, job, state, client_state, ctx, seconds):
+        """Push the job's train message (θ it received, its client)."""
+        if any(state.round > r for r in self.stops):
+            raise ServerStopped(f"injected server stop after server step {state.round}")
+        client = np.asarray([job.client], dtype=np.int64)
+        node = self.fed.order[int(self.fed.owner[job.client])]
+        (mid,) = self.link.push([(node, "train", train_content(state.theta, ctx.round, client),
+                                  ctx.round)])
+        self.inflight[mid] = (job, node, client, state.theta,
+                              time.monotonic() + self.cfg.round_timeout)
+        return None
+
+    def next(self, max_time):
+        """The next reply (or lost task); None once too many tasks failed in a row."""
+        report = self.report
+        while not self.queue:
+            if self.streak >= self.max_streak:
+                report.stopped = (f"{self.streak} consecutive client tasks failed (last: "
+                                  f"{report.failures[-1].kind}: {report.failures[-1].reason})")
+                log.error("partialfl: async training stopped early: %s", report.stopped)
+                return None
+            got = self.link.pull(set(self.inflight))
+            now = time.monotonic()
+            for mid in [m for m, v in self.inflight.items() if m in got or v[4] <= now]:
+                job, node, client, theta, _ = self.inflight.pop(mid)
+                rep = decode_reply(got.get(mid), theta, client, self.fed, node, job.job,
+                                   report, self.algorithm)
+                report.requested_client_updates += len(client)
+                report.last_round = max(report.last_round, job.job)
+                if rep is None:
+                    self.streak += 1
+                    self.queue.append(Event("error", job.slot, job, report.failures[-1].reason,
+                                            self.now()))
+                else:
+                    self.streak = 0
+                    self.queue.append(Event("done", job.slot, job, ClientResult(rep[0]),
+                                            self.now()))
+            check_failures(self.cfg, report)
+            if not got and not self.queue:
+                time.sleep(self.cfg.poll_interval)
+        return self.queue.pop(0)
+
+    def restart(self, slot: int) -> None:
+        """SuperNodes are not restarted by the server."""
+
+    def resume(self, seconds: float) -> None:
+        """Continue the clock at ``seconds`` (a resumed run)."""
+        self.t0 = time.perf_counter() - seconds
+
+    def state(self) -> dict[str, Any]:
+        """The report so far (without the history: the server's records replay it)."""
+        rep = self.report
+        step = self.server.state.round if self.server is not None else 0
+        return {"step": int(step), "failures": [asdict(f) for f in rep.failures],
+                "requested": rep.requested_client_updates, "last_round": rep.last_round,
+                "streak": self.streak, "eval_withheld": rep.eval_withheld}
+
+    def restore(self, saved: dict[str, Any]) -> None:
+        """Continue the report of the checkpointed run (checked:
+        :func:`partialfl.flower.checkpoint.check_report`)."""
+        saved = checkpoint.check_report(saved, ("step", "requested", "streak"),
+                                        "asynchronous checkpoint")
+        last = saved.get("last_round", -1)
+        if type(last) is not int or type(saved.get("eval_withheld", 0)) is not int:
+            raise checkpoint.CheckpointError("asynchronous checkpoint report has a malformed "
+                                             "last_round or eval_withheld")
+        rep = self.report
+        rep.failures = [Failure(**f) for f in saved["failures"]]
+        rep.requested_client_updates = saved["requested"]
+        rep.last_round, self.streak = last, saved["streak"]
+        rep.eval_withheld = saved.get("eval_withheld", 0)
+        rep.resumed_from = saved["step"]
+        log.info("partialfl: resuming from the checkpoint of server step %d in %s",
+                 rep.resumed_from, self.cfg.out_dir)
+
+    def close(self) -> None:
+        """Tasks still in flight are abandoned (their replies are never pulled)."""
+
+
+def async_checkpoint(cfg: FlowerConfig, extra=None) -> AsyncCheckpoint:
+    """The asynchronous mode's checkpoint ``out-dir``/:data:`ASYNC_CHECKPOINT`, validated
+    like the synchronous one against every run-config key but the volatile ones
+    (:data:`partialfl.flower.checkpoint.VOLATILE`); no client-side file (the SuperNodes are
+    stateless). ``extra``: the transport whose report is saved with it."""
+    fp = {k: v for k, v in cfg.to_run_config().items() if k not in checkpoint.VOLATILE}
+    return AsyncCheckpoint(Path(cfg.out_dir) / ASYNC_CHECKPOINT, fp, private=False,
+                           extra=extra)
+
+
+def run_async(link, cfg, fed, algorithm, state, ref, report, t0) -> ServerState:
+    """Algorithm 3 with the simulator's asynchronous loop
+    (:func:`partialfl.runtime.asynchronous.drive`: sampling among idle clients, staleness,
+    counting, checkpoint and resume) over the Flower transport; ``buffer-size`` = K > 1 is
+    FedBuff (one server step on every K arrived updates). Every server step is recorded,
+    with its updates' staleness and the nodes' evaluation when due. With
+    ``checkpoint-every`` = c the run is checkpointed every c server steps (c·K arrivals) to
+    ``out-dir``/:data:`ASYNC_CHECKPOINT` (an
+    :class:`~partialfl.runtime.asynchronous.AsyncCheckpoint`: the server's bookkeeping, the
+    report so far and every task in flight with the θ it was sent); with ``resume`` those
+    tasks are sent again (the SuperNodes are stateless: a task's update depends only on θ,
+    its client and its task number) and idle slots get new clients."""
+    K = cfg.buffer_size
+    conc = cfg.concurrency or len(fed.nodes)
+    alg = FedBuff(algorithm, K) if K > 1 else algorithm
+    holder: dict[str, AsyncServer] = {}
+
+    def evaluate(a, st, problem, client_state, ctx) -> dict[str, Any]:
+        server = holder.get("server")
+        rec: dict[str, Any] = {"server_steps": st.round}
+        if server is not None and server.arrivals:
+            stale = server.recent_staleness(K)
+            rec.update({"clients": len(stale), "staleness": stale,
+                        "max_staleness": max(stale), "local_grads": server.grad_evals})
+        else:
+            rec["local_grads"] = 0
+        rec.update(evaluate_now(link, cfg, fed, st, st.round, report))
+        if ref is not None:
+            rec.update(closed_form_metrics(algorithm, st, ref, None,
+                                           RoundContext(cfg.seed, st.round), with_loss=False))
+        return rec
+
+    problem = ref if ref is not None else ServerProblem(fed.num_clients, fed.examples, fed.theta0)
+    jobs = FlowerJobs(link, cfg, fed, report, conc, t0, algorithm)
+    ck = async_checkpoint(cfg, jobs) if cfg.checkpoint_every or cfg.resume else None
+    if cfg.resume and not ck.path.is_file():
+        raise checkpoint.CheckpointError(f"run-config key 'resume': no checkpoint at {ck.path}")
+    server = AsyncServer(problem, alg, concurrency=conc, seed=cfg.seed, theta0=state.theta,
+                         evaluate=evaluate, eval_every=K,
+                         logger=None if cfg.resume else ReportLog(report),  # replayed
+                         max_failure_fraction=1.0)
+    server.logger = ReportLog(report)
+    holder["server"] = jobs.server = server
+    drive(server, jobs, ComputeTimeModel(), steps=cfg.num_rounds * K, max_time=None,
+          checkpoint=ck, checkpoint_every=cfg.checkpoint_every * K, resume=cfg.resume)
+    return server.state
