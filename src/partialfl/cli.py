@@ -182,6 +182,13 @@ def _cmd_evaluate(args) -> int:
     return 0
 
 
+def _cmd_reference(args) -> int:
+    from partialfl.reference import reference_markdown
+
+    print(reference_markdown(), end="")
+    return 0
+
+
 def _cmd_report(args) -> int:
     from partialfl.experiments.train_report import write_report
 
@@ -252,6 +259,10 @@ def build_parser(epilog: bool = True) -> argparse.ArgumentParser:
     )
     p.add_argument("--version", action="version", version=f"%(prog)s {__version__}")
     sub = p.add_subparsers(dest="command", metavar="COMMAND")
+
+    s = sub.add_parser("reference", help="print the configuration reference: every key of a "
+                       "run spec and every registered component with its options")
+    s.set_defaults(fn=_cmd_reference)
 
     s = sub.add_parser("list", help="list the reproductions, or the registered components "
                        "of a kind (algorithm, aggregator, model, …)")

@@ -391,14 +391,20 @@ class LoggingSpec:
 @dataclass(frozen=True)
 class AsyncSpec(_Spec):
     """The asynchronous runtime (Algorithm 3): the server applies each client's update as it
-    arrives. ``rule``: fedasync (staleness-weighted, one update per step) or fedbuff (a
-    buffer of ``buffer`` updates per step); ``concurrency``: clients computing at once;
-    ``compute_time``: mean seconds of a client's computation (exponential, seeded)."""
+    arrives. ``rule``: fedasync (staleness-weighted, one update per step; with FFGG and
+    constant weights: Algorithm 3) or fedbuff (``buffer`` updates per step);
+    ``concurrency``: client computations in flight; a computation of client m lasts
+    X / speed_m simulated seconds, X drawn from ``duration`` (constant, exponential,
+    half-normal, log-normal, pareto) with ``scale`` and ``shape``, device speeds log-normal
+    with ``speed_sigma`` (0: all equal); ``rounds`` of the stage count applied updates."""
 
     rule: Component = comp("wrapper", "fedasync", "fedasync {staleness, a, b} or fedbuff "
                            "{buffer, staleness, a, b}")
     concurrency: int = option(4, "client computations in flight")
-    compute_time: float = option(1.0, "mean simulated seconds of a client computation")
+    duration: str = option("exponential", "the distribution of a computation's duration")
+    scale: float = option(1.0, "its scale (mean of the exponential), seconds")
+    shape: float = option(1.0, "its shape (log-normal σ, pareto tail index)")
+    speed_sigma: float = option(0.0, "device speeds log-normal with this σ (0: equal)")
 
     def __post_init__(self) -> None:
         self._components("asynchronous")
@@ -407,8 +413,8 @@ class AsyncSpec(_Spec):
                               f"rule")
         if self.concurrency < 1:
             raise ConfigError(f"asynchronous.concurrency must be >= 1, got {self.concurrency}")
-        if not (math.isfinite(self.compute_time) and self.compute_time > 0):
-            raise ConfigError(f"asynchronous.compute_time must be > 0, got {self.compute_time}")
+        if not (math.isfinite(self.speed_sigma) and self.speed_sigma >= 0):
+            raise ConfigError(f"asynchronous.speed_sigma must be >= 0, got {self.speed_sigma}")
 
 
 # ----------------------------------------------------------------------------- the run

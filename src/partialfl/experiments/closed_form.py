@@ -12,10 +12,11 @@ from pathlib import Path
 
 from partialfl import io as pio
 from partialfl.build import Run, build
-from partialfl.config import from_dict, toml_text
+from partialfl.config import ConfigError, from_dict, toml_text
 from partialfl.experiments.report import REL_DIST2, markdown_table, plot_curves
 from partialfl.metrics import closed_form_metrics
 from partialfl.runtime import JsonlLogger, run_rounds
+from partialfl.runtime.asynchronous import run_async
 from partialfl.spec import RunSpec
 
 
@@ -31,6 +32,20 @@ def load_closed_form(data: dict, where: str = "") -> RunSpec:
     return spec
 
 
+def compute_time(cfg: RunSpec, num_clients: int):
+    """The simulated duration model of ``cfg.asynchronous`` (see
+    :class:`~partialfl.spec.AsyncSpec`)."""
+    from partialfl.runtime.asynchronous import ComputeTimeModel, Distribution, device_speeds
+
+    a = cfg.asynchronous
+    try:
+        speed = (device_speeds(num_clients, Distribution("log-normal", 1.0, a.speed_sigma),
+                               cfg.seed) if a.speed_sigma > 0 else None)
+        return ComputeTimeModel(Distribution(a.duration, a.scale, a.shape), speed=speed)
+    except ValueError as e:
+        raise ConfigError(f"asynchronous: {e}") from None
+
+
 def run_closed_form(cfg: RunSpec, out: Path | None = None, progress: bool | str = False,
                     built: Run | None = None):
     """Run one closed-form spec (its one stage, ``[personalize]``); metrics go to
@@ -44,12 +59,20 @@ def run_closed_form(cfg: RunSpec, out: Path | None = None, progress: bool | str 
     logger = None
     if out is not None:
         logger = JsonlLogger(Path(out) / f"{cfg.name}.jsonl", method=cfg.name)
+    every = stage.eval_every or max(1, stage.rounds)
     try:
+        if cfg.asynchronous is not None:
+            return run_async(problem, algorithm, steps=stage.rounds,
+                             concurrency=cfg.asynchronous.concurrency,
+                             compute_time=compute_time(cfg, problem.num_clients),
+                             seed=cfg.seed, evaluate=closed_form_metrics, eval_every=every,
+                             logger=logger, progress=progress,
+                             max_failure_fraction=cfg.max_failure_fraction)
         return run_rounds(
             problem, algorithm, stage.rounds, clients_per_round=stage.clients_per_round,
             seed=cfg.seed, backend=cfg.backend.build(), evaluate=closed_form_metrics,
-            eval_every=stage.eval_every or max(1, stage.rounds), logger=logger,
-            progress=progress, max_failure_fraction=cfg.max_failure_fraction,
+            eval_every=every, logger=logger, progress=progress,
+            max_failure_fraction=cfg.max_failure_fraction,
         )
     finally:
         if logger is not None:
