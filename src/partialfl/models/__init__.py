@@ -1,4 +1,5 @@
-"""Model architectures written in plain torch (no torchvision).
+"""Model architectures written in plain torch (no torchvision), each registered by name
+(registry kind ``model``).
 
 API note::
 
@@ -9,19 +10,12 @@ API note::
 
 from __future__ import annotations
 
-from collections.abc import Callable
-from typing import Any
-
-import torch
-from torch import nn
-
 from partialfl.models.base import ModelContext, NamedLayersMixin, seeded
 from partialfl.models.cnn import EmnistCNN, LeafCNN
 from partialfl.models.har import HarCNN
 from partialfl.models.resnet import ResNet18GN, load_pretrained, resnet18_224, resnet18_emnist
 from partialfl.models.transformer import TransformerConfig, TransformerLM
-from partialfl.rng import torch_seed
 
-__all__ = ["EmnistCNN", "HarCNN", "LeafCNN", "NamedLayersMixin", "ResNet18GN",
+__all__ = ["EmnistCNN", "HarCNN", "LeafCNN", "ModelContext", "NamedLayersMixin", "ResNet18GN",
            "TransformerConfig", "TransformerLM", "load_pretrained", "resnet18_224",
            "resnet18_emnist", "seeded"]
