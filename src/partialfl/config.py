@@ -194,6 +194,8 @@ def load_toml(path: str | Path) -> dict[str, Any]:
             return tomllib.load(f)
     except (tomllib.TOMLDecodeError, UnicodeDecodeError) as e:
         raise ConfigError(f"config file {path} is not valid TOML: {e}") from e
+    except RecursionError:
+        raise ConfigError(f"config file {path} is nested too deeply to be a config") from None
 
 
 def _parse_scalar(text: str) -> Any:

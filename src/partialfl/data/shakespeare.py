@@ -208,8 +208,9 @@ def load_shakespeare(
         if len(train) >= min_train and len(test) >= min_test:
             splits[role] = (train, test)
     if not splits:
-        raise ValueError(f"no role has >= {min_train} train and >= {min_test} test lines; "
-                         f"lower min_train / min_test")
+        src = "the complete works" if corpus == "complete" else str(file)
+        raise ShakespeareFormatError(f"{src}: no role has >= {min_train} train and >= "
+                                     f"{min_test} test lines; lower min_train / min_test")
     kept = sorted(splits, key=lambda r: (-len(roles[r]), r))
     if max_clients is not None:
         kept = kept[:max_clients]
