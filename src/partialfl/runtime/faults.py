@@ -107,12 +107,12 @@ class FaultLog:
         lines = text.strip().splitlines() or [""]
         log.warning("skipping %s: it failed (%s)", where, lines[-1])
 
-    def worker_death(self, where: str) -> None:
+    def worker_death(self, where: str, why: str = "died") -> None:
         self.attempted += 1
         self.worker_deaths += 1
         if not self.first_error_text:
-            self.first_error_text = f"{where}: worker process died"
-        log.warning("skipping %s: its worker process died", where)
+            self.first_error_text = f"{where}: its worker process {why}"
+        log.warning("skipping %s: its worker process %s", where, why)
 
     def rejected(self, where: str, n: int) -> None:
         self.nonfinite += n
@@ -224,9 +224,9 @@ class FaultInjector(AlgorithmWrapper):
 
 
 def _in_worker() -> bool:
-    import multiprocessing as mp
+    from partialfl.runtime.pool import in_worker
 
-    return mp.current_process().name.startswith("partialfl-async")
+    return in_worker()
 
 
 class DropClients(AlgorithmWrapper):

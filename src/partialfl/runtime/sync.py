@@ -35,6 +35,7 @@ from partialfl import rng as prng
 from partialfl.algorithms.base import Algorithm, RoundContext, ServerState, concat_results
 from partialfl.runtime.backends import BatchedBackend
 from partialfl.runtime.clients import run_clients
+from partialfl.runtime.cohort_pool import ClientsFailed, WorkerError
 from partialfl.runtime.faults import FaultLog, receive
 from partialfl.types import Params
 
@@ -140,8 +141,9 @@ class SyncTransport(Protocol):
 
 class InProcess:
     """The cohort run here under a batching mode (vmap, loop, worker processes: see
-    :func:`partialfl.batching.map_clients`). A cohort that raises is re-run one client at a
-    time; raising clients are skipped and counted."""
+    :func:`partialfl.batching.map_clients`). Failing clients are skipped and counted: a
+    worker pool reports exactly which ones failed (:class:`ClientsFailed`); under another
+    mode a cohort that raises is re-run one client at a time to isolate them."""
 
     def __init__(self, mode) -> None:
         self.mode = mode
@@ -152,6 +154,8 @@ class InProcess:
         try:
             res = run_clients(algorithm, state, problem, cohort, ctx, cs, mode)
             return res, np.arange(len(cohort))
+        except ClientsFailed as e:
+            return _survivors(e, cohort, ctx, faults)
         except Exception as e:  # noqa: BLE001 - isolate the failing client(s)
             if len(cohort) == 1:
                 faults.client_error(f"client {int(cohort[0])} in round {ctx.round}", e)
@@ -169,6 +173,22 @@ class InProcess:
         if not out:
             faults.raise_if_systematic(len(cohort))
         return (concat_results(out) if out else None), np.asarray(pos, dtype=np.int64)
+
+
+def _survivors(e: ClientsFailed, cohort, ctx, faults: FaultLog):
+    """The clients a worker pool ran successfully; the failed ones counted (a raising
+    client's traceback kept as its error, so a bug in every client is re-raised)."""
+    for i, (kind, why) in sorted(e.failures.items()):
+        where = f"client {int(cohort[i])} in round {ctx.round}"
+        if kind == "death":
+            faults.worker_death(where, why)
+        else:
+            faults.client_error(where, WorkerError(f"{where} failed in a worker:\n{why}"))
+    pos = np.asarray([i for i, r in enumerate(e.results) if r is not None], dtype=np.int64)
+    if len(pos) == 0:
+        faults.raise_if_systematic(len(cohort))
+        return None, pos
+    return concat_results([e.results[i] for i in pos]), pos
 
 
 @runtime_checkable
