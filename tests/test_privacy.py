@@ -3,6 +3,8 @@ neither its messages (checked on the one message path) nor its files (private ch
 
 from __future__ import annotations
 
+import re
+
 import numpy as np
 import pytest
 import torch
@@ -28,7 +30,7 @@ from partialfl.problems.least_squares import LeastSquaresProblem
 from partialfl.problems.model import ModelProblem
 from partialfl.runtime import run_rounds
 from partialfl.runtime.asynchronous import run_async
-from partialfl.runtime.sync import client_side_path
+from partialfl.runtime.checkpoint import CLIENT, SERVER, Checkpoint
 from partialfl.split import make_split
 from partialfl.types import ClientUpdates
 
@@ -106,21 +108,24 @@ def test_simulator_checkpoint_keeps_client_state_in_a_client_side_file(tmp_path)
     ckpt = tmp_path / "s.ckpt"
     res = run_rounds(p, Scaffold(3), 4, clients_per_round=3, seed=1, checkpoint=ckpt,
                      checkpoint_every=2)
-    server, meta = pio.load_state(ckpt)
-    assert "client_state" not in server and meta["side"] == "server"
-    cfile = client_side_path(ckpt)
-    assert cfile.name == "s.client-side.ckpt"
+    files = Checkpoint(ckpt).files()
+    body, meta = pio.load_state(files[SERVER])
+    assert "client" not in body and "client_state" not in body["server"]
+    assert meta["side"] == "server"
+    cfile = files[CLIENT]
+    assert cfile.name == "s.g2.client-side.ckpt"
     cs, cmeta = pio.load_state(cfile)
     assert cmeta["side"] == "client" and set(cs) == {"c_theta", "c_w"}
     np.testing.assert_array_equal(cs["c_w"], res.client_state["c_w"])
-    # no tensor of the server file equals any client's personal control variate
-    tensors, _ = pio.load_tensors(ckpt)
+    # no tensor of the server's files equals any client's personal control variate
     rows = [r for r in res.client_state["c_w"] if np.abs(r).sum() > 0]
     assert rows
-    for t in tensors.values():
-        flat = np.asarray(t).reshape(-1)
-        for r in rows:
-            assert not (flat.size == r.size and np.allclose(flat, r))
+    for f in (ckpt, files[SERVER]):
+        tensors, _ = pio.load_tensors(f)
+        for t in tensors.values():
+            flat = np.asarray(t).reshape(-1)
+            for r in rows:
+                assert not (flat.size == r.size and np.allclose(flat, r))
     # resuming reads the client-side file back: exact continuation
     full = run_rounds(p, Scaffold(3), 6, clients_per_round=3, seed=1)
     again = run_rounds(p, Scaffold(3), 6, clients_per_round=3, seed=1, checkpoint=ckpt,
@@ -134,8 +139,9 @@ def test_non_private_checkpoints_are_an_explicit_choice(tmp_path):
     ckpt = tmp_path / "s.ckpt"
     run_rounds(p, Scaffold(3), 2, checkpoint=ckpt, checkpoint_every=2,
                private_checkpoints=False)
-    server, _ = pio.load_state(ckpt)
-    assert "client_state" in server and not client_side_path(ckpt).exists()
+    files = Checkpoint(ckpt).files()
+    body, _ = pio.load_state(files[SERVER])
+    assert set(body["client"]) == {"c_theta", "c_w"} and CLIENT not in files
 
 
 def test_no_server_side_pipeline_file_holds_personal_values(tmp_path):
@@ -147,8 +153,9 @@ def test_no_server_side_pipeline_file_holds_personal_values(tmp_path):
     run_pipeline(cfg, Task(toy_data(4), toy_model, name="toy"), tmp_path / "r", progress=False)
     run = tmp_path / "r"
     client_files = sorted(p.name for p in run.iterdir() if "client-side" in p.name)
-    assert client_files == ["client_state_stage2.client-side.safetensors",
-                            "stage2.client-side.ckpt"]
+    assert client_files[0] == "client_state_stage2.client-side.safetensors"
+    assert len(client_files) == 2 and re.fullmatch(r"stage2\.g\d+\.client-side\.ckpt",
+                                                   client_files[1])
     w, _ = pio.load_tensors(run / client_files[0])
     w_pre = pio.load_tensors(run / "deploy.safetensors")[0]
     # the rows a client trained (an unsampled client still holds the global w_pre)

@@ -40,13 +40,9 @@ import numpy as np
 from partialfl import io as pio
 from partialfl import rng as prng
 from partialfl.algorithms.base import Algorithm, RoundContext, ServerState
+from partialfl.runtime.checkpoint import Checkpoint, run_fingerprint
 from partialfl.runtime.faults import ClientFaultError, FaultLog, receive
-from partialfl.runtime.sync import (
-    check_fingerprint,
-    client_side_path,
-    run_fingerprint,
-    sample_cohort,
-)
+from partialfl.runtime.sync import sample_cohort
 from partialfl.types import ClientUpdates, Params
 
 DISTRIBUTIONS = ("constant", "exponential", "half-normal", "log-normal", "pareto")
@@ -444,64 +440,45 @@ class AsyncTransport(Protocol):
     def close(self) -> None: ...
 
 
-ASYNC_CHECKPOINT_FORMAT = "partialfl-async-checkpoint-1"
-
-
 class AsyncCheckpoint:
-    """An asynchronous run's checkpoint at ``path``: the server's bookkeeping and, for every
-    job in flight, the job and the server state it was sent (safetensors + JSON, atomic);
-    validated against ``fingerprint``. With ``private`` the clients' state (and the rows the
-    jobs in flight were sent) go to the client-side file
-    (:func:`~partialfl.runtime.sync.client_side_path`). ``extra``: the transport's own
-    bookkeeping, saved with :meth:`state` and given back to :meth:`restore` on load (the
-    Flower ServerApp's report: failures, requested updates)."""
+    """An asynchronous run's checkpoint at ``path``, a
+    :class:`~partialfl.runtime.checkpoint.Checkpoint` (crash-consistent generations,
+    safetensors + JSON): the server's bookkeeping and, for every job in flight, the job and
+    the server state it was sent; validated against ``fingerprint``. With ``private`` the
+    clients' state (and the rows the jobs in flight were sent) go to the client-side file.
+    ``extra``: the transport's own bookkeeping, saved with its ``state()`` and given back to
+    its ``restore(saved)`` on load (the Flower ServerApp's report: failures, requested
+    updates). Tensors are loaded onto ``device`` (see :func:`partialfl.io.decode_state`)."""
 
     def __init__(self, path, fingerprint: dict | None, private: bool = True,
-                 extra=None) -> None:
-        self.path, self.fingerprint, self.private = Path(path), fingerprint, private
-        self.extra = extra
+                 extra=None, device=None) -> None:
+        self.codec = Checkpoint(path, fingerprint, kind="async", private=private)
+        self.path, self.fingerprint, self.private = self.codec.path, fingerprint, private
+        self.extra, self.device = extra, device
 
     def save(self, server: AsyncServer, inflight: dict[int, tuple]) -> None:
-        """Write the checkpoint (client side first, like the synchronous one)."""
+        """Commit the run state as a new generation."""
         jobs = [(tuple(job.__dict__.values()), state) for job, state, _, _ in
                 inflight.values()]
         clients = {"client_state": server.client_state,
                    "rows": [cs for _, _, cs, _ in inflight.values()]}
-        out: dict[str, Any] = {"server": server.snapshot(), "jobs": jobs}
-        if self.extra is not None:
-            out["extra"] = self.extra.state()
-        meta = {"format": ASYNC_CHECKPOINT_FORMAT, "fingerprint": self.fingerprint,
-                "arrivals": server.arrivals, "private": bool(self.private)}
-        if self.private:
-            pio.save_state(client_side_path(self.path), clients, side="client",
-                           arrivals=server.arrivals,
-                           note="client-side state: stays on the clients")
-        else:
-            out["clients"] = clients
-        pio.save_state(self.path, out, side="server", **meta)
+        self.codec.save({"server": server.snapshot(), "jobs": jobs}, clients,
+                        extra=None if self.extra is None else self.extra.state(),
+                        progress={"arrivals": server.arrivals})
 
     def load(self):
         """``(snapshot, client_state, [(job, state, client rows)])``, or None if absent."""
-        if not self.path.exists():
+        saved = self.codec.load(self.device)
+        if saved is None:
             return None
-        saved, meta = pio.load_state(self.path, "checkpoint")
-        if meta.get("format") != ASYNC_CHECKPOINT_FORMAT:
-            raise pio.FileFormatError(f"checkpoint {self.path} has format "
-                                      f"{meta.get('format')!r}, expected "
-                                      f"{ASYNC_CHECKPOINT_FORMAT!r}")
-        check_fingerprint(self.path, meta.get("fingerprint"), self.fingerprint)
-        clients = saved.get("clients")
-        if meta.get("private"):
-            cfile = client_side_path(self.path)
-            clients, cmeta = pio.load_state(cfile, "client-side checkpoint")
-            if cmeta.get("arrivals") != meta.get("arrivals"):
-                raise pio.FileFormatError(f"client-side checkpoint {cfile} is of step "
-                                          f"{cmeta.get('arrivals')}, the server checkpoint "
-                                          f"{self.path} of step {meta.get('arrivals')}")
-        jobs = [(Job(*j), st, cs) for (j, st), cs in zip(saved["jobs"], clients["rows"])]
+        body, clients = saved.server, saved.client
+        if not isinstance(clients, dict) or len(clients.get("rows", ())) != len(body["jobs"]):
+            raise pio.FileFormatError(f"checkpoint {self.path}: the client-side part does not "
+                                      "match the jobs in flight")
+        jobs = [(Job(*j), st, cs) for (j, st), cs in zip(body["jobs"], clients["rows"])]
         if self.extra is not None:
-            self.extra.restore(saved.get("extra") or {})
-        return saved["server"], clients["client_state"], jobs
+            self.extra.restore(saved.extra or {})
+        return body["server"], clients["client_state"], jobs
 
 
 def drive(server: AsyncServer, transport: AsyncTransport, compute_time: ComputeTimeModel, *,
@@ -561,8 +538,8 @@ def drive(server: AsyncServer, transport: AsyncTransport, compute_time: ComputeT
             bar.update(server.arrivals if steps is not None else server.time)
         busy_slots = {job.slot for job, _, _, _ in inflight.values()}
         for slot in range(server.concurrency):
-            if slot not in busy_slots:
-                launch(slot)
+            if slot not in busy_slots and (steps is None or server.arrivals < steps):
+                launch(slot)  # (a resumed run that had finished launches nothing)
         while steps is None or server.arrivals < steps:
             ev = transport.next(max_time)
             if ev is None:
@@ -670,8 +647,9 @@ def async_server(problem, algorithm: Algorithm, *, concurrency: int, compute_tim
     if checkpoint is not None:
         fp = run_fingerprint(problem, algorithm, seed, None,
                              {"concurrency": int(concurrency), "compute_time": model})
-        ck = AsyncCheckpoint(checkpoint, fp, private_checkpoints)
-    resuming = resume and ck is not None and ck.path.exists()
+        ck = AsyncCheckpoint(checkpoint, fp, private_checkpoints,
+                             device=getattr(problem, "device", None))
+    resuming = resume and ck is not None and ck.codec.exists()
     server = AsyncServer(problem, algorithm, concurrency=concurrency, seed=seed, theta0=theta0,
                          evaluate=evaluate, eval_every=eval_every,
                          logger=None if resuming else logger,  # restore() replays the log

@@ -115,14 +115,14 @@ class ProcessBackend(CohortRunner):
         failures: dict[int, tuple[str, str]] = {}
         try:
             while todo or pool.busy():
-                for w in pool.idle():
-                    if not todo:
-                        break
-                    i = todo.popleft()
-                    p = int(pos[i])
-                    rows = None if cs is None else {n: v[p:p + 1]
-                                                    for n, v in cs.items()}
-                    pool.send(w, Task(i, int(clients[i]), fn.state, fn.ctx, rows))
+                # one task per worker, and a second queued behind it while enough are left
+                # (the worker need not wait while this process reads its last result)
+                while todo and (ws := pool.free(2 if len(todo) > pool.n else 1)):
+                    for w in ws[:len(todo)]:
+                        i = todo.popleft()
+                        p = int(pos[i])
+                        rows = None if cs is None else {n: v[p:p + 1] for n, v in cs.items()}
+                        pool.send(w, Task(i, int(clients[i]), fn.state, fn.ctx, rows))
                 ev = pool.next()
                 if ev.kind == "done":
                     out[ev.task] = ev.payload
@@ -131,6 +131,7 @@ class ProcessBackend(CohortRunner):
                 elif ev.kind == "death":
                     if ev.task is not None:
                         failures[ev.task] = ("death", ev.payload)
+                    todo.extendleft(reversed(ev.unstarted))  # never run: run them elsewhere
                     pool.restart(ev.worker)
         except WorkerError:
             self.close()  # every worker gone: the next round starts a new pool

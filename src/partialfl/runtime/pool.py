@@ -111,13 +111,15 @@ class PoolEvent:
     """What :meth:`WorkerPool.next` reports about ``worker``: ``done`` (``payload``: the
     task's ClientResult, ``busy``: seconds it computed), ``error`` (the client raised;
     ``payload``: its traceback), ``death`` (the worker is gone; ``task``: the task it ran, or
-    None; ``payload``: why) or ``ready`` (a restarted worker waits for a task)."""
+    None; ``payload``: why; ``unstarted``: tasks it had queued, never run) or ``ready`` (a
+    restarted worker waits for a task)."""
 
     kind: str
     worker: int
     task: int | None = None
     payload: Any = None
     busy: float = 0.0
+    unstarted: tuple[int, ...] = ()  # death: the tasks queued behind ``task`` (not run)
 
 
 @contextlib.contextmanager
@@ -186,10 +188,13 @@ def _own(res: ClientResult) -> ClientResult:
     return ClientResult(up, cp(res.client_state))
 
 
+_LIVE = ("starting", "ready")
+
+
 class WorkerPool:
     """``workers`` persistent worker processes for one (problem, algorithm) pair (see the
-    module docstring). Worker states: ``starting``, ``idle``, ``busy``, ``dead`` (until
-    :meth:`restart`), ``retired``."""
+    module docstring). Worker states: ``starting``, ``ready`` (takes tasks; runs them in the
+    order sent), ``dead`` (until :meth:`restart`), ``retired``."""
 
     def __init__(self, problem, algorithm, workers: int, *, start_method: str | None = None,
                  poll: float = 0.2, task_timeout: float | None = None,
@@ -219,7 +224,8 @@ class WorkerPool:
         self.readers: list = [None] * workers
         self.status = ["off"] * workers
         self.started = [0.0] * workers
-        self.pending: dict[int, tuple[int, float]] = {}  # worker -> (task id, start time)
+        self.pending: list[list[int]] = [[] for _ in range(workers)]  # task ids, in order
+        self.since = [0.0] * workers  # when the worker's first pending task started
         self.theta: list[dict | None] = [None] * workers  # each worker's shared θ
         self.held: list[tuple | None] = [None] * workers  # (key, leaves) of its values
         self.has_theta = [False] * workers  # the worker process maps its shared θ
@@ -249,15 +255,21 @@ class WorkerPool:
 
     def idle(self) -> list[int]:
         """The workers waiting for a task."""
-        return [w for w in range(self.n) if self.status[w] == "idle"]
+        return self.free(1)
+
+    def free(self, depth: int) -> list[int]:
+        """The started workers holding fewer than ``depth`` tasks (a second task queued
+        behind the running one keeps a worker busy while the parent reads its result)."""
+        return [w for w in range(self.n)
+                if self.status[w] == "ready" and len(self.pending[w]) < depth]
 
     def busy(self) -> int:
         """The number of tasks in flight."""
-        return len(self.pending)
+        return sum(len(p) for p in self.pending)
 
     def live(self) -> int:
         """The workers that are not dead or retired."""
-        return sum(s in ("starting", "idle", "busy") for s in self.status)
+        return sum(s in _LIVE for s in self.status)
 
     def wait_ready(self) -> None:
         """Block until every starting worker is ready; :class:`WorkerError` if one dies or
@@ -270,18 +282,23 @@ class WorkerPool:
                                   f"{ev.payload}")
 
     def send(self, w: int, task: Task) -> None:
-        """Hand ``task`` to idle worker ``w``."""
+        """Hand ``task`` to started worker ``w`` (queued behind its pending tasks, which
+        must have been sent the same θ)."""
         self._check_open()
-        if self.status[w] != "idle":
-            raise WorkerError(f"worker {w} is {self.status[w]}, not idle")
+        if self.status[w] != "ready":
+            raise WorkerError(f"worker {w} is {self.status[w]}, not ready for a task")
         state, new_theta = task.state, None
         if state.theta and all(_is_tensor(v) for v in state.theta.values()):
+            if self.pending[w] and (self.held[w] is None or
+                                    self.held[w][0] != _theta_key(state.theta)):
+                raise WorkerError(f"worker {w} has tasks pending on another θ")
             new_theta = self._share_theta(w, state.theta)
             state = replace(state, theta={})
         self.tasks[w].put((task.id, int(task.client), replace(state, opt_state=None),
                            task.ctx, task.client_state, float(task.seconds), new_theta))
-        self.status[w] = "busy"
-        self.pending[w] = (task.id, time.monotonic())
+        if not self.pending[w]:
+            self.since[w] = time.monotonic()
+        self.pending[w].append(task.id)
 
     def _share_theta(self, w: int, theta: Params):
         """Worker ``w``'s shared θ set to ``theta``: the shared tensors if the worker does
@@ -323,13 +340,12 @@ class WorkerPool:
         while True:
             while self.ready_queue:
                 w = self.ready_queue.pop(0)
-                if self.status[w] in ("starting", "idle", "busy"):
+                if self.status[w] in _LIVE:
                     return self._read(w)
             ev = self._check_liveness()
             if ev is not None:
                 return ev
-            live = {self.readers[w]: w for w in range(self.n)
-                    if self.status[w] in ("starting", "idle", "busy")}
+            live = {self.readers[w]: w for w in range(self.n) if self.status[w] in _LIVE}
             if not live:
                 raise WorkerError(f"no worker process is left (each died; "
                                   f"{self.max_respawns} restarts per worker)")
@@ -346,10 +362,10 @@ class WorkerPool:
         except (EOFError, OSError):
             return self._died(w, self._exit_reason(w))
         if msg[0] == "ready":
-            self.status[w] = "idle"
+            self.status[w] = "ready"
             return PoolEvent("ready", w)
-        tid = self.pending.pop(w)[0]
-        self.status[w] = "idle"
+        tid = self.pending[w].pop(0)
+        self.since[w] = time.monotonic()  # the next pending task starts now
         if msg[0] == "ok":
             return PoolEvent("done", w, tid, _own(msg[2]), busy=float(msg[3]))
         return PoolEvent("error", w, tid, msg[2])
@@ -358,15 +374,15 @@ class WorkerPool:
         now = time.monotonic()
         for w in range(self.n):
             s = self.status[w]
-            if s not in ("starting", "idle", "busy"):
+            if s not in _LIVE:
                 continue
             if not self.procs[w].is_alive() and not self.readers[w].poll():
                 return self._died(w, self._exit_reason(w))  # gone without EOF yet
             if s == "starting" and now - self.started[w] > self.start_timeout:
                 self._kill(w)
                 return self._died(w, f"did not start within {self.start_timeout} s")
-            if (s == "busy" and self.task_timeout is not None
-                    and now - self.pending[w][1] > self.task_timeout):
+            if (self.pending[w] and self.task_timeout is not None
+                    and now - self.since[w] > self.task_timeout):
                 self._kill(w)
                 return self._died(w, f"its task ran longer than {self.task_timeout} s "
                                      "(killed)")
@@ -388,10 +404,11 @@ class WorkerPool:
         p.join(2.0)
 
     def _died(self, w: int, reason: str) -> PoolEvent:
-        task = self.pending.pop(w, (None, 0.0))[0]
+        tasks, self.pending[w] = self.pending[w], []
         self.status[w] = "dead"
         self._release(w)
-        return PoolEvent("death", w, task, reason)
+        return PoolEvent("death", w, tasks[0] if tasks else None, reason,
+                         unstarted=tuple(tasks[1:]))
 
     def _release(self, w: int) -> None:
         """Free a gone worker's process, queue and pipe (never block on them)."""
@@ -416,7 +433,7 @@ class WorkerPool:
         if self.closed:
             return
         self.closed = True
-        gone = [w for w in range(self.n) if self.status[w] in ("starting", "idle", "busy")]
+        gone = [w for w in range(self.n) if self.status[w] in _LIVE]
         for w in gone:
             with contextlib.suppress(ValueError, OSError):
                 self.tasks[w].put(None)
@@ -429,4 +446,4 @@ class WorkerPool:
         for w in gone:
             self._release(w)
             self.status[w] = "retired"
-        self.pending.clear()
+        self.pending = [[] for _ in range(self.n)]

@@ -18,10 +18,7 @@ the clients' state (e.g. FedAlt's w_m, Scaffold's c_m) goes to a separate file l
 
 from __future__ import annotations
 
-import hashlib
-import json
 import time
-import types
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -29,11 +26,16 @@ from typing import Any, Protocol, runtime_checkable
 
 import numpy as np
 
-from partialfl import arrays
 from partialfl import io as pio
 from partialfl import rng as prng
 from partialfl.algorithms.base import Algorithm, RoundContext, ServerState, concat_results
 from partialfl.runtime.backends import BatchedBackend
+from partialfl.runtime.checkpoint import (  # noqa: F401 - ResumeError: part of this API
+    Checkpoint,
+    ResumeError,
+    check_fingerprint,
+    run_fingerprint,
+)
 from partialfl.runtime.clients import run_clients
 from partialfl.runtime.cohort_pool import ClientsFailed, WorkerError
 from partialfl.runtime.faults import FaultLog, receive
@@ -62,69 +64,6 @@ class RunResult:
     seconds: float = 0.0
     faults: FaultLog | None = None
     stopped: bool = False  # True: ``stop(history)`` ended the run before ``rounds``
-
-
-class ResumeError(ValueError):
-    """A checkpoint does not belong to the run that tries to resume it."""
-
-
-_FUNCTIONS = (types.FunctionType, types.MethodType, types.BuiltinFunctionType)
-#: attributes that are not part of a run's identity: the device (a run resumes on another one)
-#: and state that changes while training (fp16 loss scaling)
-_NOT_IDENTITY = frozenset({"device", "scaler"})
-
-
-def _describe(o: Any, depth: int = 0) -> Any:
-    """A stable, JSON-able description of a configuration object: public attributes,
-    recursively; arrays by shape, dtype and a hash of their bytes."""
-    if o is None or isinstance(o, bool | int | str):
-        return o
-    if isinstance(o, float):
-        return repr(o)
-    if isinstance(o, np.generic):
-        return repr(o.item())
-    if arrays.is_array(o):
-        a = np.ascontiguousarray(arrays.to_numpy(o))
-        return [list(a.shape), str(a.dtype), hashlib.sha256(a.tobytes()).hexdigest()[:16]]
-    if depth > 4:
-        return type(o).__qualname__
-    if isinstance(o, list | tuple):
-        return [_describe(v, depth + 1) for v in o]
-    if isinstance(o, dict):
-        return {str(k): _describe(v, depth + 1) for k, v in o.items()}
-    if callable(o) and not hasattr(o, "__dict__") or isinstance(o, type):
-        return getattr(o, "__qualname__", type(o).__qualname__)
-    if hasattr(o, "named_parameters"):  # a torch module: its architecture, not its values
-        return [type(o).__qualname__, [(n, list(p.shape)) for n, p in o.named_parameters()]]
-    attrs = getattr(o, "__dict__", None)
-    if attrs is None:
-        return type(o).__qualname__
-    return {"class": type(o).__qualname__,
-            **{k: _describe(v, depth + 1) for k, v in sorted(attrs.items())
-               if not k.startswith("_") and k not in _NOT_IDENTITY
-               and not isinstance(v, _FUNCTIONS)}}
-
-
-def _digest(o: Any) -> str:
-    return hashlib.sha256(json.dumps(_describe(o), sort_keys=True, default=str)
-                          .encode()).hexdigest()[:16]
-
-
-def run_fingerprint(problem, algorithm, seed: int, clients_per_round: int | None,
-                    extra: dict | None = None) -> dict[str, Any]:
-    """What a checkpoint must match to be resumed: the problem (its data and settings), the
-    algorithm (its solver, optimizer, aggregator and hyper-parameters), the seed and the
-    cohort size (plus ``extra``, e.g. a configuration dict)."""
-    return {"problem": f"{type(problem).__qualname__}:{_digest(problem)}",
-            "algorithm": f"{algorithm.name}:{_digest(algorithm)}", "seed": int(seed),
-            "clients_per_round": clients_per_round, "num_clients": int(problem.num_clients),
-            **({"config": _digest(extra)} if extra else {})}
-
-
-def client_side_path(path: Path) -> Path:
-    """Where a checkpoint's client state goes with private checkpoints: ``X.client-side.ckpt``
-    next to ``X.ckpt`` — held by the clients in a deployment, never sent to the server."""
-    return path.with_name(f"{path.stem}.client-side{path.suffix}")
 
 
 @runtime_checkable
@@ -195,35 +134,41 @@ def _survivors(e: ClientsFailed, cohort, ctx, faults: FaultLog):
 class Checkpointer(Protocol):
     """Where a run's state is saved and resumed from (:class:`FileCheckpoint`, or a Flower
     ServerApp's out-dir checkpoint). ``load`` returns ``(state, client_state, history,
-    local_grads, fault counters)``, or None when there is nothing to resume."""
+    grad_evals, fault counters)``, or None when there is nothing to resume."""
 
     def save(self, state: ServerState, client_state: Params | None, history: list[dict],
-             local_grads: int, faults: dict) -> None: ...
+             grad_evals: int, faults: dict) -> None: ...
 
     def load(self) -> tuple | None: ...
 
 
 class FileCheckpoint:
-    """:func:`save_checkpoint` / :func:`load_checkpoint` at ``path``, validated against the
-    run's ``fingerprint``; with ``private`` the client state goes to the client-side file."""
+    """The synchronous loop's state in a :class:`~partialfl.runtime.checkpoint.Checkpoint`
+    at ``path`` (crash-consistent generations, validated against the run's ``fingerprint``);
+    with ``private`` the client state goes to the client-side file. Tensors are loaded onto
+    ``device`` (None: where they were, if this machine has it, else the CPU)."""
 
-    def __init__(self, path: str | Path, fingerprint: dict | None, private: bool = True
-                 ) -> None:
-        self.path, self.fingerprint, self.private = Path(path), fingerprint, private
+    def __init__(self, path: str | Path, fingerprint: dict | None, private: bool = True,
+                 device=None) -> None:
+        self.codec = Checkpoint(path, fingerprint, kind="sync", private=private)
+        self.path, self.device = self.codec.path, device
 
     def __str__(self) -> str:
-        return f"{self.path} (client state expected in {client_side_path(self.path)})"
+        return str(self.path)
 
-    def save(self, state, client_state, history, local_grads, faults) -> None:
-        """Write the run state (atomic)."""
-        save_checkpoint(self.path, state, client_state, history, fingerprint=self.fingerprint,
-                        local_grads=local_grads, faults=faults, private=self.private)
+    def save(self, state, client_state, history, grad_evals, faults) -> None:
+        """Commit the run state as a new generation."""
+        self.codec.save({"state": state, "history": history, "grad_evals": int(grad_evals),
+                         "faults": faults}, client_state, progress={"round": state.round})
 
     def load(self):
         """The saved run state, or None if there is no checkpoint yet."""
-        if not self.path.exists():
+        saved = self.codec.load(self.device)
+        if saved is None:
             return None
-        return load_checkpoint(self.path, self.fingerprint)
+        s = saved.server
+        return (s["state"], saved.client, s["history"], int(s["grad_evals"]),
+                s.get("faults", {}))
 
 
 def run_rounds(
@@ -277,7 +222,7 @@ def run_rounds(
     else:
         ckpt = FileCheckpoint(checkpoint, run_fingerprint(problem, algorithm, seed,
                                                           clients_per_round, fingerprint),
-                              private_checkpoints)
+                              private_checkpoints, getattr(problem, "device", None))
     loaded = ckpt.load() if resume and ckpt is not None else None
     if loaded is not None:
         state, client_state, history, grad_evals, saved_faults = loaded
@@ -362,60 +307,3 @@ def _postfix(rec: dict) -> dict[str, str]:
         if isinstance(v, int | float):
             return {k: f"{v:.4g}"}
     return {}
-
-
-CHECKPOINT_FORMAT = "partialfl-checkpoint-2"
-
-
-def save_checkpoint(path: str | Path, state, client_state, history, *,
-                    fingerprint: dict | None = None, local_grads: int | None = None,
-                    faults: dict | None = None, private: bool = True) -> None:
-    """Write the run state atomically (safetensors + JSON, see :mod:`partialfl.io`). With
-    ``private`` the client state goes to :func:`client_side_path` (written first; the server
-    file records which round it belongs to)."""
-    path = Path(path)
-    grads = local_grads if local_grads is not None else (history[-1]["local_grads"]
-                                                         if history else 0)
-    meta = {"format": CHECKPOINT_FORMAT, "fingerprint": fingerprint, "round": state.round,
-            "private": bool(private)}
-    server: dict[str, Any] = {"state": state, "history": history, "local_grads": grads,
-                              "faults": faults or {}}
-    if client_state is not None and private:
-        pio.save_state(client_side_path(path), client_state, side="client",
-                       round=state.round, note="client-side state: stays on the clients")
-    else:
-        server["client_state"] = client_state
-    pio.save_state(path, server, side="server", **meta)
-
-
-def check_fingerprint(path: Path, old: dict | None, fingerprint: dict | None) -> None:
-    """A :class:`ResumeError` naming what differs when a checkpoint's fingerprint ``old`` is
-    not the run's ``fingerprint``."""
-    if fingerprint is not None and old is not None and old != fingerprint:
-        diff = [f"{k}: {old.get(k)!r} in the checkpoint, {fingerprint.get(k)!r} now"
-                for k in sorted(set(old) | set(fingerprint)) if old.get(k) != fingerprint.get(k)]
-        raise ResumeError(f"checkpoint {path} belongs to a different run ({'; '.join(diff)}); "
-                          "use a new checkpoint path (or delete it) to start over")
-
-
-def load_checkpoint(path: str | Path, fingerprint: dict | None = None
-                    ) -> tuple[ServerState, Params | None, list[dict], int, dict]:
-    """``(state, client_state, history, local_grads, fault counters)`` of a checkpoint,
-    after checking it against ``fingerprint`` (:class:`ResumeError` naming what differs)."""
-    path = Path(path)
-    saved, meta = pio.load_state(path, "checkpoint")
-    if meta.get("format") != CHECKPOINT_FORMAT:
-        raise pio.FileFormatError(f"checkpoint {path} has format {meta.get('format')!r}, "
-                                  f"expected {CHECKPOINT_FORMAT!r}")
-    check_fingerprint(path, meta.get("fingerprint"), fingerprint)
-    client_state = saved.get("client_state")
-    if meta.get("private"):
-        cfile = client_side_path(path)
-        if cfile.exists():
-            client_state, cmeta = pio.load_state(cfile, "client-side checkpoint")
-            if cmeta.get("round") != meta.get("round"):
-                raise pio.FileFormatError(
-                    f"client-side checkpoint {cfile} is of round {cmeta.get('round')}, the "
-                    f"server checkpoint {path} of round {meta.get('round')}")
-    return (saved["state"], client_state, saved["history"], int(saved["local_grads"]),
-            saved.get("faults", {}))
