@@ -52,7 +52,7 @@ def test_processes_equal_sequential_bit_for_bit(name):
     seq, par = _both(lambda: _problem(kind, False, data), make)
     assert max_diff(seq.state.theta, par.state.theta) == 0
     assert seq.history[-1]["test_acc"] == par.history[-1]["test_acc"]
-    assert [h["local_grads"] for h in seq.history] == [h["local_grads"] for h in par.history]
+    assert [h["grad_evals"] for h in seq.history] == [h["grad_evals"] for h in par.history]
     if seq.client_state is not None:
         assert max_diff(seq.client_state, par.client_state) == 0
 

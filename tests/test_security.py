@@ -109,7 +109,7 @@ def test_truncated_checkpoint_gives_a_named_error(tmp_path):
                    checkpoint_every=2, resume=True, **_ls_kw())
 
 
-def test_resume_restores_local_grads_from_the_checkpoint(tmp_path):
+def test_resume_restores_grad_evals_from_the_checkpoint(tmp_path):
     p = LeastSquaresProblem(SMALL)
 
     def make():
@@ -127,7 +127,7 @@ def test_resume_restores_local_grads_from_the_checkpoint(tmp_path):
                    **_ls_kw())
     res = run_rounds(p, make(), 12, checkpoint=ckpt, checkpoint_every=3, resume=True,
                      **_ls_kw())
-    assert [h["local_grads"] for h in res.history] == [h["local_grads"] for h in full.history]
+    assert [h["grad_evals"] for h in res.history] == [h["grad_evals"] for h in full.history]
     np.testing.assert_array_equal(res.state.theta["theta"], full.state.theta["theta"])
 
 

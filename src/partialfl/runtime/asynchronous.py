@@ -42,6 +42,7 @@ from partialfl import rng as prng
 from partialfl.algorithms.base import Algorithm, RoundContext, ServerState
 from partialfl.runtime.checkpoint import Checkpoint, run_fingerprint
 from partialfl.runtime.faults import ClientFaultError, FaultLog, receive
+from partialfl.runtime.logging import base_record
 from partialfl.runtime.sync import sample_cohort
 from partialfl.types import ClientUpdates, Params
 
@@ -358,13 +359,12 @@ class AsyncServer:
         return [int(row[-1]) for row in self._rows[-n:]] if n > 0 else []
 
     def _eval(self, time: float) -> None:
-        rec: dict[str, Any] = {"step": self.arrivals, "round": self.state.round,
-                               "time": float(time), "grad_evals": self.grad_evals}
+        rec = base_record(self.state.round, self.arrivals, time, self.grad_evals,
+                          self.faults.record())
         if self.evaluate is not None:
             rec.update(self.evaluate(self.algorithm, self.state, self.problem,
                                      self.client_state, RoundContext(self.seed,
                                                                      self.state.round)))
-        rec.update(self.faults.record())
         self.history.append(rec)
         if self.logger is not None:
             self.logger.log(rec)

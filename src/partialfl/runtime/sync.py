@@ -39,6 +39,7 @@ from partialfl.runtime.checkpoint import (  # noqa: F401 - ResumeError: part of 
 from partialfl.runtime.clients import run_clients
 from partialfl.runtime.cohort_pool import ClientsFailed, WorkerError
 from partialfl.runtime.faults import FaultLog, receive
+from partialfl.runtime.logging import base_record
 from partialfl.types import Params
 
 Evaluator = Callable[[Algorithm, ServerState, Any, "Params | None", RoundContext], dict]
@@ -240,11 +241,10 @@ def run_rounds(
         grad_evals = 0
 
     def _eval(st: ServerState, elapsed: float) -> None:
-        rec: dict[str, Any] = {"round": st.round, "local_grads": grad_evals, "time": elapsed}
+        rec = base_record(st.round, st.round, elapsed, grad_evals, faults.record())
         if evaluate is not None:
             rec.update(evaluate(algorithm, st, problem, client_state,
                                 RoundContext(seed, st.round)))
-        rec.update(faults.record())
         history.append(rec)
         if logger is not None:
             logger.log(rec)
