@@ -306,7 +306,7 @@ class AsyncServer:
         """Apply the update of ``job`` (a ClientResult) now, recording its staleness; a
         message rejected by :func:`receive` is counted as lost (returns False)."""
         result, _ = receive(result, self.state, self.algorithm, self.faults,
-                            f"client {job.client} (job {job.job})")
+                            f"client {job.client} (job {job.job})", self.concurrency)
         if result is None:
             self.lost(job, time)
             return False

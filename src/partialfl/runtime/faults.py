@@ -4,17 +4,19 @@ Every runtime (synchronous rounds, asynchronous simulated clock, worker processe
 client the same way (the simulator's *message path*, :func:`receive`):
 
 * a client whose computation **raises** (or whose worker process dies) is skipped;
+* a client whose message is refused for privacy (:func:`partialfl.privacy.screen`: a name,
+  shape or dtype outside the one channel of each value, a non-finite metric) is skipped;
 * a client whose update, weight or extra payload holds a **non-finite** value is skipped —
   it is never averaged into θ;
-* the message is checked for privacy (:func:`partialfl.privacy.check_updates`) and the
-  server sees only :func:`partialfl.privacy.server_view`.
+* the server sees only :func:`partialfl.privacy.server_view`.
 
 Skipped clients are counted in a :class:`FaultLog` (written into every JSONL record:
-``clients_failed``, ``updates_nonfinite``, ``worker_deaths``) and logged with the
-``partialfl`` logger. The run aborts with :class:`ClientFaultError` only when the lost
-fraction exceeds ``max_failure_fraction`` (after ``min_attempts`` client computations). If
-no client computation succeeded yet and a whole cohort (every slot, asynchronously) raised,
-the first client error is re-raised as is: a bug or a bad configuration, not a fault.
+``clients_failed``, ``updates_nonfinite``, ``updates_refused``, ``worker_deaths``) and
+logged with the ``partialfl`` logger. The run aborts with :class:`ClientFaultError` only
+when the lost fraction exceeds ``max_failure_fraction`` (after ``min_attempts`` client
+computations). If no client computation succeeded yet and a whole cohort (every slot,
+asynchronously) raised or was refused, the first client error (or privacy refusal) is
+re-raised as is: a bug or a bad configuration, not a fault.
 
 :class:`FaultInjector` wraps an algorithm to inject faults at random, derived from
 ``generator(seed, "fault", round, client)`` (for ``partialfl reproduce faults`` and tests).
@@ -33,7 +35,7 @@ from partialfl import arrays
 from partialfl import rng as prng
 from partialfl.algorithms.base import ClientResult
 from partialfl.algorithms.wrapper import AlgorithmWrapper
-from partialfl.privacy import check_updates, server_view
+from partialfl.privacy import PrivacyError, screen, server_view
 from partialfl.types import ClientUpdates
 
 log = logging.getLogger("partialfl")
@@ -69,6 +71,7 @@ class FaultLog:
     succeeded: int = 0
     failed: int = 0
     nonfinite: int = 0
+    refused: int = 0
     worker_deaths: int = 0
     first_error: BaseException | None = field(default=None, repr=False)
     first_error_text: str = ""
@@ -80,16 +83,17 @@ class FaultLog:
 
     @property
     def lost(self) -> int:
-        return self.failed + self.nonfinite + self.worker_deaths
+        return self.failed + self.nonfinite + self.refused + self.worker_deaths
 
     def record(self) -> dict[str, int]:
         """The counters written into every metrics record."""
         return {"clients_failed": self.failed, "updates_nonfinite": self.nonfinite,
-                "worker_deaths": self.worker_deaths}
+                "updates_refused": self.refused, "worker_deaths": self.worker_deaths}
 
     def restore(self, rec: dict) -> None:
         self.failed = int(rec.get("clients_failed", 0))
         self.nonfinite = int(rec.get("updates_nonfinite", 0))
+        self.refused = int(rec.get("updates_refused", 0))
         self.worker_deaths = int(rec.get("worker_deaths", 0))
         self.attempted = int(rec.get("attempted", self.lost))
         self.succeeded = int(rec.get("succeeded", self.attempted - self.lost))
@@ -118,11 +122,20 @@ class FaultLog:
         self.nonfinite += n
         log.warning("skipping %d update(s) of %s: non-finite values", n, where)
 
+    def refuse(self, where: str, n: int, why: str) -> None:
+        """``n`` clients' messages refused for privacy (:func:`partialfl.privacy.screen`)."""
+        self.refused += n
+        if self.first_error is None and not self.first_error_text:
+            self.first_error = PrivacyError(why)
+            self.first_error_text = f"{where}: {why}"
+        log.warning("skipping %d update(s) of %s: refused (%s)", n, where, why)
+
     def raise_if_systematic(self, n: int) -> None:
-        """Before any client computation succeeded, ``n`` or more raising ones (a whole
-        cohort, every slot) are a bug or a bad configuration, not faults: re-raise the first
-        error as is."""
-        if self.succeeded == 0 and self.failed >= n and self.first_error is not None:
+        """Before any client computation succeeded, ``n`` or more raising or refused ones (a
+        whole cohort, every slot) are a bug or a bad configuration, not faults: re-raise the
+        first error as is."""
+        if self.succeeded == 0 and self.failed + self.refused >= n and \
+                self.first_error is not None:
             raise self.first_error
 
     def check(self) -> None:
@@ -134,32 +147,39 @@ class FaultLog:
             raise self.first_error
         raise ClientFaultError(
             f"{self.lost} of {self.attempted} client computations were lost "
-            f"({self.failed} raised, {self.nonfinite} non-finite, {self.worker_deaths} worker "
-            f"deaths), more than max_failure_fraction={self.max_failure_fraction}; first: "
+            f"({self.failed} raised, {self.nonfinite} non-finite, {self.refused} refused, "
+            f"{self.worker_deaths} worker deaths), more than "
+            f"max_failure_fraction={self.max_failure_fraction}; first: "
             f"{self.first_error_text}")
 
 
-def receive(result: ClientResult, state, algorithm, faults: FaultLog, where: str
-            ) -> tuple[ClientResult | None, np.ndarray]:
-    """The simulator's message path for one cohort's result: privacy check, non-finite
-    screening (counted in ``faults``), then the server's view. Returns ``(result with the
-    kept clients only, or None if none is left; kept positions)``."""
+def receive(result: ClientResult, state, algorithm, faults: FaultLog, where: str,
+            systematic: int | None = None) -> tuple[ClientResult | None, np.ndarray]:
+    """The simulator's message path for one cohort's result: privacy screening, non-finite
+    screening (both counted in ``faults``), then the server's view. Returns ``(result with
+    the kept clients only, or None if none is left; kept positions)``. A refusal of
+    ``systematic`` (default: the whole message) or more clients before any client passed
+    re-raises the :class:`~partialfl.privacy.PrivacyError` (see the module docstring)."""
     up = result.updates
-    if len(up.cohort) == 0:  # nothing was sent
+    k = len(up.cohort)
+    if k == 0:  # nothing was sent
         return None, np.arange(0)
-    check_updates(up, state.theta.keys(), algorithm)
-    ok = finite_mask(up)
-    k = len(ok)
     faults.attempted += k
+    ok, why = screen(up, state.theta, algorithm)
     if not ok.all():
-        faults.rejected(where, int((~ok).sum()))
-    faults.succeeded += int(ok.sum())
-    keep = np.flatnonzero(ok)
+        faults.refuse(where, int((~ok).sum()), why)
+        faults.raise_if_systematic(k if systematic is None else systematic)
+        up = up.select(np.flatnonzero(ok)) if ok.any() else up
+    fin = finite_mask(up) if ok.any() else np.zeros(0, dtype=bool)
+    if not fin.all():
+        faults.rejected(where, int((~fin).sum()))
+    keep = np.flatnonzero(ok)[fin]
+    faults.succeeded += len(keep)
     if len(keep) == 0:
         return None, keep
     cs = result.client_state
     if len(keep) < k:
-        up = up.select(keep)
+        up = result.updates.select(keep)
         if cs is not None:
             cs = {n: v[keep] for n, v in cs.items()}
     return ClientResult(server_view(up, algorithm), cs), keep

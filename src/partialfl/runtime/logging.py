@@ -13,8 +13,8 @@ processes) — has these keys (:func:`base_record`), then the evaluator's metric
 * ``grad_evals`` — local gradient evaluations behind θ: one client's count per round summed
   over rounds (sync: clients of a round do equal work), each applied update's count summed
   (async);
-* ``clients_failed``, ``updates_nonfinite``, ``worker_deaths`` — the fault counters
-  (:class:`partialfl.runtime.faults.FaultLog`).
+* ``clients_failed``, ``updates_nonfinite``, ``updates_refused``, ``worker_deaths`` — the
+  fault counters (:class:`partialfl.runtime.faults.FaultLog`).
 """
 
 from __future__ import annotations
@@ -26,7 +26,7 @@ from typing import Any
 
 #: the keys every history record has (see the module docstring)
 RECORD_KEYS = ("round", "step", "time", "grad_evals", "clients_failed", "updates_nonfinite",
-               "worker_deaths")
+               "updates_refused", "worker_deaths")
 
 
 def base_record(round_: int, step: int, time: float, grad_evals: int,

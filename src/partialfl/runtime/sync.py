@@ -271,17 +271,17 @@ def run_rounds(
         ctx = RoundContext(seed, r)
         cohort = sample_cohort(seed, r, M, clients_per_round)
         cs = None if client_state is None else {n: v[cohort] for n, v in client_state.items()}
-        result, pos = transport.run_round(algorithm, state, problem, cohort, ctx, cs, faults)
+        result, _ = transport.run_round(algorithm, state, problem, cohort, ctx, cs, faults)
         if result is not None:
-            result, kept = receive(result, state, algorithm, faults, f"round {r}")
-            pos = pos[kept]
+            result, _ = receive(result, state, algorithm, faults, f"round {r}")
         if result is None:  # every client of the round was lost: θ stays
             state = ServerState(state.theta, state.opt_state, state.round + 1,
                                 dict(state.extra))
         else:
             if result.client_state is not None and client_state is not None:
-                for n, v in result.client_state.items():
-                    client_state[n][cohort[pos]] = v
+                ids = np.asarray(result.updates.cohort)  # the rows' own clients (a wrapper
+                for n, v in result.client_state.items():  # may have dropped some)
+                    client_state[n][ids] = v
             state = algorithm.server_update(state, result.updates, ctx)
             grad_evals += result.updates.grad_evals
         faults.check()
