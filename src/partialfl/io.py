@@ -346,6 +346,6 @@ def load_state(path: str | Path, what: str = "state file", *, sha256: str | None
     try:
         obj = decode_state(meta.pop("state"), tensors, device)
     except (KeyError, TypeError, ValueError, AttributeError, IndexError, RecursionError,
-            RuntimeError) as e:
+            RuntimeError, ArithmeticError) as e:
         raise FileFormatError(f"{what} {Path(path)} is corrupt: {str(e)[:200]}") from None
     return obj, meta

@@ -218,6 +218,7 @@ class AsyncRunResult:
     events: list[tuple] = field(default_factory=list)
     seconds: float = 0.0
     faults: FaultLog | None = None
+    diverged: str = ""  # why θ became non-finite after a server step (the run stopped)
 
     @property
     def staleness(self) -> np.ndarray:
@@ -257,6 +258,7 @@ class AsyncServer:
         self.history: list[dict] = []
         self.time = 0.0
         self.faults = FaultLog(max_failure_fraction)
+        self.diverged = ""  # why θ became non-finite (the run stops)
         self._eval(0.0)
 
     def sample_client(self, job: int) -> int:
@@ -318,8 +320,13 @@ class AsyncServer:
         if result.client_state is not None and self.client_state is not None:
             for n, v in result.client_state.items():
                 self.client_state[n][job.client] = v[0]
+        old = self.state
         self.state = self.algorithm.server_update(self.state, up,
                                                   RoundContext(self.seed, self.arrivals))
+        where = f"client {job.client} (job {job.job})"
+        bad = self.faults.server_step(where, old.theta, self.state.theta, up)
+        if bad:  # θ is not finite: warn, record, stop (see :func:`drive`)
+            self.diverged = self.faults.diverged(where, bad)
         self.busy[job.client] = False
         self.arrivals += 1
         self.grad_evals += int(up.grad_evals)
@@ -329,7 +336,7 @@ class AsyncServer:
                            job.version, before, after, tau))
         if self.record_events:
             self.events.append(("arrive", float(time), job.job, job.client, job.slot, after))
-        if self.arrivals % self.eval_every == 0:
+        if self.arrivals % self.eval_every == 0 or self.diverged:
             self._eval(time)
         return True
 
@@ -379,7 +386,7 @@ class AsyncServer:
         steps = {n: np.asarray(c, dtype=float if "time" in n else np.int64)
                  for n, c in zip(names, cols)}
         return AsyncRunResult(self.state, self.client_state, self.history, steps,
-                              self.events, seconds, self.faults)
+                              self.events, seconds, self.faults, self.diverged)
 
 
 def _check_budget(steps: int | None, max_time: float | None) -> None:
@@ -557,7 +564,7 @@ def drive(server: AsyncServer, transport: AsyncTransport, compute_time: ComputeT
                 try:
                     transport.restart(ev.slot)
                 except ClientFaultError as e:
-                    raise ClientFaultError(f"{e}; first: {server.faults.first_error_text}"
+                    raise ClientFaultError(f"{e}; first: {server.faults.cause()}"
                                            ) from None
                 continue
             if ev.kind == "error":
@@ -572,13 +579,13 @@ def drive(server: AsyncServer, transport: AsyncTransport, compute_time: ComputeT
                 busy.append(ev.busy)
                 if bar is not None:
                     bar.update(1 if steps is not None else ev.time - bar.n)
-                if checkpoint is not None and checkpoint_every and \
-                        server.arrivals % checkpoint_every == 0:
+                if checkpoint is not None and checkpoint_every and not server.diverged \
+                        and server.arrivals % checkpoint_every == 0:
                     checkpoint.save(server, inflight)
-            if steps is not None and server.arrivals >= steps:
+            if (steps is not None and server.arrivals >= steps) or server.diverged:
                 break
             launch(ev.job.slot)
-        if checkpoint is not None and checkpoint_every:
+        if checkpoint is not None and checkpoint_every and not server.diverged:
             checkpoint.save(server, inflight)
     finally:
         if bar is not None:

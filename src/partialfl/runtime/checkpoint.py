@@ -231,12 +231,16 @@ class Checkpoint:
             raise pio.FileFormatError(f"checkpoint {self.path} has a corrupt pointer")
         return meta
 
-    def _read(self, entry: dict, what: str, device) -> Any:
+    def _read(self, entry: Any, what: str, device) -> Any:
+        if not isinstance(entry, dict):
+            raise pio.FileFormatError(f"checkpoint {self.path} has a corrupt pointer")
         name = str(entry.get("name", ""))
         if not self._gen.match(name):  # never follow a name out of this checkpoint
             raise pio.FileFormatError(f"checkpoint {self.path} names a foreign file {name!r}")
-        obj, _ = pio.load_state(self.path.with_name(name), what, sha256=entry.get("sha256"),
-                                device=device)
+        sha = entry.get("sha256")
+        if not isinstance(sha, str):
+            raise pio.FileFormatError(f"checkpoint {self.path} gives no SHA-256 for {name}")
+        obj, _ = pio.load_state(self.path.with_name(name), what, sha256=sha, device=device)
         if not isinstance(obj, dict):
             raise pio.FileFormatError(f"{what} {name} of checkpoint {self.path} is corrupt")
         return obj

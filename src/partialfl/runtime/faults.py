@@ -27,7 +27,9 @@ from __future__ import annotations
 import logging
 import math
 import os
+import warnings
 from dataclasses import dataclass, field
+from typing import Any
 
 import numpy as np
 
@@ -50,6 +52,32 @@ class InjectedFault(RuntimeError):
 
 
 _rows_finite = arrays.rows_finite
+
+
+def _row_norms(v) -> np.ndarray:
+    """The Euclidean norm of each row (float64, scaled so that no finite row overflows)."""
+    if arrays.is_torch(v):
+        a = v.detach().reshape(v.shape[0], -1).double().cpu().numpy()
+    else:
+        a = np.asarray(v, dtype=np.float64).reshape(np.shape(v)[0], -1)
+    if a.shape[1] == 0:
+        return np.zeros(a.shape[0])
+    m = np.abs(a).max(1)
+    safe = np.where((m > 0) & np.isfinite(m), m, 1.0)
+    with np.errstate(invalid="ignore", over="ignore"):
+        n = safe * np.sqrt(np.einsum("ij,ij->i", a / safe[:, None], a / safe[:, None]))
+    return np.where(np.isfinite(m), n, np.inf)
+
+
+def theta_norm(theta) -> float:
+    """‖θ‖ over all leaves (float64; a finite θ's norm overflows only past 1e308)."""
+    return float(_row_norms(np.asarray([[float(_row_norms(v.reshape(1, -1))[0])
+                                         for v in theta.values()]]))[0])
+
+
+def nonfinite_leaves(theta) -> list[str]:
+    """The leaves of θ holding NaN or ±inf."""
+    return [n for n, v in theta.items() if not bool(_rows_finite(v.reshape(1, -1))[0])]
 
 
 def finite_mask(updates: ClientUpdates) -> np.ndarray:
@@ -75,6 +103,10 @@ class FaultLog:
     worker_deaths: int = 0
     first_error: BaseException | None = field(default=None, repr=False)
     first_error_text: str = ""
+    #: the server step that grew ‖θ‖ most (‖θ_after‖ / max(‖θ_before‖, 1)): factor, where,
+    #: its largest update's client and norm
+    growth: dict[str, Any] = field(default_factory=dict)
+    _norm: float | None = field(default=None, repr=False)
 
     def __post_init__(self) -> None:
         f = self.max_failure_fraction
@@ -97,9 +129,12 @@ class FaultLog:
         self.worker_deaths = int(rec.get("worker_deaths", 0))
         self.attempted = int(rec.get("attempted", self.lost))
         self.succeeded = int(rec.get("succeeded", self.attempted - self.lost))
+        self.first_error_text = str(rec.get("first", ""))
+        self.growth = dict(rec.get("growth", {}))
 
-    def state(self) -> dict[str, int]:
-        return {**self.record(), "attempted": self.attempted, "succeeded": self.succeeded}
+    def state(self) -> dict[str, Any]:
+        return {**self.record(), "attempted": self.attempted, "succeeded": self.succeeded,
+                "first": self.first_error_text, "growth": dict(self.growth)}
 
     def client_error(self, where: str, err: BaseException | str) -> None:
         self.attempted += 1
@@ -118,9 +153,49 @@ class FaultLog:
             self.first_error_text = f"{where}: its worker process {why}"
         log.warning("skipping %s: its worker process %s", where, why)
 
-    def rejected(self, where: str, n: int) -> None:
+    def rejected(self, where: str, n: int, clients=()) -> None:
         self.nonfinite += n
+        if not self.first_error_text:
+            self.first_error_text = (f"{where}: non-finite update of client(s) "
+                                     f"{[int(c) for c in clients][:8]}")
         log.warning("skipping %d update(s) of %s: non-finite values", n, where)
+
+    def server_step(self, where: str, old, theta, updates: ClientUpdates) -> list[str]:
+        """After a server step from θ ``old`` to ``theta`` on ``updates``: note how much it
+        grew ‖θ‖ (the largest growth, with the client of the step's largest update, names
+        the likely cause when the run later fails) and return θ's non-finite leaves
+        (divergence)."""
+        bad = nonfinite_leaves(theta)
+        after = math.inf if bad else theta_norm(theta)
+        before = self._norm if self._norm is not None else theta_norm(old)
+        self._norm = after
+        if len(updates.cohort):
+            factor = after / max(before, 1.0)  # (a start from θ = 0 is no growth)
+            if factor > self.growth.get("factor", 1.0):
+                norms = _row_norms(np.stack([_row_norms(v) for v in
+                                             updates.vectors.values()], 1))
+                i = int(np.argmax(norms))
+                self.growth = {"factor": factor, "where": where, "to": after,
+                               "client": int(updates.cohort[i]), "norm": float(norms[i])}
+        return bad
+
+    def cause(self) -> str:
+        """The first fault, and the server step that grew ‖θ‖ most if it grew it 1000×."""
+        parts = [self.first_error_text] if self.first_error_text else []
+        g = self.growth
+        if g.get("factor", 1.0) >= 1e3:
+            parts.append(f"‖θ‖ grew ×{g['factor']:.3g} (to {g['to']:.3g}) at {g['where']}, "
+                         f"whose largest update came from client {g['client']} (norm "
+                         f"{g['norm']:.3g})")
+        return "; ".join(parts) or "no client error recorded"
+
+    def diverged(self, where: str, bad: list[str]) -> str:
+        """Warn that θ is not finite after the server step of ``where`` (leaves ``bad``)."""
+        msg = (f"the run diverged: θ is not finite after the server step of {where} (leaves "
+               f"{bad[:4]}); the run stops there (lower the step sizes); {self.cause()}")
+        log.error("%s", msg)
+        warnings.warn(msg, RuntimeWarning, stacklevel=3)
+        return msg
 
     def refuse(self, where: str, n: int, why: str) -> None:
         """``n`` clients' messages refused for privacy (:func:`partialfl.privacy.screen`)."""
@@ -149,8 +224,7 @@ class FaultLog:
             f"{self.lost} of {self.attempted} client computations were lost "
             f"({self.failed} raised, {self.nonfinite} non-finite, {self.refused} refused, "
             f"{self.worker_deaths} worker deaths), more than "
-            f"max_failure_fraction={self.max_failure_fraction}; first: "
-            f"{self.first_error_text}")
+            f"max_failure_fraction={self.max_failure_fraction}; first: {self.cause()}")
 
 
 def receive(result: ClientResult, state, algorithm, faults: FaultLog, where: str,
@@ -172,7 +246,7 @@ def receive(result: ClientResult, state, algorithm, faults: FaultLog, where: str
         up = up.select(np.flatnonzero(ok)) if ok.any() else up
     fin = finite_mask(up) if ok.any() else np.zeros(0, dtype=bool)
     if not fin.all():
-        faults.rejected(where, int((~fin).sum()))
+        faults.rejected(where, int((~fin).sum()), np.asarray(up.cohort)[~fin])
     keep = np.flatnonzero(ok)[fin]
     faults.succeeded += len(keep)
     if len(keep) == 0:

@@ -64,7 +64,8 @@ class RunResult:
     history: list[dict] = field(default_factory=list)
     seconds: float = 0.0
     faults: FaultLog | None = None
-    stopped: bool = False  # True: ``stop(history)`` ended the run before ``rounds``
+    stopped: bool = False  # True: ``stop(history)`` (or divergence) ended the run early
+    diverged: str = ""  # why θ became non-finite after a server step (the run stopped there)
 
 
 @runtime_checkable
@@ -263,6 +264,7 @@ def run_rounds(
     if not history:
         _eval(state, 0.0)
     stopped = stop is not None and bool(stop(history))
+    diverged = ""
     if stopped:  # a resumed run that had already stopped
         it = range(0)
         if bar is not None:
@@ -282,14 +284,19 @@ def run_rounds(
                 ids = np.asarray(result.updates.cohort)  # the rows' own clients (a wrapper
                 for n, v in result.client_state.items():  # may have dropped some)
                     client_state[n][ids] = v
-            state = algorithm.server_update(state, result.updates, ctx)
+            old, state = state, algorithm.server_update(state, result.updates, ctx)
             grad_evals += result.updates.grad_evals
+            bad = faults.server_step(f"round {r}", old.theta, state.theta, result.updates)
+            if bad:  # θ is not finite: a named warning, the last record shows it, no save
+                diverged = faults.diverged(f"round {r}", bad)
         faults.check()
         if on_round is not None:
             on_round(r, state)
-        if state.round % eval_every == 0 or state.round == rounds:
+        if state.round % eval_every == 0 or state.round == rounds or diverged:
             _eval(state, time.perf_counter() - t0)
             stopped = stop is not None and bool(stop(history))
+        if diverged:
+            break
         if ckpt is not None and checkpoint_every and (
             state.round % checkpoint_every == 0 or state.round == rounds or stopped
         ):
@@ -297,7 +304,7 @@ def run_rounds(
         if stopped:
             break
     return RunResult(state, client_state, history, time.perf_counter() - t0, faults,
-                     stopped)
+                     stopped or bool(diverged), diverged)
 
 
 def _postfix(rec: dict) -> dict[str, str]:
