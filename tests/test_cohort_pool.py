@@ -271,3 +271,48 @@ def test_a_closed_pool_is_never_reused():
         again = be.run(alg, state, p, np.array([0, 1]), RoundContext(0, 0))
         assert be._pool is not pool and not be._pool.closed
     assert np.array_equal(first.updates.vectors["theta"], again.updates.vectors["theta"])
+
+
+_ORPHAN = """
+import os, sys
+sys.path.insert(0, sys.argv[1])
+from conftest import SMALL
+from partialfl.algorithms import FFGG
+from partialfl.local import GradientDescent
+from partialfl.problems.least_squares import LeastSquaresProblem
+from partialfl.runtime.pool import WorkerPool
+p = LeastSquaresProblem(SMALL)
+pool = WorkerPool(p, FFGG(GradientDescent(1)), 2, start_method="fork")
+pool.wait_ready()
+print(*[q.pid for q in pool.procs], flush=True)
+os._exit(0)  # the parent dies without closing the pool
+"""
+
+
+@pytest.mark.timeout(60)
+def test_workers_quit_when_their_parent_is_gone():
+    import subprocess
+    import sys
+
+    tests = os.path.dirname(__file__)
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(sys.path)}
+    out = subprocess.run([sys.executable, "-c", _ORPHAN, tests], env=env, check=True,
+                         capture_output=True, text=True, timeout=50).stdout
+    pids = [int(x) for x in out.split()]
+    assert len(pids) == 2
+    deadline = time.monotonic() + 10
+    while any(_exists(pid) for pid in pids) and time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert not any(_exists(pid) for pid in pids)
+
+
+def _exists(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    try:
+        with open(f"/proc/{pid}/stat") as f:  # a zombie (exited, not yet reaped) is gone
+            return f.read().split(")")[-1].split()[0] != "Z"
+    except FileNotFoundError:
+        return False
