@@ -388,3 +388,24 @@ def test_checkpoint_and_resume_give_the_uninterrupted_run(problem, tmp_path, pri
         assert [h["dist2"] for h in res.history] == [h["dist2"] for h in full.history]
         with pytest.raises(ResumeError, match="seed"):
             run_async(problem, alg, steps=20, resume=True, **ckw, **{**kw, "seed": 3})
+
+
+@pytest.mark.slow
+def test_processes_with_theta_in_shared_memory_equal_the_simulated_run():
+    """A model problem (θ of torch tensors, sent through each worker's shared copy of θ):
+    the worker processes' θ is the simulated clock's bit for bit (one slot: same order)."""
+    import torch
+    from _nn_toy import max_diff, one_thread, toy_data, toy_model
+
+    from partialfl.algorithms.model import FedAvg
+    from partialfl.local.sgd import SGDConfig
+    from partialfl.problems.model import ModelProblem
+    from partialfl.split import make_split
+
+    p = ModelProblem(make_split(toy_model(), "none"), toy_data(6), vectorize=False)
+    alg = FedAvg(SGDConfig(lr=0.1, batch_size=4))
+    with one_thread():
+        sim = run_async(p, alg, steps=6, concurrency=1, compute_time=ZERO, seed=2)
+        real = run_processes(p, alg, steps=6, concurrency=1, compute_time=ZERO, seed=2)
+    assert isinstance(next(iter(real.state.theta.values())), torch.Tensor)
+    assert max_diff(sim.state.theta, real.state.theta) == 0 and real.faults.lost == 0
