@@ -36,8 +36,8 @@ from partialfl.runtime.pool import (
     default_workers,
 )
 
-__all__ = ["ClientsFailed", "ProcessBackend", "WorkerError", "default_start_method",
-           "default_workers"]
+__all__ = ["START_METHODS", "ClientsFailed", "ProcessBackend", "WorkerError",
+           "default_start_method", "default_workers"]
 
 
 class ClientsFailed(WorkerError):
