@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import os
+import signal
+import time
 
 import numpy as np
 import pytest
@@ -14,12 +16,14 @@ from partialfl.aggregation import CoordinateMedian
 from partialfl.algorithms import Scaffold
 from partialfl.algorithms.byzantine import ByzantineRobust
 from partialfl.algorithms.model import model_ffgg
+from partialfl.algorithms.wrapper import AlgorithmWrapper
 from partialfl.build import make_backend
 from partialfl.evaluation import round_evaluator
 from partialfl.local.sgd import SGDConfig
 from partialfl.problems.least_squares import LeastSquaresProblem
 from partialfl.runtime import SequentialBackend, run_rounds
-from partialfl.runtime.cohort_pool import ProcessBackend, WorkerError
+from partialfl.runtime.cohort_pool import ClientsFailed, ProcessBackend
+from partialfl.runtime.faults import DropClients
 from partialfl.server import SGD
 
 
@@ -48,7 +52,7 @@ def test_processes_equal_sequential_bit_for_bit(name):
     seq, par = _both(lambda: _problem(kind, False, data), make)
     assert max_diff(seq.state.theta, par.state.theta) == 0
     assert seq.history[-1]["test_acc"] == par.history[-1]["test_acc"]
-    assert [h["local_grads"] for h in seq.history] == [h["local_grads"] for h in par.history]
+    assert [h["grad_evals"] for h in seq.history] == [h["grad_evals"] for h in par.history]
     if seq.client_state is not None:
         assert max_diff(seq.client_state, par.client_state) == 0
 
@@ -117,19 +121,23 @@ class _Failing:
 
 
 @pytest.mark.parametrize("how", ["raise", "die"])
-def test_worker_failures_are_reported(how):
+def test_worker_failures_are_reported_per_client(how):
+    """A failing client is reported with the other clients' results; its worker (replaced
+    if it died) and the pool live on."""
     pb = _problem("output", False, toy_data())
     alg = _Failing(how)
-    be = ProcessBackend(workers=2)
-    state = alg.init(pb, pb.init_theta())
     from partialfl.algorithms.base import RoundContext
 
     match = "client 2 diverged" if how == "raise" else "died \\(exit code 7\\)"
-    with pytest.raises(WorkerError, match=match):
-        be.run(alg, state, pb, np.array([0, 2, 4]), RoundContext(0, 0))
-    assert be._pool is None or be._pool.procs == []
-    be.close()
-
+    with ProcessBackend(workers=2) as be:
+        state = alg.init(pb, pb.init_theta())
+        with pytest.raises(ClientsFailed, match=match) as e:
+            be.run(alg, state, pb, np.array([0, 2, 4]), RoundContext(0, 0))
+        assert set(e.value.failures) == {1}
+        assert [r is None for r in e.value.results] == [False, True, False]
+        assert not be._pool.closed and be._pool.live() == 2
+        ok = be.run(alg, state, pb, np.array([0, 4]), RoundContext(0, 0))
+    assert ok.updates.cohort.tolist() == [0, 4]
 
 
 def test_pipeline_with_processes_and_a_store_matches_sequential(tmp_path):
@@ -188,3 +196,126 @@ def test_start_method_is_validated_and_defaults_to_fork_on_a_cpu_torch():
         ProcessBackend(start_method="thread")
     if not torch.cuda.is_available():
         assert default_start_method() == "fork"
+
+
+# ------------------------------------------------------------------ failing clients (issue 21)
+class _FailAt(AlgorithmWrapper):
+    """``base`` whose (round, client) pairs in ``at`` fail: ``raise``, ``exit`` (os._exit) or
+    ``sigkill`` (the worker sends itself a real SIGKILL)."""
+
+    def __init__(self, base, at):
+        super().__init__(base)
+        self.at = at
+
+    def client_update(self, state, problem, cohort, ctx, client_state=None):
+        for m in cohort:
+            how = self.at.get((ctx.round, int(m)))
+            if how == "raise":
+                raise FloatingPointError(f"client {int(m)} diverged")
+            if how == "exit":
+                os._exit(7)
+            if how == "sigkill":
+                os.kill(os.getpid(), signal.SIGKILL)
+            if how == "hang":
+                time.sleep(120)
+        return self.base.client_update(state, problem, cohort, ctx, client_state)
+
+
+def _ls_ffgg(p):
+    from partialfl.algorithms import FFGG
+    from partialfl.local import GradientDescent
+
+    return FFGG(GradientDescent(3), SGD(0.5 / p.L))
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize("how", ["raise", "exit", "sigkill"])
+def test_a_failing_client_is_skipped_and_the_run_finishes(how):
+    """A client that raises, exits or is killed in a worker is skipped and counted, the run
+    goes on (it hung forever: the pool was closed, then reused), and θ equals the run with
+    exactly that client's update dropped."""
+    p = LeastSquaresProblem(SMALL, basis="standard")
+    at = {(1, 2): how, (3, 4): how}
+    with ProcessBackend(workers=2) as be:
+        res = run_rounds(p, _FailAt(_ls_ffgg(p), at), 5, seed=3, backend=be)
+        assert be._pool is not None and not be._pool.closed  # the healthy workers live on
+    ref = run_rounds(p, DropClients(_ls_ffgg(p), at), 5, seed=3, backend=SequentialBackend())
+    assert np.array_equal(res.state.theta["theta"], ref.state.theta["theta"])
+    lost = res.faults.failed if how == "raise" else res.faults.worker_deaths
+    assert lost == 2 and res.faults.lost == 2
+    assert res.history[-1]["clients_failed" if how == "raise" else "worker_deaths"] == 2
+
+
+@pytest.mark.timeout(60)
+def test_a_hung_client_is_killed_after_the_task_timeout():
+    p = LeastSquaresProblem(SMALL, basis="standard")
+    at = {(1, 2): "hang"}
+    with ProcessBackend(workers=2, task_timeout=1.0) as be:
+        res = run_rounds(p, _FailAt(_ls_ffgg(p), at), 3, seed=3, backend=be)
+    ref = run_rounds(p, DropClients(_ls_ffgg(p), at), 3, seed=3, backend=SequentialBackend())
+    assert np.array_equal(res.state.theta["theta"], ref.state.theta["theta"])
+    assert res.faults.worker_deaths == 1 and "longer than 1.0 s" in res.faults.first_error_text
+
+
+@pytest.mark.timeout(60)
+def test_a_closed_pool_is_never_reused():
+    from partialfl.algorithms.base import RoundContext
+    from partialfl.runtime.pool import Task, WorkerError
+
+    p = LeastSquaresProblem(SMALL, basis="standard")
+    alg = _ls_ffgg(p)
+    state = alg.init(p, p.init_theta(np.random.default_rng(0)))
+    with ProcessBackend(workers=1) as be:
+        first = be.run(alg, state, p, np.array([0, 1]), RoundContext(0, 0))
+        pool = be._pool
+        pool.close()
+        with pytest.raises(WorkerError, match="closed"):
+            pool.send(0, Task(0, 0, state, RoundContext(0, 0)))
+        again = be.run(alg, state, p, np.array([0, 1]), RoundContext(0, 0))
+        assert be._pool is not pool and not be._pool.closed
+    assert np.array_equal(first.updates.vectors["theta"], again.updates.vectors["theta"])
+
+
+_ORPHAN = """
+import os, sys
+sys.path.insert(0, sys.argv[1])
+from conftest import SMALL
+from partialfl.algorithms import FFGG
+from partialfl.local import GradientDescent
+from partialfl.problems.least_squares import LeastSquaresProblem
+from partialfl.runtime.pool import WorkerPool
+p = LeastSquaresProblem(SMALL)
+pool = WorkerPool(p, FFGG(GradientDescent(1)), 2, start_method="fork")
+pool.wait_ready()
+print(*[q.pid for q in pool.procs], flush=True)
+os._exit(0)  # the parent dies without closing the pool
+"""
+
+
+@pytest.mark.timeout(60)
+def test_workers_quit_when_their_parent_is_gone():
+    import subprocess
+    import sys
+
+    tests = os.path.dirname(__file__)
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(sys.path)}
+    out = subprocess.run([sys.executable, "-c", _ORPHAN, tests], env=env, check=True,
+                         capture_output=True, text=True, timeout=50).stdout
+    pids = [int(x) for x in out.split()]
+    assert len(pids) == 2
+    deadline = time.monotonic() + 10
+    while any(_exists(pid) for pid in pids) and time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert not any(_exists(pid) for pid in pids)
+
+
+def _exists(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    try:
+        with open(f"/proc/{pid}/stat") as f:  # a zombie (exited, not yet reaped) is gone
+            return f.read().split(")")[-1].split()[0] != "Z"
+    except FileNotFoundError:
+        return False

@@ -10,6 +10,8 @@ import pytest
 from conftest import SMALL
 
 from partialfl.algorithms import FFGG
+from partialfl.algorithms.base import ClientResult
+from partialfl.algorithms.wrapper import AlgorithmWrapper
 from partialfl.local import GradientDescent
 from partialfl.metrics import closed_form_metrics
 from partialfl.problems.least_squares import LeastSquaresProblem
@@ -23,6 +25,7 @@ from partialfl.runtime.faults import (
 )
 from partialfl.runtime.processes import run_processes
 from partialfl.server import SGD
+from partialfl.types import ClientUpdates
 
 
 def _problem():
@@ -161,3 +164,67 @@ def test_faults_comparison_pairs_each_rate_with_the_fault_free_run():
     assert "-2.00 [-2.00, -2.00]" in row["synchronous, 30% faults"]
     assert "no detectable difference" in row["synchronous, 10% faults"]
     assert comparison([], quick=False) == []
+
+
+class _BlowsUp(AlgorithmWrapper):
+    """Client 2 sends a finite 1e30·update in round 3; like a network whose loss overflows,
+    every client's update is non-finite once θ is huge."""
+
+    def client_update(self, state, problem, cohort, ctx, client_state=None):
+        res = self.base.client_update(state, problem, cohort, ctx, client_state)
+        u = res.updates
+        v = u.vectors["theta"].copy()
+        if np.abs(state.theta["theta"]).max() > 1e20:
+            v[:] = np.inf
+        v[(np.asarray(cohort) == 2) & (ctx.round == 3)] *= 1e30
+        return ClientResult(ClientUpdates({"theta": v}, u.weights, u.cohort, u.grad_evals,
+                                          u.metrics, u.extra), res.client_state)
+
+
+def test_the_fault_abort_names_its_cause_and_the_client_that_blew_up_theta():
+    """The abort used to end in an empty 'first: ' (non-finite updates set no cause)."""
+    p = _problem()
+    with pytest.raises(ClientFaultError) as e, np.errstate(all="ignore"):
+        run_rounds(p, _BlowsUp(_ffgg(p)), 30, seed=0)
+    msg = str(e.value)
+    assert "first: round 4: non-finite update of client(s) [0, 1, 2, 3, 4, 5]" in msg
+    assert "at round 3, whose largest update came from client 2 (norm" in msg
+
+
+@pytest.mark.parametrize("loop", ["sync", "async"])
+def test_divergence_stops_the_run_with_a_named_warning(tmp_path, loop):
+    """θ not finite after a server step: a RuntimeWarning naming where, the run stops there
+    (a last record shows it), and no checkpoint of the diverged state is written."""
+    from partialfl.runtime.checkpoint import Checkpoint
+
+    p = _problem()
+    alg = FFGG(GradientDescent(2), SGD(1e300))
+    ck = tmp_path / "c.ckpt"
+    with pytest.warns(RuntimeWarning, match="the run diverged: θ is not finite after the "
+                      "server step of (round|client .* \\(job) [0-9]+.*‖θ‖ grew ×.* whose "
+                      "largest update came from client"), np.errstate(all="ignore"):
+        if loop == "sync":
+            res = run_rounds(p, alg, 10, seed=0, checkpoint=ck, checkpoint_every=1,
+                             evaluate=_eval)
+        else:
+            res = run_async(p, alg, steps=10, concurrency=2, seed=0, checkpoint=ck,
+                            checkpoint_every=1, evaluate=_eval, eval_every=5)
+    assert res.diverged and res.stopped if loop == "sync" else res.diverged
+    assert res.history[-1]["round"] == res.state.round <= 3
+    assert not np.isfinite(res.history[-1]["rel_dist2"])
+    saved = Checkpoint(ck, kind=loop).load()  # the last finite state, not the diverged one
+    state = saved.server["state"] if loop == "sync" else saved.server["server"]["state"]
+    assert state.round < res.state.round and np.isfinite(state.theta["theta"]).all()
+
+
+def test_cli_run_that_diverges_warns_instead_of_aborting(tmp_path, capsys):
+    from partialfl.cli import main
+
+    cfg = tmp_path / "c.toml"
+    cfg.write_text('[problem]\nnum_clients = 4\nn = 30\nd_theta = 5\nd_w = 2\n'
+                   '[algorithm]\nname = "ffgg"\nsolver = "gd"\ntau = 2\n[run]\nrounds = 60\n')
+    with np.errstate(all="ignore"), pytest.warns(RuntimeWarning):
+        code = main(["run", str(cfg), "--out", str(tmp_path / "o"), "--no-progress",
+                     "--set", "server.lr=1e30"])
+    err = capsys.readouterr().err
+    assert code == 1 and "warning: the run diverged" in err and "error" not in err

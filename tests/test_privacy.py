@@ -3,6 +3,8 @@ neither its messages (checked on the one message path) nor its files (private ch
 
 from __future__ import annotations
 
+import re
+
 import numpy as np
 import pytest
 import torch
@@ -24,7 +26,7 @@ from partialfl.problems.least_squares import LeastSquaresProblem
 from partialfl.problems.model import ModelProblem
 from partialfl.runtime import run_rounds
 from partialfl.runtime.asynchronous import run_async
-from partialfl.runtime.sync import client_side_path
+from partialfl.runtime.checkpoint import CLIENT, SERVER, Checkpoint
 from partialfl.spec import FinetuneConfig, MethodConfig, RunSpec, StageConfig
 from partialfl.split import make_split
 from partialfl.types import ClientUpdates
@@ -55,12 +57,21 @@ class Leaky(AlgorithmWrapper):
         metrics, vectors, extra = dict(u.metrics), dict(u.vectors), dict(u.extra)
         w = {n: v[cohort] for n, v in problem.init_w(np.arange(problem.num_clients), "zero",
                                                      0, 0).items()}
+        w0 = next(iter(w.values()))
         if self.how == "vector-metric":
-            metrics["train_loss"] = next(iter(w.values())).reshape(k, -1).numpy()
+            metrics["train_loss"] = w0.reshape(k, -1).numpy()
+        elif self.how == "text-metric":  # w as text, under an allowed metric name
+            metrics["train_loss"] = np.array([repr(r.tolist()) for r in w0], dtype=object)
         elif self.how == "unknown-metric":
             metrics["loss_gap"] = np.zeros(k)
         elif self.how == "personal-vector":
             vectors.update(w)
+        elif self.how == "theta-name-extra":  # w's values under θ's leaf names
+            extra["dc"] = {n: (v.reshape(k, -1)[:, :1] * 0 + w0.reshape(k, -1)[:, :1]).expand(
+                v.shape[0], v[0].numel()).reshape(v.shape) for n, v in vectors.items()}
+        elif self.how == "packed-vector":  # a θ name, but rows that are not θ-shaped
+            n = next(iter(vectors))
+            vectors[n] = torch.cat([vectors[n].reshape(k, -1), w0.reshape(k, -1)], 1)
         else:
             extra["w"] = w
         return ClientResult(ClientUpdates(vectors, u.weights, u.cohort, u.grad_evals, metrics,
@@ -73,9 +84,12 @@ def _model_problem(split="output"):
 
 @pytest.mark.parametrize("how,match", [
     ("vector-metric", "one scalar per client"),
+    ("text-metric", "'train_loss' must be a float per client"),
     ("unknown-metric", "'loss_gap' is not allowed"),
     ("personal-vector", "not global parameters"),
-    ("extra", "not global parameters"),
+    ("extra", "extra\\['w'\\] is not declared"),
+    ("theta-name-extra", "extra\\['dc'\\] is not declared"),
+    ("packed-vector", "not one θ-shaped row per client"),
 ])
 def test_a_personal_payload_never_reaches_the_server(how, match):
     p = _model_problem()
@@ -103,21 +117,24 @@ def test_simulator_checkpoint_keeps_client_state_in_a_client_side_file(tmp_path)
     ckpt = tmp_path / "s.ckpt"
     res = run_rounds(p, Scaffold(3), 4, clients_per_round=3, seed=1, checkpoint=ckpt,
                      checkpoint_every=2)
-    server, meta = pio.load_state(ckpt)
-    assert "client_state" not in server and meta["side"] == "server"
-    cfile = client_side_path(ckpt)
-    assert cfile.name == "s.client-side.ckpt"
+    files = Checkpoint(ckpt).files()
+    body, meta = pio.load_state(files[SERVER])
+    assert "client" not in body and "client_state" not in body["server"]
+    assert meta["side"] == "server"
+    cfile = files[CLIENT]
+    assert cfile.name == "s.g2.client-side.ckpt"
     cs, cmeta = pio.load_state(cfile)
     assert cmeta["side"] == "client" and set(cs) == {"c_theta", "c_w"}
     np.testing.assert_array_equal(cs["c_w"], res.client_state["c_w"])
-    # no tensor of the server file equals any client's personal control variate
-    tensors, _ = pio.load_tensors(ckpt)
+    # no tensor of the server's files equals any client's personal control variate
     rows = [r for r in res.client_state["c_w"] if np.abs(r).sum() > 0]
     assert rows
-    for t in tensors.values():
-        flat = np.asarray(t).reshape(-1)
-        for r in rows:
-            assert not (flat.size == r.size and np.allclose(flat, r))
+    for f in (ckpt, files[SERVER]):
+        tensors, _ = pio.load_tensors(f)
+        for t in tensors.values():
+            flat = np.asarray(t).reshape(-1)
+            for r in rows:
+                assert not (flat.size == r.size and np.allclose(flat, r))
     # resuming reads the client-side file back: exact continuation
     full = run_rounds(p, Scaffold(3), 6, clients_per_round=3, seed=1)
     again = run_rounds(p, Scaffold(3), 6, clients_per_round=3, seed=1, checkpoint=ckpt,
@@ -131,8 +148,9 @@ def test_non_private_checkpoints_are_an_explicit_choice(tmp_path):
     ckpt = tmp_path / "s.ckpt"
     run_rounds(p, Scaffold(3), 2, checkpoint=ckpt, checkpoint_every=2,
                private_checkpoints=False)
-    server, _ = pio.load_state(ckpt)
-    assert "client_state" in server and not client_side_path(ckpt).exists()
+    files = Checkpoint(ckpt).files()
+    body, _ = pio.load_state(files[SERVER])
+    assert set(body["client"]) == {"c_theta", "c_w"} and CLIENT not in files
 
 
 def test_no_server_side_pipeline_file_holds_personal_values(tmp_path):
@@ -144,8 +162,9 @@ def test_no_server_side_pipeline_file_holds_personal_values(tmp_path):
     run_pipeline(cfg, Task(toy_data(4), toy_model, name="toy"), tmp_path / "r", progress=False)
     run = tmp_path / "r"
     client_files = sorted(p.name for p in run.iterdir() if "client-side" in p.name)
-    assert client_files == ["client_state_stage2.client-side.safetensors",
-                            "stage2.client-side.ckpt"]
+    assert client_files[0] == "client_state_stage2.client-side.safetensors"
+    assert len(client_files) == 2 and re.fullmatch(r"stage2\.g\d+\.client-side\.ckpt",
+                                                   client_files[1])
     w, _ = pio.load_tensors(run / client_files[0])
     w_pre = pio.load_tensors(run / "deploy.safetensors")[0]
     # the rows a client trained (an unsampled client still holds the global w_pre)
@@ -160,3 +179,73 @@ def test_no_server_side_pipeline_file_holds_personal_values(tmp_path):
             t = torch.as_tensor(t).reshape(-1)
             for v in personal:
                 assert not (t.numel() == v.numel() and torch.equal(t, v)), (f.name, name)
+
+
+class _InfLoss(AlgorithmWrapper):
+    """Client 1's train_loss is infinite in round 0 (its update is fine)."""
+
+    def client_update(self, state, problem, cohort, ctx, client_state=None):
+        res = self.base.client_update(state, problem, cohort, ctx, client_state)
+        u = res.updates
+        loss = np.asarray(u.metrics["train_loss"], dtype=float).copy()
+        loss[(np.asarray(cohort) == 1) & (ctx.round == 0)] = np.inf
+        return ClientResult(ClientUpdates(u.vectors, u.weights, u.cohort, u.grad_evals,
+                                          {"train_loss": loss}, u.extra), res.client_state)
+
+
+def test_a_refused_client_is_skipped_and_counted_the_others_pass():
+    """A message refused by value (here an infinite metric) drops that client only; it is
+    counted as ``updates_refused`` and θ equals the run without its update."""
+    from partialfl.runtime.faults import DropClients
+
+    p = _model_problem()
+
+    def fedalt():
+        return FedAlt(SGDConfig(lr=0.1, epochs=1, batch_size=4))
+
+    res = run_rounds(p, _InfLoss(fedalt()), 2, seed=1)
+    ref = run_rounds(p, DropClients(fedalt(), [(0, 1)]), 2, seed=1)
+    for n in ref.state.theta:
+        assert torch.equal(res.state.theta[n], ref.state.theta[n])
+    assert res.faults.refused == 1 and res.history[-1]["updates_refused"] == 1
+
+
+def test_wrappers_forward_every_declaration_of_the_wrapped_algorithm():
+    """FaultInjector(Ditto) and ByzantineRobust(Ditto) run (they were refused with a false
+    PrivacyError: the wrapper dropped Ditto's client_metrics); a wrapper's own assignment
+    overrides only that wrapper's value."""
+    from partialfl.aggregation import CoordinateMedian
+    from partialfl.algorithms.byzantine import ByzantineRobust
+    from partialfl.algorithms.ditto import Ditto
+    from partialfl.algorithms.wrapper import MIRRORED
+    from partialfl.runtime.faults import FaultInjector
+
+    p = ModelProblem(make_split(toy_model(), "none"), toy_data(4), vectorize=False)
+    sgd = SGDConfig(lr=0.1, batch_size=4)
+    for wrap in (lambda a: FaultInjector(a), lambda a: ByzantineRobust(a, CoordinateMedian())):
+        base = Ditto(sgd, sgd, 0.5)
+        alg = wrap(base)
+        for attr in MIRRORED:
+            if attr not in ("name", "aggregator"):
+                assert getattr(alg, attr) is getattr(base, attr), attr
+        res = run_rounds(p, alg, 1, clients_per_round=2)
+        assert res.faults.refused == 0 and res.state.round == 1
+    br = ByzantineRobust(Ditto(sgd, sgd, 0.5), CoordinateMedian())
+    assert br.name == "br-ditto" and br.base.name == "ditto"
+    assert isinstance(br.aggregator, CoordinateMedian) and br.client_metrics == ("personal_loss",)
+
+
+def test_server_metrics_pass_as_float64_without_nan_payloads():
+    from partialfl.privacy import server_view
+
+    class Reads(FedAvg):
+        server_metrics = ("train_loss",)
+
+    payload = np.array([np.nan, 1.5]).view(np.uint64)
+    payload[0] |= 0x1234  # a NaN whose mantissa carries bits
+    up = ClientUpdates({"x": np.zeros((2, 3))}, np.ones(2), np.arange(2),
+                       metrics={"train_loss": payload.view(np.float64)})
+    got = server_view(up, Reads(SGDConfig(lr=0.1)))
+    assert got.metrics["train_loss"].dtype == np.float64
+    assert got.metrics["train_loss"].view(np.uint64)[0] == np.array(np.nan).view(np.uint64)
+    assert got.metrics["train_loss"][1] == 1.5

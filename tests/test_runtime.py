@@ -82,3 +82,28 @@ def test_bad_run_arguments():
         run_rounds(p, alg, -3)
     with pytest.raises(ValueError, match="eval_every"):
         run_rounds(p, alg, 3, eval_every=0)
+
+
+def test_every_loop_writes_the_same_record_keys():
+    """One history schema (runtime.logging.RECORD_KEYS) for rounds, the simulated clock and
+    worker processes; ``step`` counts rounds (sync) or applied updates (async)."""
+    from partialfl.runtime.asynchronous import run_async
+    from partialfl.runtime.logging import RECORD_KEYS
+    from partialfl.runtime.processes import run_processes
+
+    p = LeastSquaresProblem(SMALL)
+
+    def alg():
+        return FFGG(GradientDescent(2), SGD(0.5 / p.L))
+
+    sync = run_rounds(p, alg(), 3, clients_per_round=2, eval_every=1).history
+    sim = run_async(p, alg(), steps=4, concurrency=2, eval_every=2).history
+    real = run_processes(p, alg(), steps=4, concurrency=2, time_unit=0.0, eval_every=2).history
+    for hist in (sync, sim, real):
+        assert all(set(RECORD_KEYS) <= set(h) for h in hist)
+        assert "local_grads" not in hist[-1]
+    assert [h["step"] for h in sync] == [h["round"] for h in sync] == [0, 1, 2, 3]
+    assert [h["step"] for h in sim] == [h["step"] for h in real] == [0, 2, 4]
+    # one client's count per round (sync), each applied update's count (async)
+    g = sync[1]["grad_evals"]
+    assert g > 0 and sync[-1]["grad_evals"] == 3 * g and sim[-1]["grad_evals"] == 4 * g

@@ -95,7 +95,7 @@ def test_toy_on_a_cnn_every_backend_and_deploy():
     assert max_diff(runs["vmap"].state.theta, runs["sequential"].state.theta) < 1e-5
     assert max_diff(runs["processes"].state.theta, runs["sequential"].state.theta) == 0.0
     h = runs["sequential"].history
-    assert h[-1]["test_loss"] < h[0]["test_loss"] and h[-1]["local_grads"] == 2 * 3
+    assert h[-1]["test_loss"] < h[0]["test_loss"] and h[-1]["grad_evals"] == 2 * 3
 
 
 @pytest.mark.parametrize("kind", ["least-squares", "cnn"])

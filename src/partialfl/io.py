@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import hashlib
 import json
 import math
 import os
@@ -41,11 +42,35 @@ class UnsafeFileError(FileFormatError):
 
 
 # --------------------------------------------------------------------------- atomic writes
+def _umask() -> int:
+    """The process umask (read without changing it where /proc allows)."""
+    with contextlib.suppress(OSError, ValueError):
+        with open("/proc/self/status", encoding="ascii") as f:
+            for line in f:
+                if line.startswith("Umask:"):
+                    return int(line.split()[1], 8)
+    mask = os.umask(0o022)  # elsewhere: the classic read-and-restore
+    os.umask(mask)
+    return mask
+
+
+def fsync_dir(path: str | Path) -> None:
+    """Make the entries of folder ``path`` durable (a rename into it survives a power loss);
+    a no-op where folders cannot be fsync-ed."""
+    with contextlib.suppress(OSError):
+        fd = os.open(path, os.O_RDONLY)
+        try:
+            os.fsync(fd)
+        finally:
+            os.close(fd)
+
+
 @contextlib.contextmanager
 def atomic_write(path: str | Path, mode: str = "w", **kw: Any) -> Iterator[IO]:
     """Open a temporary file in ``path``'s folder for writing; on success it replaces
-    ``path`` atomically (``os.replace``), on an exception it is removed and ``path`` is left
-    as it was. The parent folder is created."""
+    ``path`` atomically (``os.replace``, after fsync), on an exception it is removed and
+    ``path`` is left as it was. The parent folder is created; the file gets the mode a new
+    file gets (0o666 less the umask), not the temporary file's 0600."""
     if mode not in ("w", "wb"):
         raise ValueError(f"atomic_write mode must be 'w' or 'wb', got {mode!r}")
     path = Path(path)
@@ -55,6 +80,7 @@ def atomic_write(path: str | Path, mode: str = "w", **kw: Any) -> Iterator[IO]:
         with os.fdopen(fd, mode, **kw) as f:
             yield f
             f.flush()
+            os.fchmod(f.fileno(), 0o666 & ~_umask())
             os.fsync(f.fileno())
         os.replace(tmp, path)
     except BaseException:
@@ -68,9 +94,11 @@ def write_text(path: str | Path, text: str) -> None:
         f.write(text)
 
 
-def write_bytes(path: str | Path, data: bytes) -> None:
+def write_bytes(path: str | Path, data: bytes) -> str:
+    """Write ``data`` atomically; returns its SHA-256 (hex)."""
     with atomic_write(path, "wb") as f:
         f.write(data)
+    return hashlib.sha256(data).hexdigest()
 
 
 def write_json(path: str | Path, obj: Any, **dumps_kw: Any) -> None:
@@ -96,12 +124,17 @@ def savefig(fig, path: str | Path, **kw: Any) -> None:
 
 
 # --------------------------------------------------------------------------- tensors
-_PICKLE_HINT = ("it can run arbitrary code when loaded, so partialfl refuses it; re-create it "
-                "with this version of partialfl (tensors are stored with safetensors)")
+
+#: safetensors dtypes (the format's names) and their sizes in bytes
+_DTYPE_BYTES = {"BOOL": 1, "U8": 1, "I8": 1, "F8_E5M2": 1, "F8_E4M3": 1, "I16": 2, "U16": 2,
+                "F16": 2, "BF16": 2, "I32": 4, "U32": 4, "F32": 4, "I64": 8, "U64": 8,
+                "F64": 8}
 
 
 def _check_safetensors_header(path: Path, data: bytes) -> dict:
-    """Parse the safetensors header (8-byte little-endian length, then JSON) or raise.
+    """Parse and validate the safetensors header (8-byte little-endian length, then a JSON
+    object: per tensor a known dtype, a shape of non-negative integers and data offsets that
+    fit the file and the shape; ``__metadata__`` a string map), or raise.
 
     The safetensors layout is tried first: a header length whose low byte is 0x80 starts the
     file with the same byte as a pickle, so the pickle/zip diagnosis only applies to a file
@@ -118,35 +151,65 @@ def _check_safetensors_header(path: Path, data: bytes) -> dict:
         raise FileFormatError(f"{path} is truncated or not a safetensors file")
     try:
         header = json.loads(data[8:8 + n])
-    except (json.JSONDecodeError, UnicodeDecodeError):
+    except (json.JSONDecodeError, UnicodeDecodeError, RecursionError):
         raise FileFormatError(f"{path} has a corrupt safetensors header") from None
-    end = max((v["data_offsets"][1] for k, v in header.items() if k != "__metadata__"),
-              default=0)
-    if 8 + n + end > len(data):
-        raise FileFormatError(f"{path} is truncated: {len(data)} bytes, the header announces "
-                              f"{8 + n + end}")
+    if not isinstance(header, dict):
+        raise FileFormatError(f"{path} has a corrupt safetensors header (not a JSON object)")
+    body = len(data) - 8 - n
+    for name, v in header.items():
+        if name == "__metadata__":
+            if not (isinstance(v, dict) and all(isinstance(x, str) for x in v.values())):
+                raise FileFormatError(f"{path} has corrupt safetensors metadata")
+            continue
+        _check_entry(path, name, v, body)
     return header
+
+
+def _check_entry(path: Path, name: str, v: Any, body: int) -> None:
+    """One tensor's header entry: dtype, shape and offsets consistent with the file."""
+    bad = f"{path} has a corrupt safetensors header entry {name[:40]!r}"
+    if not isinstance(v, dict):
+        raise FileFormatError(bad)
+    dtype, shape, offs = v.get("dtype"), v.get("shape"), v.get("data_offsets")
+    if dtype not in _DTYPE_BYTES:
+        raise FileFormatError(f"{bad}: unknown dtype {str(dtype)[:20]!r}")
+    ints = (isinstance(shape, list) and isinstance(offs, list) and len(offs) == 2
+            and all(type(x) is int and x >= 0 for x in (*shape, *offs)))
+    if not ints:
+        raise FileFormatError(f"{bad}: shape and data_offsets must be non-negative integers")
+    if offs[1] > body:
+        raise FileFormatError(f"{path} is truncated: tensor {name[:40]!r} ends at byte "
+                              f"{offs[1]} of a {body}-byte body")
+    if offs[1] - offs[0] != math.prod(shape) * _DTYPE_BYTES[dtype]:
+        raise FileFormatError(f"{bad}: its data_offsets do not match its shape and dtype")
+
+
+_PICKLE_HINT = ("it can run arbitrary code when loaded, so partialfl refuses it; re-create it "
+                "with this version of partialfl (tensors are stored with safetensors)")
 
 
 _to_torch = arrays.to_torch
 
 
 def save_tensors(path: str | Path, tensors: Mapping[str, Any],
-                 metadata: Mapping[str, Any] | None = None) -> None:
+                 metadata: Mapping[str, Any] | None = None) -> str:
     """Store named numpy arrays / torch tensors (and JSON ``metadata``) atomically as a
-    safetensors file; :func:`load_tensors` gives back the same kinds (numpy stays numpy)."""
+    safetensors file; :func:`load_tensors` gives back the same kinds (numpy stays numpy).
+    Returns the file's SHA-256 (hex)."""
     from safetensors.torch import save
 
     kinds = {n: "torch" if arrays.is_torch(v) else "numpy" for n, v in tensors.items()}
     meta = {"partialfl": json.dumps({"kinds": kinds, "metadata": dict(metadata or {})})}
     data = save({n: _to_torch(v) for n, v in tensors.items()}, metadata=meta)
-    write_bytes(path, data)
+    return write_bytes(path, data)
 
 
-def load_tensors(path: str | Path, what: str = "tensor file") -> tuple[dict[str, Any], dict]:
+def load_tensors(path: str | Path, what: str = "tensor file", *, sha256: str | None = None,
+                 device: Any = None) -> tuple[dict[str, Any], dict]:
     """``(tensors, metadata)`` from a file written by :func:`save_tensors`. Missing:
-    FileNotFoundError; pickle / torch.save: :class:`UnsafeFileError`; truncated or corrupt:
-    :class:`FileFormatError` (each names ``path`` and ``what`` it should be)."""
+    FileNotFoundError; pickle / torch.save: :class:`UnsafeFileError`; truncated, corrupt or
+    (``sha256`` given) not the file expected: :class:`FileFormatError` (each names ``path``
+    and ``what`` it should be). Torch tensors are put on ``device`` if given."""
     from safetensors import SafetensorError
     from safetensors.torch import load
 
@@ -154,15 +217,23 @@ def load_tensors(path: str | Path, what: str = "tensor file") -> tuple[dict[str,
     if not path.is_file():
         raise FileNotFoundError(f"{what} {path} not found")
     data = path.read_bytes()
+    if sha256 is not None and hashlib.sha256(data).hexdigest() != sha256:
+        raise FileFormatError(f"{what} {path} does not match its SHA-256 (damaged or "
+                              "replaced)")
     header = _check_safetensors_header(path, data)
     try:
         tensors = load(data)
         info = json.loads(header.get("__metadata__", {}).get("partialfl", "{}"))
-    except (SafetensorError, json.JSONDecodeError, ValueError) as e:
-        raise FileFormatError(f"{what} {path} is corrupt: {e}") from None
-    kinds = info.get("kinds", {})
-    out = {n: (t.numpy() if kinds.get(n) == "numpy" else t) for n, t in tensors.items()}
-    return out, info.get("metadata", {})
+        kinds = info.get("kinds", {}) if isinstance(info, dict) else None
+        meta = info.get("metadata", {}) if isinstance(info, dict) else None
+        if not (isinstance(kinds, dict) and isinstance(meta, dict)):
+            raise ValueError("the partialfl metadata is not a JSON object")
+        out = {n: (t.numpy() if kinds.get(n) == "numpy" else
+                   t if device is None else t.to(device)) for n, t in tensors.items()}
+    except (SafetensorError, json.JSONDecodeError, RecursionError, ValueError, TypeError,
+            RuntimeError) as e:
+        raise FileFormatError(f"{what} {path} is corrupt: {str(e)[:200]}") from None
+    return out, meta
 
 
 # --------------------------------------------------------------------------- state codec
@@ -213,8 +284,19 @@ def encode_state(obj: Any) -> tuple[Any, dict[str, Any]]:
     return enc(obj, "state"), tensors
 
 
-def decode_state(skeleton: Any, tensors: Mapping[str, Any]) -> Any:
-    """Inverse of :func:`encode_state` (tensors back on their recorded device)."""
+def _here(device: str | None) -> str | None:
+    """``device`` if this machine has it, else None (the tensor stays on the CPU)."""
+    if device in (None, "cpu"):
+        return None
+    from partialfl.devices import available_devices
+
+    return device if device in available_devices() else None
+
+
+def decode_state(skeleton: Any, tensors: Mapping[str, Any], device: Any = None) -> Any:
+    """Inverse of :func:`encode_state`. Torch tensors go to ``device`` if given, else back
+    to their recorded device when this machine has it, else stay on the CPU (a checkpoint
+    written on ``cuda:0`` resumes on a CPU-only machine)."""
     classes = _state_classes()
 
     def dec(o: Any) -> Any:
@@ -226,7 +308,10 @@ def decode_state(skeleton: Any, tensors: Mapping[str, Any]) -> Any:
             return np.dtype(o["scalar"]).type(dec(o["value"]))
         if "tensor" in o:
             t = tensors[o["tensor"]]
-            return t.to(o["device"]) if o.get("device") not in (None, "cpu") else t
+            if not arrays.is_torch(t):
+                return t
+            to = device if device is not None else _here(o.get("device"))
+            return t if to is None else t.to(to)
         if "list" in o:
             return [dec(v) for v in o["list"]]
         if "tuple" in o:
@@ -244,19 +329,23 @@ def decode_state(skeleton: Any, tensors: Mapping[str, Any]) -> Any:
     return dec(skeleton)
 
 
-def save_state(path: str | Path, obj: Any, **metadata: Any) -> None:
-    """Store ``obj`` (see :func:`encode_state`) in one safetensors file, atomically."""
+def save_state(path: str | Path, obj: Any, **metadata: Any) -> str:
+    """Store ``obj`` (see :func:`encode_state`) in one safetensors file, atomically; returns
+    the file's SHA-256."""
     skeleton, tensors = encode_state(obj)
-    save_tensors(path, tensors, {**metadata, "state": skeleton})
+    return save_tensors(path, tensors, {**metadata, "state": skeleton})
 
 
-def load_state(path: str | Path, what: str = "state file") -> tuple[Any, dict]:
-    """``(obj, metadata)`` from :func:`save_state`; errors as in :func:`load_tensors`."""
-    tensors, meta = load_tensors(path, what)
+def load_state(path: str | Path, what: str = "state file", *, sha256: str | None = None,
+               device: Any = None) -> tuple[Any, dict]:
+    """``(obj, metadata)`` from :func:`save_state` (``device``: see :func:`decode_state`);
+    errors as in :func:`load_tensors`."""
+    tensors, meta = load_tensors(path, what, sha256=sha256)
     if "state" not in meta:
         raise FileFormatError(f"{what} {Path(path)} holds no partialfl state")
     try:
-        obj = decode_state(meta.pop("state"), tensors)
-    except (KeyError, TypeError, ValueError) as e:
-        raise FileFormatError(f"{what} {Path(path)} is corrupt: {e}") from None
+        obj = decode_state(meta.pop("state"), tensors, device)
+    except (KeyError, TypeError, ValueError, AttributeError, IndexError, RecursionError,
+            RuntimeError, ArithmeticError) as e:
+        raise FileFormatError(f"{what} {Path(path)} is corrupt: {str(e)[:200]}") from None
     return obj, meta

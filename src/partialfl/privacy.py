@@ -1,28 +1,47 @@
-"""Privacy by construction: what a client may send to the server.
+"""Privacy by construction, checked by value: what a client may send to the server.
 
-Only global quantities leave a client. A message (:class:`~partialfl.types.ClientUpdates`)
-may carry
+Only global quantities leave a client, and each value has exactly ONE channel:
 
-* ``vectors`` and every ``extra`` payload: trees whose leaf names are global parameters (the
-  names of the server's θ) — never a personal parameter's name;
-* ``metrics``: one scalar per client, already aggregated over the client's own examples
-  (shape ``[k]``), and only under a name listed in :data:`CLIENT_METRICS` (or an
-  algorithm's ``client_metrics``). Such metrics stay on the client side of the simulator:
-  :func:`server_view` drops them before the server sees the message, unless the algorithm
-  names them in ``server_metrics`` (what its server step really uses).
+====================  ===============================================================
+value                 its one channel
+====================  ===============================================================
+θ's update            ``vectors``: leaves named as θ's leaves, each row θ-shaped, real
+(gradient or Δ)       floating point (non-finite rows are skipped as faults)
+an algorithm's other  ``extra[name]`` with ``name`` in the algorithm's declared
+global payload        ``extra_names`` (Scaffold: ``dc``), a tree of θ's leaf names, each
+                      row θ-shaped, real floating point
+a per-client summary  ``metrics[name]``, ``name`` in :data:`CLIENT_METRICS` or the
+                      algorithm's ``client_metrics``/``server_metrics``: ONE float per
+                      client (shape ``[k]``), already aggregated over the client's own
+                      examples, finite or NaN ("not computed": no local step, no
+                      example — which ``grad_evals`` and ``weights`` tell anyway);
+                      dropped before the server (:func:`server_view`) unless listed in
+                      ``server_metrics`` (what the server step reads), and then passed
+                      as float64 with every NaN the canonical one (no payload bits)
+the client's weight   ``weights``: one finite number per client (its examples)
+work done             ``grad_evals``: one integer per message
+personal state        nowhere: ``ClientResult.client_state`` (w_m, c_m, Ditto's v_m)
+(w, control           stays with the runtime's client side, and is checkpointed only to
+variates)             the client-side file (:mod:`partialfl.runtime.checkpoint`)
+====================  ===============================================================
 
-:func:`check_updates` enforces this; the simulator's message path
-(:func:`partialfl.runtime.faults.receive`) calls it for every message, in every runtime.
-Anything else — per-example lists, a vector-valued metric such as w, a personal name —
-raises :class:`PrivacyError` naming it.
+Anything else — a personal parameter's name, an undeclared ``extra`` payload, a tree row
+that is not θ-shaped, a metric that is not allow-listed, not a float (e.g. a string or
+object array carrying w as text), not one per client, or infinite — is refused.
+:func:`screen` says which clients of a message may pass and why the others may not; the
+simulator's message path (:func:`partialfl.runtime.faults.receive`) calls it for every
+message in every runtime, skips and counts the refused clients (``updates_refused``) and
+re-raises a :class:`PrivacyError` when a whole cohort is refused before any client passed
+(an algorithm that leaks, not a fault). :func:`check_updates` raises on any refusal.
 """
 
 from __future__ import annotations
 
-from collections.abc import Collection
+from collections.abc import Collection, Mapping
 
 import numpy as np
 
+from partialfl import arrays
 from partialfl.types import ClientUpdates
 
 #: per-client scalars a client may report (each aggregated over its own examples)
@@ -38,37 +57,97 @@ def _allowed_metrics(algorithm) -> frozenset[str]:
         frozenset(getattr(algorithm, "server_metrics", ()))
 
 
-def check_updates(updates: ClientUpdates, global_names: Collection[str],
-                  algorithm=None) -> None:
-    """Raise :class:`PrivacyError` unless ``updates`` carries only global trees and allowed
-    per-client scalar metrics (see the module docstring)."""
-    names = set(global_names)
-    trees = {"vectors": updates.vectors, **{f"extra[{e!r}]": t for e, t in
-                                            updates.extra.items()}}
-    for where, tree in trees.items():
-        bad = sorted(set(tree) - names)
-        if bad:
-            raise PrivacyError(f"client message field {where} carries {bad[:5]}, which are "
-                               f"not global parameters (allowed: {sorted(names)[:8]})")
+def _is_float(v) -> bool:
+    """Whether ``v`` is a real floating-point array (numpy or torch)."""
+    if arrays.is_torch(v):
+        return v.dtype.is_floating_point
+    return isinstance(v, np.ndarray | np.generic) and np.asarray(v).dtype.kind == "f"
+
+
+def _tree_refusal(tree, theta: Mapping | Collection[str], k: int, where: str) -> str | None:
+    """Why a tree of a message may not pass (None: it may)."""
+    bad = sorted(set(tree) - set(theta))
+    if bad:
+        return (f"client message field {where} carries {bad[:5]}, which are not global "
+                f"parameters (allowed: {sorted(theta)[:8]})")
+    for n, v in tree.items():
+        if not _is_float(v):
+            return (f"client message field {where}[{n!r}] is not a real floating-point "
+                    f"array (got {type(v).__name__} of {getattr(v, 'dtype', None)})")
+        if isinstance(theta, Mapping):
+            want = (k, *tuple(np.shape(theta[n])))
+            if tuple(v.shape) != want:
+                return (f"client message field {where}[{n!r}] has shape {tuple(v.shape)}, "
+                        f"not one θ-shaped row per client {want}")
+    return None
+
+
+def screen(updates: ClientUpdates, theta: Mapping | Collection[str], algorithm=None
+           ) -> tuple[np.ndarray, str | None]:
+    """``(ok, reason)``: ``ok[i]`` whether client i's message may pass (see the module
+    docstring), ``reason`` why the first refused one may not (None if all pass). ``theta``:
+    the server's θ (shapes are checked) or just its leaf names."""
     k = len(updates.cohort)
+    why = _tree_refusal(updates.vectors, theta, k, "vectors")
+    declared = frozenset(getattr(algorithm, "extra_names", ()))
+    for e, tree in updates.extra.items():
+        if why is not None:
+            break
+        if e not in declared:
+            why = (f"client message field extra[{e!r}] is not declared by the algorithm "
+                   f"(its extra_names: {sorted(declared)})")
+        else:
+            why = _tree_refusal(tree, theta, k, f"extra[{e!r}]")
     allowed = _allowed_metrics(algorithm)
     for name, v in updates.metrics.items():
+        if why is not None:
+            break
         if name not in allowed:
-            raise PrivacyError(f"client metric {name!r} is not allowed to leave a client; "
-                               f"allowed: {', '.join(sorted(allowed))}")
-        shape = tuple(np.shape(v))
-        if shape != (k,):
-            raise PrivacyError(f"client metric {name!r} must be one scalar per client (shape "
-                               f"({k},)), got shape {shape}: per-example or vector values "
-                               "may not leave a client")
+            why = (f"client metric {name!r} is not allowed to leave a client; allowed: "
+                   f"{', '.join(sorted(allowed))}")
+        elif not _is_float(v):
+            why = (f"client metric {name!r} must be a float per client, got "
+                   f"{type(v).__name__} of {getattr(v, 'dtype', None)}")
+        elif tuple(v.shape) != (k,):
+            why = (f"client metric {name!r} must be one scalar per client (shape ({k},)), got "
+                   f"shape {tuple(v.shape)}: per-example or vector values may not leave a "
+                   "client")
+    if why is not None:  # a refusal of the message's structure: every client of it
+        return np.zeros(k, dtype=bool), why
+    ok = np.ones(k, dtype=bool)
+    for name, v in updates.metrics.items():
+        fin = ~np.isinf(_float64(v))  # NaN: "not computed" (canonicalised by server_view)
+        if not fin.all():
+            why = why or (f"client metric {name!r} of client "
+                          f"{int(updates.cohort[int(np.flatnonzero(~fin)[0])])} is infinite")
+            ok &= fin
+    return ok, why
+
+
+def _float64(v) -> np.ndarray:
+    """A float metric as float64 numpy (bf16 and other torch floats included)."""
+    if arrays.is_torch(v):
+        return v.detach().double().cpu().numpy()
+    return np.asarray(v, dtype=np.float64)
+
+
+def check_updates(updates: ClientUpdates, theta: Mapping | Collection[str],
+                  algorithm=None) -> None:
+    """Raise :class:`PrivacyError` unless every client of ``updates`` may pass
+    (:func:`screen`)."""
+    _, why = screen(updates, theta, algorithm)
+    if why is not None:
+        raise PrivacyError(why)
 
 
 def server_view(updates: ClientUpdates, algorithm=None) -> ClientUpdates:
     """The message as the server receives it: client-side metrics removed (only the names in
     ``algorithm.server_metrics`` pass)."""
     keep = frozenset(getattr(algorithm, "server_metrics", ()))
-    if set(updates.metrics) <= keep:
-        return updates
+    metrics = {}
+    for n, v in updates.metrics.items():
+        if n in keep:  # float64, every NaN the canonical one: no payload bits pass
+            a = _float64(v)
+            metrics[n] = np.where(np.isnan(a), np.nan, a)
     return ClientUpdates(updates.vectors, updates.weights, updates.cohort, updates.grad_evals,
-                         {n: v for n, v in updates.metrics.items() if n in keep},
-                         updates.extra)
+                         metrics, updates.extra)

@@ -67,6 +67,13 @@ class Algorithm:
     name: str = "algorithm"
     pseudo_gradient: str = "gradient"
     stateful_clients: bool = False
+    #: what the clients may send besides θ-shaped ``vectors`` (see :mod:`partialfl.privacy`):
+    #: per-client scalar metrics beyond ``train_loss`` (kept on the client side) ...
+    client_metrics: tuple[str, ...] = ()
+    #: ... those of them the server step reads (they pass to ``server_update``) ...
+    server_metrics: tuple[str, ...] = ()
+    #: ... and the names of the θ-shaped ``extra`` payloads (e.g. Scaffold's ``dc``)
+    extra_names: tuple[str, ...] = ()
 
     def __init__(self, server_opt=None, aggregator=None) -> None:
         self.server_opt = server_opt if server_opt is not None else SGD(lr=1.0)

@@ -187,6 +187,7 @@ class Scaffold(FedAvg):
     """
 
     name = "scaffold"
+    extra_names = ("dc",)  # the control-variate change Δc, θ-shaped, global
     stateful_clients = True
 
     def __init__(self, tau: int | None = None, lr: float | None = None, server_opt=None,

@@ -1,24 +1,62 @@
 """A base class for algorithms that wrap another one (Byzantine robustness, staleness
-weighting, buffering): everything except what the wrapper overrides is delegated."""
+weighting, buffering, fault injection): everything except what the wrapper overrides is
+delegated.
+
+The wrapped algorithm's declarations (:data:`MIRRORED`: its name, kind of pseudo-gradient,
+client state, server optimizer, aggregator, and the metrics and ``extra`` payloads its
+clients may send, see :mod:`partialfl.privacy`) are read through to ``base`` every time, so
+a wrapper never hides one of them. (The wrapper used to copy a hand-picked few at
+construction: ``client_metrics`` was not among them, so ``FaultInjector(Ditto)`` and
+``ByzantineRobust(Ditto)`` were refused with a false PrivacyError.) A wrapper that changes
+one assigns it (``self.name = ...``, ``self.aggregator = ...``), which overrides the base's
+value for that wrapper only.
+"""
 
 from __future__ import annotations
+
+from typing import Any
 
 from partialfl.algorithms.base import Algorithm, ServerState
 from partialfl.types import Params
 
+#: the declarations of :class:`~partialfl.algorithms.base.Algorithm` a wrapper mirrors
+MIRRORED = ("name", "pseudo_gradient", "stateful_clients", "server_opt", "aggregator",
+            "client_metrics", "server_metrics", "extra_names")
+
+
+class _Mirror:
+    """A declaration read through to ``base`` unless the wrapper assigned its own."""
+
+    def __set_name__(self, owner, name: str) -> None:
+        self.name = name
+
+    def __get__(self, obj, owner=None) -> Any:
+        if obj is None:
+            return getattr(Algorithm, self.name, self)
+        own = obj.__dict__
+        return own[self.name] if self.name in own else getattr(own["base"], self.name)
+
+    def __set__(self, obj, value) -> None:
+        obj.__dict__[self.name] = value
+
 
 class AlgorithmWrapper(Algorithm):
-    """Delegates ``init``, client work, deployment and the server optimizer to ``base``."""
+    """Delegates ``init``, client work, deployment and every declaration (:data:`MIRRORED`)
+    to ``base``."""
+
+    name = _Mirror()
+    pseudo_gradient = _Mirror()
+    stateful_clients = _Mirror()
+    server_opt = _Mirror()
+    aggregator = _Mirror()
+    client_metrics = _Mirror()
+    server_metrics = _Mirror()
+    extra_names = _Mirror()
 
     def __init__(self, base: Algorithm) -> None:
         if not isinstance(base, Algorithm):
             raise TypeError(f"can only wrap an Algorithm, got {type(base).__name__}")
         self.base = base
-        self.name = base.name
-        self.pseudo_gradient = base.pseudo_gradient
-        self.stateful_clients = base.stateful_clients
-        self.server_opt = base.server_opt
-        self.aggregator = base.aggregator
 
     def init(self, problem, theta0: Params) -> ServerState:
         """The wrapped algorithm's initial state."""

@@ -98,7 +98,7 @@ def summary_markdown(rows: list[dict], title: str, notes: list[str]) -> str:
         table.append([
             r["method"], r["tau"], *([r["seed"]] if seeded else []), last["round"],
             f"{last['rel_dist2']:.3e}",
-            f"{last['F_norm2']:.3e}", f"{last['loss_gap']:.6g}", last["local_grads"],
+            f"{last['F_norm2']:.3e}", f"{last['loss_gap']:.6g}", last["grad_evals"],
             "—" if hit is None else hit, f"{r['seconds']:.2f}",
         ])
     header = ["method", "τ", *(["seed"] if seeded else []), "rounds", REL_DIST2.replace(" ", ""),

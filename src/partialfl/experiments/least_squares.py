@@ -189,7 +189,7 @@ def reproduce_compare(out_dir: Path, *, quick: bool = False, seeds=None, data_di
     titles = [f"τ = {t}" for t in taus]
     plot_curves(out_dir / "ls_compare_rounds.png", panels, titles, x="round", y="rel_dist2",
                 ylabel=REL_DIST2)
-    plot_curves(out_dir / "ls_compare_grads.png", panels, titles, x="local_grads",
+    plot_curves(out_dir / "ls_compare_grads.png", panels, titles, x="grad_evals",
                 y="rel_dist2", ylabel=REL_DIST2,
                 xlabel="local gradient computations per client")
     plot_curves(out_dir / "ls_compare_loss.png", panels, titles, x="round", y="loss_gap",

@@ -19,7 +19,8 @@ fresh copy for ``personalize.rounds × client.epochs`` epochs (the budget of a t
 under full participation).
 
 Files in ``run_dir``: ``config.json``; ``stage2.jsonl`` (per-evaluation metrics: learning
-curves), ``stage2.ckpt`` (resumable server state) and ``stage2.client-side.ckpt`` (the
+curves), ``stage2.ckpt`` (the resumable checkpoint's pointer, :mod:`partialfl.runtime.checkpoint`),
+``stage2.g<N>.server.ckpt`` and ``stage2.g<N>.client-side.ckpt`` (the
 clients' state, e.g. FedAlt's w_m: never in a server file), ``theta_stage2.safetensors`` (θ
 after stage 2), ``client_state_stage2.client-side.safetensors`` (FedAlt/FedSim personal
 parameters), ``deploy.safetensors`` (the split model's tensors with θ and w_pre, for

@@ -172,7 +172,7 @@ def plot_curves(path: Path, panels: list[dict[str, list[dict]]], titles: Sequenc
             ax.set_yscale("log")
         ax.set_title(title)
         ax.set_xlabel(xlabel or ("communication rounds" if x == "round" else x))
-        if x in ("round", "local_grads"):
+        if x in ("round", "step", "grad_evals"):
             ax.xaxis.set_major_locator(MaxNLocator(nbins=6, integer=True))
             ax.ticklabel_format(axis="x", style="sci", scilimits=(-4, 4))
         ax.grid(alpha=0.3, which="both")

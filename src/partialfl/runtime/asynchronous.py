@@ -40,13 +40,10 @@ import numpy as np
 from partialfl import io as pio
 from partialfl import rng as prng
 from partialfl.algorithms.base import Algorithm, RoundContext, ServerState
+from partialfl.runtime.checkpoint import Checkpoint, run_fingerprint
 from partialfl.runtime.faults import ClientFaultError, FaultLog, receive
-from partialfl.runtime.sync import (
-    check_fingerprint,
-    client_side_path,
-    run_fingerprint,
-    sample_cohort,
-)
+from partialfl.runtime.logging import base_record
+from partialfl.runtime.sync import sample_cohort
 from partialfl.types import ClientUpdates, Params
 
 DISTRIBUTIONS = ("constant", "exponential", "half-normal", "log-normal", "pareto")
@@ -221,6 +218,7 @@ class AsyncRunResult:
     events: list[tuple] = field(default_factory=list)
     seconds: float = 0.0
     faults: FaultLog | None = None
+    diverged: str = ""  # why θ became non-finite after a server step (the run stopped)
 
     @property
     def staleness(self) -> np.ndarray:
@@ -260,6 +258,7 @@ class AsyncServer:
         self.history: list[dict] = []
         self.time = 0.0
         self.faults = FaultLog(max_failure_fraction)
+        self.diverged = ""  # why θ became non-finite (the run stops)
         self._eval(0.0)
 
     def sample_client(self, job: int) -> int:
@@ -309,7 +308,7 @@ class AsyncServer:
         """Apply the update of ``job`` (a ClientResult) now, recording its staleness; a
         message rejected by :func:`receive` is counted as lost (returns False)."""
         result, _ = receive(result, self.state, self.algorithm, self.faults,
-                            f"client {job.client} (job {job.job})")
+                            f"client {job.client} (job {job.job})", self.concurrency)
         if result is None:
             self.lost(job, time)
             return False
@@ -321,8 +320,13 @@ class AsyncServer:
         if result.client_state is not None and self.client_state is not None:
             for n, v in result.client_state.items():
                 self.client_state[n][job.client] = v[0]
+        old = self.state
         self.state = self.algorithm.server_update(self.state, up,
                                                   RoundContext(self.seed, self.arrivals))
+        where = f"client {job.client} (job {job.job})"
+        bad = self.faults.server_step(where, old.theta, self.state.theta, up)
+        if bad:  # θ is not finite: warn, record, stop (see :func:`drive`)
+            self.diverged = self.faults.diverged(where, bad)
         self.busy[job.client] = False
         self.arrivals += 1
         self.grad_evals += int(up.grad_evals)
@@ -332,7 +336,7 @@ class AsyncServer:
                            job.version, before, after, tau))
         if self.record_events:
             self.events.append(("arrive", float(time), job.job, job.client, job.slot, after))
-        if self.arrivals % self.eval_every == 0:
+        if self.arrivals % self.eval_every == 0 or self.diverged:
             self._eval(time)
         return True
 
@@ -362,13 +366,12 @@ class AsyncServer:
         return [int(row[-1]) for row in self._rows[-n:]] if n > 0 else []
 
     def _eval(self, time: float) -> None:
-        rec: dict[str, Any] = {"step": self.arrivals, "round": self.state.round,
-                               "time": float(time), "grad_evals": self.grad_evals}
+        rec = base_record(self.state.round, self.arrivals, time, self.grad_evals,
+                          self.faults.record())
         if self.evaluate is not None:
             rec.update(self.evaluate(self.algorithm, self.state, self.problem,
                                      self.client_state, RoundContext(self.seed,
                                                                      self.state.round)))
-        rec.update(self.faults.record())
         self.history.append(rec)
         if self.logger is not None:
             self.logger.log(rec)
@@ -383,7 +386,7 @@ class AsyncServer:
         steps = {n: np.asarray(c, dtype=float if "time" in n else np.int64)
                  for n, c in zip(names, cols)}
         return AsyncRunResult(self.state, self.client_state, self.history, steps,
-                              self.events, seconds, self.faults)
+                              self.events, seconds, self.faults, self.diverged)
 
 
 def _check_budget(steps: int | None, max_time: float | None) -> None:
@@ -444,64 +447,45 @@ class AsyncTransport(Protocol):
     def close(self) -> None: ...
 
 
-ASYNC_CHECKPOINT_FORMAT = "partialfl-async-checkpoint-1"
-
-
 class AsyncCheckpoint:
-    """An asynchronous run's checkpoint at ``path``: the server's bookkeeping and, for every
-    job in flight, the job and the server state it was sent (safetensors + JSON, atomic);
-    validated against ``fingerprint``. With ``private`` the clients' state (and the rows the
-    jobs in flight were sent) go to the client-side file
-    (:func:`~partialfl.runtime.sync.client_side_path`). ``extra``: the transport's own
-    bookkeeping, saved with :meth:`state` and given back to :meth:`restore` on load (the
-    Flower ServerApp's report: failures, requested updates)."""
+    """An asynchronous run's checkpoint at ``path``, a
+    :class:`~partialfl.runtime.checkpoint.Checkpoint` (crash-consistent generations,
+    safetensors + JSON): the server's bookkeeping and, for every job in flight, the job and
+    the server state it was sent; validated against ``fingerprint``. With ``private`` the
+    clients' state (and the rows the jobs in flight were sent) go to the client-side file.
+    ``extra``: the transport's own bookkeeping, saved with its ``state()`` and given back to
+    its ``restore(saved)`` on load (the Flower ServerApp's report: failures, requested
+    updates). Tensors are loaded onto ``device`` (see :func:`partialfl.io.decode_state`)."""
 
     def __init__(self, path, fingerprint: dict | None, private: bool = True,
-                 extra=None) -> None:
-        self.path, self.fingerprint, self.private = Path(path), fingerprint, private
-        self.extra = extra
+                 extra=None, device=None) -> None:
+        self.codec = Checkpoint(path, fingerprint, kind="async", private=private)
+        self.path, self.fingerprint, self.private = self.codec.path, fingerprint, private
+        self.extra, self.device = extra, device
 
     def save(self, server: AsyncServer, inflight: dict[int, tuple]) -> None:
-        """Write the checkpoint (client side first, like the synchronous one)."""
+        """Commit the run state as a new generation."""
         jobs = [(tuple(job.__dict__.values()), state) for job, state, _, _ in
                 inflight.values()]
         clients = {"client_state": server.client_state,
                    "rows": [cs for _, _, cs, _ in inflight.values()]}
-        out: dict[str, Any] = {"server": server.snapshot(), "jobs": jobs}
-        if self.extra is not None:
-            out["extra"] = self.extra.state()
-        meta = {"format": ASYNC_CHECKPOINT_FORMAT, "fingerprint": self.fingerprint,
-                "arrivals": server.arrivals, "private": bool(self.private)}
-        if self.private:
-            pio.save_state(client_side_path(self.path), clients, side="client",
-                           arrivals=server.arrivals,
-                           note="client-side state: stays on the clients")
-        else:
-            out["clients"] = clients
-        pio.save_state(self.path, out, side="server", **meta)
+        self.codec.save({"server": server.snapshot(), "jobs": jobs}, clients,
+                        extra=None if self.extra is None else self.extra.state(),
+                        progress={"arrivals": server.arrivals})
 
     def load(self):
         """``(snapshot, client_state, [(job, state, client rows)])``, or None if absent."""
-        if not self.path.exists():
+        saved = self.codec.load(self.device)
+        if saved is None:
             return None
-        saved, meta = pio.load_state(self.path, "checkpoint")
-        if meta.get("format") != ASYNC_CHECKPOINT_FORMAT:
-            raise pio.FileFormatError(f"checkpoint {self.path} has format "
-                                      f"{meta.get('format')!r}, expected "
-                                      f"{ASYNC_CHECKPOINT_FORMAT!r}")
-        check_fingerprint(self.path, meta.get("fingerprint"), self.fingerprint)
-        clients = saved.get("clients")
-        if meta.get("private"):
-            cfile = client_side_path(self.path)
-            clients, cmeta = pio.load_state(cfile, "client-side checkpoint")
-            if cmeta.get("arrivals") != meta.get("arrivals"):
-                raise pio.FileFormatError(f"client-side checkpoint {cfile} is of step "
-                                          f"{cmeta.get('arrivals')}, the server checkpoint "
-                                          f"{self.path} of step {meta.get('arrivals')}")
-        jobs = [(Job(*j), st, cs) for (j, st), cs in zip(saved["jobs"], clients["rows"])]
+        body, clients = saved.server, saved.client
+        if not isinstance(clients, dict) or len(clients.get("rows", ())) != len(body["jobs"]):
+            raise pio.FileFormatError(f"checkpoint {self.path}: the client-side part does not "
+                                      "match the jobs in flight")
+        jobs = [(Job(*j), st, cs) for (j, st), cs in zip(body["jobs"], clients["rows"])]
         if self.extra is not None:
-            self.extra.restore(saved.get("extra") or {})
-        return saved["server"], clients["client_state"], jobs
+            self.extra.restore(saved.extra or {})
+        return body["server"], clients["client_state"], jobs
 
 
 def drive(server: AsyncServer, transport: AsyncTransport, compute_time: ComputeTimeModel, *,
@@ -561,8 +545,8 @@ def drive(server: AsyncServer, transport: AsyncTransport, compute_time: ComputeT
             bar.update(server.arrivals if steps is not None else server.time)
         busy_slots = {job.slot for job, _, _, _ in inflight.values()}
         for slot in range(server.concurrency):
-            if slot not in busy_slots:
-                launch(slot)
+            if slot not in busy_slots and (steps is None or server.arrivals < steps):
+                launch(slot)  # (a resumed run that had finished launches nothing)
         while steps is None or server.arrivals < steps:
             ev = transport.next(max_time)
             if ev is None:
@@ -580,7 +564,7 @@ def drive(server: AsyncServer, transport: AsyncTransport, compute_time: ComputeT
                 try:
                     transport.restart(ev.slot)
                 except ClientFaultError as e:
-                    raise ClientFaultError(f"{e}; first: {server.faults.first_error_text}"
+                    raise ClientFaultError(f"{e}; first: {server.faults.cause()}"
                                            ) from None
                 continue
             if ev.kind == "error":
@@ -595,13 +579,13 @@ def drive(server: AsyncServer, transport: AsyncTransport, compute_time: ComputeT
                 busy.append(ev.busy)
                 if bar is not None:
                     bar.update(1 if steps is not None else ev.time - bar.n)
-                if checkpoint is not None and checkpoint_every and \
-                        server.arrivals % checkpoint_every == 0:
+                if checkpoint is not None and checkpoint_every and not server.diverged \
+                        and server.arrivals % checkpoint_every == 0:
                     checkpoint.save(server, inflight)
-            if steps is not None and server.arrivals >= steps:
+            if (steps is not None and server.arrivals >= steps) or server.diverged:
                 break
             launch(ev.job.slot)
-        if checkpoint is not None and checkpoint_every:
+        if checkpoint is not None and checkpoint_every and not server.diverged:
             checkpoint.save(server, inflight)
     finally:
         if bar is not None:
@@ -670,8 +654,9 @@ def async_server(problem, algorithm: Algorithm, *, concurrency: int, compute_tim
     if checkpoint is not None:
         fp = run_fingerprint(problem, algorithm, seed, None,
                              {"concurrency": int(concurrency), "compute_time": model})
-        ck = AsyncCheckpoint(checkpoint, fp, private_checkpoints)
-    resuming = resume and ck is not None and ck.path.exists()
+        ck = AsyncCheckpoint(checkpoint, fp, private_checkpoints,
+                             device=getattr(problem, "device", None))
+    resuming = resume and ck is not None and ck.codec.exists()
     server = AsyncServer(problem, algorithm, concurrency=concurrency, seed=seed, theta0=theta0,
                          evaluate=evaluate, eval_every=eval_every,
                          logger=None if resuming else logger,  # restore() replays the log

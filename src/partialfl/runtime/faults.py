@@ -4,17 +4,19 @@ Every runtime (synchronous rounds, asynchronous simulated clock, worker processe
 client the same way (the simulator's *message path*, :func:`receive`):
 
 * a client whose computation **raises** (or whose worker process dies) is skipped;
+* a client whose message is refused for privacy (:func:`partialfl.privacy.screen`: a name,
+  shape or dtype outside the one channel of each value, a non-finite metric) is skipped;
 * a client whose update, weight or extra payload holds a **non-finite** value is skipped —
   it is never averaged into θ;
-* the message is checked for privacy (:func:`partialfl.privacy.check_updates`) and the
-  server sees only :func:`partialfl.privacy.server_view`.
+* the server sees only :func:`partialfl.privacy.server_view`.
 
 Skipped clients are counted in a :class:`FaultLog` (written into every JSONL record:
-``clients_failed``, ``updates_nonfinite``, ``worker_deaths``) and logged with the
-``partialfl`` logger. The run aborts with :class:`ClientFaultError` only when the lost
-fraction exceeds ``max_failure_fraction`` (after ``min_attempts`` client computations). If
-no client computation succeeded yet and a whole cohort (every slot, asynchronously) raised,
-the first client error is re-raised as is: a bug or a bad configuration, not a fault.
+``clients_failed``, ``updates_nonfinite``, ``updates_refused``, ``worker_deaths``) and
+logged with the ``partialfl`` logger. The run aborts with :class:`ClientFaultError` only
+when the lost fraction exceeds ``max_failure_fraction`` (after ``min_attempts`` client
+computations). If no client computation succeeded yet and a whole cohort (every slot,
+asynchronously) raised or was refused, the first client error (or privacy refusal) is
+re-raised as is: a bug or a bad configuration, not a fault.
 
 :class:`FaultInjector` wraps an algorithm to inject faults at random, derived from
 ``generator(seed, "fault", round, client)`` (for ``partialfl reproduce faults`` and tests).
@@ -25,7 +27,9 @@ from __future__ import annotations
 import logging
 import math
 import os
+import warnings
 from dataclasses import dataclass, field
+from typing import Any
 
 import numpy as np
 
@@ -33,7 +37,7 @@ from partialfl import arrays
 from partialfl import rng as prng
 from partialfl.algorithms.base import ClientResult
 from partialfl.algorithms.wrapper import AlgorithmWrapper
-from partialfl.privacy import check_updates, server_view
+from partialfl.privacy import PrivacyError, screen, server_view
 from partialfl.types import ClientUpdates
 
 log = logging.getLogger("partialfl")
@@ -48,6 +52,32 @@ class InjectedFault(RuntimeError):
 
 
 _rows_finite = arrays.rows_finite
+
+
+def _row_norms(v) -> np.ndarray:
+    """The Euclidean norm of each row (float64, scaled so that no finite row overflows)."""
+    if arrays.is_torch(v):
+        a = v.detach().reshape(v.shape[0], -1).double().cpu().numpy()
+    else:
+        a = np.asarray(v, dtype=np.float64).reshape(np.shape(v)[0], -1)
+    if a.shape[1] == 0:
+        return np.zeros(a.shape[0])
+    m = np.abs(a).max(1)
+    safe = np.where((m > 0) & np.isfinite(m), m, 1.0)
+    with np.errstate(invalid="ignore", over="ignore"):
+        n = safe * np.sqrt(np.einsum("ij,ij->i", a / safe[:, None], a / safe[:, None]))
+    return np.where(np.isfinite(m), n, np.inf)
+
+
+def theta_norm(theta) -> float:
+    """‖θ‖ over all leaves (float64; a finite θ's norm overflows only past 1e308)."""
+    return float(_row_norms(np.asarray([[float(_row_norms(v.reshape(1, -1))[0])
+                                         for v in theta.values()]]))[0])
+
+
+def nonfinite_leaves(theta) -> list[str]:
+    """The leaves of θ holding NaN or ±inf."""
+    return [n for n, v in theta.items() if not bool(_rows_finite(v.reshape(1, -1))[0])]
 
 
 def finite_mask(updates: ClientUpdates) -> np.ndarray:
@@ -69,9 +99,14 @@ class FaultLog:
     succeeded: int = 0
     failed: int = 0
     nonfinite: int = 0
+    refused: int = 0
     worker_deaths: int = 0
     first_error: BaseException | None = field(default=None, repr=False)
     first_error_text: str = ""
+    #: the server step that grew ‖θ‖ most (‖θ_after‖ / max(‖θ_before‖, 1)): factor, where,
+    #: its largest update's client and norm
+    growth: dict[str, Any] = field(default_factory=dict)
+    _norm: float | None = field(default=None, repr=False)
 
     def __post_init__(self) -> None:
         f = self.max_failure_fraction
@@ -80,22 +115,26 @@ class FaultLog:
 
     @property
     def lost(self) -> int:
-        return self.failed + self.nonfinite + self.worker_deaths
+        return self.failed + self.nonfinite + self.refused + self.worker_deaths
 
     def record(self) -> dict[str, int]:
         """The counters written into every metrics record."""
         return {"clients_failed": self.failed, "updates_nonfinite": self.nonfinite,
-                "worker_deaths": self.worker_deaths}
+                "updates_refused": self.refused, "worker_deaths": self.worker_deaths}
 
     def restore(self, rec: dict) -> None:
         self.failed = int(rec.get("clients_failed", 0))
         self.nonfinite = int(rec.get("updates_nonfinite", 0))
+        self.refused = int(rec.get("updates_refused", 0))
         self.worker_deaths = int(rec.get("worker_deaths", 0))
         self.attempted = int(rec.get("attempted", self.lost))
         self.succeeded = int(rec.get("succeeded", self.attempted - self.lost))
+        self.first_error_text = str(rec.get("first", ""))
+        self.growth = dict(rec.get("growth", {}))
 
-    def state(self) -> dict[str, int]:
-        return {**self.record(), "attempted": self.attempted, "succeeded": self.succeeded}
+    def state(self) -> dict[str, Any]:
+        return {**self.record(), "attempted": self.attempted, "succeeded": self.succeeded,
+                "first": self.first_error_text, "growth": dict(self.growth)}
 
     def client_error(self, where: str, err: BaseException | str) -> None:
         self.attempted += 1
@@ -107,22 +146,71 @@ class FaultLog:
         lines = text.strip().splitlines() or [""]
         log.warning("skipping %s: it failed (%s)", where, lines[-1])
 
-    def worker_death(self, where: str) -> None:
+    def worker_death(self, where: str, why: str = "died") -> None:
         self.attempted += 1
         self.worker_deaths += 1
         if not self.first_error_text:
-            self.first_error_text = f"{where}: worker process died"
-        log.warning("skipping %s: its worker process died", where)
+            self.first_error_text = f"{where}: its worker process {why}"
+        log.warning("skipping %s: its worker process %s", where, why)
 
-    def rejected(self, where: str, n: int) -> None:
+    def rejected(self, where: str, n: int, clients=()) -> None:
         self.nonfinite += n
+        if not self.first_error_text:
+            self.first_error_text = (f"{where}: non-finite update of client(s) "
+                                     f"{[int(c) for c in clients][:8]}")
         log.warning("skipping %d update(s) of %s: non-finite values", n, where)
 
+    def server_step(self, where: str, old, theta, updates: ClientUpdates) -> list[str]:
+        """After a server step from θ ``old`` to ``theta`` on ``updates``: note how much it
+        grew ‖θ‖ (the largest growth, with the client of the step's largest update, names
+        the likely cause when the run later fails) and return θ's non-finite leaves
+        (divergence)."""
+        bad = nonfinite_leaves(theta)
+        after = math.inf if bad else theta_norm(theta)
+        before = self._norm if self._norm is not None else theta_norm(old)
+        self._norm = after
+        if len(updates.cohort):
+            factor = after / max(before, 1.0)  # (a start from θ = 0 is no growth)
+            if factor > self.growth.get("factor", 1.0):
+                norms = _row_norms(np.stack([_row_norms(v) for v in
+                                             updates.vectors.values()], 1))
+                i = int(np.argmax(norms))
+                self.growth = {"factor": factor, "where": where, "to": after,
+                               "client": int(updates.cohort[i]), "norm": float(norms[i])}
+        return bad
+
+    def cause(self) -> str:
+        """The first fault, and the server step that grew ‖θ‖ most if it grew it 1000×."""
+        parts = [self.first_error_text] if self.first_error_text else []
+        g = self.growth
+        if g.get("factor", 1.0) >= 1e3:
+            parts.append(f"‖θ‖ grew ×{g['factor']:.3g} (to {g['to']:.3g}) at {g['where']}, "
+                         f"whose largest update came from client {g['client']} (norm "
+                         f"{g['norm']:.3g})")
+        return "; ".join(parts) or "no client error recorded"
+
+    def diverged(self, where: str, bad: list[str]) -> str:
+        """Warn that θ is not finite after the server step of ``where`` (leaves ``bad``)."""
+        msg = (f"the run diverged: θ is not finite after the server step of {where} (leaves "
+               f"{bad[:4]}); the run stops there (lower the step sizes); {self.cause()}")
+        log.error("%s", msg)
+        warnings.warn(msg, RuntimeWarning, stacklevel=3)
+        return msg
+
+    def refuse(self, where: str, n: int, why: str) -> None:
+        """``n`` clients' messages refused for privacy (:func:`partialfl.privacy.screen`)."""
+        self.refused += n
+        if self.first_error is None and not self.first_error_text:
+            self.first_error = PrivacyError(why)
+            self.first_error_text = f"{where}: {why}"
+        log.warning("skipping %d update(s) of %s: refused (%s)", n, where, why)
+
     def raise_if_systematic(self, n: int) -> None:
-        """Before any client computation succeeded, ``n`` or more raising ones (a whole
-        cohort, every slot) are a bug or a bad configuration, not faults: re-raise the first
-        error as is."""
-        if self.succeeded == 0 and self.failed >= n and self.first_error is not None:
+        """Before any client computation succeeded, ``n`` or more raising or refused ones (a
+        whole cohort, every slot) are a bug or a bad configuration, not faults: re-raise the
+        first error as is."""
+        if self.succeeded == 0 and self.failed + self.refused >= n and \
+                self.first_error is not None:
             raise self.first_error
 
     def check(self) -> None:
@@ -134,32 +222,38 @@ class FaultLog:
             raise self.first_error
         raise ClientFaultError(
             f"{self.lost} of {self.attempted} client computations were lost "
-            f"({self.failed} raised, {self.nonfinite} non-finite, {self.worker_deaths} worker "
-            f"deaths), more than max_failure_fraction={self.max_failure_fraction}; first: "
-            f"{self.first_error_text}")
+            f"({self.failed} raised, {self.nonfinite} non-finite, {self.refused} refused, "
+            f"{self.worker_deaths} worker deaths), more than "
+            f"max_failure_fraction={self.max_failure_fraction}; first: {self.cause()}")
 
 
-def receive(result: ClientResult, state, algorithm, faults: FaultLog, where: str
-            ) -> tuple[ClientResult | None, np.ndarray]:
-    """The simulator's message path for one cohort's result: privacy check, non-finite
-    screening (counted in ``faults``), then the server's view. Returns ``(result with the
-    kept clients only, or None if none is left; kept positions)``."""
+def receive(result: ClientResult, state, algorithm, faults: FaultLog, where: str,
+            systematic: int | None = None) -> tuple[ClientResult | None, np.ndarray]:
+    """The simulator's message path for one cohort's result: privacy screening, non-finite
+    screening (both counted in ``faults``), then the server's view. Returns ``(result with
+    the kept clients only, or None if none is left; kept positions)``. A refusal of
+    ``systematic`` (default: the whole message) or more clients before any client passed
+    re-raises the :class:`~partialfl.privacy.PrivacyError` (see the module docstring)."""
     up = result.updates
-    if len(up.cohort) == 0:  # nothing was sent
+    k = len(up.cohort)
+    if k == 0:  # nothing was sent
         return None, np.arange(0)
-    check_updates(up, state.theta.keys(), algorithm)
-    ok = finite_mask(up)
-    k = len(ok)
     faults.attempted += k
+    ok, why = screen(up, state.theta, algorithm)
     if not ok.all():
-        faults.rejected(where, int((~ok).sum()))
-    faults.succeeded += int(ok.sum())
-    keep = np.flatnonzero(ok)
+        faults.refuse(where, int((~ok).sum()), why)
+        faults.raise_if_systematic(k if systematic is None else systematic)
+        up = up.select(np.flatnonzero(ok)) if ok.any() else up
+    fin = finite_mask(up) if ok.any() else np.zeros(0, dtype=bool)
+    if not fin.all():
+        faults.rejected(where, int((~fin).sum()), np.asarray(up.cohort)[~fin])
+    keep = np.flatnonzero(ok)[fin]
+    faults.succeeded += len(keep)
     if len(keep) == 0:
         return None, keep
     cs = result.client_state
     if len(keep) < k:
-        up = up.select(keep)
+        up = result.updates.select(keep)
         if cs is not None:
             cs = {n: v[keep] for n, v in cs.items()}
     return ClientResult(server_view(up, algorithm), cs), keep
@@ -224,9 +318,9 @@ class FaultInjector(AlgorithmWrapper):
 
 
 def _in_worker() -> bool:
-    import multiprocessing as mp
+    from partialfl.runtime.pool import in_worker
 
-    return mp.current_process().name.startswith("partialfl-async")
+    return in_worker()
 
 
 class DropClients(AlgorithmWrapper):

@@ -1,4 +1,21 @@
-"""Per-round metrics as JSON lines (one object per evaluated round)."""
+"""The metric records of a run (its *history*) and their JSON-lines files.
+
+Every record of every loop — synchronous rounds (:func:`partialfl.runtime.sync.run_rounds`),
+the asynchronous loop (:func:`partialfl.runtime.asynchronous.drive`, simulated or on worker
+processes) — has these keys (:func:`base_record`), then the evaluator's metrics:
+
+* ``round`` — server steps taken (``state.round``): rounds run (sync), ``server_update``
+  calls (async; FedBuff steps once per K arrivals);
+* ``step`` — the loop's progress: rounds run (sync, = ``round``), client updates applied
+  (async: arrivals);
+* ``time`` — seconds since the start (wall-clock for rounds and worker processes, simulated
+  for the simulated clock);
+* ``grad_evals`` — local gradient evaluations behind θ: one client's count per round summed
+  over rounds (sync: clients of a round do equal work), each applied update's count summed
+  (async);
+* ``clients_failed``, ``updates_nonfinite``, ``updates_refused``, ``worker_deaths`` — the
+  fault counters (:class:`partialfl.runtime.faults.FaultLog`).
+"""
 
 from __future__ import annotations
 
@@ -6,6 +23,17 @@ import json
 import math
 from pathlib import Path
 from typing import Any
+
+#: the keys every history record has (see the module docstring)
+RECORD_KEYS = ("round", "step", "time", "grad_evals", "clients_failed", "updates_nonfinite",
+               "updates_refused", "worker_deaths")
+
+
+def base_record(round_: int, step: int, time: float, grad_evals: int,
+                faults: dict[str, int]) -> dict[str, Any]:
+    """A record's common keys (:data:`RECORD_KEYS`); ``faults``: ``FaultLog.record()``."""
+    return {"round": int(round_), "step": int(step), "time": float(time),
+            "grad_evals": int(grad_evals), **faults}
 
 
 def _clean(v: Any) -> Any:

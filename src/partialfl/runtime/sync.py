@@ -21,10 +21,7 @@ the clients' state (e.g. FedAlt's w_m, Scaffold's c_m) goes to a separate file l
 
 from __future__ import annotations
 
-import hashlib
-import json
 import time
-import types
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -32,13 +29,20 @@ from typing import Any, Protocol, runtime_checkable
 
 import numpy as np
 
-from partialfl import arrays
 from partialfl import io as pio
 from partialfl import rng as prng
 from partialfl.algorithms.base import Algorithm, RoundContext, ServerState, concat_results
 from partialfl.runtime.backends import BatchedBackend
+from partialfl.runtime.checkpoint import (  # noqa: F401 - ResumeError: part of this API
+    Checkpoint,
+    ResumeError,
+    check_fingerprint,
+    run_fingerprint,
+)
 from partialfl.runtime.clients import run_clients
+from partialfl.runtime.cohort_pool import ClientsFailed, WorkerError
 from partialfl.runtime.faults import FaultLog, receive
+from partialfl.runtime.logging import base_record
 from partialfl.types import Params
 
 Evaluator = Callable[[Algorithm, ServerState, Any, "Params | None", RoundContext], dict]
@@ -63,70 +67,8 @@ class RunResult:
     history: list[dict] = field(default_factory=list)
     seconds: float = 0.0
     faults: FaultLog | None = None
-    stopped: bool = False  # True: ``stop(history)`` ended the run before ``rounds``
-
-
-class ResumeError(ValueError):
-    """A checkpoint does not belong to the run that tries to resume it."""
-
-
-_FUNCTIONS = (types.FunctionType, types.MethodType, types.BuiltinFunctionType)
-#: attributes that are not part of a run's identity: the device (a run resumes on another one)
-#: and state that changes while training (fp16 loss scaling)
-_NOT_IDENTITY = frozenset({"device", "scaler"})
-
-
-def _describe(o: Any, depth: int = 0) -> Any:
-    """A stable, JSON-able description of a configuration object: public attributes,
-    recursively; arrays by shape, dtype and a hash of their bytes."""
-    if o is None or isinstance(o, bool | int | str):
-        return o
-    if isinstance(o, float):
-        return repr(o)
-    if isinstance(o, np.generic):
-        return repr(o.item())
-    if arrays.is_array(o):
-        a = np.ascontiguousarray(arrays.to_numpy(o))
-        return [list(a.shape), str(a.dtype), hashlib.sha256(a.tobytes()).hexdigest()[:16]]
-    if depth > 4:
-        return type(o).__qualname__
-    if isinstance(o, list | tuple):
-        return [_describe(v, depth + 1) for v in o]
-    if isinstance(o, dict):
-        return {str(k): _describe(v, depth + 1) for k, v in o.items()}
-    if callable(o) and not hasattr(o, "__dict__") or isinstance(o, type):
-        return getattr(o, "__qualname__", type(o).__qualname__)
-    if hasattr(o, "named_parameters"):  # a torch module: its architecture, not its values
-        return [type(o).__qualname__, [(n, list(p.shape)) for n, p in o.named_parameters()]]
-    attrs = getattr(o, "__dict__", None)
-    if attrs is None:
-        return type(o).__qualname__
-    return {"class": type(o).__qualname__,
-            **{k: _describe(v, depth + 1) for k, v in sorted(attrs.items())
-               if not k.startswith("_") and k not in _NOT_IDENTITY
-               and not isinstance(v, _FUNCTIONS)}}
-
-
-def _digest(o: Any) -> str:
-    return hashlib.sha256(json.dumps(_describe(o), sort_keys=True, default=str)
-                          .encode()).hexdigest()[:16]
-
-
-def run_fingerprint(problem, algorithm, seed: int, clients_per_round: int | None,
-                    extra: dict | None = None) -> dict[str, Any]:
-    """What a checkpoint must match to be resumed: the problem (its data and settings), the
-    algorithm (its solver, optimizer, aggregator and hyper-parameters), the seed and the
-    cohort size (plus ``extra``, e.g. a configuration dict)."""
-    return {"problem": f"{type(problem).__qualname__}:{_digest(problem)}",
-            "algorithm": f"{algorithm.name}:{_digest(algorithm)}", "seed": int(seed),
-            "clients_per_round": clients_per_round, "num_clients": int(problem.num_clients),
-            **({"config": _digest(extra)} if extra else {})}
-
-
-def client_side_path(path: Path) -> Path:
-    """Where a checkpoint's client state goes with private checkpoints: ``X.client-side.ckpt``
-    next to ``X.ckpt`` — held by the clients in a deployment, never sent to the server."""
-    return path.with_name(f"{path.stem}.client-side{path.suffix}")
+    stopped: bool = False  # True: ``stop(history)`` (or divergence) ended the run early
+    diverged: str = ""  # why θ became non-finite after a server step (the run stopped there)
 
 
 @runtime_checkable
@@ -143,8 +85,9 @@ class SyncTransport(Protocol):
 
 class InProcess:
     """The cohort run here under a batching mode (vmap, loop, worker processes: see
-    :func:`partialfl.batching.map_clients`). A cohort that raises is re-run one client at a
-    time; raising clients are skipped and counted."""
+    :func:`partialfl.batching.map_clients`). Failing clients are skipped and counted: a
+    worker pool reports exactly which ones failed (:class:`ClientsFailed`); under another
+    mode a cohort that raises is re-run one client at a time to isolate them."""
 
     def __init__(self, mode) -> None:
         self.mode = mode
@@ -155,6 +98,8 @@ class InProcess:
         try:
             res = run_clients(algorithm, state, problem, cohort, ctx, cs, mode)
             return res, np.arange(len(cohort))
+        except ClientsFailed as e:
+            return _survivors(e, cohort, ctx, faults)
         except Exception as e:  # noqa: BLE001 - isolate the failing client(s)
             if len(cohort) == 1:
                 faults.client_error(f"client {int(cohort[0])} in round {ctx.round}", e)
@@ -174,39 +119,61 @@ class InProcess:
         return (concat_results(out) if out else None), np.asarray(pos, dtype=np.int64)
 
 
+def _survivors(e: ClientsFailed, cohort, ctx, faults: FaultLog):
+    """The clients a worker pool ran successfully; the failed ones counted (a raising
+    client's traceback kept as its error, so a bug in every client is re-raised)."""
+    for i, (kind, why) in sorted(e.failures.items()):
+        where = f"client {int(cohort[i])} in round {ctx.round}"
+        if kind == "death":
+            faults.worker_death(where, why)
+        else:
+            faults.client_error(where, WorkerError(f"{where} failed in a worker:\n{why}"))
+    pos = np.asarray([i for i, r in enumerate(e.results) if r is not None], dtype=np.int64)
+    if len(pos) == 0:
+        faults.raise_if_systematic(len(cohort))
+        return None, pos
+    return concat_results([e.results[i] for i in pos]), pos
+
+
 @runtime_checkable
 class Checkpointer(Protocol):
     """Where a run's state is saved and resumed from (:class:`FileCheckpoint`, or a Flower
     ServerApp's out-dir checkpoint). ``load`` returns ``(state, client_state, history,
-    local_grads, fault counters)``, or None when there is nothing to resume."""
+    grad_evals, fault counters)``, or None when there is nothing to resume."""
 
     def save(self, state: ServerState, client_state: Params | None, history: list[dict],
-             local_grads: int, faults: dict) -> None: ...
+             grad_evals: int, faults: dict) -> None: ...
 
     def load(self) -> tuple | None: ...
 
 
 class FileCheckpoint:
-    """:func:`save_checkpoint` / :func:`load_checkpoint` at ``path``, validated against the
-    run's ``fingerprint``; with ``private`` the client state goes to the client-side file."""
+    """The synchronous loop's state in a :class:`~partialfl.runtime.checkpoint.Checkpoint`
+    at ``path`` (crash-consistent generations, validated against the run's ``fingerprint``);
+    with ``private`` the client state goes to the client-side file. Tensors are loaded onto
+    ``device`` (None: where they were, if this machine has it, else the CPU)."""
 
-    def __init__(self, path: str | Path, fingerprint: dict | None, private: bool = True
-                 ) -> None:
-        self.path, self.fingerprint, self.private = Path(path), fingerprint, private
+    def __init__(self, path: str | Path, fingerprint: dict | None, private: bool = True,
+                 device=None) -> None:
+        self.codec = Checkpoint(path, fingerprint, kind="sync", private=private)
+        self.path, self.device = self.codec.path, device
 
     def __str__(self) -> str:
-        return f"{self.path} (client state expected in {client_side_path(self.path)})"
+        return str(self.path)
 
-    def save(self, state, client_state, history, local_grads, faults) -> None:
-        """Write the run state (atomic)."""
-        save_checkpoint(self.path, state, client_state, history, fingerprint=self.fingerprint,
-                        local_grads=local_grads, faults=faults, private=self.private)
+    def save(self, state, client_state, history, grad_evals, faults) -> None:
+        """Commit the run state as a new generation."""
+        self.codec.save({"state": state, "history": history, "grad_evals": int(grad_evals),
+                         "faults": faults}, client_state, progress={"round": state.round})
 
     def load(self):
         """The saved run state, or None if there is no checkpoint yet."""
-        if not self.path.exists():
+        saved = self.codec.load(self.device)
+        if saved is None:
             return None
-        return load_checkpoint(self.path, self.fingerprint)
+        s = saved.server
+        return (s["state"], saved.client, s["history"], int(s["grad_evals"]),
+                s.get("faults", {}))
 
 
 def run_rounds(
@@ -262,7 +229,7 @@ def run_rounds(
     else:
         ckpt = FileCheckpoint(checkpoint, run_fingerprint(problem, algorithm, seed,
                                                           clients_per_round, fingerprint),
-                              private_checkpoints)
+                              private_checkpoints, getattr(problem, "device", None))
     loaded = ckpt.load() if resume and ckpt is not None else None
     if loaded is not None:
         state, client_state, history, grad_evals, saved_faults = loaded
@@ -280,13 +247,12 @@ def run_rounds(
         grad_evals = 0
 
     def _eval(st: ServerState, elapsed: float) -> None:
-        rec: dict[str, Any] = {"round": st.round, "local_grads": grad_evals, "time": elapsed}
+        rec = base_record(st.round, st.round, elapsed, grad_evals, faults.record())
         if evaluate is not None:
             rec.update(evaluate(algorithm, st, problem, client_state,
                                 RoundContext(seed, st.round)))
         if hasattr(algorithm, "round_metrics"):  # e.g. DP's ε spent so far
             rec.update(algorithm.round_metrics(st))
-        rec.update(faults.record())
         history.append(rec)
         if logger is not None:
             logger.log(rec)
@@ -305,6 +271,7 @@ def run_rounds(
     if not history:
         _eval(state, 0.0)
     stopped = stop is not None and bool(stop(history))
+    diverged = ""
     if stopped:  # a resumed run that had already stopped
         it = range(0)
         if bar is not None:
@@ -313,11 +280,10 @@ def run_rounds(
         ctx = RoundContext(seed, r)
         cohort = sample(seed, r, M, clients_per_round)
         cs = None if client_state is None else {n: v[cohort] for n, v in client_state.items()}
-        result, pos = (transport.run_round(algorithm, state, problem, cohort, ctx, cs, faults)
-                       if len(cohort) else (None, np.arange(0)))
+        result, _ = (transport.run_round(algorithm, state, problem, cohort, ctx, cs, faults)
+                     if len(cohort) else (None, np.arange(0)))
         if result is not None:
-            result, kept = receive(result, state, algorithm, faults, f"round {r}")
-            pos = pos[kept]
+            result, _ = receive(result, state, algorithm, faults, f"round {r}")
         if result is None and skip is not None:  # nobody sampled or every client lost
             state = skip(state, ctx)
         elif result is None:  # every client of the round was lost: θ stays
@@ -325,16 +291,22 @@ def run_rounds(
                                 dict(state.extra))
         else:
             if result.client_state is not None and client_state is not None:
-                for n, v in result.client_state.items():
-                    client_state[n][cohort[pos]] = v
-            state = algorithm.server_update(state, result.updates, ctx)
+                ids = np.asarray(result.updates.cohort)  # the rows' own clients (a wrapper
+                for n, v in result.client_state.items():  # may have dropped some)
+                    client_state[n][ids] = v
+            old, state = state, algorithm.server_update(state, result.updates, ctx)
             grad_evals += result.updates.grad_evals
+            bad = faults.server_step(f"round {r}", old.theta, state.theta, result.updates)
+            if bad:  # θ is not finite: a named warning, the last record shows it, no save
+                diverged = faults.diverged(f"round {r}", bad)
         faults.check()
         if on_round is not None:
             on_round(r, state)
-        if state.round % eval_every == 0 or state.round == rounds:
+        if state.round % eval_every == 0 or state.round == rounds or diverged:
             _eval(state, time.perf_counter() - t0)
             stopped = stop is not None and bool(stop(history))
+        if diverged:
+            break
         if ckpt is not None and checkpoint_every and (
             state.round % checkpoint_every == 0 or state.round == rounds or stopped
         ):
@@ -342,7 +314,7 @@ def run_rounds(
         if stopped:
             break
     return RunResult(state, client_state, history, time.perf_counter() - t0, faults,
-                     stopped)
+                     stopped or bool(diverged), diverged)
 
 
 def _postfix(rec: dict) -> dict[str, str]:
@@ -352,60 +324,3 @@ def _postfix(rec: dict) -> dict[str, str]:
         if isinstance(v, int | float):
             return {k: f"{v:.4g}"}
     return {}
-
-
-CHECKPOINT_FORMAT = "partialfl-checkpoint-2"
-
-
-def save_checkpoint(path: str | Path, state, client_state, history, *,
-                    fingerprint: dict | None = None, local_grads: int | None = None,
-                    faults: dict | None = None, private: bool = True) -> None:
-    """Write the run state atomically (safetensors + JSON, see :mod:`partialfl.io`). With
-    ``private`` the client state goes to :func:`client_side_path` (written first; the server
-    file records which round it belongs to)."""
-    path = Path(path)
-    grads = local_grads if local_grads is not None else (history[-1]["local_grads"]
-                                                         if history else 0)
-    meta = {"format": CHECKPOINT_FORMAT, "fingerprint": fingerprint, "round": state.round,
-            "private": bool(private)}
-    server: dict[str, Any] = {"state": state, "history": history, "local_grads": grads,
-                              "faults": faults or {}}
-    if client_state is not None and private:
-        pio.save_state(client_side_path(path), client_state, side="client",
-                       round=state.round, note="client-side state: stays on the clients")
-    else:
-        server["client_state"] = client_state
-    pio.save_state(path, server, side="server", **meta)
-
-
-def check_fingerprint(path: Path, old: dict | None, fingerprint: dict | None) -> None:
-    """A :class:`ResumeError` naming what differs when a checkpoint's fingerprint ``old`` is
-    not the run's ``fingerprint``."""
-    if fingerprint is not None and old is not None and old != fingerprint:
-        diff = [f"{k}: {old.get(k)!r} in the checkpoint, {fingerprint.get(k)!r} now"
-                for k in sorted(set(old) | set(fingerprint)) if old.get(k) != fingerprint.get(k)]
-        raise ResumeError(f"checkpoint {path} belongs to a different run ({'; '.join(diff)}); "
-                          "use a new checkpoint path (or delete it) to start over")
-
-
-def load_checkpoint(path: str | Path, fingerprint: dict | None = None
-                    ) -> tuple[ServerState, Params | None, list[dict], int, dict]:
-    """``(state, client_state, history, local_grads, fault counters)`` of a checkpoint,
-    after checking it against ``fingerprint`` (:class:`ResumeError` naming what differs)."""
-    path = Path(path)
-    saved, meta = pio.load_state(path, "checkpoint")
-    if meta.get("format") != CHECKPOINT_FORMAT:
-        raise pio.FileFormatError(f"checkpoint {path} has format {meta.get('format')!r}, "
-                                  f"expected {CHECKPOINT_FORMAT!r}")
-    check_fingerprint(path, meta.get("fingerprint"), fingerprint)
-    client_state = saved.get("client_state")
-    if meta.get("private"):
-        cfile = client_side_path(path)
-        if cfile.exists():
-            client_state, cmeta = pio.load_state(cfile, "client-side checkpoint")
-            if cmeta.get("round") != meta.get("round"):
-                raise pio.FileFormatError(
-                    f"client-side checkpoint {cfile} is of round {cmeta.get('round')}, the "
-                    f"server checkpoint {path} of round {meta.get('round')}")
-    return (saved["state"], client_state, saved["history"], int(saved["local_grads"]),
-            saved.get("faults", {}))
