@@ -6,6 +6,11 @@ FEMNIST normalisation, text vocabularies and sequence encoding, GLDv2 resizing) 
 result with :func:`partialfl.data.store.write_store` (atomic). Text formats also record the
 vocabulary (``meta["vocab"]``, the regular words in id order) and ``meta["seq_len"]``.
 
+A failed conversion leaves nothing behind: an exception (or ``SIGTERM``, turned into an exit
+while converting) removes the temporary folder, and a conversion killed outright
+(``kill -9``, power loss) leaves one that the next conversion into the same destination
+removes (:func:`partialfl.data.store.clean_stale`).
+
 =================  ==================================================  ===================
 format             INPUT                                               loader
 =================  ==================================================  ===================
@@ -20,7 +25,10 @@ gldv2              the split CSV (with ``images`` = the image folder)  load_gldv
 
 from __future__ import annotations
 
-from collections.abc import Callable
+import contextlib
+import signal
+import threading
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 from partialfl.data.federated import FederatedDataset
@@ -75,6 +83,24 @@ def from_gldv2(inp: Path, max_clients, images, opts):
     return load_gldv2(inp, images, max_clients=max_clients, **opts)
 
 
+@contextlib.contextmanager
+def _exit_on_sigterm() -> Iterator[None]:
+    """While converting (main thread only), SIGTERM raises ``SystemExit(143)`` so the writer's
+    cleanup runs; the previous handler is restored afterwards."""
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+
+    def stop(signum, frame):
+        raise SystemExit(128 + signum)
+
+    old = signal.signal(signal.SIGTERM, stop)
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGTERM, old)
+
+
 def convert(load: Callable[..., FederatedDataset], inp: str | Path, out: str | Path, *,
             fmt: str = "", images: str | Path | None = None, max_clients: int | None = None,
             options: dict | None = None, overwrite: bool = False,
@@ -91,4 +117,5 @@ def convert(load: Callable[..., FederatedDataset], inp: str | Path, out: str | P
         if "unexpected keyword" in str(e):
             raise ValueError(f"format {fmt!r}: bad loader option ({e})") from None
         raise
-    return write_store(out, ds, overwrite=overwrite, progress=progress)
+    with _exit_on_sigterm():
+        return write_store(out, ds, overwrite=overwrite, progress=progress)
