@@ -84,6 +84,12 @@ def test_convert_gldv2_and_errors(tmp_path, capsys):
     assert main(["data", "convert", "gldv2", str(csv), str(tmp_path / "g3"), "--images",
                  str(img), "--option", "colour=1"]) == 2
     assert "colour" in capsys.readouterr().err
+    for opt, says in (("image_size=abc", "wrong type"), ("max_clients=3", "multiple values"),
+                      ("image_size=1e999", "wrong type")):  # issue 21: were tracebacks
+        assert main(["data", "convert", "gldv2", str(csv), str(tmp_path / "g3"), "--images",
+                     str(img), "--option", opt]) == 2, opt
+        err = capsys.readouterr().err
+        assert says in err and len(err.strip().splitlines()) == 1, err
     assert not (tmp_path / "g3").exists()
     (tmp_path / "g" / "train_y.bin").write_bytes(b"")
     with pytest.raises(StoreError, match="train_y.bin"):

@@ -113,9 +113,12 @@ def convert(load: Callable[..., FederatedDataset], inp: str | Path, out: str | P
     images = None if images is None else Path(images)
     try:
         ds = load(Path(inp), max_clients, images, dict(options or {}))
-    except TypeError as e:
-        if "unexpected keyword" in str(e):
+    except (TypeError, OverflowError) as e:
+        if "unexpected keyword" in str(e) or "multiple values" in str(e):
             raise ValueError(f"format {fmt!r}: bad loader option ({e})") from None
+        if options:  # e.g. --option min_train=abc
+            raise ValueError(f"format {fmt!r}: a loader option has a value of the wrong type "
+                             f"({e}); options given: {options}") from None
         raise
     with _exit_on_sigterm():
         return write_store(out, ds, overwrite=overwrite, progress=progress)

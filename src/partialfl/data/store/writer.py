@@ -207,8 +207,8 @@ class StoreWriter:
                                  f"the first client has {ref}")
         for f, a in arrs.items():
             self._sinks[f].write(a)
-            if a.dtype.kind in "iu" and a.size:
-                lo, hi = int(a.min()), int(a.max())
+            if a.dtype.kind in "iu" and a.size and (a.dtype.itemsize > 1 or f[-1] == "y"):
+                lo, hi = int(a.min()), int(a.max())  # (1-byte inputs: pixels, no range)
                 old = self._range.get(f, (lo, hi))
                 self._range[f] = (min(lo, old[0]), max(hi, old[1]))
         for s in SPLITS:
