@@ -1,10 +1,10 @@
-"""An on-disk client store: a federated data set as memory-mapped flat arrays.
+"""An on-disk client store: a federated data set as flat arrays on disk.
 
 Layout of a store folder (all integers little-endian)::
 
     header.json          format, version, num_classes, description, meta, per-field dtype,
-                         per-example shape, rows (and, for integer fields, the min / max
-                         written), for every file its size in bytes and CRC-32, and the
+                         per-example shape, rows (and, for the labels and integer inputs
+                         wider than a byte, the min / max written), for every file its size in bytes and CRC-32, and the
                          header's own CRC-32 (``header_crc32``)
     train_x.bin ...      one flat C-order array per field (train_x, train_y, test_x, test_y):
                          the examples of client 0, then client 1, ...
@@ -14,7 +14,7 @@ Layout of a store folder (all integers little-endian)::
     meta_<i>.bin         array-valued ``meta`` entries (e.g. the FEMNIST pixel mean / std)
     .verified.json       (optional) remembered CRC checks: :mod:`.verify`
 
-A round reads only its cohort's rows (``np.memmap`` fancy indexing copies just those rows), so
+A round reads only its cohort's rows (positional reads of just those rows: :mod:`.reader`), so
 memory is O(cohort + model), not O(clients × data).
 
 Integrity: opening validates the header (every file name a plain name inside the folder — no

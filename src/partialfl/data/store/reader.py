@@ -98,6 +98,8 @@ class ClientStore:
         self.client_ids_raw = self._array("client_ids.bin", h.id_dtype, (M,))
         self.shapes = {f: (h.fields[f].rows, *h.fields[f].shape) for f in FIELDS}
         self._fds: dict[str, int] = {}
+        for f in FIELDS:  # opened now: reads from several threads share them
+            self._fd(f)
         self.meta: dict[str, Any] = dict(h.meta)
         for k, (name, dt, shape) in h.meta_arrays.items():
             self.meta[k] = self._array(name, dt, shape).copy()
