@@ -4,8 +4,8 @@ Layout of a store folder (all integers little-endian)::
 
     header.json          format, version, num_classes, description, meta, per-field dtype,
                          per-example shape, rows (and, for the labels and integer inputs
-                         wider than a byte, the min / max written), for every file its size in bytes and CRC-32, and the
-                         header's own CRC-32 (``header_crc32``)
+                         wider than a byte, the min / max written), for every file its size
+                         in bytes and CRC-32, and the header's own CRC-32 (``header_crc32``)
     train_x.bin ...      one flat C-order array per field (train_x, train_y, test_x, test_y):
                          the examples of client 0, then client 1, ...
     train_offsets.bin    int64 [M + 1]: client m's rows are offsets[m]:offsets[m+1]
