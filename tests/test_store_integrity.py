@@ -251,3 +251,10 @@ def test_a_garbled_sidecar_is_ignored(tmp_path, crc_calls):
         (path / ".verified.json").write_bytes(junk)
         sv.forget()
         assert len(ClientStore(path).crc_read) == 7
+    # a sidecar that is a symlink (to a file that would vouch for a corrupt version) is ignored
+    good = (path / ".verified.json").read_bytes()
+    (path / ".verified.json").unlink()
+    (tmp_path / "vouch.json").write_bytes(good)
+    (path / ".verified.json").symlink_to(tmp_path / "vouch.json")
+    sv.forget()
+    assert len(ClientStore(path).crc_read) == 7

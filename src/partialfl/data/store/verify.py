@@ -37,6 +37,8 @@ def _trusted(entry, key: list[int], crc: int) -> bool:
 
 
 def _load_sidecar(root: Path) -> dict:
+    if (root / SIDECAR).is_symlink():  # only the store's own file counts
+        return {}
     try:
         with open(root / SIDECAR, "rb") as f:
             d = json.loads(f.read(1 << 20))
