@@ -148,15 +148,28 @@ def peak_rss_mib() -> float:
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / scale
 
 
+def _run_child(store: Path, alg: str, rounds: int, state_dir: Path) -> dict:
+    out = subprocess.run([sys.executable, __file__, "--rounds", str(rounds), "--child",
+                          str(store), alg, str(state_dir)], capture_output=True, text=True,
+                         check=False)
+    shutil.rmtree(state_dir, ignore_errors=True)
+    if out.returncode:
+        raise SystemExit(f"child for {store.name} {alg} failed:\n{out.stderr[-3000:]}")
+    return json.loads(out.stdout.strip().splitlines()[-1])
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--max-clients", type=int, default=100_000)
     ap.add_argument("--rounds", type=int, default=20)
+    ap.add_argument("--repeats", type=int, default=3, help="fresh processes per (M, algorithm), "
+                    "interleaved across M so that load drifts hit every M alike")
     ap.add_argument("--dir", default=None, help="where to write the stores (default: a temp "
-                    "folder); each is deleted after use")
+                    "folder); deleted at the end")
     ap.add_argument("--algorithms", default=",".join(ALGORITHMS),
                     help=f"comma-separated, from {','.join(ALGORITHMS)}")
-    ap.add_argument("--quick", action="store_true", help="smoke run: M up to 1e3, 2 rounds")
+    ap.add_argument("--quick", action="store_true", help="smoke run: M up to 1e3, 2 rounds, "
+                    "1 repeat")
     ap.add_argument("--child", nargs=3, metavar=("STORE", "ALG", "STATE_DIR"),
                     help=argparse.SUPPRESS)
     args = ap.parse_args()
@@ -164,60 +177,67 @@ def main() -> None:
         child(args.child[0], args.child[1], args.rounds, args.child[2])
         return
     if args.quick:
-        args.max_clients, args.rounds = min(args.max_clients, 1_000), 2
+        args.max_clients, args.rounds, args.repeats = min(args.max_clients, 1_000), 2, 1
     algs = [a for a in args.algorithms.split(",") if a]
     if not algs or set(algs) - set(ALGORITHMS):
         ap.error(f"--algorithms: choose from {','.join(ALGORITHMS)}, got {args.algorithms!r}")
     sizes = [m for m in SIZES if m <= args.max_clients]
-    if not sizes:
-        ap.error(f"--max-clients must be at least {SIZES[0]}")
+    if not sizes or args.repeats < 1:
+        ap.error(f"--max-clients must be at least {SIZES[0]} and --repeats at least 1")
     root = Path(tempfile.mkdtemp(prefix="partialfl-scale-", dir=args.dir))
-    results: dict[tuple[int, str], dict] = {}
+    runs: dict[tuple[int, str], list[dict]] = {(m, a): [] for m in sizes for a in algs}
     wrote: dict[int, tuple[float, float, float]] = {}
-    print(f"{'M':>9s} {'algorithm':9s} {'s/round':>8s} {'CPU s/round':>12s} "
-          f"{'peak RSS MiB':>13s} {'state MiB/round':>16s} {'open s (CRCs)':>14s}")
     try:
         for m in sizes:
-            store = root / f"store-{m}"
-            wrote[m] = write_clients(store, m)
-            print(f"{_e(m):>9s} store written: {wrote[m][0]:.1f} s in the writer "
+            wrote[m] = write_clients(root / f"store-{m}", m)
+            print(f"M={_e(m)} store written: {wrote[m][0]:.1f} s in the writer "
                   f"({m / wrote[m][0]:,.0f} clients/s; {wrote[m][1]:.1f} CPU s), "
                   f"{wrote[m][2]:.1f} s with the data generation", flush=True)
-            for alg in algs:
-                state_dir = root / f"state-{m}-{alg}"
-                out = subprocess.run(
-                    [sys.executable, __file__, "--rounds", str(args.rounds), "--child",
-                     str(store), alg, str(state_dir)], capture_output=True, text=True,
-                    check=False)
-                if out.returncode:
-                    raise SystemExit(f"child for M={m} {alg} failed:\n{out.stderr[-3000:]}")
-                res = json.loads(out.stdout.strip().splitlines()[-1])
-                results[(m, alg)] = res
-                shutil.rmtree(state_dir, ignore_errors=True)
-                print(f"{_e(m):>9s} {alg:9s} {res['s_per_round']:8.3f} "
-                      f"{res['cpu_s_per_round']:12.3f} {res['peak_rss_mib']:13.0f} "
-                      f"{res['state_mib_per_round']:16.2f} "
-                      f"{res['open_s']:9.2f} ({res['crc_files']})", flush=True)
-            shutil.rmtree(store)
+        for rep in range(args.repeats):
+            for m in (sizes if rep % 2 == 0 else sizes[::-1]):
+                for alg in algs:
+                    runs[(m, alg)].append(_run_child(root / f"store-{m}", alg, args.rounds,
+                                                     root / f"state-{m}-{alg}"))
+            print(f"repeat {rep + 1}/{args.repeats} done", flush=True)
     finally:
         shutil.rmtree(root, ignore_errors=True)
+
+    def med(m, a, key):
+        return float(np.median([r[key] for r in runs[(m, a)]]))
+
+    print(f"{'M':>9s} {'algorithm':9s} {'s/round':>8s} {'CPU s/round':>12s} "
+          f"{'peak RSS MiB':>13s} {'state MiB/round':>16s}")
+    for m in sizes:
+        for a in algs:
+            print(f"{_e(m):>9s} {a:9s} {med(m, a, 's_per_round'):8.3f} "
+                  f"{med(m, a, 'cpu_s_per_round'):12.3f} "
+                  f"{max(r['peak_rss_mib'] for r in runs[(m, a)]):13.0f} "
+                  f"{med(m, a, 'state_mib_per_round'):16.2f}")
+    for m in sizes:  # the first open checks the CRCs, later ones reuse the remembered check
+        opens = [r for rep in range(args.repeats) for a in algs for r in runs[(m, a)][rep:rep + 1]]
+        later = [r["open_s"] for r in opens[1:]]
+        print(f"M={_e(m)} store open: first {opens[0]['open_s']:.2f} s ({opens[0]['crc_files']} "
+              f"files CRC-checked), later ones median {np.median(later or [np.nan]):.3f} s "
+              f"(max {max(later or [np.nan]):.3f} s, {sum(r['crc_files'] for r in opens[1:])} "
+              "files re-checked in all)")
     big, small = sizes[-1], sizes[0]
-    ratio = {a: results[(big, a)]["s_per_round"] / results[(small, a)]["s_per_round"]
-             for a in algs}
-    cpu = {a: results[(big, a)]["cpu_s_per_round"] / results[(small, a)]["cpu_s_per_round"]
-           for a in algs}
-    print(f"round time at M={_e(big)} ÷ at M={_e(small)} (wall-clock; CPU time, which other "
-          "load disturbs less):")
+
+    def ratio(a, key):  # median over repeats of the paired ratio (same repeat: similar load)
+        return float(np.median([b[key] / s[key] for b, s in zip(runs[(big, a)],
+                                                                   runs[(small, a)])]))
+
+    print(f"round time at M={_e(big)} ÷ at M={_e(small)}, median over {args.repeats} paired "
+          "repeats (wall-clock; CPU time, which other load disturbs less):")
     for a in algs:
-        print(f"  {a:9s} {ratio[a]:.2f}×  (CPU {cpu[a]:.2f}×)")
+        print(f"  {a:9s} {ratio(a, 's_per_round'):.2f}×  (CPU {ratio(a, 'cpu_s_per_round'):.2f}×)")
     rate = big / wrote[big][0]
     print(f"store write at M={_e(big)}: {rate:,.0f} clients/s in the writer "
           f"({wrote[big][0]:.1f} s, of which {wrote[big][1]:.1f} s CPU — the rest waits for "
           f"the disk; {big / wrote[big][2]:,.0f} clients/s with the data generation)")
-    worst = max(algs, key=ratio.get)
-    rss = max(results[(big, a)]["peak_rss_mib"] for a in algs)
-    print(f"M={_e(big)}: round time {ratio[worst]:.2f}× of M={_e(small)} (worst: {worst}), "
-          f"peak RSS {rss:.0f} MiB, store write {rate:,.0f} clients/s")
+    worst = max(algs, key=lambda a: ratio(a, "s_per_round"))
+    rss = max(r["peak_rss_mib"] for a in algs for r in runs[(big, a)])
+    print(f"M={_e(big)}: round time {ratio(worst, 's_per_round'):.2f}× of M={_e(small)} "
+          f"(worst: {worst}), peak RSS {rss:.0f} MiB, store write {rate:,.0f} clients/s")
 
 
 if __name__ == "__main__":
