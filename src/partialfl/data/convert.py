@@ -6,6 +6,11 @@ FEMNIST normalisation, text vocabularies and sequence encoding, GLDv2 resizing) 
 result with :func:`partialfl.data.store.write_store` (atomic). Text formats also record the
 vocabulary (``meta["vocab"]``, the regular words in id order) and ``meta["seq_len"]``.
 
+A failed conversion leaves nothing behind: an exception (or ``SIGTERM``, turned into an exit
+while converting) removes the temporary folder, and a conversion killed outright
+(``kill -9``, power loss) leaves one that the next conversion into the same destination
+removes (:func:`partialfl.data.store.clean_stale`).
+
 =================  ==================================================  ===================
 format             INPUT                                               loader
 =================  ==================================================  ===================
@@ -20,7 +25,10 @@ gldv2              the split CSV (with ``images`` = the image folder)  load_gldv
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+import contextlib
+import signal
+import threading
+from collections.abc import Iterator, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -107,6 +115,24 @@ def from_gldv2(_: None, ctx: ConvertContext) -> FederatedDataset:
     return load_gldv2(inp, images, max_clients=max_clients, **opts)
 
 
+@contextlib.contextmanager
+def _exit_on_sigterm() -> Iterator[None]:
+    """While converting (main thread only), SIGTERM raises ``SystemExit(143)`` so the writer's
+    cleanup runs; the previous handler is restored afterwards."""
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+
+    def stop(signum, frame):
+        raise SystemExit(128 + signum)
+
+    old = signal.signal(signal.SIGTERM, stop)
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGTERM, old)
+
+
 def convert(fmt: str, inp: str | Path, out: str | Path, *,
             images: str | Path | None = None, max_clients: int | None = None,
             options: dict | None = None, overwrite: bool = False,
@@ -123,8 +149,12 @@ def convert(fmt: str, inp: str | Path, out: str | Path, *,
     try:
         ds = load.create(None, ConvertContext(Path(inp), max_clients, images,
                                               dict(options or {})))
-    except TypeError as e:
-        if "unexpected keyword" in str(e):
+    except (TypeError, OverflowError) as e:
+        if "unexpected keyword" in str(e) or "multiple values" in str(e):
             raise ValueError(f"format {fmt!r}: bad loader option ({e})") from None
+        if options:  # e.g. --option min_train=abc
+            raise ValueError(f"format {fmt!r}: a loader option has a value of the wrong type "
+                             f"({e}); options given: {options}") from None
         raise
-    return write_store(out, ds, overwrite=overwrite, progress=progress)
+    with _exit_on_sigterm():
+        return write_store(out, ds, overwrite=overwrite, progress=progress)
