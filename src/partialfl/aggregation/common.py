@@ -2,7 +2,8 @@
 
 * input handling: :func:`to_numpy`, :func:`prepare` (validated float64 ``[k, d]``),
   :func:`finite_rows`, :func:`drop_nonfinite`;
-* Byzantine counts: :func:`count` (f = ⌊δk⌋), :func:`check_delta`;
+* Byzantine counts: :func:`count` (f = ⌊δk⌋), :func:`check_delta`, :func:`f_below_half`;
+* option checks and the subsets of the exhaustive rules: :func:`check_int`, :func:`subsets`;
 * overflow-safe arithmetic: :func:`norms`, :func:`safe_mean`;
 * pairwise geometry: :func:`gram` — the Gram matrix of the inputs, centred at one input and
   scaled, computed with one matrix product per column block (BLAS), from which
@@ -12,6 +13,7 @@
 
 from __future__ import annotations
 
+import itertools
 import math
 import warnings
 from typing import Any
@@ -63,6 +65,41 @@ def count(delta: float, k: int) -> int:
     """f = ⌊δk⌋, the number of Byzantine inputs a rule tolerates among k (robust to the
     rounding of δk, e.g. 0.15·20 = 3.0000000000000004)."""
     return int(math.floor(delta * k + 1e-9))
+
+
+def f_below_half(delta: float, k: int, name: str) -> int:
+    """f = ⌊δk⌋, refusing 2f ≥ k (unreachable for δ < 1/2, kept as a guard)."""
+    f = count(delta, k)
+    if 2 * f >= k:
+        raise ValueError(f"{name}: cannot tolerate f = {f} of k = {k} inputs (needs 2f < k)")
+    return f
+
+
+def check_int(value, name: str, minimum: int) -> None:
+    """A ValueError naming ``name`` unless ``value`` is an integer ≥ ``minimum``."""
+    if isinstance(value, bool) or not (isinstance(value, int | np.integer) and value >= minimum):
+        raise ValueError(f"{name} must be an integer >= {minimum}, got {value!r}")
+
+
+def check_limit(limit, name: str) -> None:
+    """``max_subsets`` of an exhaustive rule: an integer ≥ 1."""
+    check_int(limit, f"{name}: max_subsets", 1)
+
+
+def subsets(k: int, size: int, limit: int, name: str):
+    """Batches ``[B, size]`` of all size-subsets of range(k) in lexicographic order (exhaustive
+    rules: MDA, SMEA); a ValueError when there are more than ``limit``."""
+    n = math.comb(k, size)
+    if n > limit:
+        raise ValueError(f"{name}: {n:,} subsets of {size} among {k} inputs exceed "
+                         f"max_subsets={limit:,} (the rule is exhaustive); raise max_subsets, "
+                         "lower delta, or use bucketing")
+    it = itertools.combinations(range(k), size)
+    while True:
+        batch = np.array(list(itertools.islice(it, 4096)), dtype=np.int64)
+        if not len(batch):
+            return
+        yield batch
 
 
 def check_delta(delta: float, name: str) -> None:
