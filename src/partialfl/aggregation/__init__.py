@@ -4,10 +4,10 @@ The server applies an aggregator to the stacked θ-vectors its cohort sent. ``me
 default (:mod:`~partialfl.aggregation.basic`); robust rules (for Byzantine-robust FFGG,
 Algorithm 5) are listed in :mod:`~partialfl.aggregation.rules` and live by kind in
 :mod:`~partialfl.aggregation.coordinate`, :mod:`~partialfl.aggregation.distance`,
-:mod:`~partialfl.aggregation.geometric_median` and :mod:`~partialfl.aggregation.spectral`; the
-wrappers (bucketing, NNM, ARC, static clipping) in :mod:`~partialfl.aggregation.wrappers`, a rule with its wrappers in
-:mod:`~partialfl.aggregation.compose` (by name: :func:`partialfl.build.make_aggregator`),
-shared helpers in :mod:`~partialfl.aggregation.common`.
+:mod:`~partialfl.aggregation.geometric_median` and :mod:`~partialfl.aggregation.spectral`;
+the wrappers (bucketing, NNM, ARC, static clipping) in :mod:`~partialfl.aggregation.wrappers`,
+a rule with its wrappers in :mod:`~partialfl.aggregation.compose` (by name:
+:func:`partialfl.build.make_aggregator`), shared helpers in :mod:`~partialfl.aggregation.common`.
 """
 
 from partialfl.aggregation.basic import Aggregator, Mean, aggregate_tree
