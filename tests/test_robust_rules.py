@@ -154,11 +154,12 @@ def test_gram_distances_are_exact_enough_and_outlier_safe():
 # ------------------------------------------------------------------- every rule
 
 NEW_RULES = {
-    "mda": MDA(0.2), "monna": MoNNA(0.2), "meamed": Meamed(0.2), "caf": CAF(0.2),
+    "mda": MDA(0.2), "monna": MoNNA(0.2, index=0), "meamed": Meamed(0.2), "caf": CAF(0.2),
     "smea": SMEA(0.2), "arc-cm": ARC(CoordinateMedian(), 0.2),
     "clip-cm": StaticClipping(CoordinateMedian(), c=1e3),
 }
-ALL_RULES = {**{n: make_aggregator(n, delta=0.2) for n in _names("aggregator") if n != "mean"},
+ALL_RULES = {**{n: make_aggregator(n, delta=0.2, **({"index": 0} if n == "monna" else {}))
+                for n in _names("aggregator") if n != "mean"},
              **NEW_RULES}
 
 

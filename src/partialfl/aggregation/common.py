@@ -2,9 +2,10 @@
 
 * input handling: :func:`to_numpy`, :func:`prepare` (validated float64 ``[k, d]``),
   :func:`finite_rows`, :func:`drop_nonfinite`;
-* Byzantine counts: :func:`count` (f = ⌊δk⌋), :func:`check_delta`, :func:`f_below_half`;
+* Byzantine counts: :func:`count` (f = ⌊δk⌋), :func:`check_delta`;
 * option checks and the subsets of the exhaustive rules: :func:`check_int`, :func:`subsets`;
-* overflow-safe arithmetic: :func:`norms`, :func:`safe_mean`;
+* overflow-safe arithmetic: :func:`norms`, :func:`dists_to`, :func:`safe_mean`,
+  :func:`mean_rows` (the mean of chosen rows without copying them);
 * pairwise geometry: :func:`gram` — the Gram matrix of the inputs, centred at one input and
   scaled, computed with one matrix product per column block (BLAS), from which
   :func:`sq_dists` and the Weiszfeld iteration of the geometric median work in k dimensions.
@@ -24,6 +25,10 @@ from partialfl import arrays
 
 #: columns per block of the Gram computation (a block of 25 rows is ~6.5 MB of float64)
 _BLOCK = 1 << 15
+#: columns per block of the row sums of :func:`mean_rows` and :func:`dists_to` (L2-sized)
+_BLOCK_MEAN = 1 << 14
+#: rows at least this long get their sums of squares from one BLAS dot each
+_ROW_DOT = 4096
 
 
 class NonFiniteInputError(ValueError):
@@ -65,14 +70,6 @@ def count(delta: float, k: int) -> int:
     """f = ⌊δk⌋, the number of Byzantine inputs a rule tolerates among k (robust to the
     rounding of δk, e.g. 0.15·20 = 3.0000000000000004)."""
     return int(math.floor(delta * k + 1e-9))
-
-
-def f_below_half(delta: float, k: int, name: str) -> int:
-    """f = ⌊δk⌋, refusing 2f ≥ k (unreachable for δ < 1/2, kept as a guard)."""
-    f = count(delta, k)
-    if 2 * f >= k:
-        raise ValueError(f"{name}: cannot tolerate f = {f} of k = {k} inputs (needs 2f < k)")
-    return f
 
 
 def check_int(value, name: str, minimum: int) -> None:
@@ -134,10 +131,17 @@ def prepare(vectors, weights, name: str) -> tuple[np.ndarray, np.ndarray, Any]:
     return X, w, restore
 
 
+def sq_norms(D: np.ndarray) -> np.ndarray:
+    """Σ_j D_ij² for every row: one BLAS dot per row for long rows (faster than einsum)."""
+    if D.shape[1] >= _ROW_DOT:
+        return np.array([row @ row for row in D], dtype=np.float64).reshape(len(D))
+    return np.einsum("ij,ij->i", D, D)
+
+
 def norms(D: np.ndarray) -> np.ndarray:
     """Row norms that do not overflow (entries near 1e300) or underflow (near 1e-300): one
     pass of sums of squares; rows where that is not exact enough are recomputed scaled."""
-    sq = np.einsum("ij,ij->i", D, D)
+    sq = sq_norms(D)
     bad = ~np.isfinite(sq) | (sq < 1e-280)
     if bad.any():
         B = D[bad]
@@ -149,8 +153,53 @@ def norms(D: np.ndarray) -> np.ndarray:
     return np.sqrt(sq)
 
 
+def dists_to(X: np.ndarray, c: np.ndarray) -> np.ndarray:
+    """‖x_i − c‖ / s for every row, s = 1 unless entries so large (or differences so small)
+    that squares overflow (underflow), then s is the power of two with max |entries| / s in
+    [1, 2) (an exact scaling: only order and ratios are meaningful). Blocks of columns: no
+    ``[k, d]`` copy."""
+    k, d = X.shape
+    sq = np.zeros(k)
+    for j in range(0, d, _BLOCK_MEAN):
+        B = X[:, j : j + _BLOCK_MEAN] - c[j : j + _BLOCK_MEAN]
+        sq += np.einsum("ij,ij->i", B, B)
+    zero = np.flatnonzero(sq == 0)
+    exact = (np.isfinite(sq).all() and not ((sq > 0) & (sq < 1e-280)).any()
+             and all(np.array_equal(X[i], c) for i in zero))
+    if exact:
+        return np.sqrt(sq)
+    top = max(float(np.abs(X).max()), float(np.abs(c).max()))
+    s = math.ldexp(1.0, math.frexp(top)[1] - 1) if top > 0 else 1.0  # top/s ∈ [1, 2)
+    return norms(X / s - c / s)
+
+
+def mean_rows(X: np.ndarray, rows=None) -> np.ndarray:
+    """(1/m) Σ_{i ∈ rows} x_i over the m given rows (None: all), each row divided by m before
+    it is added, so entries near 1e308 cannot overflow. Equal bit for bit to
+    ``(X[rows] / m).sum(0)`` (numpy adds the rows of axis 0 in order) without that ``[m, d]``
+    copy: the columns go in blocks that stay in cache."""
+    rows = np.arange(len(X)) if rows is None else np.asarray(rows, dtype=np.int64).reshape(-1)
+    m = len(rows)
+    if m == 0:
+        raise ValueError("mean of no rows")
+    d = X.shape[1]
+    out = np.empty(d, dtype=np.float64)
+    tmp = np.empty(min(d, _BLOCK_MEAN), dtype=np.float64)
+    for j in range(0, d, _BLOCK_MEAN):
+        acc = out[j : j + _BLOCK_MEAN]
+        t = tmp[: len(acc)]
+        np.divide(X[rows[0], j : j + _BLOCK_MEAN], m, out=acc)
+        for i in rows[1:]:
+            np.divide(X[i, j : j + _BLOCK_MEAN], m, out=t)
+            acc += t
+    return out
+
+
 def safe_mean(X: np.ndarray, axis: int = 0) -> np.ndarray:
-    """Mean that divides before summing, so huge finite inputs (1e308) cannot overflow."""
+    """Mean that divides before summing, so huge finite inputs (1e308) cannot overflow
+    (:func:`mean_rows` for the rows of a matrix)."""
+    if X.ndim == 2 and axis == 0:
+        return mean_rows(X)
     return (X / X.shape[axis]).sum(axis)
 
 

@@ -14,7 +14,8 @@ by every rule in :mod:`partialfl.aggregation.rules`.
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, field
+from typing import Any
 
 import numpy as np
 
@@ -22,14 +23,21 @@ from partialfl.aggregation.common import (
     check_delta,
     check_int,
     check_limit,
-    count,
-    f_below_half,
+    dists_to,
     gram,
+    mean_rows,
     norms,
     prepare,
-    safe_mean,
     sq_dists,
     subsets,
+)
+from partialfl.aggregation.coordinate import column_median
+from partialfl.aggregation.protection import (
+    UnprotectedError,
+    check,
+    check_flag,
+    in_checked_cohort,
+    warn_once,
 )
 
 
@@ -39,35 +47,40 @@ class Krum:
 
     score_i = Σ_{j ∈ N_i} ‖x_i − x_j‖², N_i the k − f − 2 nearest other inputs, f = ⌊δk⌋.
     ``m=None`` selects k − f inputs (the usual multi-Krum). Ties go to the lower index.
-    Krum's guarantee needs k ≥ 2f + 3; with fewer inputs (e.g. after bucketing, or when
-    non-finite updates were dropped) the call raises, unless ``cap=True`` — the explicit choice
-    to tolerate only f = ⌊(k − 3)/2⌋ then.
+    Bound: k ≥ 2f + 3 and, for δ > 0, f ≥ 1 (k ≥ ⌈1/δ⌉). With fewer inputs (e.g. after
+    bucketing) the call raises, unless ``cap=True`` — the explicit choice to tolerate only
+    f = ⌊(k − 3)/2⌋ then — or ``allow_unprotected=True`` (a warning, then the capped f).
     """
 
     delta: float = 0.1
     m: int | None = 1
     cap: bool = False
+    allow_unprotected: bool = False
     name = "krum"
 
     def __post_init__(self) -> None:
         check_delta(self.delta, "krum")
         if self.m is not None:
             check_int(self.m, "krum: m (inputs to average)", 1)
-        if not isinstance(self.cap, bool):
-            raise ValueError(f"krum: cap must be True or False, got {self.cap!r}")
+        check_flag(self.cap, "krum: cap")
+        check_flag(self.allow_unprotected, "krum: allow_unprotected")
 
     def tolerated(self, k: int) -> int:
-        """f = ⌊δk⌋; Krum's guarantee needs k ≥ 2f + 3 (f = 0 needs nothing)."""
-        f = count(self.delta, k)
+        """f = ⌊δk⌋ (refused where it is 0 for δ > 0); Krum's guarantee needs k ≥ 2f + 3."""
+        f = check("krum", self.delta, k, self.allow_unprotected, extra=0)
         if f == 0 or k >= 2 * f + 3:
             return f
-        if self.cap:
-            return max(0, (k - 3) // 2)
-        raise ValueError(
-            f"krum: f = ⌊δk⌋ = {f} Byzantine inputs among k = {k} needs k ≥ 2f + 3 = "
-            f"{2 * f + 3}; lower delta (or the bucket size), or pass cap=True to tolerate only "
-            f"f = {max(0, (k - 3) // 2)} explicitly"
-        )
+        capped = max(0, (k - 3) // 2)
+        problem = (f"krum: f = ⌊δk⌋ = {f} Byzantine inputs among k = {k} needs k ≥ 2f + 3 = "
+                   f"{2 * f + 3}")
+        if self.cap or in_checked_cohort():
+            return capped
+        if self.allow_unprotected:
+            warn_once(f"{problem}; tolerating only f = {capped} (allow_unprotected=True)",
+                      ("krum", k, self.delta))
+            return capped
+        raise UnprotectedError(f"{problem}; lower delta (or the bucket size), or pass cap=True "
+                               f"to tolerate only f = {capped} explicitly")
 
     def scores(self, X: np.ndarray) -> np.ndarray:
         """score_i for every input (k ≥ 2), in the units s² of :func:`gram` (s = 1 unless
@@ -88,7 +101,7 @@ class Krum:
         if k == 1:
             return restore(X[0].copy())
         sel = np.sort(np.argsort(self.scores(X), kind="stable")[:m])
-        return restore(X[sel[0]].copy() if m == 1 else safe_mean(X[sel]))
+        return restore(X[sel[0]].copy() if m == 1 else mean_rows(X, sel))
 
 
 @dataclass(frozen=True)
@@ -118,7 +131,7 @@ class CenteredClipping:
 
     def __call__(self, vectors, weights=None):
         X, _, restore = prepare(vectors, weights, "centered clipping")
-        v = np.median(X, axis=0) if self.init == "median" else np.zeros(X.shape[1])
+        v = column_median(X) if self.init == "median" else np.zeros(X.shape[1])
         tau = self.tau
         if tau is None:
             tau = self.tau_scale * float(np.median(norms(X - v)))
@@ -137,20 +150,29 @@ class CenteredClipping:
 class MDA:
     """Minimum-diameter averaging: the mean of the k − f inputs S minimising
     max_{i,j ∈ S} ‖x_i − x_j‖ (exhaustive over C(k, f) subsets; the first minimiser in
-    lexicographic order of S, as byzfl). f = ⌊δk⌋."""
+    lexicographic order of S, as byzfl). f = ⌊δk⌋.
+
+    Bound: k ≥ 2f + 1 and, for δ > 0, f ≥ 1 (k ≥ ⌈1/δ⌉); refused below unless
+    ``allow_unprotected=True``."""
 
     delta: float = 0.1
     max_subsets: int = 200_000
+    allow_unprotected: bool = False
     name = "mda"
 
     def __post_init__(self) -> None:
         check_delta(self.delta, "mda")
         check_limit(self.max_subsets, "mda")
+        check_flag(self.allow_unprotected, "mda: allow_unprotected")
+
+    def tolerated(self, k: int) -> int:
+        """f = ⌊δk⌋, refused where the rule protects nothing."""
+        return check("mda", self.delta, k, self.allow_unprotected)
 
     def select(self, X: np.ndarray) -> np.ndarray:
         """The indices of the minimum-diameter subset S (sorted)."""
         k = len(X)
-        m = k - f_below_half(self.delta, k, "mda")
+        m = k - self.tolerated(k)
         if m == k:
             return np.arange(k)
         D = sq_dists(gram(X)[0])
@@ -164,30 +186,64 @@ class MDA:
 
     def __call__(self, vectors, weights=None):
         X, _, restore = prepare(vectors, weights, "mda")
-        return restore(safe_mean(X[self.select(X)]))
+        return restore(mean_rows(X, self.select(X)))
 
 
 @dataclass(frozen=True)
 class MoNNA:
-    """Mean of the k − f inputs nearest to the input at position ``index`` (itself included):
-    the server's trusted vector, e.g. its own update (byzfl's ``idx``). f = ⌊δk⌋. Its
-    guarantee needs that input to be honest: under bucketing it is a bucket mean, which may
-    contain a Byzantine input (the Byzantine table shows bucketed MoNNA failing)."""
+    """Mean of the k − f inputs nearest to a trusted reference (Farhadkhani et al., 2023),
+    f = ⌊δk⌋. The reference must be honest, which the rule cannot check, so the server chooses
+    it and MoNNA refuses to be built without one:
+
+    * ``index``: the position among the inputs of one the server trusts (its own update, placed
+      there by the server); it counts among the k − f (first among its ties; byzfl's ``idx``);
+    * ``reference``: a vector ``[d]`` the server holds (e.g. its update on its own data), not an
+      input.
+
+    A client's row is no reference (the first row may be Byzantine: with a 1e30 attacker there
+    the mean moves to ~1e29), and neither is a bucket mean, so bucketing refuses a MoNNA with
+    ``index``. Bound: k ≥ 2f + 1 and, for δ > 0, f ≥ 1 (k ≥ ⌈1/δ⌉); refused below unless
+    ``allow_unprotected=True``."""
 
     delta: float = 0.1
-    index: int = 0
+    index: int | None = None
+    reference: Any = field(default=None, compare=False, repr=False)
+    allow_unprotected: bool = False
     name = "monna"
 
     def __post_init__(self) -> None:
         check_delta(self.delta, "monna")
-        check_int(self.index, "monna: index", 0)
+        check_flag(self.allow_unprotected, "monna: allow_unprotected")
+        if (self.index is None) == (self.reference is None):
+            raise ValueError(
+                "monna: needs exactly one trusted reference chosen by the server: index=i (the "
+                "position of an input the server trusts, e.g. its own update) or reference="
+                "vector [d] (held by the server); a client's row may be Byzantine"
+            )
+        if self.index is not None:
+            check_int(self.index, "monna: index", 0)
+        else:
+            ref = np.asarray(self.reference, dtype=np.float64).reshape(-1)
+            if not np.isfinite(ref).all():
+                raise ValueError("monna: the reference vector contains NaN or inf")
+            object.__setattr__(self, "reference", ref)
+
+    def tolerated(self, k: int) -> int:
+        """f = ⌊δk⌋, refused where the rule protects nothing."""
+        return check("monna", self.delta, k, self.allow_unprotected)
 
     def __call__(self, vectors, weights=None):
         X, _, restore = prepare(vectors, weights, "monna")
         k = len(X)
-        if self.index >= k:
-            raise ValueError(f"monna: trusted index {self.index} but only {k} inputs")
-        d2 = norms(X - X[self.index])
-        d2[self.index] = -1.0  # itself first among its ties
-        nn = np.sort(np.argsort(d2, kind="stable")[: k - count(self.delta, k)])
-        return restore(safe_mean(X[nn]))
+        if self.index is not None:
+            if self.index >= k:
+                raise ValueError(f"monna: trusted index {self.index} but only {k} inputs")
+            dist = dists_to(X, X[self.index])
+            dist[self.index] = -1.0  # itself first among its ties
+        else:
+            if len(self.reference) != X.shape[1]:
+                raise ValueError(f"monna: reference vector of length {len(self.reference)} for "
+                                 f"inputs of dimension {X.shape[1]}")
+            dist = dists_to(X, self.reference)
+        nn = np.sort(np.argsort(dist, kind="stable")[: k - self.tolerated(k)])
+        return restore(mean_rows(X, nn))

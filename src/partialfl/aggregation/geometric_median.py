@@ -46,6 +46,11 @@ class GeometricMedian:
             raise ValueError(f"geometric median: max_iter must be an integer >= 1, "
                              f"got {self.max_iter!r}")
 
+    def tolerated(self, k: int) -> int:
+        """⌊(k − 1)/2⌋: the geometric median's breakdown point is 1/2; weighted, a Byzantine
+        client may claim any weight, so none."""
+        return 0 if self.weighted else (k - 1) // 2
+
     def solve(self, vectors, weights=None) -> tuple[np.ndarray, int, float]:
         """``(z, iterations, residual)`` in numpy (for tests and diagnostics). The iteration
         runs on the Gram matrix; should float64 cancellation there stall it (e.g. inputs

@@ -15,12 +15,12 @@ import numpy as np
 from partialfl.aggregation.common import (
     check_delta,
     check_limit,
-    f_below_half,
     gram,
+    mean_rows,
     prepare,
-    safe_mean,
     subsets,
 )
+from partialfl.aggregation.protection import check, check_flag
 
 
 def _top_eig(H: np.ndarray) -> tuple[float, np.ndarray]:
@@ -37,13 +37,22 @@ class CAF:
     already filtered out (c_j = 0) dominates so much that the total weight would drop by less
     than 10⁻³, the max is taken over the inputs still weighted (byzfl never switches and can
     stall for ~forever on a 1e30 input; the switch zeroes at least one weight). Returns the
-    remembered μ_c. All in k dimensions through the Gram matrix. f = ⌊δk⌋ (f = 0: the mean)."""
+    remembered μ_c. All in k dimensions through the Gram matrix. f = ⌊δk⌋ (δ = 0: the mean).
+
+    Bound: k ≥ 2f + 1 and, for δ > 0, f ≥ 1 (k ≥ ⌈1/δ⌉); refused below unless
+    ``allow_unprotected=True``."""
 
     delta: float = 0.1
+    allow_unprotected: bool = False
     name = "caf"
 
     def __post_init__(self) -> None:
         check_delta(self.delta, "caf")
+        check_flag(self.allow_unprotected, "caf: allow_unprotected")
+
+    def tolerated(self, k: int) -> int:
+        """f = ⌊δk⌋, refused where the rule protects nothing."""
+        return check("caf", self.delta, k, self.allow_unprotected)
 
     def weights(self, G: np.ndarray, f: int) -> np.ndarray:
         """The weights c of the returned mean μ_c."""
@@ -71,8 +80,7 @@ class CAF:
 
     def __call__(self, vectors, weights=None):
         X, _, restore = prepare(vectors, weights, "caf")
-        f = f_below_half(self.delta, len(X), "caf")
-        c = self.weights(gram(X)[0], f)
+        c = self.weights(gram(X)[0], self.tolerated(len(X)))
         return restore((c / c.sum()) @ X)
 
 
@@ -80,20 +88,29 @@ class CAF:
 class SMEA:
     """Smallest maximum eigenvalue averaging (Allouah et al., 2023): the mean of the k − f
     inputs whose empirical covariance has the smallest top eigenvalue (exhaustive over
-    C(k, f) subsets, first minimiser in lexicographic order). f = ⌊δk⌋."""
+    C(k, f) subsets, first minimiser in lexicographic order). f = ⌊δk⌋.
+
+    Bound: k ≥ 2f + 1 and, for δ > 0, f ≥ 1 (k ≥ ⌈1/δ⌉); refused below unless
+    ``allow_unprotected=True``."""
 
     delta: float = 0.1
     max_subsets: int = 200_000
+    allow_unprotected: bool = False
     name = "smea"
 
     def __post_init__(self) -> None:
         check_delta(self.delta, "smea")
         check_limit(self.max_subsets, "smea")
+        check_flag(self.allow_unprotected, "smea: allow_unprotected")
+
+    def tolerated(self, k: int) -> int:
+        """f = ⌊δk⌋, refused where the rule protects nothing."""
+        return check("smea", self.delta, k, self.allow_unprotected)
 
     def select(self, X: np.ndarray) -> np.ndarray:
         """The indices of the subset of smallest top covariance eigenvalue (sorted)."""
         k = len(X)
-        m = k - f_below_half(self.delta, k, "smea")
+        m = k - self.tolerated(k)
         if m == k:
             return np.arange(k)
         G = gram(X)[0]
@@ -109,4 +126,4 @@ class SMEA:
 
     def __call__(self, vectors, weights=None):
         X, _, restore = prepare(vectors, weights, "smea")
-        return restore(safe_mean(X[self.select(X)]))
+        return restore(mean_rows(X, self.select(X)))
