@@ -45,7 +45,12 @@ def test_median_of_huge_values_is_finite():
 
 def sorted_tm(X, b):
     k = len(X)
-    return (np.sort(X, axis=0)[b : k - b] / (k - 2 * b)).sum(0)  # the old path
+    return np.sort(X, axis=0)[b : k - b].mean(0)
+
+
+def old_tm(X, b):  # the code before (divided, then summed)
+    k = len(X)
+    return (np.sort(X, axis=0)[b : k - b] / (k - 2 * b)).sum(0)
 
 
 @pytest.mark.parametrize("k,ties", CASES)
@@ -55,10 +60,12 @@ def test_trimmed_mean_network_and_sort_equal_the_sorted_reference(k, ties, small
     for b in range((k - 1) // 2 + 1):
         ref = sorted_tm(X, b)
         out = coord.trimmed_mean(X, b)
-        if b > 0 and coord._network_size(k, b) > 5 * k:  # sort path: the old sum exactly
+        tol = 4 * k * 2.3e-16 * scale.max()
+        np.testing.assert_allclose(out, old_tm(X, b), rtol=0, atol=tol)
+        if b > 0 and coord._network_size(k, b) > 5 * k:  # sort path: the sorted mean exactly
             np.testing.assert_array_equal(out, ref)
         else:  # network (or b = 0: the rows as given): the same values in another order
-            np.testing.assert_allclose(out, ref, rtol=0, atol=4 * k * 2.3e-16 * scale.max())
+            np.testing.assert_allclose(out, ref, rtol=0, atol=tol)
 
 
 def test_trimmed_mean_takes_the_network_where_it_is_cheaper():
@@ -69,11 +76,12 @@ def test_trimmed_mean_takes_the_network_where_it_is_cheaper():
                                atol=1e-13 * np.abs(X[2:]).max())
 
 
-def old_meamed(X, f):
+def old_meamed(X, f, divide_first=False):
     m = len(X) - f
     med = np.median(X, axis=0)
     idx = np.argsort(np.abs(X - med), axis=0, kind="stable")[:m]
-    return (np.take_along_axis(X, idx, axis=0) / m).sum(0)
+    V = np.take_along_axis(X, idx, axis=0)
+    return (V / m).sum(0) if divide_first else V.mean(0)  # the code before: divide first
 
 
 @pytest.mark.parametrize("k,ties", CASES)
@@ -84,8 +92,9 @@ def test_meamed_window_equals_the_argsort_definition(k, ties, small_blocks):
         ref = old_meamed(X, f)
         np.testing.assert_array_equal(coord.meamed_reference(X, f), ref)
         # (with ties a wrong choice across the median would be off by ≥ 1/k, far above this)
-        np.testing.assert_allclose(coord.meamed(X, f), ref, rtol=0,
-                                   atol=4 * k * 2.3e-16 * scale)
+        for r in (ref, old_meamed(X, f, divide_first=True)):
+            np.testing.assert_allclose(coord.meamed(X, f), r, rtol=0,
+                                       atol=4 * k * 2.3e-16 * scale)
 
 
 def test_meamed_tie_across_the_median_goes_to_the_lower_row():
@@ -99,9 +108,14 @@ def test_meamed_tie_across_the_median_goes_to_the_lower_row():
 def test_mean_rows_is_the_copying_mean_bit_for_bit(rows):
     X = data(7, 40_000, 5)  # several column blocks
     sel = np.arange(7) if rows is None else np.asarray(rows)
-    np.testing.assert_array_equal(mean_rows(X, rows), (X[sel] / len(sel)).sum(0))
+    np.testing.assert_array_equal(mean_rows(X, rows), X[sel].mean(0))
+    np.testing.assert_allclose(mean_rows(X, rows), (X[sel] / len(sel)).sum(0),  # before
+                               rtol=0, atol=8 * 2.3e-16 * np.abs(X).max())
     huge = np.full((3, 5), 1.7e308)
-    np.testing.assert_array_equal(mean_rows(huge), huge[0])  # no overflow
+    huge[1, 2] = -1.0
+    with np.errstate(over="ignore"):
+        assert not np.isfinite(huge.mean(0)).all()  # numpy overflows
+    np.testing.assert_allclose(mean_rows(huge), (huge / 3).sum(0), rtol=1e-15)
 
 
 def test_dists_to_one_row():
@@ -145,3 +159,13 @@ def test_clipping_in_place_equals_the_copy_and_never_touches_the_callers_input(m
     keep32 = F.copy()
     agg(F, None)  # converted to float64: clipped in the converted copy
     np.testing.assert_array_equal(F, keep32)
+
+
+@pytest.mark.parametrize("kw", [{"index": 0}, {"index": 3}, {"reference": np.zeros(5)}])
+def test_monna_distance_pass_is_its_finiteness_check(kw):
+    from partialfl.aggregation import MoNNA, NonFiniteInputError
+
+    X = data(12, 5, 9)
+    X[3, 1], X[7, 2] = np.nan, -np.inf
+    with pytest.raises(NonFiniteInputError, match=r"monna: input rows \[3, 7\] contain NaN"):
+        MoNNA(0.1, **kw)(X, None)

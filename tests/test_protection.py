@@ -237,3 +237,30 @@ def test_rounds_with_more_byzantine_clients_than_tolerated_are_counted(problem):
 
     expect = sum(int(np.isin([0, 1], sample_cohort(3, r, 20, 10)).all()) for r in range(30))
     assert expect > 0 and res.state.extra["byz_excess"] == expect
+
+
+def test_a_planned_cohort_is_refused_before_any_round(problem):
+    byz = ByzantineConfig.sample(20, 0.1, 0, huge)
+    alg = br_ffgg(make_solver("exact"), 1 / problem.L, make_aggregator("tm", delta=0.1), byz,
+                  clients_per_round=5)
+    with pytest.raises(ValueError, match="trimmed mean: with delta = 0.1 and k = 5 inputs"):
+        alg.init(problem, problem.init_theta())
+    with pytest.raises(ValueError, match="clients_per_round must be an integer >= 1"):
+        ByzantineRobust(alg.base, Mean(), clients_per_round=0)
+
+
+def test_clients_that_fail_do_not_stop_a_protected_run(problem):
+    """10 clients per round with δ = 0.1 tolerate one; when a client fails in round 2 only 9
+    reply: that round runs (warned, counted), the run goes on."""
+    from partialfl.aggregation.protection import UnprotectedWarning
+    from partialfl.runtime.faults import FaultInjector
+    from partialfl.runtime.sync import sample_cohort
+
+    byz = ByzantineConfig((0,), huge)
+    alg = br_ffgg(make_solver("exact"), 1 / problem.L, make_aggregator("tm", delta=0.1), byz)
+    victim = int(sample_cohort(2, 2, 20, 10)[-1])
+    run = FaultInjector(alg, at={(2, victim): "raise"})
+    with pytest.warns(UnprotectedWarning, match=r"round 2: only 9 of the 10 clients"):
+        res = run_rounds(problem, run, 5, clients_per_round=10, seed=2)
+    assert res.state.extra["byz_unprotected"] == 1 and res.state.round == 5
+    assert np.isfinite(res.state.theta["theta"]).all()

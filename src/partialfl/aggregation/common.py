@@ -5,7 +5,7 @@
 * Byzantine counts: :func:`count` (f = ⌊δk⌋), :func:`check_delta`;
 * option checks and the subsets of the exhaustive rules: :func:`check_int`, :func:`subsets`;
 * overflow-safe arithmetic: :func:`norms`, :func:`dists_to`, :func:`safe_mean`,
-  :func:`mean_rows` (the mean of chosen rows without copying them);
+  :func:`mean_rows` / :func:`mean_into` (means of chosen rows without copying them);
 * pairwise geometry: :func:`gram` — the Gram matrix of the inputs, centred at one input and
   scaled, computed with one matrix product per column block (BLAS), from which
   :func:`sq_dists` and the Weiszfeld iteration of the geometric median work in k dimensions.
@@ -25,7 +25,7 @@ from partialfl import arrays
 
 #: columns per block of the Gram computation (a block of 25 rows is ~6.5 MB of float64)
 _BLOCK = 1 << 15
-#: columns per block of the row sums of :func:`mean_rows` and :func:`dists_to` (L2-sized)
+#: columns per block of the row sums of :func:`mean_rows` (L2-sized)
 _BLOCK_MEAN = 1 << 14
 #: rows at least this long get their sums of squares from one BLAS dot each
 _ROW_DOT = 4096
@@ -105,8 +105,22 @@ def check_delta(delta: float, name: str) -> None:
         raise ValueError(f"{name}: Byzantine fraction delta must be in [0, 0.5), got {delta!r}")
 
 
-def prepare(vectors, weights, name: str) -> tuple[np.ndarray, np.ndarray, Any]:
-    """Validated float64 ``[k, d]`` matrix, ``[k]`` weights and the restore function."""
+def require_finite(X: np.ndarray, name: str, rows=None) -> None:
+    """A :class:`NonFiniteInputError` naming the rows of X (or of ``rows`` only) with NaN/inf."""
+    idx = np.arange(len(X)) if rows is None else np.asarray(rows, dtype=np.int64).reshape(-1)
+    ok = finite_rows(X[idx]) if len(idx) < len(X) else finite_rows(X)
+    if not ok.all():
+        raise NonFiniteInputError(
+            f"{name}: input rows {idx[~ok].tolist()} contain NaN or inf; drop them "
+            "first (partialfl.aggregation.drop_nonfinite)"
+        )
+
+
+def prepare(vectors, weights, name: str,
+            check_finite: bool = True) -> tuple[np.ndarray, np.ndarray, Any]:
+    """Validated float64 ``[k, d]`` matrix, ``[k]`` weights and the restore function.
+    ``check_finite=False``: the caller checks the rows itself on a pass it makes anyway
+    (e.g. :func:`dists_to`)."""
     arr, restore = to_numpy(vectors)
     if arr.ndim != 2:
         raise ValueError(f"{name}: vectors must be a [k, d] matrix, got shape {arr.shape}")
@@ -114,12 +128,8 @@ def prepare(vectors, weights, name: str) -> tuple[np.ndarray, np.ndarray, Any]:
     if k < 1:
         raise ValueError(f"{name}: need at least one input vector, got 0")
     X = arr.astype(np.float64, copy=False)
-    ok = finite_rows(X)
-    if not ok.all():
-        raise NonFiniteInputError(
-            f"{name}: input rows {np.flatnonzero(~ok).tolist()} contain NaN or inf; drop them "
-            "first (partialfl.aggregation.drop_nonfinite)"
-        )
+    if check_finite:
+        require_finite(X, name)
     if weights is None:
         w = np.ones(k)
     else:
@@ -153,18 +163,26 @@ def norms(D: np.ndarray) -> np.ndarray:
     return np.sqrt(sq)
 
 
-def dists_to(X: np.ndarray, c: np.ndarray) -> np.ndarray:
+def dists_to(X: np.ndarray, c: np.ndarray, name: str = "distances") -> np.ndarray:
     """‖x_i − c‖ / s for every row, s = 1 unless entries so large (or differences so small)
     that squares overflow (underflow), then s is the power of two with max |entries| / s in
-    [1, 2) (an exact scaling: only order and ratios are meaningful). Blocks of columns: no
-    ``[k, d]`` copy."""
-    k, d = X.shape
-    sq = np.zeros(k)
-    for j in range(0, d, _BLOCK_MEAN):
-        B = X[:, j : j + _BLOCK_MEAN] - c[j : j + _BLOCK_MEAN]
-        sq += np.einsum("ij,ij->i", B, B)
+    [1, 2) (an exact scaling: only order and ratios are meaningful). One row at a time: no
+    ``[k, d]`` copy. Also the finiteness check of X and c: a row whose distance is not finite
+    is checked, and NaN/inf raise :class:`NonFiniteInputError` (so the caller may skip
+    :func:`prepare`'s separate pass)."""
+    buf = np.empty(X.shape[1])
+    sq = np.empty(len(X))
+    with np.errstate(over="ignore", invalid="ignore"):
+        for i, row in enumerate(X):
+            np.subtract(row, c, out=buf)
+            sq[i] = buf @ buf  # BLAS
+    bad = ~np.isfinite(sq)
+    if bad.any():  # NaN/inf in a row (or in c: then in every row), or an overflow
+        if not np.isfinite(c).all():
+            raise NonFiniteInputError(f"{name}: the reference contains NaN or inf")
+        require_finite(X, name, np.flatnonzero(bad))
     zero = np.flatnonzero(sq == 0)
-    exact = (np.isfinite(sq).all() and not ((sq > 0) & (sq < 1e-280)).any()
+    exact = (not bad.any() and not ((sq > 0) & (sq < 1e-280)).any()
              and all(np.array_equal(X[i], c) for i in zero))
     if exact:
         return np.sqrt(sq)
@@ -173,31 +191,41 @@ def dists_to(X: np.ndarray, c: np.ndarray) -> np.ndarray:
     return norms(X / s - c / s)
 
 
+def mean_into(acc: np.ndarray, rows, m: int) -> np.ndarray:
+    """acc ← (Σ_r rows[r]) / m for equal-length arrays, added in order (bit for bit
+    ``np.mean`` of the stacked rows); where the sum overflows (entries near 1e308) each row is
+    divided before it is added, which cannot overflow."""
+    with np.errstate(over="ignore", invalid="ignore"):
+        np.copyto(acc, rows[0])
+        for r in rows[1:]:
+            acc += r
+    if np.isfinite(acc).all():
+        acc /= m
+    else:
+        np.divide(rows[0], m, out=acc)
+        for r in rows[1:]:
+            acc += r / m
+    return acc
+
+
 def mean_rows(X: np.ndarray, rows=None) -> np.ndarray:
-    """(1/m) Σ_{i ∈ rows} x_i over the m given rows (None: all), each row divided by m before
-    it is added, so entries near 1e308 cannot overflow. Equal bit for bit to
-    ``(X[rows] / m).sum(0)`` (numpy adds the rows of axis 0 in order) without that ``[m, d]``
-    copy: the columns go in blocks that stay in cache."""
+    """(1/m) Σ_{i ∈ rows} x_i over the m given rows (None: all), equal bit for bit to
+    ``X[rows].mean(0)`` where that is finite, without its ``[m, d]`` copy: :func:`mean_into`
+    over blocks of columns that stay in cache."""
     rows = np.arange(len(X)) if rows is None else np.asarray(rows, dtype=np.int64).reshape(-1)
-    m = len(rows)
-    if m == 0:
+    if len(rows) == 0:
         raise ValueError("mean of no rows")
     d = X.shape[1]
     out = np.empty(d, dtype=np.float64)
-    tmp = np.empty(min(d, _BLOCK_MEAN), dtype=np.float64)
     for j in range(0, d, _BLOCK_MEAN):
-        acc = out[j : j + _BLOCK_MEAN]
-        t = tmp[: len(acc)]
-        np.divide(X[rows[0], j : j + _BLOCK_MEAN], m, out=acc)
-        for i in rows[1:]:
-            np.divide(X[i, j : j + _BLOCK_MEAN], m, out=t)
-            acc += t
+        mean_into(out[j : j + _BLOCK_MEAN], [X[i, j : j + _BLOCK_MEAN] for i in rows],
+                  len(rows))
     return out
 
 
 def safe_mean(X: np.ndarray, axis: int = 0) -> np.ndarray:
-    """Mean that divides before summing, so huge finite inputs (1e308) cannot overflow
-    (:func:`mean_rows` for the rows of a matrix)."""
+    """Mean that cannot overflow on huge finite inputs (1e308): :func:`mean_rows` for the rows
+    of a matrix, else dividing before summing."""
     if X.ndim == 2 and axis == 0:
         return mean_rows(X)
     return (X / X.shape[axis]).sum(axis)

@@ -20,7 +20,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from partialfl.aggregation.common import check_delta, mean_rows, prepare
+from partialfl.aggregation.common import check_delta, mean_into, mean_rows, prepare
 from partialfl.aggregation.protection import check, check_flag
 
 #: bytes of one block of columns (k rows × width float64) sorted or filtered at a time
@@ -84,19 +84,11 @@ def _move_extremes(rows: list, b: int, tmp: np.ndarray) -> None:
             rows[i - 1], tmp = lo, rows[i - 1]
 
 
-def _divide_add(acc: np.ndarray, rows, m: int, tmp: np.ndarray) -> None:
-    """acc ← Σ_r rows[r]/m, each row divided before it is added (no overflow near 1e308)."""
-    np.divide(rows[0], m, out=acc)
-    for r in rows[1:]:
-        np.divide(r, m, out=tmp)
-        acc += tmp
-
-
 def trimmed_mean(X: np.ndarray, b: int) -> np.ndarray:
     """Per column, the mean of the values left after dropping the b smallest and b largest.
     A comparator network when it needs few passes (b small), else a sort; the sort path is
-    bit for bit the old ``mean_rows(np.sort(X, 0), range(b, k − b))``, the network path sums
-    the same values in another order (equal up to rounding)."""
+    bit for bit ``np.sort(X, 0)[b : k − b].mean(0)``, the network path sums the same values
+    in another order (equal up to rounding)."""
     k, d = X.shape
     if b == 0:
         return mean_rows(X)
@@ -111,7 +103,7 @@ def trimmed_mean(X: np.ndarray, b: int) -> np.ndarray:
         rows = list(C)
         tmp = np.empty(C.shape[1])
         _move_extremes(rows, b, tmp)
-        _divide_add(out[j : j + C.shape[1]], rows[b : k - b], m, np.empty(C.shape[1]))
+        mean_into(out[j : j + C.shape[1]], rows[b : k - b], m)
     return out
 
 
@@ -145,16 +137,10 @@ def meamed(X: np.ndarray, f: int) -> np.ndarray:
                 drop_lo = dl > dh
                 lo += drop_lo
                 hi -= ~drop_lo
-        acc = out[j : j + n]
-        acc[...] = 0.0
-        tmp = np.empty(n)
-        for r in range(k):
-            np.divide(S[r], m, out=tmp)
-            if r < f:
-                tmp[lo > r] = 0.0
-            elif r >= k - f:
-                tmp[hi < r] = 0.0
-            acc += tmp
+        # the window always holds rows f … k − f − 1; an end row r only where it is kept
+        ends = [np.where(lo <= r, S[r], 0.0) for r in range(f)]
+        ends += [np.where(hi >= r, S[r], 0.0) for r in range(k - f, k)]
+        mean_into(out[j : j + n], [*S[f : k - f], *ends], m)
         if tie.any():
             tied.append(j + np.flatnonzero(tie))
     if tied:

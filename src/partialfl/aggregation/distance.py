@@ -20,6 +20,7 @@ from typing import Any
 import numpy as np
 
 from partialfl.aggregation.common import (
+    NonFiniteInputError,
     check_delta,
     check_int,
     check_limit,
@@ -28,6 +29,7 @@ from partialfl.aggregation.common import (
     mean_rows,
     norms,
     prepare,
+    require_finite,
     sq_dists,
     subsets,
 )
@@ -233,17 +235,22 @@ class MoNNA:
         return check("monna", self.delta, k, self.allow_unprotected)
 
     def __call__(self, vectors, weights=None):
-        X, _, restore = prepare(vectors, weights, "monna")
+        # rows checked for NaN/inf by the distance pass itself
+        X, _, restore = prepare(vectors, weights, "monna", check_finite=False)
         k = len(X)
         if self.index is not None:
             if self.index >= k:
                 raise ValueError(f"monna: trusted index {self.index} but only {k} inputs")
-            dist = dists_to(X, X[self.index])
+            try:
+                dist = dists_to(X, X[self.index], "monna")
+            except NonFiniteInputError:
+                require_finite(X, "monna")  # name every bad row, not the trusted one
+                raise
             dist[self.index] = -1.0  # itself first among its ties
         else:
             if len(self.reference) != X.shape[1]:
                 raise ValueError(f"monna: reference vector of length {len(self.reference)} for "
                                  f"inputs of dimension {X.shape[1]}")
-            dist = dists_to(X, self.reference)
+            dist = dists_to(X, self.reference, "monna")
         nn = np.sort(np.argsort(dist, kind="stable")[: k - self.tolerated(k)])
         return restore(mean_rows(X, nn))

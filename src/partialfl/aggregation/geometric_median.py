@@ -57,6 +57,8 @@ class GeometricMedian:
         spread over many orders of magnitude), it continues with exact distances in ℝ^d."""
         X, a, _ = prepare(vectors, weights, "geometric median")
         a = a if self.weighted else np.ones(len(X))
+        if not 1e-150 < a.max() < 1e150:  # the minimiser does not change with the scale of a
+            a = a / a.max()
         G = gram(X)[0]
         D = np.sqrt(sq_dists(G))
         j0 = int(np.argmin(D @ a))

@@ -56,8 +56,10 @@ def in_checked_cohort() -> bool:
     return _CHECKED.get()
 
 
-def min_inputs(delta: float) -> int:
-    """The smallest k with ⌊δk⌋ ≥ 1 (δ > 0)."""
+def min_inputs(delta: float) -> int | float:
+    """The smallest k with ⌊δk⌋ ≥ 1 (δ > 0; ∞ when 1/δ is beyond any cohort, δ < 1e-15)."""
+    if delta < 1e-15:
+        return math.inf
     k = max(1, math.floor(1.0 / delta) - 1)
     while count(delta, k) < 1:
         k += 1
