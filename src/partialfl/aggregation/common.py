@@ -273,6 +273,22 @@ def sq_dists_of(X: np.ndarray) -> np.ndarray:
     return sq_dists(gram(X)[0])
 
 
+def chain_of(agg):
+    """The aggregator and every rule it wraps (through ``inner``)."""
+    while agg is not None:
+        yield agg
+        agg = getattr(agg, "inner", None)
+
+
+def inner_delta(inner) -> float | None:
+    """The Byzantine fraction δ a rule (or a chain of wrappers) was built with, else None."""
+    for agg in chain_of(inner):
+        d = getattr(agg, "delta", None)
+        if d is not None:
+            return float(d)
+    return None
+
+
 def bind(agg, seed: int, round_: int):
     """The aggregator with its randomness fixed for one round (randomized rules such as
     :class:`~partialfl.aggregation.wrappers.Bucketing` draw from

@@ -27,7 +27,7 @@ import math
 import warnings
 from contextvars import ContextVar
 
-from partialfl.aggregation.common import count
+from partialfl.aggregation.common import count, inner_delta
 
 _CHECKED: ContextVar[bool] = ContextVar("partialfl_cohort_checked", default=False)
 _WARNED: set[tuple] = set()
@@ -113,8 +113,6 @@ def tolerated(agg, k: int) -> int | None:
 def check_fraction(agg, fraction: float, allow_unprotected: bool) -> None:
     """Refuse a configured fraction of Byzantine clients above the aggregator's δ (the
     fraction of Byzantine clients it was built to tolerate); rules without δ are not checked."""
-    from partialfl.aggregation.wrappers import inner_delta
-
     delta = inner_delta(agg)
     if delta is None or fraction <= delta + 1e-12:
         return

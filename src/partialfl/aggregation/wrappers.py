@@ -38,7 +38,9 @@ import numpy as np
 from partialfl import rng as prng
 from partialfl.aggregation.common import (
     bind,
+    chain_of,
     check_delta,
+    inner_delta,
     mean_rows,
     norms,
     prepare,
@@ -46,22 +48,6 @@ from partialfl.aggregation.common import (
     to_numpy,
 )
 from partialfl.aggregation.protection import UnprotectedError, check, check_flag, tolerated
-
-
-def inner_delta(inner) -> float | None:
-    """The Byzantine fraction δ a rule (or a chain of wrappers) was built with, else None."""
-    for agg in _chain_of(inner):
-        d = getattr(agg, "delta", None)
-        if d is not None:
-            return float(d)
-    return None
-
-
-def _chain_of(agg):
-    """The aggregator and every rule it wraps (through ``inner``)."""
-    while agg is not None:
-        yield agg
-        agg = getattr(agg, "inner", None)
 
 
 def _chain(f: int, inner, k: int) -> int:
@@ -107,7 +93,7 @@ class Bucketing:
         if not callable(self.inner):
             raise TypeError(f"bucketing: inner aggregator must be callable, got {self.inner!r}")
         if any(getattr(r, "name", None) == "monna" and r.index is not None
-               for r in _chain_of(self.inner)):
+               for r in chain_of(self.inner)):
             raise ValueError(
                 "bucketing: MoNNA's trusted index would point at a bucket mean of random "
                 "clients, not at an input the server trusts; give MoNNA a reference vector or "
