@@ -29,6 +29,14 @@ from partialfl.problems.overpersonalized import OverpersonalizedLeastSquares
 from partialfl.runtime import run_rounds
 
 
+@pytest.fixture(autouse=True)
+def fresh_warnings(monkeypatch):
+    """Warnings are once per (rule, k, δ) and process: start each test with none given."""
+    from partialfl.aggregation import protection
+
+    monkeypatch.setattr(protection, "_WARNED", set())
+
+
 def with_attacker(k, d=4, value=1e30, row=0, seed=0):
     X = np.random.default_rng(seed).standard_normal((k, d))
     X[row] = value
