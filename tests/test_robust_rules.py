@@ -136,6 +136,14 @@ def test_mean_of_finite_rows_is_finite():
     assert out.dtype == torch.float32 and out.tolist() == [2.0, 3.0]
 
 
+def test_weighted_geometric_median_with_huge_weights_is_finite():
+    # Before: weights of 1e308 overflowed the Weiszfeld sums (found by tests/fuzz): NaN.
+    X = np.array([[1e-201], [-1e-201], [3e-201]])
+    w = np.array([1e308, 1e308, 1e308])
+    out = GeometricMedian(weighted=True)(X, w)
+    np.testing.assert_allclose(out, GeometricMedian()(X, None), rtol=1e-9)
+
+
 def test_mean_on_torch_skips_nonfinite_rows():
     torch = pytest.importorskip("torch")
     X = torch.tensor(rand(4, 3))

@@ -136,7 +136,7 @@ def prepare(vectors, weights, name: str,
         w = np.asarray(to_numpy(weights)[0], dtype=np.float64).reshape(-1)
         if len(w) != k:
             raise ValueError(f"{name}: {len(w)} weights for {k} input vectors")
-        if not (np.isfinite(w).all() and (w >= 0).all() and w.sum() > 0):
+        if not (np.isfinite(w).all() and (w >= 0).all() and w.max() > 0):
             raise ValueError(f"{name}: weights must be finite, non-negative, not all zero")
     return X, w, restore
 
