@@ -2,14 +2,20 @@
 
 n = 25 input vectors of dimension d = 10⁶ (float64, standard normal, f of them shifted far
 away), one thread (BLAS, OpenMP and torch), each rule called ``--repeats`` times on numpy
-input; the best time is kept. byzfl is optional (``pip install byzfl``; loaded without its
-package ``__init__``, which needs torchvision for its own benchmark).
+input, ours and byzfl's alternately (so both see the same machine load); the best time is
+kept. byzfl is optional (``pip install byzfl==0.0.11 --no-deps``; loaded without its package
+``__init__``, which needs torchvision for its own benchmark). The load average is printed
+before and after.
+
+byzfl's pre-aggregators (NNM, ARC, static clipping) modify the array they are given; each
+library gets a fresh copy every call, and ours clip that copy in place too (``out=``; the
+rules never modify a caller's array otherwise).
 
 Pairs (ours ↔ byzfl) with the conventions aligned (see :mod:`partialfl.aggregation.rules`):
 Krum(f) ↔ Krum(f + 1); multi-Krum (m = n − f − 1) ↔ MultiKrum(f + 1); GM ↔ GeometricMedian
 (ours: smoothed Weiszfeld to tol 1e-7, byzfl: its default 3 steps); NNM ↔ NNM; CM ↔ Median;
-TM ↔ TrMean; CC (zero start, τ = 1, 3 iterations) ↔ CenteredClipping; MDA, MoNNA, Meamed,
-CAF, SMEA, ARC, static clipping ↔ the same names.
+TM ↔ TrMean; CC (zero start, τ = 1, 3 iterations) ↔ CenteredClipping; MoNNA trusting input 0
+(``index=0``) ↔ MoNNA (idx 0); MDA, Meamed, CAF, SMEA, ARC, static clipping ↔ the same names.
 
 Prints one line per rule: seconds for each library and byzfl/ours (> 1: ours is faster).
 
@@ -65,21 +71,25 @@ def pairs(n: int, f: int, byzfl):
         "krum": Krum(delta), "multi-krum": Krum(delta, m=n - f - 1), "gm": GeometricMedian(),
         "cm": CoordinateMedian(), "tm": TrimmedMean(delta),
         "cc": CenteredClipping(tau=1.0, iters=3, init="zero"), "mda": MDA(delta),
-        "monna": MoNNA(delta), "meamed": Meamed(delta), "caf": CAF(delta), "smea": SMEA(delta),
+        "monna": MoNNA(delta, index=0), "meamed": Meamed(delta), "caf": CAF(delta),
+        "smea": SMEA(delta),
     }
     ours = {k: (lambda Y, r=r: r(Y, None)) for k, r in rules.items()}
-    ours |= {"nnm": NearestNeighborMixing(Mean(), delta).transform,
-             "arc": ARC(Mean(), delta).transform, "clip": StaticClipping(Mean(), 1.0).transform}
+    ours |= {"nnm": NearestNeighborMixing(Mean(), delta).transform}
+    for name, pre in (("arc", ARC(Mean(), delta)), ("clip", StaticClipping(Mean(), 1.0))):
+        ours[name] = lambda Y, pre=pre: pre.transform(Y, out=Y)  # in place, as byzfl
     return {k: (v, theirs.get(k)) for k, v in ours.items()}
 
 
-def best_time(fn, X, repeats: int) -> float:
-    best = float("inf")
+def best_times(fns, X, repeats: int) -> list[float]:
+    """The best time of each function over ``repeats`` rounds, the functions alternating."""
+    best = [float("inf")] * len(fns)
     for _ in range(repeats):
-        Y = X.copy()  # byzfl's pre-aggregators modify their input in place
-        t0 = time.perf_counter()
-        fn(Y)
-        best = min(best, time.perf_counter() - t0)
+        for i, fn in enumerate(fns):
+            Y = X.copy()  # byzfl's pre-aggregators modify their input in place
+            t0 = time.perf_counter()
+            fn(Y)
+            best[i] = min(best[i], time.perf_counter() - t0)
     return best
 
 
@@ -105,17 +115,26 @@ def main() -> None:
     X = np.random.default_rng(0).standard_normal((args.n, args.d))
     X[: args.f] += 100.0
     table = pairs(args.n, args.f, byzfl)
-    print(f"n = {args.n}, d = {args.d:,}, f = {args.f}, one thread, best of {args.repeats}; "
-          f"byzfl {'found' if byzfl else 'NOT installed'}")
+    print(f"n = {args.n}, d = {args.d:,}, f = {args.f}, one thread, best of {args.repeats} "
+          f"(interleaved); byzfl {'found' if byzfl else 'NOT installed'}; load average "
+          f"{_load()}")
     print(f"{'rule':<11} {'partialfl s':>12} {'byzfl s':>10} {'byzfl/ours':>11}")
     for name in args.rules.split(","):
         ours, theirs = table[name]
-        t_ours = best_time(ours, X, args.repeats)
         if theirs is None:
+            t_ours, = best_times([ours], X, args.repeats)
             print(f"{name:<11} {t_ours:12.3f} {'-':>10} {'-':>11}", flush=True)
             continue
-        t_theirs = best_time(theirs, X, args.repeats)
+        t_ours, t_theirs = best_times([ours, theirs], X, args.repeats)
         print(f"{name:<11} {t_ours:12.3f} {t_theirs:10.3f} {t_theirs / t_ours:11.2f}", flush=True)
+    print(f"load average after: {_load()}")
+
+
+def _load() -> str:
+    try:
+        return " ".join(f"{x:.2f}" for x in os.getloadavg())
+    except OSError:
+        return "unknown"
 
 
 if __name__ == "__main__":

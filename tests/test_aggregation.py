@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import itertools
+import warnings
 
 import numpy as np
 import pytest
@@ -22,6 +23,7 @@ from partialfl.aggregation import (
     drop_nonfinite,
     finite_rows,
 )
+from partialfl.aggregation.protection import UnprotectedError, UnprotectedWarning
 from partialfl.build import make_aggregator
 from partialfl.registry import names as _names
 
@@ -173,15 +175,23 @@ def test_against_brute_force(k, d, seed):
     np.testing.assert_allclose(CoordinateMedian()(X, None), brute_cm(X), rtol=0, atol=1e-12)
     for delta in (0.0, 0.1, 0.2, 0.3):
         b = int(np.floor(delta * k + 1e-9))
-        np.testing.assert_allclose(TrimmedMean(delta)(X, None), brute_tm(X, b), atol=1e-12)
-        fk = min(b, (k - 3) // 2)  # Krum's cap: k >= 2f + 3
-        for m in (1, 2, None):
-            mm = k - fk if m is None else m
-            np.testing.assert_allclose(Krum(delta, m=m, cap=fk < b)(X, None),
-                                       brute_krum(X, fk, mm), atol=1e-12)
-        if delta > 0:  # NNM refuses δ = 0
-            np.testing.assert_allclose(NearestNeighborMixing(Mean(), delta).mix(X),
-                                       brute_nnm(X, b), atol=1e-12)
+        # δ > 0 with ⌊δk⌋ = 0 protects nothing: refused, unless explicitly allowed.
+        kw = {"allow_unprotected": True} if delta > 0 and b == 0 else {}
+        if kw:
+            with pytest.raises(UnprotectedError, match="f = ⌊δk⌋ = 0"):
+                TrimmedMean(delta)(X, None)
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore", UnprotectedWarning)
+            np.testing.assert_allclose(TrimmedMean(delta, **kw)(X, None), brute_tm(X, b),
+                                       atol=1e-12)
+            fk = min(b, (k - 3) // 2)  # Krum's cap: k >= 2f + 3
+            for m in (1, 2, None):
+                mm = k - fk if m is None else m
+                np.testing.assert_allclose(Krum(delta, m=m, cap=fk < b, **kw)(X, None),
+                                           brute_krum(X, fk, mm), atol=1e-12)
+            if delta > 0:  # NNM refuses δ = 0
+                np.testing.assert_allclose(NearestNeighborMixing(Mean(), delta, **kw).mix(X),
+                                           brute_nnm(X, b), atol=1e-12)
     v0 = np.median(X, 0)
     np.testing.assert_allclose(CenteredClipping(tau=0.7, iters=4)(X, None),
                                brute_cc(X, 0.7, 4, v0), atol=1e-12)
@@ -259,7 +269,8 @@ def test_torch_inputs_come_back_as_torch():
     torch = pytest.importorskip("torch")
     X = torch.tensor(rand(6, 3), dtype=torch.float32)
     for name in _names("aggregator"):
-        out = make_aggregator(name, delta=0.1)(X, torch.ones(6))
+        kw = {"index": 0} if name == "monna" else {}
+        out = make_aggregator(name, delta=0.2, **kw)(X, torch.ones(6))
         assert isinstance(out, torch.Tensor) and out.dtype == torch.float32 and out.shape == (3,)
     out = make_aggregator("cm", bucketing=2)(X, torch.ones(6))
     assert isinstance(out, torch.Tensor)
@@ -281,7 +292,12 @@ def test_drop_nonfinite():
 def test_factory_builds_every_rule_and_wrappers():
     X = rand(20, 3)
     for name, s, nnm in itertools.product(_names("aggregator"), (1, 2), (False, True)):
-        agg = make_aggregator(name, delta=0.15, bucketing=s, nnm=nnm, seed=1)
+        kw = {"index": 0} if name == "monna" else {}
+        if name == "monna" and s > 1:  # the trusted index would be a random bucket mean
+            with pytest.raises(ValueError, match="trusted index would point at a bucket mean"):
+                make_aggregator(name, delta=0.15, bucketing=s, nnm=nnm, **kw)
+            continue
+        agg = make_aggregator(name, delta=0.15, bucketing=s, nnm=nnm, seed=1, **kw)
         assert np.isfinite(agg(X, np.ones(20))).all()
         assert isinstance(agg, Bucketing) == (s > 1)
     b = make_aggregator("krum", delta=0.15, bucketing=2)

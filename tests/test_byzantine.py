@@ -176,11 +176,14 @@ def test_nonfinite_updates_never_reach_theta(problem, value, agg):
         res = run_rounds(problem, alg, 15, seed=0, on_round=check)
     assert len(seen) == 15
     if np.isfinite(value):
-        # 1e308 is finite: robust rules ignore it; the mean overflows and the step is rejected.
+        # 1e308 is finite: robust rules ignore it; the mean of finite rows is finite (it is
+        # computed scaled where a plain sum would overflow), so θ is thrown far but finite.
         assert res.state.extra["byz_dropped"] == 0
         if agg == "mean":
-            assert res.state.extra["byz_rejected"] == 15
-            np.testing.assert_array_equal(res.state.theta["theta"], 0.0)
+            assert res.state.extra["byz_rejected"] == 0
+            assert rel_dist2(problem, res.state.theta) > 1e100
+        else:
+            assert rel_dist2(problem, res.state.theta) < 0.5
     else:
         assert res.state.extra["byz_dropped"] == 2 * 15
         assert res.state.extra["byz_rejected"] == 0

@@ -118,6 +118,32 @@ def test_mean_skips_nonfinite_rows_and_counts_them():
     np.testing.assert_allclose(out["b"], X[:4, 2:].mean(0))
 
 
+def test_mean_of_finite_rows_is_finite():
+    # Before: numpy's sum overflowed (inf) for entries near 1e308, and a weight of 1e39 became
+    # inf in float32 (θ turned NaN under example weighting).
+    X = np.array([[1.7e308, -1.0], [1.7e308, 1.0]])
+    with np.errstate(over="ignore"):
+        assert not np.isfinite(X.mean(0)).all()
+    np.testing.assert_allclose(Mean()(X, None), [1.7e308, 0.0])
+    np.testing.assert_allclose(Mean(weighted=True)(X, np.array([1e308, 1.5e308])),
+                               [1.7e308, 0.2], rtol=1e-14)
+    Y = rand(5, 3)
+    w = np.arange(1.0, 6.0)
+    np.testing.assert_array_equal(Mean(weighted=True)(Y, w), (w[:, None] * Y).sum(0) / w.sum())
+    torch = pytest.importorskip("torch")
+    T = torch.tensor([[1.0, 2.0], [3.0, 4.0]], dtype=torch.float32)
+    out = Mean(weighted=True)(T, np.array([1e39, 1e39]))
+    assert out.dtype == torch.float32 and out.tolist() == [2.0, 3.0]
+
+
+def test_weighted_geometric_median_with_huge_weights_is_finite():
+    # Before: weights of 1e308 overflowed the Weiszfeld sums (found by tests/fuzz): NaN.
+    X = np.array([[1e-201], [-1e-201], [3e-201]])
+    w = np.array([1e308, 1e308, 1e308])
+    out = GeometricMedian(weighted=True)(X, w)
+    np.testing.assert_allclose(out, GeometricMedian()(X, None), rtol=1e-9)
+
+
 def test_mean_on_torch_skips_nonfinite_rows():
     torch = pytest.importorskip("torch")
     X = torch.tensor(rand(4, 3))
@@ -154,11 +180,12 @@ def test_gram_distances_are_exact_enough_and_outlier_safe():
 # ------------------------------------------------------------------- every rule
 
 NEW_RULES = {
-    "mda": MDA(0.2), "monna": MoNNA(0.2), "meamed": Meamed(0.2), "caf": CAF(0.2),
+    "mda": MDA(0.2), "monna": MoNNA(0.2, index=0), "meamed": Meamed(0.2), "caf": CAF(0.2),
     "smea": SMEA(0.2), "arc-cm": ARC(CoordinateMedian(), 0.2),
     "clip-cm": StaticClipping(CoordinateMedian(), c=1e3),
 }
-ALL_RULES = {**{n: make_aggregator(n, delta=0.2) for n in _names("aggregator") if n != "mean"},
+ALL_RULES = {**{n: make_aggregator(n, delta=0.2, **({"index": 0} if n == "monna" else {}))
+                for n in _names("aggregator") if n != "mean"},
              **NEW_RULES}
 
 

@@ -56,12 +56,39 @@ class Mean:
         return self._mean(vectors, weights)
 
     def _mean(self, vectors, weights):
-        if not self.weighted:
-            return vectors.mean(0)
-        a = _as_like(weights, vectors)
-        if not float(a.sum()) > 0:
-            raise ValueError("mean: weighted mean with all weights zero")
-        return (a.reshape((-1,) + (1,) * (vectors.ndim - 1)) * vectors).sum(0) / a.sum()
+        with np.errstate(over="ignore", invalid="ignore"):  # an overflow is redone below
+            if not self.weighted:
+                out = vectors.mean(0)
+            else:
+                if not float(np.asarray(to_numpy(weights)[0], dtype=np.float64).sum()) > 0:
+                    raise ValueError("mean: weighted mean with all weights zero")
+                a = _as_like(weights, vectors)
+                out = (a.reshape((-1,) + (1,) * (vectors.ndim - 1)) * vectors).sum(0) / a.sum()
+        if _all_finite(out):
+            return out
+        return self._scaled_mean(vectors, weights)
+
+    def _scaled_mean(self, vectors, weights):
+        """Σ_i p_i x_i with p = a / Σa formed in float64 from a / max a: finite inputs and
+        weights give a finite mean (it lies between the inputs) even where a·x, Σa or Σx
+        overflow (e.g. a weight of 1e39 in float32, entries near 1e308)."""
+        arr, restore = to_numpy(vectors)
+        X = arr.astype(np.float64).reshape(len(arr), -1)
+        if self.weighted:
+            a = np.asarray(to_numpy(weights)[0], dtype=np.float64).reshape(-1)
+            a = a / a.max()
+        else:
+            a = np.ones(len(X))
+        p = a / a.sum()
+        with np.errstate(over="ignore"):
+            out = p @ X
+        if not np.isfinite(out).all():  # a partial sum overflowed: add the terms scaled
+            out = (p[:, None] * (X / 2)).sum(0) * 2
+        return restore(out.reshape(arr.shape[1:]))
+
+
+def _all_finite(x) -> bool:
+    return bool(arrays.rows_finite(x.reshape(1, -1)).all())
 
 
 def _check_some_left(ok: np.ndarray, name: str) -> None:

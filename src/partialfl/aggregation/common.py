@@ -3,7 +3,9 @@
 * input handling: :func:`to_numpy`, :func:`prepare` (validated float64 ``[k, d]``),
   :func:`finite_rows`, :func:`drop_nonfinite`;
 * Byzantine counts: :func:`count` (f = ⌊δk⌋), :func:`check_delta`;
-* overflow-safe arithmetic: :func:`norms`, :func:`safe_mean`;
+* option checks and the subsets of the exhaustive rules: :func:`check_int`, :func:`subsets`;
+* overflow-safe arithmetic: :func:`norms`, :func:`dists_to`, :func:`safe_mean`,
+  :func:`mean_rows` / :func:`mean_into` (means of chosen rows without copying them);
 * pairwise geometry: :func:`gram` — the Gram matrix of the inputs, centred at one input and
   scaled, computed with one matrix product per column block (BLAS), from which
   :func:`sq_dists` and the Weiszfeld iteration of the geometric median work in k dimensions.
@@ -12,6 +14,7 @@
 
 from __future__ import annotations
 
+import itertools
 import math
 import warnings
 from typing import Any
@@ -22,6 +25,10 @@ from partialfl import arrays
 
 #: columns per block of the Gram computation (a block of 25 rows is ~6.5 MB of float64)
 _BLOCK = 1 << 15
+#: columns per block of the row sums of :func:`mean_rows` (L2-sized)
+_BLOCK_MEAN = 1 << 14
+#: rows at least this long get their sums of squares from one BLAS dot each
+_ROW_DOT = 4096
 
 
 class NonFiniteInputError(ValueError):
@@ -65,14 +72,55 @@ def count(delta: float, k: int) -> int:
     return int(math.floor(delta * k + 1e-9))
 
 
+def check_int(value, name: str, minimum: int) -> None:
+    """A ValueError naming ``name`` unless ``value`` is an integer ≥ ``minimum``."""
+    if isinstance(value, bool) or not (isinstance(value, int | np.integer) and value >= minimum):
+        raise ValueError(f"{name} must be an integer >= {minimum}, got {value!r}")
+
+
+def check_limit(limit, name: str) -> None:
+    """``max_subsets`` of an exhaustive rule: an integer ≥ 1."""
+    check_int(limit, f"{name}: max_subsets", 1)
+
+
+def subsets(k: int, size: int, limit: int, name: str):
+    """Batches ``[B, size]`` of all size-subsets of range(k) in lexicographic order (exhaustive
+    rules: MDA, SMEA); a ValueError when there are more than ``limit``."""
+    n = math.comb(k, size)
+    if n > limit:
+        raise ValueError(f"{name}: {n:,} subsets of {size} among {k} inputs exceed "
+                         f"max_subsets={limit:,} (the rule is exhaustive); raise max_subsets, "
+                         "lower delta, or use bucketing")
+    it = itertools.combinations(range(k), size)
+    while True:
+        batch = np.array(list(itertools.islice(it, 4096)), dtype=np.int64)
+        if not len(batch):
+            return
+        yield batch
+
+
 def check_delta(delta: float, name: str) -> None:
     """A ValueError naming ``name`` unless 0 ≤ δ < 1/2."""
     if isinstance(delta, bool) or not (isinstance(delta, int | float) and 0 <= delta < 0.5):
         raise ValueError(f"{name}: Byzantine fraction delta must be in [0, 0.5), got {delta!r}")
 
 
-def prepare(vectors, weights, name: str) -> tuple[np.ndarray, np.ndarray, Any]:
-    """Validated float64 ``[k, d]`` matrix, ``[k]`` weights and the restore function."""
+def require_finite(X: np.ndarray, name: str, rows=None) -> None:
+    """A :class:`NonFiniteInputError` naming the rows of X (or of ``rows`` only) with NaN/inf."""
+    idx = np.arange(len(X)) if rows is None else np.asarray(rows, dtype=np.int64).reshape(-1)
+    ok = finite_rows(X[idx]) if len(idx) < len(X) else finite_rows(X)
+    if not ok.all():
+        raise NonFiniteInputError(
+            f"{name}: input rows {idx[~ok].tolist()} contain NaN or inf; drop them "
+            "first (partialfl.aggregation.drop_nonfinite)"
+        )
+
+
+def prepare(vectors, weights, name: str,
+            check_finite: bool = True) -> tuple[np.ndarray, np.ndarray, Any]:
+    """Validated float64 ``[k, d]`` matrix, ``[k]`` weights and the restore function.
+    ``check_finite=False``: the caller checks the rows itself on a pass it makes anyway
+    (e.g. :func:`dists_to`)."""
     arr, restore = to_numpy(vectors)
     if arr.ndim != 2:
         raise ValueError(f"{name}: vectors must be a [k, d] matrix, got shape {arr.shape}")
@@ -80,27 +128,30 @@ def prepare(vectors, weights, name: str) -> tuple[np.ndarray, np.ndarray, Any]:
     if k < 1:
         raise ValueError(f"{name}: need at least one input vector, got 0")
     X = arr.astype(np.float64, copy=False)
-    ok = finite_rows(X)
-    if not ok.all():
-        raise NonFiniteInputError(
-            f"{name}: input rows {np.flatnonzero(~ok).tolist()} contain NaN or inf; drop them "
-            "first (partialfl.aggregation.drop_nonfinite)"
-        )
+    if check_finite:
+        require_finite(X, name)
     if weights is None:
         w = np.ones(k)
     else:
         w = np.asarray(to_numpy(weights)[0], dtype=np.float64).reshape(-1)
         if len(w) != k:
             raise ValueError(f"{name}: {len(w)} weights for {k} input vectors")
-        if not (np.isfinite(w).all() and (w >= 0).all() and w.sum() > 0):
+        if not (np.isfinite(w).all() and (w >= 0).all() and w.max() > 0):
             raise ValueError(f"{name}: weights must be finite, non-negative, not all zero")
     return X, w, restore
+
+
+def sq_norms(D: np.ndarray) -> np.ndarray:
+    """Σ_j D_ij² for every row: one BLAS dot per row for long rows (faster than einsum)."""
+    if D.shape[1] >= _ROW_DOT:
+        return np.array([row @ row for row in D], dtype=np.float64).reshape(len(D))
+    return np.einsum("ij,ij->i", D, D)
 
 
 def norms(D: np.ndarray) -> np.ndarray:
     """Row norms that do not overflow (entries near 1e300) or underflow (near 1e-300): one
     pass of sums of squares; rows where that is not exact enough are recomputed scaled."""
-    sq = np.einsum("ij,ij->i", D, D)
+    sq = sq_norms(D)
     bad = ~np.isfinite(sq) | (sq < 1e-280)
     if bad.any():
         B = D[bad]
@@ -112,8 +163,71 @@ def norms(D: np.ndarray) -> np.ndarray:
     return np.sqrt(sq)
 
 
+def dists_to(X: np.ndarray, c: np.ndarray, name: str = "distances") -> np.ndarray:
+    """‖x_i − c‖ / s for every row, s = 1 unless entries so large (or differences so small)
+    that squares overflow (underflow), then s is the power of two with max |entries| / s in
+    [1, 2) (an exact scaling: only order and ratios are meaningful). One row at a time: no
+    ``[k, d]`` copy. Also the finiteness check of X and c: a row whose distance is not finite
+    is checked, and NaN/inf raise :class:`NonFiniteInputError` (so the caller may skip
+    :func:`prepare`'s separate pass)."""
+    buf = np.empty(X.shape[1])
+    sq = np.empty(len(X))
+    with np.errstate(over="ignore", invalid="ignore"):
+        for i, row in enumerate(X):
+            np.subtract(row, c, out=buf)
+            sq[i] = buf @ buf  # BLAS
+    bad = ~np.isfinite(sq)
+    if bad.any():  # NaN/inf in a row (or in c: then in every row), or an overflow
+        if not np.isfinite(c).all():
+            raise NonFiniteInputError(f"{name}: the reference contains NaN or inf")
+        require_finite(X, name, np.flatnonzero(bad))
+    zero = np.flatnonzero(sq == 0)
+    exact = (not bad.any() and not ((sq > 0) & (sq < 1e-280)).any()
+             and all(np.array_equal(X[i], c) for i in zero))
+    if exact:
+        return np.sqrt(sq)
+    top = max(float(np.abs(X).max()), float(np.abs(c).max()))
+    s = math.ldexp(1.0, math.frexp(top)[1] - 1) if top > 0 else 1.0  # top/s ∈ [1, 2)
+    return norms(X / s - c / s)
+
+
+def mean_into(acc: np.ndarray, rows, m: int) -> np.ndarray:
+    """acc ← (Σ_r rows[r]) / m for equal-length arrays, added in order (bit for bit
+    ``np.mean`` of the stacked rows); where the sum overflows (entries near 1e308) each row is
+    divided before it is added, which cannot overflow."""
+    with np.errstate(over="ignore", invalid="ignore"):
+        np.copyto(acc, rows[0])
+        for r in rows[1:]:
+            acc += r
+    if np.isfinite(acc).all():
+        acc /= m
+    else:
+        np.divide(rows[0], m, out=acc)
+        for r in rows[1:]:
+            acc += r / m
+    return acc
+
+
+def mean_rows(X: np.ndarray, rows=None) -> np.ndarray:
+    """(1/m) Σ_{i ∈ rows} x_i over the m given rows (None: all), equal bit for bit to
+    ``X[rows].mean(0)`` where that is finite, without its ``[m, d]`` copy: :func:`mean_into`
+    over blocks of columns that stay in cache."""
+    rows = np.arange(len(X)) if rows is None else np.asarray(rows, dtype=np.int64).reshape(-1)
+    if len(rows) == 0:
+        raise ValueError("mean of no rows")
+    d = X.shape[1]
+    out = np.empty(d, dtype=np.float64)
+    for j in range(0, d, _BLOCK_MEAN):
+        mean_into(out[j : j + _BLOCK_MEAN], [X[i, j : j + _BLOCK_MEAN] for i in rows],
+                  len(rows))
+    return out
+
+
 def safe_mean(X: np.ndarray, axis: int = 0) -> np.ndarray:
-    """Mean that divides before summing, so huge finite inputs (1e308) cannot overflow."""
+    """Mean that cannot overflow on huge finite inputs (1e308): :func:`mean_rows` for the rows
+    of a matrix, else dividing before summing."""
+    if X.ndim == 2 and axis == 0:
+        return mean_rows(X)
     return (X / X.shape[axis]).sum(axis)
 
 
@@ -157,6 +271,22 @@ def sq_dists_of(X: np.ndarray) -> np.ndarray:
     """Squared pairwise distances of the rows of X, in the (scaled) units of :func:`gram`;
     only their order and ratios are meaningful (what Krum, NNM and MDA need)."""
     return sq_dists(gram(X)[0])
+
+
+def chain_of(agg):
+    """The aggregator and every rule it wraps (through ``inner``)."""
+    while agg is not None:
+        yield agg
+        agg = getattr(agg, "inner", None)
+
+
+def inner_delta(inner) -> float | None:
+    """The Byzantine fraction δ a rule (or a chain of wrappers) was built with, else None."""
+    for agg in chain_of(inner):
+        d = getattr(agg, "delta", None)
+        if d is not None:
+            return float(d)
+    return None
 
 
 def bind(agg, seed: int, round_: int):

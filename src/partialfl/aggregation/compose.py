@@ -13,6 +13,9 @@ runs with δ = 0:
 
 Order of application: static clipping / ARC on the raw inputs, then bucketing, then NNM, then
 the rule.
+
+``allow_unprotected=True`` goes to the rule and to NNM / ARC: they then warn (once) instead of
+refusing a call where they tolerate no Byzantine input (:mod:`~partialfl.aggregation.protection`).
 """
 
 from __future__ import annotations
@@ -27,7 +30,7 @@ from partialfl.aggregation.wrappers import ARC, Bucketing, NearestNeighborMixing
 
 #: keyword arguments of compose that build wrappers (see the module docstring)
 PRE_AGGREGATORS = ("bucketing", "nnm", "arc", "clip")
-_WRAPPER_KW = (*PRE_AGGREGATORS, "seed")
+_WRAPPER_KW = (*PRE_AGGREGATORS, "seed", "allow_unprotected")
 
 
 def default_delta(cls: type) -> float | None:
@@ -43,7 +46,8 @@ def compose(key: str, cls: type, allowed: tuple[str, ...] = (),
     ``delta``; ``defaults``: option values it gets unless given. Wrappers: ``bucketing=s``
     (s ≥ 2; 1 = none), ``nnm=True`` (nearest-neighbour mixing), ``arc=True`` (adaptive
     robust clipping), ``clip=c`` (static clipping to norm c), ``seed`` (bucketing randomness).
-    ``delta``: the fraction of Byzantine clients (default: the rule's own default δ).
+    ``delta``: the fraction of Byzantine clients (default: the rule's own default δ);
+    ``allow_unprotected``: see the module docstring.
     """
     has_delta = default_delta(cls) is not None
     delta = kw.pop("delta", None)
@@ -52,6 +56,7 @@ def compose(key: str, cls: type, allowed: tuple[str, ...] = (),
     arc = kw.pop("arc", False)
     clip = kw.pop("clip", None)
     seed = kw.pop("seed", 0)
+    loose = kw.pop("allow_unprotected", False)
     bad = sorted(set(kw) - set(allowed))
     if bad:
         raise ValueError(
@@ -60,7 +65,7 @@ def compose(key: str, cls: type, allowed: tuple[str, ...] = (),
         )
     if isinstance(s, bool) or not (isinstance(s, int | np.integer) and s >= 1):
         raise ValueError(f"bucketing size must be an integer >= 1, got {s!r}")
-    for flag, value in (("nnm", nnm), ("arc", arc)):
+    for flag, value in (("nnm", nnm), ("arc", arc), ("allow_unprotected", loose)):
         if not isinstance(value, bool):
             raise ValueError(f"aggregator option {flag!r} must be True or False, got {value!r}")
     if delta is not None:
@@ -78,6 +83,8 @@ def compose(key: str, cls: type, allowed: tuple[str, ...] = (),
         kw["delta"] = inner
     for k, v in (defaults or {}).items():
         kw.setdefault(k, v)
+    if "allow_unprotected" in getattr(cls, "__dataclass_fields__", {}):
+        kw["allow_unprotected"] = loose
     agg = cls(**kw)
     if nnm:
         if not inner:
@@ -85,14 +92,14 @@ def compose(key: str, cls: type, allowed: tuple[str, ...] = (),
                 f"aggregator {key!r} with nnm=True: nearest-neighbour mixing needs the "
                 f"Byzantine fraction delta > 0 (got {delta!r}; {key!r} has no δ of its own)"
             )
-        agg = NearestNeighborMixing(agg, delta=inner)
+        agg = NearestNeighborMixing(agg, delta=inner, allow_unprotected=loose)
     if s > 1:
         agg = Bucketing(agg, s=int(s), seed=int(seed))
     if arc:
         if delta is None:
             raise ValueError(f"aggregator {key!r} with arc=True: ARC needs the Byzantine "
                              "fraction delta")
-        agg = ARC(agg, delta=delta)
+        agg = ARC(agg, delta=delta, allow_unprotected=loose)
     if clip is not None:
         agg = StaticClipping(agg, c=clip)
     return agg

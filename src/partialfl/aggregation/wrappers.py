@@ -17,7 +17,14 @@
 
 NNM and ARC take the Byzantine fraction δ of the rule they wrap when none is given
 (``delta=None``), so a robust rule keeps its robustness when wrapped; NNM refuses δ = 0 (it
-would mix every input with all k inputs, one huge input then moves every mixed vector).
+would mix every input with all k inputs, one huge input then moves every mixed vector). Like
+the rules, NNM and ARC refuse a call where ⌊δk⌋ = 0 for δ > 0 (NNM: also k < 2f + 1) unless
+built with ``allow_unprotected=True`` (:mod:`~partialfl.aggregation.protection`);
+``tolerated(k)`` of every wrapper reports what the whole chain tolerates among k clients.
+
+ARC and static clipping scale the clipped rows in place when the input is their own copy
+(float32 or torch input converted to float64) or when given ``out``; otherwise they return a
+new array and never modify the caller's.
 """
 
 from __future__ import annotations
@@ -31,26 +38,26 @@ import numpy as np
 from partialfl import rng as prng
 from partialfl.aggregation.common import (
     bind,
+    chain_of,
     check_delta,
-    count,
+    inner_delta,
+    mean_rows,
     norms,
     prepare,
-    safe_mean,
     sq_dists_of,
+    to_numpy,
 )
+from partialfl.aggregation.protection import UnprotectedError, check, check_flag, tolerated
 
 
-def inner_delta(inner) -> float | None:
-    """The Byzantine fraction δ a rule (or a chain of wrappers) was built with, else None."""
-    while inner is not None:
-        d = getattr(inner, "delta", None)
-        if d is not None:
-            return float(d)
-        inner = getattr(inner, "inner", None)
-    return None
+def _chain(f: int, inner, k: int) -> int:
+    """What a wrapper tolerating f, around ``inner``, tolerates among k inputs."""
+    g = tolerated(inner, k)
+    return f if g is None else min(f, g)
 
 
 def _wrapper_delta(obj, name: str, zero_ok: bool) -> None:
+    check_flag(obj.allow_unprotected, f"{name}: allow_unprotected")
     if not callable(obj.inner):
         raise TypeError(f"{name}: inner aggregator must be callable, got {obj.inner!r}")
     delta = obj.delta
@@ -85,6 +92,13 @@ class Bucketing:
             raise ValueError(f"bucketing: bucket size s must be an integer >= 1, got {self.s!r}")
         if not callable(self.inner):
             raise TypeError(f"bucketing: inner aggregator must be callable, got {self.inner!r}")
+        if any(getattr(r, "name", None) == "monna" and r.index is not None
+               for r in chain_of(self.inner)):
+            raise ValueError(
+                "bucketing: MoNNA's trusted index would point at a bucket mean of random "
+                "clients, not at an input the server trusts; give MoNNA a reference vector or "
+                "use no bucketing"
+            )
 
     @property
     def delta(self) -> float | None:
@@ -100,12 +114,25 @@ class Bucketing:
     def bucket_means(self, X: np.ndarray) -> np.ndarray:
         """The mean of every bucket of the rows of ``X`` ``[⌈k/s⌉, d]`` (overflow-safe)."""
         # Divide before summing: huge finite inputs (e.g. 1e308) must not overflow to inf.
-        return np.stack([safe_mean(X[b]) for b in self.buckets(len(X))])
+        return np.stack([mean_rows(X, b) for b in self.buckets(len(X))])
+
+    def tolerated(self, k: int) -> int | None:
+        """Byzantine clients tolerated among k: as many as the inner rule tolerates bucket
+        means among ⌈k/s⌉ (each Byzantine client spoils at most one bucket)."""
+        return self._context(k, lambda: tolerated(self.inner, -(-k // self.s)))
+
+    def _context(self, k: int, fn):
+        try:
+            return fn()
+        except UnprotectedError as e:
+            raise UnprotectedError(f"bucketing s = {self.s} makes k = {k} inputs "
+                                   f"{-(-k // self.s)} bucket means: {e}") from None
 
     def __call__(self, vectors, weights=None):
         X, _, restore = prepare(vectors, weights, "bucketing")
         Y = self.bucket_means(X)
-        return restore(np.asarray(self.inner(Y, np.ones(len(Y)))))
+        out = self._context(len(X), lambda: self.inner(Y, np.ones(len(Y))))
+        return restore(np.asarray(out))
 
     def bind(self, seed: int, round_: int) -> Bucketing:
         """This wrapper (and its inner rule) with the buckets' randomness bound to (seed, round)."""
@@ -117,13 +144,16 @@ class Bucketing:
 class _Pre:
     """A pre-aggregation: ``inner(transform(X))``; randomness of ``inner`` bound per round."""
 
-    def transform(self, X: np.ndarray) -> np.ndarray:  # pragma: no cover - abstract
-        """The transformed inputs the inner rule aggregates."""
-        raise NotImplementedError
+    def transform(self, X: np.ndarray, out: np.ndarray | None = None) -> np.ndarray:
+        """The transformed inputs the inner rule aggregates (written to ``out`` where the
+        wrapper can work in place; pragma: abstract)."""
+        raise NotImplementedError  # pragma: no cover
 
     def __call__(self, vectors, weights=None):
         X, _, restore = prepare(vectors, weights, self.name)
-        return restore(np.asarray(self.inner(self.transform(X), weights)))
+        own = not np.may_share_memory(X, to_numpy(vectors)[0])  # converted: ours to modify
+        return restore(np.asarray(self.inner(self.transform(X, out=X if own else None),
+                                             weights)))
 
     def bind(self, seed: int, round_: int):
         """This wrapper with its inner rule bound to (seed, round)."""
@@ -133,19 +163,29 @@ class _Pre:
 @dataclass(frozen=True)
 class NearestNeighborMixing(_Pre):
     """NNM pre-aggregation: y_i = mean of the k − f nearest inputs to x_i (x_i included),
-    f = ⌊δk⌋ with δ > 0 (``None``: the inner rule's δ); returns ``inner(y, weights)``."""
+    f = ⌊δk⌋ with δ > 0 (``None``: the inner rule's δ); returns ``inner(y, weights)``.
+    Bound: f ≥ 1 (k ≥ ⌈1/δ⌉) and k ≥ 2f + 1; refused below unless ``allow_unprotected=True``.
+    """
 
     inner: Any
     delta: float | None = None
+    allow_unprotected: bool = False
     name = "nearest-neighbour mixing"
 
     def __post_init__(self) -> None:
         _wrapper_delta(self, "nearest-neighbour mixing", zero_ok=False)
 
+    def _own(self, k: int) -> int:
+        return check("nearest-neighbour mixing", self.delta, k, self.allow_unprotected)
+
+    def tolerated(self, k: int) -> int:
+        """Byzantine inputs tolerated among k by NNM and the rule it feeds."""
+        return _chain(self._own(k), self.inner, k)
+
     def mixing_matrix(self, X: np.ndarray) -> np.ndarray:
         """``[k, k]`` W with y = W X: row i has 1/(k − f) on the k − f nearest inputs."""
         k = len(X)
-        keep = k - count(self.delta, k)
+        keep = k - self._own(k)
         D = sq_dists_of(X)
         D[np.arange(k), np.arange(k)] = -1.0  # i itself comes first among its ties
         nn = np.argsort(D, axis=1, kind="stable")[:, :keep]
@@ -153,8 +193,9 @@ class NearestNeighborMixing(_Pre):
         np.put_along_axis(W, nn, 1.0 / keep, axis=1)
         return W
 
-    def transform(self, X: np.ndarray) -> np.ndarray:
-        """Every row replaced by the mean of its k − ⌊δk⌋ nearest rows (itself included)."""
+    def transform(self, X: np.ndarray, out: np.ndarray | None = None) -> np.ndarray:
+        """Every row replaced by the mean of its k − ⌊δk⌋ nearest rows (itself included);
+        always a new array (``out`` is not used: every row depends on the others)."""
         # W has entries 1/(k − f) ≤ 1 summing to 1 per row: no overflow for finite X.
         return self.mixing_matrix(X) @ X
 
@@ -165,34 +206,42 @@ class NearestNeighborMixing(_Pre):
 class ARC(_Pre):
     """Adaptive robust clipping: with f = ⌊δk⌋ and n = ⌊2(f/k)(k − f)⌋, the n inputs of
     largest norm are scaled to the norm of the (k − n)-th smallest (ties to the lower index);
-    δ = None: the inner rule's δ. δ = 0 clips nothing."""
+    δ = None: the inner rule's δ. δ = 0 clips nothing; for δ > 0 it needs f ≥ 1
+    (k ≥ ⌈1/δ⌉), refused below unless ``allow_unprotected=True``."""
 
     inner: Any
     delta: float | None = None
+    allow_unprotected: bool = False
     name = "arc"
 
     def __post_init__(self) -> None:
         _wrapper_delta(self, "arc", zero_ok=True)
 
+    def _own(self, k: int) -> int:
+        return check("arc", self.delta, k, self.allow_unprotected, extra=0)
+
+    def tolerated(self, k: int) -> int:
+        """Byzantine inputs tolerated among k by ARC and the rule it feeds."""
+        return _chain(self._own(k), self.inner, k)
+
     def clipped(self, k: int) -> int:
         """How many of k inputs are clipped: ⌊2(f/k)(k − f)⌋."""
-        f = count(self.delta, k)
+        f = self._own(k)
         return int(math.floor(2 * f / k * (k - f) + 1e-9))
 
-    def transform(self, X: np.ndarray) -> np.ndarray:
-        """The inputs with the n largest clipped to the (k − n)-th smallest norm."""
+    def transform(self, X: np.ndarray, out: np.ndarray | None = None) -> np.ndarray:
+        """The inputs with the n largest clipped to the (k − n)-th smallest norm (into
+        ``out``, which may be X; else X itself when nothing is clipped, or a new array)."""
         k = len(X)
         n = self.clipped(k)
         if n == 0:
-            return X
+            return _scaled(X, np.zeros(0, dtype=np.int64), np.zeros(0), out)
         r = norms(X)
         order = np.argsort(r, kind="stable")
         thr = r[order[k - n - 1]]
         big = order[k - n:]
         far = big[r[big] > thr]  # r > thr ≥ 0: a safe division
-        factor = np.ones(k)
-        factor[far] = thr / r[far]
-        return X * factor[:, None]
+        return _scaled(X, far, thr / r[far], out)
 
 
 @dataclass(frozen=True)
@@ -203,6 +252,10 @@ class StaticClipping(_Pre):
     c: float = 1.0
     name = "static clipping"
 
+    def tolerated(self, k: int) -> int | None:
+        """What the rule it feeds tolerates (clipping alone tolerates nothing)."""
+        return tolerated(self.inner, k)
+
     def __post_init__(self) -> None:
         if not callable(self.inner):
             raise TypeError(f"static clipping: inner aggregator must be callable, "
@@ -212,12 +265,24 @@ class StaticClipping(_Pre):
             raise ValueError(f"static clipping: radius c must be a positive number, "
                              f"got {self.c!r}")
 
-    def transform(self, X: np.ndarray) -> np.ndarray:
-        """The inputs clipped to norm c."""
+    def transform(self, X: np.ndarray, out: np.ndarray | None = None) -> np.ndarray:
+        """The inputs clipped to norm c (into ``out``, which may be X; else X itself when
+        nothing is clipped, or a new array)."""
         r = norms(X)
-        far = r > self.c
-        if not far.any():
+        far = np.flatnonzero(r > self.c)
+        return _scaled(X, far, self.c / r[far], out)
+
+
+def _scaled(X: np.ndarray, rows: np.ndarray, factors: np.ndarray,
+            out: np.ndarray | None) -> np.ndarray:
+    """X with ``rows`` multiplied by ``factors``: in ``out`` (may be X), else X itself when no
+    row changes, else a copy (the caller's X is never modified unless it is ``out``)."""
+    if out is None:
+        if not len(rows):
             return X
-        factor = np.ones(len(X))
-        factor[far] = self.c / r[far]
-        return X * factor[:, None]
+        out = X.copy()
+    elif out is not X:
+        out[...] = X
+    for i, c in zip(rows.tolist(), factors.tolist(), strict=True):
+        np.multiply(X[i], c, out=out[i])
+    return out

@@ -21,7 +21,20 @@ gradients ∇f_m(x).
 
 The set of Byzantine clients and their attack are part of the run's configuration
 (:class:`ByzantineConfig`). Counters in ``state.extra``: ``byz_dropped`` (non-finite updates
-dropped so far) and ``byz_rejected`` (server steps rejected).
+dropped so far), ``byz_rejected`` (server steps rejected), ``byz_excess`` (rounds whose
+cohort held more Byzantine clients than the aggregator tolerates, e.g. by the chance of
+sampling) and ``byz_unprotected`` (rounds in which so few clients replied that the aggregator
+tolerated none); a warning the first time of each.
+
+Protection (:mod:`partialfl.aggregation.protection`) is checked where it can fail silently:
+``init`` refuses a Byzantine fraction (of all clients) above the aggregator's δ and, given
+``clients_per_round``, a cohort size in which the aggregator tolerates no Byzantine client
+(e.g. 5 clients per round with δ = 0.1: ⌊0.5⌋ = 0). Each round checks the cohort as it
+arrived, before non-finite rows are dropped (a client sending NaN never makes the rule refuse):
+a cohort as large as planned (``clients_per_round``, else the first round's) that is not
+protected is refused; a smaller one (clients failed) is aggregated with a warning and counted,
+so a failing client cannot stop the run. ``allow_unprotected=True`` (here for the fraction, on
+the rule for the cohort) turns the refusals into warnings.
 """
 
 from __future__ import annotations
@@ -35,6 +48,15 @@ import numpy as np
 from partialfl import arrays
 from partialfl import rng as prng
 from partialfl.aggregation import bind, finite_rows, to_numpy
+from partialfl.aggregation.common import check_int
+from partialfl.aggregation.protection import (
+    UnprotectedError,
+    check_flag,
+    check_fraction,
+    cohort_checked,
+    tolerated,
+    warn_once,
+)
 from partialfl.algorithms.base import Algorithm, ServerState
 from partialfl.algorithms.wrapper import AlgorithmWrapper
 from partialfl.attacks import Attack, NoAttack
@@ -73,30 +95,46 @@ class ByzantineRobust(AlgorithmWrapper):
 
     Args:
         base: the algorithm whose clients compute and whose server steps (FFGG for BR-FFGG).
-        aggregator: any aggregator (see :func:`partialfl.aggregation.make_aggregator`).
+        aggregator: any aggregator (see :func:`partialfl.build.make_aggregator`).
         byzantine: a :class:`ByzantineConfig` (or None: no Byzantine clients).
+        allow_unprotected: run (with a warning) when the Byzantine fraction exceeds the
+            aggregator's δ, instead of refusing.
+        clients_per_round: the planned cohort size, checked by ``init`` (None: the first
+            round's cohort is the plan).
     """
 
-    def __init__(self, base: Algorithm, aggregator, byzantine: ByzantineConfig | None = None):
+    def __init__(self, base: Algorithm, aggregator, byzantine: ByzantineConfig | None = None,
+                 allow_unprotected: bool = False, clients_per_round: int | None = None):
         if isinstance(base, ByzantineRobust):
             raise TypeError("ByzantineRobust wraps a plain algorithm, not another wrapper")
         if not callable(aggregator):
             raise TypeError(f"aggregator must be callable, got {aggregator!r}")
+        check_flag(allow_unprotected, "ByzantineRobust: allow_unprotected")
+        if clients_per_round is not None:
+            check_int(clients_per_round, "ByzantineRobust: clients_per_round", 1)
         super().__init__(base)
+        self.allow_unprotected = allow_unprotected
+        self.clients_per_round = clients_per_round
         self.aggregator = aggregator
         self.byzantine = byzantine or ByzantineConfig()
         self._byz = np.asarray(self.byzantine.clients, dtype=np.int64)
         self.name = f"br-{base.name}"
 
     def init(self, problem, theta0: Params) -> ServerState:
-        """The base algorithm's state (after checking the Byzantine ids), with counters of dropped
-        and rejected updates."""
+        """The base algorithm's state (after checking the Byzantine ids, their fraction
+        against the aggregator's δ and the planned cohort size), with the counters."""
         if len(self._byz) and self._byz.max() >= problem.num_clients:
             raise ValueError(f"Byzantine client ids {self.byzantine.clients} outside "
                              f"[0, {problem.num_clients})")
+        if len(self._byz):
+            check_fraction(self.aggregator, len(self._byz) / problem.num_clients,
+                           self.allow_unprotected)
         state = self.base.init(problem, theta0)
-        state.extra.setdefault("byz_dropped", 0)
-        state.extra.setdefault("byz_rejected", 0)
+        for key in ("byz_dropped", "byz_rejected", "byz_excess", "byz_unprotected"):
+            state.extra.setdefault(key, 0)
+        if self.clients_per_round is not None:
+            tolerated(self.aggregator, self.clients_per_round)  # refuses an unprotected plan
+            state.extra["byz_cohort"] = self.clients_per_round
         return state
 
     # -- adversary -----------------------------------------------------------------------
@@ -127,26 +165,54 @@ class ByzantineRobust(AlgorithmWrapper):
         then the robust aggregate and the base algorithm's step (a step that would make θ
         non-finite is rejected)."""
         updates = self.corrupt(updates, ctx)
+        cohort = np.asarray(updates.cohort)
+        extra = dict(state.extra)
+        f = self._protection(len(cohort), extra, ctx.round)
+        byz = int(np.isin(cohort, self._byz).sum())
         mat, _ = flatten_stacked(updates.vectors)
         ok = finite_rows(mat)
         for tree in updates.extra.values():  # extras (e.g. Scaffold's Δc) must be finite too
             if tree:
                 ok &= finite_rows(flatten_stacked(tree)[0])
         dropped = int((~ok).sum())
-        extra = dict(state.extra)
         extra["byz_dropped"] = extra.get("byz_dropped", 0) + dropped
+        if f is not None and byz > f:
+            extra["byz_excess"] = extra.get("byz_excess", 0) + 1
+            warn_once(f"{self.name}: round {ctx.round}: {byz} Byzantine clients among the "
+                      f"k = {len(cohort)} of the cohort, more than the f = {f} the aggregator "
+                      "tolerates (counted in state.extra['byz_excess'])",
+                      ("byz_excess", id(self)))
         if not ok.any():
             extra["byz_rejected"] = extra.get("byz_rejected", 0) + 1
             return ServerState(state.theta, state.opt_state, state.round + 1, extra)
         kept = updates if ok.all() else updates.select(np.flatnonzero(ok))
         server = copy.copy(self.base)
         server.aggregator = bind(self.aggregator, ctx.seed, ctx.round)
-        new = server.server_update(ServerState(state.theta, state.opt_state, state.round, extra),
-                                   kept, ctx)
+        with cohort_checked():  # checked as sent; the rows dropped above never refuse
+            new = server.server_update(ServerState(state.theta, state.opt_state, state.round,
+                                                   extra), kept, ctx)
         if not _all_finite(new.theta):
             extra["byz_rejected"] = extra.get("byz_rejected", 0) + 1
             return ServerState(state.theta, state.opt_state, state.round + 1, extra)
         return new
+
+
+    def _protection(self, k: int, extra: dict, round_: int) -> int | None:
+        """What the aggregator tolerates among the k clients that replied: refused when k is
+        the planned size (the configuration cannot be protected), counted and warned about
+        when fewer clients replied than planned."""
+        planned = extra.setdefault("byz_cohort", k)
+        try:
+            return tolerated(self.aggregator, k)
+        except UnprotectedError as e:
+            if k >= planned:
+                raise
+            extra["byz_unprotected"] = extra.get("byz_unprotected", 0) + 1
+            warn_once(f"{self.name}: round {round_}: only {k} of the {planned} clients of the "
+                      f"cohort replied, running unprotected (counted in state.extra"
+                      f"['byz_unprotected']): {e}", ("byz_unprotected", id(self)))
+            with cohort_checked():
+                return tolerated(self.aggregator, k)
 
 
 def _all_finite(tree: Params) -> bool:
@@ -158,10 +224,14 @@ def _all_finite(tree: Params) -> bool:
 
 
 def br_ffgg(solver, lr: float, aggregator, byzantine: ByzantineConfig | None = None,
+            allow_unprotected: bool = False, clients_per_round: int | None = None,
             **ffgg_kw) -> ByzantineRobust:
-    """BR-FFGG (Algorithm 5): FFGG with server SGD(γ = ``lr``) and a robust aggregator."""
+    """BR-FFGG (Algorithm 5): FFGG with server SGD(γ = ``lr``) and a robust aggregator
+    (``allow_unprotected``, ``clients_per_round``: see :class:`ByzantineRobust`)."""
     from partialfl.algorithms.ffgg import FFGG
     from partialfl.server import SGD
 
-    return ByzantineRobust(FFGG(solver, SGD(lr=lr), **ffgg_kw), aggregator, byzantine)
+    return ByzantineRobust(FFGG(solver, SGD(lr=lr), **ffgg_kw), aggregator, byzantine,
+                           allow_unprotected=allow_unprotected,
+                           clients_per_round=clients_per_round)
 

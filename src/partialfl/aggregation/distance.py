@@ -1,0 +1,256 @@
+"""Distance-based robust rules: they select or weight whole input vectors by their pairwise
+(or to-a-centre) Euclidean distances.
+
+* :class:`Krum`              Krum / multi-Krum (Blanchard et al., 2017).
+* :class:`CenteredClipping`  (Karimireddy et al., 2021).
+* :class:`MDA`               minimum-diameter averaging (El Mhamdi et al., 2018).
+* :class:`MoNNA`             mean of the k − f nearest neighbours of a trusted input
+  (Farhadkhani et al., 2023).
+
+The geometric median is in :mod:`~partialfl.aggregation.geometric_median`; conventions shared
+by every rule in :mod:`partialfl.aggregation.rules`.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+
+from partialfl.aggregation.common import (
+    NonFiniteInputError,
+    check_delta,
+    check_int,
+    check_limit,
+    dists_to,
+    gram,
+    mean_rows,
+    norms,
+    prepare,
+    require_finite,
+    sq_dists,
+    subsets,
+)
+from partialfl.aggregation.coordinate import column_median
+from partialfl.aggregation.protection import (
+    UnprotectedError,
+    check,
+    check_flag,
+    in_checked_cohort,
+    warn_once,
+)
+
+
+@dataclass(frozen=True)
+class Krum:
+    """Multi-Krum: average the ``m`` inputs with the lowest Krum score (m = 1: Krum).
+
+    score_i = Σ_{j ∈ N_i} ‖x_i − x_j‖², N_i the k − f − 2 nearest other inputs, f = ⌊δk⌋.
+    ``m=None`` selects k − f inputs (the usual multi-Krum). Ties go to the lower index.
+    Bound: k ≥ 2f + 3 and, for δ > 0, f ≥ 1 (k ≥ ⌈1/δ⌉). With fewer inputs (e.g. after
+    bucketing) the call raises, unless ``cap=True`` — the explicit choice to tolerate only
+    f = ⌊(k − 3)/2⌋ then — or ``allow_unprotected=True`` (a warning, then the capped f).
+    """
+
+    delta: float = 0.1
+    m: int | None = 1
+    cap: bool = False
+    allow_unprotected: bool = False
+    name = "krum"
+
+    def __post_init__(self) -> None:
+        check_delta(self.delta, "krum")
+        if self.m is not None:
+            check_int(self.m, "krum: m (inputs to average)", 1)
+        check_flag(self.cap, "krum: cap")
+        check_flag(self.allow_unprotected, "krum: allow_unprotected")
+
+    def tolerated(self, k: int) -> int:
+        """f = ⌊δk⌋ (refused where it is 0 for δ > 0); Krum's guarantee needs k ≥ 2f + 3."""
+        f = check("krum", self.delta, k, self.allow_unprotected, extra=0)
+        if f == 0 or k >= 2 * f + 3:
+            return f
+        capped = max(0, (k - 3) // 2)
+        problem = (f"krum: f = ⌊δk⌋ = {f} Byzantine inputs among k = {k} needs k ≥ 2f + 3 = "
+                   f"{2 * f + 3}")
+        if self.cap or in_checked_cohort():
+            return capped
+        if self.allow_unprotected:
+            warn_once(f"{problem}; tolerating only f = {capped} (allow_unprotected=True)",
+                      ("krum", k, self.delta))
+            return capped
+        raise UnprotectedError(f"{problem}; lower delta (or the bucket size), or pass cap=True "
+                               f"to tolerate only f = {capped} explicitly")
+
+    def scores(self, X: np.ndarray) -> np.ndarray:
+        """score_i for every input (k ≥ 2), in the units s² of :func:`gram` (s = 1 unless
+        the inputs exceed 1e100 or are all below 1e-100)."""
+        k = len(X)
+        f = self.tolerated(k)
+        nb = max(1, k - f - 2)
+        D = sq_dists(gram(X)[0])
+        np.fill_diagonal(D, np.inf)
+        return np.sort(D, axis=1)[:, :nb].sum(1)
+
+    def __call__(self, vectors, weights=None):
+        X, _, restore = prepare(vectors, weights, "krum")
+        k = len(X)
+        m = k - self.tolerated(k) if self.m is None else self.m
+        if m > k:
+            raise ValueError(f"krum: cannot average m={m} of only k={k} inputs")
+        if k == 1:
+            return restore(X[0].copy())
+        sel = np.sort(np.argsort(self.scores(X), kind="stable")[:m])
+        return restore(X[sel[0]].copy() if m == 1 else mean_rows(X, sel))
+
+
+@dataclass(frozen=True)
+class CenteredClipping:
+    """Centered clipping: v ← v + (1/k) Σ_i (x_i − v)·min(1, τ/‖x_i − v‖), ``iters`` times.
+
+    v⁰ is the coordinate-wise median (``init="median"``) or 0 (``init="zero"``). The radius is
+    ``tau`` if given, else ``tau_scale`` · median_i ‖x_i − v⁰‖ (scale-equivariant).
+    """
+
+    tau: float | None = None
+    tau_scale: float = 1.0
+    iters: int = 3
+    init: str = "median"
+    name = "cc"
+
+    def __post_init__(self) -> None:
+        if self.tau is not None and not (self.tau > 0 and math.isfinite(self.tau)):
+            raise ValueError(f"centered clipping: radius tau must be positive, got {self.tau!r}")
+        if not (self.tau_scale > 0 and math.isfinite(self.tau_scale)):
+            raise ValueError(f"centered clipping: tau_scale must be positive, "
+                             f"got {self.tau_scale!r}")
+        check_int(self.iters, "centered clipping: iters", 1)
+        if self.init not in ("median", "zero"):
+            raise ValueError(f"centered clipping: unknown init {self.init!r}; allowed: "
+                             "'median', 'zero'")
+
+    def __call__(self, vectors, weights=None):
+        X, _, restore = prepare(vectors, weights, "centered clipping")
+        v = column_median(X) if self.init == "median" else np.zeros(X.shape[1])
+        tau = self.tau
+        if tau is None:
+            tau = self.tau_scale * float(np.median(norms(X - v)))
+            if tau == 0.0:
+                return restore(v)
+        for _ in range(self.iters):
+            D = X - v
+            r = norms(D)
+            far = r > tau  # only these are clipped: τ/r < 1 there, never a division by ~0
+            s = np.ones_like(r)
+            s[far] = tau / r[far]
+            v = v + (s / len(X)) @ D  # terms ≤ ‖D‖∞/k: no overflow
+        return restore(v)
+
+@dataclass(frozen=True)
+class MDA:
+    """Minimum-diameter averaging: the mean of the k − f inputs S minimising
+    max_{i,j ∈ S} ‖x_i − x_j‖ (exhaustive over C(k, f) subsets; the first minimiser in
+    lexicographic order of S, as byzfl). f = ⌊δk⌋.
+
+    Bound: k ≥ 2f + 1 and, for δ > 0, f ≥ 1 (k ≥ ⌈1/δ⌉); refused below unless
+    ``allow_unprotected=True``."""
+
+    delta: float = 0.1
+    max_subsets: int = 200_000
+    allow_unprotected: bool = False
+    name = "mda"
+
+    def __post_init__(self) -> None:
+        check_delta(self.delta, "mda")
+        check_limit(self.max_subsets, "mda")
+        check_flag(self.allow_unprotected, "mda: allow_unprotected")
+
+    def tolerated(self, k: int) -> int:
+        """f = ⌊δk⌋, refused where the rule protects nothing."""
+        return check("mda", self.delta, k, self.allow_unprotected)
+
+    def select(self, X: np.ndarray) -> np.ndarray:
+        """The indices of the minimum-diameter subset S (sorted)."""
+        k = len(X)
+        m = k - self.tolerated(k)
+        if m == k:
+            return np.arange(k)
+        D = sq_dists(gram(X)[0])
+        best, best_val = None, np.inf
+        for S in subsets(k, m, self.max_subsets, "mda"):
+            diam = D[S[:, :, None], S[:, None, :]].max((1, 2))
+            i = int(np.argmin(diam))
+            if diam[i] < best_val:
+                best, best_val = S[i], diam[i]
+        return best
+
+    def __call__(self, vectors, weights=None):
+        X, _, restore = prepare(vectors, weights, "mda")
+        return restore(mean_rows(X, self.select(X)))
+
+
+@dataclass(frozen=True)
+class MoNNA:
+    """Mean of the k − f inputs nearest to a trusted reference (Farhadkhani et al., 2023),
+    f = ⌊δk⌋. The reference must be honest, which the rule cannot check, so the server chooses
+    it and MoNNA refuses to be built without one:
+
+    * ``index``: the position among the inputs of one the server trusts (its own update, placed
+      there by the server); it counts among the k − f (first among its ties; byzfl's ``idx``);
+    * ``reference``: a vector ``[d]`` the server holds (e.g. its update on its own data), not an
+      input.
+
+    A client's row is no reference (the first row may be Byzantine: with a 1e30 attacker there
+    the mean moves to ~1e29), and neither is a bucket mean, so bucketing refuses a MoNNA with
+    ``index``. Bound: k ≥ 2f + 1 and, for δ > 0, f ≥ 1 (k ≥ ⌈1/δ⌉); refused below unless
+    ``allow_unprotected=True``."""
+
+    delta: float = 0.1
+    index: int | None = None
+    reference: Any = field(default=None, compare=False, repr=False)
+    allow_unprotected: bool = False
+    name = "monna"
+
+    def __post_init__(self) -> None:
+        check_delta(self.delta, "monna")
+        check_flag(self.allow_unprotected, "monna: allow_unprotected")
+        if (self.index is None) == (self.reference is None):
+            raise ValueError(
+                "monna: needs exactly one trusted reference chosen by the server: index=i (the "
+                "position of an input the server trusts, e.g. its own update) or reference="
+                "vector [d] (held by the server); a client's row may be Byzantine"
+            )
+        if self.index is not None:
+            check_int(self.index, "monna: index", 0)
+        else:
+            ref = np.asarray(self.reference, dtype=np.float64).reshape(-1)
+            if not np.isfinite(ref).all():
+                raise ValueError("monna: the reference vector contains NaN or inf")
+            object.__setattr__(self, "reference", ref)
+
+    def tolerated(self, k: int) -> int:
+        """f = ⌊δk⌋, refused where the rule protects nothing."""
+        return check("monna", self.delta, k, self.allow_unprotected)
+
+    def __call__(self, vectors, weights=None):
+        # rows checked for NaN/inf by the distance pass itself
+        X, _, restore = prepare(vectors, weights, "monna", check_finite=False)
+        k = len(X)
+        if self.index is not None:
+            if self.index >= k:
+                raise ValueError(f"monna: trusted index {self.index} but only {k} inputs")
+            try:
+                dist = dists_to(X, X[self.index], "monna")
+            except NonFiniteInputError:
+                require_finite(X, "monna")  # name every bad row, not the trusted one
+                raise
+            dist[self.index] = -1.0  # itself first among its ties
+        else:
+            if len(self.reference) != X.shape[1]:
+                raise ValueError(f"monna: reference vector of length {len(self.reference)} for "
+                                 f"inputs of dimension {X.shape[1]}")
+            dist = dists_to(X, self.reference, "monna")
+        nn = np.sort(np.argsort(dist, kind="stable")[: k - self.tolerated(k)])
+        return restore(mean_rows(X, nn))
