@@ -221,10 +221,10 @@ def test_cli_run_that_diverges_warns_instead_of_aborting(tmp_path, capsys):
     from partialfl.cli import main
 
     cfg = tmp_path / "c.toml"
-    cfg.write_text('[problem]\nnum_clients = 4\nn = 30\nd_theta = 5\nd_w = 2\n'
-                   '[algorithm]\nname = "ffgg"\nsolver = "gd"\ntau = 2\n[run]\nrounds = 60\n')
+    cfg.write_text('[problem]\nname = "least-squares"\nnum_clients = 4\nn = 30\nd_theta = 5\n'
+                   'd_w = 2\n[personalize]\nrounds = 60\nclient = { name = "gd", tau = 2 }\n')
     with np.errstate(all="ignore"), pytest.warns(RuntimeWarning):
         code = main(["run", str(cfg), "--out", str(tmp_path / "o"), "--no-progress",
-                     "--set", "server.lr=1e30"])
+                     "--set", "personalize.server.lr=1e30"])
     err = capsys.readouterr().err
     assert code == 1 and "warning: the run diverged" in err and "error" not in err

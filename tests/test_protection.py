@@ -111,7 +111,7 @@ def test_factory_passes_allow_unprotected_to_the_rule_and_wrappers():
     assert agg.inner.inner.allow_unprotected
     with pytest.warns(UnprotectedWarning):
         agg(X, None)
-    with pytest.raises(ValueError, match="'allow_unprotected' must be True or False"):
+    with pytest.raises(ValueError, match="allow_unprotected: expected true or false"):
         make_aggregator("tm", allow_unprotected="yes")
 
 

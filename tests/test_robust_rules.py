@@ -240,7 +240,7 @@ def test_new_rules_by_hand():
     (lambda: StaticClipping(Mean(), c=0.0), "radius c must be a positive"),
     (lambda: ARC(CoordinateMedian()), "has none: pass delta"),
     (lambda: make_aggregator("cm", arc=True), "ARC needs the Byzantine"),
-    (lambda: make_aggregator("smea", nnm="yes"), "'nnm' must be True or False"),
+    (lambda: make_aggregator("smea", nnm="yes"), "nnm: expected true or false"),
     (lambda: Krum(0.1, cap=1), "cap must be True or False"),
 ])
 def test_clear_errors(call, match):

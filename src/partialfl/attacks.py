@@ -33,6 +33,7 @@ Label flipping is a data-level attack on classification data: :func:`flip_labels
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from dataclasses import dataclass
 from statistics import NormalDist
@@ -41,6 +42,7 @@ from typing import Protocol
 import numpy as np
 
 from partialfl import arrays
+from partialfl.registry import option, register
 
 
 class Attack(Protocol):
@@ -111,8 +113,9 @@ def _alie_vector(ref: np.ndarray, z: float, ddof: int) -> np.ndarray:
 class ALIE:
     """μ − z·σ; z from :func:`alie_z` (n = h + b) when ``z`` is None; σ with ``ddof``."""
 
-    z: float | None = None
-    ddof: int = 0
+    z: float | None = option(None, "the attack factor (None: from the numbers of honest and "
+                             "Byzantine clients)")
+    ddof: int = option(0, "σ with ddof 0 (population) or 1 (sample)")
     name = "alie"
 
     def __post_init__(self) -> None:
@@ -135,7 +138,7 @@ class IPM:
     """−ε·μ (ε small: a slightly negative inner product with the true mean; ε large: a big
     reversal)."""
 
-    epsilon: float = 0.1
+    epsilon: float = option(0.1, "ε > 0: send −ε·(honest mean)")
     name = "ipm"
 
     def __post_init__(self) -> None:
@@ -290,8 +293,8 @@ class SignFlip:
 class GaussianNoise:
     """c + σ·N(0, I): c = 0 (``center="zero"``), the good mean μ, or the own update."""
 
-    sigma: float = 1.0
-    center: str = "zero"
+    sigma: float = option(1.0, "noise std σ > 0")
+    center: str = option("zero", "zero, mean (of the honest updates) or own")
     name = "gaussian"
 
     def __post_init__(self) -> None:
@@ -316,8 +319,8 @@ class BitFlip:
     """Flip ``bits`` (0 = least significant mantissa bit, 63 = sign) of the float64
     representation of a random ``fraction`` of the coordinates of the own update."""
 
-    bits: tuple[int, ...] = (62,)
-    fraction: float = 0.1
+    bits: tuple[int, ...] = option((62,), "float64 bits to flip (0: lowest mantissa bit, 63: sign)")
+    fraction: float = option(0.1, "fraction of coordinates flipped, in (0, 1]")
     name = "bit-flip"
 
     def __post_init__(self) -> None:
@@ -346,7 +349,7 @@ class Mimic:
     """Copy one good client: position ``target`` in the honest stack, or (None) the one with
     the largest |⟨x_i − μ, v⟩|, v the top right-singular vector of the centred good updates."""
 
-    target: int | None = None
+    target: int | None = option(None, "the honest position to copy (None: the most extreme one)")
     name = "mimic"
 
     def __post_init__(self) -> None:
@@ -389,3 +392,53 @@ def flip_labels(labels, num_classes: int, mode: str = "reverse", shift: int = 1)
     if mode == "reverse":
         return (num_classes - 1) - labels
     return (labels + shift) % num_classes
+
+
+# ----------------------------------------------------------------------------- registry
+def _self(opts, ctx=None):
+    """The attack is its own options object."""
+    return opts
+
+
+def _doc(cls: type) -> str:
+    return " ".join((cls.__doc__ or "").split("\n\n")[0].split())
+
+
+register("attack", "none", doc=_doc(NoAttack))(lambda opts=None, ctx=None: NoAttack())
+register("attack", "alie", options=ALIE, doc=_doc(ALIE))(_self)
+register("attack", "ipm", options=IPM, doc=_doc(IPM))(_self)
+register("attack", "inf", doc=_doc(Inf))(lambda opts=None, ctx=None: Inf())
+register("attack", "sign-flip", doc=_doc(SignFlip))(lambda opts=None, ctx=None: SignFlip())
+register("attack", "gaussian", options=GaussianNoise, doc=_doc(GaussianNoise))(_self)
+register("attack", "bit-flip", options=BitFlip, doc=_doc(BitFlip))(_self)
+register("attack", "mimic", options=Mimic, doc=_doc(Mimic))(_self)
+
+
+
+@dataclass(frozen=True)
+class OptimizedOptions:
+    """The line search of an attack tuned against the defence (omniscient)."""
+
+    evals: int = option(20, "aggregator evaluations of the line search")
+    start: float = option(0.0, "the first scale tried")
+    step: float = option(10.0, "the first step of the search")
+    ratio: float = option(0.8, "the step's shrink factor, in (0, 1)")
+
+
+@dataclass(frozen=True)
+class OptimizedALIEOptions(OptimizedOptions):
+    """ALIE's σ estimate."""
+
+    ddof: int = option(0, "σ with ddof 0 (population) or 1 (sample)")
+
+
+@register("attack", "alie-opt", options=OptimizedALIEOptions)
+def _alie_opt(opts: OptimizedALIEOptions, ctx=None) -> OptimizedALIE:
+    """ALIE with z tuned against the round's aggregator (the adversary sees the defence)."""
+    return OptimizedALIE(**dataclasses.asdict(opts))
+
+
+@register("attack", "ipm-opt", options=OptimizedOptions)
+def _ipm_opt(opts: OptimizedOptions, ctx=None) -> OptimizedIPM:
+    """IPM with ε tuned against the round's aggregator (the adversary sees the defence)."""
+    return OptimizedIPM(**dataclasses.asdict(opts))

@@ -529,7 +529,8 @@ def make_backend(name: str, **options: Any):
 
 def _by_name(kind: str, name: str, options: Mapping[str, Any]) -> Component:
     try:
-        return component(kind, {"name": name, **options}, kind)
+        e = entry(kind, name, kind)
+        return Component(kind, e.name, e.parse(options, kind))
     except ConfigError as e:
         raise ValueError(str(e)) from None
 

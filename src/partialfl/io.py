@@ -8,7 +8,7 @@
   :func:`load_tensors`); structured state (a server state with its optimizer state, a metric
   history) is *encoded* into plain JSON plus named tensors (:func:`encode_state`): only
   None/bool/int/float/str, lists, tuples, dicts, numpy/torch arrays and an explicit allowlist
-  of partialfl dataclasses (:data:`STATE_CLASSES`) can be stored or restored. A pickle or
+  of partialfl dataclasses (marked with :func:`state_class`) can be stored or restored. A pickle or
   ``torch.save`` file — which may run arbitrary code when loaded — is refused with
   :class:`UnsafeFileError`; a truncated or corrupt file gives :class:`FileFormatError`; both
   name the file.
@@ -237,15 +237,18 @@ def load_tensors(path: str | Path, what: str = "tensor file", *, sha256: str | N
 
 
 # --------------------------------------------------------------------------- state codec
-def _state_classes() -> dict[str, type]:
-    from partialfl.algorithms.base import ServerState
-    from partialfl.types import ClientUpdates
-
-    return {"ServerState": ServerState, "ClientUpdates": ClientUpdates}
+#: the dataclasses :func:`decode_state` may rebuild, by class name (filled by
+#: :func:`state_class` in the module that defines each)
+_STATE_CLASSES: dict[str, type] = {}
 
 
-#: the dataclasses :func:`decode_state` may rebuild (by name, from plain fields)
-STATE_CLASSES = ("ServerState", "ClientUpdates")
+def state_class(cls: type) -> type:
+    """Class decorator: allow the dataclass ``cls`` in safe state files (stored by name with
+    its plain fields; nothing else is ever rebuilt from a file)."""
+    if not dataclasses.is_dataclass(cls):
+        raise TypeError(f"{cls.__name__} is not a dataclass")
+    _STATE_CLASSES[cls.__name__] = cls
+    return cls
 
 
 def encode_state(obj: Any) -> tuple[Any, dict[str, Any]]:
@@ -273,13 +276,13 @@ def encode_state(obj: Any) -> tuple[Any, dict[str, Any]]:
                 return {"dict": {k: enc(v, f"{where}.{k}") for k, v in o.items()}}
             return {"items": [[enc(k, where), enc(v, f"{where}[{k!r}]")] for k, v in o.items()]}
         name = type(o).__name__
-        if dataclasses.is_dataclass(o) and name in STATE_CLASSES:
+        if dataclasses.is_dataclass(o) and _STATE_CLASSES.get(name) is type(o):
             return {"dataclass": name, "fields": {f.name: enc(getattr(o, f.name),
                                                               f"{where}.{f.name}")
                                                   for f in dataclasses.fields(o)}}
         raise TypeError(f"cannot store {where} of type {name} in a safe state file "
                         f"(allowed: numbers, strings, lists, dicts, arrays, "
-                        f"{', '.join(STATE_CLASSES)})")
+                        f"{', '.join(sorted(_STATE_CLASSES))})")
 
     return enc(obj, "state"), tensors
 
@@ -297,7 +300,7 @@ def decode_state(skeleton: Any, tensors: Mapping[str, Any], device: Any = None) 
     """Inverse of :func:`encode_state`. Torch tensors go to ``device`` if given, else back
     to their recorded device when this machine has it, else stay on the CPU (a checkpoint
     written on ``cuda:0`` resumes on a CPU-only machine)."""
-    classes = _state_classes()
+    classes = _STATE_CLASSES
 
     def dec(o: Any) -> Any:
         if not isinstance(o, dict):

@@ -60,15 +60,17 @@ KINDS: dict[str, Kind] = {k.name: k for k in (
          ("partialfl.algorithms",), "an AlgorithmContext (local trainer, fine-tuner, server "
          "optimizer, aggregator, weighting, w initialisation)"),
     Kind("wrapper", "algorithm wrappers: Byzantine robustness, buffering, staleness, faults, "
-         "differential privacy", ("partialfl.algorithms",), "a WrapperContext (the wrapped "
-         "algorithm, seed, clients per round, number of clients)"),
+         "differential privacy", ("partialfl.algorithms", "partialfl.runtime.faults"),
+         "a WrapperContext (the wrapped algorithm, seed, clients per round, number of "
+         "clients, the aggregation rule, rounds)"),
     Kind("local", "client optimizers and fine-tuning solvers", ("partialfl.local",)),
     Kind("optimizer", "server optimizers", ("partialfl.server",)),
     Kind("schedule", "server learning-rate schedules", ("partialfl.server",),
          "a ScheduleContext (total rounds)"),
     Kind("aggregator", "aggregation rules (mean and robust rules)",
          ("partialfl.aggregation",)),
-    Kind("attack", "what Byzantine clients send instead of their update", ("partialfl.attacks",)),
+    Kind("attack", "what Byzantine clients send instead of their update (label flipping acts "
+         "on the data: partialfl.attacks.flip_labels)", ("partialfl.attacks",)),
     Kind("split", "which parameters of a model are personal", ("partialfl.split",),
          "a SplitContext (the model)"),
     Kind("model", "neural network architectures", ("partialfl.models",),
@@ -99,6 +101,20 @@ def option(default: Any = dataclasses.MISSING, doc: str = "", *,
     if factory is not None:
         return field(default_factory=factory, metadata={"doc": doc})
     return field(default=default, metadata={"doc": doc})
+
+
+def component_field(kind: str, default: str | None, doc: str, *, optional: bool = False) -> Any:
+    """A dataclass field naming a component of ``kind`` (a spec table or an entry's option):
+    ``default`` is its name (a table without ``name`` means it); ``optional``: the field is
+    None unless given."""
+
+    def parse(value, key):
+        return None if value is None else component(kind, value, key, default)
+
+    meta = {"kind": kind, "doc": doc, "default_name": default, "parse": parse}
+    if default is None or optional:
+        return field(default=None, metadata=meta)
+    return field(default_factory=lambda: component(kind, default), metadata=meta)
 
 
 @dataclass(frozen=True)
@@ -355,5 +371,6 @@ def _type_text(tp: Any) -> str:
 
 
 __all__ = ["KINDS", "PLUGIN_GROUP", "Component", "Entry", "Kind", "canonical", "component",
+           "component_field",
            "create", "describe_options", "entries", "entry", "load_plugins", "names", "option",
            "register", "with_trait"]

@@ -22,11 +22,11 @@ import dataclasses
 import math
 import re
 from collections.abc import Mapping
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
 
 from partialfl.config import ConfigError, check_choice, from_dict, to_dict, unknown_key_error
-from partialfl.registry import Component, component, entry, option
+from partialfl.registry import Component, component, component_field, entry, option
 
 #: what a device name may look like (checked against the machine when a run is built)
 DEVICE_PATTERN = re.compile(r"cpu|cuda(:\d+)?|mps|auto")
@@ -39,16 +39,7 @@ W_INITS = ("pretrained", "zero", "random")
 WEIGHTINGS = ("uniform", "examples")
 
 
-def comp(kind: str, default: str | None, doc: str) -> Any:
-    """A spec field naming a component of ``kind`` (``default``: its name, or None for an
-    optional block; a table without ``name`` means ``default``)."""
-    def parse(value, key):
-        return None if value is None else component(kind, value, key, default)
-
-    meta = {"kind": kind, "doc": doc, "default_name": default, "parse": parse}
-    if default is None:
-        return field(default=None, metadata=meta)
-    return field(default_factory=lambda: component(kind, default), metadata=meta)
+comp = component_field  # a spec field naming a component (see the registry)
 
 
 class _Spec:
@@ -455,11 +446,13 @@ class RunSpec(_Spec):
     finetune_grid: FinetuneGrid | None = option(None, "choose stage 3 on validation data")
     aggregation: Component | None = comp("aggregator", None, "the server's aggregation rule "
                                          "(default: the mean)")
-    attack: Component | None = comp("wrapper", None, "Byzantine clients: byzantine "
-                                    "{fraction, attack, …}")
-    privacy: Component | None = comp("wrapper", None, "client-level differential privacy "
-                                     "of θ: dp {…}")
-    faults: Component | None = comp("wrapper", None, "fault injection: faults {rate, kinds}")
+    attack: Component | None = comp("wrapper", "byzantine", "Byzantine clients (Algorithm 5): "
+                                    "{fraction, attack = {name = …}}", optional=True)
+    privacy: Component | None = comp("wrapper", "dp", "client-level differential privacy of "
+                                     "θ: {clip_norm, noise_multiplier or target_epsilon, …}",
+                                     optional=True)
+    faults: Component | None = comp("wrapper", "faults", "fault injection (testing): {rate, "
+                                    "kinds}", optional=True)
     asynchronous: AsyncSpec | None = option(None, "run asynchronously (Algorithm 3)")
     logging: LoggingSpec = option(factory=LoggingSpec, doc="metrics files and progress")
     loss: str = option("auto", "training loss (auto: by the data's kind)")

@@ -13,10 +13,13 @@ from typing import Any
 
 import numpy as np
 
+from partialfl.io import state_class
+
 Array = Any  # numpy.ndarray or torch.Tensor
 Params = dict[str, Array]
 
 
+@state_class
 @dataclass(frozen=True)
 class ClientUpdates:
     """What a cohort of k clients sends to the server: the only thing that leaves a client.

@@ -35,7 +35,8 @@ from partialfl.aggregation import (  # noqa: E402
     TrimmedMean,
     aggregate_tree,
 )
-from partialfl.build import make_aggregator, names  # noqa: E402
+from partialfl.build import make_aggregator  # noqa: E402
+from partialfl.registry import names  # noqa: E402
 
 _MORE = int(os.environ.get("PARTIALFL_FUZZ_EXAMPLES", "0"))
 FUZZ = settings(max_examples=_MORE or 60, deadline=None, derandomize=not _MORE, database=None,

@@ -21,6 +21,8 @@ from partialfl.aggregation.common import (
     to_numpy,
     warn_skipped,
 )
+from partialfl.aggregation.compose import AggregatorOptions, register_rule
+from partialfl.registry import option
 from partialfl.tree import flatten_stacked
 from partialfl.types import Params
 
@@ -128,3 +130,15 @@ def aggregate_tree(agg, vectors: Params, weights) -> Params:
 
 def _rows(v, ok: np.ndarray):
     return arrays.take_rows(v, np.flatnonzero(ok))
+
+
+@dataclass(frozen=True)
+class MeanOptions(AggregatorOptions):
+    """The mean's weighting."""
+
+    weighted: bool = option(False, "weight each client by the weight it sent (e.g. its "
+                            "number of examples)")
+
+
+register_rule("mean", Mean, MeanOptions, doc="The (optionally weighted) mean of the finite "
+              "rows: FedAvg's and FFGG's default.")

@@ -1,5 +1,7 @@
-"""An aggregation rule with its wrappers: :func:`compose` (by name:
-:func:`partialfl.build.make_aggregator`; the names are in :data:`partialfl.build.REGISTRY`).
+"""An aggregation rule with its wrappers: :func:`compose`. Every rule is a registry entry of
+kind ``aggregator`` (registered in its module with :func:`register_rule`) whose options are
+the wrappers' (:class:`AggregatorOptions`) plus the rule's own; by name:
+:func:`partialfl.build.make_aggregator`, or ``[aggregation] name = "krum"`` in a run spec.
 
 ``delta`` is always the fraction of Byzantine *clients*. Every wrapper derives its own δ from
 it (or, when no ``delta`` is given, from the rule's own default δ), so no wrapper silently
@@ -20,13 +22,16 @@ refusing a call where they tolerate no Byzantine input (:mod:`~partialfl.aggrega
 
 from __future__ import annotations
 
-from dataclasses import MISSING
-from typing import Any
+import dataclasses
+from collections.abc import Callable
+from dataclasses import MISSING, dataclass
+from typing import Any, ClassVar
 
 import numpy as np
 
 from partialfl.aggregation.common import check_delta
 from partialfl.aggregation.wrappers import ARC, Bucketing, NearestNeighborMixing, StaticClipping
+from partialfl.registry import option, register
 
 #: keyword arguments of compose that build wrappers (see the module docstring)
 PRE_AGGREGATORS = ("bucketing", "nnm", "arc", "clip")
@@ -103,3 +108,69 @@ def compose(key: str, cls: type, allowed: tuple[str, ...] = (),
     if clip is not None:
         agg = StaticClipping(agg, c=clip)
     return agg
+
+
+# ----------------------------------------------------------------------------- registry
+@dataclass(frozen=True)
+class AggregatorContext:
+    """What an aggregator entry is built with: the seed of randomized wrappers (bucketing)."""
+
+    seed: int = 0
+
+
+@dataclass(frozen=True)
+class AggregatorOptions:
+    """The options every aggregation rule takes: the Byzantine fraction and the wrappers
+    (see the module docstring). A rule's own options extend these."""
+
+    #: the rule class and the keyword defaults its entry gives it (set by :func:`register_rule`)
+    rule: ClassVar[type | None] = None
+    defaults: ClassVar[dict[str, Any]] = {}
+
+    delta: float | None = option(None, "fraction of Byzantine clients (None: the rule's own "
+                                 "default; rules without δ ignore it)")
+    bucketing: int = option(1, "bucket size s (>= 2: aggregate bucket means; 1: none)")
+    nnm: bool = option(False, "nearest-neighbour mixing before the rule")
+    arc: bool = option(False, "adaptive robust clipping of the inputs")
+    clip: float | None = option(None, "static clipping of each input to this norm")
+    allow_unprotected: bool = option(False, "warn instead of refusing a cohort the rule "
+                                     "cannot protect (⌊δk⌋ = 0 or k below its bound)")
+
+    def own(self) -> dict[str, Any]:
+        """The rule's own options (not the wrappers')."""
+        base = {f.name for f in dataclasses.fields(AggregatorOptions)}
+        return {f.name: getattr(self, f.name) for f in dataclasses.fields(self)
+                if f.name not in base}
+
+    def build(self, name: str, seed: int = 0):
+        """The rule with its wrappers (:func:`compose`)."""
+        wrappers = {f.name: getattr(self, f.name)
+                    for f in dataclasses.fields(AggregatorOptions)}
+        if wrappers["delta"] is None:
+            wrappers.pop("delta")
+        own = self.own()
+        return compose(name, type(self).rule, tuple(own), dict(type(self).defaults),
+                       seed=seed, **wrappers, **own)
+
+    def __post_init__(self) -> None:
+        if type(self).rule is not None:
+            self.build("aggregator")  # validates every option now, naming the bad one
+
+
+def register_rule(name: str, rule: type, options: type = AggregatorOptions, *,
+                  aliases: tuple[str, ...] = (), doc: str | None = None,
+                  **defaults: Any) -> Callable[[AggregatorOptions, Any], Any]:
+    """Register aggregation rule ``rule`` as ``name``: its options class (a subclass of
+    :class:`AggregatorOptions` adding the rule's own options) is specialised to the rule."""
+    opts = type(f"{rule.__name__}{name.title().replace('-', '')}Options", (options,),
+                {"rule": rule, "defaults": dict(defaults), "__doc__": options.__doc__,
+                 "__module__": rule.__module__, "__annotations__": {}})
+    opts = dataclass(frozen=True)(opts)
+
+    def build(o: AggregatorOptions, ctx: AggregatorContext | None = None):
+        return o.build(name, 0 if ctx is None else ctx.seed)
+
+    build.__doc__ = doc or rule.__doc__
+    build.__module__ = rule.__module__
+    register("aggregator", name, options=opts, aliases=aliases, robust=name != "mean")(build)
+    return build

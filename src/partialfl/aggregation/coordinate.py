@@ -21,6 +21,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from partialfl.aggregation.common import check_delta, mean_into, mean_rows, prepare
+from partialfl.aggregation.compose import register_rule
 from partialfl.aggregation.protection import check, check_flag
 
 #: bytes of one block of columns (k rows × width float64) sorted or filtered at a time
@@ -223,3 +224,12 @@ class Meamed:
     def __call__(self, vectors, weights=None):
         X, _, restore = prepare(vectors, weights, "meamed")
         return restore(meamed(X, self.tolerated(len(X))))
+
+
+register_rule("cm", CoordinateMedian, aliases=("median", "coordinate-median"),
+              doc="Coordinate-wise median (Yin et al. 2018).")
+register_rule("tm", TrimmedMean, aliases=("trimmed-mean",),
+              doc="Coordinate-wise trimmed mean: drop the f = ⌊δk⌋ largest and smallest "
+              "values per coordinate (Yin et al. 2018).")
+register_rule("meamed", Meamed, doc="Mean around the median: per coordinate, the mean of the "
+              "k − f values closest to the median (Xie et al. 2018).")

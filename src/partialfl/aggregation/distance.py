@@ -33,6 +33,7 @@ from partialfl.aggregation.common import (
     sq_dists,
     subsets,
 )
+from partialfl.aggregation.compose import AggregatorOptions, register_rule
 from partialfl.aggregation.coordinate import column_median
 from partialfl.aggregation.protection import (
     UnprotectedError,
@@ -41,6 +42,7 @@ from partialfl.aggregation.protection import (
     in_checked_cohort,
     warn_once,
 )
+from partialfl.registry import option
 
 
 @dataclass(frozen=True)
@@ -254,3 +256,56 @@ class MoNNA:
             dist = dists_to(X, self.reference, "monna")
         nn = np.sort(np.argsort(dist, kind="stable")[: k - self.tolerated(k)])
         return restore(mean_rows(X, nn))
+
+
+@dataclass(frozen=True)
+class KrumOptions(AggregatorOptions):
+    """Krum's selection."""
+
+    cap: bool = option(False, "cap multi-Krum's m at k − f (else refuse a larger m)")
+
+
+@dataclass(frozen=True)
+class MultiKrumOptions(KrumOptions):
+    """Multi-Krum's number of selected rows."""
+
+    m: int | None = option(None, "rows averaged (None: k − f)")
+
+
+@dataclass(frozen=True)
+class CCOptions(AggregatorOptions):
+    """Centered clipping's radius and iterations."""
+
+    tau: float | None = option(None, "clipping radius (None: from tau_scale)")
+    tau_scale: float = option(1.0, "radius as a multiple of the median distance")
+    iters: int = option(3, "clipping iterations")
+    init: str = option("median", "starting point: median, mean or zero")
+
+
+@dataclass(frozen=True)
+class SubsetOptions(AggregatorOptions):
+    """The subsets a minimum-diameter rule may search."""
+
+    max_subsets: int = option(200_000, "refuse a cohort with more candidate subsets")
+
+
+@dataclass(frozen=True)
+class MoNNAOptions(AggregatorOptions):
+    """MoNNA's trusted row."""
+
+    index: int | None = option(None, "the cohort position of a client the server trusts "
+                               "(required: MoNNA needs an honest reference)")
+
+
+register_rule("krum", Krum, KrumOptions, doc="Krum (Blanchard et al. 2017): the row with the "
+              "smallest sum of squared distances to its k − f − 2 nearest rows.")
+register_rule("multi-krum", Krum, MultiKrumOptions, aliases=("multikrum",),
+              doc="Multi-Krum: the mean of the m rows Krum scores best.")
+register_rule("cc", CenteredClipping, CCOptions, aliases=("centered-clipping",),
+              doc="Centered clipping (Karimireddy et al. 2021): iterated clipping of the "
+              "rows around a centre.")
+register_rule("mda", MDA, SubsetOptions, aliases=("minimum-diameter",),
+              doc="Minimum-diameter averaging: the mean of the k − f rows of smallest "
+              "diameter.")
+register_rule("monna", MoNNA, MoNNAOptions, doc="MoNNA (Allouah et al. 2023): the mean of "
+              "the k − f rows nearest to a trusted row.")

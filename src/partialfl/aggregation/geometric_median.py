@@ -10,6 +10,8 @@ from dataclasses import dataclass
 import numpy as np
 
 from partialfl.aggregation.common import gram, norms, prepare, sq_dists, to_numpy
+from partialfl.aggregation.compose import AggregatorOptions, register_rule
+from partialfl.registry import option
 
 
 @dataclass(frozen=True)
@@ -171,3 +173,18 @@ class _ExactGeometry:
     def precision(self, j: int):
         """Distances this small are float64 noise around x_j."""
         return 1e-12 * float(np.abs(self.X[j]).max()) + np.finfo(np.float64).tiny
+
+
+@dataclass(frozen=True)
+class GMOptions(AggregatorOptions):
+    """The Weiszfeld iterations of the geometric median."""
+
+    nu: float = option(1e-8, "smoothing ν of the distances")
+    tol: float = option(1e-7, "relative stopping tolerance")
+    max_iter: int = option(2000, "iterations at most")
+    weighted: bool = option(False, "weight each row by the weight it sent")
+
+
+register_rule("gm", GeometricMedian, GMOptions, aliases=("geometric-median", "geomed", "rfa"),
+              doc="Geometric median by smoothed Weiszfeld iterations (RFA, Pillutla et al. "
+              "2022).")

@@ -20,7 +20,9 @@ from partialfl.aggregation.common import (
     prepare,
     subsets,
 )
+from partialfl.aggregation.compose import AggregatorOptions, register_rule
 from partialfl.aggregation.protection import check, check_flag
+from partialfl.registry import option
 
 
 def _top_eig(H: np.ndarray) -> tuple[float, np.ndarray]:
@@ -127,3 +129,16 @@ class SMEA:
     def __call__(self, vectors, weights=None):
         X, _, restore = prepare(vectors, weights, "smea")
         return restore(mean_rows(X, self.select(X)))
+
+
+@dataclass(frozen=True)
+class SMEAOptions(AggregatorOptions):
+    """The subsets SMEA may search."""
+
+    max_subsets: int = option(200_000, "refuse a cohort with more candidate subsets")
+
+
+register_rule("caf", CAF, doc="Covariance-bound agnostic filter (CAF): down-weights rows "
+              "along the top eigenvector of their covariance.")
+register_rule("smea", SMEA, SMEAOptions, doc="Smallest maximum eigenvalue averaging (SMEA): "
+              "the mean of the k − f rows whose covariance has the smallest top eigenvalue.")

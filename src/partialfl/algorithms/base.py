@@ -17,10 +17,12 @@ import numpy as np
 
 from partialfl import arrays
 from partialfl.aggregation import Mean, aggregate_tree
+from partialfl.io import state_class
 from partialfl.server import SGD
 from partialfl.types import ClientUpdates, Params
 
 
+@state_class
 @dataclass
 class ServerState:
     """θ (or the shared model), the server optimizer's state and algorithm extras."""

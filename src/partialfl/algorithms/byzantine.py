@@ -58,8 +58,10 @@ from partialfl.aggregation.protection import (
     warn_once,
 )
 from partialfl.algorithms.base import Algorithm, ServerState
+from partialfl.algorithms.context import WrapperContext
 from partialfl.algorithms.wrapper import AlgorithmWrapper
 from partialfl.attacks import Attack, NoAttack
+from partialfl.registry import component_field, option, register
 from partialfl.tree import flatten_stacked
 from partialfl.types import ClientUpdates, Params
 
@@ -235,3 +237,31 @@ def br_ffgg(solver, lr: float, aggregator, byzantine: ByzantineConfig | None = N
                            allow_unprotected=allow_unprotected,
                            clients_per_round=clients_per_round)
 
+
+
+@dataclass(frozen=True)
+class ByzantineOptions:
+    """Which clients are Byzantine and what they send (the ``[attack]`` block)."""
+
+    fraction: float = option(0.0, "fraction of the clients that are Byzantine, in [0, 0.5)")
+    attack: Any = component_field("attack", "none", "what they send instead of their update")
+
+    def __post_init__(self) -> None:
+        if not (isinstance(self.fraction, int | float) and 0 <= self.fraction < 0.5):
+            raise ValueError(f"fraction must be in [0, 0.5), got {self.fraction!r}")
+
+
+@register("wrapper", "byzantine", options=ByzantineOptions, block="byzantine")
+def _byzantine(opts: ByzantineOptions, ctx: WrapperContext) -> ByzantineRobust:
+    """Byzantine-robust training (Algorithm 5): ⌊fraction·M⌋ clients send the attack; the
+    server drops non-finite rows and aggregates with the run's (robust) aggregation rule."""
+    from partialfl.aggregation import Mean
+    from partialfl.config import ConfigError
+
+    if ctx.num_clients is None:
+        raise ConfigError("attack: the number of clients must be known")
+    agg = ctx.aggregator if ctx.aggregator is not None else Mean()
+    byz = ByzantineConfig.sample(ctx.num_clients, opts.fraction, ctx.seed,
+                                 opts.attack.build())
+    return ByzantineRobust(ctx.base, agg, byz, clients_per_round=ctx.clients_per_round,
+                           allow_unprotected=bool(getattr(agg, "allow_unprotected", False)))

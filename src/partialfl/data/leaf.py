@@ -70,6 +70,10 @@ def read_leaf_json(files: Sequence[str | Path]) -> dict[str, tuple[list, list]]:
                 f"{f} is missing key(s) {missing}; a LEAF json file needs {list(_LEAF_KEYS)}"
             )
         users, counts, udata = data["users"], data["num_samples"], data["user_data"]
+        if not (isinstance(users, list) and isinstance(counts, list)
+                and isinstance(udata, dict)):
+            raise DataFormatError(f"{f}: 'users' and 'num_samples' must be lists and "
+                                  "'user_data' an object")
         if len(users) != len(counts):
             raise DataFormatError(
                 f"{f}: 'users' has {len(users)} entries but 'num_samples' has {len(counts)}"
@@ -82,6 +86,10 @@ def read_leaf_json(files: Sequence[str | Path]) -> dict[str, tuple[list, list]]:
             d = udata[u]
             if not isinstance(d, dict) or "x" not in d or "y" not in d:
                 raise DataFormatError(f"{f}: user_data[{u!r}] must have keys 'x' and 'y'")
+            if not (isinstance(d["x"], list) and isinstance(d["y"], list)
+                    and isinstance(n, int) and not isinstance(n, bool)):
+                raise DataFormatError(f"{f}: user {u!r}: 'x' and 'y' must be lists and its "
+                                      "num_samples an integer")
             if not len(d["x"]) == len(d["y"]) == n:
                 raise DataFormatError(
                     f"{f}: user {u!r} has {len(d['x'])} x, {len(d['y'])} y but num_samples {n}"

@@ -38,6 +38,7 @@ from partialfl import rng as prng
 from partialfl.algorithms.base import ClientResult
 from partialfl.algorithms.wrapper import AlgorithmWrapper
 from partialfl.privacy import PrivacyError, screen, server_view
+from partialfl.registry import option, register
 from partialfl.types import ClientUpdates
 
 log = logging.getLogger("partialfl")
@@ -341,3 +342,24 @@ class DropClients(AlgorithmWrapper):
         cs = res.client_state
         return ClientResult(res.updates.select(keep),
                             None if cs is None else {n: v[keep] for n, v in cs.items()})
+
+
+@dataclass(frozen=True)
+class FaultOptions:
+    """Injected client faults (testing the runtimes; ``partialfl reproduce faults``)."""
+
+    rate: float = option(0.1, "probability that a client computation fails, in [0, 1]")
+    kinds: tuple[str, ...] = option(("raise", "nan"), "what a failure does: raise, nan, die")
+
+    def __post_init__(self) -> None:
+        if not (isinstance(self.rate, int | float) and 0 <= self.rate <= 1):
+            raise ValueError(f"rate must be in [0, 1], got {self.rate!r}")
+        bad = sorted(set(self.kinds) - set(FAULT_KINDS))
+        if bad or not self.kinds:
+            raise ValueError(f"unknown fault kinds {bad}; allowed: {', '.join(FAULT_KINDS)}")
+
+
+@register("wrapper", "faults", options=FaultOptions, block="faults")
+def _faults(opts: FaultOptions, ctx) -> FaultInjector:
+    """Injects faults into client computations at random (seeded per round and client)."""
+    return FaultInjector(ctx.base, opts.rate, tuple(opts.kinds), ctx.seed)
