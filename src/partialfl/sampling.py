@@ -35,7 +35,14 @@ def draw_cohort(sampling: str, seed: int, round_: int, num_clients: int,
     if sampling == "poisson":
         return poisson_cohort(seed, round_, num_clients, clients_per_round / num_clients)
     if sampling == "fixed":
-        from partialfl.runtime.sync import sample_cohort
-
         return sample_cohort(seed, round_, num_clients, clients_per_round)
     raise ValueError(f"unknown client sampling {sampling!r}; allowed: {', '.join(SAMPLINGS)}")
+
+
+def sample_cohort(seed: int, round_: int, num_clients: int, k: int | None) -> np.ndarray:
+    """The clients of round ``round_``: all (k None or = M) or k drawn without replacement."""
+    if k is None or k == num_clients:
+        return np.arange(num_clients)
+    if not isinstance(k, int | np.integer) or not 1 <= k <= num_clients:
+        raise ValueError(f"clients_per_round must be in [1, {num_clients}], got {k!r}")
+    return np.sort(prng.generator(seed, "sample", round_).choice(num_clients, k, replace=False))

@@ -43,18 +43,10 @@ from partialfl.runtime.clients import run_clients
 from partialfl.runtime.cohort_pool import ClientsFailed, WorkerError
 from partialfl.runtime.faults import FaultLog, receive
 from partialfl.runtime.logging import base_record
+from partialfl.sampling import sample_cohort
 from partialfl.types import Params
 
 Evaluator = Callable[[Algorithm, ServerState, Any, "Params | None", RoundContext], dict]
-
-
-def sample_cohort(seed: int, round_: int, num_clients: int, k: int | None) -> np.ndarray:
-    """The clients of round ``round_``: all (k None or = M) or k drawn without replacement."""
-    if k is None or k == num_clients:
-        return np.arange(num_clients)
-    if not isinstance(k, int | np.integer) or not 1 <= k <= num_clients:
-        raise ValueError(f"clients_per_round must be in [1, {num_clients}], got {k!r}")
-    return np.sort(prng.generator(seed, "sample", round_).choice(num_clients, k, replace=False))
 
 
 @dataclass

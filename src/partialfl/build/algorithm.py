@@ -1,0 +1,93 @@
+"""The algorithm of one stage: the entry of ``[method]`` built with the stage's client and
+server optimizers and the run's aggregation rule, inside the run's wrappers."""
+
+
+from __future__ import annotations
+
+from partialfl.config import ConfigError
+from partialfl.spec import RunSpec, ServerConfig, StageConfig, parse_lr
+
+
+# ----------------------------------------------------------------------------- optimizers
+def build_server_opt(server: ServerConfig, rounds: int, L: float | None = None,
+                     auto_lr: float = 1.0):
+    """The server optimizer of ``server`` over ``rounds`` rounds: the schedule, ``lr``
+    resolved (``"auto"`` → ``auto_lr``; ``"c/L"`` → c/L), optional clipping."""
+    from partialfl.server import Clipped, OptimizerContext, ScheduleContext
+
+    try:
+        sched = server.schedule.build(ScheduleContext(total=max(rounds, 1)))
+    except ValueError as e:
+        raise ConfigError(f"server.schedule: {e}") from None
+    lr = auto_lr if server.lr == "auto" else parse_lr(server.lr, L)
+    opt = server.optimizer.build(OptimizerContext(lr, sched))
+    return Clipped(opt, server.clip_norm) if server.clip_norm else opt
+
+
+def build_aggregator(spec: RunSpec, seed: int | None = None):
+    """The server's aggregation rule (None: the algorithm's default, the mean)."""
+    if spec.aggregation is None:
+        return None
+    from partialfl.aggregation.compose import AggregatorContext
+
+    try:
+        return spec.aggregation.build(AggregatorContext(seed=spec.seed if seed is None
+                                                        else seed))
+    except ValueError as e:
+        raise ConfigError(f"aggregation: {e}") from None
+
+
+# ----------------------------------------------------------------------------- algorithms
+def build_algorithm(spec: RunSpec, stage: StageConfig, *, method=None, problem=None,
+                    num_clients: int | None = None, wrap: bool = True):
+    """The algorithm of ``method`` (default ``spec.method``) for one stage: its entry built
+    with the stage's client optimizer and server optimizer, the run's aggregation rule,
+    weighting and w initialisation; then (``wrap``) the run's wrappers, innermost first:
+    fault injection, Byzantine clients (with the robust aggregation rule), differential
+    privacy. ``problem`` (closed forms) resolves ``lr = "auto"`` / ``"c/L"`` against its
+    smoothness constant L."""
+    from partialfl.algorithms.context import AlgorithmContext
+
+    method = method or spec.method
+    e = method.entry
+    L = getattr(problem, "L", None)
+    auto = 1.0 / L if (L is not None and e.trait("sends") == "gradient") else 1.0
+    opt = build_server_opt(stage.server, stage.rounds, L, auto)
+    agg = build_aggregator(spec)
+    ctx = AlgorithmContext(stage.client.build(), opt, agg, method.weighting, method.w_init,
+                           e.name)
+    try:
+        alg = e.create(method.options, ctx)
+    except ValueError as err:
+        if isinstance(err, ConfigError):
+            raise
+        raise ConfigError(f"method: {err}") from None
+    if wrap:
+        n = num_clients if num_clients is not None else getattr(problem, "num_clients", None)
+        alg = wrap_algorithm(spec, alg, n, stage.clients_per_round, agg, stage.rounds)
+    return alg
+
+
+def wrap_algorithm(spec: RunSpec, alg, num_clients: int | None,
+                   clients_per_round: int | None, aggregator=None, rounds: int | None = None):
+    """``alg`` inside the run's wrappers (faults, attack, privacy), innermost first."""
+    from partialfl.algorithms.context import WrapperContext
+
+    for block in (spec.faults, spec.attack, spec.privacy):
+        if block is None:
+            continue
+        ctx = WrapperContext(alg, spec.seed, num_clients, clients_per_round, aggregator, rounds)
+        try:
+            alg = block.build(ctx)
+        except ValueError as err:
+            if isinstance(err, ConfigError):
+                raise
+            raise ConfigError(f"{block.entry.trait('block')}: {err}") from None
+    return alg
+
+
+def async_rule(spec: RunSpec, alg):
+    """``alg`` inside the asynchronous rule of ``spec.asynchronous`` (FedAsync, FedBuff)."""
+    from partialfl.algorithms.context import WrapperContext
+
+    return spec.asynchronous.rule.build(WrapperContext(alg, spec.seed))

@@ -1,0 +1,173 @@
+"""The one builder: a run specification (:class:`partialfl.spec.RunSpec`) → the objects that
+run it, for ``partialfl run`` / ``train``, the pipeline, the reproductions and the Flower app.
+
+Every name is resolved by the registry (:mod:`partialfl.registry`); what differs per component
+is a field or a trait of its entry, never a name check here. :func:`build` makes a
+:class:`Run`: a closed-form run's problem and algorithm, or a model run's task (model factory,
+data, loss, metric, split builder), its new clients and the plan ``--dry-run`` prints. The
+pieces (:func:`build_algorithm`, :func:`build_server_opt`, :func:`build_model`,
+:func:`build_split`, …) are what the pipeline and Flower call for one stage.
+
+Code named by a config (``model.name = "package.module:callable"``, ``plugins``) is imported
+only when the user allowed it on their own machine (:func:`allow_code`, ``--allow-code``, or
+``PARTIALFL_ALLOW_CODE=1``); a Flower node never imports code named by a message.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+import json
+from dataclasses import dataclass
+from typing import Any
+
+from partialfl.build.algorithm import async_rule, build_algorithm
+from partialfl.build.code import load_spec_plugins
+from partialfl.build.problem import problem_of
+from partialfl.build.task import (
+    Task,
+    build_data,
+    build_loss_metric,
+    build_model,
+    build_split,
+    split_of,
+)
+from partialfl.config import ConfigError
+from partialfl.spec import RunSpec
+
+
+# ----------------------------------------------------------------------------- build(spec)
+@dataclass
+class Run:
+    """What :func:`build` makes of a spec: a closed-form run's ``problem`` and ``algorithm``,
+    or a model run's ``task`` and held-out ``new_clients``; the ``plan`` that ``--dry-run``
+    prints."""
+
+    spec: RunSpec
+    problem: Any = None
+    algorithm: Any = None
+    task: Any = None
+    new_clients: Any = None
+    plan: dict[str, Any] = dataclasses.field(default_factory=dict)
+
+
+def build(spec: RunSpec, progress: bool = False) -> Run:
+    """Build a run specification into the objects that run it (``progress``: a bar while a
+    large closed-form problem is generated)."""
+    if not isinstance(spec, RunSpec):
+        raise TypeError(f"build() takes a RunSpec, got {type(spec).__name__}")
+    load_spec_plugins(spec)
+    if spec.closed_form:
+        return _build_closed_form(spec, progress)
+    return _build_model_run(spec)
+
+
+def _check_problem_kind(e, kind: str) -> None:
+    allowed = e.trait("problems", ("closed-form", "model"))
+    if kind not in allowed:
+        raise ConfigError(f"method.algorithm: {e.name} runs on {' and '.join(allowed)} "
+                          f"problems, not on a {kind} problem")
+
+
+def _build_closed_form(spec: RunSpec, progress: bool) -> Run:
+    e = spec.method.entry
+    _check_problem_kind(e, "closed-form")
+    problem = problem_of(spec, progress)
+    stage = spec.personalize
+    k = stage.clients_per_round
+    if k is not None and not 1 <= k <= problem.num_clients:
+        raise ConfigError(f"personalize.clients_per_round={k} but the problem has "
+                          f"{problem.num_clients} clients")
+    if e.trait("full_participation") and k not in (None, problem.num_clients):
+        raise ConfigError(f"personalize.clients_per_round: {e.name} needs full participation "
+                          "(0 = all clients)")
+    alg = build_algorithm(spec, stage, problem=problem)
+    if spec.asynchronous is not None:
+        alg = async_rule(spec, alg)
+    plan = {"name": spec.name, "problem": spec.problem.to_dict(), "algorithm": e.name,
+            "rounds": stage.rounds, "clients_per_round": k or problem.num_clients,
+            "backend": spec.backend.name}
+    return Run(spec, problem=problem, algorithm=alg, plan=plan)
+
+
+def task_name(spec: RunSpec) -> str:
+    """A short identity of a model run's task (model, data, loss, metric)."""
+    key = json.dumps({"model": dataclasses.asdict(spec.model),
+                      "data": spec.data and _plain(spec.data), "loss": spec.loss,
+                      "metric": spec.metric}, sort_keys=True, default=str)
+    return f"{spec.data.source}-{spec.model.name}-{hashlib.sha256(key.encode()).hexdigest()[:10]}"
+
+
+def _plain(obj) -> Any:
+    from partialfl.config import to_dict
+
+    return to_dict(obj)
+
+
+def _check_forward(model, data, loss_fn) -> None:
+    """One example through the model and the loss, so a model that does not fit the data
+    fails in ``--dry-run`` with a clear message rather than in round 1."""
+    import torch
+
+    m = next(i for i in range(data.num_clients) if len(data.train_y[i]))
+    x, y = data.train_x[m][:1], data.train_y[m][:1]
+    try:
+        with torch.no_grad():
+            loss_fn(model(x), y)
+    except (RuntimeError, ValueError, IndexError, TypeError) as e:
+        msg = str(e).splitlines()[0] if str(e) else type(e).__name__
+        raise ConfigError(f"model: does not fit the data (inputs {tuple(x.shape[1:])} "
+                          f"{x.dtype}, {data.num_classes} classes): {msg}") from None
+
+
+def model_task(spec: RunSpec, data) -> Task:
+    """The :class:`Task` of a model run on ``data``."""
+    text = data.train_x[0].dim() == 2 and not data.train_x[0].is_floating_point()
+    loss_fn, metric = build_loss_metric(spec, text)
+    num_classes = int(data.num_classes)
+
+    def model_fn(seed: int):
+        return build_model(spec.model, num_classes, seed, data)
+
+    return Task(data=data, model_fn=model_fn, loss_fn=loss_fn, metric=metric,
+                split_fn=build_split, name=task_name(spec))
+
+
+def _build_model_run(spec: RunSpec) -> Run:
+    from partialfl.devices import check_precision, resolve_device
+
+    e = spec.method.entry
+    _check_problem_kind(e, "model")
+    try:
+        device = resolve_device(spec.device)
+        check_precision(spec.precision, device)
+    except ValueError as err:
+        raise ConfigError(str(err)) from None
+    data, new = build_data(spec)
+    task = model_task(spec, data)
+    run = spec.effective()
+    model = task.model_fn(run.stage1_seed)
+    try:
+        split = build_split(model, *split_of(run.method))
+    except ValueError as err:
+        if isinstance(err, ConfigError):
+            raise
+        raise ConfigError(f"method.split: {err}") from None
+    build_algorithm(run, run.personalize, num_clients=data.num_clients)  # validates
+    _check_forward(split.model, data, task.loss_fn)
+    counts = split.counts() if hasattr(split, "counts") else {}
+    plan = {
+        "name": spec.name, "data": data.summary(), "clients": data.num_clients,
+        "train_examples": int(data.train_sizes().sum()),
+        "test_examples": int(data.test_sizes().sum()),
+        "new_clients": 0 if new is None else new.num_clients,
+        "model": spec.model.name, "num_classes": int(data.num_classes),
+        "parameters": int(sum(p.numel() for p in split.model.parameters())),
+        "split": run.method.split_kind, "split_counts": counts,
+        "algorithm": e.name, "stages": list(spec.stages),
+        "rounds": {"pretrain": run.pretrain.rounds, "personalize": run.personalize.rounds},
+        "finetune_epochs": run.finetune.epochs,
+        "device": spec.device if spec.device == str(device) else f"{spec.device} → {device}",
+        "precision": spec.precision, "backend": spec.backend.name, "threads": spec.threads,
+    }
+    return Run(spec, task=task, new_clients=new, plan=plan)
