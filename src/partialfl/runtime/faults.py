@@ -27,6 +27,7 @@ from __future__ import annotations
 import logging
 import math
 import os
+import sys
 import warnings
 from dataclasses import dataclass, field
 from typing import Any
@@ -49,6 +50,17 @@ class ClientFaultError(RuntimeError):
 
 class InjectedFault(RuntimeError):
     """The exception :class:`FaultInjector` raises in a client."""
+
+
+def is_data_error(err: BaseException | str | None) -> bool:
+    """Whether ``err`` is an error of the run's data rather than of a client: a
+    :class:`~partialfl.data.store.StoreError` (a client store file missing, truncated or
+    holding values it was not written with). It is re-raised, never skipped as a client
+    fault: the data are the run's, and skipping would train on a silently shrinking
+    federation. (A StoreError exists only once its module is loaded, so the runtime need not
+    import the data layer to recognise one.)"""
+    layout = sys.modules.get("partialfl.data.store.layout")
+    return layout is not None and isinstance(err, layout.StoreError)
 
 
 _rows_finite = arrays.rows_finite
@@ -137,6 +149,10 @@ class FaultLog:
                 "first": self.first_error_text, "growth": dict(self.growth)}
 
     def client_error(self, where: str, err: BaseException | str) -> None:
+        """Count ``where``'s failed computation (skipped); a data error
+        (:func:`is_data_error`) is re-raised instead."""
+        if is_data_error(err):
+            raise err
         self.attempted += 1
         self.failed += 1
         text = err if isinstance(err, str) else f"{type(err).__name__}: {err}"
