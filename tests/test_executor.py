@@ -179,3 +179,17 @@ def test_the_run_mode_is_in_every_context_the_algorithm_sees():
     execute(Run(pb, alg, Rounds(2), executor=Executor(Vmap(64))))
     execute(Run(pb, alg, Arrivals(steps=3, concurrency=2), executor=Executor(Loop())))
     assert alg.modes[:2] == [Vmap(64)] * 2 and alg.modes[2:] == [Loop()] * len(alg.modes[2:])
+
+
+def test_a_spec_names_its_executor_once():
+    from partialfl.build import executor_of
+    from partialfl.config import from_dict
+    from partialfl.runtime.backends import BatchedBackend, SequentialBackend
+    from partialfl.spec import RunSpec
+
+    ls = from_dict(RunSpec, {"problem": {"name": "least-squares"}})
+    assert executor_of(ls) == Executor(BatchedBackend(), "cpu")  # a closed form: vmap
+    model = from_dict(RunSpec, {"backend": {"name": "vmap", "max_examples": 64}})
+    ex = executor_of(model)
+    assert isinstance(ex.mode, BatchedBackend) and ex.kernel_mode == Vmap(64)
+    assert executor_of(from_dict(RunSpec, {})).mode == SequentialBackend()  # a model run

@@ -527,6 +527,23 @@ def make_backend(name: str, **options: Any):
     return _by_name("executor", name, options).build()
 
 
+def executor_of(spec: RunSpec):
+    """The run's one :class:`~partialfl.batching.Executor`, chosen once: the spec's
+    ``backend`` (built once) on its ``device`` (a closed form computes on the CPU). The
+    problem is built on ``executor.device`` and every loop of the run takes the executor."""
+    from partialfl.batching import Executor
+
+    device = "cpu"
+    if not spec.closed_form:
+        from partialfl.devices import resolve_device
+
+        try:
+            device = str(resolve_device(spec.device))
+        except ValueError as err:
+            raise ConfigError(f"device: {err}") from None
+    return Executor(spec.backend.build(), device)
+
+
 def _by_name(kind: str, name: str, options: Mapping[str, Any]) -> Component:
     try:
         return component(kind, {"name": name, **options}, kind)
@@ -553,6 +570,6 @@ def config_folder_on_path(folder: Path | None) -> None:
 __all__ = ["ALLOW_CODE_ENV", "Run", "Task", "allow_code", "async_rule", "build",
            "build_aggregator", "build_algorithm", "build_data", "build_loss_metric",
            "build_model", "build_problem", "build_server_opt", "build_split", "code_allowed",
-           "convert_data", "import_callable", "make_aggregator", "make_attack",
+           "convert_data", "executor_of", "import_callable", "make_aggregator", "make_attack",
            "make_backend", "make_model", "make_optimizer", "make_solver", "split_of",
            "model_task", "problem_of", "wrap_algorithm"]

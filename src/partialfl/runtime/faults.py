@@ -3,7 +3,9 @@
 Every runtime (synchronous rounds, asynchronous simulated clock, worker processes) treats a
 client the same way (the simulator's *message path*, :func:`receive`):
 
-* a client whose computation **raises** (or whose worker process dies) is skipped;
+* a client whose computation **raises** (or whose worker process dies) is skipped — unless
+  it raised a **data error** (:func:`is_data_error`: a corrupt client store), which stops
+  the run: the data are the run's, not the client's;
 * a client whose message is refused for privacy (:func:`partialfl.privacy.screen`: a name,
   shape or dtype outside the one channel of each value, a non-finite metric) is skipped;
 * a client whose update, weight or extra payload holds a **non-finite** value is skipped —
