@@ -71,12 +71,18 @@ def load_data(args) -> FederatedDataset:
     return synthetic_femnist(args.clients)
 
 
-def _problem(data, args, device: str, vectorize: bool, precision: str = "fp32") -> ModelProblem:
+def _backend(device: str, backend: str):
+    """The run's one batching mode: vmap groups of up to 2^15 examples on an accelerator."""
+    if backend != "vmap":
+        return SequentialBackend()
+    return BatchedBackend((1 << 15) if device != "cpu" else 2048)
+
+
+def _problem(data, args, device: str, backend: str, precision: str = "fp32") -> ModelProblem:
     model = make_model(args.model, data.num_classes, seed=0)
     split = make_split(model, "output")
-    big = device != "cpu"
-    return ModelProblem(split, data, vectorize=vectorize, device=device, precision=precision,
-                        chunk=args.chunk, max_vmap_examples=(1 << 15) if big else 2048)
+    return ModelProblem(split, data, mode=_backend(device, backend), device=device,
+                        precision=precision, chunk=args.chunk)
 
 
 def _algorithm():
@@ -92,8 +98,8 @@ def ffgg_run(data, args, device: str, backend: str, rounds: int, k: int,
              precision: str = "fp32") -> tuple[dict[str, torch.Tensor], float]:
     """θ after ``rounds`` FFGG rounds (k clients per round), on the host, and the pooled
     test accuracy of the personalized models then (every client fine-tunes its w)."""
-    p = _problem(data, args, device, backend == "vmap", precision)
-    be = BatchedBackend() if backend == "vmap" else SequentialBackend()
+    p = _problem(data, args, device, backend, precision)
+    be = _backend(device, backend)
     res = run_rounds(p, _algorithm(), rounds, clients_per_round=k, seed=args.seed, backend=be,
                      evaluate=round_evaluator(("test",)), eval_every=max(1, rounds))
     theta = {n: v.detach().cpu().double() for n, v in res.state.theta.items()}
@@ -108,8 +114,8 @@ def rel_dist(a: dict, b: dict) -> float:
 
 def round_seconds(data, args, device: str, backend: str, k: int) -> float:
     """Mean seconds of one FFGG round with k clients (after one warm-up round)."""
-    p = _problem(data, args, device, backend == "vmap")
-    be = BatchedBackend() if backend == "vmap" else SequentialBackend()
+    p = _problem(data, args, device, backend)
+    be = _backend(device, backend)
     alg = _algorithm()
     run_rounds(p, alg, 1, clients_per_round=k, seed=args.seed, backend=be)  # warm-up
     _sync(device)

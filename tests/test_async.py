@@ -179,6 +179,37 @@ def test_distribution_means(dist):
         assert x.min() >= 2.0
 
 
+def test_distributions_are_registered_components_of_the_spec():
+    """Each duration distribution is one registry entry whose options are its own fields;
+    [asynchronous] names one with its options, validated on load."""
+    from partialfl.config import ConfigError, from_dict
+    from partialfl.experiments.closed_form import compute_time
+    from partialfl.registry import names
+    from partialfl.runtime.asynchronous import Exponential, LogNormal, Pareto
+    from partialfl.spec import RunSpec
+
+    assert names("distribution") == ("constant", "exponential", "half-normal", "log-normal",
+                                     "pareto")
+    assert Distribution("exponential", 2.0, 7.0) == Exponential(2.0)  # no shape: ignored
+    assert Distribution("pareto", 2.0, 3.0) == Pareto(2.0, 3.0)
+
+    def spec(duration):
+        return from_dict(RunSpec, {"problem": {"name": "least-squares", "num_clients": 4},
+                                   "asynchronous": {"duration": duration}})
+
+    model = compute_time(spec({"name": "log-normal", "scale": 2.0, "shape": 0.5}), 4)
+    assert model.per_job == LogNormal(2.0, 0.5)
+    assert spec("constant").asynchronous.duration.build().deterministic
+    assert from_dict(RunSpec, {"problem": {"name": "least-squares"}, "asynchronous": {}}
+                     ).asynchronous.duration.build() == Exponential(1.0)
+    with pytest.raises(ConfigError, match=r"unknown key 'asynchronous.duration.shape'"):
+        spec({"name": "constant", "shape": 2.0})
+    with pytest.raises(ConfigError, match="pareto distribution: shape must be finite and > 0"):
+        spec({"name": "pareto", "shape": 0})
+    with pytest.raises(ConfigError, match="'gamma' is not allowed; allowed: constant"):
+        spec("gamma")
+
+
 def test_compute_time_model():
     rng = np.random.default_rng(0)
     m = ComputeTimeModel(Distribution("constant", 1.0), Distribution("constant", 0.01),

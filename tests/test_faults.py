@@ -228,3 +228,54 @@ def test_cli_run_that_diverges_warns_instead_of_aborting(tmp_path, capsys):
                      "--set", "personalize.server.lr=1e30"])
     err = capsys.readouterr().err
     assert code == 1 and "warning: the run diverged" in err and "error" not in err
+
+
+# ------------------------------------------------------------------ data errors
+def _corrupt_client_store(tmp_path):
+    """A model problem on an on-disk store whose client 1 has a label outside 0..4 written
+    after the store was opened (a store read refuses it: StoreError)."""
+    from _nn_toy import toy_data, toy_model
+
+    from partialfl.batching import Loop
+    from partialfl.data.store import open_store, write_store
+    from partialfl.problems.model import ModelProblem
+    from partialfl.split import make_split
+
+    path = write_store(tmp_path / "store", toy_data(num_clients=4, seed=1))
+    ds = open_store(path)
+    header = json.loads((path / "header.json").read_text())
+    dt = np.dtype(header["fields"]["train_y"]["dtype"])
+    with open(path / "train_y.bin", "r+b") as f:  # client 1's first label (same size)
+        f.seek(int(ds.train_sizes()[0]) * dt.itemsize)
+        f.write(np.asarray([99], dtype=dt).tobytes())
+    return ModelProblem(make_split(toy_model(0), "none"), ds, mode=Loop())
+
+
+@pytest.mark.parametrize("backend", ["sequential", "processes"])
+def test_a_store_error_in_a_round_is_a_data_error_not_a_client_fault(tmp_path, backend):
+    """Clients 0, 2, 3 succeed; client 1's data are corrupt: the run stops with the store's
+    error (it used to skip client 1 with a warning, round after round)."""
+    from partialfl.algorithms.model import FedAvg
+    from partialfl.data.store import StoreError
+    from partialfl.local.sgd import SGDConfig
+    from partialfl.runtime import SequentialBackend
+    from partialfl.runtime.cohort_pool import ProcessBackend
+
+    pb = _corrupt_client_store(tmp_path)
+    be = SequentialBackend() if backend == "sequential" else ProcessBackend(workers=2)
+    try:
+        with pytest.raises(StoreError, match=r"train_y.bin: row \d+ holds a value outside"):
+            run_rounds(pb, FedAvg(SGDConfig(lr=0.1, batch_size=4)), 2, seed=0, backend=be)
+    finally:
+        if backend == "processes":
+            be.close()
+
+
+def test_a_store_error_stops_an_asynchronous_run(tmp_path):
+    from partialfl.algorithms.model import FedAvg
+    from partialfl.data.store import StoreError
+    from partialfl.local.sgd import SGDConfig
+
+    pb = _corrupt_client_store(tmp_path)
+    with pytest.raises(StoreError, match="train_y.bin"):  # (it used to be skipped)
+        run_async(pb, FedAvg(SGDConfig(lr=0.1, batch_size=4)), steps=12, concurrency=2)

@@ -19,6 +19,7 @@ from partialfl.flower.config import (
     partition_clients,
 )
 from partialfl.flower.project import app_pyproject
+from partialfl.local.sgd import SGDConfig
 
 SMALL = {"ls-clients": 6, "ls-n": 40, "ls-d-theta": 4, "ls-d-w": 3}
 ROOT = Path(__file__).resolve().parents[1]

@@ -153,10 +153,10 @@ def _check_no_leak(make, kind: str, name: str) -> None:
         seen_w: list[torch.Tensor] = []
         orig = pb.minibatch_grads
 
-        def spy(cohort, theta, w, batches, wrt, orig=orig, seen_w=seen_w):
+        def spy(cohort, theta, w, batches, wrt, orig=orig, seen_w=seen_w, **kw):
             for v in w.values():
                 seen_w.extend(v.detach().clone())
-            return orig(cohort, theta, w, batches, wrt)
+            return orig(cohort, theta, w, batches, wrt, **kw)
 
         pb.minibatch_grads = spy
         alg = make()

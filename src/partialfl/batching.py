@@ -6,7 +6,8 @@ A *mode* is a value (never a name; :mod:`partialfl.build` maps names to modes):
 * :class:`Vmap` — clients in groups, each group in ONE call that vectorises over its clients
   (``torch.func.vmap`` for model problems, batched numpy for closed forms). With
   ``per_client`` (examples a client brings to one call) a group holds at most
-  ``max(1, max_examples // per_client)`` clients, else the whole cohort.
+  ``max(1, max_examples // per_client)`` clients (default 2048 examples), else the whole
+  cohort.
 * :class:`Loop` — one client per call, in cohort order (the reference path).
 * a *pool* — one client per call, run by an executor (``runtime.cohort_pool.ProcessBackend``:
   worker processes); it implements ``map_groups(fn, groups) -> list`` and must return the
@@ -16,17 +17,30 @@ A *mode* is a value (never a name; :mod:`partialfl.build` maps names to modes):
 once per group and concatenates the results along the client axis, in cohort order. ``fn``
 may have a separate one-client kernel (``single``), used for groups of one: a model
 problem's plain-autograd step, the same arithmetic whether the mode is a loop or a pool.
+
+A run chooses its mode ONCE, as an :class:`Executor` (the mode and the device; from the spec:
+:func:`partialfl.build.executor_of`). The loop maps each cohort's clients with
+``executor.mode`` and hands the in-process mode (:func:`in_process`) down to the client
+computations in ``RoundContext.mode``; the algorithm passes it to its local trainer and the
+problem's kernels (``mode=``), which group the clients of their call as it says. A problem
+never chooses: its ``mode`` keyword defaults to the one it was built with, for calls made
+outside a run.
 """
 
 from __future__ import annotations
 
 import sys
 from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
 from typing import Any, Protocol, TypeVar, runtime_checkable
 
 import numpy as np
 
 T = TypeVar("T")
+
+
+#: examples (clients × per-client examples) one vectorised call holds at most by default
+MAX_EXAMPLES = 2048
 
 
 class Vmap:
@@ -36,7 +50,7 @@ class Vmap:
     name = "vmap"
     vectorized = True
 
-    def __init__(self, max_examples: int | None = None) -> None:
+    def __init__(self, max_examples: int | None = MAX_EXAMPLES) -> None:
         if max_examples is not None and (not isinstance(max_examples, int | np.integer)
                                          or max_examples < 1):
             raise ValueError(f"max_examples must be a positive integer or None, "
@@ -45,6 +59,12 @@ class Vmap:
 
     def __repr__(self) -> str:
         return f"Vmap(max_examples={self.max_examples})"
+
+    def __eq__(self, other: object) -> bool:
+        return isinstance(other, Vmap) and other.max_examples == self.max_examples
+
+    def __hash__(self) -> int:
+        return hash(("vmap", self.max_examples))
 
 
 class Loop:
@@ -56,6 +76,12 @@ class Loop:
     def __repr__(self) -> str:
         return "Loop()"
 
+    def __eq__(self, other: object) -> bool:
+        return isinstance(other, Loop)
+
+    def __hash__(self) -> int:
+        return hash("loop")
+
 
 @runtime_checkable
 class Pool(Protocol):
@@ -66,9 +92,52 @@ class Pool(Protocol):
 
 
 def in_process(mode) -> Vmap | Loop:
-    """The mode one process uses for its own clients: a :class:`Vmap` stays, anything else
-    (a loop, a pool whose workers each run one client) is a :class:`Loop`."""
-    return mode if isinstance(mode, Vmap) else Loop()
+    """The mode one process uses for its own clients, as a plain value: a :class:`Vmap`
+    (its ``max_examples``), anything else (a loop, a pool whose workers each run one client,
+    a transport to remote clients) a :class:`Loop`."""
+    return Vmap(mode.max_examples) if isinstance(mode, Vmap) else Loop()
+
+
+def is_cpu(device) -> bool:
+    """Whether ``device`` (a name or a ``torch.device``) is the CPU."""
+    return str(device).split(":")[0] == "cpu"
+
+
+def check_device(mode, device) -> None:
+    """A ValueError when ``mode`` runs clients in CPU worker processes (``cpu_only``) and
+    ``device`` is not the CPU."""
+    if getattr(mode, "cpu_only", False) and not is_cpu(device):
+        raise ValueError(f"the {getattr(mode, 'name', type(mode).__name__)} backend runs "
+                         f"clients in CPU worker processes; the problem is on {device}: use "
+                         "device 'cpu' (or another backend)")
+
+
+@dataclass(frozen=True)
+class Executor:
+    """How a run's clients execute, chosen once per run: ``mode`` maps each cohort's clients
+    (a :class:`Vmap`, a :class:`Loop`, a pool, or a transport to remote clients) and
+    ``device`` is where the problem's tensors live (``cpu``, ``cuda:0``, …). The loop passes
+    :attr:`kernel_mode` to every client computation and evaluation (``RoundContext.mode``)."""
+
+    mode: Any = field(default_factory=Vmap)
+    device: str = "cpu"
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "device", str(self.device))
+        check_device(self.mode, self.device)
+
+    @property
+    def kernel_mode(self) -> Vmap | Loop:
+        """The mode of the clients one call computes (:func:`in_process` of :attr:`mode`)."""
+        return in_process(self.mode)
+
+    @classmethod
+    def of(cls, problem, mode=None) -> Executor:
+        """The executor of ``problem`` when a caller names no device: ``mode`` (None: the
+        mode the problem was built with, else :class:`Vmap`) on the problem's device."""
+        if mode is None:
+            mode = getattr(problem, "mode", None) or Vmap()
+        return cls(mode, str(getattr(problem, "device", "cpu")))
 
 
 def groups(k: int, mode, per_client: int | None = None) -> list[np.ndarray]:

@@ -124,12 +124,19 @@ def spec_reference(cls: type | None = None, path: str = "") -> list[str]:
     return lines
 
 
-def component_reference() -> list[str]:
-    """Markdown sections for every kind of component and each registered entry."""
+def _builtin(e) -> bool:
+    return (e.module or getattr(e.build, "__module__", "")).startswith("partialfl.")
+
+
+def component_reference(builtin: bool = False) -> list[str]:
+    """Markdown sections for every kind of component and each registered entry (with
+    ``builtin``: only partialfl's own, not those of loaded plugins)."""
     lines = []
     for kind, k in KINDS.items():
         lines += [f"### Kind `{kind}`", "", f"{k.doc[:1].upper()}{k.doc[1:]}.", ""]
         for e in entries(kind):
+            if builtin and not _builtin(e):
+                continue
             alias = f" (also: {', '.join(e.aliases)})" if e.aliases else ""
             lines += [f"- **`{e.name}`**{alias}: {e.doc}"]
             opts = describe_options(e.options)
@@ -142,10 +149,11 @@ def component_reference() -> list[str]:
     return lines
 
 
-def reference_markdown() -> str:
-    """The whole reference (what ``docs/config.md`` holds)."""
+def reference_markdown(builtin: bool = False) -> str:
+    """The whole reference (``docs/config.md`` holds it with ``builtin``: partialfl's own
+    components, none of a loaded plugin's)."""
     return "\n".join([_HEADER, "## The run spec", "", *spec_reference(),
-                      "## Components", "", *component_reference()]).rstrip() + "\n"
+                      "## Components", "", *component_reference(builtin)]).rstrip() + "\n"
 
 
 __all__ = ["component_reference", "fields", "reference_markdown", "spec_reference"]

@@ -102,9 +102,10 @@ class APFL(Algorithm):
         for s in range(steps):
             batches = [p[s] if s < len(p) else None for p in plans]
             active = torch.as_tensor([b is not None for b in batches], device=alpha.device)
-            g_th, loss = problem.minibatch_grads(cohort, th, {}, batches, "theta")
+            g_th, loss = problem.minibatch_grads(cohort, th, {}, batches, "theta",
+                                                 mode=ctx.mode)
             g, _ = problem.minibatch_grads(cohort, self.mixture(th, v, alpha), {}, batches,
-                                           "theta")
+                                           "theta", mode=ctx.mode)
             if self.adaptive:
                 inner = sum(((v[n] - th[n]) * g[n]).reshape(k, -1).sum(1) for n in g)
                 new_alpha = (alpha - self.alpha_lr * inner.to(alpha.dtype)).clamp(0.0, 1.0)

@@ -35,10 +35,15 @@ class ServerState:
 
 @dataclass(frozen=True)
 class RoundContext:
-    """What a client update may know about the round besides θ: for deriving randomness."""
+    """What a client update may know about the round besides θ: the seed and round (for
+    deriving randomness) and ``mode``, the batching mode the run's executor chose for the
+    clients one call computes (:attr:`partialfl.batching.Executor.kernel_mode`; None: the
+    problem's default). An algorithm passes ``mode`` to its local trainer and to the
+    problem's kernels."""
 
     seed: int
     round: int
+    mode: Any = None
 
 
 @dataclass(frozen=True)

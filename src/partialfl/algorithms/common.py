@@ -53,9 +53,9 @@ class DeployAll:
 
 
 def finetuned_w(local, problem, cohort, theta: Params, w_init: str, seed: int,
-                round_: int) -> Params:
+                round_: int, mode=None) -> Params:
     """What a stateless client deploys: w from ``w_init``, then ``local``'s run on w alone with
-    θ fixed (stream ``"finetune"``)."""
+    θ fixed (stream ``"finetune"``; ``mode``: the kernels' batching mode)."""
     w = problem.init_w(cohort, w_init, seed, round_)
     return local.run(problem, cohort, theta, w, "w", seed=seed, round_=round_,
-                     stream="finetune").w
+                     stream="finetune", mode=mode).w

@@ -42,15 +42,17 @@ JOINED = "joined"
 
 
 def personal_models(problem, cohort, v: Params, centre: Params, cfg: SGDConfig, lam: float,
-                    seed: int, round_: int, stream: str = "personal") -> tuple[Params, np.ndarray]:
+                    seed: int, round_: int, stream: str = "personal", mode=None
+                    ) -> tuple[Params, np.ndarray]:
     """``cfg`` proximal SGD epochs on each client's full model ``v`` (stacked ``[k, ...]``)
-    pulled to ``centre`` with strength λ; returns (new v, mean loss per client)."""
+    pulled to ``centre`` with strength λ (``mode``: the kernels' batching mode); returns
+    (new v, mean loss per client)."""
     from partialfl.local.sgd import run_sgd
 
     if cfg.epochs == 0 and cfg.steps in (None, 0):
         return {n: t.clone() for n, t in v.items()}, np.full(len(cohort), np.nan)
     res = run_sgd(problem, cohort, v, {}, train="theta", cfg=cfg, seed=seed, round_=round_,
-                  stream=stream, prox=(lam, centre))
+                  stream=stream, prox=(lam, centre), mode=mode)
     return res.theta, res.loss
 
 
@@ -126,11 +128,11 @@ class Ditto(Algorithm):
             steps, loss = 0, np.full(len(cohort), np.nan)
         else:
             r = run_sgd(problem, cohort, theta, {}, train="theta", cfg=self.local,
-                        seed=ctx.seed, round_=ctx.round, stream="local")
+                        seed=ctx.seed, round_=ctx.round, stream="local", mode=ctx.mode)
             dtheta, steps, loss = delta(r.theta, theta), r.steps, r.loss
         v0 = self.personal_v(theta, client_state)
         v, ploss = personal_models(problem, cohort, v0, theta, self.personal, self.lam,
-                                   ctx.seed, ctx.round)
+                                   ctx.seed, ctx.round, mode=ctx.mode)
         up = ClientUpdates(dtheta, client_weights(problem, cohort, self.weighting),
                            np.asarray(cohort), steps,
                            metrics={"train_loss": loss, "personal_loss": ploss})

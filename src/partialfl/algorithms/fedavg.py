@@ -139,7 +139,7 @@ class FedAvg(DeployAll, Algorithm):
         theta, w_sh = self._parts(problem, state.theta)
         w = {**repeat_tree(w_sh, len(cohort)), **self._stats(problem, cohort, ctx, client_state)}
         res = self.local.run(problem, cohort, theta, w, self._train(problem), seed=ctx.seed,
-                             round_=ctx.round, stream="local", shift=shift)
+                             round_=ctx.round, stream="local", shift=shift, mode=ctx.mode)
         x = {**res.theta, **pick(res.w, w_sh)}
         new_stats = pick(res.w, problem.state_names) if client_state is not None else None
         return x, new_stats, res

@@ -46,7 +46,8 @@ class FedProx(FedAvg):
         theta, _ = self._parts(problem, state.theta)
         w = self._stats(problem, cohort, ctx, client_state)
         res = run_sgd(problem, cohort, theta, w, train="theta", cfg=self.local,
-                      seed=ctx.seed, round_=ctx.round, stream="local", prox=(self.mu, theta))
+                      seed=ctx.seed, round_=ctx.round, stream="local", prox=(self.mu, theta),
+                      mode=ctx.mode)
         stats = pick(res.w, problem.state_names) if client_state is not None else None
         return dict(res.theta), stats, res
 

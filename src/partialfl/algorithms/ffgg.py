@@ -38,8 +38,8 @@ class FFGG(Algorithm):
     def client_update(self, state, problem, cohort, ctx: RoundContext, client_state=None):
         """∇_θ f_m(θ, ŵ_m) of every client of the cohort, with ŵ_m the solver's fine-tuned w."""
         theta = state.theta
-        sol = self.solver(problem, cohort, theta, ctx.seed, ctx.round)
-        g = problem.grad_theta(cohort, theta, sol.w)
+        sol = self.solver(problem, cohort, theta, ctx.seed, ctx.round, mode=ctx.mode)
+        g = problem.grad_theta(cohort, theta, sol.w, mode=ctx.mode)
         weights = (problem.num_examples(cohort) if self.weighting == "examples"
                    else np.ones(len(cohort)))
         return ClientResult(ClientUpdates(g, weights, np.asarray(cohort), sol.grad_evals + 1))
@@ -47,7 +47,7 @@ class FFGG(Algorithm):
     def deploy(self, state, problem, cohort, client_state, ctx):
         """θ with each client's w fine-tuned afresh by the solver (what a client would deploy)."""
         return Deployed(state.theta, self.solver(problem, np.asarray(cohort), state.theta,
-                                                 ctx.seed, -1).w)
+                                                 ctx.seed, -1, mode=ctx.mode).w)
 
 
 @register("algorithm", "ffgg", split="personal", sends="gradient")

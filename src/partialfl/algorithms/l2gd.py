@@ -87,7 +87,7 @@ class L2GD(DeployAll, Algorithm):
         if k > 0:
             res = GDConfig(k, fast=self.fast).run(
                 problem, cohort, theta_part(problem, x), pick(x, problem.w_names), "both",
-                eta=np.full(len(cohort), local))
+                eta=np.full(len(cohort), local), mode=ctx.mode)
             x = {**res.theta, **res.w}
         delta = {n: x[n] - state.theta[n][None] for n in state.theta}
         up = ClientUpdates(delta, np.ones(len(cohort)), np.asarray(cohort), k)

@@ -71,9 +71,9 @@ class LocalFFGG(DeployAll, Algorithm):
         change."""
         w = problem.init_w(cohort, self.w_init, ctx.seed, ctx.round)
         r1 = self.finetune.run(problem, cohort, state.theta, w, "w", seed=ctx.seed,
-                               round_=ctx.round, stream="finetune")
+                               round_=ctx.round, stream="finetune", mode=ctx.mode)
         r2 = self.local.run(problem, cohort, state.theta, r1.w, "alternate", seed=ctx.seed,
-                            round_=ctx.round, stream="local")
+                            round_=ctx.round, stream="local", mode=ctx.mode)
         up = ClientUpdates(delta(r2.theta, state.theta),
                            client_weights(problem, cohort, self.weighting), np.asarray(cohort),
                            r1.steps + 2 * r2.steps, metrics=_loss_metric(r2.loss))
@@ -82,7 +82,8 @@ class LocalFFGG(DeployAll, Algorithm):
     def deploy(self, state, problem, cohort, client_state, ctx):
         """θ with each client's w fine-tuned by the ``finetune`` run."""
         return Deployed(state.theta, finetuned_w(self.finetune, problem, np.asarray(cohort),
-                                                 state.theta, self.w_init, ctx.seed, -1))
+                                                 state.theta, self.w_init, ctx.seed, -1,
+                                                 ctx.mode))
 
 
 class _PersonalState(DeployAll, Algorithm):
@@ -136,7 +137,8 @@ class _PersonalState(DeployAll, Algorithm):
         if not self.stateless:
             return Deployed(state.theta, client_state)
         return Deployed(state.theta, finetuned_w(self.local, problem, np.asarray(cohort),
-                                                 state.theta, self.w_init, ctx.seed, -1))
+                                                 state.theta, self.w_init, ctx.seed, -1,
+                                                 ctx.mode))
 
 
 class FedAlt(_PersonalState):
@@ -154,9 +156,9 @@ class FedAlt(_PersonalState):
 
     def _local(self, problem, cohort, theta, w, ctx):
         r1 = self.local.run(problem, cohort, theta, w, "w", seed=ctx.seed, round_=ctx.round,
-                            stream="local-w")
+                            stream="local-w", mode=ctx.mode)
         r2 = self.local_theta.run(problem, cohort, theta, r1.w, "theta", seed=ctx.seed,
-                                  round_=ctx.round, stream="local-theta")
+                                  round_=ctx.round, stream="local-theta", mode=ctx.mode)
         # r2.w: r1's w_m (not trained in the θ-phase) with the running statistics after it
         return r2.theta, r2.w, r1.steps + r2.steps, r2.loss
 
@@ -168,7 +170,7 @@ class FedSim(_PersonalState):
 
     def _local(self, problem, cohort, theta, w, ctx):
         r = self.local.run(problem, cohort, theta, w, "both", seed=ctx.seed, round_=ctx.round,
-                           stream="local")
+                           stream="local", mode=ctx.mode)
         return r.theta, r.w, r.steps, r.loss
 
 

@@ -34,7 +34,7 @@ from partialfl.build.names import (
     make_optimizer,
     make_solver,
 )
-from partialfl.build.problem import build_problem, problem_of
+from partialfl.build.problem import build_problem, executor_of, problem_of
 from partialfl.build.run import Run, build, model_task, task_name
 from partialfl.build.task import (
     Task,
@@ -50,6 +50,7 @@ from partialfl.build.task import (
 __all__ = ["ALLOW_CODE_ENV", "Run", "Task", "allow_code", "async_rule", "build",
            "build_aggregator", "build_algorithm", "build_data", "build_loss_metric",
            "build_model", "build_problem", "build_server_opt", "build_split", "code_allowed",
-           "config_folder_on_path", "convert_data", "import_callable", "load_spec_plugins",
-           "make_aggregator", "make_attack", "make_backend", "make_model", "make_optimizer",
-           "make_solver", "model_task", "problem_of", "split_of", "task_name", "wrap_algorithm"]
+           "config_folder_on_path", "convert_data", "executor_of", "import_callable",
+           "load_spec_plugins", "make_aggregator", "make_attack", "make_backend", "make_model",
+           "make_optimizer", "make_solver", "model_task", "problem_of", "split_of", "task_name",
+           "wrap_algorithm"]

@@ -34,3 +34,20 @@ def build_problem(problem: Component, shared_w: bool = False, progress: bool = F
 def problem_of(spec: RunSpec, progress: bool = False):
     """The closed-form problem of ``spec`` as its algorithm needs it."""
     return build_problem(spec.problem, bool(spec.method.entry.trait("shared_w")), progress)
+
+
+def executor_of(spec: RunSpec):
+    """The run's one :class:`~partialfl.batching.Executor`, chosen once: the spec's
+    ``backend`` (built once) on its ``device`` (a closed form computes on the CPU). The
+    problem is built on ``executor.device`` and every loop of the run takes the executor."""
+    from partialfl.batching import Executor
+
+    device = "cpu"
+    if not spec.closed_form:
+        from partialfl.devices import resolve_device
+
+        try:
+            device = str(resolve_device(spec.device))
+        except ValueError as err:
+            raise ConfigError(f"device: {err}") from None
+    return Executor(spec.backend.build(), device)

@@ -41,7 +41,7 @@ def compute_time(cfg: RunSpec, num_clients: int):
     try:
         speed = (device_speeds(num_clients, Distribution("log-normal", 1.0, a.speed_sigma),
                                cfg.seed) if a.speed_sigma > 0 else None)
-        return ComputeTimeModel(Distribution(a.duration, a.scale, a.shape), speed=speed)
+        return ComputeTimeModel(a.duration.build(), speed=speed)
     except ValueError as e:
         raise ConfigError(f"asynchronous: {e}") from None
 

@@ -52,10 +52,12 @@ class LocalTrainer(Protocol):
     """A client optimizer: ``run`` trains ``train`` (see :data:`TRAIN_MODES`) on every client
     of the cohort from θ (shared ``[...]``) and w (stacked), with randomness from
     (seed, stream, round, client); ``shift`` (stacked, over the trained names) is subtracted
-    from every gradient (Scaffold's control-variate correction)."""
+    from every gradient (Scaffold's control-variate correction); ``mode``: the batching mode
+    of the problem's kernels (the run's, ``RoundContext.mode``; None: the problem's
+    default)."""
 
     def run(self, problem, cohort: np.ndarray, theta: Params, w: Params, train: str, *,
-            seed: int, round_: int, stream: str, shift: Params | None = None
+            seed: int, round_: int, stream: str, shift: Params | None = None, mode=None
             ) -> LocalResult: ...
 
     def stepsizes(self, problem, cohort: np.ndarray) -> np.ndarray:

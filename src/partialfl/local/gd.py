@@ -79,9 +79,9 @@ class GDConfig:
 
     def run(self, problem, cohort, theta: Params, w: Params, train: str, *, seed: int = 0,
             round_: int = 0, stream: str = "local", shift: Params | None = None,
-            eta: np.ndarray | None = None) -> LocalResult:
+            eta: np.ndarray | None = None, mode=None) -> LocalResult:
         """τ steps on every client of the cohort (deterministic: seed and stream unused).
-        ``eta`` overrides the per-client stepsizes."""
+        ``eta`` overrides the per-client stepsizes; ``mode``: the kernels' batching mode."""
         check_train(train)
         cohort = np.asarray(cohort, dtype=np.int64)
         k = len(cohort)
@@ -98,14 +98,15 @@ class GDConfig:
             st = {n: v for n, v in shift.items() if n in theta}
         for _ in range(self.tau):
             if train == "both":
-                gt = problem.grad_theta(cohort, theta, w)
-                gw = problem.grad_w(cohort, theta, w)
+                gt = problem.grad_theta(cohort, theta, w, mode=mode)
+                gw = problem.grad_w(cohort, theta, w, mode=mode)
                 theta, w = _step(theta, gt, eta, st), _step(w, gw, eta, sw)
                 continue
             if train in ("w", "alternate"):
-                w = _step(w, problem.grad_w(cohort, theta, w), eta, sw)
+                w = _step(w, problem.grad_w(cohort, theta, w, mode=mode), eta, sw)
             if train in ("theta", "alternate"):
-                theta = _step(theta, problem.grad_theta(cohort, theta, w), eta, st)
+                theta = _step(theta, problem.grad_theta(cohort, theta, w, mode=mode), eta,
+                              st)
         return LocalResult(theta, w, self.tau, None, np.full(k, self.tau))
 
 

@@ -65,11 +65,11 @@ class SGDConfig:
             raise ValueError(f"clip_norm must be None or > 0, got {self.clip_norm!r}")
 
     def run(self, problem, cohort, theta: Params, w: Params, train: str, *, seed: int,
-            round_: int, stream: str, shift: Params | None = None) -> LocalResult:
+            round_: int, stream: str, shift: Params | None = None, mode=None) -> LocalResult:
         """:func:`~partialfl.local.sgd.run_sgd` with this configuration (the
         :class:`~partialfl.local.base.LocalTrainer` interface)."""
         return run_sgd(problem, cohort, theta, w, train=train, cfg=self, seed=seed,
-                       round_=round_, stream=stream, shift=shift)
+                       round_=round_, stream=stream, shift=shift, mode=mode)
 
     def stepsizes(self, problem, cohort) -> np.ndarray:
         """η = ``lr`` for every client of the cohort ``[k]``."""
@@ -144,15 +144,17 @@ def _stack_theta(theta: Params, shapes: dict, k: int) -> Params:
 
 def run_sgd(problem, cohort, theta: Params, w: Params, *, train: str, cfg: SGDConfig,
             seed: int, round_: int, stream: str,
-            prox: tuple[float, Params] | None = None, shift: Params | None = None
-            ) -> SGDResult:
+            prox: tuple[float, Params] | None = None, shift: Params | None = None,
+            mode=None) -> SGDResult:
     """Run the local SGD loop on every client of the cohort (see the module docstring).
 
     ``theta`` is shared or per client; ``w`` is stacked ``[k, ...]``; ``shift`` (stacked
     ``[k, ...]`` over trained names) is subtracted from every (clipped) step gradient of a
-    client that takes the step (Scaffold's correction c_m − c). Vectorised problems
-    step all clients together (a client whose plan is over gets no batch, hence no change);
-    the plain path runs one client after the other. Large cohorts run in groups of clients.
+    client that takes the step (Scaffold's correction c_m − c). ``mode`` (the run's batching
+    mode, ``RoundContext.mode``; None: the problem's default) groups the clients: under a
+    ``Vmap`` a group of clients steps together (at most ``max_examples // batch_size`` of
+    them; a client whose plan is over gets no batch, hence no change), under a ``Loop`` one
+    client after the other.
     """
     check_train(train)
     if prox is not None:
@@ -165,6 +167,7 @@ def run_sgd(problem, cohort, theta: Params, w: Params, *, train: str, cfg: SGDCo
     if k == 0:
         raise ValueError("run_sgd needs a non-empty cohort")
     plans = client_plans(problem, cohort, cfg, seed, round_, stream)
+    mode = problem.call_mode(mode)
     if train in ("theta", "both", "alternate"):
         theta = _stack_theta(theta, problem.theta_shapes, k)
 
@@ -174,24 +177,23 @@ def run_sgd(problem, cohort, theta: Params, w: Params, *, train: str, cfg: SGDCo
                 for n, v in theta.items()}
         sh_g = None if shift is None else {n: v[sl] for n, v in shift.items()}
         th_g, w_g, s, lg = _loop(problem, cohort[sl], th_g, {n: v[sl] for n, v in w.items()},
-                                 plans[sl], train, cfg, prox, sh_g)
+                                 plans[sl], train, cfg, mode, prox, sh_g)
         return th_g if train != "w" else {}, w_g, np.array([s]), lg
 
-    # vectorised problems step a group of clients together, capped at max_vmap_examples
-    th_out, w_out, steps, losses = map_clients(group, k, problem.batching,
-                                               per_client=cfg.batch_size)
+    th_out, w_out, steps, losses = map_clients(group, k, mode, per_client=cfg.batch_size)
     if train == "w":
         th_out = theta
     return SGDResult(th_out, w_out, int(steps.max()), np.asarray(losses, dtype=float),
                      np.array([len(p) for p in plans]))
 
 
-def _grads(problem, cohort, theta, w, batches, wrt):
+def _grads(problem, cohort, theta, w, batches, wrt, mode):
     """Minibatch gradients; running statistics (personal client state, see
     :class:`~partialfl.problems.model.ModelProblem`) updated in w by the forward pass."""
     if not getattr(problem, "state_names", ()):
-        return problem.minibatch_grads(cohort, theta, w, batches, wrt), w
-    g, loss, stats = problem.minibatch_grads(cohort, theta, w, batches, wrt, with_state=True)
+        return problem.minibatch_grads(cohort, theta, w, batches, wrt, mode=mode), w
+    g, loss, stats = problem.minibatch_grads(cohort, theta, w, batches, wrt, with_state=True,
+                                             mode=mode)
     return (g, loss), {**w, **stats}
 
 
@@ -226,7 +228,7 @@ def _shifted(g: Params, shift: Params | None, active: np.ndarray) -> Params:
     return out
 
 
-def _loop(problem, cohort, theta, w, plans, train, cfg, prox=None, shift=None):
+def _loop(problem, cohort, theta, w, plans, train, cfg, mode, prox=None, shift=None):
     import torch
 
     k = len(cohort)
@@ -239,12 +241,12 @@ def _loop(problem, cohort, theta, w, plans, train, cfg, prox=None, shift=None):
         batches = [p[s] if s < len(p) else None for p in plans]
         active = np.array([b is not None for b in batches])
         if train == "alternate":
-            (gw, loss), w = _grads(problem, cohort, theta, w, batches, "w")
+            (gw, loss), w = _grads(problem, cohort, theta, w, batches, "w", mode)
             w = _step(w, _shifted(_clip(gw, cfg.clip_norm), shift, active), cfg.lr)
-            (gt, _), w = _grads(problem, cohort, theta, w, batches, "theta")
+            (gt, _), w = _grads(problem, cohort, theta, w, batches, "theta", mode)
             theta = _step(theta, _shifted(_clip(gt, cfg.clip_norm), shift, active), cfg.lr)
         else:
-            (g, loss), w = _grads(problem, cohort, theta, w, batches, train)
+            (g, loss), w = _grads(problem, cohort, theta, w, batches, train, mode)
             g = _shifted(_clip(g, cfg.clip_norm), shift, active)
             if train in ("w", "both"):
                 w = _step(w, g, cfg.lr)
@@ -271,8 +273,8 @@ class SGDFineTuner:
     def __post_init__(self) -> None:
         check_w_init(self.init)
 
-    def __call__(self, problem, cohort, theta, seed=0, round_=0) -> SolverResult:
+    def __call__(self, problem, cohort, theta, seed=0, round_=0, *, mode=None) -> SolverResult:
         w = problem.init_w(cohort, self.init, seed, round_)
         res = run_sgd(problem, cohort, theta, w, train="w", cfg=self.cfg, seed=seed,
-                      round_=round_, stream="finetune")
+                      round_=round_, stream="finetune", mode=mode)
         return SolverResult(res.w, res.steps)

@@ -34,11 +34,12 @@ class SolverResult:
 
 
 class LocalSolver(Protocol):
-    """Approximates w*(θ) for a cohort: ``solver(problem, cohort, θ, seed, round) ->
-    SolverResult``."""
+    """Approximates w*(θ) for a cohort: ``solver(problem, cohort, θ, seed, round, mode=…) ->
+    SolverResult`` (``mode``: the batching mode of the problem's kernels, the run's
+    ``RoundContext.mode``; None: the problem's default)."""
 
     def __call__(
-        self, problem, cohort: np.ndarray, theta: Params, seed: int, round_: int
+        self, problem, cohort: np.ndarray, theta: Params, seed: int, round_: int, *, mode=None
     ) -> SolverResult: ...
 
 
@@ -66,7 +67,7 @@ class GradientDescent:
         if self.lr is not None and not self.lr > 0:
             raise ValueError(f"local stepsize lr must be positive, got {self.lr!r}")
 
-    def __call__(self, problem, cohort, theta, seed=0, round_=0) -> SolverResult:
+    def __call__(self, problem, cohort, theta, seed=0, round_=0, *, mode=None) -> SolverResult:
         w = problem.init_w(cohort, self.init, seed, round_)
         eta = (
             np.full(len(cohort), self.lr) if self.lr is not None
@@ -89,7 +90,7 @@ class GradientDescent:
                     W -= e * (np.einsum("kij,kj->ki", Q, W) - c)
             return SolverResult({name: W}, self.tau)
         for _ in range(self.tau):
-            g = problem.grad_w(cohort, theta, w)
+            g = problem.grad_w(cohort, theta, w, mode=mode)
             w = {n: (v - arrays.per_row(eta, v) * g[n]) if n in g else v for n, v in w.items()}
         return SolverResult(w, self.tau)
 
@@ -109,7 +110,7 @@ class ConjugateGradient:
         check_tau(self.tau)
         _check_init(self.init)
 
-    def __call__(self, problem, cohort, theta, seed=0, round_=0) -> SolverResult:
+    def __call__(self, problem, cohort, theta, seed=0, round_=0, *, mode=None) -> SolverResult:
         if not hasattr(problem, "w_system"):
             raise TypeError(
                 f"conjugate gradient needs a problem quadratic in w; {type(problem).__name__} "
@@ -147,7 +148,7 @@ class ConjugateGradient:
 class ExactSolver:
     """w*_m(θ) from the problem's own exact solve (counted as one local computation)."""
 
-    def __call__(self, problem, cohort, theta, seed=0, round_=0) -> SolverResult:
+    def __call__(self, problem, cohort, theta, seed=0, round_=0, *, mode=None) -> SolverResult:
         if not hasattr(problem, "w_star"):
             raise TypeError(f"{type(problem).__name__} has no exact w*(θ); use 'gd' or 'cg'")
         return SolverResult(problem.w_star(cohort, theta), 1)

@@ -36,6 +36,12 @@ class Problem(Protocol):
     literal: θ has the leaves ``theta_names`` (shapes ``theta_shapes``), w the trained leaves
     ``w_names`` plus the never-trained personal client state ``state_names`` (e.g. BatchNorm
     running statistics; empty for closed-form problems).
+
+    ``mode`` (of ``loss``, ``grad_theta``, ``grad_w``): the caller's batching mode
+    (:mod:`partialfl.batching`; a run's loop passes its executor's through
+    ``RoundContext.mode``), which groups the cohort's clients into vectorised calls or a loop.
+    None: the problem's default. A closed form computes any cohort in one vectorised numpy
+    call, whatever the mode.
     """
 
     num_clients: int
@@ -52,15 +58,15 @@ class Problem(Protocol):
         """Fresh personal parameters for ``cohort`` (one of :data:`W_INITS`), stacked."""
         ...
 
-    def loss(self, cohort: np.ndarray, theta: Params, w: Params) -> np.ndarray:
+    def loss(self, cohort: np.ndarray, theta: Params, w: Params, *, mode=None) -> np.ndarray:
         """f_m(θ, w_m) for each m in the cohort: ``[k]``."""
         ...
 
-    def grad_theta(self, cohort: np.ndarray, theta: Params, w: Params) -> Params:
+    def grad_theta(self, cohort: np.ndarray, theta: Params, w: Params, *, mode=None) -> Params:
         """∇₁ f_m(θ, w_m), stacked ``[k, ...]``."""
         ...
 
-    def grad_w(self, cohort: np.ndarray, theta: Params, w: Params) -> Params:
+    def grad_w(self, cohort: np.ndarray, theta: Params, w: Params, *, mode=None) -> Params:
         """∇₂ f_m(θ, w_m), stacked ``[k, ...]``."""
         ...
 

@@ -137,7 +137,7 @@ class GeneralizedLinearProblem:
         """The smoothness constant of w ↦ f_m(θ, w) for each client of the cohort."""
         return self._Lw[np.asarray(cohort)]
 
-    def loss(self, cohort, theta: Params, w: Params) -> np.ndarray:
+    def loss(self, cohort, theta: Params, w: Params, *, mode=None) -> np.ndarray:
         """f_m(θ, w_m) = ½‖H_mθ − b_m‖² + Σ ψ(A_mθ + B_m w_m − y_m) + (ρ/2)‖w_m‖² per client."""
         c = check_cohort(cohort, self.num_clients)
         t, W = theta["theta"], w["w"]
@@ -146,7 +146,7 @@ class GeneralizedLinearProblem:
         val, _, _ = self._psi(self._u(c, t, W))
         return 0.5 * (r * r).sum(1) + val.sum(1) + 0.5 * self.spec.ridge * (W * W).sum(1)
 
-    def grad_theta(self, cohort, theta: Params, w: Params) -> Params:
+    def grad_theta(self, cohort, theta: Params, w: Params, *, mode=None) -> Params:
         """∇₁f_m = H_mᵀ(H_mθ − b_m) + A_mᵀψ′(u_m), stacked over the cohort."""
         c = np.asarray(cohort)
         t = theta["theta"]
@@ -154,7 +154,7 @@ class GeneralizedLinearProblem:
         _, d1, _ = self._psi(self._u(c, t, w["w"]))
         return {"theta": HtHt - self.Htb[c] + np.einsum("knd,kn->kd", self.A[c], d1)}
 
-    def grad_w(self, cohort, theta: Params, w: Params) -> Params:
+    def grad_w(self, cohort, theta: Params, w: Params, *, mode=None) -> Params:
         """∇₂f_m = B_mᵀψ′(u_m) + ρw_m, stacked over the cohort."""
         c = np.asarray(cohort)
         _, d1, _ = self._psi(self._u(c, theta["theta"], w["w"]))

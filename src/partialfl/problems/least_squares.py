@@ -221,7 +221,7 @@ class LeastSquaresProblem:
             return w
         return {"w": np.einsum("kij,kj->ki", self.V[self._ix(cohort)], w["w"])}
 
-    def loss(self, cohort: np.ndarray, theta: Params, w: Params) -> np.ndarray:
+    def loss(self, cohort: np.ndarray, theta: Params, w: Params, *, mode=None) -> np.ndarray:
         """f_m(θ, w_m); θ may be shared ``[d_θ]`` or per client ``[k, d_θ]``."""
         c = self._ix(cohort)
         k = len(w["w"])
@@ -233,7 +233,7 @@ class LeastSquaresProblem:
         lin = np.einsum("ki,ki->k", t, self.p[c]) + np.einsum("ki,ki->k", W, self.q[c])
         return 0.5 * quad_t + cross + 0.5 * quad_w - lin + self.c[c]
 
-    def grad_theta(self, cohort: np.ndarray, theta: Params, w: Params) -> Params:
+    def grad_theta(self, cohort: np.ndarray, theta: Params, w: Params, *, mode=None) -> Params:
         """∇₁f_m = P_mθ + G_m w_m − p_m (P = HᵀH + AᵀA, G = AᵀB, p = Hᵀb + Aᵀy), stacked."""
         c = self._ix(cohort)
         t = theta["theta"]
@@ -241,7 +241,7 @@ class LeastSquaresProblem:
         Gw = np.matmul(self.G[c], w["w"][..., None])[..., 0]
         return {"theta": Pt + Gw - self.p[c]}
 
-    def grad_w(self, cohort: np.ndarray, theta: Params, w: Params) -> Params:
+    def grad_w(self, cohort: np.ndarray, theta: Params, w: Params, *, mode=None) -> Params:
         """∇₂f_m = Q_m w_m − c_m(θ) (Q = BᵀB, c(θ) = Bᵀy − Gᵀθ), stacked."""
         return {"w": self.qmul(cohort, w["w"]) - self.w_system(cohort, theta)[1]}
 

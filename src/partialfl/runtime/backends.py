@@ -10,8 +10,10 @@
 * ``processes`` (:class:`partialfl.runtime.cohort_pool.ProcessBackend`) spreads the cohort's
   clients over worker processes; same results as the sequential backend, bit for bit.
 
-By name: the registry's kind ``executor`` (``sequential``, ``vmap``, ``processes``).
-Which clients run together is decided in one place, :func:`partialfl.batching.map_clients`.
+By name: the registry's kind ``executor`` (``sequential``, ``vmap``, ``processes``). A run
+holds its mode in an :class:`~partialfl.batching.Executor`; which clients run together is
+decided in one place, :func:`partialfl.batching.map_clients`, for the cohort (the loop) and
+for the clients of one call (the problem's kernels, given the run's mode).
 """
 
 from __future__ import annotations
@@ -19,7 +21,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from partialfl.algorithms.base import ClientResult, concat_results
-from partialfl.batching import Loop, Vmap
+from partialfl.batching import MAX_EXAMPLES, Loop, Vmap
 from partialfl.registry import option, register
 from partialfl.runtime.clients import CohortRunner
 from partialfl.runtime.cohort_pool import START_METHODS, ProcessBackend
@@ -48,8 +50,8 @@ def _sequential(opts: None = None, ctx=None) -> SequentialBackend:
 class VmapOptions:
     """How many clients one vectorised call may hold."""
 
-    max_examples: int | None = option(None, "at most this many examples (clients × batch) in "
-                                      "one call (None: the whole cohort)")
+    max_examples: int | None = option(MAX_EXAMPLES, "at most this many examples (clients × "
+                                      "batch) in one call (None: the whole cohort)")
 
     def __post_init__(self) -> None:
         Vmap(self.max_examples)

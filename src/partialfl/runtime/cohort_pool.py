@@ -26,7 +26,9 @@ from collections import deque
 import numpy as np
 
 from partialfl.algorithms.base import ClientResult
+from partialfl.batching import check_device
 from partialfl.runtime.clients import ClientCall, CohortRunner
+from partialfl.runtime.faults import is_data_error
 from partialfl.runtime.pool import (
     START_METHODS,
     Task,
@@ -70,6 +72,7 @@ class ProcessBackend(CohortRunner):
     """
 
     name = "processes"
+    cpu_only = True  # the workers run on the CPU (see partialfl.batching.check_device)
 
     def __init__(self, workers: int | None = None, start_method: str | None = None,
                  task_timeout: float | None = None, poll: float = 0.2,
@@ -102,10 +105,7 @@ class ProcessBackend(CohortRunner):
         if not isinstance(fn, ClientCall):
             raise TypeError(f"the processes backend runs client updates (ClientCall), not "
                             f"{type(fn).__name__}")
-        dev = getattr(fn.problem, "device", None)
-        if dev is not None and getattr(dev, "type", str(dev)) != "cpu":
-            raise ValueError(f"the processes backend runs clients in CPU worker processes; "
-                             f"the problem is on {dev}: use device 'cpu' (or another backend)")
+        check_device(self, getattr(fn.problem, "device", "cpu"))
         pool = self._pool_for(fn.problem, fn.algorithm)
         pos = np.concatenate(groups)
         clients = fn.cohort[pos]
@@ -126,6 +126,8 @@ class ProcessBackend(CohortRunner):
                 ev = pool.next()
                 if ev.kind == "done":
                     out[ev.task] = ev.payload
+                elif ev.kind == "error" and is_data_error(ev.error):
+                    raise ev.error  # a data error stops the run (the pool is closed below)
                 elif ev.kind == "error":
                     failures[ev.task] = ("error", ev.payload)
                 elif ev.kind == "death":
@@ -135,6 +137,9 @@ class ProcessBackend(CohortRunner):
                     pool.restart(ev.worker)
         except WorkerError:
             self.close()  # every worker gone: the next round starts a new pool
+            raise
+        except BaseException:
+            self.close()  # a data error: workers may still be busy with this cohort
             raise
         if failures:
             raise ClientsFailed(out, failures, clients)

@@ -3,7 +3,9 @@
 Every runtime (synchronous rounds, asynchronous simulated clock, worker processes) treats a
 client the same way (the simulator's *message path*, :func:`receive`):
 
-* a client whose computation **raises** (or whose worker process dies) is skipped;
+* a client whose computation **raises** (or whose worker process dies) is skipped — unless
+  it raised a **data error** (:func:`is_data_error`: a corrupt client store), which stops
+  the run: the data are the run's, not the client's;
 * a client whose message is refused for privacy (:func:`partialfl.privacy.screen`: a name,
   shape or dtype outside the one channel of each value, a non-finite metric) is skipped;
 * a client whose update, weight or extra payload holds a **non-finite** value is skipped —
@@ -27,6 +29,7 @@ from __future__ import annotations
 import logging
 import math
 import os
+import sys
 import warnings
 from dataclasses import dataclass, field
 from typing import Any
@@ -50,6 +53,17 @@ class ClientFaultError(RuntimeError):
 
 class InjectedFault(RuntimeError):
     """The exception :class:`FaultInjector` raises in a client."""
+
+
+def is_data_error(err: BaseException | str | None) -> bool:
+    """Whether ``err`` is an error of the run's data rather than of a client: a
+    :class:`~partialfl.data.store.StoreError` (a client store file missing, truncated or
+    holding values it was not written with). It is re-raised, never skipped as a client
+    fault: the data are the run's, and skipping would train on a silently shrinking
+    federation. (A StoreError exists only once its module is loaded, so the runtime need not
+    import the data layer to recognise one.)"""
+    layout = sys.modules.get("partialfl.data.store.layout")
+    return layout is not None and isinstance(err, layout.StoreError)
 
 
 _rows_finite = arrays.rows_finite
@@ -138,6 +152,10 @@ class FaultLog:
                 "first": self.first_error_text, "growth": dict(self.growth)}
 
     def client_error(self, where: str, err: BaseException | str) -> None:
+        """Count ``where``'s failed computation (skipped); a data error
+        (:func:`is_data_error`) is re-raised instead."""
+        if is_data_error(err):
+            raise err
         self.attempted += 1
         self.failed += 1
         text = err if isinstance(err, str) else f"{type(err).__name__}: {err}"

@@ -41,6 +41,7 @@ from __future__ import annotations
 import contextlib
 import multiprocessing as mp
 import os
+import pickle
 import queue
 import signal
 import sys
@@ -110,9 +111,11 @@ class Task:
 class PoolEvent:
     """What :meth:`WorkerPool.next` reports about ``worker``: ``done`` (``payload``: the
     task's ClientResult, ``busy``: seconds it computed), ``error`` (the client raised;
-    ``payload``: its traceback), ``death`` (the worker is gone; ``task``: the task it ran, or
-    None; ``payload``: why; ``unstarted``: tasks it had queued, never run) or ``ready`` (a
-    restarted worker waits for a task)."""
+    ``payload``: its traceback; ``error``: the exception itself, when it pickles — a data
+    error, :func:`~partialfl.runtime.faults.is_data_error`, is re-raised), ``death``
+    (the worker is gone; ``task``: the task it ran, or None; ``payload``: why;
+    ``unstarted``: tasks it had queued, never run) or ``ready`` (a restarted worker waits
+    for a task)."""
 
     kind: str
     worker: int
@@ -120,6 +123,7 @@ class PoolEvent:
     payload: Any = None
     busy: float = 0.0
     unstarted: tuple[int, ...] = ()  # death: the tasks queued behind ``task`` (not run)
+    error: BaseException | None = None  # error: the exception raised in the worker
 
 
 @contextlib.contextmanager
@@ -163,8 +167,17 @@ def _work(problem, algorithm, tasks, out, parent: int) -> None:
             if seconds > busy:
                 time.sleep(seconds - busy)
             out.send(("ok", tid, res, busy))
-        except Exception:  # report it: the client is skipped, the worker lives on
-            out.send(("error", tid, traceback.format_exc()))
+        except Exception as e:  # report it: the client is skipped, the worker lives on
+            out.send(("error", tid, traceback.format_exc(), _portable(e)))
+
+
+def _portable(e: BaseException) -> BaseException | None:
+    """``e`` if it survives pickling (so the parent can tell what it was), else None."""
+    try:
+        pickle.loads(pickle.dumps(e))
+    except Exception:  # noqa: BLE001 - an exception that does not travel: its text does
+        return None
+    return e
 
 
 def _is_tensor(v) -> bool:
@@ -368,7 +381,7 @@ class WorkerPool:
         self.since[w] = time.monotonic()  # the next pending task starts now
         if msg[0] == "ok":
             return PoolEvent("done", w, tid, _own(msg[2]), busy=float(msg[3]))
-        return PoolEvent("error", w, tid, msg[2])
+        return PoolEvent("error", w, tid, msg[2], error=msg[3])
 
     def _check_liveness(self) -> PoolEvent | None:
         now = time.monotonic()

@@ -9,39 +9,68 @@ the client's compute time — ``compute_time.job_duration(...) × time_unit`` se
 devices are really slow — has passed, and returns the result. The server applies results in
 the order they arrive and hands the slot to a newly sampled client. The loop is
 :func:`partialfl.runtime.asynchronous.drive` (the simulated runtime's) with the
-:class:`WorkerProcesses` transport; times are real seconds since the start.
+:class:`WorkerProcesses` transport, which the executor mode :class:`AsyncWorkers` names
+(``run_arrivals(Run(…, Arrivals(…), executor=Executor(AsyncWorkers(…))))``); times are real
+seconds since the start.
 
 Faults: a client that raises in a worker is reported and skipped (the worker lives on); a
 worker process that dies is detected within ``poll_seconds`` even while other workers keep
 delivering — its job is counted as lost (``worker_deaths``), its client freed, and a fresh
 worker is started for the slot (a slot whose workers died ``max_respawns`` times is
-closed; the run goes on with fewer workers). Aborts only past ``max_failure_fraction``.
+closed; the run goes on with fewer workers). Aborts only past ``max_failure_fraction``. A
+data error (a corrupt client store) raised in a worker stops the run.
 """
 
 from __future__ import annotations
 
 import time as _time
+from dataclasses import dataclass
 from pathlib import Path
 
-import numpy as np
-
 from partialfl.algorithms.base import Algorithm
+from partialfl.batching import Executor
 from partialfl.runtime.asynchronous import (
     AsyncRunResult,
     ComputeTimeModel,
     Event,
-    _check_budget,
-    async_server,
-    drive,
+    run_arrivals,
 )
-from partialfl.runtime.faults import ClientFaultError
+from partialfl.runtime.faults import ClientFaultError, is_data_error
 from partialfl.runtime.pool import Task, WorkerError, WorkerPool
+from partialfl.runtime.run import Arrivals, Checkpointing, Evaluation, Run
 from partialfl.types import Params
 
 
+@dataclass(frozen=True)
+class AsyncWorkers:
+    """The executor mode of an asynchronous run on real concurrency (see the module
+    docstring): one spawned worker per slot; ``time_unit`` real seconds per unit of the
+    compute-time model; a dead worker is detected within ``poll_seconds`` and replaced at
+    most ``max_respawns`` times per slot."""
+
+    time_unit: float = 0.01
+    poll_seconds: float = 0.5
+    max_respawns: int = 3
+    start_method: str = "spawn"
+    cpu_only = True  # the workers run on the CPU (partialfl.batching.check_device)
+
+    def __post_init__(self) -> None:
+        if not (self.time_unit >= 0):
+            raise ValueError(f"time_unit must be >= 0 seconds, got {self.time_unit!r}")
+        if not (self.poll_seconds > 0):
+            raise ValueError(f"poll_seconds must be > 0, got {self.poll_seconds!r}")
+
+    def transport(self, problem, algorithm: Algorithm, concurrency: int) -> WorkerProcesses:
+        """The :class:`WorkerProcesses` transport of a run with ``concurrency`` slots."""
+        return WorkerProcesses(problem, algorithm, concurrency, self.time_unit,
+                               self.poll_seconds, self.max_respawns, self.start_method)
+
+
 class WorkerProcesses:
-    """The transport of :func:`run_processes`: worker ``slot`` of a :class:`WorkerPool` runs
+    """The transport of :class:`AsyncWorkers`: worker ``slot`` of a :class:`WorkerPool` runs
     that slot's jobs; times are real seconds since every worker was ready."""
+
+    real_time = True  # its clock is the wall clock
 
     def __init__(self, problem, algorithm: Algorithm, concurrency: int, time_unit: float,
                  poll_seconds: float, max_respawns: int, start_method: str = "spawn") -> None:
@@ -85,8 +114,11 @@ class WorkerProcesses:
         # the slot's worker (its job lost), ready (a restarted worker)
         job = None if ev.task is None else self.jobs.pop(ev.task)
         error = ev.kind == "error"
-        return Event(ev.kind, ev.worker, job,
-                     ev.payload.strip().splitlines()[-1] if error else ev.payload,
+        if error:  # a data error itself (re-raised by the server), else the reason's line
+            why = ev.error if is_data_error(ev.error) else ev.payload.strip().splitlines()[-1]
+        else:
+            why = ev.payload
+        return Event(ev.kind, ev.worker, job, why,
                      self.now(), ev.payload if error else "", ev.busy)
 
     def resume(self, time: float) -> None:
@@ -130,23 +162,18 @@ def run_processes(
     private_checkpoints: bool = True,
 ) -> AsyncRunResult:
     """Run Algorithm 3 with ``concurrency`` worker processes until ``steps`` updates were
-    applied or ``max_time`` real seconds passed. ``time_unit``: real seconds per unit of the
-    compute-time model. ``result.seconds`` is the wall time; ``steps["busy"]`` the seconds
-    each applied job really computed. Checkpoints as in
+    applied or ``max_time`` real seconds passed: :func:`~partialfl.runtime.asynchronous.
+    run_arrivals` with the executor ``AsyncWorkers(time_unit, poll_seconds, max_respawns)``
+    (the keyword form, kept for its callers). ``result.seconds`` is the wall time;
+    ``steps["busy"]`` the seconds each applied job really computed. Checkpoints as in
     :func:`~partialfl.runtime.asynchronous.run_async` (a resumed run sends the jobs in flight
     again; real time is not replayed exactly)."""
-    _check_budget(steps, max_time)
-    if not (time_unit >= 0):
-        raise ValueError(f"time_unit must be >= 0 seconds, got {time_unit!r}")
-    server, model, ck = async_server(
-        problem, algorithm, concurrency=concurrency, compute_time=compute_time, seed=seed,
-        theta0=theta0, evaluate=evaluate, eval_every=eval_every, logger=logger,
-        record_events=record_events, max_failure_fraction=max_failure_fraction,
-        checkpoint=checkpoint, resume=resume, private_checkpoints=private_checkpoints)
-    transport = WorkerProcesses(problem, algorithm, concurrency, time_unit, poll_seconds,
-                                max_respawns)
-    busy = drive(server, transport, model, steps=steps, max_time=max_time, progress=progress,
-                 checkpoint=ck, checkpoint_every=checkpoint_every, resume=resume)
-    out = server.result(transport.now())
-    out.steps["busy"] = np.asarray(busy, dtype=float)
-    return out
+    ck = None if checkpoint is None else Checkpointing(checkpoint, checkpoint_every, resume,
+                                                       private_checkpoints)
+    workers = AsyncWorkers(time_unit, poll_seconds, max_respawns)
+    return run_arrivals(Run(problem, algorithm,
+                            Arrivals(steps, max_time, concurrency, compute_time, record_events),
+                            seed=seed, theta0=theta0,
+                            executor=Executor(workers, str(getattr(problem, "device", "cpu"))),
+                            evaluation=Evaluation(evaluate, eval_every, logger, progress),
+                            checkpoint=ck, max_failure_fraction=max_failure_fraction))

@@ -1,8 +1,11 @@
 """Synchronous rounds with client sampling (the loop of Algorithms 1, 4, 5 and baselines).
 
 Round r: sample a cohort C_r (uniformly without replacement, from generator(seed, "sample",
-r); all clients in order under full participation), run the clients' updates on a backend,
-apply the server update; every ``eval_every`` rounds evaluate and log. Hooks an algorithm
+r); all clients in order under full participation), run the clients' updates under the run's
+executor (its mode maps the cohort; its kernel mode reaches the clients' computations in
+``RoundContext.mode``), apply the server update; every ``eval_every`` rounds evaluate and
+log. The loop takes a :class:`~partialfl.runtime.run.Run` (:func:`run_sync`);
+:func:`run_rounds` is its keyword form. Hooks an algorithm
 may have (the DP wrapper, :mod:`partialfl.algorithms.dp`): ``sample_cohort(seed, r, M, k)``
 draws its own cohorts, ``server_update_empty(state, ctx)`` is its step for a round in which
 no update arrived, ``round_metrics(state)`` adds entries to every record. Client state of
@@ -12,7 +15,8 @@ all randomness is derived from (seed, round, client), never from a running gener
 Trust (see :mod:`partialfl.runtime.faults` and :mod:`partialfl.io`): every cohort's result
 goes through the message path :func:`~partialfl.runtime.faults.receive` (privacy check,
 non-finite updates skipped); a client that raises is skipped (the cohort is re-run one
-client at a time to isolate it); the run aborts only past ``max_failure_fraction``.
+client at a time to isolate it), unless it raised a data error (a corrupt client store),
+which stops the run; the run aborts only past ``max_failure_fraction``.
 Checkpoints are safetensors + JSON (never pickle), validated on resume against the run's
 fingerprint (problem, algorithm, seed, cohort size); with ``private_checkpoints`` (default)
 the clients' state (e.g. FedAlt's w_m, Scaffold's c_m) goes to a separate file labelled
@@ -32,7 +36,7 @@ import numpy as np
 from partialfl import io as pio
 from partialfl import rng as prng
 from partialfl.algorithms.base import Algorithm, RoundContext, ServerState, concat_results
-from partialfl.runtime.backends import BatchedBackend
+from partialfl.batching import Executor
 from partialfl.runtime.checkpoint import (  # noqa: F401 - ResumeError: part of this API
     Checkpoint,
     ResumeError,
@@ -43,10 +47,13 @@ from partialfl.runtime.clients import run_clients
 from partialfl.runtime.cohort_pool import ClientsFailed, WorkerError
 from partialfl.runtime.faults import FaultLog, receive
 from partialfl.runtime.logging import base_record
+from partialfl.runtime.run import Checkpointing, Evaluation, Evaluator, Rounds, Run
 from partialfl.sampling import sample_cohort
 from partialfl.types import Params
 
-Evaluator = Callable[[Algorithm, ServerState, Any, "Params | None", RoundContext], dict]
+__all__ = ["Checkpointer", "Evaluator", "FileCheckpoint", "InProcess", "ResumeError",
+           "RunResult", "SyncTransport", "check_fingerprint", "run_rounds", "run_sync",
+           "sample_cohort"]
 
 
 @dataclass
@@ -190,49 +197,73 @@ def run_rounds(
     fingerprint: dict | None = None,
     stop: Callable[[list[dict]], bool] | None = None,
 ) -> RunResult:
-    """Run ``rounds`` synchronous rounds; returns the final server state and metric history.
+    """:func:`run_sync` of the :class:`~partialfl.runtime.run.Run` these keywords describe
+    (the keyword form, kept for its callers): ``backend`` is the executor's mode (a batching
+    mode or a :class:`SyncTransport`; None: the problem's own mode), on the problem's device;
+    ``evaluate``, ``eval_every``, ``logger``, ``progress`` make the
+    :class:`~partialfl.runtime.run.Evaluation`; ``checkpoint`` (a path or a
+    :class:`Checkpointer`), ``checkpoint_every``, ``resume``, ``private_checkpoints``,
+    ``fingerprint`` the :class:`~partialfl.runtime.run.Checkpointing`; ``clients_per_round``,
+    ``stop``, ``on_round`` the :class:`~partialfl.runtime.run.Rounds`."""
+    ck = None if checkpoint is None else Checkpointing(
+        checkpoint, checkpoint_every, resume, private_checkpoints, fingerprint)
+    return run_sync(Run(problem, algorithm, Rounds(rounds, clients_per_round, stop, on_round),
+                        seed=seed, theta0=theta0, executor=Executor.of(problem, backend),
+                        evaluation=Evaluation(evaluate, eval_every, logger, progress),
+                        checkpoint=ck, max_failure_fraction=max_failure_fraction))
 
-    ``evaluate(algorithm, state, problem, client_state, ctx)`` returns a dict that is logged
-    at round 0 (before training) and after every ``eval_every``-th round and the last (with
-    the fault counters of :class:`~partialfl.runtime.faults.FaultLog`). ``fingerprint``: extra
-    configuration a resumed checkpoint must match (see :func:`run_fingerprint`).
-    ``stop(history)``, asked after every evaluation (and on resume), ends the run early when
-    it returns True (e.g. :func:`partialfl.experiments.stopping.plateaued`); a function of the
-    logged history only, so a resumed run stops at the same round.
 
-    ``backend``: a batching mode (run here, see :class:`InProcess`) or a
-    :class:`SyncTransport`; ``checkpoint``: a path (:class:`FileCheckpoint`) or a
-    :class:`Checkpointer`.
+def _checkpointer(run: Run) -> Checkpointer | None:
+    """The run's checkpointer: its own object, or a :class:`FileCheckpoint` at its path
+    (checked against the run's fingerprint)."""
+    c = run.checkpoint
+    if c is None or isinstance(c.to, Checkpointer):
+        return None if c is None else c.to
+    fp = run_fingerprint(run.problem, run.algorithm, run.seed, run.schedule.clients_per_round,
+                         c.fingerprint)
+    return FileCheckpoint(c.to, fp, c.private, run.checkpoint_device)
+
+
+def run_sync(run: Run) -> RunResult:
+    """Run ``run.schedule.rounds`` synchronous rounds (see the module docstring); returns the
+    final server state, the client state and the metric history.
+
+    ``run.evaluation.fn(algorithm, state, problem, client_state, ctx)`` returns a dict that
+    is logged at round 0 (before training) and after every ``every``-th round and the last
+    (with the common keys of :func:`~partialfl.runtime.logging.base_record`).
+    ``run.schedule.stop(history)``, asked after every evaluation (and on resume), ends the
+    run early when it returns True (e.g. :func:`partialfl.experiments.stopping.plateaued`).
+    ``run.executor.mode``: a batching mode (the cohort run here, :class:`InProcess`) or a
+    :class:`SyncTransport`.
     """
-    if not isinstance(rounds, int | np.integer) or rounds < 0:
-        raise ValueError(f"rounds must be a non-negative integer, got {rounds!r}")
-    if eval_every < 1:
-        raise ValueError(f"eval_every must be >= 1, got {eval_every}")
+    if not isinstance(run.schedule, Rounds):
+        raise TypeError(f"run_sync runs Rounds(...), not {type(run.schedule).__name__}")
+    problem, algorithm, seed = run.problem, run.algorithm, run.seed
+    sched, ev = run.schedule, run.evaluation
+    rounds, k = sched.rounds, sched.clients_per_round
     M = problem.num_clients
     # hooks of algorithms that sample their own cohorts and release a step every round (DP)
     sample = getattr(algorithm, "sample_cohort", sample_cohort)
     skip = getattr(algorithm, "server_update_empty", None)
-    sample(seed, 0, M, clients_per_round)  # validate early
-    backend = backend or BatchedBackend()
-    transport = backend if isinstance(backend, SyncTransport) else InProcess(backend)
-    faults = FaultLog(max_failure_fraction)
-    if checkpoint is None or isinstance(checkpoint, Checkpointer):
-        ckpt = checkpoint
-    else:
-        ckpt = FileCheckpoint(checkpoint, run_fingerprint(problem, algorithm, seed,
-                                                          clients_per_round, fingerprint),
-                              private_checkpoints, getattr(problem, "device", None))
+    sample(seed, 0, M, k)  # validate early
+    mode = run.executor.mode
+    transport = mode if isinstance(mode, SyncTransport) else InProcess(mode)
+    faults = FaultLog(run.max_failure_fraction)
+    ckpt = _checkpointer(run)
+    every = 0 if run.checkpoint is None else run.checkpoint.every
+    resume = run.checkpoint is not None and run.checkpoint.resume
     loaded = ckpt.load() if resume and ckpt is not None else None
     if loaded is not None:
         state, client_state, history, grad_evals, saved_faults = loaded
         faults.restore(saved_faults)
         if client_state is None and algorithm.init_client_state(problem) is not None:
             raise pio.FileFormatError(f"checkpoint {ckpt}: the clients' state is missing")
-        if logger is not None:
+        if ev.logger is not None:
             for rec in history:
-                logger.log(rec)
+                ev.logger.log(rec)
     else:
-        theta0 = theta0 if theta0 is not None else problem.init_theta(prng.generator(seed, "init"))
+        theta0 = (run.theta0 if run.theta0 is not None
+                  else problem.init_theta(prng.generator(seed, "init")))
         state = algorithm.init(problem, theta0)
         client_state = algorithm.init_client_state(problem)
         history = []
@@ -240,28 +271,28 @@ def run_rounds(
 
     def _eval(st: ServerState, elapsed: float) -> None:
         rec = base_record(st.round, st.round, elapsed, grad_evals, faults.record())
-        if evaluate is not None:
-            rec.update(evaluate(algorithm, st, problem, client_state,
-                                RoundContext(seed, st.round)))
+        if ev.fn is not None:
+            rec.update(ev.fn(algorithm, st, problem, client_state, run.context(st.round)))
         if hasattr(algorithm, "round_metrics"):  # e.g. DP's ε spent so far
             rec.update(algorithm.round_metrics(st))
         history.append(rec)
-        if logger is not None:
-            logger.log(rec)
+        if ev.logger is not None:
+            ev.logger.log(rec)
         if bar is not None:  # round and ETA are the bar's own; show the last metric too
             bar.set_postfix(_postfix(rec))  # redrawn now: evaluations are rare
 
     t0 = time.perf_counter()
     it = range(state.round, rounds)
     bar = None
-    if progress:
+    if ev.progress:
         from tqdm.auto import tqdm
 
-        it = bar = tqdm(it, desc=progress if isinstance(progress, str) else algorithm.name,
+        it = bar = tqdm(it, desc=ev.progress if isinstance(ev.progress, str) else algorithm.name,
                         initial=state.round, total=rounds, mininterval=0.5, leave=False,
                         unit="round")
     if not history:
         _eval(state, 0.0)
+    stop = sched.stop
     stopped = stop is not None and bool(stop(history))
     diverged = ""
     if stopped:  # a resumed run that had already stopped
@@ -269,8 +300,8 @@ def run_rounds(
         if bar is not None:
             bar.close()
     for r in it:
-        ctx = RoundContext(seed, r)
-        cohort = sample(seed, r, M, clients_per_round)
+        ctx = run.context(r)
+        cohort = sample(seed, r, M, k)
         cs = None if client_state is None else {n: v[cohort] for n, v in client_state.items()}
         result, _ = (transport.run_round(algorithm, state, problem, cohort, ctx, cs, faults)
                      if len(cohort) else (None, np.arange(0)))
@@ -292,15 +323,15 @@ def run_rounds(
             if bad:  # θ is not finite: a named warning, the last record shows it, no save
                 diverged = faults.diverged(f"round {r}", bad)
         faults.check()
-        if on_round is not None:
-            on_round(r, state)
-        if state.round % eval_every == 0 or state.round == rounds or diverged:
+        if sched.on_round is not None:
+            sched.on_round(r, state)
+        if state.round % ev.every == 0 or state.round == rounds or diverged:
             _eval(state, time.perf_counter() - t0)
             stopped = stop is not None and bool(stop(history))
         if diverged:
             break
-        if ckpt is not None and checkpoint_every and (
-            state.round % checkpoint_every == 0 or state.round == rounds or stopped
+        if ckpt is not None and every and (
+            state.round % every == 0 or state.round == rounds or stopped
         ):
             ckpt.save(state, client_state, history, grad_evals, faults.state())
         if stopped:

@@ -90,16 +90,17 @@ class AsyncSpec(_Spec):
     arrives. ``rule``: fedasync (staleness-weighted, one update per step; with FFGG and
     constant weights: Algorithm 3) or fedbuff (``buffer`` updates per step);
     ``concurrency``: client computations in flight; a computation of client m lasts
-    X / speed_m simulated seconds, X drawn from ``duration`` (constant, exponential,
-    half-normal, log-normal, pareto) with ``scale`` and ``shape``, device speeds log-normal
-    with ``speed_sigma`` (0: all equal); ``rounds`` of the stage count applied updates."""
+    X / speed_m simulated seconds, X drawn from ``duration`` (a registered distribution
+    with its options: constant, exponential, half-normal {scale}, log-normal, pareto
+    {scale, shape}), device speeds log-normal with ``speed_sigma`` (0: all equal);
+    ``rounds`` of the stage count applied updates."""
 
     rule: Component = comp("wrapper", "fedasync", "fedasync {staleness, a, b} or fedbuff "
                            "{buffer, staleness, a, b}")
     concurrency: int = option(4, "client computations in flight")
-    duration: str = option("exponential", "the distribution of a computation's duration")
-    scale: float = option(1.0, "its scale (mean of the exponential), seconds")
-    shape: float = option(1.0, "its shape (log-normal σ, pareto tail index)")
+    duration: Component = comp("distribution", "exponential", "the distribution of a "
+                               "computation's duration, seconds: constant, exponential, "
+                               "half-normal {scale}, log-normal, pareto {scale, shape}")
     speed_sigma: float = option(0.0, "device speeds log-normal with this σ (0: equal)")
 
     def __post_init__(self) -> None:
