@@ -7,7 +7,10 @@ order in which clients run, or how many clients share a batch.
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
+import threading
+from collections.abc import Iterator
 
 import numpy as np
 
@@ -39,3 +42,22 @@ def generator(seed: int, *path: int | str) -> np.random.Generator:
 def torch_seed(seed: int, *path: int | str) -> int:
     """A 63-bit seed for ``torch.Generator().manual_seed`` for one purpose."""
     return int(seed_sequence(seed, *path).generate_state(1, np.uint64)[0] >> np.uint64(1))
+
+
+#: Held while the process-wide torch CPU generator is reseeded and drawn from
+#: (:func:`global_torch_seed`): client code run by several threads at once
+#: (:mod:`partialfl.runtime.threads`) would otherwise interleave one client's seeding with
+#: another client's draws.
+TORCH_GLOBAL_RNG_LOCK = threading.RLock()
+
+
+@contextlib.contextmanager
+def global_torch_seed(seed: int, *path: int | str) -> Iterator[None]:
+    """Run the block with the global torch CPU generator seeded from ``torch_seed(seed,
+    *path)`` (for code that draws from it, e.g. a module's ``reset_parameters``), restore the
+    generator afterwards, and hold :data:`TORCH_GLOBAL_RNG_LOCK` meanwhile (thread-safe)."""
+    import torch
+
+    with TORCH_GLOBAL_RNG_LOCK, torch.random.fork_rng(devices=[]):
+        torch.manual_seed(torch_seed(seed, *path))
+        yield

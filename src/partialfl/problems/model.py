@@ -61,7 +61,7 @@ from torch.func import functional_call, grad, vmap
 from partialfl.batching import Loop, Vmap, in_process, map_clients
 from partialfl.devices import LossScaler, amp_dtype, check_precision, resolve_device
 from partialfl.problems.base import W_INITS, check_cohort
-from partialfl.rng import torch_seed
+from partialfl.rng import global_torch_seed
 from partialfl.split import Split
 from partialfl.types import Params
 
@@ -202,6 +202,21 @@ class ModelProblem:
         self.__dict__.update(state)
         self._build_fns()
 
+    def thread_replica(self) -> ModelProblem:
+        """A copy to run clients in another thread at the same time as this problem
+        (:mod:`partialfl.runtime.threads`): the same data, settings and θ⁰ (shared, read
+        only), its own module — ``functional_call`` swaps the module's parameters while it
+        runs and normalization layers switch between train and eval mode — with its own
+        functorch transforms and fp16 loss scaler."""
+        new = copy.copy(self)
+        new.module = copy.deepcopy(self.module)
+        names = {id(m): n for n, m in self.module.named_modules()}
+        mods = dict(new.module.named_modules())
+        new._norm_modules = tuple(mods[names[id(m)]] for m in self._norm_modules)
+        new.scaler = copy.deepcopy(self.scaler)
+        new._build_fns()
+        return new
+
     def _check_w(self, w: Mapping[str, Tensor]) -> Params:
         """w_pretrained: the personal parameters, plus running statistics (default: the
         module's own buffers)."""
@@ -267,8 +282,7 @@ class ModelProblem:
         owners = _resettable_owners(self.module, self.w_names)
         mods = dict(self.module.named_modules())
         out: Params = {}
-        with torch.random.fork_rng(devices=[]):
-            torch.manual_seed(torch_seed(seed, "init_w", *round_path(round_), cid))
+        with global_torch_seed(seed, "init_w", *round_path(round_), cid):  # thread-safe
             for owner in owners:
                 # re-initialise a CPU copy: the CPU generator, hence the same w on every device
                 fresh = copy.deepcopy(mods[owner]).to("cpu")
