@@ -61,13 +61,16 @@ MODES = ("partialfl/sequential", "partialfl/processes", "partialfl/threads", "pa
          "pfl/simulated", "pfl/torchrun", "flower/simulation",
          "blazefl/single", "blazefl/processes", "blazefl/threads")
 REFERENCE = "partialfl/sequential"
+ALGORITHMS = ("fedavg", "ffgg")
+HAVE_PROC = os.path.exists("/proc/self/stat")
 
 
 # ------------------------------------------------------------------------ the cohort file
-def export_cohort(path: Path) -> dict:
-    """Write the cohort file (see ``peers/common.py``) from partialfl's FEMNIST problem."""
+def export_cohort(path: Path, algorithm: str) -> dict:
+    """Write the cohort file of ``algorithm`` (see ``peers/common.py``) from partialfl's
+    FEMNIST problem."""
     import torch
-    from partialfl_runner import build
+    from partialfl_runner import CHUNK, build
 
     from partialfl.data.femnist import load_femnist_npz
     from partialfl.local.sgd import SGDConfig, client_plans
@@ -75,11 +78,11 @@ def export_cohort(path: Path) -> dict:
 
     data = load_femnist_npz(None)
     writers = sample_cohort(SEED, 0, data.num_clients, CLIENTS)  # nn_speed.py's cohort
-    problem, _, theta0 = build([int(w) for w in writers], LR, BATCH, "fedavg", False)
+    problem, _, theta0 = build([int(w) for w in writers], LR, BATCH, algorithm, False)
     pos = np.arange(CLIENTS)
-    # the plans the round uses: run_rounds' round 0 with seed 0, FedAvg's stream "local"
+    # the plans of run_rounds' round 0 (seed 0): FedAvg's stream "local", FFGG's "finetune"
     plans = client_plans(problem, pos, SGDConfig(lr=LR, epochs=1, batch_size=BATCH), SEED, 0,
-                         "local")
+                         "local" if algorithm == "fedavg" else "finetune")
     arrays = {}
     for m, plan in enumerate(plans):
         order = np.concatenate(plan)
@@ -91,10 +94,11 @@ def export_cohort(path: Path) -> dict:
         x, y = problem.data.client(m, "train")
         arrays[f"x{m}"] = x[torch.from_numpy(order)].numpy()
         arrays[f"y{m}"] = y[torch.from_numpy(order)].numpy()
-    names = list(theta0)
-    arrays.update({f"theta/{n}": theta0[n].numpy() for n in names})
-    meta = {"clients": CLIENTS, "lr": LR, "batch": BATCH, "names": names,
-            "writers": [int(w) for w in writers]}
+    full = {**theta0, **problem.w_pretrained}  # FFGG: θ and the initial output layer
+    names = [n for n, _ in problem.module.named_parameters()]
+    arrays.update({f"theta/{n}": full[n].numpy() for n in names})
+    meta = {"clients": CLIENTS, "lr": LR, "batch": BATCH, "names": names, "chunk": CHUNK,
+            "algorithm": algorithm, "writers": [int(w) for w in writers]}
     path.parent.mkdir(parents=True, exist_ok=True)
     tmp = path.with_name(path.name + ".tmp.npz")
     np.savez(tmp, meta=np.array(json.dumps(meta)), **arrays)
@@ -204,10 +208,41 @@ class Runner:
             raise RuntimeError(f"the process ended (exit code {self.proc.wait()})")
         return msg
 
+    def tree(self) -> dict[int, list[str]]:
+        """pid -> /proc/pid/stat fields (after the name) of the runner and its descendants
+        (its workers, torchrun's ranks, Ray's processes)."""
+        procs = {}
+        for d in os.listdir("/proc"):
+            if d.isdigit():
+                try:
+                    with open(f"/proc/{d}/stat") as f:
+                        procs[int(d)] = f.read().rsplit(")", 1)[1].split()
+                except OSError:
+                    continue
+        children: dict[int, list[int]] = {}
+        for pid, fields in procs.items():
+            children.setdefault(int(fields[1]), []).append(pid)  # field 4: the parent
+        out, todo = {}, [self.proc.pid]
+        while todo:
+            pid = todo.pop()
+            if pid in procs and pid not in out:
+                out[pid] = procs[pid]
+                todo += children.get(pid, [])
+        return out
+
+    def cpu(self) -> float:
+        """CPU seconds (user + system) used so far by the live processes of :meth:`tree`."""
+        ticks = sum(int(f[11]) + int(f[12]) for f in self.tree().values())  # utime, stime
+        return ticks / os.sysconf("SC_CLK_TCK")
+
     def round(self, timeout: float) -> dict:
+        """One round; its answer with ``cpu_s``, the CPU seconds the mode used meanwhile."""
+        c0 = self.cpu() if HAVE_PROC else 0.0
         self.proc.stdin.write("round\n")
         self.proc.stdin.flush()
-        return self.message(timeout)
+        msg = self.message(timeout)
+        msg["cpu_s"] = self.cpu() - c0 if HAVE_PROC else float("nan")
+        return msg
 
     def tail(self, n: int = 6) -> str:
         self.log.flush()
@@ -215,6 +250,8 @@ class Runner:
         return " | ".join(lines[-n:])
 
     def close(self) -> None:
+        """Ask the runner to quit; after 30 s kill what is left of its process tree."""
+        started = set(self.tree()) if HAVE_PROC else set()
         try:
             self.proc.stdin.write("quit\n")
             self.proc.stdin.close()
@@ -224,10 +261,15 @@ class Runner:
             self.proc.wait(timeout=30)
         except subprocess.TimeoutExpired:
             pass
-        try:  # the mode's helpers too (Ray, torchrun's ranks): its own session
+        try:  # the runner's session, then any descendant that left it (torchrun's ranks)
             os.killpg(self.proc.pid, signal.SIGKILL)
         except (ProcessLookupError, PermissionError):
             pass
+        for pid in started - {self.proc.pid}:
+            try:
+                os.kill(pid, signal.SIGKILL)
+            except (ProcessLookupError, PermissionError):
+                pass
         self.proc.wait()
         self.log.close()
 
@@ -270,6 +312,8 @@ def main() -> None:
     ap.add_argument("--repeats", type=int, default=5, help="timed rounds per mode")
     ap.add_argument("--modes", nargs="+", default=None,
                     help=f"modes or libraries (default: all of {', '.join(MODES)})")
+    ap.add_argument("--algorithms", nargs="+", choices=ALGORITHMS, default=list(ALGORITHMS),
+                    help="the rounds to time (the last line is about the first)")
     ap.add_argument("--workers", type=int, default=2,
                     help="processes / threads / ranks / Ray CPUs of the parallel modes")
     ap.add_argument("--skip-setup", action="store_true",
@@ -284,15 +328,6 @@ def main() -> None:
         os.environ["PARTIALFL_DATA_DIR"] = args.data_dir
     modes = choose_modes(args.modes)
     peers = Path(args.peers_dir)
-    out = peers / "run"
-    out.mkdir(parents=True, exist_ok=True)
-
-    cohort = peers / "cache" / "femnist-cohort.npz"
-    info = export_cohort(cohort)
-    print(f"FEMNIST cohort of nn_speed.py: writers {info['writers']}, {info['examples']} "
-          f"examples, {info['steps']} steps of batch {BATCH}, lr {LR}; FedAvg, "
-          f"example-weighted; {args.workers} workers in the parallel modes; 1 torch thread "
-          f"per process/thread; warm-up + {args.repeats} interleaved rounds", flush=True)
 
     skipped: dict[str, str] = {}
     pfl_py = None
@@ -309,7 +344,28 @@ def main() -> None:
     for m in modes:
         if m.startswith("blazefl/"):
             skipped[m] = blazefl_reason()
+    print(f"machine: {os.cpu_count()} CPUs, load average "
+          f"{' '.join(f'{x:.2f}' for x in os.getloadavg())} (before)", flush=True)
+    lines = []
+    for alg in dict.fromkeys(args.algorithms):
+        out = peers / "run" / alg
+        out.mkdir(parents=True, exist_ok=True)
+        cohort = peers / "cache" / f"femnist-cohort-{alg}.npz"
+        info = export_cohort(cohort, alg)
+        print(f"\n{alg}: FEMNIST cohort of nn_speed.py: writers {info['writers']}, "
+              f"{info['examples']} examples, {info['steps']} steps of batch {BATCH}, lr {LR}, "
+              f"example-weighted; {args.workers} workers in the parallel modes; 1 torch thread "
+              f"per process/thread; warm-up + {args.repeats} interleaved rounds", flush=True)
+        results, failed = measure(modes, skipped, args, cohort, out, pfl_py)
+        lines.append(report(alg, modes, results, skipped, failed, info, out, cohort))
+    print(f"load average {' '.join(f'{x:.2f}' for x in os.getloadavg())} (after)")
+    for line in lines[1:] + lines[:1]:
+        print(line)
 
+
+def measure(modes, skipped, args, cohort: Path, out: Path, pfl_py
+            ) -> tuple[dict[str, list[dict]], dict[str, str]]:
+    """Start every mode's runner, warm each up, then ``args.repeats`` interleaved rounds."""
     env = {**os.environ, "PYTHONUNBUFFERED": "1", "OMP_NUM_THREADS": "1",
            "MKL_NUM_THREADS": "1",
            "PYTHONPATH": os.pathsep.join([str(RUNNERS), str(REPO / "src"),
@@ -350,21 +406,22 @@ def main() -> None:
     finally:
         for m in list(runners):
             runners.pop(m).close()
-    report(modes, results, skipped, failed, info, out)
+    return results, failed
 
 
-def report(modes, results, skipped, failed, info, out: Path) -> None:
+def report(alg, modes, results, skipped, failed, info, out: Path, cohort: Path) -> str:
+    """Print the table of ``alg``'s round; returns its summary line."""
     ref_path = out / "weights-partialfl-sequential.npz"
     ref = dict(np.load(ref_path)) if REFERENCE in results and ref_path.exists() else None
     ref_step = None
     if ref is not None:
-        with np.load(out.parent / "cache" / "femnist-cohort.npz") as z:
+        with np.load(cohort) as z:
             theta0 = {n: z[f"theta/{n}"] for n in ref}
         ref_step = np.sqrt(sum(float(((ref[n] - theta0[n]) ** 2).sum()) for n in ref))
     best = {m: min(r["round_s"] for r in v) for m, v in results.items() if v}
     seq = best.get(REFERENCE)
-    print(f"\n{'mode':22s} {'best s':>7s} {'median s':>8s} {'seq/x':>6s} {'examples':>8s} "
-          f"{'loss θ0→θ1':>13s} {'max|Δθ| vs seq':>14s}  check")
+    print(f"\n{alg} round:\n{'mode':22s} {'best s':>7s} {'median s':>8s} {'seq/x':>6s} "
+          f"{'cpu s':>6s} {'examples':>8s} {'loss θ0→θ1':>13s} {'max|Δθ| vs seq':>14s}  check")
     for m in modes:
         if m in skipped or m in failed:
             print(f"{m:22s} {'skipped' if m in skipped else 'FAILED'}: "
@@ -374,6 +431,7 @@ def report(modes, results, skipped, failed, info, out: Path) -> None:
         if not rs:
             continue
         med = float(np.median([r["round_s"] for r in rs]))
+        cpu = float(np.median([r["cpu_s"] for r in rs]))
         ex = {r["examples"] for r in rs}
         l0, l1 = rs[-1]["loss_before"], rs[-1]["loss_after"]
         diff, rel = "n/a", None
@@ -387,19 +445,21 @@ def report(modes, results, skipped, failed, info, out: Path) -> None:
         ok = (ex == {info["examples"]} and l1 < l0 and rel is not None
               and (rel == 0 if exact else rel < 1e-3))
         print(f"{m:22s} {best[m]:7.3f} {med:8.3f} "
-              f"{(seq / best[m]) if seq else float('nan'):5.2f}x {'/'.join(map(str, ex)):>8s} "
+              f"{(seq / best[m]) if seq else float('nan'):5.2f}x {cpu:6.2f} "
+              f"{'/'.join(map(str, ex)):>8s} "
               f"{l0:6.3f}→{l1:6.3f} {diff:>14s}  "
               f"{'ok' if ok else 'CHECK'}{'' if rel is None else f' (rel {rel:.0e})'}")
     ours = {m: t for m, t in best.items() if m.startswith("partialfl/")}
     theirs = {m: t for m, t in best.items() if not m.startswith("partialfl/")}
-    if ours and theirs:
-        a, b = min(ours, key=ours.get), min(theirs, key=theirs.get)
-        print(f"best partialfl mode: {a} {ours[a]:.3f} s; best peer mode: {b} {theirs[b]:.3f} s")
-        print(f"partialfl best mode vs best peer mode: {theirs[b] / ours[a]:.2f}× "
-              "(speed-up vs best peer)")
-    else:
-        print("partialfl best mode vs best peer mode: n/a (no "
-              f"{'partialfl' if not ours else 'peer'} mode ran)")
+    if not (ours and theirs):
+        return (f"{alg}: partialfl best mode vs best peer mode: n/a (no "
+                f"{'partialfl' if not ours else 'peer'} mode ran)")
+    a, b = min(ours, key=ours.get), min(theirs, key=theirs.get)
+    line = (f"partialfl best mode vs best peer mode: {theirs[b] / ours[a]:.2f}× "
+            "(speed-up vs best peer)")
+    print(f"{alg}: best partialfl mode {a} {ours[a]:.3f} s; best peer mode {b} "
+          f"{theirs[b]:.3f} s")
+    return line if alg == "fedavg" else f"{alg}: {line}"
 
 
 if __name__ == "__main__":

@@ -131,6 +131,25 @@ def test_replicas_share_the_data_own_the_module_and_are_reused():
     assert be._executor is None and be._replicas == []
 
 
+def test_clients_start_largest_first_and_come_back_in_cohort_order():
+    from partialfl.runtime.clients import ClientCall
+
+    data = toy_data(8, sizes=np.array([3, 9, 1, 9, 5, 12, 2, 7]))
+    pb = _problem("output", False, data)
+    started = []
+
+    class Recording:
+        def client_update(self, state, problem, cohort, ctx, client_state=None):
+            started.append(int(cohort[0]))
+            return int(cohort[0])
+
+    call = ClientCall(Recording(), pb, None, np.arange(8), RoundContext(0, 0))
+    with ThreadBackend(workers=1) as be:
+        out = be.map_groups(call, [np.array([i]) for i in range(8)])
+    assert out == list(range(8))
+    assert started == [5, 1, 3, 7, 4, 0, 6, 2]  # by size, ties (9, 9) in cohort order
+
+
 def test_bad_workers_are_refused():
     for bad in (0, -1, 1.5, True):
         with pytest.raises(ValueError, match="workers must be a positive integer"):

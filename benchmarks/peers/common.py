@@ -5,8 +5,15 @@ The *cohort file* (written by ``peers.py`` from partialfl's FEMNIST problem) hol
 10 writers of the round, each writer's training examples already in the order of its
 minibatches (partialfl's batch plan of the round, so a peer that slices its data into
 consecutive batches of ``batch`` takes the same steps), the initial weights θ⁰ and the
-round's settings. The model is the EMNIST CNN of ``partialfl.models`` (imported from the
-repository's ``src``: the same module definition in every library).
+round's settings (``algorithm``: ``fedavg`` or ``ffgg``). The model is the EMNIST CNN of
+``partialfl.models`` (imported from the repository's ``src``: the same module definition in
+every library).
+
+FFGG's client (:func:`ffgg_client`, for the peers that have no such method of their own):
+the personal output layer ``fc`` fine-tuned for one epoch of SGD with θ fixed (from θ⁰'s
+``fc``, partialfl's ``pretrained`` initialisation), then g = ∇_θ of the mean loss over the
+writer's training data (chunks of ``chunk``); the server steps θ ← θ − mean g (lr 1,
+example-weighted), ``fc`` unchanged.
 
 A runner talks to ``peers.py`` over stdin/stdout: it answers ``round`` with one line
 ``@@peers {json}`` (the round's seconds, the examples trained on, the cohort's mean training
@@ -62,6 +69,7 @@ class Cohort:
             meta = json.loads(str(z["meta"]))
             self.k = int(meta["clients"])
             self.lr, self.batch = float(meta["lr"]), int(meta["batch"])
+            self.algorithm, self.chunk = str(meta["algorithm"]), int(meta["chunk"])
             self.names = list(meta["names"])
             self.writers = list(meta["writers"])
             self.xs = [torch.from_numpy(z[f"x{m}"]) for m in range(self.k)]
@@ -95,6 +103,37 @@ class Cohort:
             total = sum(float(F.cross_entropy(net(x), y, reduction="sum"))
                         for x, y in zip(self.xs, self.ys))
         return total / sum(self.sizes)
+
+
+PERSONAL = ("fc.weight", "fc.bias")  # FFGG's personal layer (the output layer)
+
+
+def ffgg_client(net, x, y, lr: float, batch: int, chunk: int) -> dict:
+    """One FFGG client on ``net`` (holding θ and the initial w): w fine-tuned in place, then
+    ``name -> ∇_θ`` of the mean loss on (x, y) (θ's names only)."""
+    import torch
+    import torch.nn.functional as F
+
+    params = dict(net.named_parameters())
+    for n, p in params.items():
+        p.requires_grad_(n in PERSONAL)
+        p.grad = None
+    opt = torch.optim.SGD([params[n] for n in PERSONAL], lr=lr)
+    for i in range(0, len(y), batch):
+        opt.zero_grad()
+        F.cross_entropy(net(x[i:i + batch]), y[i:i + batch]).backward()
+        opt.step()
+    for n, p in params.items():
+        p.requires_grad_(n not in PERSONAL)
+        p.grad = None
+    for i in range(0, len(y), chunk):
+        (F.cross_entropy(net(x[i:i + chunk]), y[i:i + chunk], reduction="sum")
+         / len(y)).backward()
+    grads = {n: p.grad.detach().clone() for n, p in params.items() if n not in PERSONAL}
+    for p in params.values():
+        p.requires_grad_(True)
+        p.grad = None
+    return grads
 
 
 def save_weights(path: str | os.PathLike, weights: dict) -> None:

@@ -1,6 +1,7 @@
 """The ClientApp of the Flower runner (``flower_runner.py``): the EMNIST CNN trained for one
 epoch with ``torch.optim.SGD`` on writer ``partition-id`` of the cohort file (its examples in
-the batch order of the round), sending back its weights and ``num-examples``.
+the batch order of the round), sending back its weights and ``num-examples`` (FFGG: its
+gradient ∇_θ, ``common.ffgg_client``).
 
 A module of its own so that the Ray actors import it (and keep the cohort and the model
 between rounds) instead of receiving a pickled copy.
@@ -35,12 +36,16 @@ def train(msg: Message, context: Context) -> Message:
     cohort, net = _cohort_and_model()
     m = int(context.node_config["partition-id"])
     net.load_state_dict(msg.content["arrays"].to_torch_state_dict())
-    opt = torch.optim.SGD(net.parameters(), lr=cohort.lr)
     x, y, b = cohort.xs[m], cohort.ys[m], cohort.batch
-    for i in range(0, len(y), b):
-        opt.zero_grad()
-        F.cross_entropy(net(x[i:i + b]), y[i:i + b]).backward()
-        opt.step()
-    content = RecordDict({"arrays": ArrayRecord(net.state_dict()),
+    if cohort.algorithm == "ffgg":
+        out = common.ffgg_client(net, x, y, cohort.lr, b, cohort.chunk)
+    else:
+        opt = torch.optim.SGD(net.parameters(), lr=cohort.lr)
+        for i in range(0, len(y), b):
+            opt.zero_grad()
+            F.cross_entropy(net(x[i:i + b]), y[i:i + b]).backward()
+            opt.step()
+        out = net.state_dict()
+    content = RecordDict({"arrays": ArrayRecord(out),
                           "metrics": MetricRecord({"num-examples": len(y)})})
     return Message(content=content, reply_to=msg)

@@ -3,7 +3,8 @@
 ``flwr.simulation.run_simulation`` with 10 virtual SuperNodes (one per writer of the cohort;
 ``flower_client.py`` is their ClientApp, run by Ray actors of ``num_cpus = 1`` each, so
 ``--workers`` of them train at once) and a ServerApp running the Message API's ``FedAvg``
-(every node each round, weighted by ``num-examples``, no federated evaluation). The strategy
+(every node each round, weighted by ``num-examples``, no federated evaluation; FFGG: the
+clients send ∇_θ and the server steps θ ← θ − mean g after the weighted mean). The strategy
 is FedAvg with two hooks: ``configure_train`` waits for the next command, starts the clock
 and sends θ⁰ (every round is the same work); ``aggregate_train`` stops the clock after the
 weighted average and reports. Flower runs a fixed number of rounds: ``--rounds``.
@@ -58,6 +59,10 @@ def main() -> None:
         def aggregate_train(self, server_round, replies):
             replies = list(replies)
             arrays, metrics = super().aggregate_train(server_round, replies)
+            if cohort.algorithm == "ffgg":  # the weighted mean of the gradients: step θ
+                g = arrays.to_torch_state_dict()
+                arrays = ArrayRecord({n: v - g[n] if n in g else v
+                                      for n, v in theta0.to_torch_state_dict().items()})
             dt = common.now() - self.t
             examples = sum(int(r.content["metrics"]["num-examples"]) for r in replies
                            if r.has_content())

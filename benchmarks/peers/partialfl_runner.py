@@ -1,5 +1,5 @@
-"""partialfl's side of ``benchmarks/peers.py``: one round of FedAvg (or FFGG) on the cohort's
-10 writers, from θ⁰ every time, with one backend.
+"""partialfl's side of ``benchmarks/peers.py``: one round of FedAvg (or FFGG, as the cohort file
+says) on the cohort's 10 writers, from θ⁰ every time, with one backend.
 
 The round is what a user's call runs: ``run_rounds(problem, algorithm, 1, backend=...)`` on a
 problem holding only the cohort's writers (full participation), i.e. the clients' updates,
@@ -20,6 +20,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 import common  # noqa: E402
 
 MODES = ("sequential", "processes", "threads", "vmap")
+CHUNK = 256  # examples per forward pass of FFGG's full-data gradient
 
 
 def build(cohort_ids, lr: float, batch: int, algorithm: str, vectorize: bool):
@@ -36,7 +37,7 @@ def build(cohort_ids, lr: float, batch: int, algorithm: str, vectorize: bool):
     data = load_femnist_npz(None).subset(cohort_ids)
     split = make_split(make_model("emnist_cnn", 62, seed=0),
                        "none" if algorithm == "fedavg" else "output", seed=0)
-    problem = ModelProblem(split, data, vectorize=vectorize, chunk=256)
+    problem = ModelProblem(split, data, vectorize=vectorize, chunk=CHUNK)
     cfg = SGDConfig(lr=lr, epochs=1, batch_size=batch)
     # the example-weighted mean: weighting="examples" sets the weights, and the default
     # aggregator Mean() would ignore them (weighted=False)
@@ -60,7 +61,6 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--mode", choices=MODES, required=True)
     ap.add_argument("--workers", type=int, default=2)
-    ap.add_argument("--algorithm", choices=("fedavg", "ffgg"), default="fedavg")
     ap.add_argument("--cohort", required=True, help="the cohort file written by peers.py")
     ap.add_argument("--weights-out", default=None)
     args = ap.parse_args()
@@ -68,12 +68,12 @@ def main() -> None:
     from partialfl.runtime import run_rounds
 
     cohort = common.Cohort(args.cohort)
-    problem, alg, theta0 = build(cohort.writers, cohort.lr, cohort.batch, args.algorithm,
+    problem, alg, theta0 = build(cohort.writers, cohort.lr, cohort.batch, cohort.algorithm,
                                  args.mode == "vmap")
-    # the same data and θ⁰ as the cohort file
+    # the same data and θ⁰ as the cohort file (θ⁰: FFGG's θ, plus its initial w)
     assert [int(n) for n in problem.num_examples(range_(cohort.k))] == cohort.sizes
-    assert all(bool((theta0[n] == cohort.theta0[n]).all()) for n in cohort.names), \
-        "θ⁰ differs from the cohort file"
+    assert all(bool((cohort.theta0[n] == {**theta0, **problem.w_pretrained}[n]).all())
+               for n in cohort.names), "θ⁰ differs from the cohort file"
     be = backend(args.mode, args.workers)
     timer = common.RoundTimer(cohort, args.weights_out)
     common.emit(ready=True)
@@ -82,7 +82,7 @@ def main() -> None:
         res = run_rounds(problem, alg, 1, theta0=theta0, backend=be)
         dt = common.now() - t
         examples = int(problem.num_examples(range_(cohort.k)).sum())
-        timer.report(dt, examples, res.state.theta)
+        timer.report(dt, examples, {**problem.w_pretrained, **res.state.theta})
     close = getattr(be, "close", None)
     if close is not None:
         close()

@@ -1,10 +1,14 @@
 """pfl-research's side of ``benchmarks/peers.py`` (runs in the pfl virtual environment).
 
-The round as pfl's examples write it: ``FederatedAveraging`` with a ``SimulatedBackend`` over a
-``FederatedDataset`` of the cohort's 10 writers (``minimize_reuse`` sampler: every writer once
-per round; ``user_id_to_weight`` = examples, pfl's advice for distributed runs),
+The FedAvg round as pfl's examples write it: ``FederatedAveraging`` with a
+``SimulatedBackend`` over a ``FederatedDataset`` of the cohort's 10 writers (``minimize_reuse``
+sampler: every writer once per round; ``user_id_to_weight`` = examples, pfl's advice for
+distributed runs),
 ``WeightByDatapoints`` (the example-weighted average), a ``PyTorchModel`` with local
 ``torch.optim.SGD`` (lr, batch 32, one epoch) and central SGD with lr 1 (θ + mean Δ).
+
+FFGG is a ``FederatedAveraging`` whose ``train_one_user`` is FFGG's client
+(``common.ffgg_client``) and sends −∇_θ, so the same central step is θ ← θ − mean g.
 
 Started plainly it is pfl's single-process simulation; under ``torchrun --nproc-per-node N``
 pfl splits each cohort over the N ranks and sums their statistics with ``torch.distributed``
@@ -70,6 +74,16 @@ def main() -> None:
         counted["examples"] += len(datasets[uid])
         return datasets[uid]
 
+    class FFGG(FederatedAveraging):
+        """FFGG as a pfl algorithm: the client fine-tunes the output layer and sends −∇_θ as
+        its "model difference", so FedAvg's central step (SGD, lr 1, on the weighted mean)
+        is θ ← θ − mean g; pfl resets the client's layer to the central model's afterwards."""
+
+        def train_one_user(self, initial_model_state, model, user_dataset, central_context):
+            x, y = user_dataset.raw_data
+            g = common.ffgg_client(net, x, y, cohort.lr, cohort.batch, cohort.chunk)
+            return MappedVectorStatistics({n: -v for n, v in g.items()}), Metrics()
+
     federated = FederatedDataset(make_dataset, get_user_sampler("minimize_reuse",
                                                                 list(range(cohort.k))),
                                  user_id_to_weight=dict(enumerate(cohort.sizes)))
@@ -111,7 +125,8 @@ def main() -> None:
     cmds = common.commands()
     if rank0:
         common.emit(ready=True, ranks=dist.world_size)
-    FederatedAveraging().run(
+    algorithm = FFGG() if cohort.algorithm == "ffgg" else FederatedAveraging()
+    algorithm.run(
         algorithm_params=NNAlgorithmParams(central_num_iterations=10**9,
                                            evaluation_frequency=10**9,
                                            train_cohort_size=cohort.k, val_cohort_size=0),

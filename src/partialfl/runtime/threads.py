@@ -8,8 +8,10 @@ still takes turns) and fully on a free-threaded build. Unlike worker processes
 and nothing is copied per round: the threads read θ, the round context and the data where
 they are, and their results are the clients' own tensors.
 
-Clients are handed out one at a time, in cohort order, to whichever thread is free (dynamic
-load balancing); the results come back in cohort order and are stacked as the sequential
+Clients are handed out one at a time to whichever thread is free (dynamic load balancing),
+largest first (by training examples: longest-processing-time-first scheduling, so no thread
+is left with a large client while the others idle at the end of the round); the results
+come back in cohort order and are stacked as the sequential
 backend stacks them, and the aggregator runs on them in the caller's thread. A client's
 arithmetic does not depend on the thread that runs it (one intra-op thread each), so the
 round equals :class:`~partialfl.runtime.backends.SequentialBackend`'s at one torch thread,
@@ -53,8 +55,8 @@ class _Round:
     """One :meth:`ThreadBackend.map_groups` call: the groups, their results and the first
     failure, shared by the threads (the index counter under a lock)."""
 
-    def __init__(self, groups: list[np.ndarray]) -> None:
-        self.groups = groups
+    def __init__(self, groups: list[np.ndarray], order: list[int]) -> None:
+        self.groups, self.order = groups, order
         self.out: list = [None] * len(groups)
         self.errors: dict[int, BaseException] = {}
         self.lock = threading.Lock()
@@ -62,10 +64,10 @@ class _Round:
 
     def take(self) -> int | None:
         with self.lock:
-            if self.errors or self.next >= len(self.groups):
+            if self.errors or self.next >= len(self.order):
                 return None
-            i, self.next = self.next, self.next + 1
-            return i
+            self.next += 1
+            return self.order[self.next - 1]
 
     def stop(self) -> None:
         """Hand out no further groups (a failure, or the caller stopped waiting)."""
@@ -82,6 +84,16 @@ class _Round:
             except BaseException as e:  # noqa: BLE001 - re-raised by the caller
                 with self.lock:
                     self.errors[i] = e
+
+
+def largest_first(fn, groups: list[np.ndarray]) -> list[int]:
+    """The order to hand out ``groups``: most training examples first (ties in cohort order)
+    for a :class:`ClientCall` whose problem counts examples, else cohort order."""
+    count = getattr(getattr(fn, "problem", None), "num_examples", None)
+    if not isinstance(fn, ClientCall) or count is None:
+        return list(range(len(groups)))
+    sizes = [int(np.sum(count(fn.cohort[g]))) for g in groups]
+    return sorted(range(len(groups)), key=lambda i: -sizes[i])
 
 
 class ThreadBackend(CohortRunner):
@@ -135,7 +147,7 @@ class ThreadBackend(CohortRunner):
             self._executor = ThreadPoolExecutor(self.workers,
                                                 thread_name_prefix="partialfl-cohort")
             self._finalizer = weakref.finalize(self, self._executor.shutdown)
-        rnd = _Round(groups)
+        rnd = _Round(groups, largest_first(fn, groups))
         torch = sys.modules.get("torch")
         old = torch.get_num_threads() if torch is not None else 1
         if old != 1:
