@@ -452,13 +452,14 @@ def report(alg, modes, results, skipped, failed, info, out: Path, cohort: Path) 
     ours = {m: t for m, t in best.items() if m.startswith("partialfl/")}
     theirs = {m: t for m, t in best.items() if not m.startswith("partialfl/")}
     if not (ours and theirs):
-        return (f"{alg}: partialfl best mode vs best peer mode: n/a (no "
+        line = ("partialfl best mode vs best peer mode: n/a (no "
                 f"{'partialfl' if not ours else 'peer'} mode ran)")
-    a, b = min(ours, key=ours.get), min(theirs, key=theirs.get)
-    line = (f"partialfl best mode vs best peer mode: {theirs[b] / ours[a]:.2f}× "
-            "(speed-up vs best peer)")
-    print(f"{alg}: best partialfl mode {a} {ours[a]:.3f} s; best peer mode {b} "
-          f"{theirs[b]:.3f} s")
+    else:
+        a, b = min(ours, key=ours.get), min(theirs, key=theirs.get)
+        line = (f"partialfl best mode vs best peer mode: {theirs[b] / ours[a]:.2f}× "
+                "(speed-up vs best peer)")
+        print(f"{alg}: best partialfl mode {a} {ours[a]:.3f} s; best peer mode {b} "
+              f"{theirs[b]:.3f} s")
     return line if alg == "fedavg" else f"{alg}: {line}"
 
 
