@@ -51,7 +51,7 @@ import numpy as np
 HERE = Path(__file__).resolve().parent
 REPO = HERE.parent
 RUNNERS = HERE / "peers"
-sys.path.insert(0, str(RUNNERS))
+sys.path[:0] = [str(RUNNERS), str(REPO / "src")]  # this checkout's partialfl
 
 import common  # noqa: E402
 
@@ -394,6 +394,8 @@ def measure(modes, skipped, args, cohort: Path, out: Path, pfl_py
                       flush=True)
             except RuntimeError as e:
                 fail(m, e)
+        cpu0 = {m: r.cpu() for m, r in runners.items()} if HAVE_PROC else {}
+        t0 = time.perf_counter()
         for r in range(args.repeats):
             for m in list(runners):
                 try:
@@ -403,6 +405,12 @@ def measure(modes, skipped, args, cohort: Path, out: Path, pfl_py
             print(f"  repeat {r + 1}/{args.repeats}: " + ", ".join(
                 f"{m} {results[m][-1]['round_s']:.3f}" for m in runners if m in results),
                 flush=True)
+        # what each mode's processes burn while the others run (e.g. Ray's daemons)
+        wall = time.perf_counter() - t0
+        for m in list(runners) if HAVE_PROC else []:
+            own = sum(x["round_s"] for x in results[m])
+            busy = runners[m].cpu() - cpu0[m] - sum(x["cpu_s"] for x in results[m])
+            results[m][0]["idle_cores"] = max(busy, 0.0) / max(wall - own, 1e-9)
     finally:
         for m in list(runners):
             runners.pop(m).close()
@@ -419,6 +427,7 @@ def report(alg, modes, results, skipped, failed, info, out: Path, cohort: Path) 
             theta0 = {n: z[f"theta/{n}"] for n in ref}
         ref_step = np.sqrt(sum(float(((ref[n] - theta0[n]) ** 2).sum()) for n in ref))
     best = {m: min(r["round_s"] for r in v) for m, v in results.items() if v}
+    idle = {m: v[0]["idle_cores"] for m, v in results.items() if v and "idle_cores" in v[0]}
     seq = best.get(REFERENCE)
     print(f"\n{alg} round:\n{'mode':22s} {'best s':>7s} {'median s':>8s} {'seq/x':>6s} "
           f"{'cpu s':>6s} {'examples':>8s} {'loss θ0→θ1':>13s} {'max|Δθ| vs seq':>14s}  check")
@@ -449,6 +458,9 @@ def report(alg, modes, results, skipped, failed, info, out: Path, cohort: Path) 
               f"{'/'.join(map(str, ex)):>8s} "
               f"{l0:6.3f}→{l1:6.3f} {diff:>14s}  "
               f"{'ok' if ok else 'CHECK'}{'' if rel is None else f' (rel {rel:.0e})'}")
+    busy = [f"{m} {c * 100:.0f}%" for m, c in idle.items() if c >= 0.005]
+    print("CPU used by idle modes while the others ran (% of a core): "
+          + (", ".join(busy) if busy else "none above 0.5%"))
     ours = {m: t for m, t in best.items() if m.startswith("partialfl/")}
     theirs = {m: t for m, t in best.items() if not m.startswith("partialfl/")}
     if not (ours and theirs):

@@ -52,8 +52,8 @@ from partialfl.runtime.cohort_pool import default_workers
 
 
 class _Round:
-    """One :meth:`ThreadBackend.map_groups` call: the groups, their results and the first
-    failure, shared by the threads (the index counter under a lock)."""
+    """One :meth:`ThreadBackend.map_groups` call, shared by the threads: the groups, the
+    order to hand them out in (a counter under a lock), their results and failures."""
 
     def __init__(self, groups: list[np.ndarray], order: list[int]) -> None:
         self.groups, self.order = groups, order
@@ -103,8 +103,9 @@ class ThreadBackend(CohortRunner):
     group).
 
     The threads start at the first round and are reused; the problem's thread replicas are
-    built once per problem object (a new problem replaces them). :meth:`close` (or the end of
-    the program) stops the threads.
+    built once per problem object (a new problem replaces them) and, like the process
+    backend's workers, do not see later changes to that object's attributes. :meth:`close`
+    (or the end of the program) stops the threads.
     """
 
     name = "threads"
