@@ -16,9 +16,14 @@ Every round starts from θ⁰, so every round is the same work. Modes:
 
 Each mode runs in its own long-lived process (``benchmarks/peers/*_runner.py``) that sets up
 once and then runs one round per command; one warm-up round each, then ``--repeats`` rounds
-interleaved across the modes (a load change hits them all). Checks: every mode trains on the
-same number of examples, lowers the cohort's mean training loss, and ends the round at
-partialfl-sequential's weights within float tolerance (partialfl's modes bit for bit).
+interleaved across the modes (a load change hits them all; the order rotates every repeat).
+Besides wall-clock seconds it reports the CPU seconds each round used in the mode's process
+tree, which a loaded machine distorts less: under load, wall time also depends on how many
+scheduler shares a mode holds (Linux autogroups: torchrun starts each rank in a session of its
+own, partialfl's modes run in one), so compare wall times on a quiet machine. Checks: every
+mode trains on the same number of examples, lowers the cohort's mean training loss, and ends
+the round at partialfl-sequential's weights within float tolerance (partialfl's modes bit
+for bit).
 
 Peers are installed by this script from the package registry into their own virtual
 environments under ``benchmarks/.peers/`` (git-ignored; pfl needs a Python < 3.13 and gets the
@@ -397,7 +402,8 @@ def measure(modes, skipped, args, cohort: Path, out: Path, pfl_py
         cpu0 = {m: r.cpu() for m, r in runners.items()} if HAVE_PROC else {}
         t0 = time.perf_counter()
         for r in range(args.repeats):
-            for m in list(runners):
+            live = list(runners)
+            for m in live[r % len(live):] + live[:r % len(live)]:  # rotated: no fixed neighbour
                 try:
                     results.setdefault(m, []).append(runners[m].round(args.timeout))
                 except RuntimeError as e:
