@@ -11,6 +11,8 @@ same θ and seed:
 * ``vmap``: ``BatchedBackend`` + ``ModelProblem(vectorize=True)`` (clients batched);
 * ``processes``: ``ProcessBackend(workers)`` — the cohort over worker processes, one torch
   thread each (θ equal to sequential bit for bit when sequential runs on one thread);
+* ``threads``: ``ThreadBackend(workers)`` — the cohort over threads of this process, one
+  torch thread each (same bit-for-bit equality);
 * ``plain-loop``: the floor — ONE ``nn.Module``, ``torch.optim.SGD`` (FedAvg: on all
   parameters; FFGG: on the output layer, then one backward over the client's data in chunks
   for ∇θ), the SAME minibatches as the library (its batch plans), no library code in the
@@ -19,7 +21,8 @@ same θ and seed:
 The last line reads ``processes/sequential: X.XX×  sequential/plain-loop: Y.YY×`` for the
 FedAvg round at the first ``--threads`` value: X = sequential seconds / processes seconds
 (the speed-up of the process backend), Y = sequential seconds / plain-loop seconds (the
-framework overhead). Timings on a shared machine are noisy: say so when you report them.
+framework overhead); the line before it gives threads/sequential. Timings on a shared
+machine are noisy: say so when you report them.
 
     python benchmarks/nn_speed.py [--threads 1 2] [--workers 2] [--repeats 3]
         [--data-dir DIR | --synthetic] [--quick]
@@ -42,6 +45,7 @@ from partialfl.local.sgd import SGDConfig, client_plans
 from partialfl.problems.model import ModelProblem
 from partialfl.runtime import BatchedBackend, SequentialBackend, sample_cohort
 from partialfl.runtime.cohort_pool import ProcessBackend
+from partialfl.runtime.threads import ThreadBackend
 from partialfl.split import make_split
 
 LR, BATCH, CHUNK = 0.5, 32, 256
@@ -97,12 +101,13 @@ def plain_round(alg_name, model: torch.nn.Module, theta, problem, cohort, seed, 
     return out
 
 
-def _runs(alg_name, alg, state, seq_pb, vec_pb, procs, cohort, ctx) -> dict:
+def _runs(alg_name, alg, state, seq_pb, vec_pb, procs, pool, cohort, ctx) -> dict:
     """name -> a function running one round of that backend."""
     floor_model = make_model("emnist_cnn", 62, seed=0)
     runs = {
         "sequential": lambda: SequentialBackend().run(alg, state, seq_pb, cohort, ctx),
         "processes": lambda: procs.run(alg, state, seq_pb, cohort, ctx),
+        "threads": lambda: pool.run(alg, state, seq_pb, cohort, ctx),
         "plain-loop": lambda: plain_round(alg_name, floor_model, state.theta, seq_pb, cohort,
                                           0, 0),
     }
@@ -149,14 +154,17 @@ def main() -> None:
         alg = FedAvg(cfg) if alg_name == "fedavg" else model_ffgg(cfg)
         state = alg.init(seq_pb, seq_pb.init_theta())
         procs = ProcessBackend(workers=args.workers)
+        pool = ThreadBackend(workers=args.workers)
         runs = _runs(alg_name, alg, state, seq_pb, None if args.no_vmap else vec_pb, procs,
-                     cohort, ctx)
-        # correctness first: processes = sequential bit for bit on one thread
+                     pool, cohort, ctx)
+        # correctness first: processes and threads = sequential bit for bit on one thread
         torch.set_num_threads(1)
-        a, b = runs["sequential"](), runs["processes"]()
-        diff = max(float((a.updates.vectors[n] - b.updates.vectors[n]).abs().max())
-                   for n in a.updates.vectors)
-        print(f"\n{alg_name}: max |update_processes - update_sequential| = {diff:.1e}")
+        a = runs["sequential"]()
+        for k in ("processes", "threads"):
+            b = runs[k]()
+            diff = max(float((a.updates.vectors[n] - b.updates.vectors[n]).abs().max())
+                       for n in a.updates.vectors)
+            print(f"\n{alg_name}: max |update_{k} - update_sequential| = {diff:.1e}")
         print(f"{'threads':>7s} {'backend':12s} {'s/round':>8s} {'updates/s':>10s}")
         for threads in args.threads:
             torch.set_num_threads(threads)
@@ -173,12 +181,16 @@ def main() -> None:
                 print(f"{threads:7d} {k:12s} {t:8.3f} {args.clients / t:10.2f}")
             seq = best["sequential"]
             print(f"{threads:7d} processes/sequential {seq / best['processes']:.2f}x  "
+                  f"threads/sequential {seq / best['threads']:.2f}x  "
                   f"sequential/plain-loop {seq / best['plain-loop']:.2f}x"
                   + (f"  vmap/sequential {seq / best['vmap']:.2f}x" if "vmap" in best else ""))
-            summary.setdefault(alg_name, (seq / best["processes"], seq / best["plain-loop"]))
+            summary.setdefault(alg_name, (seq / best["processes"], seq / best["plain-loop"],
+                                          seq / best["threads"]))
         procs.close()
-    x, y = summary["fedavg"]
+        pool.close()
+    x, y, z = summary["fedavg"]
     print(f"\nFedAvg round, {args.threads[0]} thread(s):")
+    print(f"threads/sequential: {z:.2f}×")
     print(f"processes/sequential: {x:.2f}×  sequential/plain-loop: {y:.2f}×")
 
 

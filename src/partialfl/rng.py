@@ -7,7 +7,10 @@ order in which clients run, or how many clients share a batch.
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
+import threading
+from collections.abc import Iterator
 
 import numpy as np
 
@@ -46,3 +49,22 @@ def round_path(round_: int) -> tuple:
     for deployment / evaluation outside training) as ``("offline", -round_)``."""
     r = int(round_)
     return (r,) if r >= 0 else ("offline", -r)
+
+
+#: Held while the process-wide torch CPU generator is reseeded and drawn from
+#: (:func:`global_torch_seed`): client code run by several threads at once
+#: (:mod:`partialfl.runtime.threads`) would otherwise interleave one client's seeding with
+#: another client's draws.
+TORCH_GLOBAL_RNG_LOCK = threading.RLock()
+
+
+@contextlib.contextmanager
+def global_torch_seed(seed: int, *path: int | str) -> Iterator[None]:
+    """Run the block with the global torch CPU generator seeded from ``torch_seed(seed,
+    *path)`` (for code that draws from it, e.g. a module's ``reset_parameters``), restore the
+    generator afterwards, and hold :data:`TORCH_GLOBAL_RNG_LOCK` meanwhile (thread-safe)."""
+    import torch
+
+    with TORCH_GLOBAL_RNG_LOCK, torch.random.fork_rng(devices=[]):
+        torch.manual_seed(torch_seed(seed, *path))
+        yield

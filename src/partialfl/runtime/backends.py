@@ -9,8 +9,12 @@
   the reference path; results must agree with the batched one.
 * ``processes`` (:class:`partialfl.runtime.cohort_pool.ProcessBackend`) spreads the cohort's
   clients over worker processes; same results as the sequential backend, bit for bit.
+* ``threads`` (:class:`partialfl.runtime.threads.ThreadBackend`) spreads them over threads of
+  this process (one torch thread each; torch releases the GIL in its kernels); bit-exact with
+  the sequential backend too.
 
-By name: the registry's kind ``executor`` (``sequential``, ``vmap``, ``processes``). A run
+By name: the registry's kind ``executor`` (``sequential``, ``vmap``, ``processes``,
+``threads``). A run
 holds its mode in an :class:`~partialfl.batching.Executor`; which clients run together is
 decided in one place, :func:`partialfl.batching.map_clients`, for the cohort (the loop) and
 for the clients of one call (the problem's kernels, given the run's mode).
@@ -25,6 +29,7 @@ from partialfl.batching import MAX_EXAMPLES, Loop, Vmap
 from partialfl.registry import option, register
 from partialfl.runtime.clients import CohortRunner
 from partialfl.runtime.cohort_pool import START_METHODS, ProcessBackend
+from partialfl.runtime.threads import ThreadBackend
 
 
 class BatchedBackend(CohortRunner, Vmap):
@@ -88,5 +93,25 @@ def _processes(opts: ProcessOptions, ctx=None) -> ProcessBackend:
     return ProcessBackend(opts.workers, opts.start_method)
 
 
+@dataclass(frozen=True)
+class ThreadOptions:
+    """The threads."""
+
+    workers: int | None = option(None, "threads (None: the usable CPU cores)")
+
+    def __post_init__(self) -> None:
+        if self.workers is not None and not (isinstance(self.workers, int) and
+                                             not isinstance(self.workers, bool) and
+                                             self.workers >= 1):
+            raise ValueError(f"workers must be an integer >= 1, got {self.workers!r}")
+
+
+@register("executor", "threads", options=ThreadOptions, cpu_only=True)
+def _threads(opts: ThreadOptions, ctx=None) -> ThreadBackend:
+    """The cohort's clients over threads of this process, one torch thread each (bit-exact
+    with sequential; no start-up, nothing pickled)."""
+    return ThreadBackend(opts.workers)
+
+
 __all__ = ["BatchedBackend", "ClientResult", "ProcessBackend", "SequentialBackend",
-           "concat_results"]
+           "ThreadBackend", "concat_results"]

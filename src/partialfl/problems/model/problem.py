@@ -18,7 +18,7 @@ from partialfl.problems.model.kernels import Kernels
 from partialfl.problems.model.losses import LossFn, Metric, accuracy, cross_entropy
 from partialfl.problems.model.modules import fresh_stats, resettable_owners, running_stat_modules
 from partialfl.problems.model.passes import CohortPasses
-from partialfl.rng import round_path, torch_seed
+from partialfl.rng import global_torch_seed, round_path
 from partialfl.split import Split
 from partialfl.types import Params
 
@@ -184,12 +184,26 @@ class ModelProblem(CohortPasses, Kernels):
                        for n in self.w_names}, **state}
         raise ValueError(f"unknown personal initialisation {how!r}; allowed: {', '.join(W_INITS)}")
 
+    def thread_replica(self) -> ModelProblem:
+        """A copy to run clients in another thread at the same time as this problem
+        (:mod:`partialfl.runtime.threads`): the same data, settings and θ⁰ (shared, read
+        only), its own module — ``functional_call`` swaps the module's parameters while it
+        runs and normalization layers switch between train and eval mode — with its own
+        functorch transforms and fp16 loss scaler."""
+        new = copy.copy(self)
+        new.module = copy.deepcopy(self.module)
+        names = {id(m): n for n, m in self.module.named_modules()}
+        mods = dict(new.module.named_modules())
+        new._norm_modules = tuple(mods[names[id(m)]] for m in self._norm_modules)
+        new.scaler = copy.deepcopy(self.scaler)
+        new._build_fns()
+        return new
+
     def _random_w(self, seed: int, round_: int, cid: int) -> Params:
         owners = resettable_owners(self.module, self.w_names)
         mods = dict(self.module.named_modules())
         out: Params = {}
-        with torch.random.fork_rng(devices=[]):
-            torch.manual_seed(torch_seed(seed, "init_w", *round_path(round_), cid))
+        with global_torch_seed(seed, "init_w", *round_path(round_), cid):  # thread-safe
             for owner in owners:
                 # re-initialise a CPU copy: the CPU generator, hence the same w on every device
                 fresh = copy.deepcopy(mods[owner]).to("cpu")
