@@ -370,7 +370,7 @@ def test_refusals_name_the_problem(ls):
         DPOptions(clip_norm=None, noise_multiplier=1.0)
     for z in (None, 1.0):  # a finite target is checked (or solved for) over the rounds
         with pytest.raises(ValueError, match="target_epsilon needs rounds"):
-            DPOptions(target_epsilon=1.0, noise_multiplier=z)
+            make_plan(DPOptions(target_epsilon=1.0, noise_multiplier=z), 10)
     with pytest.raises(ValueError, match="sampling='uniform'; allowed: poisson, fixed"):
         DPOptions(noise_multiplier=1.0, sampling="uniform")
     for bad, msg in ((dict(delta=1.0), "delta must be in"), (dict(delta="x"), "delta must be a "
@@ -441,3 +441,41 @@ def test_the_docs_example_runs_and_meets_its_target():
     assert last["round"] == 100 and 7.99 < last["dp_epsilon"] <= 8.0
     assert last["dp_noise_multiplier"] == pytest.approx(1.28, abs=0.01)
     assert last["rel_dist2"] == pytest.approx(0.0026, abs=1e-4)  # the value the page states
+
+
+_SPEC = ('seed = 0\n[problem]\nname = "least-squares"\nnum_clients = 50\nn = 20\nd_theta = 5\n'
+         'd_w = 2\n[method]\nalgorithm = "ffgg"\n{privacy}[personalize]\nrounds = 30\n'
+         'clients_per_round = 10\neval_every = 10\nclient = {{ name = "gd", tau = 3 }}\n')
+
+
+def _run_spec(tmp_path, name, privacy):
+    import json
+
+    from partialfl.cli import main
+
+    cfg = tmp_path / f"{name}.toml"
+    cfg.write_text(_SPEC.format(privacy=privacy))
+    assert main(["run", str(cfg), "--no-progress", "--out", str(tmp_path / name)]) == 0
+    lines = (tmp_path / name / f"{name}.jsonl").read_text().splitlines()
+    return [json.loads(x) for x in lines], (tmp_path / name / "summary.md").read_text()
+
+
+def test_privacy_block_in_a_toml_spec(tmp_path):
+    """``[privacy]`` from TOML: rounds and cohort size come from the stage, z is solved for
+    the target ε (reached, not exceeded, at the last round), ε is in every record and in the
+    summary; with z = 0 and no clipping the run equals the non-private one bit for bit."""
+    dp, summary = _run_spec(tmp_path, "dp", '[privacy]\nname = "dp"\nclip_norm = 1.0\n'
+                            'target_epsilon = 3.0\n')
+    assert [r["round"] for r in dp] == [0, 10, 20, 30]
+    eps = [r["dp_epsilon"] for r in dp[1:]]
+    assert dp[0]["dp_epsilon"] == 0 and eps[0] < eps[1] < eps[2] <= 3.0 and eps[2] > 2.9
+    direct = epsilon(Mechanism(dp[-1]["dp_noise_multiplier"], 50, 10, "poisson", False), 30,
+                     1 / 50, "rdp")
+    assert eps[2] == pytest.approx(direct, rel=1e-9)
+    assert "ε = 3.00" in summary and "δ = 0.02" in summary
+    plain, _ = _run_spec(tmp_path, "plain", "")
+    off, _ = _run_spec(tmp_path, "off", '[privacy]\nname = "dp"\nclip_norm = "none"\n'
+                       'noise_multiplier = 0.0\nsampling = "fixed"\n')  # k of M, as without DP
+    for a, b in zip(plain, off, strict=True):
+        assert a["rel_dist2"] == b["rel_dist2"] and a["F_norm2"] == b["F_norm2"]
+    assert dp[-1]["rel_dist2"] > plain[-1]["rel_dist2"]  # the noise costs accuracy

@@ -202,3 +202,24 @@ def test_code_in_configs_needs_allow_code(tmp_path, capsys):
     cfg2.write_text('plugins = ["os"]\n[problem]\nname = "least-squares"\n')
     rc = main(["run", str(cfg2), "--dry-run"])
     assert rc == 2 and "--allow-code" in capsys.readouterr().err
+
+
+def test_none_in_toml_sets_an_optional_number_and_round_trips():
+    """TOML has no null: ``"none"`` sets an ``X | None`` option (X not a string) to None, and a
+    spec holding None where the default is not None is written back as ``"none"``."""
+    import tomllib
+
+    from partialfl.config import toml_text
+
+    raw = {"problem": {"name": "least-squares"},
+           "privacy": {"name": "dp", "clip_norm": "none", "noise_multiplier": 0.0},
+           "backend": {"name": "vmap", "max_examples": "none"}}
+    spec = RunSpec.from_dict(raw)
+    assert spec.privacy.clip_norm is None and spec.backend.max_examples is None
+    text = toml_text(spec.to_dict())
+    assert 'clip_norm = "none"' in text
+    assert RunSpec.from_dict(tomllib.loads(text)) == spec
+    with pytest.raises(ConfigError, match="privacy.noise_multiplier: expected a number"):
+        RunSpec.from_dict({**raw, "privacy": {"name": "dp", "noise_multiplier": "nothing"}})
+    # a string option keeps "none" as a value (the split named "none")
+    assert from_dict(MethodConfig, {"algorithm": "fedavg", "split": "none"}).split.name == "none"

@@ -40,7 +40,10 @@ def _out_dir(path) -> Path:
 
 
 def _diverged(record: dict) -> list[str]:
-    return [k for k, v in record.items() if isinstance(v, float) and not math.isfinite(v)]
+    """The metrics of ``record`` that are not finite, but for the privacy bookkeeping
+    (``dp_epsilon``, ``dp_clip_norm`` are ∞ without noise or clipping)."""
+    return [k for k, v in record.items() if isinstance(v, float) and not math.isfinite(v)
+            and not k.startswith("dp_")]
 
 
 def _cmd_reproduce(args) -> int:

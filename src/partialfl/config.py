@@ -51,6 +51,10 @@ def check_choice(key: str, value, allowed) -> None:
                           f"allowed: {', '.join(map(str, allowed))}")
 
 
+#: how a TOML file sets an optional (``X | None``, X not a string) value to None
+NONE = "none"
+
+
 def _type_name(tp) -> str:
     return getattr(tp, "__name__", str(tp))
 
@@ -61,6 +65,8 @@ def _coerce(value: Any, tp, where: str):
         args = typing.get_args(tp)
         if value is None and type(None) in args:
             return None
+        if value == NONE and type(None) in args and str not in args and Any not in args:
+            return None  # TOML has no null: "none" sets an optional value to None
         errors = []
         for a in args:
             if a is type(None):
@@ -158,7 +164,8 @@ def from_dict(cls: type[T], data: Mapping[str, Any], where: str = "") -> T:
 def to_dict(obj) -> dict[str, Any]:
     """The plain-dict form of a config dataclass (for logging next to results and for
     :func:`from_dict` to read back): components as ``{name = …, …options}``, a class with
-    ``__options_of__`` with its options flattened into its own table."""
+    ``__options_of__`` with its options flattened into its own table; a value set to None
+    where the default is not None as ``"none"`` (TOML has no null)."""
     out: dict[str, Any] = {}
     flat = getattr(type(obj), "__options_of__", None)
     for f in dataclasses.fields(obj):
@@ -166,6 +173,8 @@ def to_dict(obj) -> dict[str, Any]:
         if flat is not None and f.name == "options":
             out.update(_plain(v) if v is not None else {})
             continue
+        if v is None and f.default is not None and f.default is not dataclasses.MISSING:
+            v = NONE
         out[f.name] = _plain(v)
     return out
 

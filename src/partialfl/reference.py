@@ -20,7 +20,9 @@ it; a test keeps this file current). A run spec is one TOML file: a closed-form 
 and the stages `[pretrain]`, `[personalize]`, `[finetune]`. A component is written as its
 name, `"cg"`, or as a table with its name and options, `{ name = "cg", tau = 40 }`; the
 algorithm's own options are keys of `[method]` itself. `--set key=value` overrides any key
-on the command line (e.g. `--set personalize.client.tau=10`).
+on the command line (e.g. `--set personalize.client.tau=10`). TOML has no null: an option
+of type "X or None" (X not a string) is set to None with `"none"` (e.g.
+`[privacy] clip_norm = "none"`).
 """
 
 

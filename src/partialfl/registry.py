@@ -280,10 +280,9 @@ class Component:
 
     def to_dict(self) -> dict[str, Any]:
         """``{"name": …, **options}`` (the TOML form)."""
-        opts = {} if self.options is None else {
-            f.name: _plain(getattr(self.options, f.name))
-            for f in dataclasses.fields(self.options)}
-        return {"name": self.name, **opts}
+        from partialfl.config import to_dict
+
+        return {"name": self.name, **({} if self.options is None else to_dict(self.options))}
 
     def get(self, key: str, default: Any = None) -> Any:
         """An option's value (``default`` when the entry has no such option)."""

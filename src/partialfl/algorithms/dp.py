@@ -151,8 +151,6 @@ class DPOptions:
         for name in ("rounds", "clients_per_round"):
             if getattr(self, name) is not None:
                 f(self, name, _int(getattr(self, name), name))
-        if self.target_epsilon not in (None, math.inf) and self.rounds is None:
-            raise ValueError("DP option target_epsilon needs rounds (the budget covers them)")
         if self.clip_norm is None and (self.noise_multiplier or self.adaptive_clipping
                                        or (self.target_epsilon or math.inf) < math.inf):
             raise ValueError("DP without clipping (clip_norm None) has no guarantee: it allows "
@@ -198,6 +196,9 @@ def make_plan(opts: DPOptions, num_clients: int) -> DPPlan:
     if k > M:
         raise ValueError(f"DP option clients_per_round={k} exceeds the {M} clients")
     delta = opts.delta if opts.delta is not None else 1.0 / M
+    if opts.target_epsilon not in (None, math.inf) and opts.rounds is None:
+        raise ValueError("DP option target_epsilon needs rounds (the budget covers them; in a "
+                         "spec they default to the stage's rounds)")
     mech = Mechanism(opts.noise_multiplier or 0.0, M, k, opts.sampling, opts.mode == "local")
     if opts.noise_multiplier is None:
         z = solve_noise_multiplier(mech, opts.target_epsilon, opts.rounds, delta,

@@ -107,6 +107,17 @@ def summary_markdown(rows: list[dict], title: str, notes: list[str]) -> str:
     return "\n".join([f"# {title}", "", markdown_table(header, table), "", *notes, ""])
 
 
+def privacy_note(history: list[dict]) -> list[str]:
+    """The guarantee a differentially private run reached (its last record's ε), or nothing."""
+    last = history[-1] if history else {}
+    if "dp_epsilon" not in last:
+        return []
+    return [f"Privacy: client-level (ε = {last['dp_epsilon']:.2f}, δ = {last['dp_delta']:.3g}) "
+            f"for θ after {last['round']} rounds (noise multiplier z = "
+            f"{last['dp_noise_multiplier']:.4g}, clip norm C = {last['dp_clip_norm']:.4g}; "
+            "ε from dp-accounting); the personal parameters never leave the clients."]
+
+
 def write_report(cfg: RunSpec, history: list[dict], seconds: float, out: Path) -> Path:
     """What ``partialfl run`` writes beside ``<name>.jsonl``, like a reproduction:
     ``<name>.png`` (relative distance to θ* and ‖F‖² vs rounds) and ``summary.md`` (the
@@ -130,11 +141,12 @@ def write_report(cfg: RunSpec, history: list[dict], seconds: float, out: Path) -
         + f", run seed {cfg.seed}.",
         f"Metrics every {st.eval_every} rounds: `{name}.jsonl`; plot: `{name}.png`. "
         "Loss gap: (1/M)Σ f_m(θ, w_m) − min_{θ,w} f_m with the deployed w_m.",
+        *privacy_note(history),
         "",
         "Configuration (as run):",
         "",
         "```toml",
-        *toml_text(cfg.to_dict()).splitlines(),
+        *toml_text(cfg.shown()).splitlines(),
         "```",
     ]
     path = out / "summary.md"

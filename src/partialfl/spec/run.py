@@ -178,6 +178,17 @@ class RunSpec(_Spec):
         optional blocks are left out, so runs without them keep their identity."""
         return drop_unset(to_dict(self))
 
+    def shown(self) -> dict[str, Any]:
+        """:meth:`to_dict` without the keys this run never reads (a closed form has one stage
+        and no model: no pretrain/finetune stages, device, precision, loss or metric): what a
+        summary prints as the configuration run."""
+        d = self.to_dict()
+        if self.closed_form:
+            for k in ("stages", "pretrain_seed", "device", "precision", "pretrain", "finetune",
+                      "validation", "finetune_grid", "loss", "metric"):
+                d.pop(k, None)
+        return d
+
     def identity(self) -> dict[str, Any]:
         """What a resumed run must match: the spec without what does not change results
         (device, logging, progress)."""
