@@ -98,11 +98,14 @@ def _cmd_run(args) -> int:
         raise ConfigError(f"--supernodes must be >= 1, got {args.supernodes}")
     with allow_code(args.allow_code or None):
         if spec.closed_form:
-            if args.engine != "local":
-                raise ConfigError(f"--engine {args.engine}: closed-form runs are simulated "
-                                  "in process")
             return _run_closed_form(args, spec)
         return _run_model(args, spec)
+
+
+def _flower_options(args) -> dict:
+    return {"engine": args.engine, "num_supernodes": args.supernodes,
+            "superlink": args.superlink, "root_certificates": args.root_certificates,
+            "progress": not args.no_progress}
 
 
 def _run_closed_form(args, cfg) -> int:
@@ -115,8 +118,14 @@ def _run_closed_form(args, cfg) -> int:
         print(build(cfg).plan)
         print("dry run: nothing trained, nothing written")
         return 0
-    res, summary = run_and_report(cfg, out, progress=not args.no_progress)
-    last = res.history[-1]
+    if args.engine != "local":
+        from partialfl.flower.train import run_flower_closed_form
+
+        history, summary, _ = run_flower_closed_form(cfg, out, **_flower_options(args))
+    else:
+        res, summary = run_and_report(cfg, out, progress=not args.no_progress)
+        history = res.history
+    last = history[-1]
     print(" ".join(f"{k}={v:.6g}" if isinstance(v, float) else f"{k}={v}"
                    for k, v in last.items()))
     print(f"results written to {out}/ ({cfg.name}.jsonl, {cfg.name}.png, {summary.name})")
@@ -140,10 +149,7 @@ def _run_model(args, spec) -> int:
     if args.engine != "local":
         from partialfl.flower.train import run_flower_train
 
-        res = run_flower_train(spec, out, engine=args.engine, dry_run=args.dry_run,
-                               progress=not args.no_progress, num_supernodes=args.supernodes,
-                               superlink=args.superlink,
-                               root_certificates=args.root_certificates)
+        res = run_flower_train(spec, out, dry_run=args.dry_run, **_flower_options(args))
         print(res)
         return 0
     run, metrics = run_train(spec, out, dry_run=args.dry_run,
@@ -325,8 +331,46 @@ def build_parser(epilog: bool = True) -> argparse.ArgumentParser:
     s.set_defaults(fn=_cmd_report)
 
     _add_data_commands(sub)
+    _add_flower_commands(sub)
     _add_advise(sub)
     return p
+
+
+def _cmd_flower_local(args) -> int:
+    """``partialfl flower local CONFIG --nodes N`` (:mod:`partialfl.flower.local`)."""
+    from partialfl.build import allow_code
+    from partialfl.flower.local import run_local
+
+    spec = _load(args)
+    out = _out_dir(args.out or Path("runs") / spec.name)
+    with allow_code(args.allow_code or None):
+        print(run_local(spec, out, args.nodes, insecure=args.insecure, secagg=args.secagg,
+                        work_dir=args.work_dir, progress=not args.no_progress))
+    return 0
+
+
+def _add_flower_commands(sub) -> None:
+    f = sub.add_parser("flower", help="run on Flower: a live federation on this machine")
+    fsub = f.add_subparsers(dest="flower_command", required=True)
+    s = fsub.add_parser(
+        "local", help="start a SuperLink and N SuperNodes on 127.0.0.1 (TLS, SuperNode "
+        "authentication, each node with only its own clients' data), run CONFIG on them as "
+        "--engine flower does, stop everything")
+    s.add_argument("config")
+    s.add_argument("--nodes", type=int, default=2, metavar="N", help="SuperNodes (default 2)")
+    s.add_argument("--set", action="append", metavar="KEY=VALUE",
+                   help="override a config value (repeatable)")
+    s.add_argument("--device", help="cpu, cuda, cuda:N, mps or auto (overrides the config)")
+    s.add_argument("--out", help="output folder (default runs/NAME)")
+    s.add_argument("--secagg", action="store_true",
+                   help="aggregate θ with Flower's SecAgg+: the server learns only each "
+                        "round's sum (mean aggregation only)")
+    s.add_argument("--insecure", action="store_true",
+                   help="no TLS and no SuperNode authentication (testing only)")
+    s.add_argument("--work-dir", help="keep the federation's files here (certificates, keys, "
+                   "node data, logs); default: a temporary folder, removed afterwards")
+    _add_common(s)
+    s.set_defaults(fn=_cmd_flower_local)
 
 
 def _add_run_args(s) -> None:

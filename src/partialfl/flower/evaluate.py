@@ -23,7 +23,10 @@ from partialfl.types import Params
 
 
 def eval_due(cfg: FlowerConfig, round_: int) -> bool:
-    return bool(cfg.eval_every) and (round_ % cfg.eval_every == 0 or round_ == cfg.num_rounds)
+    """Whether the nodes evaluate at ``round_``: before the first round, every
+    ``eval_every`` rounds of the stage and after the last (as in-process)."""
+    every = cfg.eval_every
+    return round_ in (0, cfg.rounds) or bool(every) and round_ % every == 0
 
 
 def eval_items(fed: Federation, theta: Params, round_: int
