@@ -41,7 +41,7 @@ def in_process(run_config: dict, **kw):
     from partialfl.experiments.closed_form import run_closed_form
     from partialfl.flower.config import parse_run_config
 
-    spec = parse_run_config(run_config).run
+    spec = parse_run_config({k: v for k, v in run_config.items() if k in ("spec", "set")}).run
     built = build(spec)
     return built, run_closed_form(spec, built=built, **kw)
 

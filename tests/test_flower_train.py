@@ -90,22 +90,6 @@ def test_node_builds_the_pipelines_stage(data_dir):
     assert type(server_alg) is type(ref_alg)
 
 
-@pytest.mark.slow
-@pytest.mark.data
-def test_quickstart_in_flower_simulation_gives_the_in_process_theta(tmp_path, data_dir):
-    """configs/train/quickstart.toml at a tiny size: θ after pre-training and after
-    personalization in Flower's simulation engine equals the in-process run's (1e-6)."""
-    pytest.importorskip("ray", reason="Flower's simulation engine needs 'flwr[simulation]'")
-    from partialfl.experiments.train import run_train
-    from partialfl.flower.train import run_flower_train
-
-    spec = _spec(data_dir)
-    _, local = run_train(spec, tmp_path / "local", progress=False)
-    msg = run_flower_train(spec, tmp_path / "sim", engine="flower-sim", timeout=600)
-    assert "flower-sim" in msg
-    assert_same_run(tmp_path / "sim", tmp_path / "local", local)
-
-
 def test_engine_dry_run_prints_the_plan_and_the_run_config(data_dir, tmp_path, capsys):
     from partialfl.cli import main
 
@@ -119,47 +103,6 @@ def test_engine_dry_run_prints_the_plan_and_the_run_config(data_dir, tmp_path, c
     assert main(["train", str(QUICKSTART), "--engine", "flower-sim", "--out", str(out),
                  "--set", "method.algorithm=nope"]) == 2
     assert not out.exists()
-
-
-def _flwr_binaries() -> list[str]:
-    import shutil
-    import sys
-
-    bindir = Path(sys.executable).parent
-    return [b for b in ("flwr", "flower-superlink", "flower-supernode")
-            if not (bindir / b).exists() and shutil.which(b) is None]
-
-
-@pytest.mark.slow  # a few minutes: real SuperLink and SuperNode processes, two `flwr run`s
-@pytest.mark.data
-def test_train_on_a_running_deployment_gives_the_in_process_theta(tmp_path, data_dir):
-    """`partialfl train --engine flower --superlink HOST:PORT` against a SuperLink and two
-    SuperNodes started beforehand (insecure, loopback, free ports): it starts no process of
-    its own, the run completes, writes its metrics, and θ after pre-training and
-    personalization (2 + 2 rounds) equals the in-process run's (1e-6)."""
-    missing = _flwr_binaries()
-    if missing:
-        pytest.skip(f"Flower's command-line tools are not installed: {', '.join(missing)}")
-    from partialfl.cli import main
-    from partialfl.experiments.train import run_train
-    from partialfl.flower.deployment import LocalFederation
-
-    spec = _spec(data_dir)
-    _, local = run_train(spec, tmp_path / "local", progress=False)
-    out = tmp_path / "deployed"
-    sets = [a for o in [*TINY, f"data.path={data_dir}"] for a in ("--set", o)]
-    deployment = LocalFederation(2)  # flower-superlink + 2 flower-supernode processes
-    try:
-        deployment.start()
-        started = len(deployment.procs)
-        rc = main(["train", str(QUICKSTART), "--engine", "flower", "--superlink",
-                   f"127.0.0.1:{deployment.port}", "--out", str(out), "--no-progress", *sets])
-        assert len(deployment.procs) == started == 3  # the run started nothing
-        assert rc == 0, deployment.log_tail("superlink")
-    finally:
-        deployment.close()
-    assert deployment.alive_groups() == []
-    assert_same_run(out, tmp_path / "local", local)
 
 
 @pytest.mark.parametrize("args, message", [

@@ -111,7 +111,8 @@ def node_runtime(context: Context, msg: Message | None = None,
         key = (tuple(sorted(cfg.to_run_config().items())), opts, algorithm_factory)
         rt = _CACHE.get(key)
         if rt is None:
-            data = load_node_data(opts.data) if opts.data else None
+            # a node store holds model data; a closed-form problem is generated from its seed
+            data = load_node_data(opts.data) if opts.data and not cfg.closed_form else None
             problem, algorithm, theta0 = node_parts(cfg, data)
             if algorithm_factory is not None:
                 algorithm = algorithm_factory(cfg, problem)

@@ -116,6 +116,8 @@ FIELDS: tuple[Field, ...] = (
     # -- output and checkpoints -------------------------------------------------------------
     Field("out-dir", str, "", "server: write result.json, metrics.jsonl and theta.npz here "
           "('' = do not write)"),
+    Field("audit-dir", str, "", "server: also write every message it receives, as Flower "
+          "serialised it, to this folder (an audit of what the server learns; '' = no)"),
     Field("checkpoint-every", int, 0, "server: write a checkpoint (safetensors + JSON, atomic) "
           "to out-dir every k rounds (async: server steps; 0 = never)", check=_nonneg,
           requirement="an integer >= 0"),
@@ -213,7 +215,7 @@ class _FlowerConfigMethods:
 
 #: run-config keys that may differ between an interrupted run and its resumption
 VOLATILE = ("out-dir", "resume", "checkpoint-every", "fault-injection", "round-timeout",
-            "poll-interval", "min-nodes", "node-wait-timeout")
+            "poll-interval", "min-nodes", "node-wait-timeout", "audit-dir")
 
 
 def _flatten(d: Mapping[str, Any], prefix: str = "") -> dict[str, Any]:

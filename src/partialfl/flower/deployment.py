@@ -319,7 +319,8 @@ class LocalFederation:
         cfg["out-dir"] = str(out)
         if not self.simulation:
             cfg.setdefault("min-nodes", self.num_supernodes)
-        parse_run_config(cfg)  # a bad key fails here, with partialfl's message
+        parsed = parse_run_config(cfg)  # a bad key fails here, with partialfl's message
+        cfg.update({"spec": parsed.spec, "set": ""})  # the spec as one canonical string
         for attempt in range(restarts + 1):
             args = ["flwr", "run", str(self.app_dir), "local", "--stream"]
             for k, v in cfg.items():

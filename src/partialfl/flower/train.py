@@ -154,7 +154,8 @@ def run_flower_train(spec, out: str | Path, *, engine: str = "flower-sim",
     with _entered(fed):  # nothing is written before the federation answers
         out.mkdir(parents=True, exist_ok=True)
         if eff.pretrain.rounds > 0 and not (s1 / THETA1).exists():
-            rep = fed.run(stage_run_config(spec, "pretrain", **extra), timeout=timeout,
+            rep = fed.run(stage_run_config(spec, "pretrain", **_audit(extra, "stage1")),
+                          timeout=timeout,
                           out_dir=s1 / "flower", progress="pretrain" if progress else None)
             _stage_files(s1, "stage1", THETA1, rep)
         theta1 = s1 / "theta.npz"
@@ -162,7 +163,8 @@ def run_flower_train(spec, out: str | Path, *, engine: str = "flower-sim",
             _npz(theta1, pio.load_tensors(s1 / THETA1, "θ1")[0])
         if eff.personalize.rounds > 0 and not (out / THETA2).exists():
             init = theta1 if eff.pretrain.rounds > 0 else None
-            rep = fed.run(stage_run_config(spec, "personalize", init, **extra),
+            rep = fed.run(stage_run_config(spec, "personalize", init,
+                                           **_audit(extra, "stage2")),
                           timeout=timeout, out_dir=out / "flower",
                           progress="personalize" if progress else None)
             _stage_files(out, "stage2", THETA2, rep)
@@ -173,6 +175,13 @@ def run_flower_train(spec, out: str | Path, *, engine: str = "flower-sim",
             f"{eff.pretrain.rounds} + {eff.personalize.rounds} rounds on "
             f"{num_supernodes} SuperNodes{where} in {time.perf_counter() - t0:.1f} s; "
             f"results written to {out}/")
+
+
+def _audit(flower: dict[str, Any], stage: str) -> dict[str, Any]:
+    """Flower's keys for one stage: an ``audit-dir`` gets one subfolder per stage."""
+    if flower.get("audit-dir"):
+        return {**flower, "audit-dir": str(Path(flower["audit-dir"]) / stage)}
+    return flower
 
 
 class _entered:
