@@ -1,5 +1,7 @@
-"""partialfl on Flower: simulation reproduces the in-process simulator, deployment smoke test,
-no personal parameter in any message the server receives, failure handling, async.
+"""partialfl on Flower: the simulation reproduces the in-process run of the same spec (FFGG,
+robust FFGG, Adam, FedAvg, Local FFGG, async), `partialfl run --engine flower-sim`, no
+personal parameter in any message the server receives, failure handling. Live SuperNodes:
+test_flower_live.py.
 
 Skipped (with the reason) when the optional extra is missing: ``pip install
 'partialfl[flower]'`` (flwr >= 1.42; the simulation tests also need ``flwr[simulation]``).
@@ -337,73 +339,6 @@ def test_partialfl_run_on_flower_sim_gives_the_in_process_run(tmp_path):
     assert {p.name for p in (tmp_path / "local").iterdir()} <= files
     result = json.loads((tmp_path / "sim" / "flower" / "result.json").read_text())
     assert result["config"]["spec"]["problem"]["num_clients"] == 8
-
-
-@pytest.mark.slow
-@pytest.mark.data
-def test_femnist_ffgg_and_local_ffgg_over_flower_match_in_process(data_dir):
-    """The quickstart's FEMNIST writers (output-layer split): one FFGG round and one Local FFGG
-    (Algorithm 4) round of 4 writers on 2 simulated SuperNodes give the in-process θ
-    (float32: 1e-5), and no personal parameter (the output layer) is in any message the
-    server receives, by name or by value."""
-    pytest.importorskip("ray", reason="Flower's simulation engine needs 'flwr[simulation]'")
-    from pathlib import Path
-
-    from partialfl.build import build
-    from partialfl.experiments.pipeline import stage2_setup
-    from partialfl.experiments.train import load_run_spec
-    from partialfl.flower.simulation import run_simulations
-    from partialfl.runtime.sync import run_rounds
-
-    config = Path(__file__).resolve().parents[1] / "configs" / "train" / "quickstart.toml"
-    base = ["data.num_clients=8", "data.holdout=0", "stages=['personalize']",
-            "personalize.rounds=1", "personalize.clients_per_round=4",
-            f"data.path={data_dir}"]
-    ffgg = load_run_spec(config, base)
-    local = load_run_spec(config, [*base, "method.algorithm='local-ffgg'",
-                                   "method.local_steps=3", "personalize.server.lr=1.0"])
-    received: list[Message] = []
-    try:
-        reports = run_simulations([{"spec": ffgg}, {"spec": local}], num_supernodes=2,
-                                  num_cpus=2, message_hooks=[received.append, None])
-    finally:
-        import ray
-
-        ray.shutdown()
-    for spec, report in zip([ffgg, local], reports):
-        run = build(spec)
-        eff = spec.effective()
-        theta1 = {n: p.detach().clone() for n, p in
-                  run.task.model_fn(eff.stage1_seed).named_parameters()}
-        _, problem, algorithm, theta0 = stage2_setup(eff, run.task, theta1)
-        res = run_rounds(problem, algorithm, 1, clients_per_round=4, seed=eff.seed,
-                         theta0=theta0)
-        assert set(report.theta) == set(problem.theta_names)
-        for n in problem.theta_names:
-            np.testing.assert_allclose(report.theta[n], res.state.theta[n].numpy(), rtol=0,
-                                       atol=1e-5)
-        moved = max(float(np.abs(report.theta[n] - theta0[n].numpy()).max())
-                    for n in problem.theta_names)
-        assert moved > 1e-4
-    run = build(ffgg)
-    eff = ffgg.effective()
-    theta1 = {n: p.detach().clone() for n, p in
-              run.task.model_fn(eff.stage1_seed).named_parameters()}
-    _, problem, algorithm, theta0 = stage2_setup(eff, run.task, theta1)
-    # by name: no record key is a personal parameter's name
-    personal = set(problem.w_names)
-    assert personal and all(not (_record_keys(m) & personal) for m in received)
-    # by value: no run of 16 values of any sampled client's fine-tuned personal rows (float32:
-    # single values would collide by chance in megabytes of gradients) is in any message
-    cohort = sample_cohort(eff.seed, 0, problem.num_clients, 4)
-    w = algorithm.solver(problem, cohort, theta0, eff.seed, 0).w
-    rows = [r for v in w.values() for r in v.numpy().reshape(-1, v.shape[-1])]
-    chunks = [r[:16].astype(np.float32).tobytes() for r in rows
-              if r.size >= 16 and np.abs(r[:16]).sum() > 0]
-    assert len(chunks) > 10
-    for m in received:
-        blob = _wire_bytes(m)
-        assert not any(c in blob for c in chunks)
 
 
 @pytest.mark.parametrize("name", ["fedavg", "ffgg", "fedalt"])

@@ -158,10 +158,9 @@ def test_quickstart_on_live_nodes_with_tls_is_the_in_process_and_simulated_run(l
 
 
 def test_secagg_on_live_nodes_is_the_plain_run_within_the_quantisation_error(live):
-    """SecAgg+ over the 3 live SuperNodes, personalization only (2 rounds of FFGG): θ is the
-    in-process (= plain Flower) θ within 4 · γ · rounds · N·2c/2^bits per coordinate, not
-    equal to it (it was quantised), and no client's update is in any message the ServerApp
-    received."""
+    """SecAgg+ over the 3 live SuperNodes, one round of FFGG: θ is the in-process (= plain
+    Flower) θ within γ · N·2c/2^bits per coordinate, not equal to it (it was quantised), and
+    no client's update is in any message the ServerApp received."""
     from partialfl import io as pio
     from partialfl.experiments.train import load_run_spec, run_train
     from partialfl.flower.config import parse_run_config
@@ -170,7 +169,7 @@ def test_secagg_on_live_nodes_is_the_plain_run_within_the_quantisation_error(liv
 
     fed, _, base, _ = live
     spec = load_run_spec(QUICKSTART, [*TINY, "stages=['personalize', 'finetune']",
-                                      f"data.path={live[1].data.path}"])
+                                      "personalize.rounds=1", f"data.path={live[1].data.path}"])
     run_train(spec, base / "plain", progress=False)
     t0 = time.perf_counter()
     run_flower_train(spec, base / "secagg", engine="flower", federation=fed, progress=False,
@@ -179,9 +178,8 @@ def test_secagg_on_live_nodes_is_the_plain_run_within_the_quantisation_error(liv
     cfg = parse_run_config({"spec": spec, "secagg": True})
     eff = spec.effective()
     lr = float(eff.personalize.server.lr)
-    # the aggregate's error per round, through the server step, with room for its effect on
-    # the next round's updates
-    bound = 4 * lr * eff.personalize.rounds * quantisation_bound(cfg, NODES)
+    # one round: θ¹ − θ¹_plain = −γ (aggregate − mean) (+ float32 rounding of θ)
+    bound = lr * quantisation_bound(cfg, NODES) + 1e-7
     a = pio.load_tensors(base / "secagg" / "theta_stage2.safetensors", "θ2")[0]
     b = pio.load_tensors(base / "plain" / "theta_stage2.safetensors", "θ2")[0]
     diff = max(float((a[n] - b[n]).abs().max()) for n in a)
@@ -193,7 +191,7 @@ def test_secagg_on_live_nodes_is_the_plain_run_within_the_quantisation_error(liv
     assert any(b"secaggplus" in b for b in blobs)
     sent = _chunks(up.vectors)
     assert len(sent) > 10 and not any(c in b for c in sent for b in blobs)
-    print(f"\nSecAgg+ personalization: {secagg_s:.0f} s for 2 rounds (3 nodes, loaded machine); "
+    print(f"\nSecAgg+ personalization: {secagg_s:.0f} s for 1 round (3 nodes, loaded machine); "
           f"max |θ − θ_plain| = {diff:.2e} <= bound {bound:.2e}")
 
 
@@ -203,10 +201,12 @@ def test_an_unregistered_supernode_is_refused(live):
     import subprocess
 
     from partialfl.flower.certs import generate
+    from partialfl.flower.deployment import free_port
 
     fed, _, base, _ = live
     stranger = generate(base / "stranger", 1)
     p = fed._start("stranger", ["flower-supernode", "--superlink", f"127.0.0.1:{fed.port}",
+                                "--port", str(free_port()),
                                 "--root-certificates", str(fed.credentials.ca),
                                 "--auth-supernode-private-key", str(stranger.node_key(0)),
                                 "--node-config", "partition-id=0 num-partitions=3",
@@ -214,9 +214,11 @@ def test_an_unregistered_supernode_is_refused(live):
     deadline = time.monotonic() + 60
     while p.poll() is None and time.monotonic() < deadline:
         time.sleep(0.5)
+    gave_up = p.poll() not in (None, 0)
     fed.kill("stranger")
     log = (fed.logs / "stranger.log").read_text()
-    assert "SuperNode ID" not in log and "Connection attempt failed" in log, log[-2000:]
+    assert gave_up and "SuperNode ID" not in log, log[-2000:]
+    assert "Failed to activate SuperNode" in log or "Connection attempt failed" in log
     out = subprocess.run(["flwr", "supernode", "ls", "local", "--format", "json"],
                          env=fed.env, cwd=fed.work_dir, capture_output=True, text=True,
                          timeout=60).stdout
@@ -246,19 +248,19 @@ def _kill_when(fed, out: Path, name: str, after_round: int, killed: list) -> thr
 
 
 def test_a_superlink_killed_mid_run_is_restarted_and_the_run_resumes(live):
-    """Least squares, 4 rounds, a checkpoint every round: the SuperLink (and with it the
-    ServerApp) is killed after round 2; the federation restarts it, resubmits the run with
+    """Least squares, 3 rounds, a checkpoint every round: the SuperLink (and with it the
+    ServerApp) is killed after round 1; the federation restarts it, resubmits the run with
     resume, and the final θ is the uninterrupted (in-process) one."""
     fed, _, base, _ = live
-    run = ls_run(4, 4, eval_every=2, checkpoint_every=1)
+    run = ls_run(3, 4, eval_every=3, checkpoint_every=1)
     out = base / "ls-restart"
     killed: list = []
-    watcher = _kill_when(fed, out, "superlink", 1, killed)
+    watcher = _kill_when(fed, out, "superlink", 0, killed)
     restarts = fed.restarts
     rep = fed.run(run, out_dir=out, timeout=600)
     watcher.join(5)
     assert killed and fed.restarts == restarts + 1
-    assert rep["summary"]["resumed_from"] >= 2 and rep["summary"]["server_steps"] == 4
+    assert rep["summary"]["resumed_from"] >= 1 and rep["summary"]["server_steps"] == 3
     _, res = in_process(run)
     np.testing.assert_allclose(rep["theta"]["theta"], res.state.theta["theta"], rtol=0,
                                atol=1e-6)

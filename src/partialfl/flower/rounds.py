@@ -187,7 +187,7 @@ class FlowerCheckpoint:
 def run_sync(link, cfg, fed, algorithm, state, ref, report, t0) -> ServerState:
     """The simulator's synchronous loop (:func:`partialfl.runtime.sync.run_rounds`: sampling,
     evaluation cadence, counting, checkpoint and resume) over the Flower transport; every
-    round is recorded, with the nodes' evaluation when due (``eval-every``). With
+    round is recorded, with the nodes' evaluation when due (the stage's ``eval_every``). With
     ``checkpoint-every`` = c, the state after every c-th round is checkpointed; with
     ``resume`` the loop continues from the checkpoint (same θ as an uninterrupted run)."""
     M = fed.num_clients

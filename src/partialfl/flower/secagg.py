@@ -20,9 +20,10 @@ server learns the other's partial sum; SecAgg+ needs more, honest-majority nodes
 
 Cost and error: coordinates of ``A_i/A · p_i`` are clipped to ``[-c, c]`` (``secagg-clip``)
 and stochastically rounded to ``2^bits`` levels (``secagg-bits``), so each node adds an error
-below one step ``2c/2^bits`` per coordinate and the aggregate's error is below
-``N·2c/2^bits`` (N nodes; :func:`quantisation_bound`); the weights are quantised to the same
-resolution. A round costs four message exchanges instead of one (setup, key sharing, masked
+below one step ``2c/2^bits`` per coordinate and a round's aggregate is off by less than
+``N·2c/2^bits`` (N nodes; :func:`quantisation_bound`), θ after the round by less than the
+server stepsize times that; later rounds carry the difference through the training
+dynamics. The weights are quantised to the same resolution. A round costs four message exchanges instead of one (setup, key sharing, masked
 vectors, unmasking) plus the key agreement and masking on the nodes (see docs/flower.md for the
 measured per-round cost).
 
