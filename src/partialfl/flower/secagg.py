@@ -23,9 +23,9 @@ and stochastically rounded to ``2^bits`` levels (``secagg-bits``), so each node 
 below one step ``2c/2^bits`` per coordinate and a round's aggregate is off by less than
 ``N·2c/2^bits`` (N nodes; :func:`quantisation_bound`), θ after the round by less than the
 server stepsize times that; later rounds carry the difference through the training
-dynamics. The weights are quantised to the same resolution. A round costs four message exchanges instead of one (setup, key sharing, masked
-vectors, unmasking) plus the key agreement and masking on the nodes (see docs/flower.md for the
-measured per-round cost).
+dynamics. The weights are quantised to the same resolution. A round costs four message
+exchanges instead of one (setup, key sharing, masked vectors, unmasking) plus the key
+agreement and masking on the nodes (docs/flower.md gives the measured per-round cost).
 
 Only algorithms whose server step depends on the updates through the mean alone qualify
 (:func:`check_algorithm`: the base ``server_update`` with a mean aggregator, no extra payload,
