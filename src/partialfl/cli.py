@@ -350,8 +350,17 @@ def _cmd_flower_local(args) -> int:
     from partialfl.build import allow_code
     from partialfl.flower.local import run_local
 
+    import signal
+
     spec = _load(args)
     out = _out_dir(args.out or Path("runs") / spec.name)
+
+    def stop(signum, frame):  # SIGTERM / SIGHUP: stop every process, as Ctrl-C does
+        raise KeyboardInterrupt
+
+    for sig in (signal.SIGTERM, signal.SIGHUP):
+        signal.signal(sig, stop)
+    signal.signal(signal.SIGINT, signal.default_int_handler)  # also when started with `&`
     with allow_code(args.allow_code or None):
         print(run_local(spec, out, args.nodes, insecure=args.insecure, secagg=args.secagg,
                         work_dir=args.work_dir, progress=not args.no_progress))
