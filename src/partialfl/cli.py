@@ -347,10 +347,10 @@ def build_parser(epilog: bool = True) -> argparse.ArgumentParser:
 
 def _cmd_flower_local(args) -> int:
     """``partialfl flower local CONFIG --nodes N`` (:mod:`partialfl.flower.local`)."""
+    import signal
+
     from partialfl.build import allow_code
     from partialfl.flower.local import run_local
-
-    import signal
 
     spec = _load(args)
     out = _out_dir(args.out or Path("runs") / spec.name)
