@@ -21,7 +21,6 @@ in-process (:func:`partialfl.flower.stage.node_parts`), and cached per process.
 
 from __future__ import annotations
 
-import time
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
@@ -41,6 +40,7 @@ from partialfl.flower.config import (
     ConfigError,
     FlowerConfig,
     decode_spec,
+    inject_faults,
     parse_fault_injection,
     parse_run_config,
     partition_clients,
@@ -157,7 +157,7 @@ def train(rt: NodeRuntime, msg: Message) -> Message:
     task = msg.content["task"]
     r = int(task["round"])
     cohort = rt.check_clients(np.asarray(task["clients"], dtype=np.int64))
-    _inject_faults(rt, r)
+    inject_faults(rt.cfg.fault_injection, rt.partition, r)
     theta = decode_params(msg.content["theta"], rt.torch)
     state = ServerState(theta=theta, round=r)
     result = rt.algorithm.client_update(state, rt.problem, cohort, RoundContext(rt.cfg.seed, r))
@@ -221,14 +221,6 @@ def evaluate_clients(rt: NodeRuntime, theta, round_: int) -> dict[str, Any]:
     if hasattr(rt.problem, "f_star"):
         out["loss-gap.sum"] = float((loss - rt.problem.f_star()[own]).sum())
     return out
-
-
-def _inject_faults(rt: NodeRuntime, round_: int) -> None:
-    for f in parse_fault_injection(rt.cfg.fault_injection):
-        if f.kind in ("crash", "slow") and f.applies(rt.partition, round_):
-            if f.kind == "crash":
-                raise RuntimeError(f"injected crash: partition {rt.partition}, round {round_}")
-            time.sleep(f.seconds)
 
 
 __all__ = ["AlgorithmFactory", "NodeRuntime", "app", "evaluate_clients", "make_client_app",

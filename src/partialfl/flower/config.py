@@ -377,10 +377,14 @@ def _check_combinations(cfg: FlowerConfig) -> None:
     if cfg.secagg_threshold >= cfg.secagg_shares:
         raise ConfigError(f"run-config key 'secagg-threshold': {cfg.secagg_threshold} must be "
                           f"less than secagg-shares ({cfg.secagg_shares})")
-    if cfg.secagg:
-        from partialfl.flower.secagg import check_secagg
-
-        check_secagg(cfg)
+    if cfg.secagg:  # SecAgg+ gives the server the sum of a round's updates only
+        for key, block in (("aggregation", run.aggregation), ("attack", run.attack),
+                           ("privacy", run.privacy), ("asynchronous", run.asynchronous)):
+            if block is not None:
+                raise ConfigError(f"secagg: the spec's [{key}] block needs each client's "
+                                  "update (or a client at a time); SecAgg+ gives the server "
+                                  "only the sum of a round's updates: remove it or set "
+                                  "secagg = false")
 
 
 # -- fault injection (testing the failure handling) ------------------------------------
@@ -403,6 +407,18 @@ class Fault:
     def applies(self, partition: int, round_: int) -> bool:
         """Whether the fault fires on ``partition`` in round ``round_`` (round −1: every round)."""
         return self.partition == partition and self.round in (-1, round_)
+
+
+def inject_faults(spec: str, partition: int, round_: int) -> None:
+    """On a ClientApp: raise (``crash``) or sleep (``slow``) as ``spec`` says for this
+    ``partition`` and round (``nan`` is applied to the reply by the caller)."""
+    import time
+
+    for f in parse_fault_injection(spec):
+        if f.kind in ("crash", "slow") and f.applies(partition, round_):
+            if f.kind == "crash":
+                raise RuntimeError(f"injected crash: partition {partition}, round {round_}")
+            time.sleep(f.seconds)
 
 
 def parse_fault_injection(spec: str) -> tuple[Fault, ...]:

@@ -31,7 +31,7 @@ Only algorithms whose server step depends on the updates through the mean alone 
 (:func:`check_algorithm`: the base ``server_update`` with a mean aggregator, no extra payload,
 stateless clients — FFGG, FedAvg, Local FFGG, FedProx, …); robust aggregation, the Byzantine
 attack, differential privacy and asynchronous rules need individual updates and are refused
-(:func:`check_secagg`).
+when the run config is parsed (:mod:`partialfl.flower.config`).
 """
 
 from __future__ import annotations
@@ -43,18 +43,6 @@ from typing import Any
 import numpy as np
 
 from partialfl.flower.config import ConfigError
-
-
-def check_secagg(cfg) -> None:
-    """Refuse a spec whose server step needs individual updates (robust aggregation, the
-    Byzantine attack, differential privacy) or updates one at a time (asynchronous)."""
-    run = cfg.run
-    for key, block in (("aggregation", run.aggregation), ("attack", run.attack),
-                       ("privacy", run.privacy), ("asynchronous", run.asynchronous)):
-        if block is not None:
-            raise ConfigError(f"secagg: the spec's [{key}] block needs each client's update "
-                              "(or a client at a time); SecAgg+ gives the server only the sum "
-                              "of a round's updates: remove it or set secagg = false")
 
 
 def check_algorithm(algorithm) -> None:
@@ -128,9 +116,9 @@ def node_contribution(rt, msg):
     p = [np.zeros(np.shape(v)) for v in values]
     weight = 0.0
     if len(cohort):
-        from partialfl.flower.client import _inject_faults
+        from partialfl.flower.config import inject_faults
 
-        _inject_faults(rt, r)
+        inject_faults(rt.cfg.fault_injection, rt.partition, r)
         up = rt.algorithm.client_update(ServerState(theta=theta, round=r), rt.problem, cohort,
                                         RoundContext(rt.cfg.seed, r)).updates
         a = (np.asarray(arrays.to_numpy(up.weights), dtype=np.float64)
