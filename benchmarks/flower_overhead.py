@@ -1,116 +1,108 @@
-"""Per-round overhead of running partialfl on Flower vs the in-process simulator.
+"""What running on Flower costs per round: one spec in process, in Flower's simulation engine
+(``flower-superlink --simulation``), on live SuperNodes on this machine (TLS, SuperNode
+authentication, each node with its own data: what ``partialfl flower local`` starts) and on
+the same live nodes with SecAgg+ — seconds per round (start-up excluded; evaluations before
+the first and after the last round included) and max |θ − θ_in-process|.
 
-One configuration (FFGG on the least-squares problem by default), three ways, in one run:
+    python benchmarks/flower_overhead.py                        # least squares, FFGG
+    python benchmarks/flower_overhead.py configs/train/quickstart.toml --rounds 3 \\
+        --set data.num_clients=9 --set data.holdout=0
 
-1. in-process: :func:`partialfl.runtime.sync.run_rounds` (batched backend);
-2. Flower simulation: :func:`partialfl.flower.simulation.run_simulation` (Ray actors as
-   ClientApps, the ServerApp in this process);
-3. Flower deployment: ``flower-superlink`` + N ``flower-supernode`` processes on 127.0.0.1 and
-   ``flwr run`` (:class:`partialfl.flower.project.LocalFederation`); every ClientApp message
-   runs in a fresh ``flwr-clientapp`` process, as Flower deploys it.
-
-Per-round time excludes start-up (Ray, processes, discovering the SuperNodes): it is
-(run time − setup time) / rounds, with the setup time measured by the ServerApp. θ after the
-run is compared with the in-process θ. Usage::
-
-    python benchmarks/flower_overhead.py              # least squares, 2 SuperNodes
-    python benchmarks/flower_overhead.py --quick      # fewer rounds
-    python benchmarks/flower_overhead.py --problem femnist --rounds 3 --deploy-rounds 2
+A model config runs its personalization stage only (``stages = ["personalize"]``). Every
+live ClientApp message runs in a fresh ``flwr-clientapp`` process (Python start, imports,
+building the node's problem) and an idle SuperNode polls the SuperLink every 3 s, so a live
+round costs seconds however small the model; SecAgg+ makes one exchange four.
 """
 
 from __future__ import annotations
 
 import argparse
+import os
+import tempfile
 import time
+from pathlib import Path
 
 import numpy as np
+
+ROOT = Path(__file__).resolve().parents[1]
+LS_SETS = ["problem.num_clients=12", "problem.n=1000", "problem.d_theta=100",
+           "problem.d_w=50", "personalize.clients_per_round=6"]
 
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    ap.add_argument("--problem", choices=("least-squares", "femnist"), default="least-squares")
-    ap.add_argument("--rounds", type=int, default=30, help="in-process and simulation rounds")
-    ap.add_argument("--deploy-rounds", type=int, default=6, help="deployment rounds")
-    ap.add_argument("--supernodes", type=int, default=2)
-    ap.add_argument("--quick", action="store_true", help="8 / 3 rounds")
+    ap.add_argument("config", nargs="?", default=str(ROOT / "configs" / "ls-ffgg.toml"))
+    ap.add_argument("--set", action="append", default=[], metavar="KEY=VALUE")
+    ap.add_argument("--rounds", type=int, default=4)
+    ap.add_argument("--nodes", type=int, default=3)
+    ap.add_argument("--no-secagg", action="store_true")
     args = ap.parse_args()
-    if args.quick:
-        args.rounds, args.deploy_rounds = 8, 3
 
+    from partialfl.build import build
+    from partialfl.experiments.train import load_run_spec
+    from partialfl.flower.deployment import LocalFederation
     from partialfl.flower.env import apply_flower_env
+    from partialfl.flower.local import node_view, write_node_stores
+    from partialfl.flower.train import stage_run_config
 
     apply_flower_env()
-    from partialfl.flower.builders import build_algorithm, build_problem
-    from partialfl.flower.config import parse_run_config
-    from partialfl.flower.project import LocalFederation
-    from partialfl.flower.simulation import run_simulation
-    from partialfl.runtime.sync import run_rounds
+    default = args.config == str(ROOT / "configs" / "ls-ffgg.toml")
+    sets = [*(LS_SETS if default else []), *args.set, f"personalize.rounds={args.rounds}",
+            f"personalize.eval_every={args.rounds}"]
+    spec = load_run_spec(args.config, sets)
+    if not spec.closed_form:
+        spec = load_run_spec(args.config, [*sets, "stages=['personalize']"])
+    run = build(spec)
+    eff = spec.effective()
+    print(f"{args.config} ({' '.join(sets)}), {args.nodes} SuperNodes, load "
+          f"{os.getloadavg()[0]:.1f} on {os.cpu_count()} CPUs", flush=True)
 
-    if args.problem == "least-squares":
-        # Example 1 with n = 1000 rows per client; FFGG with 40 CG steps, 8 of 32 clients.
-        base = {"ls-clients": 32, "ls-n": 1000, "ls-d-theta": 100, "ls-d-w": 50,
-                "solver": "cg", "local-steps": 40, "clients-per-round": 8}
+    # in process
+    t0 = time.perf_counter()
+    if spec.closed_form:
+        from partialfl.experiments.closed_form import run_closed_form
+
+        ref = {n: np.asarray(v) for n, v in
+               run_closed_form(spec, built=run).state.theta.items()}
     else:
-        base = {"problem": "femnist", "algorithm": "ffgg", "local-lr": 0.01, "server-lr": 0.2,
-                "clients-per-round": 10}
-    base["eval-every"] = 0
+        from partialfl.experiments.pipeline import stage2_setup
+        from partialfl.runtime.sync import run_rounds
 
-    def config(rounds: int) -> dict:
-        return {**base, "num-rounds": rounds}
+        theta1 = {n: p.detach().clone() for n, p in
+                  run.task.model_fn(eff.stage1_seed).named_parameters()}
+        _, problem, alg, theta0 = stage2_setup(eff, run.task, theta1)
+        st = eff.personalize
+        res = run_rounds(problem, alg, st.rounds, clients_per_round=st.clients_per_round,
+                         seed=eff.seed, theta0=theta0, eval_every=st.rounds,
+                         backend=eff.backend.build())
+        ref = {n: v.detach().numpy() for n, v in res.state.theta.items()}
+    rows = [("in process", (time.perf_counter() - t0) / args.rounds, 0.0)]
 
-    print(f"problem {args.problem}, {args.supernodes} SuperNodes, config {base}")
-    print("(shared 2-core machine, timings are noisy; ratios are within this run)")
+    def measure(label, fed, **flower):
+        with tempfile.TemporaryDirectory() as out:
+            rep = fed.run(stage_run_config(spec, **flower), out_dir=Path(out) / "r",
+                          timeout=3600)
+        diff = max(float(np.abs(rep["theta"][n] - ref[n]).max()) for n in ref)
+        s = rep["summary"]
+        rows.append((label, s["seconds_per_round"], diff))
+        print(f"{label}: {s['seconds_per_round']:.3f} s/round (setup {s['setup_seconds']:.1f} "
+              f"s), max |Δθ| {diff:.2e}", flush=True)
 
-    # 1. in-process
-    cfg = parse_run_config(config(args.rounds))
-    problem = build_problem(cfg)
-    algorithm = build_algorithm(cfg, problem)
-    t = time.perf_counter()
-    ref = run_rounds(problem, algorithm, args.rounds, clients_per_round=cfg.clients_per_round,
-                     seed=cfg.seed)
-    inproc = (time.perf_counter() - t) / args.rounds
-    ref_short = run_rounds(problem, algorithm, args.deploy_rounds,
-                           clients_per_round=cfg.clients_per_round, seed=cfg.seed)
-
-    def err(theta, reference) -> float:
-        return max(float(np.abs(np.asarray(theta[n]) - _np(reference.state.theta[n])).max())
-                   for n in reference.state.theta)
-
-    # 2. Flower simulation (Ray)
-    t = time.perf_counter()
-    rep = run_simulation(config(args.rounds), num_supernodes=args.supernodes,
-                         num_cpus=2)
-    sim_total = time.perf_counter() - t
-    sim = rep.summary()["seconds_per_round"]
-    sim_err = err(rep.theta, ref)
-    import ray
-
-    ray.shutdown()
-
-    # 3. Flower deployment (SuperLink + SuperNodes + flwr run)
-    t = time.perf_counter()
-    with LocalFederation(args.supernodes) as fed:
-        started = time.perf_counter() - t
-        dep_rep = fed.run(config(args.deploy_rounds), timeout=3600)
-    dep_total = time.perf_counter() - t
-    dep = dep_rep["summary"]["seconds_per_round"]
-    dep_err = err(dep_rep["theta"], ref_short)
-
-    print()
-    print(f"{'mode':<22}{'s/round':>10}{'x in-process':>14}{'total s':>10}"
-          f"{'setup s':>10}{'max|Δθ|':>11}")
-    print(f"{'in-process':<22}{inproc:>10.4f}{1.0:>14.1f}{inproc * args.rounds:>10.2f}"
-          f"{0.0:>10.2f}{0.0:>11.1e}")
-    print(f"{'Flower simulation':<22}{sim:>10.4f}{sim / inproc:>14.1f}{sim_total:>10.2f}"
-          f"{rep.setup_seconds:>10.2f}{sim_err:>11.1e}")
-    print(f"{'Flower deployment':<22}{dep:>10.4f}{dep / inproc:>14.1f}{dep_total:>10.2f}"
-          f"{dep_rep['summary']['setup_seconds'] + started:>10.2f}{dep_err:>11.1e}")
-    print(f"\nrounds: in-process and simulation {args.rounds}, deployment {args.deploy_rounds}")
-    print(f"deployment / simulation per round: {dep / sim:.1f}x")
-
-
-def _np(v):
-    return v.detach().cpu().numpy() if hasattr(v, "detach") else np.asarray(v)
+    with LocalFederation(args.nodes, simulation=True) as fed:
+        measure("Flower simulation", fed)
+    with tempfile.TemporaryDirectory() as work:
+        stores = None if spec.closed_form else write_node_stores(node_view(run), args.nodes,
+                                                                 Path(work) / "data")
+        with LocalFederation(args.nodes, secure=True, node_data=stores,
+                             work_dir=Path(work) / "fed") as fed:
+            measure("live SuperNodes (TLS, node auth)", fed)
+            if not args.no_secagg:
+                measure("live SuperNodes + SecAgg+", fed, secagg=True)
+    base = rows[0][1]
+    print("\n| engine | s/round | × in process | max \\|θ − θ_in-process\\| |")
+    print("| --- | --- | --- | --- |")
+    for label, sec, diff in rows:
+        print(f"| {label} | {sec:.3f} | {sec / base:.0f}× | {diff:.1e} |")
 
 
 if __name__ == "__main__":

@@ -1,6 +1,8 @@
-"""One simulated federation (2 SuperNodes, least squares) running every Flower run the trust
-tests need (faults, privacy, security, checkpoint/resume) — one Ray start-up for all of them.
-Import ``flower_runs`` into a test module to use it (session scope: computed once)."""
+"""Flower test helpers: run configs of small least-squares specs (:func:`ls_run`), the
+in-process reference of a run config (:func:`in_process`), and one simulated federation
+(2 SuperNodes, least squares) running every Flower run the trust tests need (faults, privacy,
+security, checkpoint/resume) — one Ray start-up for all of them. Import ``flower_runs`` into a
+test module to use it (session scope: computed once)."""
 
 from __future__ import annotations
 
@@ -8,39 +10,73 @@ import time
 
 import pytest
 
-SMALL = {"ls-clients": 8, "ls-n": 200, "ls-d-theta": 10, "ls-d-w": 5, "local-steps": 5,
-         "seed": 3, "eval-every": 0}
-ASYNC_1 = {**SMALL, "mode": "async", "buffer-size": 1, "concurrency": 1, "num-rounds": 6,
-           "server-lr": 0.05}
-ASYNC_2 = {**ASYNC_1, "concurrency": 2}
+from partialfl.config import deep_merge
+
+#: the paper's Example 1 at a tiny size: FFGG with 5 conjugate-gradient steps, w from zero
+LS_SPEC = {"seed": 3, "problem": {"name": "least-squares", "num_clients": 8, "n": 200,
+                                  "d_theta": 10, "d_w": 5, "seed": 3},
+           "method": {"algorithm": "ffgg", "w_init": "zero"},
+           "personalize": {"client": {"name": "cg", "tau": 5}}}
+
+
+def ls_spec(rounds: int = 3, k: int | None = None, eval_every: int = 0, **over) -> dict:
+    """:data:`LS_SPEC` with ``rounds``, ``k`` clients per round, ``eval_every`` and the
+    tables ``over`` merged in (``personalize={...}`` merges into the stage)."""
+    stage = {"rounds": rounds, "clients_per_round": k, "eval_every": eval_every}
+    return deep_merge(LS_SPEC, deep_merge({"personalize": stage}, over))
+
+
+def ls_run(rounds: int = 3, k: int | None = None, eval_every: int = 0, spec=None,
+           **flower) -> dict:
+    """A run config: the spec of :func:`ls_spec` (``spec``: more spec tables) and Flower's
+    own keys ``flower`` (snake or kebab case)."""
+    return {"spec": ls_spec(rounds, k, eval_every, **(spec or {})),
+            **{key.replace("_", "-"): v for key, v in flower.items()}}
+
+
+def in_process(run_config: dict, **kw):
+    """``(built run, RunResult)`` of the run config's spec in process
+    (:func:`partialfl.experiments.closed_form.run_closed_form`: what `partialfl run` runs)."""
+    from partialfl.build import build
+    from partialfl.experiments.closed_form import run_closed_form
+    from partialfl.flower.config import parse_run_config
+
+    spec = parse_run_config({k: v for k, v in run_config.items() if k in ("spec", "set")}).run
+    built = build(spec)
+    return built, run_closed_form(spec, built=built, **kw)
+
+
+SMALL = {"eval_every": 0}
+ASYNC_1 = {"rounds": 6, "spec": {"asynchronous": {"rule": "fedasync", "concurrency": 1},
+                                 "personalize": {"server": {"lr": 0.05}}}}
+ASYNC_2 = deep_merge(ASYNC_1, {"spec": {"asynchronous": {"concurrency": 2}}})
+ADAM = {"spec": {"personalize": {"server": {"optimizer": "adam", "lr": 0.05}}}}
 RUNS = {
     # a client sends NaN weights in round 1: refused, counted, skipped; evaluation on
-    "nan": {**SMALL, "num-rounds": 3, "eval-every": 1,
-            "fault-injection": "nan:partition=1,round=1"},
+    "nan": ls_run(3, eval_every=1, fault_injection="nan:partition=1,round=1"),
     # reference for resume: 4 rounds, uninterrupted
-    "full": {**SMALL, "num-rounds": 4, "server-opt": "adam", "server-lr": 0.05},
+    "full": ls_run(4, **ADAM),
     # the same, checkpointed every round and stopped (as if killed) after round 1 ...
-    "interrupted": {**SMALL, "num-rounds": 4, "server-opt": "adam", "server-lr": 0.05,
-                    "checkpoint-every": 1, "fault-injection": "stop:round=1"},
+    "interrupted": ls_run(4, **ADAM, checkpoint_every=1, fault_injection="stop:round=1"),
     # ... and resumed from its checkpoint
-    "resumed": {**SMALL, "num-rounds": 4, "server-opt": "adam", "server-lr": 0.05,
-                "resume": True, "checkpoint-every": 1},
+    "resumed": ls_run(4, **ADAM, resume=True, checkpoint_every=1),
     # asynchronous mode, one task in flight (sequential, so deterministic): uninterrupted,
     # checkpointed every server step and stopped after step 3, resumed
-    "async-full": ASYNC_1,
-    "async-interrupted": {**ASYNC_1, "checkpoint-every": 1, "fault-injection": "stop:round=2"},
-    "async-resumed": {**ASYNC_1, "checkpoint-every": 1, "resume": True},
+    "async-full": ls_run(**ASYNC_1),
+    "async-interrupted": ls_run(**ASYNC_1, checkpoint_every=1, fault_injection="stop:round=2"),
+    "async-resumed": ls_run(**ASYNC_1, checkpoint_every=1, resume=True),
     # two tasks in flight: one is in flight at the checkpoint and is sent again on resume
-    "async2-interrupted": {**ASYNC_2, "checkpoint-every": 1, "fault-injection": "stop:round=2"},
-    "async2-resumed": {**ASYNC_2, "checkpoint-every": 1, "resume": True},
+    "async2-interrupted": ls_run(**ASYNC_2, checkpoint_every=1,
+                                 fault_injection="stop:round=2"),
+    "async2-resumed": ls_run(**ASYNC_2, checkpoint_every=1, resume=True),
     # resuming with no checkpoint in out-dir is refused
-    "async-missing": {**ASYNC_1, "resume": True},
+    "async-missing": ls_run(**ASYNC_1, resume=True),
     # SuperNode of partition 1 lost from round 1 on, tolerated (50% <= 0.6)
-    "lost": {**SMALL, "num-rounds": 3, "max-failure-fraction": 0.6,
-             "fault-injection": "crash:partition=1,round=1; crash:partition=1,round=2"},
+    "lost": ls_run(3, spec={"max_failure_fraction": 0.6},
+                   fault_injection="crash:partition=1,round=1; crash:partition=1,round=2"),
     # the same loss with a 30% failure budget: the run aborts with a reason
-    "abort": {**SMALL, "num-rounds": 3, "max-failure-fraction": 0.3,
-              "fault-injection": "crash:partition=1,round=1; crash:partition=1,round=2"},
+    "abort": ls_run(3, spec={"max_failure_fraction": 0.3},
+                    fault_injection="crash:partition=1,round=1; crash:partition=1,round=2"),
 }
 
 

@@ -13,6 +13,9 @@ import pytest
 
 pytest.importorskip("flwr", reason="flwr is not installed (pip install 'partialfl[flower]')")
 
+from _flower_sims import ls_run  # noqa: E402
+
+from partialfl.config import deep_merge  # noqa: E402
 from partialfl.flower.config import ConfigError, parse_run_config  # noqa: E402
 from partialfl.flower.server import (  # noqa: E402
     ASYNC_CHECKPOINT,
@@ -107,16 +110,20 @@ def test_async_resume_refuses_another_configuration_and_a_missing_checkpoint(flo
 
     run, _, _ = flower_runs["async-resumed"]
     with pytest.raises(ResumeError, match="seed"):
-        async_checkpoint(parse_run_config({**run, "seed": 4})).load()
+        async_checkpoint(parse_run_config(_reseeded(run))).load()
     _, err, _ = flower_runs["async-missing"]
     assert isinstance(err, ConfigError) and "no checkpoint at" in str(err)
+
+
+def _reseeded(run: dict) -> dict:
+    return {**run, "spec": deep_merge(run["spec"], {"seed": 4})}
 
 
 def test_resume_refuses_another_configuration_and_damaged_files(flower_runs, tmp_path):
     from partialfl.flower import checkpoint
 
     run, _, _ = flower_runs["resumed"]
-    other = parse_run_config({**run, "seed": 4})
+    other = parse_run_config(_reseeded(run))
     with pytest.raises(ConfigError, match="seed: checkpoint 3 vs now 4"):
         checkpoint.load(other)
     # a damaged tensor file is refused by its hash
@@ -143,11 +150,12 @@ def test_checkpoint_keys_are_validated():
     with pytest.raises(ConfigError, match="need 'out-dir'"):
         parse_run_config({"checkpoint-every": 2})
     # both modes checkpoint and resume (async: every k server steps)
-    assert parse_run_config({"resume": True, "out-dir": "x", "mode": "async"}).resume
+    assert parse_run_config({"resume": True, "out-dir": "x", "spec": {
+        "asynchronous": {"rule": "fedasync"}}}).resume
     with pytest.raises(ConfigError, match="a server stop takes round"):
         parse_run_config({"fault-injection": "stop:partition=1,round=2"})
-    with pytest.raises(ConfigError, match="max-failure-fraction"):
-        parse_run_config({"max-failure-fraction": 1.5})
+    with pytest.raises(ConfigError, match="max_failure_fraction must be in"):
+        parse_run_config({"spec": {"max_failure_fraction": 1.5}})
 
 
 # -- crafted checkpoint.json: one line, never a traceback (issue 21) ------------------------
@@ -191,9 +199,7 @@ def test_crafted_checkpoint_json_is_one_line_refusal(variant, loopback, tmp_path
     from partialfl.flower import checkpoint
     from partialfl.flower.server import run_server
 
-    run = {"ls-clients": 8, "ls-n": 200, "ls-d-theta": 10, "ls-d-w": 5, "local-steps": 5,
-           "seed": 3, "num-rounds": 2, "eval-every": 0, "checkpoint-every": 1,
-           "out-dir": str(tmp_path)}
+    run = ls_run(2, checkpoint_every=1, out_dir=str(tmp_path))
     run_server(loopback(2), run)
     path = tmp_path / "checkpoint.json"
     meta = json.loads(path.read_text())

@@ -1,5 +1,7 @@
-"""partialfl on Flower: simulation reproduces the in-process simulator, deployment smoke test,
-no personal parameter in any message the server receives, failure handling, async.
+"""partialfl on Flower: the simulation reproduces the in-process run of the same spec (FFGG,
+robust FFGG, Adam, FedAvg, Local FFGG, async), `partialfl run --engine flower-sim`, no
+personal parameter in any message the server receives, failure handling. Live SuperNodes:
+test_flower_live.py.
 
 Skipped (with the reason) when the optional extra is missing: ``pip install
 'partialfl[flower]'`` (flwr >= 1.42; the simulation tests also need ``flwr[simulation]``).
@@ -17,10 +19,10 @@ from partialfl.flower.env import apply_flower_env
 apply_flower_env()  # before flwr is imported: no telemetry, no update check, no `uv sync`
 flwr = pytest.importorskip("flwr", reason="flwr is not installed (pip install 'partialfl[flower]')")
 
+from _flower_sims import in_process, ls_run  # noqa: E402
 from flwr.app import Message  # noqa: E402
 
 from partialfl.algorithms.base import RoundContext  # noqa: E402
-from partialfl.flower.builders import build_algorithm, build_problem  # noqa: E402
 from partialfl.flower.codec import (  # noqa: E402
     PrivacyError,
     WireFormatError,
@@ -28,21 +30,14 @@ from partialfl.flower.codec import (  # noqa: E402
     encode_updates,
 )
 from partialfl.flower.config import parse_run_config  # noqa: E402
-from partialfl.runtime.sync import run_rounds, sample_cohort  # noqa: E402
+from partialfl.runtime.sync import sample_cohort  # noqa: E402
 from partialfl.types import ClientUpdates  # noqa: E402
 
-SMALL = {"ls-clients": 8, "ls-n": 200, "ls-d-theta": 10, "ls-d-w": 5, "local-steps": 5,
-         "seed": 3}
 
+def _registered(kind: str, name: str) -> bool:
+    from partialfl.registry import canonical
 
-def _in_process(run_config: dict, rounds: int, clients_per_round: int | None, **kw):
-    cfg = parse_run_config(run_config)
-    problem = build_problem(cfg)
-    algorithm = build_algorithm(cfg, problem, **kw)
-    thetas = []
-    res = run_rounds(problem, algorithm, rounds, clients_per_round=clients_per_round,
-                     seed=cfg.seed, on_round=lambda r, s: thetas.append(s.theta["theta"]))
-    return problem, algorithm, res, thetas
+    return canonical(kind, name) is not None
 
 
 # -- wire format (no Ray, no processes) -----------------------------------------------------
@@ -107,35 +102,39 @@ def _leaks(msg: Message, personal_names: set[str], personal_values: np.ndarray) 
 
 
 # -- Flower simulation ---------------------------------------------------------------------
-FFGG_RUN = {**SMALL, "num-rounds": 3, "clients-per-round": 5}
-BR_RUN = {**SMALL, "algorithm": "br-ffgg", "aggregator": "cm", "bucket-size": 2,
-          "byzantine-fraction": 0.25, "attack": "sign-flip", "num-rounds": 3,
-          "clients-per-round": 6, "eval-every": 0}
-ASYNC_RUN = {**SMALL, "mode": "async", "buffer-size": 1, "concurrency": 1, "num-rounds": 5,
-             "eval-every": 0}
-BUFFER_RUN = {**SMALL, "mode": "async", "buffer-size": 2, "concurrency": 3, "num-rounds": 4,
-              "eval-every": 0}
-ADAM_RUN = {**SMALL, "server-opt": "adam", "server-lr": 0.05, "schedule": "warmup-linear",
-            "warmup-rounds": 1, "num-rounds": 3, "clients-per-round": 4, "eval-every": 0}
-FEDAVG_RUN = {**SMALL, "algorithm": "fedavg", "num-rounds": 2, "eval-every": 1}
+FFGG_RUN = ls_run(3, 5, eval_every=1)
+BR_RUN = ls_run(3, 6, spec={"aggregation": {"name": "cm"},
+                            "attack": {"name": "byzantine", "fraction": 0.25,
+                                       "attack": "sign-flip"}})
+ASYNC_RUN = ls_run(5, spec={"asynchronous": {"rule": "fedasync", "concurrency": 1}})
+BUFFER_RUN = ls_run(4, spec={"asynchronous": {"rule": {"name": "fedbuff", "buffer": 2},
+                                              "concurrency": 3}})
+ADAM_RUN = ls_run(3, 4, spec={"personalize": {"server": {
+    "optimizer": "adam", "lr": 0.05, "schedule": {"name": "warmup-linear", "warmup": 1}}}})
+FEDAVG_RUN = ls_run(2, eval_every=1, spec={"method": {"algorithm": "fedavg"},
+                                           "personalize": {"client": {"name": "gd", "tau": 5}}})
+LOCAL_FFGG_RUN = ls_run(3, 4, spec={"method": {"algorithm": "local-ffgg", "local_steps": 3},
+                                    "personalize": {"client": {"name": "gd", "tau": 5},
+                                                    "server": {"lr": 0.5}}})
 # partition 1 crashes in round 1; partition 0 is too slow in round 3 (last: it keeps an actor
 # busy after the run)
-FAULT_RUN = {**SMALL, "num-rounds": 4, "eval-every": 0, "round-timeout": 2.5,
-             "fault-injection": "crash:partition=1,round=1; slow:partition=0,round=3,seconds=5"}
+FAULT_RUN = ls_run(4, round_timeout=2.5, fault_injection="crash:partition=1,round=1; "
+                   "slow:partition=0,round=3,seconds=5")
 
 
 @pytest.fixture(scope="module")
 def sims():
-    """The four runs above, one after the other on one simulated federation of 2 SuperNodes
-    (one Ray start-up); every message the server receives is captured per run. Ray is shut
-    down after this module."""
+    """The runs above, one after the other on one simulated federation of 2 SuperNodes (one
+    Ray start-up); every message the server receives is captured per run. Ray is shut down
+    after this module."""
     ray = pytest.importorskip("ray", reason="Flower's simulation engine needs "
                               "'flwr[simulation]' (ray)")
     from partialfl.flower.simulation import run_simulations
 
-    runs = {"ffgg": FFGG_RUN, "br": BR_RUN, "async": ASYNC_RUN, "buffer": BUFFER_RUN,
-            "adam": ADAM_RUN,
-            "fedavg": FEDAVG_RUN, "faults": FAULT_RUN}
+    runs = {"ffgg": FFGG_RUN, "async": ASYNC_RUN, "buffer": BUFFER_RUN, "adam": ADAM_RUN,
+            "fedavg": FEDAVG_RUN, "local-ffgg": LOCAL_FFGG_RUN, "faults": FAULT_RUN}
+    if _registered("aggregator", "cm") and _registered("wrapper", "byzantine"):
+        runs["br"] = BR_RUN
     received: dict[str, list[Message]] = {k: [] for k in runs}
     t0 = time.perf_counter()
     reports = run_simulations(list(runs.values()), num_supernodes=2, num_cpus=2,
@@ -152,22 +151,34 @@ def ffgg_sim(sims):
     return sims["ffgg"]
 
 
+def _thetas(run_config):
+    """θ after every round of the in-process run."""
+    out = []
+    from partialfl.build import build
+    from partialfl.runtime.sync import run_rounds
+
+    spec = parse_run_config(run_config).run
+    built = build(spec)
+    st = spec.personalize
+    run_rounds(built.problem, built.algorithm, st.rounds, clients_per_round=st.clients_per_round,
+               seed=spec.seed, on_round=lambda r, s: out.append(s.theta["theta"]))
+    return built, out
+
+
 def test_simulation_reproduces_in_process_ffgg(ffgg_sim):
     run_config, report, _ = ffgg_sim
-    problem, algorithm, res, _ = _in_process(run_config, 3, 5)
+    _, res = in_process(run_config)
     assert report.server_steps == 3 and not report.failures
     np.testing.assert_allclose(report.theta["theta"], res.state.theta["theta"], rtol=0,
                                atol=1e-6)
     assert np.abs(report.theta["theta"]).max() > 0.1  # θ moved from θ⁰ = 0
-    # per-round metrics: the same ‖θ − θ*‖² trajectory as the simulator, evaluation from nodes
+    # per-round metrics: the in-process run's ‖θ − θ*‖² and loss gap, evaluation from nodes
     assert [h["round"] for h in report.history] == [0, 1, 2, 3]
-    ref = {h["round"]: h for h in run_rounds(
-        problem, algorithm, 3, clients_per_round=5, seed=run_config["seed"],
-        evaluate=lambda a, s, p, c, x: {"rel": float(np.sum((s.theta["theta"] - p.theta_star()[
-            "theta"]) ** 2) / np.sum(p.theta_star()["theta"] ** 2))}).history}
+    ref = {h["round"]: h for h in res.history}
     for h in report.history:
-        assert h["rel_dist2"] == pytest.approx(ref[h["round"]]["rel"], rel=1e-9)
-        assert h["eval_clients"] == 8 and np.isfinite(h["eval_loss_gap"])
+        assert h["rel_dist2"] == pytest.approx(ref[h["round"]]["rel_dist2"], rel=1e-9)
+        assert h["eval_clients"] == 8
+        assert h["eval_loss_gap"] == pytest.approx(ref[h["round"]]["loss_gap"], rel=1e-9)
     assert all(h["clients"] == 5 for h in report.history[1:])
     gaps = [h["eval_loss_gap"] for h in report.history]
     assert gaps[-1] < gaps[0]
@@ -175,7 +186,8 @@ def test_simulation_reproduces_in_process_ffgg(ffgg_sim):
 
 def test_no_personal_parameter_in_any_message_the_server_receives(ffgg_sim):
     run_config, report, received = ffgg_sim
-    problem, algorithm, _, thetas = _in_process(run_config, 3, 5)
+    built, thetas = _thetas(run_config)
+    problem, algorithm = built.problem, built.algorithm
     cfg = parse_run_config(run_config)
     theta_hist = [problem.init_theta()["theta"], *thetas]
     solver = algorithm.solver
@@ -207,38 +219,36 @@ def test_no_personal_parameter_in_any_message_the_server_receives(ffgg_sim):
     assert any(s.startswith("value") for s in _leaks(msg, {"w"}, values))
 
 
-def test_simulation_reproduces_in_process_br_ffgg(sims):
-    """BR-FFGG (Algorithm 5): bucketed coordinate median, 2 of 8 clients Byzantine
-    (sign flip), with the run-config keys of the Flower app."""
+def test_simulation_reproduces_in_process_robust_ffgg(sims):
+    """BR-FFGG (Algorithm 5): the spec's [aggregation] (coordinate median) and [attack]
+    (2 of 8 clients Byzantine, sign flip) blocks on Flower."""
+    if "br" not in sims:
+        pytest.skip("the registry has no 'cm' aggregator / 'byzantine' wrapper entries")
     run_config, report, _ = sims["br"]
-    _, algorithm, res, _ = _in_process(run_config, 3, 6)
-    assert type(algorithm).__name__ == "ByzantineRobust" and len(algorithm.byzantine.clients) == 2
+    built, res = in_process(run_config)
+    assert type(built.algorithm).__name__ == "ByzantineRobust"
     np.testing.assert_allclose(report.theta["theta"], res.state.theta["theta"], rtol=0,
                                atol=1e-6)
-    # under the same attack, mean aggregation ends farther from θ* than the robust rule
-    problem, _, mean_res, _ = _in_process({**SMALL, "byzantine-fraction": 0.25,
-                                           "attack": "sign-flip"}, 3, 6)
-    star = problem.theta_star()["theta"]
-    assert np.sum((report.theta["theta"] - star) ** 2) < np.sum(
-        (mean_res.state.theta["theta"] - star) ** 2)
 
 
-@pytest.mark.parametrize("run", ["adam", "fedavg"])
-def test_server_optimizer_and_fedavg_match_in_process(sims, run):
+@pytest.mark.parametrize("run", ["adam", "fedavg", "local-ffgg"])
+def test_server_optimizer_and_other_algorithms_match_in_process(sims, run):
     """Adam with a warm-up/decay schedule keeps its moments on the server across rounds;
-    FedAvg (Local GD) sends and averages the shared model (θ, w)."""
+    FedAvg (Local GD) sends and averages the shared model (θ, w); Local FFGG (Algorithm 4):
+    all built from the spec, as in process."""
     run_config, report, _ = sims[run]
-    rounds = run_config["num-rounds"]
-    _, algorithm, res, _ = _in_process(run_config, rounds,
-                                       run_config.get("clients-per-round") or None)
+    built, res = in_process(run_config)
     assert set(report.theta) == set(res.state.theta)
     for n in res.state.theta:
         np.testing.assert_allclose(report.theta[n], res.state.theta[n], rtol=0, atol=1e-6)
+    assert max(np.abs(v).max() for v in report.theta.values()) > 0.1
     if run == "adam":
-        assert type(algorithm.server_opt).__name__ == "Adam"
-    else:
+        assert type(built.algorithm.server_opt).__name__ == "Adam"
+    elif run == "fedavg":
         assert set(report.theta) == {"theta", "w"}  # FedAvg: no personal parameters
         assert report.history[-1]["eval_loss_gap"] < report.history[0]["eval_loss_gap"]
+    else:
+        assert type(built.algorithm).__name__ == "LocalFFGG"
 
 
 def test_failures_do_not_stop_training(sims):
@@ -256,30 +266,29 @@ def test_failures_do_not_stop_training(sims):
     assert [h.get("clients") for h in report.history] == [None, 8, 4, 8, 4]
     assert report.summary()["failed_client_updates"] == 8
     # θ is what the server update gives on exactly the surviving clients
-    cfg = parse_run_config(run_config)
-    problem = build_problem(cfg)
-    alg = build_algorithm(cfg, problem)
+    built, _ = in_process(run_config)
+    problem, alg = built.problem, built.algorithm
     state = alg.init(problem, problem.init_theta())
     for r, alive in enumerate([np.arange(8), np.arange(4), np.arange(8), np.arange(4, 8)]):
-        ctx = RoundContext(cfg.seed, r)
+        ctx = RoundContext(3, r)
         state = alg.server_update(state, alg.client_update(state, problem, alive, ctx).updates,
                                   ctx)
     np.testing.assert_allclose(report.theta["theta"], state.theta["theta"], rtol=0, atol=1e-6)
 
 
 def test_async_one_in_flight_is_sequential_ffgg(sims):
-    """Algorithm 3 with one client in flight and buffer K = 1 applies every update at zero
-    staleness: it is FFGG with one sampled client per round."""
+    """Algorithm 3 with one client in flight applies every update at zero staleness
+    (FedAsync's weight s(0) = 1): it is FFGG with one sampled client per round."""
     run_config, report, _ = sims["async"]
-    _, _, res, _ = _in_process(run_config, 5, 1)
+    _, res = in_process(ls_run(5, 1))
     np.testing.assert_allclose(report.theta["theta"], res.state.theta["theta"], rtol=0,
                                atol=1e-6)
     assert [h["staleness"] for h in report.history[1:]] == [[0]] * 5
 
 
 def test_async_buffered_records_staleness(sims):
-    """FedBuff-style K = 2 with 3 clients in flight: every server step applies exactly 2
-    updates, each with its recorded staleness (server steps since its θ was sent)."""
+    """FedBuff K = 2 with 3 clients in flight: every server step applies exactly 2 updates,
+    each with its recorded staleness (server steps since its θ was sent)."""
     run_config, report, received = sims["buffer"]
     assert report.server_steps == 4 and not report.failures
     steps = report.history[1:]
@@ -293,131 +302,59 @@ def test_async_buffered_records_staleness(sims):
     assert steps[-1]["rel_dist2"] < report.history[0]["rel_dist2"]
 
 
-# -- deployment: a SuperLink and two SuperNodes on 127.0.0.1 --------------------------------
-@pytest.mark.slow  # ~1 min: real SuperLink and SuperNode processes (CI runs `pytest -m slow`)
-def test_deployment_smoke():
-    """`flwr run` against flower-superlink + 2 flower-supernode processes (insecure, loopback,
-    free ports): two FFGG rounds give the simulator's θ and per-round metrics; every process
-    started is stopped, also when the run fails."""
-    import shutil
-    import sys
+# -- the command line: `partialfl run CONFIG --engine flower-sim` ------------------------------
+@pytest.mark.slow  # ~1 min: a simulation SuperLink and `flwr run` (Ray inside flwr-simulation)
+def test_partialfl_run_on_flower_sim_gives_the_in_process_run(tmp_path):
+    """configs/ls-ffgg.toml (small) through `flower-superlink --simulation` and `flwr run`:
+    θ equals the in-process run's, and the run folder has the in-process files (JSONL with
+    the same evaluated rounds and ‖θ − θ*‖², plot, summary)."""
+    pytest.importorskip("ray", reason="Flower's simulation engine needs 'flwr[simulation]'")
+    import json
     from pathlib import Path
 
-    from partialfl.flower.project import LocalFederation
+    from partialfl.cli import main
+    from partialfl.experiments.train import load_run_spec
+    from partialfl.runtime.logging import read_jsonl
 
-    if not (Path(sys.executable).parent / "flwr").exists() and shutil.which("flwr") is None:
-        pytest.skip("the flwr command line is not installed")
-    run_config = {**SMALL, "num-rounds": 2, "clients-per-round": 6, "eval-every": 2,
-                  "round-timeout": 60.0}
-    t0 = time.perf_counter()
-    fed = LocalFederation(2)
-    with fed:
-        rep = fed.run(run_config, timeout=120)
-    assert fed.alive_groups() == []
-    assert time.perf_counter() - t0 < 90
-    _, _, res, _ = _in_process(run_config, 2, 6)
-    np.testing.assert_allclose(rep["theta"]["theta"], res.state.theta["theta"], rtol=0,
-                               atol=1e-6)
-    s = rep["summary"]
-    assert s["server_steps"] == 2 and s["failures"] == 0
-    hist = rep["history"]
-    assert [h["round"] for h in hist] == [0, 1, 2]
-    assert [h.get("clients") for h in hist] == [None, 6, 6]
-    assert hist[2]["rel_dist2"] < hist[1]["rel_dist2"] < hist[0]["rel_dist2"] == 1.0
-    assert "eval_loss_gap" in hist[0] and "eval_loss_gap" in hist[2]
-    assert hist[2]["eval_loss_gap"] < hist[0]["eval_loss_gap"]
-    assert sorted(n["partition-id"] for n in rep["nodes"]) == [0, 1]
-
-
-@pytest.mark.slow
-def test_flwr_run_against_a_simulation_superlink():
-    """The command-line path of Flower's simulation: `flower-superlink --simulation` and
-    `flwr run APP local --federation-config num-supernodes=2` (Ray inside flwr-simulation)."""
-    pytest.importorskip("ray", reason="Flower's simulation engine needs 'flwr[simulation]'")
-    from partialfl.flower.project import LocalFederation
-
-    run_config = {**SMALL, "num-rounds": 2, "clients-per-round": 4, "eval-every": 0}
-    fed = LocalFederation(2, simulation=True)
-    with fed:
-        rep = fed.run(run_config, timeout=240)
-    assert fed.alive_groups() == []
-    _, _, res, _ = _in_process(run_config, 2, 4)
-    np.testing.assert_allclose(rep["theta"]["theta"], res.state.theta["theta"], rtol=0,
-                               atol=1e-6)
-    assert rep["summary"]["failures"] == 0 and len(rep["nodes"]) == 2
-
-
-@pytest.mark.slow
-@pytest.mark.data
-def test_femnist_ffgg_and_local_ffgg_over_flower_match_in_process():
-    """FEMNIST (output-layer split): one FFGG round and one Local FFGG (Algorithm 4) round of 4
-    writers on 2 simulated SuperNodes give the in-process θ (float32, clients batched
-    differently: 1e-5), and no personal parameter (the output layer) is in any message the
-    server receives, by name or by value."""
-    pytest.importorskip("ray", reason="Flower's simulation engine needs 'flwr[simulation]'")
-    from partialfl.data.paths import DataNotFoundError, resolve_data_file
-
-    try:
-        resolve_data_file("femnist_leaf_subset.npz")
-    except DataNotFoundError as e:
-        pytest.skip(f"FEMNIST data not available: {e}")
-    from partialfl.flower.simulation import run_simulations
-
-    ffgg = {"problem": "femnist", "algorithm": "ffgg", "local-lr": 0.01, "server-lr": 0.2,
-            "clients-per-round": 4, "num-rounds": 1, "eval-every": 0}
-    local = {**ffgg, "algorithm": "local-ffgg", "local-steps": 3, "server-lr": 1.0}
-    received: list[Message] = []
-    try:
-        reports = run_simulations([ffgg, local], num_supernodes=2, num_cpus=2,
-                                  message_hooks=[received.append, None])
-    finally:
-        import ray
-
-        ray.shutdown()
-    for run_config, report in zip([ffgg, local], reports):
-        cfg = parse_run_config(run_config)
-        problem = build_problem(cfg)
-        algorithm = build_algorithm(cfg, problem)
-        res = run_rounds(problem, algorithm, 1, clients_per_round=4, seed=cfg.seed)
-        assert set(report.theta) == set(problem.theta_names)
-        for n in problem.theta_names:
-            np.testing.assert_allclose(report.theta[n], res.state.theta[n].numpy(), rtol=0,
-                                       atol=1e-5)
-        moved = max(float(np.abs(report.theta[n] - problem.init_theta()[n].numpy()).max())
-                    for n in problem.theta_names)
-        assert moved > 1e-4
-    cfg = parse_run_config(ffgg)
-    problem = build_problem(cfg)
-    algorithm = build_algorithm(cfg, problem)
-    # by name: no record key is a personal parameter's name
-    personal = set(problem.w_names)
-    assert personal and all(not (_record_keys(m) & personal) for m in received)
-    # by value: no run of 16 values of any sampled client's fine-tuned personal rows (float32:
-    # single values would collide by chance in megabytes of gradients) is in any message
-    cohort = sample_cohort(cfg.seed, 0, problem.num_clients, 4)
-    w = algorithm.solver(problem, cohort, problem.init_theta(), cfg.seed, 0).w
-    rows = [r for v in w.values() for r in v.numpy().reshape(-1, v.shape[-1])]
-    chunks = [r[:16].astype(np.float32).tobytes() for r in rows
-              if r.size >= 16 and np.abs(r[:16]).sum() > 0]
-    assert len(chunks) > 10
-    for m in received:
-        blob = _wire_bytes(m)
-        assert not any(c in blob for c in chunks)
+    config = Path(__file__).resolve().parents[1] / "configs" / "ls-ffgg.toml"
+    sets = ["problem.num_clients=8", "problem.n=200", "problem.d_theta=10", "problem.d_w=5",
+            "personalize.rounds=3", "personalize.clients_per_round=4",
+            "personalize.eval_every=1"]
+    argv = [a for o in sets for a in ("--set", o)]
+    assert main(["run", str(config), "--out", str(tmp_path / "local"), "--no-progress",
+                 *argv]) == 0
+    assert main(["run", str(config), "--engine", "flower-sim", "--out", str(tmp_path / "sim"),
+                 "--no-progress", *argv]) == 0
+    local = read_jsonl(tmp_path / "local" / "ls-ffgg.jsonl")
+    sim = read_jsonl(tmp_path / "sim" / "ls-ffgg.jsonl")
+    assert [h["round"] for h in sim] == [h["round"] for h in local] == [0, 1, 2, 3]
+    for a, b in zip(sim, local):
+        assert a["rel_dist2"] == pytest.approx(b["rel_dist2"], rel=1e-9)
+        assert a["loss_gap"] == pytest.approx(b["loss_gap"], rel=1e-9)
+    spec = load_run_spec(config, sets)
+    _, res = in_process({"spec": spec})
+    with np.load(tmp_path / "sim" / "flower" / "theta.npz") as z:
+        np.testing.assert_allclose(z["theta"], res.state.theta["theta"], rtol=0, atol=1e-6)
+    files = {p.name for p in (tmp_path / "sim").iterdir()}
+    assert {p.name for p in (tmp_path / "local").iterdir()} <= files
+    result = json.loads((tmp_path / "sim" / "flower" / "result.json").read_text())
+    assert result["config"]["spec"]["problem"]["num_clients"] == 8
 
 
 @pytest.mark.parametrize("name", ["fedavg", "ffgg", "fedalt"])
 def test_a_server_without_data_initialises_every_model_algorithm(name):
     """A ServerApp holding no data sees only θ's names and shapes and the example counts
     (no personal names): model algorithms must initialise and report θ from that alone."""
-    from partialfl.build import build_algorithm as build_model_algorithm
+    from partialfl.build import stage_algorithm
     from partialfl.flower.federation import ServerProblem as _ServerProblem
-    from partialfl.spec import MethodConfig, StageConfig
+    from partialfl.spec import RunSpec
 
     theta0 = {"fc.weight": np.ones((3, 4), np.float32), "fc.bias": np.zeros(3, np.float32)}
     stub = _ServerProblem(5, np.arange(1, 6), theta0)
     assert stub.w_names == () and stub.theta_shapes["fc.weight"] == (3, 4)
     split = "none" if name == "fedavg" else "output"  # the split lives on the clients
-    alg = build_model_algorithm(MethodConfig(algorithm=name, split=split), StageConfig())
+    spec = RunSpec.from_dict({"method": {"algorithm": name, "split": split}})
+    alg = stage_algorithm(spec, "personalize", num_clients=5)
     state = alg.init(stub, theta0)
     got = alg.global_theta(state, stub)
     assert set(got) == set(theta0)

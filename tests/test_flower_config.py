@@ -1,4 +1,5 @@
-"""The Flower app's run config (no flwr needed): validation, builders, partitions, pyproject."""
+"""The Flower app's run config (no flwr needed): Flower's own keys and the spec it carries,
+validation, partitions, the generated pyproject."""
 
 from __future__ import annotations
 
@@ -7,76 +8,117 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+from _flower_sims import LS_SPEC, ls_run, ls_spec
 
-from partialfl.flower.builders import build_algorithm, build_problem
 from partialfl.flower.config import (
     FIELDS,
     ConfigError,
     Fault,
-    FlowerConfig,
+    decode_spec,
+    encode_spec,
     parse_fault_injection,
     parse_run_config,
     partition_clients,
 )
 from partialfl.flower.project import app_pyproject
-from partialfl.local.sgd import SGDConfig
+from partialfl.spec import RunSpec
 
-SMALL = {"ls-clients": 6, "ls-n": 40, "ls-d-theta": 4, "ls-d-w": 3}
 ROOT = Path(__file__).resolve().parents[1]
 
 
 def test_defaults_round_trip():
     cfg = parse_run_config({})
-    assert cfg.to_run_config() == {f.key: f.default for f in FIELDS}
-    assert FlowerConfig() == cfg  # the dataclass defaults are the table's
+    assert cfg.run == RunSpec().effective()  # '' = the spec's defaults
     assert parse_run_config(cfg.to_run_config()) == cfg
-    assert cfg.replace(num_rounds=3).num_rounds == 3
+    assert cfg.replace(round_timeout=3).round_timeout == 3.0
+    assert {f.key for f in FIELDS} == set(cfg.to_run_config())
+
+
+def test_flower_keeps_only_its_own_keys():
+    """Issue 26: no key of the run config mirrors the spec (the spec is carried whole)."""
+    spec_keys = {"algorithm", "problem", "num-rounds", "clients-per-round", "seed", "mode",
+                 "server-lr", "server-opt", "aggregator", "attack", "local-steps", "model",
+                 "split", "ls-n", "train-spec", "eval-every", "max-failure-fraction"}
+    assert not spec_keys & {f.key for f in FIELDS}
+
+
+def test_the_spec_travels_in_every_form_and_canonically():
+    spec = RunSpec.from_dict(ls_spec(4, 2))
+    toml = "seed = 3\n[problem]\nname = 'least-squares'\nnum_clients = 8\nn = 200\n" \
+           "d_theta = 10\nd_w = 5\nseed = 3\n[method]\nalgorithm = 'ffgg'\nw_init = 'zero'\n" \
+           "[personalize]\nrounds = 4\nclients_per_round = 2\nclient = {name = 'cg', tau = 5}"
+    import json
+
+    forms = [spec, spec.to_dict(), json.dumps(spec.to_dict()), encode_spec(spec), toml]
+    cfgs = [parse_run_config({"spec": f}) for f in forms]
+    assert all(c.run == spec.effective() for c in cfgs)
+    assert len({c.spec for c in cfgs}) == 1  # one canonical text: server and nodes agree
+    assert decode_spec(cfgs[0].spec) == spec.to_dict() or RunSpec.from_dict(
+        decode_spec(cfgs[0].spec)) == spec
+    # `set` overrides apply like --set, then the canonical spec carries them
+    cfg = parse_run_config({"spec": toml, "set": "personalize.rounds=7; seed=1"})
+    assert (cfg.rounds, cfg.seed, cfg.set) == (7, 1, "")
+    assert (cfg.clients_per_round, cfg.closed_form, cfg.stage) == (2, True, "personalize")
 
 
 @pytest.mark.parametrize(
     "override, match",
     [
-        ({"algoritm": "ffgg"}, r"unknown run-config key\(s\) 'algoritm'; allowed keys: algorithm"),
-        ({"algorithm": "fedprox"}, r"'algorithm': unknown value 'fedprox'; allowed: ffgg, br-ffgg"),
-        ({"num-rounds": -1}, r"'num-rounds': got -1; expected an integer >= 0"),
-        ({"num-rounds": "3"}, r"'num-rounds': got '3' \(str\); expected an integer >= 0"),
-        ({"server-lr": "fast"}, r"'server-lr': got 'fast'; server.lr: 'fast' is neither a "
-                                r"number, 'auto' nor of the form 'c/L'"),
-        ({"schedule": "cosine"}, r"'schedule': got 'cosine'; server.schedule: 'cosine' is not "
-                                 r"allowed; allowed: constant, warmup-linear, exponential"),
-        ({"model": "vgg"}, r"'model': got 'vgg'; model.name: 'vgg' is not allowed; allowed: "
-                           r"emnist_cnn"),
-        ({"ls-n": 0}, r"'ls-n': got 0; problem.n: n must be a positive integer"),
-        ({"server-lr": True}, r"'server-lr': got True"),
-        ({"mode": "batch"}, r"'mode': unknown value 'batch'; allowed: sync, async"),
-        ({"schedule": "exponential"}, r"'halve-every' must be >= 1"),
-        ({"ls-n": 2, "ls-d-w": 3}, r"'ls-n' \(2\) < 'ls-d-w' \(3\)"),
-        ({"w-init": "pretrained"}, r"'w-init': unknown value 'pretrained' for least squares"),
-        ({"algorithm": "br-ffgg"}, r"BR-FFGG needs a robust aggregator"),
-        ({"attack": "alie"}, r"'attack': 'alie' needs byzantine-fraction > 0"),
-        ({"problem": "femnist"}, r"'local-lr': problem 'femnist' needs an explicit local"),
-        ({"byzantine-fraction": 0.5}, r"'byzantine-fraction': got 0.5; expected a number in"),
+        ({"algorithm": "ffgg"}, r"unknown run-config key\(s\) 'algorithm'.*allowed keys: spec, "
+                                r"set, stage"),
+        ({"spec": "{not json"}, r"'spec': neither TOML, a JSON object nor b64:JSON"),
+        ({"spec": "b64:@@@"}, r"'spec': neither TOML"),
+        ({"spec": {"method": {"algorithm": "fedprox2"}}},
+         r"'spec': method.algorithm: 'fedprox2' is not allowed.*allowed: apfl, ditto"),
+        ({"spec": {"personalize": {"rounds": -1}}}, r"'spec': .*rounds must be a non-negative"),
+        ({"set": "personalize.rounds"}, r"'set': override 'personalize.rounds' is not of the "
+                                        r"form key=value"),
+        ({"stage": "finetune"}, r"'stage': unknown value 'finetune'; allowed: pretrain, "
+                                r"personalize"),
+        ({"spec": LS_SPEC, "stage": "pretrain"}, r"a closed-form spec has one stage"),
+        ({"spec": LS_SPEC, "init-from": "x.npz"}, r"'init-from' applies to stage personalize "
+                                                  r"of a model run"),
+        ({"round-timeout": 0}, r"'round-timeout': got 0.0; expected a number > 0"),
+        ({"min-nodes": "3"}, r"'min-nodes': got '3' \(str\); expected an integer >= 1"),
+        ({"secagg": 1}, r"'secagg': got 1 \(int\); expected bool"),
+        ({"secagg-threshold": 4}, r"'secagg-threshold': 4 must be less than secagg-shares \(3\)"),
         ({"fault-injection": "explode:partition=0"}, r"unknown fault 'explode'"),
         ({"fault-injection": "crash:round=1"}, r"needs partition=INT"),
-        ({"clients-per-round": 7, **SMALL}, r"'clients-per-round': 7 > ls-clients \(6\)"),
+        ({"checkpoint-every": 2}, r"need 'out-dir'"),
+        ({"spec": {"validation": {"fraction": 0.1}, "personalize": {
+            "eval_every": 1, "stop": {"window": 2}}}}, r"spec personalize.stop: the plateau rule"),
     ],
 )
 def test_bad_values_name_the_key_and_the_allowed_values(override, match):
-    with pytest.raises(ConfigError, match=match):
+    with pytest.raises(ConfigError, match=match) as e:
         parse_run_config(override)
+    assert "\n" not in str(e.value)
 
 
 def test_errors_are_partialfl_config_errors():
     from partialfl.config import ConfigError as CoreConfigError
 
     with pytest.raises(CoreConfigError):
-        parse_run_config({"mode": "batch"})
+        parse_run_config({"stage": "batch"})
 
 
 def test_ints_given_for_floats_are_accepted():
-    cfg = parse_run_config({"round-timeout": 5, "server-lr": 1})
+    cfg = parse_run_config({"round-timeout": 5, "secagg-clip": 1})
     assert cfg.round_timeout == 5.0 and isinstance(cfg.round_timeout, float)
-    assert cfg.server_lr == 1.0
+    assert cfg.secagg_clip == 1.0
+
+
+def test_the_stage_reads_the_spec():
+    spec = {"seed": 4, "pretrain_seed": 9, "pretrain": {"rounds": 5, "clients_per_round": 3,
+                                                        "eval_every": 2},
+            "personalize": {"rounds": 7}, "stages": ["personalize", "finetune"],
+            "asynchronous": {"rule": {"name": "fedbuff", "buffer": 3}, "concurrency": 2}}
+    pre = parse_run_config({"spec": spec, "stage": "pretrain"})
+    assert (pre.rounds, pre.clients_per_round, pre.seed) == (0, 3, 9)  # not in stages: 0
+    cfg = parse_run_config({"spec": spec})
+    assert (cfg.rounds, cfg.clients_per_round, cfg.seed, cfg.eval_every) == (7, None, 4, 0)
+    assert (cfg.asynchronous.concurrency, cfg.buffer_size) == (2, 3)
+    assert parse_run_config({}).asynchronous is None and parse_run_config({}).buffer_size == 1
 
 
 def test_fault_injection_parsing():
@@ -96,118 +138,56 @@ def test_partitions_cover_every_client_once():
         partition_clients(2, 3, 0)
 
 
-def test_builders_give_the_simulator_objects():
-    from partialfl.aggregation import Bucketing, CoordinateMedian
-    from partialfl.algorithms import FFGG, LocalGD
-    from partialfl.algorithms.byzantine import ByzantineRobust
+def test_server_and_node_build_the_in_process_objects():
+    """The ServerApp and a SuperNode build the spec's problem and algorithm through
+    partialfl.build: the objects `partialfl run` builds (here with the 'c/L' stepsize)."""
+    from partialfl.algorithms import FFGG
+    from partialfl.algorithms.fedavg import FedAvg
+    from partialfl.build import build
+    from partialfl.flower.stage import node_parts, server_parts
 
-    cfg = parse_run_config(SMALL)
-    problem = build_problem(cfg)
-    alg = build_algorithm(cfg, problem)
-    assert isinstance(alg, FFGG)
-    assert alg.server_opt.lr == pytest.approx(1.0 / problem.L)  # 'auto' = 1/L (Theorem 1)
-    assert alg.solver.tau == cfg.local_steps and alg.solver.init == "zero"
-    half = build_algorithm(cfg.replace(server_lr="0.5/L"), problem)
-    assert half.server_opt.lr == pytest.approx(0.5 / problem.L)
-    fedavg_cfg = cfg.replace(algorithm="fedavg")
-    fedavg = build_algorithm(fedavg_cfg, build_problem(fedavg_cfg))
-    assert isinstance(fedavg, LocalGD) and fedavg.server_opt.lr == 1.0
-    assert build_problem(fedavg_cfg).basis == "standard"  # shared w needs a common basis
-    assert problem.basis == "eigen"
-    br = build_algorithm(cfg.replace(algorithm="br-ffgg", aggregator="cm", bucket_size=2,
-                                     byzantine_fraction=0.34, attack="sign-flip"), problem)
-    assert isinstance(br, ByzantineRobust) and isinstance(br.base, FFGG)
-    assert isinstance(br.aggregator, Bucketing) and isinstance(br.aggregator.inner,
-                                                               CoordinateMedian)
-    assert len(br.byzantine.clients) == 2  # ⌊0.34 · 6⌋
-    with pytest.raises(ConfigError, match="robust FFGG is algorithm 'br-ffgg'"):
-        build_algorithm(cfg.replace(aggregator="cm"), problem)
-    with pytest.raises(ConfigError, match="'aggregator': unknown aggregator 'median-of-means'"):
-        build_algorithm(cfg.replace(algorithm="br-ffgg", aggregator="median-of-means"), problem)
-    with pytest.raises(ConfigError, match="'local-ffgg' .* model problems"):
-        build_algorithm(cfg.replace(algorithm="local-ffgg"), problem)
-
-
-def test_the_apps_defaults_are_the_specs():
-    """Keys that mirror a run-specification field take its default and validation, so a
-    bare Flower run builds the objects a bare `partialfl run` / `train` config builds."""
-    from partialfl.flower.builders import closed_form_config
-    from partialfl.flower.models import pipeline_configs
-    from partialfl.spec import (
-        AlgorithmConfig,
-        MethodConfig,
-        ModelSpec,
-        ProblemConfig,
-        ServerConfig,
-    )
-
-    mirrored = [f for f in FIELDS if f.spec]
-    assert len(mirrored) >= 15
-    cfg = parse_run_config({})
-    cf = closed_form_config(cfg)
-    assert cf.problem == ProblemConfig()
-    assert cf.algorithm.solver == AlgorithmConfig().solver
-    server = ServerConfig()
-    assert (cfg.server_opt, cfg.server_lr, cfg.server_momentum, cfg.schedule,
-            cfg.warmup_rounds, cfg.halve_every, cfg.server_clip or None) == (
-        server.optimizer, server.lr, server.momentum, server.schedule, server.warmup,
-        server.halve_every, server.clip_norm)
-    method, stage = pipeline_configs(cfg.replace(problem="femnist", local_lr=0.1))
-    assert (method.split, method.weighting) == (MethodConfig().split, MethodConfig().weighting)
-    client = SGDConfig()
-    assert (stage.client.epochs, stage.client.batch_size) == (client.epochs, client.batch_size)
-    assert cfg.model == ModelSpec().name
-    # the types come from the spec too: an int field refuses a string, a float one an int-y bool
-    with pytest.raises(ConfigError, match="'ls-n': got '5'"):
-        parse_run_config({"ls-n": "5"})
-    assert parse_run_config({"server-clip": 2}).server_clip == 2.0
+    for over, cls in (({}, FFGG), ({"method": {"algorithm": "fedavg"}, "personalize": {
+            "client": {"name": "gd", "tau": 5}}}, FedAvg)):
+        run = ls_run(3, spec={**over, "personalize": {**over.get("personalize", {}),
+                                                      "server": {"lr": "0.5/L"}}})
+        cfg = parse_run_config(run)
+        ref = build(cfg.run)
+        problem, alg = server_parts(cfg, 8)
+        node_problem, node_alg, theta0 = node_parts(cfg)
+        for a in (alg, node_alg):
+            assert type(a) is cls is type(ref.algorithm)
+            assert a.server_opt.lr == pytest.approx(0.5 / problem.L)
+        assert problem is node_problem is ref.problem  # one cached problem
+        np.testing.assert_array_equal(theta0["theta"], problem.init_theta()["theta"])
+    with pytest.raises(ConfigError, match="the SuperNodes hold 6 clients, the spec's problem "
+                       "has 8"):
+        server_parts(cfg, 6)
 
 
 def test_generated_pyproject_declares_every_key():
-    doc = tomllib.loads(app_pyproject({"num-rounds": 7}))
+    doc = tomllib.loads(app_pyproject({"round-timeout": 7.0}))
     app = doc["tool"]["flwr"]["app"]
     assert app["components"] == {"serverapp": "partialfl.flower.server:app",
                                  "clientapp": "partialfl.flower.client:app"}
     assert list(app["config"]) == [f.key for f in FIELDS]
-    assert app["config"]["num-rounds"] == 7
-    assert parse_run_config(app["config"]).num_rounds == 7
+    assert parse_run_config(app["config"]).round_timeout == 7.0
 
 
 def test_example_pyproject_is_valid_and_complete():
-    """examples/flower/pyproject.toml declares exactly the keys partialfl understands (it is
-    generated: python -m partialfl.flower.project examples/flower/pyproject.toml)."""
+    """examples/flower/pyproject.toml declares exactly the keys partialfl understands and
+    carries the quickstart config as its spec (it is generated: python -m
+    partialfl.flower.project examples/flower/pyproject.toml configs/train/quickstart.toml)."""
+    from partialfl.experiments.train import load_run_spec
     from partialfl.flower.project import example_pyproject
 
+    quickstart = ROOT / "configs" / "train" / "quickstart.toml"
     text = (ROOT / "examples" / "flower" / "pyproject.toml").read_text()
-    assert text == example_pyproject(), "regenerate examples/flower/pyproject.toml"
-    doc = tomllib.loads(text)
-    conf = doc["tool"]["flwr"]["app"]["config"]
+    assert text == example_pyproject(quickstart), "regenerate examples/flower/pyproject.toml"
+    conf = tomllib.loads(text)["tool"]["flwr"]["app"]["config"]
     assert sorted(conf) == sorted(f.key for f in FIELDS)
     cfg = parse_run_config(conf)
-    assert cfg.problem == "femnist"
-
-
-def test_python_femnist_defaults_are_the_example_apps():
-    """run_simulation({"problem": "femnist"}) trains as `flwr run examples/flower` does; the
-    bare run-config defaults would fail (no local stepsize) and train every client."""
-    pytest.importorskip("flwr", reason="needs the flower extra")
-    from partialfl.flower.simulation import FEMNIST_DEFAULTS, with_app_defaults
-
-    with pytest.raises(ConfigError, match="local-lr"):
-        parse_run_config({"problem": "femnist"})
-    cfg = parse_run_config(with_app_defaults({"problem": "femnist"}))
-    app = tomllib.loads((ROOT / "examples" / "flower" / "pyproject.toml").read_text())
-    app = parse_run_config(app["tool"]["flwr"]["app"]["config"])
-    for key in ("local-lr", "server-lr", "clients-per-round", "num-rounds", "eval-every",
-                "split", "algorithm", "round-timeout"):
-        attr = key.replace("-", "_")
-        assert getattr(cfg, attr) == getattr(app, attr), key
-    assert cfg.clients_per_round == 10 and cfg.local_lr == 0.01
-    assert "min-nodes" not in FEMNIST_DEFAULTS and "out-dir" not in FEMNIST_DEFAULTS
-    # what the caller sets wins; other problems keep the plain defaults
-    assert parse_run_config(with_app_defaults({"problem": "femnist", "local-lr": 0.1})
-                            ).local_lr == 0.1
-    assert with_app_defaults(SMALL) == SMALL
+    assert cfg.run == load_run_spec(quickstart, [f"name={cfg.run.name}"]).effective()
+    assert "# Quickstart" in conf["spec"]  # the config as it is, comments included
 
 
 def test_flower_report_prints_a_summary_not_theta():
@@ -215,19 +195,19 @@ def test_flower_report_prints_a_summary_not_theta():
     from partialfl.flower.server import FlowerRunReport
 
     theta = {"conv.weight": np.full((32, 1, 5, 5), 0.123456), "fc.bias": np.zeros(62)}
-    rep = FlowerRunReport(config={"algorithm": "ffgg", "problem": "femnist"}, theta=theta,
+    rep = FlowerRunReport(config={}, theta=theta, label="ffgg-output on femnist/emnist_cnn",
                           history=[{"round": 2, "eval_acc": 0.61234567, "local_grads": 40}],
                           server_steps=2, seconds=12.3)
     text = repr(rep)
     assert "0.123456" not in text and "array" not in text and len(text) < 400
-    assert "ffgg on femnist" in text and "2 server steps" in text and "862 values" in text
-    assert "'eval_acc': 0.6123" in text
+    assert "ffgg-output on femnist" in text and "2 server steps" in text
+    assert "862 values" in text and "'eval_acc': 0.6123" in text
 
 
 def test_local_federation_progress_echoes_the_server_round_lines(capfd, tmp_path):
     import sys
 
-    from partialfl.flower.project import _run_echoing
+    from partialfl.flower.deployment import _run_echoing
 
     code = "print('INFO : partialfl: {\"round\": 1}'); print('noise'); raise SystemExit(3)"
     proc = _run_echoing([sys.executable, "-c", code], None, tmp_path, 60, "stage1")

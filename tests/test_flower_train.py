@@ -21,30 +21,42 @@ def _spec(data_dir, extra=()):
     return load_train_spec(QUICKSTART, [*TINY, f"data.path={data_dir}", *extra])
 
 
-def test_run_config_carries_the_spec_and_derives_the_stage_keys(data_dir):
+def assert_same_run(flower_dir: Path, local_dir: Path, local_metrics: dict) -> None:
+    """A Flower run's folder against the in-process run's: θ after each stage (1e-6), the
+    same files (plus the ServerApp's own), the same stage-3 metrics."""
+    from partialfl import io as pio
+
+    for name in ("stage1/theta.safetensors", "theta_stage2.safetensors"):
+        ref = pio.load_tensors(local_dir / name, name)[0]
+        got = pio.load_tensors(flower_dir / name, name)[0]
+        assert sorted(got) == sorted(ref)
+        for n in ref:
+            assert np.isfinite(got[n].numpy()).all(), n
+            np.testing.assert_allclose(got[n].numpy(), ref[n].numpy(), rtol=0, atol=1e-6)
+    files = {p.relative_to(local_dir).as_posix() for p in local_dir.rglob("*")
+             if not p.name.endswith(".ckpt") and ".ckpt" not in p.as_posix()}
+    have = {p.relative_to(flower_dir).as_posix() for p in flower_dir.rglob("*")}
+    assert files <= have, sorted(files - have)
+    got = json.loads((flower_dir / "metrics.json").read_text())
+    assert abs(got["test_acc"] - local_metrics["test_acc"]) < 1e-9 + 2 / 300
+    rounds = [json.loads(line)["round"] for line in
+              (flower_dir / "stage2.jsonl").read_text().splitlines()]
+    assert rounds == [0, 1, 2]
+
+
+def test_run_config_carries_the_spec_and_the_stage(data_dir):
     from partialfl.flower.config import parse_run_config
-    from partialfl.flower.models import train_spec
-    from partialfl.flower.train import spec_run_config
+    from partialfl.flower.train import stage_run_config
 
     spec = _spec(data_dir)
     for stage, rounds, seed in (("pretrain", 2, spec.stage1_seed),
                                 ("personalize", 2, spec.seed)):
-        cfg = parse_run_config(spec_run_config(spec, stage, "x.npz"))
-        assert (cfg.problem, cfg.train_stage, cfg.num_rounds, cfg.seed) == (
-            "train", stage, rounds, seed)
-        assert cfg.clients_per_round == 3
-        back = train_spec(cfg)
-        assert back.pipeline_config() == spec.pipeline_config()
-        assert Path(back.data.path).is_absolute()
-
-
-def test_train_spec_needs_problem_train():
-    from partialfl.flower.config import ConfigError, parse_run_config
-
-    with pytest.raises(ConfigError, match="train-spec"):
-        parse_run_config({"train-spec": "{}", "local-lr": 0.1, "problem": "femnist"})
-    with pytest.raises(ConfigError, match="train-spec"):
-        parse_run_config({"problem": "train"})
+        cfg = parse_run_config(stage_run_config(spec, stage, "x.npz" if stage ==
+                                                "personalize" else None))
+        assert (cfg.stage, cfg.rounds, cfg.seed, cfg.clients_per_round) == (stage, rounds,
+                                                                             seed, 3)
+        assert cfg.run.method == spec.method and cfg.run.personalize == spec.personalize
+        assert Path(cfg.run.data.path).is_absolute()
 
 
 def test_node_builds_the_pipelines_stage(data_dir):
@@ -54,17 +66,17 @@ def test_node_builds_the_pipelines_stage(data_dir):
     from partialfl.algorithms.base import RoundContext
     from partialfl.build import build
     from partialfl.experiments.pipeline import stage1_setup
-    from partialfl.flower.builders import build_algorithm, build_problem
     from partialfl.flower.config import parse_run_config
-    from partialfl.flower.train import spec_run_config
+    from partialfl.flower.stage import node_parts, server_parts
+    from partialfl.flower.train import stage_run_config
 
     spec = _spec(data_dir)
-    cfg = parse_run_config(spec_run_config(spec, "pretrain"))
-    problem, alg = build_problem(cfg), build_algorithm(cfg, None, num_clients=4)
+    cfg = parse_run_config(stage_run_config(spec, "pretrain"))
+    problem, alg, theta = node_parts(cfg)
+    _, server_alg = server_parts(cfg, problem.num_clients)
     run = build(spec)
-    ref_problem, ref_alg = stage1_setup(run.pipeline, run.task)
-    theta = ref_problem.init_theta()
-    for a, b in zip(theta.values(), problem.init_theta().values()):
+    ref_problem, ref_alg = stage1_setup(spec.effective(), run.task)
+    for a, b in zip(ref_problem.init_theta().values(), theta.values()):
         assert torch.equal(a, b)
     cohort = np.array([0, 2])
     ctx = RoundContext(spec.stage1_seed, 0)
@@ -75,36 +87,7 @@ def test_node_builds_the_pipelines_stage(data_dir):
     for n in u1.vectors:
         assert torch.equal(u1.vectors[n], u2.vectors[n]), n
     assert float(sum(v.abs().sum() for v in u1.vectors.values())) > 0
-
-
-@pytest.mark.slow
-@pytest.mark.data
-def test_quickstart_in_flower_simulation_gives_the_in_process_theta(tmp_path, data_dir):
-    """configs/train/quickstart.toml at a tiny size: θ after pre-training and after
-    personalization in Flower's simulation engine equals the in-process run's (1e-6)."""
-    pytest.importorskip("ray", reason="Flower's simulation engine needs 'flwr[simulation]'")
-    from partialfl.experiments.train import run_train
-    from partialfl.flower.train import run_flower_train
-
-    spec = _spec(data_dir)
-    _, local = run_train(spec, tmp_path / "local", progress=False)
-    msg = run_flower_train(spec, tmp_path / "sim", engine="flower-sim", timeout=600)
-    assert "flower-sim" in msg
-    from partialfl import io as pio
-
-    t1 = pio.load_tensors(tmp_path / "local" / "stage1" / "theta.safetensors", "θ1")[0]
-    t2 = pio.load_tensors(tmp_path / "local" / "theta_stage2.safetensors", "θ2")[0]
-    with np.load(tmp_path / "sim" / "stage1" / "theta.npz") as z:
-        assert sorted(z.files) == sorted(t1)
-        for n in t1:
-            np.testing.assert_allclose(z[n], t1[n].numpy(), rtol=0, atol=1e-6)
-    with np.load(tmp_path / "sim" / "flower" / "theta.npz") as z:
-        assert sorted(z.files) == sorted(t2)
-        for n in t2:
-            np.testing.assert_allclose(z[n], t2[n].numpy(), rtol=0, atol=1e-6)
-    sim = json.loads((tmp_path / "sim" / "metrics.json").read_text())
-    assert abs(sim["test_acc"] - local["test_acc"]) < 1e-9 + 2 / 300
-    assert (tmp_path / "sim" / "report.md").exists()
+    assert type(server_alg) is type(ref_alg)
 
 
 def test_engine_dry_run_prints_the_plan_and_the_run_config(data_dir, tmp_path, capsys):
@@ -115,69 +98,11 @@ def test_engine_dry_run_prints_the_plan_and_the_run_config(data_dir, tmp_path, c
     assert main(["train", str(QUICKSTART), "--engine", "flower-sim", "--dry-run", "--out",
                  str(out), "--set", f"data.path={data_dir}", *sets]) == 0
     text = capsys.readouterr().out
-    assert "engine     flower-sim (2 SuperNodes)" in text and '"problem": "train"' in text
-    assert '"num-rounds": 2' in text and not out.exists()
+    assert "engine     flower-sim (2 SuperNodes)" in text and '"stage": "personalize"' in text
+    assert '"init-from": "STAGE1.npz"' in text and not out.exists()
     assert main(["train", str(QUICKSTART), "--engine", "flower-sim", "--out", str(out),
                  "--set", "method.algorithm=nope"]) == 2
     assert not out.exists()
-
-
-def _flwr_binaries() -> list[str]:
-    import shutil
-    import sys
-
-    bindir = Path(sys.executable).parent
-    return [b for b in ("flwr", "flower-superlink", "flower-supernode")
-            if not (bindir / b).exists() and shutil.which(b) is None]
-
-
-@pytest.mark.slow  # a few minutes: real SuperLink and SuperNode processes, two `flwr run`s
-@pytest.mark.data
-def test_train_on_a_running_deployment_gives_the_in_process_theta(tmp_path, data_dir):
-    """`partialfl train --engine flower --superlink HOST:PORT` against a SuperLink and two
-    SuperNodes started beforehand (insecure, loopback, free ports): it starts no process of
-    its own, the run completes, writes its metrics, and θ after pre-training and
-    personalization (2 + 2 rounds) equals the in-process run's (1e-6)."""
-    missing = _flwr_binaries()
-    if missing:
-        pytest.skip(f"Flower's command-line tools are not installed: {', '.join(missing)}")
-    from partialfl import io as pio
-    from partialfl.cli import main
-    from partialfl.experiments.train import run_train
-    from partialfl.flower.project import LocalFederation
-
-    spec = _spec(data_dir)
-    _, local = run_train(spec, tmp_path / "local", progress=False)
-    out = tmp_path / "deployed"
-    sets = [a for o in [*TINY, f"data.path={data_dir}"] for a in ("--set", o)]
-    deployment = LocalFederation(2)  # flower-superlink + 2 flower-supernode processes
-    try:
-        deployment.start()
-        started = len(deployment.procs)
-        rc = main(["train", str(QUICKSTART), "--engine", "flower", "--superlink",
-                   f"127.0.0.1:{deployment.port}", "--out", str(out), "--no-progress", *sets])
-        assert len(deployment.procs) == started == 3  # the run started nothing
-        assert rc == 0, deployment.log_tail("superlink")
-    finally:
-        deployment.close()
-    assert deployment.alive_groups() == []
-    for sim_file, local_file in ((out / "stage1" / "theta.npz",
-                                  tmp_path / "local" / "stage1" / "theta.safetensors"),
-                                 (out / "flower" / "theta.npz",
-                                  tmp_path / "local" / "theta_stage2.safetensors")):
-        ref = pio.load_tensors(local_file, "θ")[0]
-        with np.load(sim_file) as z:
-            assert sorted(z.files) == sorted(ref)
-            for n in ref:
-                assert np.isfinite(z[n]).all(), n
-                np.testing.assert_allclose(z[n], ref[n].numpy(), rtol=0, atol=1e-6)
-    metrics = json.loads((out / "metrics.json").read_text())
-    assert np.isfinite(metrics["test_acc"]) and 0 <= metrics["test_acc"] <= 1
-    assert abs(metrics["test_acc"] - local["test_acc"]) < 1e-9 + 2 / 300
-    rounds = [json.loads(line)["round"] for line in
-              (out / "stage2.jsonl").read_text().splitlines()]
-    assert rounds == [0, 1, 2]
-    assert (out / "report.md").exists()
 
 
 @pytest.mark.parametrize("args, message", [
@@ -201,7 +126,7 @@ def test_deployment_options_are_checked_before_anything_runs(data_dir, tmp_path,
 
 
 def test_an_unreachable_superlink_is_a_one_line_error_and_writes_nothing(tmp_path):
-    from partialfl.flower.project import SuperLinkConnection, free_port
+    from partialfl.flower.deployment import SuperLinkConnection, free_port
 
     port = free_port()  # nothing listens there
     conn = SuperLinkConnection(f"127.0.0.1:{port}", 2, work_dir=tmp_path / "w",

@@ -73,7 +73,7 @@ def test_config_validation_names_key_and_allowed_values():
                                           r"\[method\]: algorithm, finetune_split"):
         RunSpec.from_dict({"method": {"spilt": "output"}})
     with pytest.raises(ConfigError, match="backend: 'gpu' is not allowed; allowed: "
-                                          "processes, sequential, vmap"):
+                                          "processes, sequential, threads, vmap"):
         RunSpec.from_dict({"backend": "gpu"})
     with pytest.raises(ConfigError, match="server.optimizer: 'rmsprop' is not allowed"):
         RunSpec.from_dict({"pretrain": {"server": {"optimizer": "rmsprop"}}})

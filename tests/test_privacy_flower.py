@@ -76,13 +76,13 @@ def test_evaluation_replies_are_sums_and_refused_otherwise(flower_runs):
 
 
 def test_evaluation_means_equal_the_in_process_per_client_means(flower_runs):
-    from partialfl.flower.builders import build_algorithm, build_problem
+    from partialfl.build import build
     from partialfl.flower.config import parse_run_config
 
     run, report, _ = flower_runs["nan"]
     cfg = parse_run_config(run)
-    problem = build_problem(cfg)
-    alg = build_algorithm(cfg, problem)
+    built = build(cfg.run)
+    problem, alg = built.problem, built.algorithm
     theta = {"theta": problem.init_theta()["theta"]}
     own = np.arange(problem.num_clients)
     w = alg.solver(problem, own, theta, cfg.seed, -1).w
@@ -131,10 +131,11 @@ def test_a_node_with_fewer_than_eval_min_clients_sends_nothing(loopback):
     """Issue 21: a node with one client sent that client's exact loss. Now (default
     eval-min-clients = 2) such a node sends an empty evaluation, counted as withheld; the
     key is configurable, and a node's own floor raises it."""
+    from _flower_sims import ls_run
+
     from partialfl.flower.server import run_server
 
-    run = {"ls-clients": 4, "ls-n": 200, "ls-d-theta": 10, "ls-d-w": 5, "local-steps": 5,
-           "seed": 3, "num-rounds": 2, "eval-every": 1}
+    run = ls_run(2, eval_every=1, spec={"problem": {"num_clients": 4}})
     grid = loopback(4)  # one client per SuperNode
     rep = run_server(grid, run)
     for h in rep.history:

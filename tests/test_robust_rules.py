@@ -185,7 +185,7 @@ NEW_RULES = {
     "clip-cm": StaticClipping(CoordinateMedian(), c=1e3),
 }
 ALL_RULES = {**{n: make_aggregator(n, delta=0.2, **({"index": 0} if n == "monna" else {}))
-                for n in _names("aggregator") if n != "mean"},
+                for n in _names("aggregator", builtin=True) if n != "mean"},
              **NEW_RULES}
 
 

@@ -2,18 +2,18 @@
 Every reply is checked against what the server sent (leaves, shapes, dtype, finite values,
 declared extras, weights bounded by the node's declared example counts, the asked clients); a
 bad reply is a counted failure of its node (report and ``clients_failed``), never an
-exception. NNM never runs with δ = 0 from the default ``aggregator-delta``."""
+exception."""
 
 from __future__ import annotations
 
 import numpy as np
 import pytest
+from _flower_sims import ls_run
 
 pytest.importorskip("flwr", reason="flwr is not installed (pip install 'partialfl[flower]')")
 
 from flwr.app import Array, ArrayRecord, ConfigRecord, MetricRecord, RecordDict  # noqa: E402
 
-from partialfl.aggregation import Bucketing, Krum, NearestNeighborMixing  # noqa: E402
 from partialfl.flower.codec import (  # noqa: E402
     WireFormatError,
     decode_describe,
@@ -23,12 +23,9 @@ from partialfl.flower.codec import (  # noqa: E402
     encode_updates,
     params_to_record,
 )
-from partialfl.flower.config import ConfigError, build_aggregator, parse_run_config  # noqa: E402
 from partialfl.types import ClientUpdates  # noqa: E402
 
 THETA = {"theta": np.zeros(4)}
-SMALL = {"ls-clients": 8, "ls-n": 200, "ls-d-theta": 10, "ls-d-w": 5, "local-steps": 5,
-         "seed": 3, "num-rounds": 3, "eval-every": 1}
 
 
 def _content(k=3, dtype=np.float64):
@@ -184,7 +181,8 @@ def test_a_hostile_supernode_is_counted_never_breaks_the_server(loopback, attack
         if partition == 1 and mtype == kind:
             fn(content)
 
-    run = {**SMALL, "weighting": "examples", "max-failure-fraction": 0.6}
+    run = ls_run(3, eval_every=1, spec={"method": {"weighting": "examples"},
+                                        "max_failure_fraction": 0.6})
     report = run_server(loopback(2, tamper=tamper), run)
     clean = run_server(loopback(2), {**run, "fault-injection": "crash:partition=1,round=-1"})
     assert report.server_steps == 3 and not report.aborted
@@ -200,26 +198,6 @@ def test_a_hostile_supernode_is_counted_never_breaks_the_server(loopback, attack
     else:  # training untouched; evaluation from node 0 alone
         assert report.failed_client_updates == 0
         assert all(h["eval_clients"] == 4 for h in report.history)
-
-
-def test_nnm_with_the_default_delta_derives_or_refuses():
-    base = {"algorithm": "br-ffgg", "nnm": True}
-    # cm has no δ of its own and aggregator-delta = 0 (the default): refused at parse time
-    with pytest.raises(ConfigError, match="set aggregator-delta > 0"):
-        parse_run_config({**base, "aggregator": "cm"})
-    # krum has one (0.1): NNM mixes with k − ⌊0.1k⌋ inputs, never all k
-    agg = build_aggregator(parse_run_config({**base, "aggregator": "krum"}))
-    assert isinstance(agg, NearestNeighborMixing) and agg.delta == pytest.approx(0.1)
-    agg = build_aggregator(parse_run_config({**base, "aggregator": "cm",
-                                             "aggregator-delta": 0.2, "bucket-size": 2}))
-    assert isinstance(agg, Bucketing) and agg.inner.delta == pytest.approx(0.4)
-    agg = build_aggregator(parse_run_config({**base, "aggregator": "multi-krum",
-                                             "nnm": False, "bucket-size": 2}))
-    assert isinstance(agg.inner, Krum) and agg.inner.delta == pytest.approx(0.2)
-    X = np.random.default_rng(0).standard_normal((20, 5))
-    X[0] = 1e30
-    out = build_aggregator(parse_run_config({**base, "aggregator": "krum"}))(X, None)
-    assert np.abs(out).max() < 100
 
 
 def test_nan_weight_client_is_rejected_counted_and_skipped(flower_runs):
@@ -244,8 +222,9 @@ def test_a_hostile_supernode_in_async_mode_is_counted(loopback, attack):
         if partition == 1 and mtype == kind:
             fn(content)
 
-    run = {**SMALL, "mode": "async", "concurrency": 2, "num-rounds": 6, "server-lr": 0.05,
-           "max-failure-fraction": 0.9}
+    run = ls_run(6, eval_every=1, spec={"asynchronous": {"rule": "fedasync", "concurrency": 2},
+                                        "personalize": {"server": {"lr": 0.05}},
+                                        "max_failure_fraction": 0.9})
     report = run_server(loopback(2, tamper=tamper), run)
     assert report.server_steps == 6 and report.failures
     assert all((f.kind, f.partition, len(f.clients)) == ("invalid", 1, 1)

@@ -129,17 +129,18 @@ def _toy_for(cfg, problem):
 def test_toy_in_a_flower_simulation_matches_in_process():
     pytest.importorskip("flwr", reason="flwr is not installed (pip install 'partialfl[flower]')")
     ray = pytest.importorskip("ray", reason="Flower's simulation engine needs ray")
-    from partialfl.flower.builders import build_problem
+    from _flower_sims import ls_run
+
+    from partialfl.build import problem_of
     from partialfl.flower.config import parse_run_config
     from partialfl.flower.simulation import run_simulation
 
     # the ClientApp actors cannot import this test file: send its code along
     ray.cloudpickle.register_pickle_by_value(sys.modules[__name__])
-    run = {"ls-clients": 8, "ls-n": 200, "ls-d-theta": 10, "ls-d-w": 5, "seed": 3,
-           "num-rounds": 3, "clients-per-round": 5, "eval-every": 3}
+    run = ls_run(3, 5, eval_every=3)
     report = run_simulation(run, num_supernodes=2, num_cpus=2, algorithm_factory=_toy_for)
     cfg = parse_run_config(run)
-    p = build_problem(cfg)
+    p = problem_of(cfg.run)
     ref = run_rounds(p, _toy_for(cfg, p), 3, clients_per_round=5, seed=3)
     np.testing.assert_allclose(report.theta["theta"], ref.state.theta["theta"], rtol=0,
                                atol=1e-6)

@@ -126,19 +126,13 @@ def spec_reference(cls: type | None = None, path: str = "") -> list[str]:
     return lines
 
 
-def _builtin(e) -> bool:
-    return (e.module or getattr(e.build, "__module__", "")).startswith("partialfl.")
-
-
 def component_reference(builtin: bool = False) -> list[str]:
     """Markdown sections for every kind of component and each registered entry (with
     ``builtin``: only partialfl's own, not those of loaded plugins)."""
     lines = []
     for kind, k in KINDS.items():
         lines += [f"### Kind `{kind}`", "", f"{k.doc[:1].upper()}{k.doc[1:]}.", ""]
-        for e in entries(kind):
-            if builtin and not _builtin(e):
-                continue
+        for e in entries(kind, builtin):
             alias = f" (also: {', '.join(e.aliases)})" if e.aliases else ""
             lines += [f"- **`{e.name}`**{alias}: {e.doc}"]
             opts = describe_options(e.options)

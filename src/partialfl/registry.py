@@ -221,16 +221,17 @@ def load_plugins(modules: Iterable[str], key: str = "plugins") -> None:
             raise ConfigError(f"{key}: cannot import plugin module {mod!r}: {e}") from None
 
 
-def names(kind: str) -> tuple[str, ...]:
-    """The registered names of ``kind`` (what a spec may say), aliases not included."""
-    _load(kind)
-    return tuple(sorted(_ENTRIES[kind]))
+def names(kind: str, builtin: bool = False) -> tuple[str, ...]:
+    """The registered names of ``kind`` (what a spec may say), aliases not included;
+    ``builtin``: partialfl's own only (none of a loaded plugin's)."""
+    return tuple(e.name for e in entries(kind, builtin))
 
 
-def entries(kind: str) -> list[Entry]:
-    """Every entry of ``kind``, by name."""
+def entries(kind: str, builtin: bool = False) -> list[Entry]:
+    """Every entry of ``kind``, by name (``builtin``: partialfl's own only)."""
     _load(kind)
-    return [_ENTRIES[kind][n] for n in sorted(_ENTRIES[kind])]
+    return [e for n, e in sorted(_ENTRIES[kind].items())
+            if not builtin or e.module.startswith("partialfl.")]
 
 
 def canonical(kind: str, name: str) -> str | None:

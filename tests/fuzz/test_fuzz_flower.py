@@ -386,15 +386,16 @@ def test_describe_replies_are_checked(nparts, M, part, corruption):
 def saved_checkpoint(tmp_path_factory):
     """A real ServerApp checkpoint (FFGG + Adam on least squares, θ and moments), and the
     fresh state a resumed run compares it with."""
+    from partialfl.build import build
     from partialfl.flower import checkpoint
-    from partialfl.flower.builders import build_algorithm, build_problem
     from partialfl.flower.config import parse_run_config
 
     d = tmp_path_factory.mktemp("ckpt")
-    cfg = parse_run_config({"ls-clients": 4, "ls-n": 20, "ls-d-theta": 3, "ls-d-w": 2,
-                            "server-opt": "adam", "server-lr": 0.1, "out-dir": str(d)})
-    problem = build_problem(cfg)
-    alg = build_algorithm(cfg, problem)
+    spec = {"problem": {"name": "least-squares", "num_clients": 4, "n": 20, "d_theta": 3,
+                        "d_w": 2}, "personalize": {"server": {"optimizer": "adam", "lr": 0.1}}}
+    cfg = parse_run_config({"spec": spec, "out-dir": str(d)})
+    built = build(cfg.run)
+    problem, alg = built.problem, built.algorithm
     fresh = alg.init(problem, problem.init_theta())
     checkpoint.save(cfg, fresh, 2, {"history": [{"round": 0}], "failures": [],
                                     "skipped_rounds": 0, "requested": 8, "grads": 4})

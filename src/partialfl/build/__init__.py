@@ -17,6 +17,7 @@ from partialfl.build.algorithm import (
     build_aggregator,
     build_algorithm,
     build_server_opt,
+    stage_algorithm,
     wrap_algorithm,
 )
 from partialfl.build.code import (
@@ -52,5 +53,5 @@ __all__ = ["ALLOW_CODE_ENV", "Run", "Task", "allow_code", "async_rule", "build",
            "build_model", "build_problem", "build_server_opt", "build_split", "code_allowed",
            "config_folder_on_path", "convert_data", "executor_of", "import_callable",
            "load_spec_plugins", "make_aggregator", "make_attack", "make_backend", "make_model",
-           "make_optimizer", "make_solver", "model_task", "problem_of", "split_of", "task_name",
-           "wrap_algorithm"]
+           "make_optimizer", "make_solver", "model_task", "problem_of", "split_of",
+           "stage_algorithm", "task_name", "wrap_algorithm"]

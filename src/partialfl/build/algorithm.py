@@ -68,6 +68,19 @@ def build_algorithm(spec: RunSpec, stage: StageConfig, *, method=None, problem=N
     return alg
 
 
+def stage_algorithm(spec: RunSpec, stage: str, *, problem=None, num_clients: int | None = None):
+    """The algorithm of one federated stage of a model run, with its wrappers: ``pretrain``
+    is FedAvg on every parameter with ``[pretrain]``'s optimizers, ``personalize`` the
+    spec's method with ``[personalize]``'s (what the pipeline's stages build; a Flower
+    ServerApp, which holds no data, builds it from this and the number of clients)."""
+    from partialfl.spec import MethodConfig
+
+    if stage == "pretrain":
+        return build_algorithm(spec, spec.pretrain, method=MethodConfig(algorithm="fedavg"),
+                               problem=problem, num_clients=num_clients)
+    return build_algorithm(spec, spec.personalize, problem=problem, num_clients=num_clients)
+
+
 def wrap_algorithm(spec: RunSpec, alg, num_clients: int | None,
                    clients_per_round: int | None, aggregator=None, rounds: int | None = None):
     """``alg`` inside the run's wrappers (faults, attack, privacy), innermost first."""

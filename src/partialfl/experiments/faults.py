@@ -183,25 +183,29 @@ def least_squares_flower(size: Size, seed: int) -> list[dict] | str:
     except ImportError:
         return ("Flower node loss: not run (needs the `flower` extra with Flower's simulation "
                 "engine, `pip install 'partialfl[flower]'`).")
-    from partialfl.flower.builders import build_algorithm, build_problem
+    from partialfl.build import build
     from partialfl.flower.config import parse_run_config, partition_clients
     from partialfl.flower.simulation import run_simulations
 
     rounds = size.flower_rounds
     lost_from = rounds // 3
-    base = {"ls-clients": 8, "ls-n": size.n, "ls-d-theta": size.d_theta, "ls-d-w": size.d_w,
-            "local-steps": 20, "seed": seed, "ls-seed": seed, "num-rounds": rounds, "eval-every": 1,
-            "max-failure-fraction": 0.6}
+    spec = {"seed": seed, "max_failure_fraction": 0.6,
+            "problem": {"name": "least-squares", "num_clients": 8, "n": size.n,
+                        "d_theta": size.d_theta, "d_w": size.d_w, "seed": seed},
+            "method": {"algorithm": "ffgg", "w_init": "zero"},
+            "personalize": {"rounds": rounds, "eval_every": 1,
+                            "client": {"name": "gd", "tau": 20}}}
+    base = {"spec": spec}
     faulty = {**base, "fault-injection": "; ".join(
         f"crash:partition=1,round={r}" for r in range(lost_from, rounds))}
     clean_rep, lost_rep = run_simulations([base, faulty], num_supernodes=2, num_cpus=2)
-    cfg = parse_run_config(faulty)
-    problem = build_problem(cfg)
+    b = build(parse_run_config(faulty).run)
+    problem = b.problem
     gone = partition_clients(problem.num_clients, 2, 1)
     drop = [(r, int(m)) for r in range(lost_from, rounds) for m in gone]
     ev = _ls_metrics(problem.theta_star()["theta"])
-    ref = run_rounds(problem, DropClients(build_algorithm(cfg, problem), drop), rounds,
-                     seed=cfg.seed, evaluate=ev, eval_every=1)
+    ref = run_rounds(problem, DropClients(b.algorithm, drop), rounds, seed=seed, evaluate=ev,
+                     eval_every=1)
     diff = float(np.abs(np.asarray(lost_rep.theta["theta"])
                         - np.asarray(ref.state.theta["theta"])).max())
     attempted = rounds * problem.num_clients

@@ -11,11 +11,17 @@
   SuperNode serves the clients of its partition, fine-tunes their personal parameters locally
   and sends only :class:`~partialfl.types.ClientUpdates`; :mod:`partialfl.flower.node`: what
   only the node's own configuration decides (it never imports code a message names).
-* :mod:`partialfl.flower.config` — ``flwr run -c key=value`` keys → validated config → the same
-  problem/algorithm objects as the in-process simulator (no ``flwr`` import).
+* :mod:`partialfl.flower.config` — the run config: Flower's own keys (transport, evaluation
+  floor, output, checkpoints, SecAgg+) and the run's whole spec (key ``spec``), validated (no
+  ``flwr`` import); :mod:`partialfl.flower.stage` builds the spec's stage through
+  :mod:`partialfl.build`, as in-process.
+* :mod:`partialfl.flower.train` — ``partialfl run|train --engine flower-sim|flower``.
 * :mod:`partialfl.flower.simulation` — run the app in Flower's simulation engine from Python.
-* :mod:`partialfl.flower.project` — the Flower app folder (``pyproject.toml``) and local
-  SuperLink/SuperNode processes for deployment on one machine (tests, benchmarks).
+* :mod:`partialfl.flower.project` — the Flower app folder (``pyproject.toml``);
+  :mod:`partialfl.flower.deployment` — SuperLink/SuperNode processes on this machine (TLS,
+  node authentication, per-node data, restarts) or a connection to a deployment;
+  :mod:`partialfl.flower.local` — ``partialfl flower local CONFIG --nodes N``;
+  :mod:`partialfl.flower.secagg` — SecAgg+ of θ.
 
 Both apps call exactly ``Algorithm.client_update`` / ``Algorithm.server_update``: no algorithm
 math is re-implemented here.

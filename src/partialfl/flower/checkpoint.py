@@ -20,12 +20,9 @@ import numpy as np
 
 from partialfl import io as pio
 from partialfl.arrays import is_torch, to_numpy, to_torch
-from partialfl.flower.config import ConfigError, FlowerConfig
+from partialfl.flower.config import VOLATILE, ConfigError, FlowerConfig
 
-FORMAT = "partialfl-flower-checkpoint/1"
-#: run-config keys that may differ between the interrupted run and its resumption
-VOLATILE = ("out-dir", "resume", "checkpoint-every", "fault-injection", "round-timeout",
-            "poll-interval", "min-nodes", "node-wait-timeout", "max-failure-fraction")
+FORMAT = "partialfl-flower-checkpoint/2"
 
 
 class CheckpointError(ConfigError):
@@ -67,7 +64,7 @@ def _show(v: Any, n: int = 60) -> str:
 
 
 def _compare(cfg: FlowerConfig, saved: dict[str, Any]) -> None:
-    now = {k: v for k, v in cfg.to_run_config().items() if k not in VOLATILE}
+    now = cfg.fingerprint()
     old = {" ".join(str(k).split())[:60]: v for k, v in saved.items() if k not in VOLATILE}
     diff = sorted(k for k in set(now) | set(old) if now.get(k) != old.get(k))
     if diff:
@@ -91,7 +88,7 @@ def save(cfg: FlowerConfig, state, next_round: int, report: dict[str, Any]) -> P
     blob = st_save(arrays) if arrays else st_save({"_": np.zeros(0)})
     name = f"checkpoint-{next_round}.safetensors"
     pio.write_bytes(out / name, blob)
-    meta = {"format": FORMAT, "config": cfg.to_run_config(), "next_round": int(next_round),
+    meta = {"format": FORMAT, "config": cfg.fingerprint(), "next_round": int(next_round),
             "state_round": int(state.round), "state": skel, "tensors": name,
             "sha256": hashlib.sha256(blob).hexdigest(), "report": report}
     pio.write_bytes(out / "checkpoint.json", json.dumps(meta, default=float).encode())

@@ -15,13 +15,12 @@ partition P. It answers three message types:
 * ``evaluate`` — θ → the personalized loss of its clients after fine-tuning w locally, as
   sums and counts over the node's clients only (no per-client value leaves the node).
 
-The problem and algorithm are built from the run config with the same builders as the
-server (:mod:`partialfl.flower.config`) and cached per process.
+The problem and algorithm are the run spec's stage, built by :mod:`partialfl.build` as
+in-process (:func:`partialfl.flower.stage.node_parts`), and cached per process.
 """
 
 from __future__ import annotations
 
-import time
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
@@ -30,21 +29,25 @@ import numpy as np
 from flwr.app import ConfigRecord, Context, Message, MetricRecord, RecordDict
 from flwr.clientapp import ClientApp
 
-from partialfl import rng as prng
 from partialfl.algorithms.base import RoundContext, ServerState
-from partialfl.flower.builders import build_algorithm, build_problem
+from partialfl.build import allow_code
 from partialfl.flower.codec import (
     decode_params,
     encode_updates,
     params_to_record,
 )
 from partialfl.flower.config import (
+    ConfigError,
     FlowerConfig,
+    decode_spec,
+    inject_faults,
     parse_fault_injection,
     parse_run_config,
     partition_clients,
 )
-from partialfl.flower.node import check_code, node_options
+from partialfl.flower.node import check_code, check_node_data, load_node_data, node_options
+from partialfl.flower.secagg import is_secagg, node_contribution, secagg_mod
+from partialfl.flower.stage import node_parts
 
 
 @dataclass
@@ -58,6 +61,8 @@ class NodeRuntime:
     algorithm: Any
     clients: np.ndarray
     torch: bool
+    theta0: Any = None  # the stage's initial θ (before ``algorithm.init``)
+    theta_names: tuple[str, ...] = ()  # θ's leaves in the server's order
     eval_min_clients: int = 2  # the run config's, raised by the node's own floor
 
     def check_clients(self, cohort: np.ndarray) -> np.ndarray:
@@ -73,41 +78,58 @@ class NodeRuntime:
 
 _CACHE: dict[tuple, NodeRuntime] = {}
 
-#: ``(cfg, problem) -> Algorithm``: an algorithm built by code instead of by the run config
+#: ``(cfg, problem) -> Algorithm``: an algorithm built by code instead of by the spec
 AlgorithmFactory = Callable[[FlowerConfig, Any], Any]
+
+
+def _spec_dict(run_config: dict[str, Any]) -> dict[str, Any]:
+    """The spec the run config names, as a plain dict (nothing imported); {} when it does
+    not decode (parsing it then fails with its own message)."""
+    try:
+        return decode_spec(str(run_config.get("spec", "")), str(run_config.get("set", "")))
+    except ConfigError:
+        return {}
 
 
 def node_runtime(context: Context, msg: Message | None = None,
                  algorithm_factory: AlgorithmFactory | None = None) -> NodeRuntime:
     """The (cached) runtime of this SuperNode: the run config is the one the server sent with
     the message (the server's validated copy of ``flwr run``'s config), else
-    ``context.run_config``; the partition, whether code named in the run config may be
-    imported and the evaluation floor come from the SuperNode's own node config and
-    environment (:mod:`partialfl.flower.node`). The algorithm is
-    ``algorithm_factory(cfg, problem)`` when given (programmatic use, e.g. an algorithm
-    defined outside partialfl), else the run config's."""
+    ``context.run_config``; the partition, whether code the spec names may be imported, the
+    evaluation floor and the node's own data come from the SuperNode's node config and
+    environment (:mod:`partialfl.flower.node`). The problem, algorithm and θ⁰ are the spec's
+    stage (:func:`partialfl.flower.stage.node_parts`), or ``algorithm_factory(cfg, problem)``
+    when given (programmatic use, e.g. an algorithm defined outside partialfl)."""
     if msg is not None and "run-config" in msg.content:
-        cfg = parse_run_config(dict(msg.content["run-config"]))
+        raw = dict(msg.content["run-config"])
     else:
-        cfg = parse_run_config(dict(context.run_config))
+        raw = dict(context.run_config)
     opts = node_options(context.node_config)
-    check_code(cfg, opts)  # before anything is built from the config
-    part, nparts = opts.partition, opts.num_partitions
-    key = (tuple(sorted(cfg.to_run_config().items())), opts, algorithm_factory)
-    rt = _CACHE.get(key)
-    if rt is None:
-        problem = build_problem(cfg)
-        algorithm = (build_algorithm(cfg, problem) if algorithm_factory is None
-                     else algorithm_factory(cfg, problem))
-        if getattr(algorithm, "stateful_clients", False):
-            raise ValueError(f"algorithm {cfg.algorithm!r} keeps client state; the Flower app "
-                             "runs stateless algorithms only")
-        clients = partition_clients(problem.num_clients, nparts, part)
-        rt = NodeRuntime(cfg, part, nparts, problem, algorithm, clients,
-                         torch=cfg.problem != "least-squares",
-                         eval_min_clients=max(cfg.eval_min_clients, opts.eval_min_clients))
-        _CACHE.clear()  # one run per process at a time
-        _CACHE[key] = rt
+    check_code(_spec_dict(raw), opts)  # before anything is imported or built from the spec
+    with allow_code(opts.allow_imports):
+        cfg = parse_run_config(raw)
+        key = (tuple(sorted(cfg.to_run_config().items())), opts, algorithm_factory)
+        rt = _CACHE.get(key)
+        if rt is None:
+            # a node store holds model data; a closed-form problem is generated from its seed
+            data = load_node_data(opts.data) if opts.data and not cfg.closed_form else None
+            problem, algorithm, theta0 = node_parts(cfg, data)
+            if algorithm_factory is not None:
+                algorithm = algorithm_factory(cfg, problem)
+            if getattr(algorithm, "stateful_clients", False):
+                raise ValueError(f"algorithm {cfg.run.method.algorithm!r} keeps client state; "
+                                 "the Flower app runs stateless algorithms only")
+            clients = partition_clients(problem.num_clients, opts.num_partitions,
+                                        opts.partition)
+            if data is not None:
+                check_node_data(data, clients)
+            names = tuple(algorithm.init(problem, theta0).theta)
+            rt = NodeRuntime(cfg, opts.partition, opts.num_partitions, problem, algorithm,
+                             clients, torch=not cfg.closed_form, theta0=theta0,
+                             theta_names=names,
+                             eval_min_clients=max(cfg.eval_min_clients, opts.eval_min_clients))
+            _CACHE.clear()  # one run per process at a time
+            _CACHE[key] = rt
     return rt
 
 
@@ -123,17 +145,19 @@ def describe(rt: NodeRuntime, msg: Message) -> Message:
     })
     content = RecordDict({"info": info})
     if int(msg.content["request"].get("init-partition", -1)) == rt.partition:
-        theta0 = rt.problem.init_theta(prng.generator(rt.cfg.seed, "init"))
-        content["theta0"] = params_to_record(rt.algorithm.init(rt.problem, theta0).theta)
+        content["theta0"] = params_to_record(rt.algorithm.init(rt.problem, rt.theta0).theta)
     return Message(content, reply_to=msg)
 
 
 def train(rt: NodeRuntime, msg: Message) -> Message:
-    """One cohort's client updates at the θ the server sent."""
+    """One cohort's client updates at the θ the server sent (a SecAgg+ round: the node's
+    combined contribution, :func:`partialfl.flower.secagg.node_contribution`)."""
+    if is_secagg(msg):
+        return node_contribution(rt, msg)
     task = msg.content["task"]
     r = int(task["round"])
     cohort = rt.check_clients(np.asarray(task["clients"], dtype=np.int64))
-    _inject_faults(rt, r)
+    inject_faults(rt.cfg.fault_injection, rt.partition, r)
     theta = decode_params(msg.content["theta"], rt.torch)
     state = ServerState(theta=theta, round=r)
     result = rt.algorithm.client_update(state, rt.problem, cohort, RoundContext(rt.cfg.seed, r))
@@ -156,7 +180,7 @@ def evaluate(rt: NodeRuntime, msg: Message) -> Message:
 def make_client_app(algorithm_factory: AlgorithmFactory | None = None) -> ClientApp:
     """The ClientApp answering ``query.describe``, ``train`` and ``evaluate`` (see the module
     docstring); ``algorithm_factory(cfg, problem)`` replaces the run config's algorithm."""
-    app = ClientApp()
+    app = ClientApp(mods=[secagg_mod])
 
     @app.query("describe")
     def _describe(msg: Message, context: Context) -> Message:
@@ -197,14 +221,6 @@ def evaluate_clients(rt: NodeRuntime, theta, round_: int) -> dict[str, Any]:
     if hasattr(rt.problem, "f_star"):
         out["loss-gap.sum"] = float((loss - rt.problem.f_star()[own]).sum())
     return out
-
-
-def _inject_faults(rt: NodeRuntime, round_: int) -> None:
-    for f in parse_fault_injection(rt.cfg.fault_injection):
-        if f.kind in ("crash", "slow") and f.applies(rt.partition, round_):
-            if f.kind == "crash":
-                raise RuntimeError(f"injected crash: partition {rt.partition}, round {round_}")
-            time.sleep(f.seconds)
 
 
 __all__ = ["AlgorithmFactory", "NodeRuntime", "app", "evaluate_clients", "make_client_app",

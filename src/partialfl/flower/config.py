@@ -1,28 +1,34 @@
-"""The run configuration of the Flower app, mapped onto partialfl's own objects.
+"""The run configuration of the Flower app: Flower's own keys, and the run specification.
 
 ``flwr run APP -c key=value`` overrides keys of ``[tool.flwr.app.config]`` in the app's
-``pyproject.toml``; Flower hands the fused flat dict to both the ServerApp and every ClientApp
-as ``context.run_config``. :func:`parse_run_config` validates that dict once (every error names
-the bad key, the bad value and what is allowed) into a frozen :class:`FlowerConfig`, and the
-builders below turn it into the *same* partialfl objects the in-process simulator uses:
-:func:`build_problem`, :func:`build_algorithm` (FFGG, BR-FFGG, Local FFGG, FedAvg with the
-server optimizer, schedule and aggregator), :func:`partition_clients`.
+``pyproject.toml``; Flower hands the fused flat dict to the ServerApp and every ClientApp as
+``context.run_config``. The run itself — closed-form problem or model and data, algorithm and
+its ``[aggregation]`` / ``[attack]`` / ``[privacy]`` / ``[faults]`` / ``[asynchronous]``
+blocks, stages, seeds — is ONE :class:`~partialfl.spec.RunSpec`, carried whole by the key
+``spec`` (TOML text, a JSON object, or ``b64:`` + base64 JSON as partialfl's commands send it)
+with optional ``set`` overrides (``'personalize.rounds=20; seed=1'``, like ``--set``).
+``stage`` picks the spec's federated stage (a closed-form spec has one, ``personalize``);
+``init-from`` holds stage 1's θ (``.npz``) for stage 2 of a model run. Every other key is
+Flower's own: transport, the nodes' evaluation floor, output and checkpoints, SecAgg+ and
+fault injection (testing). :data:`FIELDS` is the one table of those keys, from which
+:class:`FlowerConfig` and the app's ``pyproject.toml`` are generated.
 
-This module does not import ``flwr``, so configs can be checked without the optional extra.
-Keys use Flower's kebab-case; :data:`FIELDS` is the single table of keys, types, defaults and
-allowed values from which :class:`FlowerConfig` and the app's ``pyproject.toml`` are generated
-(:func:`partialfl.flower.project.app_pyproject`). A key that mirrors a field of the run
-specification (:func:`from_spec`, e.g. ``server-lr`` = ``ServerConfig.lr``, ``ls-n`` =
-``ProblemConfig.n``, ``model`` = ``ModelSpec.name``) takes its type, default and validation
-(registry names included) from :mod:`partialfl.spec`, so the app's defaults are the config's;
-the rest are Flower's own (transport, robustness, output). Problem ``train`` carries a whole
-:class:`~partialfl.spec.TrainSpec` (key ``train-spec``), so any model and data a train config
-names runs on Flower.
+:func:`parse_run_config` validates the dict once (an error names the key, the value and what
+is allowed) into a frozen :class:`FlowerConfig` whose ``spec`` is the validated spec in its
+canonical form (``b64:`` JSON), so the server and every SuperNode decode the same spec. What
+the run builds from it is :mod:`partialfl.flower.stage` (through :mod:`partialfl.build`).
+
+This module does not import ``flwr`` nor torch: configs are checked without the extra.
 """
 
 from __future__ import annotations
 
+import base64
+import binascii
+import copy
+import json
 import math
+import tomllib
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, make_dataclass
 from dataclasses import field as dc_field
@@ -30,29 +36,20 @@ from typing import Any
 
 import numpy as np
 
-from partialfl.build import names
 from partialfl.config import ConfigError as CoreConfigError
-from partialfl.spec import (
-    AlgorithmConfig,
-    ClientConfig,
-    DataSpec,
-    MethodConfig,
-    ModelSpec,
-    ProblemConfig,
-    ServerConfig,
-)
+from partialfl.spec import STAGES, RunSpec, StageConfig
 
-ALGORITHMS = ("ffgg", "br-ffgg", "local-ffgg", "fedavg")
-PROBLEMS = ("least-squares", "femnist", "train")
-TRAIN_STAGES = ("pretrain", "personalize")
-MODES = ("sync", "async")
+#: the stages of a spec that train federatedly (stage 3, fine-tuning, is client-local)
+FEDERATED_STAGES = STAGES[:2]
+
+
+class ConfigError(CoreConfigError):
+    """A run-config key or value that partialfl cannot use (the message names it)."""
 
 
 @dataclass(frozen=True)
 class Field:
-    """One run-config key: its type, default, allowed values (or a check) and help text;
-    ``spec``: the run-specification field it mirrors (``Class.attr`` of :mod:`partialfl.spec`),
-    which gives its type, default and validation."""
+    """One run-config key: its type, default, allowed values (or a check) and help text."""
 
     key: str
     type: type | tuple[type, ...]
@@ -61,54 +58,11 @@ class Field:
     choices: tuple | None = None
     check: Callable[[Any], bool] | None = None
     requirement: str = ""
-    spec: str = ""
 
     @property
     def attr(self) -> str:
         """The key as a Python attribute name (dashes to underscores)."""
         return self.key.replace("-", "_")
-
-
-_SCALARS = (bool, int, float, str)
-
-
-def _flat_type(tp) -> tuple[type, ...]:
-    """The run-config types of a spec field's annotation (``X | None`` → X; Flower carries
-    no None)."""
-    import types
-    import typing
-
-    args = typing.get_args(tp) if typing.get_origin(tp) in (typing.Union, types.UnionType) \
-        else (tp,)
-    out = tuple(a for a in args if a in _SCALARS)
-    if not out or len(out) != len([a for a in args if a is not type(None)]):
-        raise TypeError(f"spec field type {tp} has no run-config form")
-    return out
-
-
-def from_spec(key: str, cls: type, attr: str, help: str, *, none: Any = None) -> Field:
-    """The run-config key ``key`` mirroring the spec field ``cls.attr``: type, default and
-    validation are the spec's (its ``__post_init__``: registry names, ranges); ``none`` is
-    the run-config value that stands for the spec's None (Flower carries no None)."""
-    import dataclasses
-    import typing
-
-    hints = typing.get_type_hints(cls)
-    (f,) = [f for f in dataclasses.fields(cls) if f.name == attr]
-    default = f.default if f.default is not dataclasses.MISSING else f.default_factory()
-    types_ = _flat_type(hints[attr])
-    if default is None:
-        if none is None:
-            raise TypeError(f"{cls.__name__}.{attr}: give the run-config value for None")
-        default = none
-
-    def check(v) -> bool:
-        cls(**{attr: None if none is not None and v == none else v})
-        return True
-
-    where = f"{cls.__name__}.{attr}"
-    return Field(key, types_[0] if len(types_) == 1 else types_, default,
-                 f"{help} (= partialfl.spec.{where})", check=check, spec=where)
 
 
 def _pos(v) -> bool:
@@ -121,23 +75,18 @@ def _nonneg(v) -> bool:
 
 #: Every key of the app's run config. Order = order in the generated pyproject.toml.
 FIELDS: tuple[Field, ...] = (
-    # -- what to run ------------------------------------------------------------------
-    Field("algorithm", str, "ffgg", "FFGG (Alg. 1), BR-FFGG (Alg. 5), Local FFGG (Alg. 4), "
-          "FedAvg", choices=ALGORITHMS),
-    Field("problem", str, "least-squares", "the federated problem", choices=PROBLEMS),
-    Field("num-rounds", int, 10, "server steps (sync: rounds; async: applied buffers)",
-          check=_nonneg, requirement="an integer >= 0"),
-    Field("clients-per-round", int, 0, "clients sampled per round (0 = all)", check=_nonneg,
-          requirement="an integer >= 0 (0 = all clients)"),
-    Field("seed", int, 0, "run seed: cohorts, initialisation, local randomness",
-          check=_nonneg, requirement="an integer >= 0"),
-    Field("mode", str, "sync", "sync rounds, or async (server applies updates as they arrive)",
-          choices=MODES),
-    Field("buffer-size", int, 1, "async: updates per server step (FedBuff K; 1 = Algorithm 3)",
-          check=_pos, requirement="an integer >= 1"),
-    Field("concurrency", int, 0, "async: client updates in flight (0 = number of SuperNodes)",
-          check=_nonneg, requirement="an integer >= 0"),
-    # -- robustness of the transport ---------------------------------------------------
+    # -- what to run: the run specification --------------------------------------------
+    Field("spec", str, "", "the run specification (partialfl.spec.RunSpec): TOML text, a JSON "
+          "object, or b64:BASE64-JSON (what `partialfl run|train --engine flower*` sends); '' = "
+          "the spec's defaults"),
+    Field("set", str, "", "overrides of spec keys, ';'-separated: 'personalize.rounds=20; "
+          "seed=1' (as partialfl's --set)"),
+    Field("stage", str, "personalize", "the spec's federated stage this run trains: pretrain "
+          "(FedAvg on every parameter) or personalize (the method; a closed-form spec's only "
+          "stage)", choices=FEDERATED_STAGES),
+    Field("init-from", str, "", "stage personalize of a model run: .npz of stage 1's parameters "
+          "on every SuperNode ('' = the seeded initialisation, as without pre-training)"),
+    # -- transport ------------------------------------------------------------------------
     Field("round-timeout", float, 300.0, "seconds to wait for a round's replies (async: for "
           "one task); late or missing replies count as failures", check=_pos,
           requirement="a number > 0"),
@@ -146,98 +95,35 @@ FIELDS: tuple[Field, ...] = (
     Field("min-nodes", int, 1, "SuperNodes to wait for before training", check=_pos,
           requirement="an integer >= 1"),
     Field("node-wait-timeout", float, 120.0, "seconds to wait for min-nodes SuperNodes and for "
-          "their first answer (ClientApp start-up)", check=_pos,
-          requirement="a number > 0"),
-    Field("max-failure-fraction", float, 0.5, "abort the run (non-zero exit, result.json "
-          "records why) once more than this fraction of the requested client updates failed "
-          "(lost SuperNode, crash, timeout, invalid or non-finite reply); below it failing "
-          "nodes are skipped and counted", check=lambda v: 0 <= v <= 1,
-          requirement="a number in [0, 1]"),
-    # -- server optimizer --------------------------------------------------------------
-    from_spec("server-opt", ServerConfig, "optimizer",
-              "server optimizer on the aggregated θ-(pseudo-)gradient"),
-    from_spec("server-lr", ServerConfig, "lr", "server stepsize: a number, 'c/L' (least "
-              "squares), or 'auto' = 1/L for the least-squares FFGG family (Theorem 1), 1.0 "
-              "otherwise"),
-    from_spec("server-momentum", ServerConfig, "momentum", "SGD heavy-ball momentum"),
-    from_spec("server-clip", ServerConfig, "clip_norm", "clip the aggregated pseudo-gradient "
-              "to this norm before the server step (0 = no clipping)", none=0.0),
-    from_spec("schedule", ServerConfig, "schedule", "server learning-rate schedule"),
-    from_spec("warmup-rounds", ServerConfig, "warmup",
-              "warmup-linear: warm-up rounds (decay to 0 at num-rounds)"),
-    from_spec("halve-every", ServerConfig, "halve_every",
-              "exponential: halve the stepsize every k rounds"),
-    # -- aggregation (BR-FFGG) ---------------------------------------------------------
-    Field("aggregator", str, "mean", "aggregation rule of the θ-vectors: mean, or a robust rule "
-          "for BR-FFGG (partialfl.build.make_aggregator: "
-          f"{', '.join(a for a in names('aggregator') if a != 'mean')})",
-          check=lambda v: bool(v.strip()), requirement="a non-empty aggregator name"),
-    Field("aggregator-delta", float, 0.0, "robust rules: assumed fraction δ of Byzantine "
-          "clients (0 = the rule's default δ; bucketing and nnm derive theirs from it, nnm "
-          "refuses a rule without δ unless this is > 0)", check=lambda v: 0 <= v < 0.5,
-          requirement="a number in [0, 0.5)"),
-    Field("bucket-size", int, 1, "bucketing of the robust rule (s >= 2 buckets; 1 = none)",
+          "their first answer (ClientApp start-up)", check=_pos, requirement="a number > 0"),
+    # -- privacy of the nodes' replies ---------------------------------------------------
+    Field("eval-min-clients", int, 2, "a SuperNode sends evaluation sums over at least this "
+          "many clients, or nothing (a SuperNode may raise it in its node config)",
           check=_pos, requirement="an integer >= 1"),
-    Field("nnm", bool, False, "nearest-neighbour mixing before the robust rule"),
-    Field("byzantine-fraction", float, 0.0, "fraction of clients that are Byzantine (their "
-          "updates are replaced by the attack on the server, as an omniscient adversary)",
-          check=lambda v: 0 <= v < 0.5, requirement="a number in [0, 0.5)"),
-    Field("attack", str, "none", "what Byzantine clients send (partialfl.build.make_attack: "
-          f"{', '.join(names('attack'))})",
-          check=lambda v: bool(v.strip()), requirement="a non-empty attack name"),
-    from_spec("weighting", MethodConfig, "weighting",
-              "aggregation weights: uniform or number of examples"),
-    # -- local work ---------------------------------------------------------------------
-    from_spec("solver", AlgorithmConfig, "solver",
-              "least squares: fine-tuner of w (gd = Algorithm 2, cg, exact)"),
-    Field("local-steps", int, 10, "local steps τ (fine-tuning steps; FedAvg local steps)",
-          check=_pos, requirement="an integer >= 1"),
-    from_spec("local-lr", AlgorithmConfig, "local_lr", "local stepsize (0 = 1/L per client on "
-              "least squares; model problems need a number > 0)", none=0.0),
-    from_spec("local-epochs", ClientConfig, "epochs",
-              "model problems: epochs of fine-tuning / local training"),
-    from_spec("batch-size", ClientConfig, "batch_size", "model problems: minibatch size"),
-    Field("w-init", str, "auto", "how w is re-initialised on every client at every round: "
-          "zero, random, pretrained (model problems); auto = zero for least squares, "
-          "pretrained for model problems", choices=("auto", "zero", "random", "pretrained")),
-    # -- least-squares problem (the paper's Example 1) ---------------------------------
-    from_spec("ls-clients", ProblemConfig, "num_clients", "least squares: number of clients M"),
-    from_spec("ls-n", ProblemConfig, "n", "least squares: rows per client"),
-    from_spec("ls-d-theta", ProblemConfig, "d_theta", "least squares: dim θ"),
-    from_spec("ls-d-w", ProblemConfig, "d_w", "least squares: dim w"),
-    from_spec("ls-seed", ProblemConfig, "seed", "least squares: data seed"),
-    # -- FEMNIST ------------------------------------------------------------------------
-    Field("data-file", str, "femnist_leaf_subset.npz", "FEMNIST: data file name or path "
-          "(resolved with partialfl.data.paths.resolve_data_file)",
-          check=lambda v: bool(v.strip()), requirement="a non-empty file name"),
-    from_spec("data-dir", DataSpec, "path", "FEMNIST: data folder ('' = partialfl's default)"),
-    from_spec("model", ModelSpec, "name", "FEMNIST: architecture (a registry model or "
-              "package.module:callable)"),
-    from_spec("split", MethodConfig, "split", "FEMNIST: which parameters are personal "
-              "(FedAvg always uses none)"),
-    Field("init-from", str, "", "FEMNIST: start from this .npz of all model parameters (e.g. "
-          "theta.npz of a FedAvg run: the pipeline's stage 1); '' = the seeded initialisation"),
-    # -- any `partialfl train` config (problem 'train') -----------------------------------
-    Field("train-spec", str, "", "problem 'train': a partialfl TrainSpec as JSON or "
-          "b64:BASE64-JSON (set by `partialfl train --engine flower-sim|flower`: model, data, "
-          "method and stage "
-          "settings all come from it, not from the keys above)"),
-    Field("train-stage", str, "personalize", "problem 'train': which federated stage of the "
-          "spec runs (pretrain: FedAvg on every parameter; personalize: the method, from "
-          "init-from)", choices=TRAIN_STAGES),
-    # -- output and testing -------------------------------------------------------------
-    Field("eval-every", int, 1, "evaluate on the SuperNodes every k server steps (0 = never)",
-          check=_nonneg, requirement="an integer >= 0"),
-    Field("eval-min-clients", int, 2, "privacy: a SuperNode sends evaluation sums over at least "
-          "this many clients, or nothing (a SuperNode may raise it in its node config)",
-          check=_pos, requirement="an integer >= 1"),
+    Field("secagg", bool, False, "aggregate the θ updates with Flower's SecAgg+ (the server "
+          "learns only their sum; needs mean aggregation and `secaggplus_mod` on the "
+          "ClientApps, which partialfl's ClientApp has)"),
+    Field("secagg-shares", int, 3, "SecAgg+: shares of each client's secrets (>= 3; the "
+          "cohort is one SecAgg+ group per node)", check=lambda v: v >= 3,
+          requirement="an integer >= 3"),
+    Field("secagg-threshold", int, 2, "SecAgg+: shares needed to reconstruct (>= 2, < "
+          "secagg-shares)", check=lambda v: v >= 2, requirement="an integer >= 2"),
+    Field("secagg-clip", float, 8.0, "SecAgg+: each update coordinate is clipped to "
+          "[-c, c] before quantisation", check=_pos, requirement="a number > 0"),
+    Field("secagg-bits", int, 22, "SecAgg+: quantisation levels 2^bits over [-c, c] (the "
+          "quantisation error is about c / 2^bits per coordinate)",
+          check=lambda v: 8 <= v <= 24, requirement="an integer in [8, 24]"),
+    # -- output and checkpoints -------------------------------------------------------------
     Field("out-dir", str, "", "server: write result.json, metrics.jsonl and theta.npz here "
           "('' = do not write)"),
-    Field("checkpoint-every", int, 0, "server: write a checkpoint (safetensors + JSON, "
-          "atomic) to out-dir every k rounds (async: server steps; 0 = never)", check=_nonneg,
+    Field("audit-dir", str, "", "server: also write every message it receives, as Flower "
+          "serialised it, to this folder (an audit of what the server learns; '' = no)"),
+    Field("checkpoint-every", int, 0, "server: write a checkpoint (safetensors + JSON, atomic) "
+          "to out-dir every k rounds (async: server steps; 0 = never)", check=_nonneg,
           requirement="an integer >= 0"),
     Field("resume", bool, False, "server: continue from the checkpoint in out-dir (refused "
           "when it was written by another configuration)"),
+    # -- testing ------------------------------------------------------------------------------
     Field("fault-injection", str, "", "testing only: make ClientApps fail, e.g. "
           "'crash:partition=1,round=1; slow:partition=0,round=2,seconds=5; "
           "nan:partition=0,round=1' (non-finite weights), or the server stop after a round: "
@@ -245,6 +131,8 @@ FIELDS: tuple[Field, ...] = (
 )
 
 _BY_KEY = {f.key: f for f in FIELDS}
+_SPECS: dict[tuple[str, str], RunSpec] = {}  # decoded specs by (text, overrides)
+_EFFECTIVE: dict[tuple[str, str], RunSpec] = {}  # and as the pipeline runs them
 
 
 class _FlowerConfigMethods:
@@ -258,6 +146,88 @@ class _FlowerConfigMethods:
         cfg.update({k.replace("_", "-"): v for k, v in changes.items()})
         return parse_run_config(cfg)
 
+    # -- what the spec says about this stage -------------------------------------------------
+    @property
+    def run(self) -> RunSpec:
+        """The run specification as the pipeline runs it (:meth:`RunSpec.effective`)."""
+        key = (self.spec, self.set)
+        if key not in _EFFECTIVE:
+            while len(_EFFECTIVE) >= 8:
+                _EFFECTIVE.pop(next(iter(_EFFECTIVE)))
+            _EFFECTIVE[key] = _spec(self.spec, self.set).effective()
+        return _EFFECTIVE[key]
+
+    @property
+    def closed_form(self) -> bool:
+        """Whether the spec trains a closed-form problem."""
+        return self.run.closed_form
+
+    @property
+    def stage_config(self) -> StageConfig:
+        """The stage this run trains (``[pretrain]`` or ``[personalize]``)."""
+        return getattr(self.run, self.stage)
+
+    @property
+    def rounds(self) -> int:
+        """Rounds of the stage (asynchronous: server steps)."""
+        return self.stage_config.rounds
+
+    @property
+    def clients_per_round(self) -> int | None:
+        """Clients sampled per round (None: all)."""
+        return self.stage_config.clients_per_round
+
+    @property
+    def seed(self) -> int:
+        """The stage's seed (stage 1: ``pretrain_seed``, else ``seed``)."""
+        run = self.run
+        return run.stage1_seed if self.stage == "pretrain" else run.seed
+
+    @property
+    def eval_every(self) -> int:
+        """The stage's evaluation period (0: before the first and after the last round)."""
+        return self.stage_config.eval_every
+
+    @property
+    def max_failure_fraction(self) -> float:
+        """Abort past this fraction of failed client updates (the spec's)."""
+        return self.run.max_failure_fraction
+
+    @property
+    def asynchronous(self):
+        """The spec's ``[asynchronous]`` block (None: synchronous rounds)."""
+        return self.run.asynchronous
+
+    @property
+    def buffer_size(self) -> int:
+        """Arriving updates per server step (FedBuff's ``buffer`` K; 1 otherwise)."""
+        a = self.asynchronous
+        return 1 if a is None else int(a.rule.get("buffer", 1))
+
+    def fingerprint(self) -> dict[str, Any]:
+        """What a resumed run must match: the spec's identity (dotted keys) and this
+        config's keys but the volatile ones (:data:`VOLATILE`)."""
+        out = {k: v for k, v in self.to_run_config().items()
+               if k not in VOLATILE and k not in ("spec", "set")}
+        out.update(_flatten(self.run.identity()))
+        return json.loads(json.dumps(out))  # as read back from a checkpoint
+
+
+#: run-config keys that may differ between an interrupted run and its resumption
+VOLATILE = ("out-dir", "resume", "checkpoint-every", "fault-injection", "round-timeout",
+            "poll-interval", "min-nodes", "node-wait-timeout", "audit-dir")
+
+
+def _flatten(d: Mapping[str, Any], prefix: str = "") -> dict[str, Any]:
+    out: dict[str, Any] = {}
+    for k, v in d.items():
+        key = f"{prefix}{k}"
+        if isinstance(v, Mapping):
+            out.update(_flatten(v, key + "."))
+        else:
+            out[key] = v
+    return out
+
 
 #: The validated run config: one attribute per key of :data:`FIELDS` (``-`` → ``_``), with
 #: the table's defaults (generated from it, so the two cannot disagree).
@@ -268,10 +238,63 @@ FlowerConfig = make_dataclass(
 FlowerConfig.__module__ = __name__
 
 
-class ConfigError(CoreConfigError):
-    """A run-config key or value that partialfl cannot use (the message names it)."""
+# -- the spec -------------------------------------------------------------------------------
+def encode_spec(spec: RunSpec) -> str:
+    """The spec as one run-config string: ``b64:`` + base64 of its compact JSON (``flwr run
+    -c`` splits its argument at spaces and quotes, which JSON is full of)."""
+    text = json.dumps(spec.to_dict(), separators=(",", ":"), sort_keys=True)
+    return "b64:" + base64.urlsafe_b64encode(text.encode()).decode()
 
 
+def decode_spec(text: str, overrides: str = "") -> dict[str, Any]:
+    """The spec's plain dict from its run-config text (``b64:`` JSON, a JSON object or TOML)
+    with ``overrides`` (``'key=value; key=value'``) applied; nothing is imported or built
+    (:func:`partialfl.flower.node.check_code` reads it before anything is)."""
+    from partialfl.config import apply_overrides
+
+    text = text.strip()
+    try:
+        if text.startswith("b64:"):
+            data = json.loads(base64.urlsafe_b64decode(text[4:].encode()).decode())
+        elif text.startswith("{"):
+            data = json.loads(text)
+        else:
+            data = tomllib.loads(text)
+    except (json.JSONDecodeError, tomllib.TOMLDecodeError, binascii.Error, UnicodeDecodeError,
+            ValueError, RecursionError) as e:
+        raise ConfigError(f"run-config key 'spec': neither TOML, a JSON object nor b64:JSON "
+                          f"({' '.join(str(e).split())[:200]})") from None
+    if not isinstance(data, dict):
+        raise ConfigError(f"run-config key 'spec': expected a table of spec keys, got "
+                          f"{type(data).__name__}")
+    sets = [s.strip() for s in overrides.split(";") if s.strip()]
+    try:
+        return apply_overrides(copy.deepcopy(data), sets)
+    except CoreConfigError as e:
+        raise ConfigError(f"run-config key 'set': {e}") from None
+
+
+def _spec(text: str, overrides: str = "") -> RunSpec:
+    """The validated spec of ``text`` (cached). Plugins named by the spec are imported only
+    where code from configs is allowed (:func:`partialfl.build.allow_code`)."""
+    key = (text, overrides)
+    if key not in _SPECS:
+        from partialfl.build import load_spec_plugins
+        from partialfl.config import from_dict
+
+        data = decode_spec(text, overrides)
+        try:
+            load_spec_plugins(data.get("plugins", []))
+            spec = from_dict(RunSpec, data)
+        except CoreConfigError as e:
+            raise ConfigError(f"run-config key 'spec': {e}") from None
+        while len(_SPECS) >= 8:
+            _SPECS.pop(next(iter(_SPECS)))
+        _SPECS[key] = spec
+    return _SPECS[key]
+
+
+# -- parsing --------------------------------------------------------------------------------
 def _coerce(f: Field, value: Any) -> Any:
     types = f.type if isinstance(f.type, tuple) else (f.type,)
     if isinstance(value, bool):  # bool is an int subclass: never accept it for numbers
@@ -284,10 +307,8 @@ def _coerce(f: Field, value: Any) -> Any:
     if int in types and isinstance(value, float) and value.is_integer() and float not in types:
         return int(value)
     if not isinstance(value, types):
-        raise ConfigError(
-            f"run-config key {f.key!r}: got {value!r} ({type(value).__name__}); expected "
-            f"{f.requirement or _type_names(types)}"
-        )
+        raise ConfigError(f"run-config key {f.key!r}: got {value!r} ({type(value).__name__}); "
+                          f"expected {f.requirement or _type_names(types)}")
     return value
 
 
@@ -299,35 +320,38 @@ def parse_run_config(run_config: Mapping[str, Any] | None = None, **overrides: A
                      ) -> FlowerConfig:
     """Validate Flower's ``context.run_config`` (plus keyword ``overrides``) into a config.
 
-    Unknown keys, wrong types, values outside the allowed set and inconsistent combinations
-    raise :class:`ConfigError` naming the key, the value and what is allowed.
-    """
+    ``spec`` may also be a :class:`RunSpec` or a dict (Python use). Unknown keys, wrong types,
+    values outside the allowed set, a spec that does not validate and combinations the app
+    cannot run raise :class:`ConfigError` naming the key, the value and what is allowed. The
+    result's ``spec`` is the validated spec, canonically encoded (``set`` applied, then '')."""
     raw = dict(run_config or {})
     raw.update({k.replace("_", "-"): v for k, v in overrides.items()})
+    if isinstance(raw.get("spec"), RunSpec):
+        raw["spec"] = encode_spec(raw["spec"])
+    elif isinstance(raw.get("spec"), Mapping):
+        raw["spec"] = json.dumps(raw["spec"])
     unknown = sorted(set(raw) - set(_BY_KEY))
     if unknown:
-        raise ConfigError(
-            f"unknown run-config key(s) {', '.join(map(repr, unknown))}; allowed keys: "
-            f"{', '.join(_BY_KEY)}"
-        )
+        from partialfl.config import did_you_mean
+
+        raise ConfigError(f"unknown run-config key(s) {', '.join(map(repr, unknown))}"
+                          f"{did_you_mean(unknown[0], list(_BY_KEY))}; allowed keys: "
+                          f"{', '.join(_BY_KEY)} (the run itself is the spec: "
+                          "-c set='\"key=value\"')")
     values = {}
     for f in FIELDS:
         v = _coerce(f, raw[f.key]) if f.key in raw else f.default
-        if isinstance(v, str):
+        if isinstance(v, str) and f.key != "spec":
             v = v.strip()
         if f.choices is not None and v not in f.choices:
-            raise ConfigError(
-                f"run-config key {f.key!r}: unknown value {v!r}; allowed: "
-                f"{', '.join(map(str, f.choices))}"
-            )
-        if f.spec:
-            try:
-                f.check(v)
-            except (CoreConfigError, ValueError, TypeError) as e:
-                raise ConfigError(f"run-config key {f.key!r}: got {v!r}; {e}") from None
-        elif f.check is not None and not f.check(v):
+            raise ConfigError(f"run-config key {f.key!r}: unknown value {v!r}; allowed: "
+                              f"{', '.join(map(str, f.choices))}")
+        if f.check is not None and not f.check(v):
             raise ConfigError(f"run-config key {f.key!r}: got {v!r}; expected {f.requirement}")
         values[f.attr] = v
+    spec = _spec(values["spec"], values["set"])
+    values["spec"], values["set"] = encode_spec(spec), ""
+    _SPECS.setdefault((values["spec"], ""), spec)
     cfg = FlowerConfig(**values)
     _check_combinations(cfg)
     parse_fault_injection(cfg.fault_injection)
@@ -335,53 +359,32 @@ def parse_run_config(run_config: Mapping[str, Any] | None = None, **overrides: A
 
 
 def _check_combinations(cfg: FlowerConfig) -> None:
-    if cfg.schedule == "warmup-linear" and not cfg.warmup_rounds < max(cfg.num_rounds, 1):
-        raise ConfigError(
-            f"run-config key 'warmup-rounds': {cfg.warmup_rounds} must be < num-rounds "
-            f"({cfg.num_rounds}) for schedule 'warmup-linear'"
-        )
-    if cfg.server_opt != "sgd" and cfg.server_momentum:
-        raise ConfigError("run-config key 'server-momentum' applies to server-opt 'sgd' only")
-    if cfg.schedule == "exponential" and cfg.halve_every < 1:
-        raise ConfigError("run-config key 'halve-every' must be >= 1 for schedule 'exponential'")
-    if cfg.problem == "least-squares":
-        if cfg.ls_n < cfg.ls_d_w:
-            raise ConfigError(
-                f"run-config keys 'ls-n' ({cfg.ls_n}) < 'ls-d-w' ({cfg.ls_d_w}): every client "
-                "needs at least d_w rows (else w*(θ) is not unique)"
-            )
-        if cfg.w_init not in ("auto", "zero", "random"):
-            raise ConfigError(
-                f"run-config key 'w-init': unknown value {cfg.w_init!r} for least squares; "
-                "allowed: auto, zero, random"
-            )
-        if cfg.clients_per_round > cfg.ls_clients:
-            raise ConfigError(
-                f"run-config key 'clients-per-round': {cfg.clients_per_round} > ls-clients "
-                f"({cfg.ls_clients})"
-            )
-    elif cfg.problem == "train" or cfg.train_spec:
-        if not (cfg.problem == "train" and cfg.train_spec):
-            raise ConfigError("run-config keys 'problem' = 'train' and 'train-spec' go "
-                              "together (set by `partialfl train --engine flower-sim`)")
-    elif cfg.local_lr == 0:
-        raise ConfigError(
-            f"run-config key 'local-lr': problem {cfg.problem!r} needs an explicit local "
-            "stepsize > 0 (0 = 1/L only exists for least squares)"
-        )
-    if cfg.algorithm == "br-ffgg" and cfg.aggregator == "mean":
-        raise ConfigError(
-            "run-config key 'aggregator': BR-FFGG needs a robust aggregator "
-            f"({', '.join(a for a in names('aggregator') if a != 'mean')}), got 'mean'; use "
-            "algorithm 'ffgg' for mean aggregation"
-        )
-    if cfg.aggregator != "mean" or cfg.bucket_size > 1 or cfg.nnm:
-        build_aggregator(cfg)  # δ derivation and every option checked now, not at round 0
+    run = cfg.run
+    if run.closed_form and cfg.stage != "personalize":
+        raise ConfigError(f"run-config key 'stage': a closed-form spec has one stage, "
+                          f"personalize; got {cfg.stage!r}")
+    if cfg.init_from and (run.closed_form or cfg.stage != "personalize"):
+        raise ConfigError("run-config key 'init-from' applies to stage personalize of a model "
+                          "run (stage 1's parameters)")
     if (cfg.checkpoint_every or cfg.resume) and not cfg.out_dir:
         raise ConfigError("run-config keys 'checkpoint-every' / 'resume' need 'out-dir' (where "
                           "the checkpoint lives)")
-    if cfg.byzantine_fraction == 0 and cfg.attack != "none":
-        raise ConfigError(f"run-config key 'attack': {cfg.attack!r} needs byzantine-fraction > 0")
+    for key, st in (("pretrain", run.pretrain), ("personalize", run.personalize)):
+        if st.stop is not None:
+            raise ConfigError(f"spec {key}.stop: the plateau rule reads per-client validation "
+                              "metrics, which SuperNodes do not send; give a fixed number of "
+                              "rounds on Flower")
+    if cfg.secagg_threshold >= cfg.secagg_shares:
+        raise ConfigError(f"run-config key 'secagg-threshold': {cfg.secagg_threshold} must be "
+                          f"less than secagg-shares ({cfg.secagg_shares})")
+    if cfg.secagg:  # SecAgg+ gives the server the sum of a round's updates only
+        for key, block in (("aggregation", run.aggregation), ("attack", run.attack),
+                           ("privacy", run.privacy), ("asynchronous", run.asynchronous)):
+            if block is not None:
+                raise ConfigError(f"secagg: the spec's [{key}] block needs each client's "
+                                  "update (or a client at a time); SecAgg+ gives the server "
+                                  "only the sum of a round's updates: remove it or set "
+                                  "secagg = false")
 
 
 # -- fault injection (testing the failure handling) ------------------------------------
@@ -406,6 +409,18 @@ class Fault:
         return self.partition == partition and self.round in (-1, round_)
 
 
+def inject_faults(spec: str, partition: int, round_: int) -> None:
+    """On a ClientApp: raise (``crash``) or sleep (``slow``) as ``spec`` says for this
+    ``partition`` and round (``nan`` is applied to the reply by the caller)."""
+    import time
+
+    for f in parse_fault_injection(spec):
+        if f.kind in ("crash", "slow") and f.applies(partition, round_):
+            if f.kind == "crash":
+                raise RuntimeError(f"injected crash: partition {partition}, round {round_}")
+            time.sleep(f.seconds)
+
+
 def parse_fault_injection(spec: str) -> tuple[Fault, ...]:
     """``'crash:partition=1,round=1; slow:partition=0,round=2,seconds=5'`` → faults."""
     out = []
@@ -422,14 +437,12 @@ def parse_fault_injection(spec: str) -> tuple[Fault, ...]:
             if not eq or k not in ("partition", "round", "seconds"):
                 raise ConfigError(
                     f"run-config key 'fault-injection': bad item {item!r} in {part!r}; "
-                    "allowed: partition=INT, round=INT (-1 = every round), seconds=FLOAT"
-                )
+                    "allowed: partition=INT, round=INT (-1 = every round), seconds=FLOAT")
             try:
                 kw[k] = float(v) if k == "seconds" else int(v)
             except ValueError:
-                raise ConfigError(
-                    f"run-config key 'fault-injection': {k}={v!r} in {part!r} is not a number"
-                ) from None
+                raise ConfigError(f"run-config key 'fault-injection': {k}={v!r} in {part!r} "
+                                  "is not a number") from None
         if kind == "stop" and ("partition" in kw or kw.get("round", -1) < 0):
             raise ConfigError(f"run-config key 'fault-injection': {part!r}: a server stop "
                               "takes round=INT >= 0 and no partition")
@@ -461,37 +474,7 @@ def node_partition(node_config: Mapping[str, Any]) -> tuple[int, int]:
     """``(partition-id, num-partitions)`` from a SuperNode's ``--node-config``."""
     missing = [k for k in ("partition-id", "num-partitions") if k not in node_config]
     if missing:
-        raise ConfigError(
-            f"SuperNode node-config lacks {', '.join(missing)}: start it with "
-            "--node-config 'partition-id=P num-partitions=N' (simulation sets both)"
-        )
+        raise ConfigError(f"SuperNode node-config lacks {', '.join(missing)}: start it with "
+                          "--node-config 'partition-id=P num-partitions=N' (simulation sets "
+                          "both)")
     return int(node_config["partition-id"]), int(node_config["num-partitions"])
-
-
-def w_init(cfg: FlowerConfig) -> str:
-    """The personal initialisation: ``auto`` = zero (least squares) / pretrained (models)."""
-    if cfg.w_init != "auto":
-        return cfg.w_init
-    return "zero" if cfg.problem == "least-squares" else "pretrained"
-
-
-def build_aggregator(cfg: FlowerConfig, seed: int | None = None):
-    """The aggregation rule: :func:`partialfl.build.make_aggregator` (issue 5) with the
-    configured δ, bucketing and nearest-neighbour mixing."""
-    from partialfl.aggregation import Mean
-    from partialfl.build import make_aggregator
-
-    if cfg.aggregator == "mean" and cfg.bucket_size == 1 and not cfg.nnm:
-        return Mean(weighted=cfg.weighting == "examples")
-    kw: dict[str, Any] = {"bucketing": cfg.bucket_size, "nnm": cfg.nnm,
-                          "seed": cfg.seed if seed is None else seed}
-    if cfg.aggregator_delta:
-        kw["delta"] = cfg.aggregator_delta
-    try:
-        return make_aggregator(cfg.aggregator, **kw)
-    except (ValueError, TypeError) as e:
-        hint = ""
-        if cfg.nnm and not cfg.aggregator_delta:
-            hint = " (run-config keys 'nnm' = true and 'aggregator-delta' = 0: set " \
-                   "aggregator-delta > 0)"
-        raise ConfigError(f"run-config key 'aggregator': {e}{hint}") from None

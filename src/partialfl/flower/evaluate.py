@@ -1,5 +1,6 @@
-"""The ServerApp's evaluation: every ``eval-every`` rounds each SuperNode evaluates its own
-clients at θ (w fine-tuned there, never sent) and replies with sums and counts over at least
+"""The ServerApp's evaluation: before the first round, every ``eval_every`` rounds of the
+stage and after the last, each SuperNode evaluates its own clients at θ (w fine-tuned there,
+never sent) and replies with sums and counts over at least
 ``eval-min-clients`` clients (:data:`partialfl.flower.codec.EVAL_KEYS`), or with nothing when
 it holds fewer (counted: ``eval_withheld_nodes`` in the round's record, ``eval_withheld`` in
 the summary). The server adds the sums up: least squares → means over the evaluated clients
@@ -23,7 +24,10 @@ from partialfl.types import Params
 
 
 def eval_due(cfg: FlowerConfig, round_: int) -> bool:
-    return bool(cfg.eval_every) and (round_ % cfg.eval_every == 0 or round_ == cfg.num_rounds)
+    """Whether the nodes evaluate at ``round_``: before the first round, every
+    ``eval_every`` rounds of the stage and after the last (as in-process)."""
+    every = cfg.eval_every
+    return round_ in (0, cfg.rounds) or bool(every) and round_ % every == 0
 
 
 def eval_items(fed: Federation, theta: Params, round_: int
@@ -81,7 +85,7 @@ def eval_reduce(cfg: FlowerConfig, fed: Federation, ids, got, round_: int,
 
 def evaluate_now(link: Link, cfg: FlowerConfig, fed: Federation, state, round_: int,
                  report: FlowerRunReport) -> dict[str, Any]:
-    """The round's evaluation metrics when due (``eval-every``), else ``{}``."""
+    """The round's evaluation metrics when due (:func:`eval_due`), else ``{}``."""
     if not eval_due(cfg, round_):
         return {}
     ids, got = link.exchange(eval_items(fed, state.theta, round_), cfg.round_timeout)

@@ -22,12 +22,39 @@ from partialfl.types import Params
 MessageHook = Callable[[Message], None]
 
 
+class MessageAudit:
+    """Write every message the ServerApp receives, as Flower serialises it (the message and
+    every nested record and array: what travelled), to ``folder/NNNNNN-TYPE-NODE.bin``
+    (run-config ``audit-dir``)."""
+
+    def __init__(self, folder: str) -> None:
+        from pathlib import Path
+
+        self.folder = Path(folder)
+        self.folder.mkdir(parents=True, exist_ok=True)
+        self.count = len(list(self.folder.glob("*.bin")))
+
+    def __call__(self, m: Message) -> None:
+        from flwr.supercore.inflatable.inflatable_object import get_all_nested_objects
+
+        from partialfl import io as pio
+
+        blob = b"".join(o.deflate() for o in get_all_nested_objects(m).values())
+        kind = "".join(c if c.isalnum() else "_" for c in m.metadata.message_type)
+        pio.write_bytes(self.folder / f"{self.count:06d}-{kind}-{m.metadata.src_node_id}.bin",
+                        blob)
+        self.count += 1
+
+
 class Link:
     """push/pull with our own polling (``send_and_receive`` of the deployment Grid sleeps 3 s
     between pulls); every received message goes through ``hook`` first."""
 
     def __init__(self, grid: Grid, cfg: FlowerConfig, hook: MessageHook | None) -> None:
         self.grid, self.cfg, self.hook = grid, cfg, hook
+        if cfg.audit_dir:
+            tap = MessageAudit(cfg.audit_dir)
+            self.hook = tap if hook is None else (lambda m: (tap(m), hook(m)))
         self.ttl = max(cfg.round_timeout, cfg.node_wait_timeout) + 60.0
         # The server's validated config travels with every message, so all SuperNodes run
         # exactly the server's configuration (and simulation needs no app folder).

@@ -1,11 +1,12 @@
 """Asynchronous mode (the paper's Algorithm 3): :func:`partialfl.runtime.asynchronous.drive`
 with :class:`FlowerJobs` as transport.
 
-``concurrency`` single-client tasks are kept in flight; task j trains a client sampled among
-the idle ones (``generator(seed, "sample", j)``) at the θ current when it was sent; replies
-are applied as they arrive (each checked by :func:`partialfl.flower.rounds.decode_reply`), and
-with ``buffer-size`` = K > 1 every K arrived updates make one server step
-(:class:`~partialfl.algorithms.asynchronous.FedBuff`; K = 1: θ ← θ − γ g_m(θ_stale)). The
+The spec's ``[asynchronous]`` block: ``concurrency`` single-client tasks are kept in flight;
+task j trains a client sampled among the idle ones (``generator(seed, "sample", j)``) at the θ
+current when it was sent; replies are applied as they arrive (each checked by
+:func:`partialfl.flower.rounds.decode_reply`) by the block's rule — FedAsync (each update,
+weighted by its staleness: with FFGG the paper's Algorithm 3) or FedBuff (``buffer`` = K
+arrived updates make one server step; :mod:`partialfl.algorithms.asynchronous`). The
 staleness (server steps between sending θ and applying the update) of every applied update is
 recorded; checkpoints are the loop's own
 :class:`~partialfl.runtime.asynchronous.AsyncCheckpoint` in ``out-dir`` (on resume the tasks in
@@ -22,7 +23,6 @@ from typing import Any
 
 import numpy as np
 
-from partialfl.algorithms.asynchronous import FedBuff
 from partialfl.algorithms.base import ClientResult, RoundContext, ServerState
 from partialfl.flower import checkpoint
 from partialfl.flower.config import FlowerConfig, parse_fault_injection
@@ -161,19 +161,21 @@ class FlowerJobs:
 
 def async_checkpoint(cfg: FlowerConfig, extra=None) -> AsyncCheckpoint:
     """The asynchronous mode's checkpoint ``out-dir``/:data:`ASYNC_CHECKPOINT`, validated
-    like the synchronous one against every run-config key but the volatile ones
-    (:data:`partialfl.flower.checkpoint.VOLATILE`); no client-side file (the SuperNodes are
-    stateless). ``extra``: the transport whose report is saved with it."""
-    fp = {k: v for k, v in cfg.to_run_config().items() if k not in checkpoint.VOLATILE}
-    return AsyncCheckpoint(Path(cfg.out_dir) / ASYNC_CHECKPOINT, fp, private=False,
+    like the synchronous one against the run's fingerprint (the spec's identity and the
+    run-config keys but the volatile ones, :meth:`FlowerConfig.fingerprint`); no
+    client-side file (the SuperNodes are stateless). ``extra``: the transport whose report
+    is saved with it."""
+    return AsyncCheckpoint(Path(cfg.out_dir) / ASYNC_CHECKPOINT, cfg.fingerprint(),
+                           private=False,
                            extra=extra)
 
 
 def run_async(link, cfg, fed, algorithm, state, ref, report, t0) -> ServerState:
     """Algorithm 3 with the simulator's asynchronous loop
     (:func:`partialfl.runtime.asynchronous.drive`: sampling among idle clients, staleness,
-    counting, checkpoint and resume) over the Flower transport; ``buffer-size`` = K > 1 is
-    FedBuff (one server step on every K arrived updates). Every server step is recorded,
+    counting, checkpoint and resume) over the Flower transport, ``algorithm`` the spec's
+    asynchronous rule (FedBuff: one server step on every K arrived updates, so the stage's
+    ``rounds`` server steps take K·rounds arrivals). Every server step is recorded,
     with its updates' staleness and the nodes' evaluation when due. With
     ``checkpoint-every`` = c the run is checkpointed every c server steps (c·K arrivals) to
     ``out-dir``/:data:`ASYNC_CHECKPOINT` (an
@@ -182,8 +184,8 @@ def run_async(link, cfg, fed, algorithm, state, ref, report, t0) -> ServerState:
     tasks are sent again (the SuperNodes are stateless: a task's update depends only on θ,
     its client and its task number) and idle slots get new clients."""
     K = cfg.buffer_size
-    conc = cfg.concurrency or len(fed.nodes)
-    alg = FedBuff(algorithm, K) if K > 1 else algorithm
+    conc = min(cfg.asynchronous.concurrency, fed.num_clients)
+    alg = algorithm  # the spec's asynchronous rule (FedAsync, FedBuff) wraps the method
     holder: dict[str, AsyncServer] = {}
 
     def evaluate(a, st, problem, client_state, ctx) -> dict[str, Any]:
@@ -212,6 +214,6 @@ def run_async(link, cfg, fed, algorithm, state, ref, report, t0) -> ServerState:
                          max_failure_fraction=1.0)
     server.logger = ReportLog(report)
     holder["server"] = jobs.server = server
-    drive(server, jobs, ComputeTimeModel(), steps=cfg.num_rounds * K, max_time=None,
+    drive(server, jobs, ComputeTimeModel(), steps=cfg.rounds * K, max_time=None,
           checkpoint=ck, checkpoint_every=cfg.checkpoint_every * K, resume=cfg.resume)
     return server.state

@@ -1,42 +1,44 @@
 """What a SuperNode's operator decides on the node itself — never a message.
 
-A SuperNode takes its run configuration from the server's messages (and ``flwr run``'s
-config, which the server's user chose too), so nothing in it may make the node run code or
-lower its privacy floor. What only the node's own configuration — its ``--node-config`` or
-the environment its operator started it in — decides:
+A SuperNode takes its run configuration — the run's spec — from the server's messages (and
+``flwr run``'s config, which the server's user chose too), so nothing in it may make the node
+run code, lower its privacy floor or read another site's data. What only the node's own
+configuration — its ``--node-config`` or the environment its operator started it in —
+decides:
 
 * ``partition-id`` / ``num-partitions``: which clients it serves;
 * ``allow-imports`` (node config ``allow-imports=true``, or the environment variable
-  ``PARTIALFL_NODE_ALLOW_IMPORTS=1``): whether a ``package.module:callable`` named in the run
-  config (e.g. ``model = "mypkg.models:make"``, or the train spec's ``model.name``) may be
-  imported and called here. Off by default: a node builds components by registered name
-  only, and refuses (:class:`~partialfl.flower.config.ConfigError`, one line) a run config
-  that names code (:func:`check_code`) before anything is built. ``partialfl train --engine
+  ``PARTIALFL_NODE_ALLOW_IMPORTS=1``): whether code the spec names — a
+  ``package.module:callable`` model (``model.name``) or ``plugins`` — may be imported and run
+  here. Off by default: a node builds components by registered name only, and refuses
+  (:class:`~partialfl.flower.config.ConfigError`, one line) a spec that names code
+  (:func:`check_code`) before anything is built. ``partialfl train --engine
   flower-sim|flower`` turns it on for the SuperNodes it starts itself when the user's own
-  spec names such a callable;
+  spec names code;
 * ``eval-min-clients`` (node config): a floor under the run config's ``eval-min-clients`` —
-  the node evaluates only when it holds at least the larger of the two.
+  the node evaluates only when it holds at least the larger of the two;
+* ``data`` (node config): the node's own client store (:mod:`partialfl.data.store`, written
+  by ``partialfl flower local``): every training client of the run in order, only this
+  node's with examples. The node then reads nothing else (without it, the spec's ``[data]``
+  is read and the node serves its partition by index).
 
 This module does not import ``flwr``.
 """
 
 from __future__ import annotations
 
-import json
 import os
-import re
 from collections.abc import Mapping
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
-from partialfl.flower.config import ConfigError, FlowerConfig, node_partition
+import numpy as np
 
-#: the environment variable that lets a SuperNode import callables named in a run config
+from partialfl.flower.config import ConfigError, node_partition
+
+#: the environment variable that lets a SuperNode import code named by a run's spec
 ALLOW_IMPORTS_ENV = "PARTIALFL_NODE_ALLOW_IMPORTS"
-#: a ``package.module:attr`` reference (what :func:`partialfl.build.import_callable` imports)
-_CODE_REF = re.compile(r"^\s*[A-Za-z_]\w*(\.[A-Za-z_]\w*)*\s*:\s*[A-Za-z_]\w*(\.[A-Za-z_]\w*)*\s*$")
-#: ``prefix:NAME`` forms that name a registry entry, not code
-_REGISTRY_PREFIXES = ("preset",)
 
 
 @dataclass(frozen=True)
@@ -47,6 +49,7 @@ class NodeOptions:
     num_partitions: int
     allow_imports: bool = False
     eval_min_clients: int = 1
+    data: str = ""
 
 
 def _flag(v: Any, what: str) -> bool:
@@ -71,50 +74,57 @@ def node_options(node_config: Mapping[str, Any],
     if isinstance(floor, bool) or not isinstance(floor, int) or floor < 1:
         raise ConfigError(f"node-config 'eval-min-clients': got {floor!r}; expected an "
                           "integer >= 1")
-    return NodeOptions(part, nparts, allow, floor)
+    data = node_config.get("data", "")
+    if not isinstance(data, str):
+        raise ConfigError(f"node-config 'data': got {data!r}; expected the path of the node's "
+                          "client store")
+    return NodeOptions(part, nparts, allow, floor, data.strip())
 
 
-def _strings(tree: Any, where: str):
-    if isinstance(tree, str):
-        yield where, tree
-    elif isinstance(tree, Mapping):
-        for k, v in tree.items():
-            yield from _strings(v, f"{where}.{k}" if where else str(k))
-    elif isinstance(tree, list | tuple):
-        for i, v in enumerate(tree):
-            yield from _strings(v, f"{where}[{i}]")
+def code_refs(spec: Mapping[str, Any]) -> list[tuple[str, str]]:
+    """``[(key, ref), ...]``: the code a spec (its plain dict, :func:`~partialfl.flower.
+    config.decode_spec`) names — a ``package.module:callable`` model and every plugin module,
+    e.g. ``("model.name", "os:system")``."""
+    out = []
+    model = spec.get("model")
+    name = model.get("name") if isinstance(model, Mapping) else None
+    if isinstance(name, str) and ":" in name:
+        out.append(("model.name", name.strip()))
+    plugins = spec.get("plugins", [])
+    for p in plugins if isinstance(plugins, list | tuple) else [plugins]:
+        out.append(("plugins", str(p)))
+    return out
 
 
-def _spec_dict(text: str) -> Any:
-    import base64
-    import binascii
-
-    try:
-        if text.startswith("b64:"):
-            text = base64.urlsafe_b64decode(text[4:].encode()).decode()
-        return json.loads(text)
-    except (json.JSONDecodeError, binascii.Error, UnicodeDecodeError, ValueError,
-            RecursionError):
-        return None  # not a spec: parsing it later fails with its own message
-
-
-def code_refs(cfg: FlowerConfig) -> list[tuple[str, str]]:
-    """``[(key, "package.module:callable"), ...]``: every value of the run config (and of the
-    train spec it carries) that names code to import, e.g. ``("model", "os:system")``."""
-    values = dict(cfg.to_run_config())
-    spec = _spec_dict(values.pop("train-spec", "") or "")
-    found = list(_strings(values, "")) + list(_strings(spec, "train-spec"))
-    return [(k, v.strip()) for k, v in found if _CODE_REF.match(v)
-            and v.split(":", 1)[0].strip() not in _REGISTRY_PREFIXES]
-
-
-def check_code(cfg: FlowerConfig, opts: NodeOptions) -> None:
-    """Refuse a run config that names code unless this node's own configuration allows
-    imports (see the module docstring)."""
-    refs = code_refs(cfg)
+def check_code(spec: Mapping[str, Any], opts: NodeOptions) -> None:
+    """Refuse a spec that names code unless this node's own configuration allows imports
+    (see the module docstring)."""
+    refs = code_refs(spec)
     if refs and not opts.allow_imports:
         key, ref = refs[0]
         raise ConfigError(
-            f"SuperNode refuses run-config {key} = {ref!r}: a SuperNode never imports code "
-            "named by a message; its operator may allow it with --node-config "
-            f"'allow-imports=true' or {ALLOW_IMPORTS_ENV}=1")
+            f"SuperNode refuses spec {key} = {ref!r}: a SuperNode never imports code named "
+            "by a message; its operator may allow it with --node-config 'allow-imports=true' "
+            f"or {ALLOW_IMPORTS_ENV}=1")
+
+
+def load_node_data(path: str):
+    """The node's own client store (``data`` in its node config), in memory."""
+    from partialfl.data.store import StoreError, open_store
+
+    p = Path(path).expanduser()
+    try:
+        return open_store(p).to_memory()
+    except (StoreError, OSError) as e:
+        raise ConfigError(f"node-config 'data': {e}") from None
+
+
+def check_node_data(data, clients: np.ndarray) -> None:
+    """A node store must hold examples for this node's clients only (a store of another
+    partition, or the whole data set, is refused)."""
+    sizes = np.asarray(data.train_sizes()) + np.asarray(data.test_sizes())
+    foreign = np.setdiff1d(np.flatnonzero(sizes > 0), clients)
+    if foreign.size:
+        raise ConfigError(f"node-config 'data': the store holds examples of clients "
+                          f"{foreign[:5].tolist()} outside this node's partition "
+                          f"({int(clients[0])}..{int(clients[-1])})")

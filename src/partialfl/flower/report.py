@@ -47,7 +47,8 @@ class Failure:
 
 @dataclass
 class FlowerRunReport:
-    """What a Flower run produced: final θ, per-round metrics and every failure."""
+    """What a Flower run produced: final θ, per-round metrics and every failure. ``config``:
+    the run config (its ``spec`` decoded into a table); ``label``: what ran."""
 
     config: dict[str, Any]
     theta: Params
@@ -64,6 +65,8 @@ class FlowerRunReport:
     resumed_from: int = -1  # the round a resumed run continued from (-1: not resumed)
     last_round: int = -1  # the last round (async: task) whose updates were requested
     eval_withheld: int = 0  # node evaluations withheld (fewer than eval-min-clients clients)
+    rounds: int = 0  # the stage's rounds (asynchronous: server steps)
+    label: str = ""  # what ran: "METHOD on PROBLEM-OR-DATA, stage STAGE"
 
     @property
     def lost_partitions(self) -> list[int]:
@@ -90,7 +93,7 @@ class FlowerRunReport:
 
     def summary(self) -> dict[str, Any]:
         """Server steps, skipped rounds, failures and timings of the run."""
-        rounds = max(1, self.config.get("num-rounds", 1))
+        rounds = max(1, self.rounds)
         return {
             "server_steps": self.server_steps,
             "skipped_rounds": self.skipped_rounds,
@@ -110,12 +113,11 @@ class FlowerRunReport:
 
     def __repr__(self) -> str:
         """A summary (what ran, the last metrics, failures, the size of θ), not θ's values."""
-        c = self.config
         size = sum(int(getattr(v, "size", 1)) for v in self.theta.values())
         last = self.history[-1] if self.history else {}
         shown = {k: (round(v, 4) if isinstance(v, float) else v) for k, v in last.items()
                  if not isinstance(v, list | dict)}
-        return (f"FlowerRunReport({c.get('algorithm')} on {c.get('problem')}, "
+        return (f"FlowerRunReport({self.label}, "
                 f"{self.server_steps} server steps in {self.seconds:.1f} s, "
                 f"{len(self.failures)} failures, θ: {len(self.theta)} tensors / {size:,} "
                 f"values; last record {shown})")

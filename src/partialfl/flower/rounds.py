@@ -34,6 +34,7 @@ from partialfl.flower.report import (
     record_failure,
 )
 from partialfl.metrics import closed_form_metrics
+from partialfl.runtime.faults import FaultLog
 from partialfl.runtime.sync import run_rounds
 from partialfl.types import ClientUpdates, Params
 
@@ -103,6 +104,8 @@ class FlowerRounds:
         r, fed, report = ctx.round, self.fed, self.report
         if r - 1 in self.stops:
             raise ServerStopped(f"injected server stop after round {r - 1}")
+        if self.cfg.secagg:
+            return self._secagg_round(algorithm, state, cohort, r, faults)
         pos = fed.owner[cohort]
         nodes = [fed.order[i] for i in sorted(set(pos.tolist()))]
         parts = {n: cohort[pos == fed.order.index(n)] for n in nodes}
@@ -127,6 +130,24 @@ class FlowerRounds:
         updates = merge(ups)
         return ClientResult(updates), np.searchsorted(cohort, np.asarray(updates.cohort))
 
+    def _secagg_round(self, algorithm, state, cohort, r, faults):
+        """The round over SecAgg+ (:func:`partialfl.flower.secagg.secagg_round`): one row,
+        the round's mean; its position is the first surviving client's."""
+        from partialfl.flower.secagg import secagg_round
+
+        report = self.report
+        updates, alive = secagg_round(self.link, self.cfg, self.fed, state, cohort, r,
+                                      algorithm, report, faults)
+        report.requested_client_updates += len(cohort)
+        report.last_round = r
+        self.last = {"clients": len(alive), "failed_clients": len(cohort) - len(alive)}
+        check_failures(self.cfg, report)
+        if updates is None:
+            report.skipped_rounds += 1
+            log.warning("partialfl: round %d: no SecAgg+ aggregate; θ unchanged", r)
+            return None, np.arange(0)
+        return ClientResult(updates), np.searchsorted(cohort, np.asarray(updates.cohort))
+
 
 class FlowerCheckpoint:
     """The ServerApp's checkpoint in ``out-dir`` (:mod:`partialfl.flower.checkpoint`) with
@@ -149,10 +170,12 @@ class FlowerCheckpoint:
         loaded, start, rep = checkpoint.load(self.cfg, like=self.fresh)
         faults = rep.get("faults", {})
         withheld = rep.get("eval_withheld", 0)
-        if not (isinstance(faults, dict) and all(type(v) is int for v in faults.values())
-                and type(withheld) is int):
-            raise checkpoint.CheckpointError(f"checkpoint in {self.cfg.out_dir}: malformed "
-                                             "fault counters")
+        try:
+            FaultLog.check_state(faults)
+            if type(withheld) is not int:
+                raise ValueError(f"eval_withheld is malformed: {withheld!r:.60}")
+        except ValueError as e:
+            raise checkpoint.CheckpointError(f"checkpoint in {self.cfg.out_dir}: {e}") from None
         report = self.report
         report.failures = [Failure(**f) for f in rep["failures"]]
         report.skipped_rounds = int(rep["skipped_rounds"])
@@ -167,13 +190,16 @@ class FlowerCheckpoint:
 def run_sync(link, cfg, fed, algorithm, state, ref, report, t0) -> ServerState:
     """The simulator's synchronous loop (:func:`partialfl.runtime.sync.run_rounds`: sampling,
     evaluation cadence, counting, checkpoint and resume) over the Flower transport; every
-    round is recorded, with the nodes' evaluation when due (``eval-every``). With
+    round is recorded, with the nodes' evaluation when due (the stage's ``eval_every``). With
     ``checkpoint-every`` = c, the state after every c-th round is checkpointed; with
     ``resume`` the loop continues from the checkpoint (same θ as an uninterrupted run)."""
-    k = cfg.clients_per_round or None
     M = fed.num_clients
+    k = cfg.clients_per_round
     if k is not None and k > M:
-        raise ConfigError(f"run-config key 'clients-per-round': {k} > number of clients {M}")
+        if cfg.closed_form:
+            raise ConfigError(f"spec {cfg.stage}.clients_per_round: {k} > number of clients "
+                              f"{M}")
+        k = M  # as the pipeline: a model stage samples at most every client
     transport = FlowerRounds(link, cfg, fed, report)
 
     def evaluate(algorithm, st, problem, client_state, ctx) -> dict[str, Any]:
@@ -185,13 +211,13 @@ def run_sync(link, cfg, fed, algorithm, state, ref, report, t0) -> ServerState:
         return rec
 
     problem = ref if ref is not None else ServerProblem(M, fed.examples, fed.theta0)
-    res = run_rounds(problem, algorithm, cfg.num_rounds, clients_per_round=k, seed=cfg.seed,
+    res = run_rounds(problem, algorithm, cfg.rounds, clients_per_round=k, seed=cfg.seed,
                      theta0=state.theta,
                      backend=transport, evaluate=evaluate, logger=ReportLog(report),
                      checkpoint=(FlowerCheckpoint(cfg, report, state)
                                  if cfg.checkpoint_every or cfg.resume else None),
                      checkpoint_every=cfg.checkpoint_every, resume=cfg.resume,
-                     max_failure_fraction=1.0)
+                     max_failure_fraction=1.0)  # counted here, by check_failures
     report.history = res.history
     return ServerState(res.state.theta, res.state.opt_state,
                        res.state.round - report.skipped_rounds, res.state.extra)

@@ -27,43 +27,48 @@ from flwr.app import Context
 from flwr.serverapp import Grid, ServerApp
 
 from partialfl import arrays
-from partialfl.flower.builders import build_algorithm, build_problem
-from partialfl.flower.config import parse_run_config
+from partialfl.flower.config import ConfigError, parse_run_config
 from partialfl.flower.federation import Link, MessageHook, ServerProblem, describe, wait_for_nodes
 from partialfl.flower.jobs import ASYNC_CHECKPOINT, async_checkpoint, run_async
 from partialfl.flower.report import Failure, FlowerRunReport, RunAborted, ServerStopped, log
 from partialfl.flower.rounds import run_sync
+from partialfl.flower.stage import server_parts
 
 
-def run_server(grid: Grid, run_config: dict[str, Any], *, aggregator=None,
+def run_server(grid: Grid, run_config: dict[str, Any], *,
                message_hook: MessageHook | None = None,
                algorithm_factory=None) -> FlowerRunReport:
-    """Run the configured training over ``grid`` and return the report (also written to
-    ``out-dir`` when set). ``aggregator`` overrides the configured aggregation rule;
-    ``message_hook`` sees every message the server receives (before it is decoded);
-    ``algorithm_factory(cfg, problem)`` (problem None when the server holds no data) builds
-    the algorithm instead of the run config (the ClientApps must use the same factory)."""
+    """Run the spec's stage over ``grid`` and return the report (also written to ``out-dir``
+    when set). ``message_hook`` sees every message the server receives (before it is
+    decoded); ``algorithm_factory(cfg, problem)`` (problem None when the server holds no
+    data) builds the algorithm instead of the spec (the ClientApps must use the same
+    factory)."""
     cfg = parse_run_config(run_config)
     t0 = time.perf_counter()
     link = Link(grid, cfg, message_hook)
     fed = describe(link, cfg, wait_for_nodes(grid, cfg))
-    # Only the synthetic least-squares problem (public generator and seed) is rebuilt on the
-    # server: for 'server-lr = auto' (1/L) and the reference metrics ‖θ − θ*‖², ‖F(θ)‖².
-    ref = build_problem(cfg) if cfg.problem == "least-squares" else None
-    if algorithm_factory is None:
-        algorithm = build_algorithm(cfg, ref, aggregator=aggregator,
-                                    num_clients=fed.num_clients)
-    else:
+    # Only a closed-form problem (a public generator and seed) is rebuilt on the server: for
+    # 'lr = "auto"' (1/L) and the reference metrics ‖θ − θ*‖², ‖F(θ)‖².
+    ref, algorithm = server_parts(cfg, fed.num_clients)
+    if algorithm_factory is not None:
         algorithm = algorithm_factory(cfg, ref)
+    if cfg.secagg:
+        from partialfl.flower.secagg import check_algorithm
+
+        check_algorithm(algorithm)
+        if len(fed.nodes) < 2:
+            raise ConfigError("secagg: SecAgg+ needs at least 2 SuperNodes (the sum of one "
+                              "node's updates is that node's)")
     state = algorithm.init(ref if ref is not None else ServerProblem(
         fed.num_clients, fed.examples, fed.theta0), fed.theta0)
-    report = FlowerRunReport(cfg.to_run_config(), state.theta,
+    report = FlowerRunReport({**cfg.to_run_config(), "spec": cfg.run.to_dict()}, state.theta,
                              failures=list(fed.failures),
                              nodes=[{"node": n, **i} for n, i in fed.nodes.items()],
-                             setup_seconds=time.perf_counter() - t0)
-    log.info("partialfl: %s (%s) on %d SuperNodes holding %d clients", cfg.algorithm, cfg.mode,
-             len(fed.nodes), fed.num_clients)
-    loop = run_sync if cfg.mode == "sync" else run_async
+                             setup_seconds=time.perf_counter() - t0, rounds=cfg.rounds,
+                             label=describe_run(cfg))
+    log.info("partialfl: %s (%s) on %d SuperNodes holding %d clients", report.label,
+             "async" if cfg.asynchronous else "sync", len(fed.nodes), fed.num_clients)
+    loop = run_sync if cfg.asynchronous is None else run_async
     try:
         state = loop(link, cfg, fed, algorithm, state, ref, report, t0)
     except RunAborted as e:
@@ -86,18 +91,27 @@ def run_server(grid: Grid, run_config: dict[str, Any], *, aggregator=None,
     return report
 
 
-def make_server_app(*, run_config: dict[str, Any] | None = None, aggregator=None,
+def describe_run(cfg) -> str:
+    """``"METHOD on PROBLEM-OR-DATA, stage STAGE"`` (stage 1 trains FedAvg)."""
+    run = cfg.run
+    what = run.problem.name if run.closed_form else f"{run.data.source}/{run.model.name}"
+    method = ("pre-training" if cfg.stage == "pretrain" else
+              run.method.label or run.method.algorithm if run.closed_form else run.method.name)
+    return f"{method} on {what}, stage {cfg.stage}"
+
+
+def make_server_app(*, run_config: dict[str, Any] | None = None,
                     message_hook: MessageHook | None = None,
                     on_report: Callable[[FlowerRunReport], None] | None = None) -> ServerApp:
     """A ServerApp running :func:`run_server` on ``context.run_config`` (what ``flwr run -c``
     fused), or on ``run_config`` when given. The keyword arguments are for programmatic use
-    (Python simulation, custom aggregator callables, message capture, getting the report)."""
+    (Python simulation, message capture, getting the report)."""
     server = ServerApp()
 
     @server.main()
     def main(grid: Grid, context: Context) -> None:
         cfg = dict(context.run_config) if run_config is None else dict(run_config)
-        report = run_server(grid, cfg, aggregator=aggregator, message_hook=message_hook)
+        report = run_server(grid, cfg, message_hook=message_hook)
         if on_report is not None:
             on_report(report)
 

@@ -4,8 +4,8 @@
 partition of the clients) whose ClientApps run in Ray actors, and the ServerApp in a thread of
 this process; it returns the :class:`~partialfl.flower.server.FlowerRunReport`. It is the
 Python form of ``flwr run APP`` against a simulation SuperLink (see
-:mod:`partialfl.flower.project` and ``examples/flower/README.md``) and accepts what a command
-line cannot: an aggregator callable and a hook that sees every message the server receives.
+:mod:`partialfl.flower.deployment` and ``docs/flower.md``) and accepts what a command
+line cannot: a hook that sees every message the server receives, an algorithm factory.
 :func:`run_simulations` runs several configurations one after the other on the same simulated
 federation (one Ray start-up for all of them).
 """
@@ -20,34 +20,18 @@ from typing import Any
 from partialfl.flower.client import AlgorithmFactory, app, make_client_app
 from partialfl.flower.config import parse_run_config
 from partialfl.flower.env import apply_flower_env
-from partialfl.flower.project import FEMNIST_EXAMPLE
 from partialfl.flower.server import FlowerRunReport, MessageHook, run_server
-
-#: keys of the example app (``examples/flower/pyproject.toml``) that a FEMNIST run config
-#: takes from it when it leaves them out, so that Python and ``flwr run examples/flower``
-#: train the same way (not ``min-nodes`` and ``out-dir``: they belong to a deployment)
-FEMNIST_DEFAULTS: dict[str, Any] = {k: v for k, v in FEMNIST_EXAMPLE.items()
-                                    if k not in ("problem", "min-nodes", "out-dir")}
-
-
-def with_app_defaults(run_config: dict[str, Any]) -> dict[str, Any]:
-    """``run_config`` completed like the example app's: a FEMNIST run (``problem =
-    "femnist"``) gets :data:`FEMNIST_DEFAULTS` for the keys it does not set (local lr 0.01,
-    server lr 0.05, 10 clients per round, …); other problems keep the run-config defaults."""
-    if run_config.get("problem") == "femnist":
-        return {**FEMNIST_DEFAULTS, **run_config}
-    return dict(run_config)
 
 
 def run_simulations(run_configs: Sequence[dict[str, Any]], *, num_supernodes: int = 2,
-                    aggregator=None, message_hooks: Sequence[MessageHook | None] | None = None,
+                    message_hooks: Sequence[MessageHook | None] | None = None,
                     num_cpus: int | None = None, cpus_per_client: float = 1.0,
                     verbose: bool = False, raise_errors: bool = True,
                     algorithm_factory: AlgorithmFactory | None = None
                     ) -> list[FlowerRunReport | Exception]:
-    """Simulate each run of ``run_configs`` (kebab-case keys, see
-    :data:`partialfl.flower.config.FIELDS`; a FEMNIST run is completed by
-    :func:`with_app_defaults`), in order, on ``num_supernodes`` SuperNodes.
+    """Simulate each run of ``run_configs`` (kebab-case keys of
+    :data:`partialfl.flower.config.FIELDS`; ``spec``: a :class:`~partialfl.spec.RunSpec`,
+    its dict or its text), in order, on ``num_supernodes`` SuperNodes.
 
     ``message_hooks[i]`` sees every message the server receives in run i. ``num_cpus`` caps
     Ray's CPUs (default: all); ``cpus_per_client`` is what one ClientApp actor takes, so
@@ -55,9 +39,9 @@ def run_simulations(run_configs: Sequence[dict[str, Any]], *, num_supernodes: in
     (reused by the next call); ``ray.shutdown()`` stops it.
 
     ``algorithm_factory(cfg, problem)`` builds the algorithm of every run, on the server and
-    the SuperNodes, instead of the run config's ``algorithm`` (an algorithm written outside
-    partialfl; its module must be importable in the ClientApp actors, or registered with
-    ``ray.cloudpickle.register_pickle_by_value``).
+    the SuperNodes, instead of the spec's (an algorithm written outside partialfl; its module
+    must be importable in the ClientApp actors, or registered with
+    ``ray.cloudpickle.register_pickle_by_value``; a registered plugin is the simpler way).
 
     A run that raises (e.g. :class:`~partialfl.flower.server.RunAborted` past
     ``max-failure-fraction``) does not stop the next ones; its error is raised at the end, or,
@@ -73,8 +57,7 @@ def run_simulations(run_configs: Sequence[dict[str, Any]], *, num_supernodes: in
     # Ray >= 2.5x warns that it will stop overriding CUDA_VISIBLE_DEVICES for num_gpus=0;
     # opting in to the future behaviour silences it (CPU-only ClientApps either way).
     os.environ.setdefault("RAY_ACCEL_ENV_VAR_OVERRIDE_ON_ZERO", "0")
-    configs = [parse_run_config(with_app_defaults(c)).to_run_config()  # fail fast
-               for c in run_configs]
+    configs = [parse_run_config(c).to_run_config() for c in run_configs]  # fail fast
     hooks = list(message_hooks) if message_hooks is not None else [None] * len(configs)
     if len(hooks) != len(configs):
         raise ValueError(f"{len(hooks)} message hooks for {len(configs)} runs")
@@ -87,7 +70,7 @@ def run_simulations(run_configs: Sequence[dict[str, Any]], *, num_supernodes: in
     def main(grid: Grid, context: Context) -> None:
         for cfg, hook in zip(configs, hooks):
             try:
-                reports.append(run_server(grid, cfg, aggregator=aggregator, message_hook=hook,
+                reports.append(run_server(grid, cfg, message_hook=hook,
                                           algorithm_factory=algorithm_factory))
             except Exception as e:  # noqa: BLE001 - reported to the caller below
                 reports.append(e)
@@ -108,12 +91,12 @@ def run_simulations(run_configs: Sequence[dict[str, Any]], *, num_supernodes: in
     return reports
 
 
-def run_simulation(run_config: dict[str, Any], *, num_supernodes: int = 2, aggregator=None,
+def run_simulation(run_config: dict[str, Any], *, num_supernodes: int = 2,
                    message_hook: MessageHook | None = None, num_cpus: int | None = None,
                    cpus_per_client: float = 1.0, verbose: bool = False,
                    algorithm_factory: AlgorithmFactory | None = None) -> FlowerRunReport:
     """Simulate one run (see :func:`run_simulations`)."""
-    return run_simulations([run_config], num_supernodes=num_supernodes, aggregator=aggregator,
+    return run_simulations([run_config], num_supernodes=num_supernodes,
                            message_hooks=[message_hook], num_cpus=num_cpus,
                            cpus_per_client=cpus_per_client, verbose=verbose,
                            algorithm_factory=algorithm_factory)[0]  # type: ignore

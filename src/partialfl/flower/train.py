@@ -1,37 +1,39 @@
-"""``partialfl train CONFIG --engine flower-sim|flower``: the same train spec on Flower.
+"""``partialfl train|run CONFIG --engine flower-sim|flower``: the same spec on Flower.
 
-Each federated stage of the spec (pre-training, personalization) is one ``flwr run`` of the
-partialfl Flower app with ``problem = 'train'``: the run config carries the spec itself
-(:func:`spec_run_config`: key ``train-spec`` = the spec as JSON, plus the stage's rounds,
-clients per round, seed and evaluation period, all derived from the spec), and every
-SuperNode builds the stage's problem and algorithm exactly as the in-process pipeline does
-(:func:`partialfl.flower.models._spec_stage`), so any model and data a train config names run
-on Flower and give the in-process θ. Stage 1's θ reaches stage 2 through ``init-from``.
-Fine-tuning (stage 3) is client-local and runs here, as in-process, from Flower's θ.
+Each federated stage of the spec is one ``flwr run`` of the partialfl Flower app whose run
+config carries the spec itself (key ``spec``) and the stage (:func:`stage_run_config`); the
+ServerApp and every SuperNode build the stage from the spec exactly as the in-process run does
+(:mod:`partialfl.flower.stage`), so the same seeds give the same θ.
 
-Engines (both through Flower's current entry point, ``flwr run``, see
-:class:`partialfl.flower.project.LocalFederation`; ``flwr.simulation.run_simulation`` is
-deprecated in flwr 1.42): ``flower-sim`` — a simulation SuperLink (``flower-superlink
---simulation``, Ray) with ``num_supernodes`` virtual SuperNodes; ``flower`` — a real
-SuperLink and ``num_supernodes`` SuperNode processes started on this machine, or, with
-``superlink = "HOST:PORT"``, a deployment already running (a SuperLink and ``num_supernodes``
-SuperNodes started with ``--node-config 'partition-id=i num-partitions=N'``, see
-``examples/flower/README.md``; :class:`partialfl.flower.project.SuperLinkConnection`). Every
-SuperNode needs the spec's data at the same path, and the ServerApp writes under ``out``,
-which this process then reads (same machine or a shared file system).
+* A closed-form spec (``partialfl run``): its one stage on Flower, then the in-process run's
+  files: ``<name>.jsonl`` (the evaluated rounds; the loss gap is the SuperNodes' mean over
+  their clients), ``<name>.png`` and ``summary.md``.
+* A model spec (``partialfl train``): stage 1 (pre-training) and stage 2 (the method, from
+  stage 1's θ through ``init-from``) on Flower; their θ are written where the pipeline keeps
+  them (``stage1/theta.safetensors``, ``theta_stage2.safetensors``, with the per-round
+  records ``stage1/stage1.jsonl`` and ``stage2.jsonl``), and then the in-process pipeline
+  (:func:`partialfl.experiments.train.run_built`) finds both stages done and runs stage 3 —
+  the clients' fine-tuning and evaluation, here where the data is — and writes the same run
+  folder as an in-process run (``metrics.json``, ``new_clients.json``, ``report.md``, plots).
+  The ServerApp's own files are in ``stage1/flower/`` and ``flower/``.
+
+Engines (both through ``flwr run``, :class:`partialfl.flower.deployment.LocalFederation`):
+``flower-sim`` — a simulation SuperLink with ``num_supernodes`` virtual SuperNodes;
+``flower`` — a SuperLink and ``num_supernodes`` SuperNode processes started here (or, with
+``superlink = "HOST:PORT"``, a deployment already running; or ``federation``, one the caller
+started, e.g. ``partialfl flower local``'s, with TLS and per-node data).
 """
 
 from __future__ import annotations
 
 import dataclasses
 import json
+import time
 from pathlib import Path
 from typing import Any
 
-import numpy as np
-
 from partialfl import io as pio
-from partialfl.config import to_dict
+from partialfl.flower.config import encode_spec
 from partialfl.flower.env import apply_flower_env, require_flower
 
 ENGINES = ("flower-sim", "flower")
@@ -39,131 +41,216 @@ ENGINES = ("flower-sim", "flower")
 
 def _absolute(spec):
     """The spec with ``data.path`` absolute (SuperNodes run in other folders)."""
-    if spec.data.path:
+    if spec.data is not None and spec.data.path:
         data = dataclasses.replace(spec.data, path=str(Path(spec.data.path).expanduser()
                                                        .resolve()))
         spec = dataclasses.replace(spec, data=data)
     return spec
 
 
-def encode_spec(spec) -> str:
-    """The spec as one run-config string: ``b64:`` + base64 of its compact JSON (``flwr run
-    -c`` splits its argument at spaces and quotes, which JSON is full of)."""
-    import base64
-
-    text = json.dumps(to_dict(_absolute(spec)), separators=(",", ":"))
-    return "b64:" + base64.urlsafe_b64encode(text.encode()).decode()
-
-
-def spec_run_config(spec, stage: str, init_from: str | Path | None = None
-                    ) -> dict[str, Any]:
-    """The Flower run config of one stage of ``spec`` (``pretrain`` or ``personalize``)."""
-    pipe = spec.pipeline_config()
-    st = pipe.pretrain if stage == "pretrain" else pipe.personalize
-    return {
-        "problem": "train", "train-spec": encode_spec(spec),
-        "train-stage": stage, "num-rounds": st.rounds,
-        "clients-per-round": st.clients_per_round or 0,
-        "seed": pipe.stage1_seed if stage == "pretrain" else pipe.seed,
-        "eval-every": st.eval_every or max(st.rounds, 1),
-        "init-from": str(init_from or ""),
-    }
+def stage_run_config(spec, stage: str = "personalize", init_from: str | Path | None = None,
+                     **flower: Any) -> dict[str, Any]:
+    """The Flower run config of one stage of ``spec`` (with ``data.path`` absolute) plus
+    Flower's own keys ``flower`` (``out_dir=…``)."""
+    cfg = {"spec": encode_spec(_absolute(spec)), "stage": stage}
+    if init_from:
+        cfg["init-from"] = str(init_from)
+    cfg.update({k.replace("_", "-"): v for k, v in flower.items()})
+    return cfg
 
 
 def _names_code(spec) -> bool:
-    """Whether ``spec`` names a ``package.module:callable`` (see
-    :func:`partialfl.flower.node.code_refs`)."""
-    from partialfl.flower.config import parse_run_config
+    """Whether ``spec`` names code (a ``module:callable`` model, plugins)."""
     from partialfl.flower.node import code_refs
 
-    return bool(code_refs(parse_run_config(spec_run_config(spec, "pretrain"))))
+    return bool(code_refs(spec.to_dict()))
 
 
-def _write_history(path: Path, stage: str, history: list[dict]) -> None:
-    path.parent.mkdir(parents=True, exist_ok=True)
-    pio.write_text(path, "".join(json.dumps({"stage": stage, **r}, default=float) + "\n"
-                                 for r in history))
+def _check_engine(engine: str, superlink, root_certificates) -> None:
+    from partialfl.flower.config import ConfigError
+    from partialfl.flower.deployment import parse_address
+
+    if engine not in ENGINES:
+        raise ConfigError(f"engine {engine!r} is not allowed; allowed: {', '.join(ENGINES)}")
+    if (superlink or root_certificates) and engine != "flower":
+        raise ConfigError(f"--superlink / --root-certificates apply to engine 'flower' (a "
+                          f"deployment), not {engine!r}")
+    if root_certificates and not superlink:
+        raise ConfigError("--root-certificates needs --superlink HOST:PORT")
+    if superlink:
+        try:
+            parse_address(superlink)  # a bad address fails before anything is built
+        except ValueError as e:
+            raise ConfigError(str(e)) from None
+    require_flower(simulation=engine == "flower-sim")
+    apply_flower_env()
 
 
+def _federation(spec, engine: str, num_supernodes: int, superlink, root_certificates):
+    from partialfl.flower.deployment import LocalFederation, SuperLinkConnection
+
+    if superlink:
+        return SuperLinkConnection(superlink, num_supernodes,
+                                   root_certificates=root_certificates)
+    # the user's own spec names the code: their own SuperNodes may import it
+    return LocalFederation(num_supernodes, simulation=engine == "flower-sim",
+                           allow_imports=_names_code(spec))
+
+
+def _check_stateless(run) -> None:
+    """The Flower app keeps no client state between rounds: refuse an algorithm that does."""
+    from partialfl.build import stage_algorithm
+    from partialfl.config import ConfigError
+
+    n = run.problem.num_clients if run.problem is not None else run.task.data.num_clients
+    for stage in ("pretrain", "personalize") if run.task is not None else ("personalize",):
+        alg = stage_algorithm(run.spec.effective(), stage, problem=run.problem, num_clients=n)
+        if getattr(alg, "stateful_clients", False):
+            raise ConfigError(f"method.algorithm: {run.spec.method.algorithm} keeps client "
+                              "state between rounds; the Flower app runs stateless algorithms "
+                              "only")
+
+
+def _records(path: Path, static: dict[str, Any], history: list[dict]) -> None:
+    from partialfl.runtime.logging import JsonlLogger
+
+    with JsonlLogger(path, **static) as log:
+        for rec in history:
+            log.log(rec)
+
+
+# ----------------------------------------------------------------------------- model runs
 def run_flower_train(spec, out: str | Path, *, engine: str = "flower-sim",
                      num_supernodes: int = 2, dry_run: bool = False, progress: bool = True,
                      timeout: float = 900.0, superlink: str | None = None,
-                     root_certificates: str | Path | None = None) -> str:
-    """Run ``spec``'s stages on Flower into ``out``; returns a one-paragraph summary.
-
-    ``superlink`` (engine ``flower`` only): ``HOST:PORT`` of a running SuperLink with
-    ``num_supernodes`` SuperNodes (nothing is started; insecure unless ``root_certificates``
-    names the PEM file of its CA)."""
-    if engine in ENGINES:
-        require_flower(simulation=engine == "flower-sim")
-    apply_flower_env()
-    import torch
-
+                     root_certificates: str | Path | None = None, federation=None,
+                     flower: dict[str, Any] | None = None) -> str:
+    """Run a model spec's stages on Flower into ``out`` (see the module docstring); returns
+    a one-paragraph summary. ``federation``: a started
+    :class:`~partialfl.flower.deployment.LocalFederation` to run on (instead of ``engine``'s);
+    ``flower``: more of Flower's own run-config keys (e.g. ``{"secagg": True}``)."""
     from partialfl.build import build
-    from partialfl.experiments.pipeline import _Stage2, finetune_and_evaluate, stage2_setup
-    from partialfl.experiments.train import _write_json, format_plan
-    from partialfl.experiments.train_report import write_report
-    from partialfl.flower.project import LocalFederation, SuperLinkConnection, parse_address
+    from partialfl.experiments.pipeline import THETA1, THETA2
+    from partialfl.experiments.train import format_plan, run_built
 
-    if engine not in ENGINES:
-        raise ValueError(f"engine {engine!r} is not allowed; allowed: {', '.join(ENGINES)}")
-    if (superlink or root_certificates) and engine != "flower":
-        raise ValueError(f"--superlink / --root-certificates apply to engine 'flower' (a "
-                         f"deployment), not {engine!r}")
-    if root_certificates and not superlink:
-        raise ValueError("--root-certificates needs --superlink HOST:PORT")
-    if superlink:
-        parse_address(superlink)  # a bad address fails before anything is built
+    if federation is None:
+        _check_engine(engine, superlink, root_certificates)
     run = build(spec)  # validates everything and loads the data before Flower starts
-    pipe = run.pipeline
-    if pipe.method.algorithm in ("fedalt", "fedsim") and not pipe.method.stateless:
-        raise ValueError("the Flower app runs stateless algorithms only; use "
-                         "method.stateless = true for fedalt/fedsim")
+    _check_stateless(run)
+    eff = spec.effective()
+    extra = dict(flower or {})
     if dry_run:
-        cfg = spec_run_config(spec, "personalize", "STAGE1.npz")
-        shown = json.dumps({k: v for k, v in cfg.items() if k != "train-spec"})
+        shown = json.dumps({k: v for k, v in stage_run_config(
+            spec, "personalize", "STAGE1.npz", **extra).items() if k != "spec"})
         where = f", SuperLink {superlink}" if superlink else ""
         return (format_plan(run.plan) + f"\nengine     {engine} ({num_supernodes} "
-                f"SuperNodes{where})\nstage-2 run config (+ train-spec): {shown}"
+                f"SuperNodes{where})\nstage-2 run config (+ spec): {shown}"
                 "\ndry run: nothing trained, nothing written")
     out = Path(out).expanduser().resolve()  # the ServerApp runs in another folder
-    theta1_file = out / "stage1" / "theta.npz"
-    if superlink:
-        fed = SuperLinkConnection(superlink, num_supernodes,
-                                  root_certificates=root_certificates)
-    else:
-        # the user's own spec names the code: their own SuperNodes may import it
-        fed = LocalFederation(num_supernodes, simulation=engine == "flower-sim",
-                              allow_imports=_names_code(spec))
-    with fed:  # nothing is written before the federation answers
+    s1 = out / "stage1"
+    fed = federation if federation is not None else _federation(
+        spec, engine, num_supernodes, superlink, root_certificates)
+    t0 = time.perf_counter()
+    with _entered(fed):  # nothing is written before the federation answers
         out.mkdir(parents=True, exist_ok=True)
-        _write_json(out / "spec.json", to_dict(spec))
-        if pipe.pretrain.rounds > 0:
-            rep = fed.run(spec_run_config(spec, "pretrain"), timeout=timeout,
-                          out_dir=out / "stage1" / "flower",
-                          progress="pretrain" if progress else None)
-            theta1 = {n: np.asarray(v) for n, v in rep["theta"].items()}
-            _write_history(out / "stage1" / "stage1.jsonl", "stage1", rep["history"])
-        else:
-            theta1 = {n: v.detach().numpy() for n, v in
-                      run.task.model_fn(pipe.stage1_seed).named_parameters()}
-        with pio.atomic_write(theta1_file, "wb") as f:
-            np.savez(f, **theta1)
-        if pipe.personalize.rounds > 0:
-            rep = fed.run(spec_run_config(spec, "personalize", theta1_file), timeout=timeout,
-                          out_dir=out / "flower", progress="personalize" if progress else None)
-            theta2 = {n: torch.from_numpy(np.asarray(v)) for n, v in rep["theta"].items()}
-            _write_history(out / "stage2.jsonl", "stage2", rep["history"])
-        else:
-            theta2 = None
-    t1 = {n: torch.from_numpy(v) for n, v in theta1.items()}
-    split, problem, alg, theta_start = stage2_setup(pipe, run.task, t1)
-    s2 = _Stage2(split, problem, alg, theta2 if theta2 is not None else theta_start, None,
-                 float("nan"))
-    metrics, _, _ = finetune_and_evaluate(pipe, run.task, s2, out)
-    _write_json(out / "metrics.json", metrics)
-    write_report(out, tensorboard=spec.logging.tensorboard)
-    where = f" of the SuperLink at {superlink}" if superlink else ""
+        if eff.pretrain.rounds > 0 and not (s1 / THETA1).exists():
+            rep = fed.run(stage_run_config(spec, "pretrain", **_audit(extra, "stage1")),
+                          timeout=timeout,
+                          out_dir=s1 / "flower", progress="pretrain" if progress else None)
+            _stage_files(s1, "stage1", THETA1, rep)
+        theta1 = s1 / "theta.npz"
+        if eff.pretrain.rounds > 0:
+            _npz(theta1, pio.load_tensors(s1 / THETA1, "θ1")[0])
+        if eff.personalize.rounds > 0 and not (out / THETA2).exists():
+            init = theta1 if eff.pretrain.rounds > 0 else None
+            rep = fed.run(stage_run_config(spec, "personalize", init,
+                                           **_audit(extra, "stage2")),
+                          timeout=timeout, out_dir=out / "flower",
+                          progress="personalize" if progress else None)
+            _stage_files(out, "stage2", THETA2, rep)
+    metrics = run_built(run, out, progress=False)  # stage 3 here: both stages are done
+    where = (f" of the SuperLink at {superlink}" if superlink else
+             f" ({getattr(fed, 'description', '')})" if federation is not None else "")
     return (f"{engine}: test accuracy {100 * metrics['test_acc']:.2f}% after "
-            f"{pipe.pretrain.rounds} + {pipe.personalize.rounds} rounds on "
-            f"{num_supernodes} SuperNodes{where}; results written to {out}/")
+            f"{eff.pretrain.rounds} + {eff.personalize.rounds} rounds on "
+            f"{num_supernodes} SuperNodes{where} in {time.perf_counter() - t0:.1f} s; "
+            f"results written to {out}/")
+
+
+def _audit(flower: dict[str, Any], stage: str) -> dict[str, Any]:
+    """Flower's keys for one stage: an ``audit-dir`` gets one subfolder per stage."""
+    if flower.get("audit-dir"):
+        return {**flower, "audit-dir": str(Path(flower["audit-dir"]) / stage)}
+    return flower
+
+
+class _entered:
+    """``with`` a federation the caller started (left running) or one started here."""
+
+    def __init__(self, fed) -> None:
+        self.fed, self.mine = fed, not getattr(fed, "started", False)
+
+    def __enter__(self):
+        return self.fed.__enter__() if self.mine else self.fed
+
+    def __exit__(self, *exc) -> None:
+        if self.mine:
+            self.fed.__exit__(*exc)
+
+
+def _npz(path: Path, params) -> None:
+    import numpy as np
+
+    from partialfl.arrays import to_numpy
+
+    with pio.atomic_write(path, "wb") as f:
+        np.savez(f, **{n: to_numpy(v) for n, v in params.items()})
+
+
+def _stage_files(folder: Path, tag: str, theta_name: str, rep: dict) -> None:
+    """Where the pipeline keeps a finished stage: θ, its records and its budget."""
+    import torch
+
+    theta = {n: torch.from_numpy(v.copy()) for n, v in rep["theta"].items()}
+    _records(folder / f"{tag}.jsonl", {"stage": tag}, rep["history"])
+    s = rep["summary"]
+    timing = {"seconds": s["seconds"], "rounds": s["server_steps"], "cap": s["server_steps"],
+              "stopped": False, "engine": "flower"}
+    for name in (f"{tag}_timing.json", "timing.json") if tag == "stage1" else (
+            f"{tag}_timing.json",):
+        pio.write_json(folder / name, timing, indent=1)
+    pio.save_tensors(folder / theta_name, theta)
+
+
+# ----------------------------------------------------------------------------- closed forms
+def run_flower_closed_form(spec, out: str | Path, *, engine: str = "flower-sim",
+                           num_supernodes: int = 2, progress: bool = True,
+                           timeout: float = 900.0, superlink: str | None = None,
+                           root_certificates: str | Path | None = None, federation=None,
+                           flower: dict[str, Any] | None = None
+                           ) -> tuple[list[dict], Path, dict]:
+    """A closed-form spec's stage on Flower into ``out``: ``<name>.jsonl`` (the evaluated
+    rounds, ``loss_gap`` = the SuperNodes' mean), ``<name>.png``, ``summary.md``; returns
+    ``(records, summary path, the ServerApp's report)``."""
+    from partialfl.build import build
+    from partialfl.experiments.closed_form import write_report
+
+    if federation is None:
+        _check_engine(engine, superlink, root_certificates)
+    run = build(spec)
+    _check_stateless(run)
+    out = Path(out).expanduser().resolve()
+    fed = federation if federation is not None else _federation(
+        spec, engine, num_supernodes, superlink, root_certificates)
+    t0 = time.perf_counter()
+    with _entered(fed):
+        out.mkdir(parents=True, exist_ok=True)
+        rep = fed.run(stage_run_config(spec, **dict(flower or {})), timeout=timeout,
+                      out_dir=out / "flower", progress=spec.name if progress else None)
+    history = [{**{k: v for k, v in h.items() if not k.startswith("eval_")},
+                "loss_gap": h["eval_loss_gap"]} for h in rep["history"] if "eval_loss_gap" in h]
+    if not history or history[-1]["round"] != rep["summary"]["server_steps"]:
+        raise RuntimeError("the SuperNodes' evaluation of the last round is missing (a node "
+                           f"failed or withheld it; see {out / 'flower' / 'result.json'})")
+    _records(out / f"{spec.name}.jsonl", {"method": spec.name}, history)
+    return history, write_report(spec, history, time.perf_counter() - t0, out), rep

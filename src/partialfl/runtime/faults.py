@@ -137,7 +137,21 @@ class FaultLog:
         return {"clients_failed": self.failed, "updates_nonfinite": self.nonfinite,
                 "updates_refused": self.refused, "worker_deaths": self.worker_deaths}
 
+    @staticmethod
+    def check_state(rec: Any) -> dict:
+        """``rec`` if it is a :meth:`state` as saved (int counters, the first error's text,
+        the growth record), else a ValueError naming what is malformed."""
+        if not isinstance(rec, dict):
+            raise ValueError(f"fault counters are not a table: {type(rec).__name__}")
+        for k, v in rec.items():
+            ok = (isinstance(v, str) if k == "first" else isinstance(v, dict) if k == "growth"
+                  else type(v) is int and v >= 0)
+            if not ok:
+                raise ValueError(f"fault counter {k!r} is malformed: {v!r:.60}")
+        return rec
+
     def restore(self, rec: dict) -> None:
+        self.check_state(rec)
         self.failed = int(rec.get("clients_failed", 0))
         self.nonfinite = int(rec.get("updates_nonfinite", 0))
         self.refused = int(rec.get("updates_refused", 0))

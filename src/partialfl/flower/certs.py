@@ -1,0 +1,126 @@
+"""Certificates and keys of a local federation (``partialfl flower local``), generated with
+``cryptography`` (a dependency of Flower):
+
+* a certificate authority (``ca.crt``, EC P-384, self-signed) and the SuperLink's server
+  certificate (``server.pem`` / ``server.key``) signed by it, valid for ``127.0.0.1``,
+  ``::1`` and ``localhost`` (or the host names and addresses given) — TLS between the
+  SuperLink, the SuperNodes and ``flwr``;
+* one EC P-384 key pair per SuperNode (``supernode-i.key`` / ``supernode-i.pub``, OpenSSH
+  formats, what ``flower-supernode`` and ``flwr supernode register`` read) — SuperNode
+  authentication: the
+  SuperLink accepts only registered SuperNodes.
+
+Private keys are written owner-readable only (0600), atomically. For separate machines use
+the same layout (docs/flower.md: the multi-machine guide), with the server certificate
+naming the SuperLink's public address.
+"""
+
+from __future__ import annotations
+
+import datetime as dt
+import ipaddress
+import os
+from collections.abc import Sequence
+from dataclasses import dataclass
+from pathlib import Path
+
+from partialfl import io as pio
+
+#: how long the generated certificates are valid
+VALID_DAYS = 30
+
+
+@dataclass(frozen=True)
+class Credentials:
+    """Where a local federation's certificates and SuperNode keys are."""
+
+    folder: Path
+    num_nodes: int
+
+    @property
+    def ca(self) -> Path:
+        """The CA certificate every party trusts (``--root-certificates``)."""
+        return self.folder / "ca.crt"
+
+    @property
+    def server_cert(self) -> Path:
+        return self.folder / "server.pem"
+
+    @property
+    def server_key(self) -> Path:
+        return self.folder / "server.key"
+
+    def node_key(self, i: int) -> Path:
+        """SuperNode ``i``'s private key (``--auth-supernode-private-key``)."""
+        return self.folder / f"supernode-{i}.key"
+
+    def node_public_key(self, i: int) -> Path:
+        """SuperNode ``i``'s public key (``flwr supernode register``)."""
+        return self.folder / f"supernode-{i}.pub"
+
+
+def _write_private(path: Path, data: bytes) -> None:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    pio.write_bytes(path, data)
+    os.chmod(path, 0o600)
+
+
+def _names(hosts: Sequence[str]):
+    from cryptography import x509
+
+    out = []
+    for h in hosts:
+        try:
+            out.append(x509.IPAddress(ipaddress.ip_address(h)))
+        except ValueError:
+            out.append(x509.DNSName(h))
+    return out
+
+
+def generate(folder: str | Path, num_nodes: int,
+             hosts: Sequence[str] = ("127.0.0.1", "::1", "localhost")) -> Credentials:
+    """Write a CA, a server certificate for ``hosts`` and ``num_nodes`` SuperNode key pairs
+    into ``folder`` (see the module docstring)."""
+    from cryptography import x509
+    from cryptography.hazmat.primitives import hashes, serialization
+    from cryptography.hazmat.primitives.asymmetric import ec
+    from cryptography.x509.oid import ExtendedKeyUsageOID, NameOID
+
+    creds = Credentials(Path(folder), num_nodes)
+    now = dt.datetime.now(dt.UTC)
+    start, end = now - dt.timedelta(minutes=5), now + dt.timedelta(days=VALID_DAYS)
+
+    def name(cn: str):
+        return x509.Name([x509.NameAttribute(NameOID.COMMON_NAME, cn)])
+
+    ca_key = ec.generate_private_key(ec.SECP384R1())
+    ca = (x509.CertificateBuilder().subject_name(name("partialfl local CA"))
+          .issuer_name(name("partialfl local CA")).public_key(ca_key.public_key())
+          .serial_number(x509.random_serial_number()).not_valid_before(start)
+          .not_valid_after(end)
+          .add_extension(x509.BasicConstraints(ca=True, path_length=0), critical=True)
+          .add_extension(x509.KeyUsage(False, False, False, False, False, True, True, False,
+                                       False), critical=True)
+          .sign(ca_key, hashes.SHA384()))
+    key = ec.generate_private_key(ec.SECP384R1())
+    cert = (x509.CertificateBuilder().subject_name(name(hosts[0])).issuer_name(ca.subject)
+            .public_key(key.public_key()).serial_number(x509.random_serial_number())
+            .not_valid_before(start).not_valid_after(end)
+            .add_extension(x509.SubjectAlternativeName(_names(hosts)), critical=False)
+            .add_extension(x509.BasicConstraints(ca=False, path_length=None), critical=True)
+            .add_extension(x509.ExtendedKeyUsage([ExtendedKeyUsageOID.SERVER_AUTH]),
+                           critical=False)
+            .sign(ca_key, hashes.SHA384()))
+    pem = serialization.Encoding.PEM
+    raw = serialization.PrivateFormat.PKCS8
+    none = serialization.NoEncryption()
+    pio.write_bytes(creds.ca, ca.public_bytes(pem))
+    pio.write_bytes(creds.server_cert, cert.public_bytes(pem))
+    _write_private(creds.server_key, key.private_bytes(pem, raw, none))
+    for i in range(num_nodes):
+        k = ec.generate_private_key(ec.SECP384R1())
+        _write_private(creds.node_key(i), k.private_bytes(
+            pem, serialization.PrivateFormat.OpenSSH, none))  # what flower-supernode reads
+        pio.write_bytes(creds.node_public_key(i), k.public_key().public_bytes(
+            serialization.Encoding.OpenSSH, serialization.PublicFormat.OpenSSH))
+    return creds

@@ -1,0 +1,245 @@
+"""Secure aggregation of θ with Flower's SecAgg+ (run-config ``secagg = true``).
+
+Every synchronous round runs Flower's SecAgg+ protocol
+(:class:`flwr.server.workflow.SecAggPlusWorkflow` on the ServerApp, Flower's ``secaggplus_mod``
+on the ClientApp) over all SuperNodes: node i computes its sampled clients' updates (as
+without SecAgg+), combines them into ``p_i = Σ_m a_m v_m / A_i`` with ``A_i = Σ_m a_m`` (``a_m``
+the aggregator's weight: 1, or the client's example count under ``weighting = "examples"``) —
+a node without sampled clients sends ``p_i = 0`` with weight 0 — and the mod sends ``p_i`` and
+``A_i`` quantised and masked. The server unmasks only the sum and gets
+``Σ_i A_i p_i / Σ_i A_i = Σ_m a_m v_m / Σ_m a_m``: the round's (weighted) mean of the updates,
+which is all the server step of a mean-aggregating algorithm uses. It applies that one row with
+the algorithm's own ``server_update``; no individual update, and no node's partial sum, is ever
+decoded on the server.
+
+What the server still learns: the round's aggregate (hence θ), the cohort (it samples it) and
+which nodes took part, each node's total weight ``A_i`` (the count of its sampled clients, or
+their declared example counts) and its summed training loss and gradient count (sums over
+its sampled clients, as without SecAgg+). With 2 SuperNodes a node that colludes with the
+server learns the other's partial sum; SecAgg+ needs more, honest-majority nodes to mean more.
+
+Cost and error: coordinates of ``A_i/A · p_i`` are clipped to ``[-c, c]`` (``secagg-clip``)
+and stochastically rounded to ``2^bits`` levels (``secagg-bits``), so each node adds an error
+below one step ``2c/2^bits`` per coordinate and a round's aggregate is off by less than
+``N·2c/2^bits`` (N nodes; :func:`quantisation_bound`), θ after the round by less than the
+server stepsize times that; later rounds carry the difference through the training
+dynamics. The weights are quantised to the same resolution. A round costs four message
+exchanges instead of one (setup, key sharing, masked vectors, unmasking) plus the key
+agreement and masking on the nodes (docs/flower.md gives the measured per-round cost).
+
+Only algorithms whose server step depends on the updates through the mean alone qualify
+(:func:`check_algorithm`: the base ``server_update`` with a mean aggregator, no extra payload,
+stateless clients — FFGG, FedAvg, Local FFGG, FedProx, …); robust aggregation, the Byzantine
+attack, differential privacy and asynchronous rules need individual updates and are refused
+when the run config is parsed (:mod:`partialfl.flower.config`).
+"""
+
+from __future__ import annotations
+
+import copy
+import json
+from typing import Any
+
+import numpy as np
+
+from partialfl.flower.config import ConfigError
+
+
+def check_algorithm(algorithm) -> None:
+    """Refuse an algorithm whose server step needs more than the mean of the updates."""
+    from partialfl.aggregation import Mean
+    from partialfl.algorithms.base import Algorithm
+    from partialfl.flower.codec import declared_extras
+
+    name = getattr(algorithm, "name", type(algorithm).__name__)
+    why = None
+    if getattr(algorithm, "stateful_clients", False):
+        why = "keeps client state"
+    elif declared_extras(algorithm):
+        why = f"sends extra payloads {sorted(declared_extras(algorithm))}"
+    elif not isinstance(getattr(algorithm, "aggregator", None), Mean):
+        why = f"aggregates with {type(getattr(algorithm, 'aggregator', None)).__name__}"
+    elif type(algorithm).server_update is not Algorithm.server_update or \
+            type(algorithm).aggregate is not Algorithm.aggregate:
+        why = "has its own server step"
+    if why:
+        raise ConfigError(f"secagg: algorithm {name} {why}; SecAgg+ gives the server only the "
+                          "mean of a round's updates (FFGG, FedAvg, Local FFGG, FedProx "
+                          "qualify)")
+
+
+def quantisation_bound(cfg, num_nodes: int) -> float:
+    """Per coordinate and round, the largest difference between SecAgg+'s aggregate and the
+    exact mean: N nodes' rounding (below one step 2c/2^bits each), ignoring the weights'
+    rounding (relative 2^-bits)."""
+    return num_nodes * 2 * cfg.secagg_clip / 2 ** cfg.secagg_bits
+
+
+# ----------------------------------------------------------------------------- ClientApp
+def secagg_mod(msg, ctx, call_next):
+    """Flower's ``secaggplus_mod`` for the SecAgg+ rounds' messages (they carry its
+    configuration record); every other message goes straight to the ClientApp."""
+    from flwr.client.mod import secaggplus_mod
+    from flwr.common.secure_aggregation.secaggplus_constants import RECORD_KEY_CONFIGS
+
+    if msg.metadata.message_type == "train" and RECORD_KEY_CONFIGS in msg.content:
+        return secaggplus_mod(msg, ctx, call_next)
+    return call_next(msg, ctx)
+
+
+def is_secagg(msg) -> bool:
+    """Whether a train message is the SecAgg+ round's (Flower's FitIns records)."""
+    return "fitins.parameters" in msg.content
+
+
+def node_contribution(rt, msg):
+    """The node's reply in a SecAgg+ round: ``p_i`` and ``A_i`` (module docstring) as Flower's
+    FitRes, which ``secaggplus_mod`` masks (and clears from the message) before it leaves."""
+    import flwr.compat.common.recorddict_compat as compat
+    from flwr.app import Message
+    from flwr.common import Code, FitRes, Status, ndarrays_to_parameters, parameters_to_ndarrays
+
+    from partialfl import arrays
+    from partialfl.algorithms.base import RoundContext, ServerState
+    from partialfl.flower.codec import aggregate_metrics
+
+    ins = compat.recorddict_to_fitins(msg.content, keep_input=True)
+    values = parameters_to_ndarrays(ins.parameters)
+    if len(values) != len(rt.theta_names):
+        raise ValueError(f"SecAgg+ round sent {len(values)} θ leaves, the model has "
+                         f"{len(rt.theta_names)}")
+    theta = {n: arrays.to_torch(v) if rt.torch else v for n, v in zip(rt.theta_names, values)}
+    r = int(ins.config["round"])
+    cohort = rt.check_clients(np.asarray(json.loads(str(ins.config["clients"])),
+                                         dtype=np.int64))
+    metrics: dict[str, Any] = {"clients": len(cohort), "grad-evals": 0}
+    p = [np.zeros(np.shape(v)) for v in values]
+    weight = 0.0
+    if len(cohort):
+        from partialfl.flower.config import inject_faults
+
+        inject_faults(rt.cfg.fault_injection, rt.partition, r)
+        up = rt.algorithm.client_update(ServerState(theta=theta, round=r), rt.problem, cohort,
+                                        RoundContext(rt.cfg.seed, r)).updates
+        a = (np.asarray(arrays.to_numpy(up.weights), dtype=np.float64)
+             if rt.algorithm.aggregator.weighted else np.ones(len(cohort)))
+        weight = float(a.sum())
+        if weight > 0:
+            p = [np.tensordot(a, np.asarray(arrays.to_numpy(up.vectors[n]), np.float64), 1)
+                 / weight for n in rt.theta_names]
+        metrics.update({"grad-evals": int(up.grad_evals), **aggregate_metrics(up.metrics)})
+    res = FitRes(Status(Code.OK, ""), ndarrays_to_parameters(p), int(round(weight)), metrics)
+    return Message(compat.fitres_to_recorddict(res, keep_input=True), reply_to=msg)
+
+
+# ----------------------------------------------------------------------------- ServerApp
+class _Proxy:
+    """What the workflow needs of a client proxy: its node id."""
+
+    def __init__(self, node_id: int) -> None:
+        self.node_id = node_id
+        self.cid = str(node_id)
+
+
+class _Strategy:
+    """The two Strategy calls the SecAgg+ workflow makes: which nodes train with what
+    (every node, its part of the cohort), and the unmasked aggregate (kept here)."""
+
+    def __init__(self, items: list[tuple[int, Any]]) -> None:
+        self.items = items
+        self.result: tuple[list[np.ndarray], dict[int, Any]] | None = None
+
+    def configure_fit(self, server_round, parameters, client_manager):
+        return [(_Proxy(n), fitins) for n, fitins in self.items]
+
+    def aggregate_fit(self, server_round, results, failures):
+        from flwr.common import parameters_to_ndarrays
+
+        if results:
+            agg = parameters_to_ndarrays(results[0][1].parameters)
+            self.result = (agg, {p.node_id: fitres for p, fitres in results})
+        return (results[0][1].parameters if results else None), {}
+
+
+class _Manager:
+    def __init__(self, n: int) -> None:
+        self.n = n
+
+    def num_available(self) -> int:
+        return self.n
+
+
+class _LinkGrid:
+    """``send_and_receive`` over the ServerApp's :class:`~partialfl.flower.federation.Link`
+    (its polling, its message hook, the run config on every message)."""
+
+    def __init__(self, link, timeout: float) -> None:
+        self.link, self.timeout = link, timeout
+
+    def send_and_receive(self, messages, *, timeout=None):
+        # every message its own copy of the content (the workflow shares one record between
+        # messages, and a node's mod consumes entries of it in place)
+        items = [(m.metadata.dst_node_id, m.metadata.message_type, copy.deepcopy(m.content),
+                  m.metadata.group_id) for m in messages]
+        ids, got = self.link.exchange(items, self.timeout if timeout is None else timeout)
+        return [got[i] for i in ids if i in got]
+
+
+def secagg_round(link, cfg, fed, state, cohort: np.ndarray, round_: int, algorithm, report,
+                 faults):
+    """One SecAgg+ round over every SuperNode; returns ``(updates or None, clients whose
+    updates are in the aggregate)``. The updates are ONE row: the round's mean (module
+    docstring). Nodes that drop out are recorded as failures of their sampled clients."""
+    import flwr.compat.common.recorddict_compat as compat
+    from flwr.app import ConfigRecord, Context, RecordDict
+    from flwr.common import FitIns, ndarrays_to_parameters
+    from flwr.server.compat.legacy_context import LegacyContext
+    from flwr.server.workflow import SecAggPlusWorkflow
+    from flwr.server.workflow.constant import MAIN_CONFIGS_RECORD, MAIN_PARAMS_RECORD
+    from flwr.server.workflow.constant import Key as WorkflowKey
+
+    from partialfl import arrays
+    from partialfl.flower.report import record_failure
+    from partialfl.types import ClientUpdates
+
+    names = list(state.theta)
+    values = [np.ascontiguousarray(arrays.to_numpy(state.theta[n])) for n in names]
+    params = ndarrays_to_parameters(values)
+    pos = fed.owner[cohort]
+    parts = {n: cohort[pos == i] for i, n in enumerate(fed.order)}
+    items = [(n, FitIns(params, {"round": int(round_),
+                                 "clients": json.dumps([int(c) for c in parts[n]])}))
+             for n in fed.order]
+    weighted = algorithm.aggregator.weighted
+    total = float(fed.examples[cohort].sum()) if weighted else float(len(cohort))
+    strategy = _Strategy(items)
+    legacy = LegacyContext(Context(run_id=0, node_id=0, node_config={}, state=RecordDict(),
+                                   run_config={}), strategy=strategy,
+                           client_manager=_Manager(len(fed.order)))
+    legacy.state.config_records[MAIN_CONFIGS_RECORD] = ConfigRecord(
+        {WorkflowKey.CURRENT_ROUND: int(round_)})
+    legacy.state.array_records[MAIN_PARAMS_RECORD] = compat.parameters_to_arrayrecord(
+        params, keep_input=True)
+    SecAggPlusWorkflow(cfg.secagg_shares, cfg.secagg_threshold, max_weight=max(total, 1.0),
+                       clipping_range=cfg.secagg_clip, quantization_range=2 ** cfg.secagg_bits,
+                       timeout=cfg.round_timeout)(_LinkGrid(link, cfg.round_timeout), legacy)
+    done = strategy.result[1] if strategy.result is not None else {}
+    for n in fed.order:
+        if n not in done and len(parts[n]):
+            record_failure(report, round_, "timeout", fed.partition(n), parts[n],
+                           "dropped out of the SecAgg+ round", faults)
+    alive = np.sort(np.concatenate([parts[n] for n in done] or [np.zeros(0, np.int64)]))
+    if strategy.result is None or not len(alive):
+        return None, alive
+    agg, fitres = strategy.result
+    bad = (len(agg) != len(names) or any(np.shape(a) != np.shape(v) or not np.isfinite(a).all()
+                                         for a, v in zip(agg, values)))
+    if bad:
+        for n in done:
+            record_failure(report, round_, "invalid", fed.partition(n), parts[n],
+                           "the SecAgg+ aggregate does not fit θ or is not finite", faults)
+        return None, np.zeros(0, np.int64)
+    like = {n: a[None].astype(v.dtype) for n, a, v in zip(names, agg, values)}
+    vectors = {n: arrays.to_torch(v) for n, v in like.items()} if fed.torch else like
+    grads = int(sum(int(f.metrics.get("grad-evals", 0)) for f in fitres.values()))
+    return ClientUpdates(vectors, np.ones(1), alive[:1].copy(), grads), alive
