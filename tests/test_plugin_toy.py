@@ -1,11 +1,14 @@
 """Issue 26's "add a component" check: a toy algorithm (one option) and a toy aggregation
 rule, registered by a module in the test folder without editing ``src/``, run by name
-through ``partialfl run`` on least squares (synchronous and asynchronous) and ``partialfl
-train`` on a model, each equal to the Python-API run of the same objects."""
+through ``partialfl run`` on least squares (synchronous, asynchronous and on Flower's
+simulation engine) and ``partialfl train`` on a model, each equal to the Python-API run of the
+same objects."""
 
 from __future__ import annotations
 
 import json
+import os
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -124,3 +127,24 @@ def test_train_by_name_equals_the_python_api(tmp_path, monkeypatch):
     assert got["test_acc"] == ref["test_acc"]
     assert got["per_client_test_acc"] == ref["per_client_test_acc"]
     assert torch.isfinite(torch.tensor(got["test_acc"]))
+
+
+@pytest.mark.slow
+def test_run_by_name_on_the_flower_simulation_engine(tmp_path, monkeypatch):
+    """The same spec with ``--engine flower-sim``: the ServerApp and the ClientApps load the
+    plugin (the nodes are this machine's, allowed by ``--allow-code``) and build the toy and
+    the toy rule by name; θ's metrics equal the Python-API run to float rounding."""
+    pytest.importorskip("flwr")
+    pytest.importorskip("ray")
+    tests = str(Path(__file__).resolve().parent)
+    monkeypatch.setenv("PYTHONPATH", tests + os.pathsep + os.environ.get("PYTHONPATH", ""))
+    cfg = tmp_path / "toy.toml"
+    cfg.write_text(TOML)
+    assert main(["run", str(cfg), "--allow-code", "--no-progress", "--engine", "flower-sim",
+                 "--out", str(tmp_path / "o")]) == 0
+    got = _lines(tmp_path / "o" / "toy.jsonl")
+    ref = _python_api(False)
+    assert [r["round"] for r in got] == [r["round"] for r in ref]
+    for a, b in zip(got, ref):
+        assert a["rel_dist2"] == pytest.approx(b["rel_dist2"], rel=1e-6, abs=1e-12)
+    assert got[-1]["rel_dist2"] < got[0]["rel_dist2"]
