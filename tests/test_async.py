@@ -321,7 +321,7 @@ def test_processes_really_run_concurrently_at_different_speeds(problem):
 
 @pytest.mark.slow
 def test_reproduce_async_quick(tmp_path):
-    from partialfl.experiments.asynchronous import reproduce_async
+    from partialfl.reproductions.asynchronous import reproduce_async
     from partialfl.runtime import read_jsonl
 
     summary = reproduce_async(tmp_path, quick=True, progress=False)

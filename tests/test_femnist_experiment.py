@@ -10,7 +10,8 @@ import torch
 from _nn_toy import one_thread
 
 from partialfl.data.femnist import load_femnist_npz, pixel_mean_std
-from partialfl.experiments.femnist import (
+from partialfl.registry import entry
+from partialfl.reproductions.femnist import (
     METHODS,
     QUICK,
     collect_kfold,
@@ -21,7 +22,6 @@ from partialfl.experiments.femnist import (
     reproduce_table,
     writer_folds,
 )
-from partialfl.registry import entry
 
 pytestmark = pytest.mark.data
 

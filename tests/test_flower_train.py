@@ -8,7 +8,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from partialfl.experiments.train import load_run_spec as load_train_spec
+from partialfl.pipeline.train import load_run_spec as load_train_spec
 
 ROOT = Path(__file__).resolve().parents[1]
 QUICKSTART = ROOT / "configs" / "train" / "quickstart.toml"
@@ -53,10 +53,10 @@ def test_node_builds_the_pipelines_stage(data_dir):
 
     from partialfl.algorithms.base import RoundContext
     from partialfl.build import build
-    from partialfl.experiments.pipeline import stage1_setup
     from partialfl.flower.builders import build_algorithm, build_problem
     from partialfl.flower.config import parse_run_config
     from partialfl.flower.train import spec_run_config
+    from partialfl.pipeline.stages import stage1_setup
 
     spec = _spec(data_dir)
     cfg = parse_run_config(spec_run_config(spec, "pretrain"))
@@ -83,8 +83,8 @@ def test_quickstart_in_flower_simulation_gives_the_in_process_theta(tmp_path, da
     """configs/train/quickstart.toml at a tiny size: θ after pre-training and after
     personalization in Flower's simulation engine equals the in-process run's (1e-6)."""
     pytest.importorskip("ray", reason="Flower's simulation engine needs 'flwr[simulation]'")
-    from partialfl.experiments.train import run_train
     from partialfl.flower.train import run_flower_train
+    from partialfl.pipeline.train import run_train
 
     spec = _spec(data_dir)
     _, local = run_train(spec, tmp_path / "local", progress=False)
@@ -143,8 +143,8 @@ def test_train_on_a_running_deployment_gives_the_in_process_theta(tmp_path, data
         pytest.skip(f"Flower's command-line tools are not installed: {', '.join(missing)}")
     from partialfl import io as pio
     from partialfl.cli import main
-    from partialfl.experiments.train import run_train
     from partialfl.flower.project import LocalFederation
+    from partialfl.pipeline.train import run_train
 
     spec = _spec(data_dir)
     _, local = run_train(spec, tmp_path / "local", progress=False)

@@ -9,17 +9,13 @@ import pytest
 import torch
 from _nn_toy import max_diff, one_thread, toy_data, toy_model
 
-from partialfl.build import build_server_opt
+from partialfl.build import Task, build_server_opt
 from partialfl.config import ConfigError
-from partialfl.evaluation import evaluate_new_clients
-from partialfl.experiments.pipeline import (
-    Task,
-    evaluate_run,
-    read_deploy,
-    run_pipeline,
-)
 from partialfl.io import load_tensors
 from partialfl.local.sgd import SGDConfig, run_sgd
+from partialfl.pipeline.evaluation import evaluate_new_clients, evaluate_run
+from partialfl.pipeline.files import read_deploy
+from partialfl.pipeline.stages import run_pipeline
 from partialfl.problems.model import ModelProblem
 from partialfl.spec import FinetuneConfig, MethodConfig, RunSpec, ServerConfig, StageConfig
 from partialfl.split import make_split

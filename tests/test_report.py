@@ -2,7 +2,7 @@
 
 import math
 
-from partialfl.experiments.report import (
+from partialfl.pipeline.report import (
     accuracy_cells,
     docstring_bullets,
     markdown_table,
@@ -64,7 +64,7 @@ def _table_results(labels):
 def test_femnist_summary_describes_its_own_run_and_stands_alone():
     from _summaries import check_standalone_summary
 
-    from partialfl.experiments import femnist
+    from partialfl.reproductions import femnist
 
     res = _table_results([lab for lab, _ in femnist.METHODS])
     info = {"train_writers": list("abcdefghijkl"), "new_writers": ["m", "n"]}
@@ -82,7 +82,7 @@ def test_shakespeare_summary_describes_its_own_run_and_stands_alone():
 
     from _summaries import check_standalone_summary
 
-    from partialfl.experiments import shakespeare
+    from partialfl.reproductions import shakespeare
 
     res = _table_results([lab for lab, _ in shakespeare.METHODS])
     tf = SimpleNamespace(stats={"clients": 8, "train_sequences": 700, "test_sequences": 90,
@@ -96,7 +96,7 @@ def test_shakespeare_summary_describes_its_own_run_and_stands_alone():
 
 
 def test_plain_markdown_turns_sphinx_roles_into_code():
-    from partialfl.experiments.report import plain_markdown
+    from partialfl.pipeline.report import plain_markdown
 
     assert plain_markdown("see :mod:`partialfl.split` and :data:`~a.b.FULL`, :func:`f`") == \
         "see `partialfl.split` and `FULL`, `f`"
@@ -112,7 +112,7 @@ def test_counts_from_runs_and_paired_section():
     import numpy as np
     import pytest
 
-    from partialfl.experiments.report import counts_from_runs, paired_section
+    from partialfl.pipeline.report import counts_from_runs, paired_section
 
     ids = [f"c{i}" for i in range(30)]
     rng = np.random.default_rng(0)
@@ -151,7 +151,7 @@ def test_error_ratio_section_states_intervals_and_verdicts_over_seeds():
     run no verdict."""
     import numpy as np
 
-    from partialfl.experiments.report import error_ratio_section
+    from partialfl.pipeline.report import error_ratio_section
 
     ref = np.array([1e-6, 1e-4, 1e-8])
     pairs = {"lower": (ref * np.array([1e-3, 2e-3, 5e-4]), ref),

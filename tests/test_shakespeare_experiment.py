@@ -11,7 +11,8 @@ import pytest
 
 from partialfl.data.paths import default_data_dir
 from partialfl.data.shakespeare import FILE_NAME
-from partialfl.experiments.shakespeare import (
+from partialfl.registry import entry
+from partialfl.reproductions.shakespeare import (
     FULL,
     METHODS,
     PAPER,
@@ -19,7 +20,6 @@ from partialfl.experiments.shakespeare import (
     reproduce_table,
     stage_configs,
 )
-from partialfl.registry import entry
 from partialfl.runtime import read_jsonl
 
 pytestmark = pytest.mark.data

@@ -12,14 +12,13 @@ import pytest
 import torch
 from _nn_toy import max_diff, one_thread, toy_data, toy_model
 
+from partialfl.build import Task
 from partialfl.config import ConfigError
 from partialfl.data.federated import FederatedDataset
 from partialfl.data.validation import carve_validation, validation_sizes
-from partialfl.experiments.pipeline import (
-    Task,
-    run_pipeline,
-)
-from partialfl.experiments.stopping import (
+from partialfl.local.sgd import SGDConfig
+from partialfl.pipeline.stages import run_pipeline
+from partialfl.pipeline.stopping import (
     FinetuneGrid,
     StopConfig,
     ValidationConfig,
@@ -27,7 +26,6 @@ from partialfl.experiments.stopping import (
     plateau_table,
     plateaued,
 )
-from partialfl.local.sgd import SGDConfig
 from partialfl.spec import FinetuneConfig, MethodConfig, RunSpec, StageConfig
 
 
@@ -192,7 +190,7 @@ def test_plateau_run_resumes_at_the_same_stop(tmp_path):
 
 
 def test_validation_needs_an_in_memory_dataset():
-    from partialfl.experiments.pipeline import validation_tasks
+    from partialfl.pipeline.stages import validation_tasks
 
     with pytest.raises(ConfigError, match="FederatedDataset, got object"):
         validation_tasks(_plateau_cfg(), Task(data=object(), model_fn=toy_model))
@@ -233,8 +231,8 @@ def test_shakespeare_tiny_table_under_the_rule(tmp_path):
     reports where each method stopped (tiny size; needs the shared corpus)."""
     from partialfl.data.paths import default_data_dir
     from partialfl.data.shakespeare import FILE_NAME
-    from partialfl.experiments import shakespeare as sh
-    from partialfl.experiments.stopping import plateau_settings
+    from partialfl.pipeline.stopping import plateau_settings
+    from partialfl.reproductions import shakespeare as sh
 
     d = default_data_dir()
     if d is None or not (d / FILE_NAME).exists():
@@ -258,7 +256,7 @@ def test_shakespeare_tiny_table_under_the_rule(tmp_path):
 @pytest.mark.slow
 @pytest.mark.data
 def test_femnist_quick_table_under_the_rule(tmp_path, data_dir):
-    from partialfl.experiments.femnist import reproduce_table
+    from partialfl.reproductions.femnist import reproduce_table
 
     path = reproduce_table(tmp_path, quick=True, data_dir=data_dir, progress=False,
                            plateau=True)
@@ -274,8 +272,8 @@ def test_tables_at_convergence_rule_every_stage_under_caps_beyond_the_fixed_budg
     """``--plateau`` (no explicit size) runs the FEMNIST and tiny-Shakespeare tables with the
     rule on stage 1 too and caps beyond the fixed budgets, evaluated often enough for the
     rule's window to fit well inside each cap."""
-    from partialfl.experiments import femnist as fm
-    from partialfl.experiments import shakespeare as sh
+    from partialfl.reproductions import femnist as fm
+    from partialfl.reproductions import shakespeare as sh
 
     for mod, cfgs in ((fm, fm.stage_configs(fm.PLATEAU)), (sh, sh.stage_configs(sh.PLATEAU))):
         pre, pers = cfgs[0], (cfgs[1](MethodConfig()) if callable(cfgs[1]) else cfgs[1])
@@ -293,8 +291,8 @@ def test_summaries_of_the_tables_at_convergence_state_the_rule_not_fixed_budgets
     """A ``--plateau`` table is full size (verdicts given, no "quick run" note) and its
     summary states caps, stopping rounds and the validation-chosen stage 3 instead of the
     fixed tables' round counts and 5 epochs."""
-    from partialfl.experiments import femnist as fm
-    from partialfl.experiments import shakespeare as sh
+    from partialfl.reproductions import femnist as fm
+    from partialfl.reproductions import shakespeare as sh
 
     assert fm._full_size(fm.PLATEAU) and fm._full_size(replace(fm.PLATEAU, seeds=(0,)))
     assert sh._full_size(sh.PLATEAU) and not fm._full_size(replace(fm.PLATEAU, rounds=7))

@@ -13,8 +13,8 @@ import numpy as np
 import pytest
 
 from partialfl.cli import main
-from partialfl.experiments.train import load_run_spec as load_train_spec
-from partialfl.experiments.train import run_train
+from partialfl.pipeline.train import load_run_spec as load_train_spec
+from partialfl.pipeline.train import run_train
 
 ROOT = Path(__file__).resolve().parents[1]
 TRAIN_CONFIGS = sorted((ROOT / "configs" / "train").glob("*.toml"))
@@ -311,8 +311,8 @@ def test_every_train_config_runs_tiny(cfg, tmp_path, data_dir):
 
 
 def _table_rows():
-    from partialfl.experiments import femnist as F
-    from partialfl.experiments import shakespeare as S
+    from partialfl.reproductions import femnist as F
+    from partialfl.reproductions import shakespeare as S
 
     for method in (m for _, m in F.METHODS):
         yield "femnist", method, F._pipeline_config(F.FULL, method, 0)

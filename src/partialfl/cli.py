@@ -76,7 +76,7 @@ def _load(args):
     """The spec of ``args.config`` with the command line's overrides; code named by the
     config may be imported only with ``--allow-code``."""
     from partialfl.build import allow_code, config_folder_on_path
-    from partialfl.experiments.train import load_run_spec
+    from partialfl.pipeline.train import load_run_spec
 
     sets = list(args.set or [])
     if args.threads is not None:
@@ -106,7 +106,7 @@ def _cmd_run(args) -> int:
 
 
 def _run_closed_form(args, cfg) -> int:
-    from partialfl.experiments.closed_form import run_and_report
+    from partialfl.pipeline.closed_form import run_and_report
 
     out = _out_dir(args.out or Path("runs") / cfg.name)
     if args.dry_run:
@@ -134,7 +134,7 @@ def _run_closed_form(args, cfg) -> int:
 
 
 def _run_model(args, spec) -> int:
-    from partialfl.experiments.train import format_plan, run_train
+    from partialfl.pipeline.train import format_plan, run_train
 
     out = _out_dir(args.out or Path("runs") / spec.name)
     if args.engine != "local":
@@ -162,9 +162,11 @@ def _run_model(args, spec) -> int:
 
 
 def _cmd_evaluate(args) -> int:
-    from partialfl.experiments.evaluate import evaluate_runs, evaluation_table, to_json
+    from partialfl.pipeline.runs import evaluate_runs, evaluation_table, to_json
+    from partialfl.reproductions import new_client_evaluator
 
-    results = evaluate_runs(args.run, args.data_dir, finetune_epochs=args.finetune_epochs,
+    results = evaluate_runs(args.run, new_client_evaluator, args.data_dir,
+                            finetune_epochs=args.finetune_epochs,
                             lr=args.lr, progress=not args.no_progress)
     if args.json is None:
         print(evaluation_table(results))
@@ -183,7 +185,7 @@ def _cmd_evaluate(args) -> int:
 
 
 def _cmd_report(args) -> int:
-    from partialfl.experiments.train_report import write_report
+    from partialfl.pipeline.train_report import write_report
 
     run = Path(args.run)
     if not run.is_dir():
@@ -366,8 +368,8 @@ def _add_common(s) -> None:
 
 
 def _add_advise(sub) -> None:
-    """``partialfl advise TASK`` (the split advisor; see partialfl.experiments.advise)."""
-    from partialfl.experiments.advise import add_parser
+    """``partialfl advise TASK`` (the split advisor; see partialfl.reproductions.advise)."""
+    from partialfl.reproductions.advise import add_parser
 
     add_parser(sub)
 

@@ -25,7 +25,8 @@ import numpy as np
 
 from partialfl import io as pio
 from partialfl.advisor import Advice, advise, spearman
-from partialfl.experiments.pipeline import Task, pretrain
+from partialfl.build import Task
+from partialfl.pipeline.stages import pretrain
 
 TASKS = ("har", "femnist", "shakespeare", "shakespeare-complete")
 
@@ -48,7 +49,7 @@ class AdvisorTask:
 def build_task(name: str, data_dir=None, pretrain_rounds: int | None = None) -> AdvisorTask:
     """The table ``name``'s task at its FULL size (stage 1 shortened to ``pretrain_rounds``)."""
     if name == "har":
-        from partialfl.experiments import har as t
+        from partialfl.reproductions import har as t
 
         size = t.FULL if pretrain_rounds is None else replace(t.FULL,
                                                               pretrain_rounds=pretrain_rounds)
@@ -56,7 +57,7 @@ def build_task(name: str, data_dir=None, pretrain_rounds: int | None = None) -> 
         cfg = t._pipeline_config(size, t.METHODS[1][1], 0)
         return AdvisorTask(t.har_task(train), cfg, t.PERSONAL_LR, size.finetune_epochs, t.BATCH)
     if name == "femnist":
-        from partialfl.experiments import femnist as t
+        from partialfl.reproductions import femnist as t
 
         size = t.FULL if pretrain_rounds is None else replace(t.FULL,
                                                               pretrain_rounds=pretrain_rounds)
@@ -64,7 +65,7 @@ def build_task(name: str, data_dir=None, pretrain_rounds: int | None = None) -> 
         cfg = t._pipeline_config(size, t.METHODS[0][1], 0)
         return AdvisorTask(t.femnist_task(train), cfg, t.PERSONAL_LR, size.finetune_epochs, 32)
     if name in ("shakespeare", "shakespeare-complete"):
-        from partialfl.experiments import shakespeare as t
+        from partialfl.reproductions import shakespeare as t
 
         size = t.FULL if name == "shakespeare" else t.COMPLETE_CHAR
         if pretrain_rounds is not None:

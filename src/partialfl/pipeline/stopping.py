@@ -66,9 +66,9 @@ def choose_finetune(val_problem, theta, w0, grid: FinetuneGrid, client, seed: in
                     ) -> tuple[dict[str, Any], Any]:
     """Run the grid on ``val_problem`` (its "test" split is the validation data); returns
     ``({"epochs", "lr", "val": [[epochs, lr, value], ...]}, w of the chosen setting)``.
-    ``client`` is the stage-3 :class:`~partialfl.experiments.pipeline.ClientConfig` whose
+    ``client`` is the stage-3 :class:`~partialfl.pipeline.ClientConfig` whose
     other fields (batch size, clipping) every setting keeps."""
-    from partialfl.evaluation import evaluate_model, finetune_personal
+    from partialfl.pipeline.evaluation import evaluate_model, finetune_personal
 
     best, table = None, []
     for epochs, lr in grid.settings():
@@ -95,7 +95,7 @@ def budget_plot(out_dir: Path, methods: Sequence[tuple[str, Any]], seeds: Sequen
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    from partialfl.experiments.report import STYLES
+    from partialfl.pipeline.report import STYLES
     from partialfl.runtime import read_jsonl
 
     out_dir = Path(out_dir)
@@ -164,7 +164,7 @@ def plateau_table(results: dict[str, Sequence[dict]], timings: dict[str, float])
     """A markdown table of each (method, seed)'s budget: stage-2 rounds (and whether the
     plateau rule or the cap ended it), the stage-3 setting chosen on validation data, the
     validation and test accuracy and the minutes stages 2 and 3 took when they ran."""
-    from partialfl.experiments.report import markdown_table
+    from partialfl.pipeline.report import markdown_table
 
     rows = []
     for label, ms in results.items():

@@ -5,7 +5,7 @@ Clients are subjects (:func:`partialfl.data.har.load_hapt`: 6 basic activities, 
 standardised with the training subjects' statistics; the model is the 1-D CNN
 :class:`partialfl.models.HarCNN` (with GroupNorm, so that a ``norm`` split exists).
 
-Rows, all through the three-stage pipeline (:mod:`partialfl.experiments.pipeline`) after one
+Rows, all through the three-stage pipeline (:mod:`partialfl.pipeline`) after one
 shared FedAvg pre-training: local training only (a fresh model per subject, nothing shared),
 FedAvg, FedAvg + fine-tuning of the output layer, FFGG with the input / output / adapter /
 norm split, Local FFGG (adapter), FedAlt and FedSim (output), Ditto (λ = 0.1); seeds 0, 1, 2
@@ -45,17 +45,13 @@ import numpy as np
 import torch
 
 from partialfl import io as pio
-from partialfl.build import make_model
+from partialfl.build import Task, make_model
 from partialfl.data.har import channel_mean_std, load_hapt, standardize
-from partialfl.experiments.pipeline import (
-    Task,
-    check_or_write_json,
-    evaluate_run,
-    pretrain,
-    run_pipeline,
-    run_table,
-)
-from partialfl.experiments.report import (
+from partialfl.local.sgd import SGDConfig
+from partialfl.pipeline.evaluation import evaluate_run
+from partialfl.pipeline.files import check_or_write_json
+from partialfl.pipeline.jobs import run_table
+from partialfl.pipeline.report import (
     counts_from_runs,
     docstring_bullets,
     jsonable,
@@ -65,7 +61,7 @@ from partialfl.experiments.report import (
     pipeline_plots,
     versus_fedavg,
 )
-from partialfl.local.sgd import SGDConfig
+from partialfl.pipeline.stages import pretrain, run_pipeline
 from partialfl.registry import register
 from partialfl.spec import FinetuneConfig, MethodConfig, RunSpec, ServerConfig, StageConfig
 
@@ -213,7 +209,7 @@ def evaluate_new_subjects(run_dir: str | Path, data_dir=None, *,
     """The ``evaluate`` command for a har-table run: the subjects held out of its training
     (rebuilt from the table's ``data.json``: the same subjects and the training subjects'
     channel statistics) fine-tune their personal part and are evaluated; the dict of
-    :func:`partialfl.experiments.pipeline.evaluate_run` plus ``client_ids``."""
+    :func:`partialfl.pipeline.evaluate_run` plus ``client_ids``."""
     run_dir = Path(run_dir)
     info_file = next((p / "data.json" for p in (run_dir, *run_dir.parents)
                       if (p / "data.json").exists()), None)
@@ -240,7 +236,7 @@ def reproduce_table(out_dir: Path, *, quick: bool = False, seeds: list[int] | No
     """Run (or resume) the table; writes ``summary.md`` (returned), ``results.json``,
     ``data.json``, per-run folders ``seed*/METHOD``, ``stage1/``, ``learning_curves.png``,
     ``per_client_accuracy.png`` and ``per_subject_accuracy.png``. Runs go in ``size.workers``
-    one-thread processes (:func:`partialfl.experiments.pipeline.run_table`)."""
+    one-thread processes (:func:`partialfl.pipeline.run_table`)."""
     size = size or (QUICK if quick else FULL)
     if seeds:
         size = replace(size, seeds=tuple(int(s) for s in seeds))

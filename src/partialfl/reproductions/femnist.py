@@ -1,6 +1,6 @@
 """The paper's Table 2 on FEMNIST: FedAvg vs FFGG (input, output, adapter splits), Local FFGG
 (adapter) and FedAlt / FedSim (output), through the three-stage pipeline
-(:mod:`partialfl.experiments.pipeline`), 3 seeds, mean ± std of the pooled test accuracy.
+(:mod:`partialfl.pipeline`), 3 seeds, mean ± std of the pooled test accuracy.
 
 Set-up (paper / Pillutla et al. 2022 hyper-parameters unless listed under deviations):
 Pillutla et al.'s EMNIST CNN (:class:`partialfl.models.EmnistCNN`, 115,646 parameters),
@@ -46,25 +46,18 @@ import numpy as np
 import torch
 
 from partialfl import io as pio
-from partialfl.build import build_model
+from partialfl.build import Task, build_model
 from partialfl.data.femnist import (
     load_femnist_npz,
     load_femnist_writers,
     normalised_split,
     raw_writers,
 )
-from partialfl.experiments.pipeline import (
-    Task,
-    check_or_write_json,
-    evaluate_run,
-    pretrain,
-    read_deploy,
-    run_jobs,
-    run_pipeline,
-    run_table,
-    validation_tasks,
-)
-from partialfl.experiments.report import (
+from partialfl.local.sgd import SGDConfig
+from partialfl.pipeline.evaluation import evaluate_run
+from partialfl.pipeline.files import check_or_write_json, read_deploy
+from partialfl.pipeline.jobs import run_jobs, run_table
+from partialfl.pipeline.report import (
     accuracy_cells,
     counts_from_runs,
     docstring_bullets,
@@ -76,13 +69,13 @@ from partialfl.experiments.report import (
     quick_note,
     versus_fedavg,
 )
-from partialfl.experiments.stopping import (
+from partialfl.pipeline.stages import pretrain, run_pipeline, validation_tasks
+from partialfl.pipeline.stopping import (
     budget_plot,
     plateau_settings,
     plateau_table,
     stage1_stop,
 )
-from partialfl.local.sgd import SGDConfig
 from partialfl.registry import register
 from partialfl.spec import (
     FinetuneConfig,
@@ -203,7 +196,7 @@ def femnist_model(seed: int):
 
 
 def femnist_task(data) -> Task:
-    """The pipeline :class:`~partialfl.experiments.pipeline.Task` of the table on ``data``
+    """The pipeline :class:`~partialfl.pipeline.Task` of the table on ``data``
     (the EMNIST CNN with 62 classes)."""
     return Task(data=data, model_fn=femnist_model, name=f"femnist-{MODEL}")
 

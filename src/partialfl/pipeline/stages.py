@@ -13,28 +13,27 @@
 Fully personal models (:mod:`partialfl.algorithms.ditto`): ``ditto`` (split ``none``, strength
 ``lam``) trains θ by FedAvg and each client's v_m; ``local`` is local training only — every
 client trains its own copy of a *fresh* model (``model_fn(seed)``, not the stage-1 values) and
-nothing is shared. Both deploy v_m and skip stage 3; on new clients (:func:`evaluate_run`) a
-Ditto client trains v from θ for ``finetune.epochs`` epochs, a local-only client trains its
-fresh copy for ``personalize.rounds × client.epochs`` epochs (the budget of a training client
-under full participation).
+nothing is shared. Both deploy v_m and skip stage 3; on new clients
+(:func:`~partialfl.pipeline.evaluation.evaluate_run`) a Ditto client trains v from θ for
+``finetune.epochs`` epochs, a local-only client trains its fresh copy for
+``personalize.rounds × client.epochs`` epochs (the budget of a training client under full
+participation).
 
-Files in ``run_dir``: ``config.json``; ``stage2.jsonl`` (per-evaluation metrics: learning
-curves), ``stage2.ckpt`` (resumable server state) and ``stage2.client-side.ckpt`` (the
-clients' state, e.g. FedAlt's w_m: never in a server file), ``theta_stage2.safetensors`` (θ
-after stage 2), ``client_state_stage2.client-side.safetensors`` (FedAlt/FedSim personal
-parameters), ``deploy.safetensors`` (the split model's tensors with θ and w_pre, for
-:func:`evaluate_run` on new clients), ``metrics.json`` (stage 3). Stage 1 lives in
-``stage1_dir`` (default ``run_dir/stage1``; share it between methods and seeds with the same
-pre-training): ``stage1.jsonl``, ``stage1.ckpt``, ``theta.safetensors``; with ``save_personalized``,
-``personalized/`` (every client's deployed model, :mod:`partialfl.deploy`). A stage whose final
-file exists is skipped; an interrupted stage resumes from its last checkpoint
-(``checkpoint_every`` rounds) with bit-identical results, because all randomness derives
-from (seed, round, client). Every file is written atomically and holds tensors
-(safetensors) or plain JSON, never a pickle (:mod:`partialfl.io`); a pickle-based file of an
-older version (``*.pt``) is refused with a message naming it, never loaded.
+Files in ``run_dir`` (:mod:`partialfl.pipeline.files`): ``config.json``; ``stage2.jsonl``
+(per-evaluation metrics: learning curves), ``stage2.ckpt`` (resumable server state) and
+``stage2.client-side.ckpt`` (the clients' state, e.g. FedAlt's w_m: never in a server file),
+``theta_stage2.safetensors`` (θ after stage 2), ``client_state_stage2.client-side.safetensors``
+(FedAlt/FedSim personal parameters), ``deploy.safetensors`` (the split model's tensors with θ
+and w_pre, for :func:`~partialfl.pipeline.evaluation.evaluate_run` on new clients),
+``metrics.json`` (stage 3). Stage 1 lives in ``stage1_dir`` (default ``run_dir/stage1``; share
+it between methods and seeds with the same pre-training): ``stage1.jsonl``, ``stage1.ckpt``,
+``theta.safetensors``; with ``save_personalized``, ``personalized/`` (every client's deployed
+model, :mod:`partialfl.pipeline.deploy`). A stage whose final file exists is skipped; an
+interrupted stage resumes from its last checkpoint (``checkpoint_every`` rounds) with
+bit-identical results, because all randomness derives from (seed, round, client).
 
 Stage budgets: ``stage1/timing.json`` and ``stage2_timing.json`` record the rounds run, the
-cap and whether the plateau rule (``StageConfig.stop``, :mod:`partialfl.experiments.stopping`)
+cap and whether the plateau rule (``StageConfig.stop``, :mod:`partialfl.pipeline.stopping`)
 stopped the stage; with ``RunSpec.validation`` every choice reads a validation split
 carved from the training data and the test split is read once, at the end.
 
@@ -46,42 +45,40 @@ loss such as :func:`partialfl.lm.token_cross_entropy`, a masked metric and, if n
 from __future__ import annotations
 
 import json
-import math
 import time
 import warnings
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable
 from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 import torch
-from torch import nn
 
 from partialfl import io as pio
 from partialfl.algorithms.base import Algorithm, RoundContext, ServerState
-from partialfl.algorithms.ditto import personal_models
 from partialfl.build import Task, build_algorithm, split_of
 from partialfl.config import ConfigError, to_dict
 from partialfl.data.federated import FederatedDataset
 from partialfl.data.validation import carve_validation
-from partialfl.evaluation import (
-    evaluate_model,
-    evaluate_new_clients,
-    finetune_personal,
-    round_evaluator,
+from partialfl.pipeline.evaluation import evaluate_model, finetune_personal, round_evaluator
+from partialfl.pipeline.files import (
+    CLIENT_STATE,
+    DEPLOY,
+    THETA1,
+    THETA2,
+    check_or_write_json,
+    json_default,
+    load_params,
+    read_params,
+    save_deploy,
+    seeded_split,
+    tensor_file,
+    write_json,
 )
-from partialfl.experiments.stopping import (  # noqa: F401 - the config types, re-exported
-    FinetuneGrid,
-    StopConfig,
-    ValidationConfig,
-    choose_finetune,
-    plateaued,
-)
-from partialfl.local.sgd import SGDConfig
-from partialfl.problems.model import ModelProblem, accuracy, cross_entropy
+from partialfl.pipeline.stopping import choose_finetune, plateaued
+from partialfl.problems.model import ModelProblem
 from partialfl.registry import Component
-from partialfl.rng import torch_seed
 from partialfl.runtime import JsonlLogger, run_rounds
 from partialfl.spec import MethodConfig, RunSpec, StageConfig
 from partialfl.spec import drop_unset as _drop_unset
@@ -115,81 +112,6 @@ def _host(params: Params) -> Params:
 def _on(params: Params, problem: ModelProblem) -> Params:
     """``params`` on the problem's device."""
     return {n: v.to(problem.device) for n, v in params.items()}
-
-
-def load_params(model: nn.Module, params: Mapping[str, torch.Tensor]) -> nn.Module:
-    """Copy ``params`` (name → tensor) into ``model``'s parameters of the same names; every
-    name must exist in the model with the same shape."""
-    own = dict(model.named_parameters())
-    bad = [n for n in params if n not in own]
-    if bad:
-        raise KeyError(f"the model has no parameters {bad[:5]}")
-    with torch.no_grad():
-        for n, v in params.items():
-            if own[n].shape != v.shape:
-                raise ValueError(f"parameter {n!r}: shape {tuple(v.shape)} does not fit "
-                                 f"{tuple(own[n].shape)}")
-            own[n].copy_(v)
-    return model
-
-
-def _seeded_split(task: Task, model: nn.Module, kind: str, options, seed: int) -> Split:
-    """Build a split with the global torch RNG seeded from (seed, "split") (adapter init)."""
-    with torch.random.fork_rng(devices=[]):
-        torch.manual_seed(torch_seed(seed, "split"))
-        return task.make_split(model, kind, options)
-
-
-def _write_json(path: Path, obj) -> None:
-    pio.write_json(path, obj, indent=1, default=_json_default)
-
-
-#: tensor files of the pipeline (safetensors) and the pickle-based names of older versions
-THETA1, THETA2, CLIENT_STATE, DEPLOY = ("theta.safetensors", "theta_stage2.safetensors",
-                                        "client_state_stage2.client-side.safetensors",
-                                        "deploy.safetensors")
-_LEGACY = {THETA1: "theta.pt", THETA2: "theta_stage2.pt",
-           CLIENT_STATE: "client_state_stage2.pt", DEPLOY: "deploy.pt"}
-
-
-def _tensor_file(folder: Path, name: str) -> Path | None:
-    """``folder/name`` if it exists; None if not; a pickle-based file of an older version
-    (or a planted one) in its place is refused, never loaded."""
-    path = folder / name
-    if path.exists():
-        return path
-    legacy = folder / _LEGACY[name]
-    if legacy.exists():
-        raise pio.UnsafeFileError(
-            f"{legacy} is a pickle-based file (from an older partialfl or put there by "
-            f"someone else): pickle files can run arbitrary code when loaded, so it is not "
-            f"loaded; delete it and re-run the stage to write {name}")
-    return None
-
-
-def _load_params(folder: Path, name: str) -> Params | None:
-    path = _tensor_file(folder, name)
-    return None if path is None else pio.load_tensors(path, name)[0]
-
-
-def _json_default(o):
-    if isinstance(o, np.ndarray):
-        return o.tolist()
-    if isinstance(o, np.floating | np.integer):
-        return o.item()
-    raise TypeError(f"not JSON serialisable: {type(o).__name__}")
-
-
-def check_or_write_json(path: Path, cfg_dict: dict, what: str) -> None:
-    """Write ``cfg_dict`` to ``path`` (atomically), or, if the file exists, refuse
-    (:class:`ConfigError`) unless it holds the same: a rejected re-run never overwrites it."""
-    if path.exists():
-        old = pio.read_json(path)
-        if old != json.loads(json.dumps(cfg_dict, default=_json_default)):
-            raise ConfigError(f"{path.parent} already holds a {what} with a different "
-                              "configuration; use a new folder (or delete it) to start over")
-    else:
-        _write_json(path, cfg_dict)
 
 
 def _val_evaluator():
@@ -226,72 +148,10 @@ def _run_stage(problem, algorithm, stage: StageConfig, seed: int, out: Path, tag
         logger.close()
         getattr(runner, "close", lambda: None)()
     # the stage's budget: rounds run (≤ the cap), whether the plateau rule stopped it, time
-    _write_json(out / f"{tag}_timing.json",
+    write_json(out / f"{tag}_timing.json",
                 {"seconds": time.perf_counter() - t0, "rounds": int(res.state.round),
                  "cap": stage.rounds, "stopped": res.stopped})
     return res
-
-
-# ----------------------------------------------------------------------------- tables
-def run_jobs(fn: Callable[[Any], Any], jobs: list, workers: int,
-             progress: bool | str = False) -> list:
-    """``[fn(job) for job in jobs]``, in this process (``workers`` ≤ 1, in order) or in
-    ``workers`` spawned processes (completion order; ``fn`` and the jobs must pickle, so a
-    worker rebuilds its task from the job). A reproduction table runs its (method, seed)
-    pipelines this way: on a 2-core machine two 1-thread processes beat one 2-thread process
-    and degrade gracefully when something else competes for the cores. ``progress``: a
-    label for a progress bar over finished jobs."""
-    if workers <= 1:
-        return [fn(j) for j in jobs]
-    import multiprocessing as mp
-    from concurrent.futures import ProcessPoolExecutor, as_completed
-
-    out = []
-    with ProcessPoolExecutor(workers, mp_context=mp.get_context("spawn")) as ex:
-        futs = [ex.submit(fn, j) for j in jobs]
-        it = as_completed(futs)
-        if progress:
-            from tqdm.auto import tqdm
-
-            it = tqdm(it, total=len(futs), desc=progress if isinstance(progress, str)
-                      else "runs")
-        for f in it:
-            out.append(f.result())
-    return out
-
-
-@dataclass
-class TableRuns:
-    """The (method, seed) runs of a table: ``results[label]`` = one metrics dict per seed (in
-    seed order), ``timings["seed{s}/{label}"]`` = seconds of that run, ``seconds`` = the whole
-    table's wall-clock time since ``t_start``."""
-
-    results: dict[str, list[dict]]
-    timings: dict[str, float]
-    seconds: float
-
-
-def run_table(run_one: Callable[[tuple], tuple[str, int, dict, float]],
-              methods: Sequence[tuple[str, Any]], seeds: Sequence[int], job_args: tuple,
-              workers: int, out_dir: Path, t_start: float, progress: bool | str = False
-              ) -> TableRuns:
-    """Run every (seed, method) job of a reproduction table with :func:`run_jobs` and collect
-    the results; writes ``out_dir/results.json``. A job is ``(*job_args, seed, method index,
-    progress)`` and ``run_one(job)`` returns ``(label, seed, metrics, seconds)``."""
-    from partialfl.experiments.report import jsonable
-
-    jobs = [(*job_args, seed, i, bool(progress) and workers <= 1)
-            for seed in seeds for i in range(len(methods))]
-    done = run_jobs(run_one, jobs, workers, progress)
-    results: dict[str, list[dict]] = {label: [] for label, _ in methods}
-    timings: dict[str, float] = {}
-    for label, seed, m, sec in sorted(done, key=lambda t: t[1]):
-        results[label].append(m)
-        timings[f"seed{seed}/{label}"] = sec
-    seconds = time.perf_counter() - t_start
-    _write_json(Path(out_dir) / "results.json", jsonable(
-        {"results": results, "timings": timings, "total_seconds": seconds}))
-    return TableRuns(results, timings, seconds)
 
 
 # ----------------------------------------------------------------------------- stages
@@ -309,7 +169,7 @@ def stage2_setup(cfg: RunSpec, task: Task, theta1: Params
     """Stage 2's split (of the model with the stage-1 parameters ``theta1``), problem (w_pre
     = the stage-1 personal values), algorithm and θ⁰ (also what a Flower node builds)."""
     model = load_params(task.model_fn(cfg.stage1_seed), theta1)
-    split = _seeded_split(task, model, *split_of(cfg.method), cfg.seed)
+    split = seeded_split(task, model, *split_of(cfg.method), cfg.seed)
     theta_start, w_pre = split.params()
     problem = _problem(task, split, cfg, w_pre)
     return split, problem, build_algorithm(cfg, cfg.personalize,
@@ -327,7 +187,7 @@ def pretrain(cfg: RunSpec, task: Task, stage1_dir: Path, progress: bool | str = 
                         {"pretrain": _drop_unset(to_dict(cfg.pretrain)),
                          "seed": cfg.stage1_seed, "task": task.name, **val},
                         "stage-1 pre-training")
-    done = _load_params(stage1_dir, THETA1)
+    done = read_params(stage1_dir, THETA1)
     if done is not None:
         return done
     problem, alg = stage1_setup(cfg, task)
@@ -339,7 +199,7 @@ def pretrain(cfg: RunSpec, task: Task, stage1_dir: Path, progress: bool | str = 
     theta = _host(res.state.theta)
     _check_finite(theta, "stage 1")
     pio.save_tensors(stage1_dir / THETA1, theta)
-    _write_json(stage1_dir / "timing.json", {"seconds": time.perf_counter() - t0,
+    write_json(stage1_dir / "timing.json", {"seconds": time.perf_counter() - t0,
                                              "rounds": int(res.state.round),
                                              "cap": cfg.pretrain.rounds,
                                              "stopped": res.stopped})
@@ -347,7 +207,10 @@ def pretrain(cfg: RunSpec, task: Task, stage1_dir: Path, progress: bool | str = 
 
 
 @dataclass
-class _Stage2:
+class Stage2:
+    """A finished stage 2: its split, problem, algorithm, θ, the clients' state (FedAlt /
+    FedSim's w_m, BatchNorm statistics; None if stateless) and its seconds (NaN: reloaded)."""
+
     split: Split
     problem: ModelProblem
     algorithm: Algorithm
@@ -357,18 +220,18 @@ class _Stage2:
 
 
 def personalize(cfg: RunSpec, task: Task, theta1: Params, run_dir: Path,
-                progress: bool | str = False, on_round=None) -> _Stage2:
+                progress: bool | str = False, on_round=None) -> Stage2:
     """Stage 2: the method from the stage-1 parameters ``theta1``; resumable."""
     run_dir = Path(run_dir)
     if cfg.method.entry.trait("fresh_model"):  # nothing shared: a fresh model per seed
         theta1 = {n: p.detach().clone() for n, p in task.model_fn(cfg.seed).named_parameters()}
     split, problem, alg, theta_start = stage2_setup(cfg, task, theta1)
-    theta = _load_params(run_dir, THETA2)
+    theta = read_params(run_dir, THETA2)
     if theta is not None:
         theta = _on(theta, problem)
-        cs = _load_params(run_dir, CLIENT_STATE)
+        cs = read_params(run_dir, CLIENT_STATE)
         cs = None if cs is None else _on(cs, problem)
-        return _Stage2(split, problem, alg, theta, cs, float("nan"))
+        return Stage2(split, problem, alg, theta, cs, float("nan"))
     t0 = time.perf_counter()
     res = _run_stage(problem, alg, cfg.personalize, cfg.seed, run_dir, "stage2",
                      cfg.checkpoint_every, cfg.backend, progress,
@@ -381,10 +244,10 @@ def personalize(cfg: RunSpec, task: Task, theta1: Params, run_dir: Path,
         pio.save_tensors(run_dir / CLIENT_STATE, _host(res.client_state),
                          {"side": "client", "note": "client-side state: stays on the clients"})
     pio.save_tensors(run_dir / THETA2, _host(theta))
-    return _Stage2(split, problem, alg, theta, res.client_state, time.perf_counter() - t0)
+    return Stage2(split, problem, alg, theta, res.client_state, time.perf_counter() - t0)
 
 
-def _deploy_start(cfg: RunSpec, s2: _Stage2) -> Params:
+def _deploy_start(cfg: RunSpec, s2: Stage2) -> Params:
     """w_m at the start of stage 3 (see the module docstring)."""
     allc = np.arange(s2.problem.num_clients)
     if s2.client_state is not None:  # FedAlt/FedSim's w_m; FedAvg's BatchNorm statistics
@@ -392,7 +255,7 @@ def _deploy_start(cfg: RunSpec, s2: _Stage2) -> Params:
     return s2.problem.init_w(allc, cfg.method.w_init, cfg.seed, -1)
 
 
-def finetune_and_evaluate(cfg: RunSpec, task: Task, s2: _Stage2, run_dir: Path,
+def finetune_and_evaluate(cfg: RunSpec, task: Task, s2: Stage2, run_dir: Path,
                           test_task: Task | None = None, save_personalized: bool = False
                           ) -> tuple[dict[str, Any], Split, Params]:
     """Stage 3: fine-tune every client's w, evaluate; returns (metrics, split, θ).
@@ -401,7 +264,7 @@ def finetune_and_evaluate(cfg: RunSpec, task: Task, s2: _Stage2, run_dir: Path,
     validation data): ``cfg.finetune_grid`` (if set) picks the fine-tuning setting there, and
     the final model is evaluated once on ``test_task``'s data (the real test split). With
     ``save_personalized`` every client's deployed model (θ, fine-tuned w_m) is saved in
-    ``run_dir/personalized`` (:mod:`partialfl.deploy`)."""
+    ``run_dir/personalized`` (:mod:`partialfl.pipeline.deploy`)."""
     split, problem, theta = s2.split, s2.problem, s2.theta
     full = cfg.method.entry.trait("split") == "full"
     w0 = {} if full else _deploy_start(cfg, s2)
@@ -411,7 +274,7 @@ def finetune_and_evaluate(cfg: RunSpec, task: Task, s2: _Stage2, run_dir: Path,
         # (an adapter split inserts zero-initialised adapters)
         model = load_params(task.model_fn(cfg.stage1_seed), theta)
         built = split_of(cfg.method, finetune=True)
-        split = _seeded_split(task, model, *built, cfg.seed)
+        split = seeded_split(task, model, *built, cfg.seed)
         theta, w_pre = split.params()
         problem = _problem(task, split, cfg, w_pre)
         theta = _on(theta, problem)
@@ -453,7 +316,7 @@ def finetune_and_evaluate(cfg: RunSpec, task: Task, s2: _Stage2, run_dir: Path,
         "stage3_seconds": time.perf_counter() - t0, **extra, **_budgets(run_dir),
     }
     if save_personalized:
-        from partialfl.deploy import PersonalizedModels
+        from partialfl.pipeline.deploy import PersonalizedModels
 
         PersonalizedModels(split, theta, w, task.data.client_ids, problem,
                            {"method": cfg.method.name, "seed": cfg.seed, "task": task.name}
@@ -495,7 +358,7 @@ def run_pipeline(cfg: RunSpec, task: Task, run_dir: str | Path, *,
     ``on_round(stage, round)`` is called after every round of stages 1 and 2 (for progress
     reporting, or to simulate an interruption in tests). ``save_personalized``: also write
     every client's deployed model to ``run_dir/personalized`` (safetensors, load with
-    :func:`partialfl.deploy.load_personalized`)."""
+    :func:`partialfl.pipeline.deploy.load_personalized`)."""
     run_dir = Path(run_dir)
     run_dir.mkdir(parents=True, exist_ok=True)
     check_or_write_json(run_dir / "config.json", {**cfg.identity(), "task": task.name},
@@ -513,7 +376,7 @@ def run_pipeline(cfg: RunSpec, task: Task, run_dir: str | Path, *,
     s2 = personalize(cfg, task, theta1, run_dir,
                      progress and f"stage 2 ({cfg.method.name})", on_round=hook2)
     mfile = run_dir / "metrics.json"
-    if mfile.exists() and _tensor_file(run_dir, DEPLOY) is not None and (
+    if mfile.exists() and tensor_file(run_dir, DEPLOY) is not None and (
             not save_personalized or (run_dir / "personalized" / "index.json").exists()):
         metrics = pio.read_json(mfile)
         return PipelineResult(metrics, run_dir, s2.theta, s2.split)
@@ -523,9 +386,9 @@ def run_pipeline(cfg: RunSpec, task: Task, run_dir: str | Path, *,
     if cfg.pretrain.stop is not None and t1.exists():
         t = json.loads(t1.read_text())
         metrics.update(stage1_rounds=t["rounds"], stage1_stopped=t.get("stopped", False))
-    _write_json(mfile, metrics)
+    write_json(mfile, metrics)
     # the same plain-JSON values whether computed now or read back from a finished run
-    metrics = json.loads(json.dumps(metrics, default=_json_default))
+    metrics = json.loads(json.dumps(metrics, default=json_default))
     return PipelineResult(metrics, run_dir, theta, split)
 
 
@@ -537,116 +400,7 @@ def _check_finite(theta: Params, stage: str) -> None:
                       "learning rates", RuntimeWarning, stacklevel=3)
 
 
-def save_deploy(run_dir: Path, split: Split, theta: Params, w_pretrained: Params | None,
-                built_as: str | None = None, split_options: Mapping[str, Any] | None = None
-                ) -> None:
-    """``deploy.safetensors``: every tensor of the split model (``model/…``), θ
-    (``theta/…``), w_pre (``w_pretrained/…``) and the split's description as JSON."""
-    tensors = {f"model/{n}": v for n, v in split.model.state_dict().items()}
-    tensors.update({f"theta/{n}": v for n, v in theta.items()})
-    tensors.update({f"w_pretrained/{n}": v for n, v in (w_pretrained or {}).items()})
-    pio.save_tensors(Path(run_dir) / DEPLOY, tensors, {
-        "kind": split.kind, "global_names": list(split.global_names),
-        "personal_names": list(split.personal_names),
-        "built_as": built_as or split.kind, "split_options": dict(split_options or {})})
 
 
-def read_deploy(run_dir: str | Path) -> tuple[dict[str, dict[str, torch.Tensor]], dict]:
-    """The tensors of ``deploy.safetensors`` grouped by prefix (model, theta, w_pretrained)
-    and its metadata; a missing, pickle-based or corrupt file gives a named error."""
-    run_dir = Path(run_dir)
-    path = _tensor_file(run_dir, DEPLOY)
-    if path is None:
-        raise FileNotFoundError(f"{run_dir / DEPLOY} not found: run the pipeline to the end "
-                                "first")
-    tensors, meta = pio.load_tensors(path, "deployed model")
-    groups: dict[str, dict[str, torch.Tensor]] = {"model": {}, "theta": {}, "w_pretrained": {}}
-    for key, v in tensors.items():
-        group, _, name = key.partition("/")
-        if group not in groups:
-            raise pio.FileFormatError(f"{path}: unexpected tensor {key!r}")
-        groups[group][name] = v
-    return groups, meta
-
-
-def _deployed_split(run_dir: Path, cfg: RunSpec, model_fn, split_fn) -> tuple:
-    groups, meta = read_deploy(run_dir)
-    task = Task(data=None, model_fn=model_fn, split_fn=split_fn)
-    model = task.model_fn(cfg.stage1_seed)
-    split = _seeded_split(task, model, meta.get("built_as", meta["kind"]),
-                          meta.get("split_options", {}), cfg.seed)
-    if (list(split.global_names), list(split.personal_names)) != (meta["global_names"],
-                                                                  meta["personal_names"]):
-        raise pio.FileFormatError(f"{run_dir / DEPLOY} does not fit the model: its split has "
-                                  "other global/personal parameters than the one rebuilt")
-    try:
-        split.model.load_state_dict(groups["model"], strict=True)
-    except RuntimeError as e:
-        raise pio.FileFormatError(f"{run_dir / DEPLOY} does not fit the model: {e}") from None
-    return split, groups["theta"], groups["w_pretrained"] or None
-
-
-def evaluate_run(run_dir: str | Path, data, *, model_fn: Callable[[int], nn.Module],
-                 split_fn=None, finetune_epochs: int | None = None,
-                 lr: float | None = None, batch_size: int | None = None, seed: int | None = None,
-                 loss_fn=cross_entropy, metric=accuracy, vectorize: bool = False,
-                 device: str = "cpu") -> dict[str, Any]:
-    """Evaluate a finished run's θ on new clients (``data``, never seen in training): each
-    fine-tunes its w from the run's w_pre with the run's stage-3 settings (override with the
-    arguments), then :func:`partialfl.evaluation.evaluate_new_clients` metrics. The
-    architecture comes from ``model_fn`` (and ``split_fn``) of the run's task; its tensors
-    from ``deploy.safetensors`` (no code is loaded from the run folder)."""
-    run_dir = Path(run_dir)
-    read_deploy(run_dir)  # a clear error first if the run is unfinished or the file unsafe
-    cfg = RunSpec.from_dict(
-        {k: v for k, v in pio.read_json(run_dir / "config.json").items() if k != "task"})
-    split, theta, w_pre = _deployed_split(run_dir, cfg, model_fn, split_fn)
-    ft = cfg.finetune
-    if cfg.method.entry.trait("split") == "full":
-        return _evaluate_new_full_personal(cfg, split, theta, data, finetune_epochs, lr,
-                                           batch_size, seed, loss_fn, metric, vectorize, device)
-    mfile = run_dir / "metrics.json"
-    choice = pio.read_json(mfile).get("finetune_choice") if mfile.exists() else None
-    if choice:  # stage 3's setting chosen on validation data
-        ft = replace(ft, epochs=choice["epochs"], lr=choice["lr"])
-    lr = ft.lr if lr is None else lr
-    if not (isinstance(lr, int | float) and math.isfinite(lr) and lr > 0):
-        raise ValueError(f"lr must be a positive finite number, got {lr!r}")
-    res = evaluate_new_clients(
-        theta, None, split, data,
-        ft.epochs if finetune_epochs is None else finetune_epochs,
-        lr=lr, batch_size=batch_size or ft.batch_size,
-        clip_norm=ft.clip_norm, w_init="pretrained", w_pretrained=w_pre,
-        seed=cfg.seed if seed is None else seed, loss_fn=loss_fn, metric=metric,
-        vectorize=vectorize, device=device, precision=cfg.precision)
-    return res
-
-
-def _evaluate_new_full_personal(cfg: RunSpec, split: Split, theta: Params, data, epochs,
-                                lr, batch_size, seed, loss_fn, metric, vectorize, device
-                                ) -> dict[str, Any]:
-    """New clients of Ditto / local-only (see the module docstring): v from the deployed θ."""
-    problem = ModelProblem(split, data, loss_fn=loss_fn, metric=metric, vectorize=vectorize,
-                           device=device, precision=cfg.precision)
-    theta = _on(theta, problem)
-    local = bool(cfg.method.entry.trait("fresh_model"))
-    if epochs is None:
-        epochs = (cfg.personalize.rounds * cfg.personalize.client.get("epochs", 1) if local
-                  else cfg.finetune.epochs)
-    sgd = SGDConfig(lr=lr or (cfg.personalize.client.get("lr") if local else cfg.finetune.lr),
-                    epochs=int(epochs), batch_size=batch_size or cfg.finetune.batch_size,
-                    clip_norm=cfg.finetune.clip_norm)
-    allc = np.arange(problem.num_clients)
-    stacked = {n: t.unsqueeze(0).repeat(len(allc), *([1] * t.dim())) for n, t in theta.items()}
-    v, _ = personal_models(problem, allc, stacked, theta, sgd,
-                           0.0 if local else cfg.method.option("lam", 0.0),
-                           cfg.seed if seed is None else seed, -1, stream="new-clients")
-    return {"test": evaluate_model(problem, v, {}, "test"),
-            "train": evaluate_model(problem, v, {}, "train"),
-            "before": evaluate_model(problem, theta, {}, "test"),
-            "num_clients": problem.num_clients, "split": "none"}
-
-
-__all__ = ["PipelineResult", "Task", "build_algorithm", "split_of",
-           "evaluate_run", "finetune_and_evaluate", "load_params", "personalize", "pretrain",
-           "run_jobs", "run_pipeline", "stage1_setup", "stage2_setup"]
+__all__ = ["PipelineResult", "Stage2", "finetune_and_evaluate", "personalize", "pretrain",
+           "run_pipeline", "stage1_setup", "stage2_setup", "validation_tasks"]
