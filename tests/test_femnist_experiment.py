@@ -12,14 +12,17 @@ from _nn_toy import one_thread
 from partialfl.data.femnist import load_femnist_npz, pixel_mean_std
 from partialfl.registry import entry
 from partialfl.reproductions.femnist import (
+    FEMNIST,
     METHODS,
     QUICK,
-    collect_kfold,
     evaluate_new_writers,
-    kfold_new_writers,
     load_data,
-    load_fold,
     reproduce_table,
+)
+from partialfl.reproductions.femnist_kfold import (
+    collect_kfold,
+    kfold_new_writers,
+    load_fold,
     writer_folds,
 )
 
@@ -138,7 +141,8 @@ def test_writer_folds_and_load_fold(data_dir):
 
 @pytest.mark.slow
 def test_quick_kfold_every_writer_is_new_once_and_resumes(tmp_path, data_dir):
-    path = kfold_new_writers(tmp_path, folds=2, quick=True, data_dir=data_dir, progress=False)
+    path = kfold_new_writers(FEMNIST, tmp_path, folds=2, quick=True, data_dir=data_dir,
+                             progress=False)
     text = path.read_text()
     assert "| FFGG (adapter) |" in text and "verdict" in text and "MDE" in text
     from _summaries import check_standalone_summary
@@ -152,8 +156,9 @@ def test_quick_kfold_every_writer_is_new_once_and_resumes(tmp_path, data_dir):
     for r in rec["runs"]:  # a fold's new writers are never among its training writers
         assert not set(r["new"]["client_ids"]) & set(r["seen"]["client_ids"])
         assert sum(r["new"]["total"]) > 0
-    again = collect_kfold(tmp_path, folds=2, data_dir=data_dir, num_writers=QUICK.num_writers)
+    again = collect_kfold(FEMNIST, tmp_path, folds=2, data_dir=data_dir,
+                          num_writers=QUICK.num_writers)
     assert sorted(map(json.dumps, again["runs"])) == sorted(map(json.dumps, rec["runs"]))
     # resumed: nothing recomputed, the same summary up to the measured times
-    assert kfold_new_writers(tmp_path, folds=2, quick=True, data_dir=data_dir,
+    assert kfold_new_writers(FEMNIST, tmp_path, folds=2, quick=True, data_dir=data_dir,
                              progress=False).read_text().split("Cost")[0] == text.split("Cost")[0]

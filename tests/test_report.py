@@ -61,6 +61,12 @@ def _table_results(labels):
             for i, lab in enumerate(labels)}
 
 
+def _run(results, size, info, quick):
+    from partialfl.reproductions.tables import TableRun
+
+    return TableRun(size, results, {}, 60.0, quick, info)
+
+
 def test_femnist_summary_describes_its_own_run_and_stands_alone():
     from _summaries import check_standalone_summary
 
@@ -68,29 +74,28 @@ def test_femnist_summary_describes_its_own_run_and_stands_alone():
 
     res = _table_results([lab for lab, _ in femnist.METHODS])
     info = {"train_writers": list("abcdefghijkl"), "new_writers": ["m", "n"]}
-    quick = femnist._summary(res, femnist.QUICK, info, 60.0, True)
+    quick = femnist.FEMNIST.summary(_run(res, femnist.QUICK, info, True))
     check_standalone_summary(quick, quick=True)
     assert "300 rounds" not in quick and "10 of the 84 writers" not in quick
     assert "stage 1 6 rounds, stage 2 3 rounds on 12 training writers" in quick
-    full = femnist._summary(res, femnist.FULL, info, 60.0, False)
+    full = femnist.FEMNIST.summary(_run(res, femnist.FULL, info, False))
     check_standalone_summary(full, quick=False)
     assert "stage 1 300 rounds" in full and "Paper's claim: every FFGG split" in full
 
 
 def test_shakespeare_summary_describes_its_own_run_and_stands_alone():
-    from types import SimpleNamespace
-
     from _summaries import check_standalone_summary
 
     from partialfl.reproductions import shakespeare
 
     res = _table_results([lab for lab, _ in shakespeare.METHODS])
-    tf = SimpleNamespace(stats={"clients": 8, "train_sequences": 700, "test_sequences": 90,
-                                "vocab_words": 300, "test_coverage": 0.8, "seq_len": 20})
-    quick = shakespeare._summary(res, shakespeare.QUICK, tf, 60.0, True)
+    info = {"stats": {"clients": 8, "train_sequences": 700, "test_sequences": 90,
+                      "vocab_words": 300, "test_coverage": 0.8, "seq_len": 20}}
+    table = shakespeare.SHAKESPEARE
+    quick = table.summary(_run(res, shakespeare.QUICK, info, True))
     check_standalone_summary(quick, quick=True)
     assert "200 pre-training rounds" not in quick and "3 pre-training rounds" in quick
-    full = shakespeare._summary(res, shakespeare.FULL, tf, 60.0, False)
+    full = table.summary(_run(res, shakespeare.FULL, info, False))
     check_standalone_summary(full, quick=False)
     assert "200 pre-training rounds" in full
 

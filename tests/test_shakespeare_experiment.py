@@ -111,7 +111,8 @@ def test_worker_processes_give_the_same_table(tmp_path):
 
 def test_registered_and_settings():
     assert entry("reproduction", "shakespeare-table").build is reproduce_table
-    pre, pers, ft = stage_configs(FULL)
+    pre, stage2, ft = stage_configs(FULL)
+    pers = stage2(METHODS[1][1])
     for st in (pre, pers):
         assert st.server.optimizer.name == "adam" and st.server.schedule.name == "warmup-linear"
         assert st.server.schedule.options.warmup == round(0.1 * st.rounds)

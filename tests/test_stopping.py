@@ -275,15 +275,16 @@ def test_tables_at_convergence_rule_every_stage_under_caps_beyond_the_fixed_budg
     from partialfl.reproductions import femnist as fm
     from partialfl.reproductions import shakespeare as sh
 
-    for mod, cfgs in ((fm, fm.stage_configs(fm.PLATEAU)), (sh, sh.stage_configs(sh.PLATEAU))):
-        pre, pers = cfgs[0], (cfgs[1](MethodConfig()) if callable(cfgs[1]) else cfgs[1])
+    for mod, cfgs in ((fm, fm.FEMNIST.stage_configs(fm.PLATEAU)),
+                      (sh, sh.stage_configs(sh.PLATEAU))):
+        pre, pers = cfgs[0], cfgs[1](MethodConfig())
         assert pre.stop is not None and pers.stop is not None, mod.__name__
         assert pre.rounds > mod.FULL.pretrain_rounds and pers.rounds > mod.FULL.rounds
         for st in (pre, pers):
             assert st.stop.window * st.eval_every <= st.rounds // 4, (mod.__name__, st)
             assert st.rounds % st.eval_every == 0  # the cap round is evaluated
     # the fixed tables keep stage 1 fixed
-    assert fm.stage_configs(fm.FULL)[0].stop is None
+    assert fm.FEMNIST.stage_configs(fm.FULL)[0].stop is None
     assert sh.stage_configs(sh.FULL)[0].stop is None
 
 
@@ -294,8 +295,9 @@ def test_summaries_of_the_tables_at_convergence_state_the_rule_not_fixed_budgets
     from partialfl.reproductions import femnist as fm
     from partialfl.reproductions import shakespeare as sh
 
-    assert fm._full_size(fm.PLATEAU) and fm._full_size(replace(fm.PLATEAU, seeds=(0,)))
-    assert sh._full_size(sh.PLATEAU) and not fm._full_size(replace(fm.PLATEAU, rounds=7))
+    assert fm.FEMNIST.is_full(fm.PLATEAU) and fm.FEMNIST.is_full(replace(fm.PLATEAU, seeds=(0,)))
+    assert sh.SHAKESPEARE.is_full(sh.PLATEAU)
+    assert not fm.FEMNIST.is_full(replace(fm.PLATEAU, rounds=7))
     res = {"FedAvg": [{"stage1_rounds": 450}], "FFGG (input)": [{"stage1_rounds": 450}]}
     (stages,) = fm._stages(fm.PLATEAU, res)
     assert "cap 600, stopped at round 450" in stages and "cap 1000" in stages

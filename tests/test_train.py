@@ -315,14 +315,14 @@ def _table_rows():
     from partialfl.reproductions import shakespeare as S
 
     for method in (m for _, m in F.METHODS):
-        yield "femnist", method, F._pipeline_config(F.FULL, method, 0)
+        yield "femnist", method, F.FEMNIST.config(F.FULL, method, 0)
     for method in (m for _, m in S.METHODS):
         for table, size in (("shakespeare", S.FULL), ("shakespeare-complete", S.COMPLETE_CHAR)):
             m2 = method
             if method.split is not None and method.split.name == "adapter":
                 m2 = dataclasses.replace(method, split={"name": "adapter",
                                                        "adapter_dim": size.adapter_dim})
-            yield table, method, S._pipeline_config(size, m2, 0)
+            yield table, method, S.SHAKESPEARE.config(size, m2, 0)
 
 
 @pytest.mark.parametrize("table, method, expected", list(_table_rows()),

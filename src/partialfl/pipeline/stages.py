@@ -217,6 +217,8 @@ class Stage2:
     theta: Params
     client_state: Params | None
     seconds: float
+    #: the folder holding stage 2's files (None: the run's folder)
+    folder: Path | None = None
 
 
 def personalize(cfg: RunSpec, task: Task, theta1: Params, run_dir: Path,
@@ -231,7 +233,7 @@ def personalize(cfg: RunSpec, task: Task, theta1: Params, run_dir: Path,
         theta = _on(theta, problem)
         cs = read_params(run_dir, CLIENT_STATE)
         cs = None if cs is None else _on(cs, problem)
-        return Stage2(split, problem, alg, theta, cs, float("nan"))
+        return Stage2(split, problem, alg, theta, cs, float("nan"), run_dir)
     t0 = time.perf_counter()
     res = _run_stage(problem, alg, cfg.personalize, cfg.seed, run_dir, "stage2",
                      cfg.checkpoint_every, cfg.backend, progress,
@@ -244,7 +246,8 @@ def personalize(cfg: RunSpec, task: Task, theta1: Params, run_dir: Path,
         pio.save_tensors(run_dir / CLIENT_STATE, _host(res.client_state),
                          {"side": "client", "note": "client-side state: stays on the clients"})
     pio.save_tensors(run_dir / THETA2, _host(theta))
-    return Stage2(split, problem, alg, theta, res.client_state, time.perf_counter() - t0)
+    return Stage2(split, problem, alg, theta, res.client_state, time.perf_counter() - t0,
+                  run_dir)
 
 
 def _deploy_start(cfg: RunSpec, s2: Stage2) -> Params:
@@ -313,7 +316,7 @@ def finetune_and_evaluate(cfg: RunSpec, task: Task, s2: Stage2, run_dir: Path,
         "per_client_test_total": test.per_client_total,
         "test_sizes": problem.num_examples(np.arange(problem.num_clients), "test"),
         "split_counts": counts, "stage2_seconds": s2.seconds,
-        "stage3_seconds": time.perf_counter() - t0, **extra, **_budgets(run_dir),
+        "stage3_seconds": time.perf_counter() - t0, **extra, **_budgets(s2.folder or run_dir),
     }
     if save_personalized:
         from partialfl.pipeline.deploy import PersonalizedModels
@@ -350,20 +353,26 @@ def validation_tasks(cfg: RunSpec, task: Task) -> tuple[Task, Task | None]:
 
 
 def run_pipeline(cfg: RunSpec, task: Task, run_dir: str | Path, *,
-                 stage1_dir: str | Path | None = None, progress: bool = True,
-                 on_round: Callable[[str, int], None] | None = None,
+                 stage1_dir: str | Path | None = None, stage2_dir: str | Path | None = None,
+                 progress: bool = True, on_round: Callable[[str, int], None] | None = None,
                  save_personalized: bool = False) -> PipelineResult:
     """Run (or resume) the three stages; returns stage 3's metrics (also in metrics.json).
 
-    ``on_round(stage, round)`` is called after every round of stages 1 and 2 (for progress
-    reporting, or to simulate an interruption in tests). ``save_personalized``: also write
-    every client's deployed model to ``run_dir/personalized`` (safetensors, load with
+    ``stage2_dir``: where stage 2's files live (default ``run_dir``). Runs whose stage 2 is
+    the same computation (:func:`stage2_identity`: e.g. FedAvg followed by fine-tuning of
+    different parts — stage 2 trains the whole shared model whatever stage 3 fine-tunes)
+    may share one; a folder holding another stage 2 is refused. ``on_round(stage, round)``
+    is called after every round of stages 1 and 2 (for progress reporting, or to simulate an
+    interruption in tests). ``save_personalized``: also write every client's deployed model
+    to ``run_dir/personalized`` (safetensors, load with
     :func:`partialfl.pipeline.deploy.load_personalized`)."""
     run_dir = Path(run_dir)
     run_dir.mkdir(parents=True, exist_ok=True)
     check_or_write_json(run_dir / "config.json", {**cfg.identity(), "task": task.name},
                         "pipeline run")
     s1 = Path(stage1_dir) if stage1_dir is not None else run_dir / "stage1"
+    s2dir = Path(stage2_dir) if stage2_dir is not None else run_dir
+    _check_stage2_folder(cfg, task, run_dir, s2dir)
     hook1 = hook2 = None
     if on_round is not None:
         def hook1(r, _s):
@@ -373,7 +382,7 @@ def run_pipeline(cfg: RunSpec, task: Task, run_dir: str | Path, *,
             on_round("stage2", r)
     task, test_task = validation_tasks(cfg, task)
     theta1 = pretrain(cfg, task, s1, progress and "stage 1 (FedAvg)", on_round=hook1)
-    s2 = personalize(cfg, task, theta1, run_dir,
+    s2 = personalize(cfg, task, theta1, s2dir,
                      progress and f"stage 2 ({cfg.method.name})", on_round=hook2)
     mfile = run_dir / "metrics.json"
     if mfile.exists() and tensor_file(run_dir, DEPLOY) is not None and (
@@ -392,6 +401,33 @@ def run_pipeline(cfg: RunSpec, task: Task, run_dir: str | Path, *,
     return PipelineResult(metrics, run_dir, theta, split)
 
 
+def stage2_identity(identity: dict[str, Any]) -> dict[str, Any]:
+    """The part of a run's identity (:meth:`RunSpec.identity`, or a ``config.json``) that
+    stage 2 depends on: everything but stage 3 (``finetune``, ``finetune_grid``) and the
+    method's ``finetune_split`` and ``label``."""
+    out = {k: v for k, v in identity.items() if k not in ("finetune", "finetune_grid")}
+    out["method"] = {k: v for k, v in identity.get("method", {}).items()
+                     if k not in ("finetune_split", "label")}
+    return out
+
+
+def _check_stage2_folder(cfg: RunSpec, task: Task, run_dir: Path, s2dir: Path) -> None:
+    """A shared stage-2 folder (``s2dir`` ≠ ``run_dir``) must hold this run's stage 2: its
+    own run's ``config.json`` and its ``stage2.json`` (written by the first run sharing it)
+    must have this run's :func:`stage2_identity`."""
+    mine = stage2_identity({**cfg.identity(), "task": task.name})
+    record = s2dir / "stage2.json"
+    if s2dir == run_dir and not record.exists():
+        return
+    s2dir.mkdir(parents=True, exist_ok=True)
+    owner = s2dir / "config.json"
+    if s2dir != run_dir and owner.exists() and stage2_identity(pio.read_json(owner)) != \
+            json.loads(json.dumps(mine, default=json_default)):
+        raise ConfigError(f"{s2dir} holds the stage 2 of another configuration; a run shares "
+                          "a stage 2 only with runs whose stage 2 is the same")
+    check_or_write_json(record, mine, "stage 2")
+
+
 def _check_finite(theta: Params, stage: str) -> None:
     """A diverged stage is not hidden: warn (the CLI exits non-zero on it)."""
     bad = [n for n, v in theta.items() if not torch.isfinite(v).all()]
@@ -403,4 +439,5 @@ def _check_finite(theta: Params, stage: str) -> None:
 
 
 __all__ = ["PipelineResult", "Stage2", "finetune_and_evaluate", "personalize", "pretrain",
-           "run_pipeline", "stage1_setup", "stage2_setup", "validation_tasks"]
+           "run_pipeline", "stage1_setup", "stage2_identity", "stage2_setup",
+           "validation_tasks"]

@@ -24,11 +24,7 @@ from typing import Any
 import numpy as np
 
 from partialfl import io as pio
-from partialfl.advisor import Advice, advise, spearman
 from partialfl.build import Task
-from partialfl.pipeline.stages import pretrain
-
-TASKS = ("har", "femnist", "shakespeare", "shakespeare-complete")
 
 
 @dataclass
@@ -46,38 +42,30 @@ class AdvisorTask:
     groups: dict[str, list[str]] = field(default_factory=dict)
 
 
+def advised_tables() -> dict[str, tuple[Any, Any]]:
+    """``partialfl advise`` task name → (table, its size): each table's own names
+    (``Table.advise_sizes``)."""
+    from partialfl.reproductions.femnist import FEMNIST
+    from partialfl.reproductions.har import HAR
+    from partialfl.reproductions.shakespeare import SHAKESPEARE
+
+    return {name: (t, size) for t in (HAR, FEMNIST, SHAKESPEARE)
+            for name, size in t.advise_sizes().items()}
+
+
 def build_task(name: str, data_dir=None, pretrain_rounds: int | None = None) -> AdvisorTask:
-    """The table ``name``'s task at its FULL size (stage 1 shortened to ``pretrain_rounds``)."""
-    if name == "har":
-        from partialfl.reproductions import har as t
-
-        size = t.FULL if pretrain_rounds is None else replace(t.FULL,
-                                                              pretrain_rounds=pretrain_rounds)
-        train, _, _ = t.load_data(data_dir, size.num_subjects, size.holdout)
-        cfg = t._pipeline_config(size, t.METHODS[1][1], 0)
-        return AdvisorTask(t.har_task(train), cfg, t.PERSONAL_LR, size.finetune_epochs, t.BATCH)
-    if name == "femnist":
-        from partialfl.reproductions import femnist as t
-
-        size = t.FULL if pretrain_rounds is None else replace(t.FULL,
-                                                              pretrain_rounds=pretrain_rounds)
-        train, _, _ = t.load_data(data_dir, size.num_writers, size.holdout)
-        cfg = t._pipeline_config(size, t.METHODS[0][1], 0)
-        return AdvisorTask(t.femnist_task(train), cfg, t.PERSONAL_LR, size.finetune_epochs, 32)
-    if name in ("shakespeare", "shakespeare-complete"):
-        from partialfl.reproductions import shakespeare as t
-
-        size = t.FULL if name == "shakespeare" else t.COMPLETE_CHAR
-        if pretrain_rounds is not None:
-            size = replace(size, pretrain_rounds=pretrain_rounds)
-        task, _ = t.shakespeare_task(size, data_dir)
-        cfg = t._pipeline_config(size, t.METHODS[0][1], 0)
-        blocks = {f"block {i}": [rf"^blocks\.{i}\."] for i in range(size.num_layers)}
-        groups = {**blocks, "embeddings": [r"^tok_emb\.", r"^pos_emb\."], "head": [r"^head\."],
-                  "final norm": [r"^ln_f\."]}
-        return AdvisorTask(task, cfg, size.finetune_lr, size.finetune_epochs, t.BATCH_SIZE,
-                           t.CLIP_NORM, layers=False, groups=groups)
-    raise ValueError(f"unknown task {name!r}; allowed: {', '.join(TASKS)}")
+    """The table ``name``'s task at its full size (stage 1 shortened to ``pretrain_rounds``),
+    with the table's stage-3 settings and its own candidate groups."""
+    tables = advised_tables()
+    if name not in tables:
+        raise ValueError(f"unknown task {name!r}; allowed: {', '.join(tables)}")
+    table, size = tables[name]
+    if pretrain_rounds is not None:
+        size = replace(size, pretrain_rounds=pretrain_rounds)
+    task = table.load(size, data_dir).task
+    ft = table.stage_configs(size)[2]
+    return AdvisorTask(task, table.config(size, table.rows[0][1], 0), ft.lr, ft.epochs,
+                       ft.batch_size, ft.clip_norm, *table.advisor_groups(size))
 
 
 # ----------------------------------------------------------------------------- measured tables
@@ -115,7 +103,7 @@ def measured_accuracies(path: str | Path, section: str | None = None
     return out
 
 
-def compare(advice: Advice, measured: dict[str, tuple[float, float]]) -> dict[str, Any]:
+def compare(advice, measured: dict[str, tuple[float, float]]) -> dict[str, Any]:
     """Spearman correlation of the advisor's drops with the measured accuracies over the
     split kinds both have, and whether its top pick (among those kinds) is within the seed
     spread (measured std of the best split plus that of the pick) of the best split."""
@@ -123,6 +111,8 @@ def compare(advice: Advice, measured: dict[str, tuple[float, float]]) -> dict[st
     kinds = [k for k in measured if k in drops]
     if len(kinds) < 2:
         return {"kinds": kinds, "spearman": float("nan"), "note": "fewer than 2 shared kinds"}
+    from partialfl.advisor import spearman
+
     rho = spearman([drops[k] for k in kinds], [measured[k][0] for k in kinds])
     pick = max(kinds, key=lambda k: drops[k])
     best = max(kinds, key=lambda k: measured[k][0])
@@ -151,8 +141,12 @@ def run_advisor(name: str, out_dir: str | Path, *, theta: str | Path | None = No
         if pretrain_rounds is None:
             raise ValueError("give --theta (a stage-1 theta.safetensors) or --pretrain-rounds N")
         tp = time.perf_counter()
+        from partialfl.pipeline.stages import pretrain
+
         th = pretrain(at.stage1, at.task, out_dir / "stage1", progress and "stage 1 (FedAvg)")
         pre_seconds = time.perf_counter() - tp
+    from partialfl.advisor import advise
+
     adv = advise(at.task.model_fn(0), at.task.data, th, clients=clients, epochs=at.epochs,
                  lr=at.lr, batch_size=at.batch_size, clip_norm=at.clip_norm, seed=seed,
                  loss_fn=at.task.loss_fn, metric=at.task.metric, split_fn=at.task.split_fn,
@@ -192,7 +186,8 @@ def add_parser(sub) -> None:
     """The ``advise`` subcommand (registered by :mod:`partialfl.cli`)."""
     s = sub.add_parser("advise", help="rank which parameters to personalize for a table's "
                        "task (split advisor)")
-    s.add_argument("task", choices=TASKS)
+    s.add_argument("task", help="the table whose task to advise on (har, femnist, shakespeare, "
+                   "shakespeare-complete)")
     s.add_argument("--theta", help="a stage-1 theta.safetensors (pre-trained parameters)")
     s.add_argument("--pretrain-rounds", type=int, help="without --theta: FedAvg rounds")
     s.add_argument("--clients", type=int, default=10, help="clients sampled (default 10)")
