@@ -142,6 +142,37 @@ def test_measured_accuracies_from_markdown_and_json(tmp_path):
     assert c["pick_within_spread"] and c["gap_points"] == 0
 
 
+def test_measured_gains_over_the_matched_baseline_and_fedavg(tmp_path):
+    """Per seed, FFGG (kind) − FedAvg + FT (kind) and − FedAvg; the advisor's ranking is
+    compared with each (Spearman from scipy)."""
+    import json
+
+    from partialfl.advisor import Advice, GroupScore
+    from partialfl.reproductions.advise import compare, measured_gains
+
+    def runs(*accs):
+        return [{"seed": s, "test_acc": a} for s, a in enumerate(accs)]
+
+    js = tmp_path / "results.json"
+    js.write_text(json.dumps({"results": {
+        "FedAvg": runs(0.80, 0.81), "FedAvg + FT (input)": runs(0.85, 0.86),
+        "FedAvg + FT (output)": runs(0.84, 0.84), "FFGG (input)": runs(0.86, 0.86),
+        "FFGG (output)": runs(0.90, 0.92)}}))
+    g = measured_gains(js)
+    assert g["accuracy"]["input"] == (pytest.approx(86.0), pytest.approx(0.0))
+    assert g["matched"]["input"] == (pytest.approx(0.5), pytest.approx(0.5))
+    assert g["matched"]["output"] == (pytest.approx(7.0), pytest.approx(1.0))
+    assert g["plain"]["output"] == (pytest.approx(10.5), pytest.approx(0.5))
+    adv = Advice([GroupScore(k, 1, 0, 0, d, 0, 0) for k, d in (("input", 0.3),
+                                                               ("output", 0.1))], "", 0.0)
+    c = compare(adv, g["matched"])
+    assert c["spearman"] == pytest.approx(-1.0) and c["advisor_pick"] == "input"
+    assert c["measured_best"] == "output" and not c["pick_within_spread"]  # 6.5 > 0.5 + 1
+    # a table without the matched rows: the accuracy only
+    js.write_text(json.dumps({"results": {"FFGG (input)": runs(0.8)}}))
+    assert set(measured_gains(js)) == {"accuracy"}
+
+
 def test_advise_command_on_har(tmp_path, data_dir):
     from partialfl.cli import main
 

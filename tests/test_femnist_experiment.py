@@ -13,7 +13,6 @@ from partialfl.data.femnist import load_femnist_npz, pixel_mean_std
 from partialfl.registry import entry
 from partialfl.reproductions.femnist import (
     FEMNIST,
-    METHODS,
     QUICK,
     evaluate_new_writers,
     load_data,
@@ -55,9 +54,10 @@ def test_load_data_holds_out_writers_and_normalises_with_training_stats(data_dir
 def test_quick_table_runs_resumes_and_evaluates_new_writers(tmp_path, data_dir):
     path = reproduce_table(tmp_path, quick=True, data_dir=data_dir, progress=False)
     text = path.read_text()
-    for label, _ in METHODS:
+    for label, _ in FEMNIST.rows:
         assert f"| {label} |" in text
     assert "## Deviations from the paper" in text
+    assert text.count("joint training vs fine-tuning the same part): ") == 2 * 6  # + new
     from _summaries import check_standalone_summary
 
     check_standalone_summary(text, quick=True)
@@ -66,7 +66,8 @@ def test_quick_table_runs_resumes_and_evaluates_new_writers(tmp_path, data_dir):
     for png in ("learning_curves.png", "per_client_accuracy.png"):
         assert (tmp_path / png).stat().st_size > 1000
     res = json.loads((tmp_path / "results.json").read_text())["results"]
-    for label, _ in METHODS:
+    assert set(res) == {label for label, _ in FEMNIST.rows}
+    for label, _ in FEMNIST.rows:
         (m,) = res[label]
         assert 0 <= m["test_acc"] <= 1 and 0 <= m["new_test_acc"] <= 1
         assert len(m["per_client_test_acc"]) == QUICK.num_writers - QUICK.holdout
@@ -95,7 +96,7 @@ def test_quick_table_runs_resumes_and_evaluates_new_writers(tmp_path, data_dir):
     assert main(["evaluate", str(tmp_path), "--data-dir", str(data_dir), "--json",
                  str(out)]) == 0
     table = json.loads(out.read_text())
-    assert set(table) == {f"seed0/{m.name}" for _, m in METHODS}
+    assert set(table) == {f"seed0/{m.name}" for _, m in FEMNIST.rows}
     assert table["seed0/ffgg-adapter"]["test"]["accuracy"] == pytest.approx(ev["test"].accuracy)
 
 
@@ -113,7 +114,7 @@ def test_table_from_the_store_with_processes_matches_memory(tmp_path, data_dir):
                     backend="processes", store=tmp_path / "store")
     a, b = (json.loads((tmp_path / d / "results.json").read_text())["results"]
             for d in ("mem", "disk"))
-    for label, _ in METHODS:
+    for label, _ in FEMNIST.rows:
         for k in ("test_acc", "new_test_acc", "per_client_test_acc"):
             assert a[label][0][k] == b[label][0][k], (label, k)
     # a store written for other writers is refused

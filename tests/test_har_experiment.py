@@ -119,12 +119,19 @@ def test_load_data_holds_out_subjects_and_standardises_with_training_stats(data_
 
 @pytest.mark.slow
 def test_quick_table_runs_and_reports_every_row(tmp_path, data_dir):
-    from partialfl.reproductions.har import METHODS, reproduce_table
+    from partialfl.reproductions.har import HAR, reproduce_table
 
     path = reproduce_table(tmp_path, quick=True, data_dir=data_dir, progress=False)
     text = path.read_text()
-    for label, _ in METHODS:
+    for label, _ in HAR.rows:
         assert f"| {label} |" in text
+    # every jointly personalized row against its matched baseline, with intervals but no
+    # verdict at the quick size
+    matched = text.split("## Joint training vs fine-tuning the same part: training")[1]
+    matched = matched.split("\n## ")[0]
+    for label, base in HAR.matched([lab for lab, _ in HAR.rows]).items():
+        line = next(ln for ln in matched.splitlines() if ln.startswith(f"| {label} |"))
+        assert f"| {base} |" in line and "[" in line and "(quick run)" in line
     res = json.loads((tmp_path / "results.json").read_text())["results"]
     assert all(len(v) == 1 and 0 <= v[0]["test_acc"] <= 1 for v in res.values())
     assert all(0 <= v[0]["new_test_acc"] <= 1 for v in res.values())

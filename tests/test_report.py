@@ -7,7 +7,7 @@ from partialfl.pipeline.report import (
     docstring_bullets,
     markdown_table,
     percent_mean_std,
-    versus_fedavg,
+    versus_baselines,
 )
 
 
@@ -30,21 +30,27 @@ def test_accuracy_cells_mean_over_seeds():
     assert cells[3] == "90.00 ± 0.00"
 
 
-def test_versus_fedavg_checks_both_claims_against_both_fedavg_numbers():
-    results = {"FedAvg": [run(0.82, 0.80)],
+MATCHED = {"FFGG (input)": "FedAvg + FT (input)", "FFGG (adapter)": "FedAvg + FT (adapter)"}
+
+
+def test_versus_baselines_checks_the_claims_against_fedavg_and_the_matched_rows():
+    results = {"FedAvg": [run(0.80, 0.80)],
+               "FedAvg + FT (input)": [run(0.82, 0.80)],
+               "FedAvg + FT (adapter)": [run(0.83, 0.80)],
                "FFGG (input)": [run(0.81, 0.0)],
-               "FFGG (adapter)": [run(0.835, 0.0)]}
-    lines = versus_fedavg(results, "head", claim_margin=0.01)
+               "FFGG (adapter)": [run(0.845, 0.0)]}
+    lines = versus_baselines(results, MATCHED, claim_margin=0.01)
     text = "\n".join(lines)
-    assert "FedAvg (no fine-tuning): 80.00%; FedAvg + fine-tuned head: 82.00%" in text
-    assert "FFGG (input): 81.00% (+1.00 points vs FedAvg, -1.00 vs FedAvg + FT)" in text
-    # every split > 80 but not every split > 82
-    assert "every FFGG split above FedAvg: holds here vs FedAvg, does NOT hold vs FedAvg + FT" \
-        in text
+    assert "FedAvg (no fine-tuning): 80.00%." in text
+    assert ("FFGG (input): 81.00% (+1.00 points vs FedAvg; -1.00 vs FedAvg + FT (input), "
+            "82.00%: joint training vs fine-tuning the same part)") in text
+    # every split > 80, but FFGG (input) is below its matched baseline
+    assert "every FFGG split above FedAvg: holds here; above its matched baseline" in text
+    assert "(the same part fine-tuned after FedAvg): does NOT hold" in text
     assert "FFGG (adapter) > FFGG (input)" in text
-    # best is 83.5: +3.5 over FedAvg (≥ 1 holds), +1.5 over FedAvg + FT (holds)
-    assert lines[-1].endswith("holds here vs FedAvg, holds vs FedAvg + FT.")
-    assert not any("≥" in line for line in versus_fedavg(results, "head"))
+    # best 84.5: +4.5 over FedAvg (≥ 1 holds), +1.5 over its matched 83.0 (holds)
+    assert lines[-1].endswith("holds here; its matched baseline by ≥ 1: holds.")
+    assert not any("≥" in line for line in versus_baselines(results, MATCHED))
 
 
 def test_markdown_table_and_docstring_bullets():
@@ -72,7 +78,7 @@ def test_femnist_summary_describes_its_own_run_and_stands_alone():
 
     from partialfl.reproductions import femnist
 
-    res = _table_results([lab for lab, _ in femnist.METHODS])
+    res = _table_results([lab for lab, _ in femnist.FEMNIST.rows])
     info = {"train_writers": list("abcdefghijkl"), "new_writers": ["m", "n"]}
     quick = femnist.FEMNIST.summary(_run(res, femnist.QUICK, info, True))
     check_standalone_summary(quick, quick=True)
@@ -88,7 +94,7 @@ def test_shakespeare_summary_describes_its_own_run_and_stands_alone():
 
     from partialfl.reproductions import shakespeare
 
-    res = _table_results([lab for lab, _ in shakespeare.METHODS])
+    res = _table_results([lab for lab, _ in shakespeare.SHAKESPEARE.rows])
     info = {"stats": {"clients": 8, "train_sequences": 700, "test_sequences": 90,
                       "vocab_words": 300, "test_coverage": 0.8, "seq_len": 20}}
     table = shakespeare.SHAKESPEARE
@@ -107,12 +113,47 @@ def test_plain_markdown_turns_sphinx_roles_into_code():
         "see `partialfl.split` and `FULL`, `f`"
 
 
-def test_versus_fedavg_without_verdict_reports_numbers_only():
-    res = {"FedAvg": [run(0.8, 0.7)], "FFGG (output)": [run(0.6, 0.6)]}
-    lines = versus_fedavg(res, "head", claim_margin=0.01, verdict=False)
+def test_versus_baselines_without_verdict_reports_numbers_only():
+    res = {"FedAvg": [run(0.8, 0.8)], "FFGG (input)": [run(0.6, 0.6)],
+           "FedAvg + FT (input)": [run(0.7, 0.8)]}
+    lines = versus_baselines(res, {"FFGG (input)": "FedAvg + FT (input)"}, claim_margin=0.01,
+                             verdict=False)
     text = "\n".join(lines)
-    assert "FFGG (output): 60.00%" in text
+    assert "FFGG (input): 60.00%" in text and "-10.00 vs FedAvg + FT (input)" in text
     assert "holds" not in text and "not judged" in text and "too small" in text
+
+
+def test_matched_section_compares_each_row_with_its_own_baseline():
+    import numpy as np
+
+    from partialfl.pipeline.report import matched_section
+
+    ids = [f"c{i}" for i in range(40)]
+    tot = np.full((2, 40), 20.0)
+    base = np.full((2, 40), 14.0)
+    counts = {"FedAvg + FT (input)": (base, tot, ids), "FedAvg + FT (output)": (base + 3, tot,
+                                                                                ids),
+              "FFGG (input)": (base + 3, tot, ids), "FFGG (output)": (base + 3, tot, ids),
+              "FFGG (adapter)": (base, tot, ids)}
+    matched = {"FFGG (input)": "FedAvg + FT (input)", "FFGG (output)": "FedAvg + FT (output)",
+               "FFGG (adapter)": "FedAvg + FT (adapter)"}
+    lines = matched_section(counts, matched, unit="images", clients="writers")
+    text = "\n".join(lines)
+    row = {ln.split(" | ")[0][2:]: ln for ln in text.splitlines() if ln.startswith("| FFGG")}
+    # +3 of 20 on every client and seed against its own baseline: better; against the same
+    # counts: no difference (compared with one common baseline both would be "better")
+    assert "| FedAvg + FT (input) |" in row["FFGG (input)"]
+    assert "| better |" in row["FFGG (input)"]
+    assert "+15.00 [+15.00, +15.00]" in row["FFGG (input)"]
+    assert "no detectable difference" in row["FFGG (output)"]
+    assert ("- FFGG (input) vs FedAvg + FT (input) (joint training vs fine-tuning the same "
+            "part): +15.00 [+15.00, +15.00] points: better.") in text
+    assert "No per-client counts for FFGG (adapter)" in text  # its baseline is missing
+    quick = "\n".join(matched_section(counts, matched, unit="images", clients="writers",
+                                       verdict=False))
+    assert "better" not in quick and "no verdict at this size" in quick
+
+
 def test_counts_from_runs_and_paired_section():
     import numpy as np
     import pytest

@@ -112,11 +112,11 @@ def test_validation_split_is_carved_from_training_data_only():
         carve_validation(data, 1.5, 2, seed=0)
 
 
-def _plateau_cfg(algorithm="ffgg", split="output", rounds=30, **kw):
+def _plateau_cfg(algorithm="ffgg", split="output", rounds=30, finetune_split=None, **kw):
     stop = StopConfig(min_delta=0.02, window=2)
     stage = StageConfig(rounds=rounds, clients_per_round=3,
                         client=SGDConfig(lr=0.1, batch_size=4), eval_every=2, stop=stop)
-    method = MethodConfig(algorithm=algorithm, split=split)
+    method = MethodConfig(algorithm=algorithm, split=split, finetune_split=finetune_split)
     return RunSpec(method=method, pretrain=replace(stage, rounds=6, stop=None),
                           personalize=stage, finetune=FinetuneConfig(lr=0.1, epochs=2,
                                                                     batch_size=4),
@@ -138,11 +138,16 @@ def _curves(path):
             for line in path.open()]
 
 
-def test_no_choice_reads_a_test_example(tmp_path):
+@pytest.mark.parametrize("row", [("ffgg", "output", None), ("fedsim", "output", None),
+                                 ("fedavg", "none", "adapter")],
+                         ids=["ffgg", "fedsim", "fedavg-ft-adapter"])
+def test_no_choice_reads_a_test_example(tmp_path, row):
     """Garbage test inputs and random test labels change the test accuracy but none of the
-    choices: stopping rounds, validation curves, stage-3 setting, θ."""
+    choices: stopping rounds, validation curves, stage-3 setting, θ — for a jointly
+    personalized row, a stateful one and a matched baseline (FedAvg, then fine-tuning of
+    zero-initialised adapters: its stage-3 choice too)."""
     data = toy_data(8)
-    cfg = _plateau_cfg()
+    cfg = _plateau_cfg(*row[:2], finetune_split=row[2])
     a = run_pipeline(cfg, Task(data=data, model_fn=toy_model, name="toy"), tmp_path / "a",
                      progress=False)
     b = run_pipeline(cfg, Task(data=_garbage_test(data), model_fn=toy_model, name="toy"),
@@ -244,10 +249,12 @@ def test_shakespeare_tiny_table_under_the_rule(tmp_path):
                                             grid=FinetuneGrid(epochs=(0, 1), lr=(0.1,))))
     path = sh.reproduce_table(tmp_path, size=size, progress=False)
     res = json.loads((tmp_path / "results.json").read_text())["results"]
-    for label, _ in sh.METHODS:
+    for label, _ in sh.SHAKESPEARE.rows:
         (m,) = res[label]
         assert m["stage2_rounds"] == 1 and m["stage2_stopped"] and m["stage2_cap"] == 4
-        assert m["finetune_choice"]["epochs"] in (0, 1) or label == "FedAvg"
+        # stage 3 chosen on validation for every row with a personal part (plain FedAvg: none)
+        assert (m["finetune_choice"]["epochs"] in (0, 1)) if label != "FedAvg" else \
+            "finetune_choice" not in m
     text = path.read_text()
     assert "Stage budgets (plateau rule" in text and "1 (plateau)" in text
     assert (tmp_path / "budget_curves.png").stat().st_size > 10_000

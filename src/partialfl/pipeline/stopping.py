@@ -163,7 +163,8 @@ def budget_plot(out_dir: Path, methods: Sequence[tuple[str, Any]], seeds: Sequen
 def plateau_table(results: dict[str, Sequence[dict]], timings: dict[str, float]) -> str:
     """A markdown table of each (method, seed)'s budget: stage-2 rounds (and whether the
     plateau rule or the cap ended it), the stage-3 setting chosen on validation data, the
-    validation and test accuracy and the minutes stages 2 and 3 took when they ran."""
+    validation and test accuracy and the minutes stages 2 and 3 took when they ran (a row
+    that reused another row's stage 2, ``stage2_from``: its stage 3)."""
     from partialfl.pipeline.report import markdown_table
 
     rows = []
@@ -177,6 +178,10 @@ def plateau_table(results: dict[str, Sequence[dict]], timings: dict[str, float])
             # this invocation's time for them is ~0
             t = (m["stage2_seconds"] + m.get("stage3_seconds", 0.0) if "stage2_seconds" in m
                  else timings.get(f"seed{m['seed']}/{label}", float("nan")))
+            shared = m.get("stage2_from")  # stage 2 of another row: this row's cost is stage 3
+            if shared:
+                how += f"; {shared}'s stage 2"
+                t = m.get("stage3_seconds", float("nan"))
             rows.append([label, m["seed"], f"{rounds} ({how})",
                          ("0 ep (no fine-tuning)" if c and not c["epochs"] else
                           f"{c['epochs']} ep, lr {c['lr']:g}" if c else "-"),

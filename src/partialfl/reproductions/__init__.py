@@ -16,6 +16,7 @@ from partialfl.reproductions import (
     faults,
     femnist,
     har,
+    heterogeneity,
     least_squares,
     shakespeare,
 )
@@ -35,5 +36,5 @@ def new_client_evaluator(run: Path) -> Callable[..., dict]:
                 femnist.FEMNIST.evaluate_new_clients)
 
 
-__all__ = ["TABLES", "asynchronous", "byzantine", "faults", "femnist", "har", "least_squares",
-           "new_client_evaluator", "shakespeare"]
+__all__ = ["TABLES", "asynchronous", "byzantine", "faults", "femnist", "har", "heterogeneity",
+           "least_squares", "new_client_evaluator", "shakespeare"]

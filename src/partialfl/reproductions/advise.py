@@ -5,11 +5,13 @@ settings, and its comparison with a measured table.
 
 θ is a stage-1 checkpoint (``--theta runs/har-table/stage1/theta.safetensors``) or, without one, a
 FedAvg pre-training of ``--pretrain-rounds`` rounds with the table's stage-1 settings (written
-to ``OUT/stage1``). ``--table`` names measured accuracies: a table's ``results.json`` or a
-markdown file (``docs/results.md``) whose section heading contains ``--section``; the FFGG
-rows (``FFGG (input…)``, ``FFGG (output…)``, …) are matched to the advisor's groups by split
-kind, and the Spearman correlation between the advisor's drops and the measured accuracies
-is reported with whether its top pick is within the seed spread of the best measured split.
+to ``OUT/stage1``). ``--table`` names what was measured: a table's ``results.json`` (the
+FFGG rows' accuracies, their gains over their matched baselines FedAvg + FT (same part) and
+over FedAvg, per seed) or a markdown file (``docs/results.md``, accuracies) whose section
+heading contains ``--section``. The FFGG rows (``FFGG (input…)``, …) are matched to the
+advisor's groups by split kind; for each measured quantity the Spearman correlation
+(``scipy.stats.spearmanr``) with the advisor's drops is reported, with whether its top pick
+is within the seed spread of the best split.
 """
 
 from __future__ import annotations
@@ -103,17 +105,52 @@ def measured_accuracies(path: str | Path, section: str | None = None
     return out
 
 
+#: what the advisor's drops are compared with: the FFGG rows' accuracy, their gain over their
+#: matched baseline (FedAvg + FT of the same part: does joint training add anything?) and
+#: over plain FedAvg (does personalizing that part pay?)
+TARGETS = {"accuracy": "test accuracy %", "matched": "FFGG − FedAvg + FT (same part), points",
+           "plain": "FFGG − FedAvg, points"}
+
+
+def measured_gains(path: str | Path) -> dict[str, dict[str, tuple[float, float]]]:
+    """target (:data:`TARGETS`) → split kind → (mean, std over seeds) in points, from a
+    table's ``results.json``: FFGG (kind)'s accuracy, its per-seed gain over FedAvg + FT
+    (kind) and over FedAvg (paired by seed). A table without the matched rows gives the
+    accuracy only."""
+    res = json.loads(Path(path).read_text())["results"]
+    out: dict[str, dict[str, tuple[float, float]]] = {t: {} for t in TARGETS}
+
+    def acc(label):
+        runs = sorted(res.get(label) or [], key=lambda r: r.get("seed", 0))
+        return 100 * np.asarray([r["test_acc"] for r in runs], float)
+
+    for label in res:
+        m = re.fullmatch(r"FFGG \((\w+)\)", label)
+        a = acc(label)
+        if not m or not a.size:
+            continue
+        kind = m.group(1)
+        out["accuracy"][kind] = (float(a.mean()), float(a.std()))
+        for target, base in (("matched", f"FedAvg + FT ({kind})"), ("plain", "FedAvg")):
+            b = acc(base)
+            if b.size == a.size:
+                d = a - b
+                out[target][kind] = (float(d.mean()), float(d.std()))
+    return {t: v for t, v in out.items() if v}
+
+
 def compare(advice, measured: dict[str, tuple[float, float]]) -> dict[str, Any]:
-    """Spearman correlation of the advisor's drops with the measured accuracies over the
-    split kinds both have, and whether its top pick (among those kinds) is within the seed
-    spread (measured std of the best split plus that of the pick) of the best split."""
+    """Spearman correlation (``scipy.stats.spearmanr``) of the advisor's drops with measured
+    values per split kind (accuracies or gains, ``kind -> (mean, std)``) over the kinds both
+    have, and whether its top pick (among those kinds) is within the seed spread (std of the
+    best kind plus that of the pick) of the best kind."""
     drops = {s.name: s.drop for s in advice.scores}
     kinds = [k for k in measured if k in drops]
     if len(kinds) < 2:
         return {"kinds": kinds, "spearman": float("nan"), "note": "fewer than 2 shared kinds"}
-    from partialfl.advisor import spearman
+    from scipy.stats import spearmanr
 
-    rho = spearman([drops[k] for k in kinds], [measured[k][0] for k in kinds])
+    rho = float(spearmanr([drops[k] for k in kinds], [measured[k][0] for k in kinds])[0])
     pick = max(kinds, key=lambda k: drops[k])
     best = max(kinds, key=lambda k: measured[k][0])
     gap = measured[best][0] - measured[pick][0]
@@ -151,7 +188,11 @@ def run_advisor(name: str, out_dir: str | Path, *, theta: str | Path | None = No
                  lr=at.lr, batch_size=at.batch_size, clip_norm=at.clip_norm, seed=seed,
                  loss_fn=at.task.loss_fn, metric=at.task.metric, split_fn=at.task.split_fn,
                  layers=at.layers, groups=at.groups)
-    cmp = compare(adv, measured_accuracies(table, section)) if table else None
+    cmp = None
+    if table is not None:
+        targets = (measured_gains(table) if Path(table).suffix == ".json"
+                   else {"accuracy": measured_accuracies(table, section)})
+        cmp = {t: compare(adv, m) for t, m in targets.items()}
     total = time.perf_counter() - t0
     lines = [f"# Split advisor on {name}", "",
              f"{len(adv.settings['clients'])} sampled clients, {at.epochs} fine-tuning epochs at "
@@ -160,19 +201,19 @@ def run_advisor(name: str, out_dir: str | Path, *, theta: str | Path | None = No
              adv.table(), "", f"**Recommendation:** {adv.recommendation}.", "",
              f"Cost: advisor {adv.seconds:.1f} s; pre-training {pre_seconds:.1f} s; total "
              f"{total:.1f} s."]
-    if cmp is not None:
-        lines += ["", "## Against the measured table", ""]
-        if "advisor_pick" in cmp:
-            lines += [
-                "| split | measured acc % | advisor drop |", "| --- | ---: | ---: |",
-                *(f"| {k} | {cmp['measured'][k][0]:.2f} ± {cmp['measured'][k][1]:.2f} | "
-                  f"{cmp['drops'][k]:+.4f} |" for k in cmp["kinds"]), "",
-                f"Spearman ρ = {cmp['spearman']:.2f} over {len(cmp['kinds'])} splits; advisor's "
-                f"pick {cmp['advisor_pick']}, measured best {cmp['measured_best']} "
-                f"({cmp['gap_points']:.2f} points apart, seed spread {cmp['spread_points']:.2f}:"
-                f" {'within' if cmp['pick_within_spread'] else 'NOT within'})."]
-        else:
-            lines.append(cmp["note"])
+    for target, c in (cmp or {}).items():
+        lines += ["", f"## Against the measured table: {TARGETS[target]}", ""]
+        if "advisor_pick" not in c:
+            lines.append(c["note"])
+            continue
+        lines += [
+            f"| split | measured: {TARGETS[target]} | advisor drop |", "| --- | ---: | ---: |",
+            *(f"| {k} | {c['measured'][k][0]:+.2f} ± {c['measured'][k][1]:.2f} | "
+              f"{c['drops'][k]:+.4f} |" for k in c["kinds"]), "",
+            f"Spearman ρ = {c['spearman']:.2f} over {len(c['kinds'])} splits; advisor's pick "
+            f"{c['advisor_pick']}, measured best {c['measured_best']} ({c['gap_points']:.2f} "
+            f"points apart, seed spread {c['spread_points']:.2f}: "
+            f"{'within' if c['pick_within_spread'] else 'NOT within'})."]
     text = "\n".join(lines) + "\n"
     path = out_dir / "advice.md"
     for p, body in ((path, text), (out_dir / "advice.json", json.dumps(
@@ -191,7 +232,9 @@ def add_parser(sub) -> None:
     s.add_argument("--theta", help="a stage-1 theta.safetensors (pre-trained parameters)")
     s.add_argument("--pretrain-rounds", type=int, help="without --theta: FedAvg rounds")
     s.add_argument("--clients", type=int, default=10, help="clients sampled (default 10)")
-    s.add_argument("--table", help="measured table: results.json or a markdown file")
+    s.add_argument("--table", help="measured table: a table's results.json (accuracies and "
+                   "the gains over the matched baseline and over FedAvg) or a markdown file "
+                   "(accuracies)")
     s.add_argument("--section", help="heading text of the table's section in --table")
     s.add_argument("--out", help="output folder (default runs/advise-TASK)")
     s.add_argument("--data-dir", type=Path)

@@ -17,7 +17,13 @@ import numpy as np
 from partialfl import io as pio
 from partialfl.data.femnist import normalised_split, raw_writers
 from partialfl.pipeline.jobs import run_jobs
-from partialfl.pipeline.report import jsonable, markdown_table, paired_section, quick_note
+from partialfl.pipeline.report import (
+    jsonable,
+    markdown_table,
+    matched_section,
+    paired_section,
+    quick_note,
+)
 
 
 def writer_folds(data_dir=None, folds: int = 5, num_writers: int | None = None,
@@ -37,7 +43,7 @@ def load_fold(data_dir, new_ids, num_writers: int | None = None, seed: int = 0):
 #: default number of folds of the k-fold new-writer evaluation (every writer is new once)
 DEFAULT_FOLDS = 5
 #: the rows the k-fold evaluation compares by default: the new-writer claim of the table
-KFOLD_METHODS = ("FedAvg", "FFGG (adapter)")
+KFOLD_METHODS = ("FedAvg", "FedAvg + FT (adapter)", "FFGG (adapter)")
 
 _FOLD_DATA: dict = {}
 
@@ -95,8 +101,11 @@ def _kfold_run(job: tuple) -> dict:
     train, new, _ = _fold_data(data_dir, size, new_ids)
     t0 = time.perf_counter()
     task = table.task_of(train)
+    owner = table.stage2_owner(size, label)  # FedAvg + FT: FedAvg's stage 2
     res = run_pipeline(table.config(size, method, seed), task, run_dir,
                        stage1_dir=out_dir / f"fold{fold}" / "stage1",
+                       stage2_dir=None if owner == label else
+                       out_dir / f"fold{fold}" / f"seed{seed}" / dict(table.rows)[owner].name,
                        progress=progress and f"fold {fold} {label} seed {seed}")
     ev = evaluate_run(run_dir, new, model_fn=task.model_fn)["test"]
     m = res.metrics
@@ -149,6 +158,7 @@ def kfold_new_writers(table, out_dir: Path, *, folds: int = DEFAULT_FOLDS,
         fold_seconds = {d["fold"]: d["seconds"] for d in done}
         seconds = time.perf_counter() - t_start
         record = {"folds": groups, "methods": list(methods), "seeds": list(size.seeds),
+                  "matched": table.matched(methods),
                   "runs": sorted(runs, key=lambda r: (r["fold"], r["label"], r["seed"])),
                   "stage1_seconds": s1, "fold_seconds": fold_seconds,
                   "total_seconds": seconds,
@@ -184,6 +194,7 @@ def collect_kfold(table, out_dir: Path, *, folds: int = DEFAULT_FOLDS,
                 if f.exists():
                     runs.append(json.loads(f.read_text()))
     return {"folds": groups, "methods": list(methods), "seeds": list(seeds), "runs": runs,
+            "matched": table.matched(methods),
             "stage1_seconds": s1, "total_seconds": None}
 
 
@@ -217,9 +228,11 @@ def kfold_summary(record: dict, *, quick: bool = False) -> str:
         "In each fold, "
         "FedAvg pre-training (stage 1, shared by the fold's methods only) and each method's "
         "stages 2-3 train on the other folds' writers; then the fold's writers fine-tune "
-        "their personal parameters on the trained θ (FedAvg: its output layer) for the "
-        "stage-3 epochs and are tested.",
+        "their personal parameters on the trained θ (FedAvg + FT: the part it fine-tunes) "
+        "for the stage-3 epochs and are tested.",
         "",
+        *(matched_section(counts, record["matched"], unit="images", clients="new writers",
+                          verdict=not quick) + [""] if record.get("matched") else []),
         *paired_section(counts, "FedAvg" if "FedAvg" in counts else methods[0],
                         unit="images", clients="new writers", verdict=not quick),
         "",
@@ -243,7 +256,7 @@ def kfold_summary(record: dict, *, quick: bool = False) -> str:
             seen[label] = (np.asarray([r["correct"] for r in rs], float),
                            np.asarray([r["total"] for r in rs], float), rs[0]["client_ids"])
         lines += [f"Fold {k}, its {len(seen[base][2])} training writers (their own test "
-                  "images, after stage 3; FedAvg: + fine-tuned output layer):", "",
+                  "images, after stage 3):", "",
                   *paired_section(seen, base, unit="images", clients="training writers",
                                  explain=False, verdict=not quick), ""]
     s1 = record.get("stage1_seconds", {})

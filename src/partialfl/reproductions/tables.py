@@ -9,6 +9,11 @@ is here, once: stage 1 shared by every row and seed, the (rows, seed) jobs in wo
 processes (:func:`partialfl.pipeline.jobs.run_jobs`), new-client evaluation, ``results.json``,
 the plots and the summary's skeleton (table, verdicts, paired sections, budgets, cost).
 
+**Matched baselines** (:mod:`partialfl.reproductions.matched`): every row that trains a
+personal part jointly with θ gets "FedAvg + FT (part)", FedAvg followed by fine-tuning of the
+same part; the summary compares each row with its matched row (paired over clients × seeds)
+and with plain FedAvg.
+
 Rows whose stage 2 is the same computation (:func:`partialfl.pipeline.stages.stage2_identity`:
 FedAvg, then fine-tuning of different parts) run as one job and share one stage 2, so adding
 a "FedAvg + FT" row costs a stage 3, not another stage 2; the numbers are those of separate
@@ -33,12 +38,15 @@ from partialfl.pipeline.report import (
     counts_from_runs,
     jsonable,
     markdown_table,
+    matched_section,
     paired_section,
     percent_mean_std,
     pipeline_plots,
     quick_note,
+    versus_baselines,
 )
 from partialfl.pipeline.stopping import budget_plot, plateau_settings, plateau_table
+from partialfl.reproductions.matched import matched_label, matched_method, with_matched
 from partialfl.spec import FinetuneConfig, MethodConfig, RunSpec, StageConfig
 
 
@@ -96,8 +104,10 @@ class Table:
     #: the reproduction's name (``partialfl reproduce NAME``) and the summary's title
     name = "table"
     title = ""
-    #: (row label, method) of the table, in order
-    rows: tuple[tuple[str, MethodConfig], ...] = ()
+    #: the table's own (row label, method), in order; :attr:`rows` adds the matched baselines
+    own_rows: tuple[tuple[str, MethodConfig], ...] = ()
+    #: the paper's claim on the best split's margin over FedAvg (None: no such claim)
+    claim_margin: float | None = None
     #: sizes: CI, the full table, the table at convergence (``--plateau``; None: the full
     #: size with the plateau rule added)
     QUICK: TableSize
@@ -134,8 +144,12 @@ class Table:
         return f"{s.pretrain_rounds} + {s.rounds} rounds, {len(s.seeds)} seed(s)"
 
     def verdicts(self, run: TableRun) -> list[str]:
-        """The bullets under the table (a table's own)."""
-        return []
+        """The bullets under the table: point estimates against FedAvg and against each
+        row's matched baseline, the paper's claims (:func:`~partialfl.pipeline.report.
+        versus_baselines`)."""
+        done = [k for k, v in run.results.items() if v]
+        return versus_baselines(run.results, self.matched(done), self.claim_margin,
+                                verdict=self.is_full(run.size))
 
     def stages_text(self, run: TableRun) -> list[str]:
         """The paragraph on the three stages' settings (a table's own)."""
@@ -163,6 +177,23 @@ class Table:
         return loaded.info
 
     # ------------------------------------------------------------------ shared
+    @property
+    def rows(self) -> tuple[tuple[str, MethodConfig], ...]:
+        """Every row: the table's own and their matched baselines (:func:`with_matched`)."""
+        return with_matched(self.own_rows)
+
+    def matched(self, labels) -> dict[str, str]:
+        """Row label → the label of its matched baseline, for the rows among ``labels``
+        that have one there."""
+        rows = dict(self.rows)
+        out = {}
+        for label in labels:
+            m = matched_method(rows[label]) if label in rows else None
+            base = matched_label(rows[label]) if m is not None else None
+            if base in labels:
+                out[label] = base
+        return out
+
     def methods(self, size: TableSize) -> tuple[tuple[str, MethodConfig], ...]:
         """The rows run at ``size`` (``size.methods``: a subset by label)."""
         if size.methods is None:
@@ -203,7 +234,7 @@ class Table:
 
     def loaded(self, size: TableSize, data_dir=None, **options: Any) -> Loaded:
         """:meth:`load`, once per process (worker processes load it from their first job)."""
-        key = (type(self).__name__, replace(size, seeds=(), threads=0, workers=0),
+        key = (self.name, replace(size, seeds=(), threads=0, workers=0),
                str(data_dir), tuple(sorted((k, str(v)) for k, v in options.items())))
         if key not in _LOADED:
             _LOADED.clear()
@@ -221,6 +252,10 @@ class Table:
                              sort_keys=True, default=str)
             out.setdefault(key, []).append(label)
         return list(out.values())
+
+    def stage2_owner(self, size: TableSize, label: str) -> str:
+        """The row whose folder holds ``label``'s stage 2 (the first of its group)."""
+        return next(g[0] for g in self.groups(size) if label in g)
 
     def reproduce(self, out_dir: Path, *, quick: bool = False,
                   seeds: Sequence[int] | None = None, data_dir: Path | None = None,
@@ -293,8 +328,10 @@ class Table:
             res = run_pipeline(self.config(size, method, seed, backend), task, run_dir,
                                stage1_dir=out_dir / "stage1", stage2_dir=stage2_dir,
                                progress=progress)
-            stage2_dir = stage2_dir or run_dir
             m = dict(res.metrics)
+            if stage2_dir is not None:
+                m["stage2_from"] = labels[0]
+            stage2_dir = stage2_dir or run_dir
             if new is not None:
                 ev = evaluate_run(run_dir, new, model_fn=task.model_fn, split_fn=task.split_fn)
                 t = ev["test"]
@@ -331,15 +368,11 @@ class Table:
                      "each run stopped)"]
         else:
             pipeline_plots(out_dir, rows, run.size.seeds, run.results, ylabel=self.ylabel(run.size),
-                           clients=self.clients, rename=self.legend_names())
+                           clients=self.clients)
             plots = ["`learning_curves.png` (deployed test accuracy during stages 1 and 2, "
                      "mean over seeds)", "`per_client_accuracy.png` (CDF of the final "
                      f"per-client test accuracy over {self.clients}, all seeds)"]
         return plots + self.extra_plots(out_dir, run)
-
-    def legend_names(self) -> dict[str, str]:
-        """Row label → its legend label in the plots."""
-        return {}
 
     def ylabel(self, size: TableSize) -> str:
         """The y label of the learning curves."""
@@ -362,7 +395,7 @@ class Table:
             def col(key, ms=ms):
                 return percent_mean_std([m.get(key, float("nan")) for m in ms])
 
-            rows.append([self.row_name(label), col("test_acc"), col("test_acc_before_ft"),
+            rows.append([label, col("test_acc"), col("test_acc_before_ft"),
                          " / ".join(col(f"test_acc_p{q}").split(" ±")[0]
                                     for q in (10, 50, 90)),
                          col("train_acc"), *([col("new_test_acc")] if new else []),
@@ -376,38 +409,30 @@ class Table:
     new_key = "new_clients"
     params_header = "personal params"
 
-    def row_name(self, label: str) -> str:
-        """A row's name in the main table."""
-        return label
-
     def params_cell(self, counts: dict) -> str:
         return f"{counts.get('personal_params', 0):,}"
 
-    def baseline(self) -> str:
-        """The row the paired sections compare with."""
-        return "FedAvg"
-
-    #: what the paired sections' headings call the baseline
-    baseline_title = "FedAvg"
-
     def paired_sections(self, run: TableRun) -> list[str]:
-        """Paired comparison of every row with the baseline on the training clients and,
-        if any, on the held-out new clients."""
+        """Each jointly personalized row against its matched baseline, then every row
+        against plain FedAvg; on the training clients and, if any, the held-out new ones."""
         full = self.is_full(run.size)
-        base = self.baseline()
-        counts = {label: counts_from_runs(ms) for label, ms in run.results.items() if ms}
-        lines = [f"## Paired comparison with {self.baseline_title}: training {self.clients}",
-                 "", *paired_section(counts, base, unit=self.unit, clients=self.clients,
-                                     verdict=full), ""]
         new = run.info.get(self.new_key)
-        if new:
-            counts = {label: counts_from_runs(ms, "new_per_client_test")
-                      for label, ms in run.results.items() if ms}
-            lines += [f"## Paired comparison with {self.baseline_title}: the {len(new)} "
-                      f"held-out new {self.clients}", "",
-                      *paired_section(counts, base, unit=self.unit,
-                                      clients=f"new {self.clients}", explain=False,
-                                      verdict=full), ""]
+        done = [k for k, v in run.results.items() if v]
+        matched = self.matched(done)
+        lines = []
+        for prefix, who, first in (("per_client_test", f"training {self.clients}", True),
+                                   ("new_per_client_test", f"the {len(new or [])} held-out "
+                                    f"new {self.clients}", False)):
+            if not first and not new:
+                continue
+            counts = {label: counts_from_runs(run.results[label], prefix) for label in done}
+            clients = self.clients if first else f"new {self.clients}"
+            lines += [f"## Joint training vs fine-tuning the same part: {who}", "",
+                      *matched_section(counts, matched, unit=self.unit, clients=clients,
+                                       verdict=full, explain=first), "",
+                      f"## Paired comparison with FedAvg: {who}", "",
+                      *paired_section(counts, "FedAvg", unit=self.unit, clients=clients,
+                                      explain=first, verdict=full), ""]
         return lines
 
     def summary(self, run: TableRun, plots: Sequence[str] = ()) -> str:
