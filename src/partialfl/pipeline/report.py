@@ -42,15 +42,21 @@ def accuracy_cells(runs: Sequence[dict]) -> list[str]:
 
 
 def versus_baselines(results: dict[str, Sequence[dict]], matched: dict[str, str],
-                     claim_margin: float | None = None, verdict: bool = True) -> list[str]:
-    """Markdown bullets on the point estimates (mean over seeds): plain FedAvg, then every row
-    with a matched baseline (``matched``: row label → its "FedAvg + FT (same part)" label)
-    against FedAvg and against that baseline — joint training vs fine-tuning the same part
-    — and the paper's claims: every FFGG split above FedAvg, and (with ``claim_margin``) the
-    best one by at least that much, each vs FedAvg and vs the split's matched baseline.
-    ``verdict=False`` (a run too small to tell) reports the numbers but no verdict on the
-    claims. The intervals behind a verdict are in :func:`matched_section`."""
+                     claim_margin: float | None = None, verdict: bool = True,
+                     counts: dict[str, tuple] | None = None) -> list[str]:
+    """Markdown bullets: plain FedAvg, then every row with a matched baseline (``matched``:
+    row label → its "FedAvg + FT (same part)" label) against FedAvg and against that
+    baseline — joint training vs fine-tuning the same part — (means over seeds), and the
+    paper's claims, each vs FedAvg and vs the split's matched baseline: every FFGG split
+    above, and (with ``claim_margin``) the best one by at least that much. With ``counts``
+    (label → per-client ``(correct, total[, ids])``, see :func:`paired_section`) a claim
+    "holds" only when the paired 95% interval of every difference lies above the threshold,
+    "does NOT hold" when one lies below it, else it is "not shown at this size"; without,
+    the point estimates decide. ``verdict=False`` (a run too small to tell) gives the numbers
+    but no verdict on the claims."""
     import numpy as np
+
+    from partialfl.stats import paired_difference
 
     def mean(label: str) -> float:
         return float(np.mean([m["test_acc"] for m in results[label]]))
@@ -66,29 +72,45 @@ def versus_baselines(results: dict[str, Sequence[dict]], matched: dict[str, str]
     if not ffgg:
         return lines
     best = max(ffgg, key=ffgg.get)
-    gain = {lab: v - mean(matched[lab]) for lab, v in ffgg.items()}
-
-    def holds(ok: bool) -> str:
-        return "holds" if ok else "does NOT hold"
-
     lines.append(f"- Ranking of the FFGG splits: "
                  f"{' > '.join(sorted(ffgg, key=ffgg.get, reverse=True))}; best {best}, "
                  f"{100 * (ffgg[best] - fedavg):+.2f} points over FedAvg, "
-                 f"{100 * gain[best]:+.2f} over {matched[best]}.")
+                 f"{100 * (ffgg[best] - mean(matched[best])):+.2f} over {matched[best]}.")
     if not verdict:
         claims = "every FFGG split above FedAvg" + (
             f", the best by ≥ {100 * claim_margin:g} point(s)" if claim_margin is not None else "")
         return lines + [f"- Paper's claims ({claims}): not judged; this run is too small to "
                         "support a verdict."]
-    lines.append(f"- Paper's claim: every FFGG split above FedAvg: "
-                 f"{holds(min(ffgg.values()) > fedavg)} here; above its matched baseline "
-                 f"(the same part fine-tuned after FedAvg): {holds(min(gain.values()) > 0)} "
-                 "(point estimates; the intervals are in the matched section).")
+
+    def diff(label: str, base: str) -> tuple[float, float, float]:
+        """(estimate, low, high) of label − base: the paired interval, or the means."""
+        if counts and counts.get(label) is not None and counts.get(base) is not None:
+            d = paired_difference(counts[label][0], counts[label][1], counts[base][0],
+                                  counts[base][1])
+            return d.estimate, d.low, d.high
+        e = mean(label) - mean(base)
+        return e, e, e
+
+    def claim(labels, base_of, threshold: float) -> str:
+        ds = {lab: diff(lab, base_of(lab)) for lab in labels}
+        if any(h < threshold for _, _, h in ds.values()):
+            return "does NOT hold"
+        if all(lo >= threshold if threshold else lo > 0 for _, lo, _ in ds.values()):
+            return "holds"
+        open_ = [lab for lab, (_, lo, _) in ds.items() if lo < threshold or lo <= 0]
+        return (f"not shown at this size (the interval of {', '.join(open_)} reaches "
+                f"{100 * threshold:g})")
+
+    how = ("paired 95% intervals" if counts else "point estimates")
+    lines.append(f"- Paper's claim, every FFGG split above FedAvg: "
+                 f"{claim(ffgg, lambda _: 'FedAvg', 0.0)}; above its matched baseline (the "
+                 f"same part fine-tuned after FedAvg): {claim(ffgg, matched.get, 0.0)} ({how}).")
     if claim_margin is not None:
-        lines.append(f"- Paper's claim: the best split beats FedAvg by ≥ {100 * claim_margin:g} "
-                     f"point(s): {holds(ffgg[best] - fedavg >= claim_margin)} here; its "
-                     f"matched baseline by ≥ {100 * claim_margin:g}: "
-                     f"{holds(gain[best] >= claim_margin)}.")
+        lines.append(f"- Paper's claim, the best split ({best}) beats FedAvg by ≥ "
+                     f"{100 * claim_margin:g} point(s): "
+                     f"{claim([best], lambda _: 'FedAvg', claim_margin)}; its matched "
+                     f"baseline by ≥ {100 * claim_margin:g}: "
+                     f"{claim([best], matched.get, claim_margin)} ({how}).")
     return lines
 
 
@@ -210,8 +232,7 @@ def jsonable(v):
 
 
 def pipeline_plots(out_dir: Path, methods: Sequence[tuple[str, Any]], seeds: Sequence[int],
-                   results: dict[str, Sequence[dict]], *, ylabel: str, clients: str,
-                   rename: dict[str, str] | None = None) -> None:
+                   results: dict[str, Sequence[dict]], *, ylabel: str, clients: str) -> None:
     """The two plots of a three-stage-pipeline table in ``out_dir``:
 
     * ``learning_curves.png``: stage-1 test accuracy (``stage1/stage1.jsonl``) and, per method
@@ -220,13 +241,11 @@ def pipeline_plots(out_dir: Path, methods: Sequence[tuple[str, Any]], seeds: Seq
     * ``per_client_accuracy.png``: the CDF of the final per-client test accuracy over all
       seeds (``per_client_test_acc`` of each run in ``results``).
 
-    ``rename`` maps a row label to its legend label."""
+    A row whose stage 2 is another row's (no ``stage2.jsonl`` of its own) has no curve."""
     import matplotlib
     import numpy as np
 
     from partialfl.runtime import read_jsonl
-
-    rename = rename or {}
 
     def percent(hist: list[dict]) -> list[dict]:
         return [{"round": r["round"], "test_acc": 100 * r["test_acc"]} for r in hist
@@ -241,7 +260,7 @@ def pipeline_plots(out_dir: Path, methods: Sequence[tuple[str, Any]], seeds: Seq
                   if f.exists()]
         if curves:
             rounds = sorted(set.intersection(*(set(c) for c in curves)))
-            stage2[rename.get(label, label)] = [
+            stage2[label] = [
                 {"round": r, "test_acc": float(np.mean([c[r] for c in curves]))} for r in rounds]
     plot_curves(out_dir / "learning_curves.png", [stage1, stage2],
                 ["stage 1: FedAvg pre-training", "stage 2: deployed test accuracy"],
@@ -261,7 +280,7 @@ def pipeline_plots(out_dir: Path, methods: Sequence[tuple[str, Any]], seeds: Seq
             ax.step(np.r_[100 * accs[0], 100 * accs], np.r_[0, np.arange(1, accs.size + 1)
                                                              / accs.size], where="post",
                     ls=STYLES[i % len(STYLES)][0], lw=1.2 + 2.0 * (n - i) / n, alpha=0.85,
-                    label=rename.get(label, label))
+                    label=label)
     ax.set_xlabel("per-client test accuracy (%)")
     ax.set_ylabel(f"fraction of {clients} (CDF, all seeds)")
     ax.grid(alpha=0.3)

@@ -145,6 +145,10 @@ def budget_plot(out_dir: Path, methods: Sequence[tuple[str, Any]], seeds: Sequen
     ax.set_ylabel(("validation" if key == "val_acc" else "test") + " accuracy (%)")
     ax.set_title("stage budgets (dotted: end of stage 1; filled marker: stopped by the "
                  "plateau rule, hollow: cap)", fontsize=9)
+    # the zoom shows where the curves end up: a fresh model's first points (local training
+    # only) would squash it, so its lower end is the 10th percentile of stage 2's points
+    low = float(np.percentile(ys2, 10))
+    ys2 = [y for y in ys2 if y >= low]
     pad = max(0.5, 0.15 * (max(ys2) - min(ys2)))
     az.set_xlim(r1 - 0.05 * (xmax - r1) - 1, xmax + 0.05 * (xmax - r1) + 1)
     az.set_ylim(min(ys2) - pad, max(ys2) + pad)

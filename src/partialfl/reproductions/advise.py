@@ -206,9 +206,10 @@ def run_advisor(name: str, out_dir: str | Path, *, theta: str | Path | None = No
         if "advisor_pick" not in c:
             lines.append(c["note"])
             continue
+        sign = "" if target == "accuracy" else "+"
         lines += [
             f"| split | measured: {TARGETS[target]} | advisor drop |", "| --- | ---: | ---: |",
-            *(f"| {k} | {c['measured'][k][0]:+.2f} ± {c['measured'][k][1]:.2f} | "
+            *(f"| {k} | {c['measured'][k][0]:{sign}.2f} ± {c['measured'][k][1]:.2f} | "
               f"{c['drops'][k]:+.4f} |" for k in c["kinds"]), "",
             f"Spearman ρ = {c['spearman']:.2f} over {len(c['kinds'])} splits; advisor's pick "
             f"{c['advisor_pick']}, measured best {c['measured_best']} ({c['gap_points']:.2f} "

@@ -270,8 +270,8 @@ def reproduce_table(out_dir: Path, *, quick: bool = False, seeds: list[int] | No
 
 def per_subject_plot(path: Path, results: dict[str, list[dict]]) -> Path:
     """Test accuracy of every training subject (mean over seeds) for the rows without a
-    personal part of their own in stage 2 (local only, FedAvg (+ FT), Ditto) and the best
-    FFGG row, subjects sorted by the FedAvg accuracy."""
+    personal part of their own in stage 2 (local only, FedAvg, Ditto), the best FFGG row and
+    its matched baseline, subjects sorted by the FedAvg accuracy."""
     import matplotlib
 
     matplotlib.use("Agg")
@@ -284,7 +284,9 @@ def per_subject_plot(path: Path, results: dict[str, list[dict]]) -> Path:
     ffgg = [lab for lab in results if lab.startswith("FFGG") and results[lab]]
     best = max(ffgg, key=lambda lab: np.mean([m["test_acc"] for m in results[lab]]))
     shared = {lab for lab, m in METHODS if m.entry.trait("split") != "personal"}
-    rows = [r for r in results if r in shared and results[r]] + [best]
+    matched = HAR.matched([best, *results]).get(best)
+    rows = [r for r in results if r in shared and results[r]] + [best] + (
+        [matched] if results.get(matched) else [])
     ids = results[rows[0]][0]["client_ids"]
     order = np.argsort(per("FedAvg")) if results.get("FedAvg") else np.arange(len(ids))
     fig, ax = plt.subplots(figsize=(8, 3.8))

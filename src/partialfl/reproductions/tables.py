@@ -35,6 +35,7 @@ from partialfl.build import Task
 from partialfl.pipeline.files import check_or_write_json, write_json
 from partialfl.pipeline.jobs import run_jobs
 from partialfl.pipeline.report import (
+    accuracy_cells,
     counts_from_runs,
     jsonable,
     markdown_table,
@@ -148,8 +149,9 @@ class Table:
         row's matched baseline, the paper's claims (:func:`~partialfl.pipeline.report.
         versus_baselines`)."""
         done = [k for k, v in run.results.items() if v]
+        counts = {label: counts_from_runs(run.results[label]) for label in done}
         return versus_baselines(run.results, self.matched(done), self.claim_margin,
-                                verdict=self.is_full(run.size))
+                                verdict=self.is_full(run.size), counts=counts)
 
     def stages_text(self, run: TableRun) -> list[str]:
         """The paragraph on the three stages' settings (a table's own)."""
@@ -363,14 +365,17 @@ class Table:
         per-client CDF, plus the table's own); their descriptions for the summary."""
         rows = self.methods(run.size)
         if run.size.plateau:
-            budget_plot(out_dir, rows, run.size.seeds)
+            # rows reusing another row's stage 2 (FedAvg + FT) have no curve of their own
+            budget_plot(out_dir, [r for r in rows
+                                  if self.stage2_owner(run.size, r[0]) == r[0]],
+                        run.size.seeds)
             plots = ["`budget_curves.png` (validation accuracy over stages 1 and 2, where "
-                     "each run stopped)"]
+                     "each run stopped; the FedAvg + FT rows reuse FedAvg's stage 2)"]
         else:
             pipeline_plots(out_dir, rows, run.size.seeds, run.results, ylabel=self.ylabel(run.size),
                            clients=self.clients)
             plots = ["`learning_curves.png` (deployed test accuracy during stages 1 and 2, "
-                     "mean over seeds)", "`per_client_accuracy.png` (CDF of the final "
+                     "mean over seeds; the FedAvg + FT rows reuse FedAvg's stage 2)", "`per_client_accuracy.png` (CDF of the final "
                      f"per-client test accuracy over {self.clients}, all seeds)"]
         return plots + self.extra_plots(out_dir, run)
 
@@ -387,19 +392,10 @@ class Table:
         """One line per row: final test accuracy, before stage 3, per-client percentiles,
         train accuracy, new clients (if any), personal parameters."""
         new = run.info.get(self.new_key, [])
-        rows = []
-        for label, ms in run.results.items():
-            if not ms:
-                continue
-
-            def col(key, ms=ms):
-                return percent_mean_std([m.get(key, float("nan")) for m in ms])
-
-            rows.append([label, col("test_acc"), col("test_acc_before_ft"),
-                         " / ".join(col(f"test_acc_p{q}").split(" ±")[0]
-                                    for q in (10, 50, 90)),
-                         col("train_acc"), *([col("new_test_acc")] if new else []),
-                         self.params_cell(ms[0].get("split_counts", {}))])
+        rows = [[label, *accuracy_cells(ms),
+                 *([percent_mean_std([m.get("new_test_acc", float("nan")) for m in ms])]
+                   if new else []), self.params_cell(ms[0].get("split_counts", {}))]
+                for label, ms in run.results.items() if ms]
         header = ["method", "test acc % (final)", "before stage 3",
                   "per-client p10 / p50 / p90", "train acc %",
                   *([f"new {self.clients} ({len(new)})"] if new else []), self.params_header]
