@@ -372,11 +372,12 @@ class Table:
             plots = ["`budget_curves.png` (validation accuracy over stages 1 and 2, where "
                      "each run stopped; the FedAvg + FT rows reuse FedAvg's stage 2)"]
         else:
-            pipeline_plots(out_dir, rows, run.size.seeds, run.results, ylabel=self.ylabel(run.size),
-                           clients=self.clients)
+            pipeline_plots(out_dir, rows, run.size.seeds, run.results,
+                           ylabel=self.ylabel(run.size), clients=self.clients)
             plots = ["`learning_curves.png` (deployed test accuracy during stages 1 and 2, "
-                     "mean over seeds; the FedAvg + FT rows reuse FedAvg's stage 2)", "`per_client_accuracy.png` (CDF of the final "
-                     f"per-client test accuracy over {self.clients}, all seeds)"]
+                     "mean over seeds; the FedAvg + FT rows reuse FedAvg's stage 2)",
+                     "`per_client_accuracy.png` (CDF of the final per-client test accuracy "
+                     f"over {self.clients}, all seeds)"]
         return plots + self.extra_plots(out_dir, run)
 
     def ylabel(self, size: TableSize) -> str:
