@@ -1,5 +1,6 @@
-"""Where does joint training beat fine-tuning the same part? A map over a controlled knob of
-client heterogeneity (``partialfl reproduce heterogeneity``, issue 22).
+"""Does joint training beat fine-tuning the same part, and from which heterogeneity on? A map
+over a controlled knob of client heterogeneity (``partialfl reproduce heterogeneity``,
+issue 22).
 
 For a strength s ∈ [0, 1] every client's data get a transform that a small personal part can
 absorb exactly, and three rows run through the table driver
@@ -293,7 +294,7 @@ def crossover(rows: list[dict]) -> str:
 
 
 @register("reproduction", "heterogeneity",
-          doc="Where joint training beats fine-tuning the same part: a heterogeneity map")
+          doc="Does joint training beat fine-tuning the same part? A heterogeneity map")
 def reproduce_heterogeneity(out_dir: Path, *, quick: bool = False,
                             seeds: list[int] | None = None, data_dir: Path | None = None,
                             progress: bool = True) -> Path:
@@ -380,7 +381,7 @@ def map_summary(record: dict) -> str:
     """``summary.md`` of the map: per knob, the three rows' accuracies, the gap with its
     interval and verdict per s, and the smallest s where joint training is ahead."""
     quick = record["quick"]
-    lines = [f"# heterogeneity: where joint training beats fine-tuning the same part"
+    lines = [f"# heterogeneity: does joint training beat fine-tuning the same part?"
              f"{' (quick)' if quick else ''}", ""]
     if quick:
         lines += [quick_note("two strengths, one seed, the tables' quick sizes"), ""]
@@ -429,6 +430,6 @@ def map_summary(record: dict) -> str:
               "test losses.", "",
               "Measured time: " + ", ".join(f"{k} {v / 60:.1f} min" for k, v in
                                             record["seconds"].items())
-              + f"; total {record['total_seconds'] / 60:.1f} min (the machine's load at the "
-              "time: see the run's notes).", ""]
+              + f"; total {record['total_seconds'] / 60:.1f} min (wall-clock of this "
+              "invocation; a resumed map reloads its finished runs).", ""]
     return "\n".join(lines)
