@@ -323,7 +323,7 @@ def _deviations(size: Size, n_train: int) -> list[str]:
 
 
 @register("reproduction", "femnist-kfold",
-          doc="FEMNIST new writers by k-fold over writers (--folds K): FedAvg vs FFGG")
+          doc="FEMNIST new writers by k-fold over writers (--folds K): FFGG vs its baselines")
 def reproduce_kfold(out_dir: Path, *, quick: bool = False, seeds: list[int] | None = None,
                     data_dir: Path | None = None, progress: bool = True,
                     folds: int | None = None) -> Path:
