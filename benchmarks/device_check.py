@@ -39,8 +39,8 @@ import torch
 from partialfl.algorithms.model import model_ffgg
 from partialfl.build import make_model
 from partialfl.data.federated import FederatedDataset
-from partialfl.evaluation import round_evaluator
 from partialfl.local.sgd import SGDConfig
+from partialfl.pipeline.evaluation import round_evaluator
 from partialfl.problems.model import ModelProblem
 from partialfl.runtime import BatchedBackend, SequentialBackend, run_rounds
 from partialfl.server import SGD

@@ -20,16 +20,17 @@ import numpy as np
 import torch
 
 from partialfl.algorithms.base import RoundContext
-from partialfl.evaluation import evaluate_model, finetune_personal, round_evaluator
-from partialfl.experiments.femnist import FULL, METHODS, femnist_task, load_data, stage_configs
-from partialfl.experiments.pipeline import MethodConfig, build_algorithm
+from partialfl.build import build_algorithm, split_of
+from partialfl.pipeline.evaluation import evaluate_model, finetune_personal, round_evaluator
 from partialfl.problems.model import ModelProblem
+from partialfl.reproductions.femnist import FEMNIST, FULL, METHODS, femnist_task, load_data
 from partialfl.runtime import SequentialBackend, run_rounds
+from partialfl.spec import MethodConfig
 
 
 def _problem(task, method: MethodConfig):
     model = task.model_fn(0)
-    split = task.make_split(model, method.split, method.split_options)
+    split = task.make_split(model, *split_of(method))
     return ModelProblem(split, task.data, vectorize=False)
 
 
@@ -50,14 +51,16 @@ def main() -> None:
     size = FULL
     train, new, _ = load_data(args.data_dir, size.num_writers, size.holdout)
     task = femnist_task(train)
-    pre, stage2, ft = stage_configs(size)
+    ft = FEMNIST.stage_configs(size)[2]
 
     thread_t = {}
     for th in (1, 2, 1, 2):
         torch.set_num_threads(th)
-        p = _problem(task, MethodConfig(algorithm="fedavg", split="none"))
-        t, _ = _time_rounds(p, build_algorithm(MethodConfig("fedavg", "none"), pre),
-                            args.rounds)
+        fedavg = MethodConfig(algorithm="fedavg", split="none")
+        p = _problem(task, fedavg)
+        cfg = FEMNIST.config(size, fedavg, 0)
+        t, _ = _time_rounds(p, build_algorithm(cfg, cfg.pretrain, method=fedavg,
+                                               num_clients=p.num_clients), args.rounds)
         thread_t.setdefault(th, []).append(t)
     torch.set_num_threads(1)
     t1, t2 = min(thread_t[1]), min(thread_t[2])
@@ -69,7 +72,8 @@ def main() -> None:
     print(f"{'method':24s} {'round s':>8s} {'eval s':>8s} {'stage3 s':>9s} {'per run s':>10s}")
     for label, method in METHODS:
         p = _problem(task, method)
-        alg = build_algorithm(method, stage2[method.algorithm])
+        cfg = FEMNIST.config(size, method, 0)
+        alg = build_algorithm(cfg, cfg.personalize, num_clients=p.num_clients)
         t2, res = _time_rounds(p, alg, args.rounds)
         t = time.perf_counter()
         round_evaluator()(alg, res.state, p, res.client_state, RoundContext(0, args.rounds))
@@ -78,8 +82,8 @@ def main() -> None:
         allc = np.arange(p.num_clients)
         w0 = p.init_w(allc, "pretrained", 0, -1)
         theta = res.state.theta
-        if method.algorithm == "fedavg":  # FedAvg + FT: the output split of the shared model
-            p = _problem(task, MethodConfig("ffgg", "output"))
+        if method.finetune_split is not None:  # FedAvg + FT: a split of the shared model
+            p = _problem(task, MethodConfig(algorithm="ffgg", split=method.finetune_split))
             theta, _ = p.split.params()
             w0 = p.init_w(allc, "pretrained", 0, -1)
         w = finetune_personal(p, theta, w0, ft.sgd(), 0)

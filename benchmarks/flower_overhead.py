@@ -39,11 +39,11 @@ def main() -> None:
     args = ap.parse_args()
 
     from partialfl.build import build
-    from partialfl.experiments.train import load_run_spec
     from partialfl.flower.deployment import LocalFederation
     from partialfl.flower.env import apply_flower_env
     from partialfl.flower.local import node_view, write_node_stores
     from partialfl.flower.train import stage_run_config
+    from partialfl.pipeline.train import load_run_spec
 
     apply_flower_env()
     default = args.config == str(ROOT / "configs" / "ls-ffgg.toml")
@@ -60,12 +60,12 @@ def main() -> None:
     # in process
     t0 = time.perf_counter()
     if spec.closed_form:
-        from partialfl.experiments.closed_form import run_closed_form
+        from partialfl.pipeline.closed_form import run_closed_form
 
         ref = {n: np.asarray(v) for n, v in
                run_closed_form(spec, built=run).state.theta.items()}
     else:
-        from partialfl.experiments.pipeline import stage2_setup
+        from partialfl.pipeline.stages import stage2_setup
         from partialfl.runtime.sync import run_rounds
 
         theta1 = {n: p.detach().clone() for n, p in

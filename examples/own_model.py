@@ -14,8 +14,8 @@ from torch import nn
 
 from partialfl.algorithms.model import model_ffgg
 from partialfl.data.federated import FederatedDataset
-from partialfl.evaluation import round_evaluator
 from partialfl.local.sgd import SGDConfig
+from partialfl.pipeline.evaluation import round_evaluator
 from partialfl.problems.model import ModelProblem
 from partialfl.runtime import run_rounds
 from partialfl.server import SGD

@@ -36,10 +36,10 @@ def ls_run(rounds: int = 3, k: int | None = None, eval_every: int = 0, spec=None
 
 def in_process(run_config: dict, **kw):
     """``(built run, RunResult)`` of the run config's spec in process
-    (:func:`partialfl.experiments.closed_form.run_closed_form`: what `partialfl run` runs)."""
+    (:func:`partialfl.pipeline.closed_form.run_closed_form`: what `partialfl run` runs)."""
     from partialfl.build import build
-    from partialfl.experiments.closed_form import run_closed_form
     from partialfl.flower.config import parse_run_config
+    from partialfl.pipeline.closed_form import run_closed_form
 
     spec = parse_run_config({k: v for k, v in run_config.items() if k in ("spec", "set")}).run
     built = build(spec)

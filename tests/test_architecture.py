@@ -22,7 +22,7 @@ LAYERS: list[tuple[str, tuple[str, ...]]] = [
                     "server", "lm", "metrics")),
     ("algorithms", ("algorithms", "privacy")),
     ("runtime", ("runtime",)),
-    ("building", ("build", "evaluation", "deploy", "advisor", "reference")),
+    ("building", ("build", "advisor", "reference")),
     ("pipeline", ("pipeline",)),
     ("flower", ("flower",)),
     ("reproductions", ("reproductions",)),

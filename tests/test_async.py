@@ -183,7 +183,7 @@ def test_distributions_are_registered_components_of_the_spec():
     """Each duration distribution is one registry entry whose options are its own fields;
     [asynchronous] names one with its options, validated on load."""
     from partialfl.config import ConfigError, from_dict
-    from partialfl.experiments.closed_form import compute_time
+    from partialfl.pipeline.closed_form import compute_time
     from partialfl.registry import names
     from partialfl.runtime.asynchronous import Exponential, LogNormal, Pareto
     from partialfl.spec import RunSpec
@@ -352,7 +352,7 @@ def test_processes_really_run_concurrently_at_different_speeds(problem):
 
 @pytest.mark.slow
 def test_reproduce_async_quick(tmp_path):
-    from partialfl.experiments.asynchronous import reproduce_async
+    from partialfl.reproductions.asynchronous import reproduce_async
     from partialfl.runtime import read_jsonl
 
     summary = reproduce_async(tmp_path, quick=True, progress=False)

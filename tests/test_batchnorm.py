@@ -14,8 +14,8 @@ from torch import nn
 from partialfl.algorithms.base import RoundContext
 from partialfl.algorithms.model import FedAvg, FedSim, model_ffgg
 from partialfl.algorithms.presets import build_preset
-from partialfl.evaluation import round_evaluator
 from partialfl.local.sgd import SGDConfig, run_sgd
+from partialfl.pipeline.evaluation import round_evaluator
 from partialfl.problems.model import ModelProblem
 from partialfl.runtime import BatchedBackend, SequentialBackend, run_rounds
 from partialfl.server import SGD
@@ -264,12 +264,10 @@ def test_refused_batchnorm_variants():
 def test_the_pipeline_deploys_the_clients_own_statistics(tmp_path):
     """FedAvg on a BatchNorm CNN through the three stages: stage 3 evaluates each client with
     the running statistics it kept in stage 2 (not the untrained layer's 0 / 1)."""
-    from partialfl.evaluation import evaluate_model
-    from partialfl.experiments.pipeline import (
-        Task,
-        load_params,
-        run_pipeline,
-    )
+    from partialfl.build import Task
+    from partialfl.pipeline.evaluation import evaluate_model
+    from partialfl.pipeline.files import load_params
+    from partialfl.pipeline.stages import run_pipeline
     from partialfl.spec import FinetuneConfig, MethodConfig, RunSpec, StageConfig
 
     data = toy_data(8)

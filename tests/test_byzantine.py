@@ -310,7 +310,7 @@ def test_wrapper_updates_have_no_personal_parameters(problem):
 
 @pytest.mark.slow
 def test_reproduce_byzantine_quick(tmp_path):
-    from partialfl.experiments.byzantine import (
+    from partialfl.reproductions.byzantine import (
         AGGREGATOR_GRID,
         ATTACK_GRID,
         KINDS,
@@ -349,7 +349,7 @@ def test_byzantine_comparison_pairs_seeds_and_averages_attacks():
     """Synthetic grid rows, 3 seeds: BR-FFGG 6 orders below the shared model in every cell
     ('better'); bucketing changes nothing for CM ('no detectable difference'); a cell not run
     (MDA) drops its row; a seed-level shift cancels (paired)."""
-    from partialfl.experiments.byzantine import ATTACK_GRID, ByzantineStudy, comparison
+    from partialfl.reproductions.byzantine import ATTACK_GRID, ByzantineStudy, comparison
 
     study = ByzantineStudy(fractions=(0.1,))
     rng = np.random.default_rng(0)
@@ -383,7 +383,7 @@ def test_reproduce_byzantine_on_a_part_of_the_grid_with_two_seeds(tmp_path):
     """A small part of the grid (2 attacks × 2 aggregators, 2 seeds): the tables show only
     those cells, the summary says it is a part, and the paired comparisons carry intervals
     over the 2 seeds."""
-    from partialfl.experiments.byzantine import ByzantineStudy, reproduce_byzantine
+    from partialfl.reproductions.byzantine import ByzantineStudy, reproduce_byzantine
 
     study = ByzantineStudy(num_clients=12, fractions=(0.2,), rounds=30, eval_every=10,
                            attacks=("none", "sign flip"), aggregators=("mean", "cm"))

@@ -13,7 +13,7 @@ from _summaries import check_standalone_summary
 from partialfl.build import problem_of
 from partialfl.cli import main
 from partialfl.config import ConfigError, apply_overrides, from_dict
-from partialfl.experiments.closed_form import load_closed_form
+from partialfl.pipeline.closed_form import load_closed_form
 from partialfl.spec import RunSpec, parse_lr
 
 
@@ -232,7 +232,7 @@ def test_evaluate_names_what_to_pass_for_a_folder_without_runs(tmp_path, capsys)
 
 
 def test_evaluate_finds_every_run_of_a_table_folder(tmp_path):
-    from partialfl.experiments.evaluate import find_runs
+    from partialfl.pipeline.runs import find_runs
 
     for run in ("seed0/fedavg", "seed0/ffgg-output", "seed1/fedavg", "stage1"):
         (tmp_path / run).mkdir(parents=True)
@@ -247,7 +247,7 @@ def test_evaluate_finds_every_run_of_a_table_folder(tmp_path):
 def _fake_evaluation(accs, total=10.0):
     import numpy as np
 
-    from partialfl.evaluation import Evaluation
+    from partialfl.pipeline.evaluation import Evaluation
 
     accs = np.asarray(accs, float)
     return Evaluation(accuracy=float(accs.mean()), per_client=accs, p10=float(accs.min()),
@@ -256,7 +256,7 @@ def _fake_evaluation(accs, total=10.0):
 
 
 def test_evaluation_table_and_json_carry_client_ids():
-    from partialfl.experiments.evaluate import evaluation_table, to_json
+    from partialfl.pipeline.runs import evaluation_table, to_json
 
     res = {f"seed0/{m}": {"test": _fake_evaluation(accs), "before": _fake_evaluation([0.1, 0.2]),
                           "train": _fake_evaluation([0.9, 1.0]), "num_clients": 2,

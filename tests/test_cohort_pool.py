@@ -18,8 +18,8 @@ from partialfl.algorithms.byzantine import ByzantineRobust
 from partialfl.algorithms.model import model_ffgg
 from partialfl.algorithms.wrapper import AlgorithmWrapper
 from partialfl.build import make_backend
-from partialfl.evaluation import round_evaluator
 from partialfl.local.sgd import SGDConfig
+from partialfl.pipeline.evaluation import round_evaluator
 from partialfl.problems.least_squares import LeastSquaresProblem
 from partialfl.runtime import SequentialBackend, run_rounds
 from partialfl.runtime.cohort_pool import ClientsFailed, ProcessBackend
@@ -146,7 +146,7 @@ def test_pipeline_with_processes_and_a_store_matches_sequential(tmp_path):
     from test_pipeline import _cfg, _task
 
     from partialfl.data.store import open_store, write_store
-    from partialfl.experiments.pipeline import run_pipeline
+    from partialfl.pipeline.stages import run_pipeline
 
     data = toy_data(8)
     store = open_store(write_store(tmp_path / "store", data))
@@ -159,7 +159,7 @@ def test_pipeline_with_processes_and_a_store_matches_sequential(tmp_path):
 
 
 def test_closed_form_config_runs_on_processes(tmp_path):
-    from partialfl.experiments.closed_form import load_closed_form, run_closed_form
+    from partialfl.pipeline.closed_form import load_closed_form, run_closed_form
 
     base = {"name": "t", "problem": {"name": "least-squares", "num_clients": 6, "n": 40,
                                      "d_theta": 6, "d_w": 3},

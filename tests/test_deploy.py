@@ -1,4 +1,5 @@
-"""The personalized models as a product: personalize, evaluate, save, load (partialfl.deploy)."""
+"""The personalized models as a product: personalize, evaluate, save, load
+(partialfl.pipeline.deploy)."""
 
 from __future__ import annotations
 
@@ -13,16 +14,16 @@ from safetensors.torch import load_file, save_file
 from partialfl.algorithms.model import FedSim, model_ffgg
 from partialfl.algorithms.presets import build_preset
 from partialfl.data.federated import FederatedDataset
-from partialfl.deploy import (
+from partialfl.io import UnsafeFileError
+from partialfl.local.sgd import SGDConfig
+from partialfl.pipeline.deploy import (
     FORMAT,
     PersonalizedModels,
     load_personalized,
     personalize,
     read_index,
 )
-from partialfl.evaluation import round_evaluator
-from partialfl.io import UnsafeFileError
-from partialfl.local.sgd import SGDConfig
+from partialfl.pipeline.evaluation import round_evaluator
 from partialfl.problems.model import ModelProblem
 from partialfl.runtime import run_rounds
 from partialfl.server import SGD
@@ -180,10 +181,8 @@ def test_errors(tmp_path):
 def test_the_pipeline_saves_every_clients_deployed_model(tmp_path):
     """run_pipeline(save_personalized=True): each client's saved model, loaded into a fresh
     module, has the per-client test accuracy of the run's metrics.json."""
-    from partialfl.experiments.pipeline import (
-        Task,
-        run_pipeline,
-    )
+    from partialfl.build import Task
+    from partialfl.pipeline.stages import run_pipeline
     from partialfl.spec import FinetuneConfig, MethodConfig, RunSpec, StageConfig
 
     data = toy_data(5)

@@ -11,13 +11,11 @@ import torch
 from _nn_toy import max_diff, one_thread, toy_data, toy_model
 
 from partialfl.algorithms.model import model_ffgg
+from partialfl.build import Task
 from partialfl.config import ConfigError
 from partialfl.devices import LossScaler, available_devices, check_precision, resolve_device
-from partialfl.experiments.pipeline import (
-    Task,
-    run_pipeline,
-)
 from partialfl.local.sgd import SGDConfig
+from partialfl.pipeline.stages import run_pipeline
 from partialfl.problems.model import ModelProblem
 from partialfl.runtime import SequentialBackend, run_rounds
 from partialfl.server import SGD

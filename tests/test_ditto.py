@@ -13,8 +13,8 @@ from _nn_toy import max_diff, one_thread, toy_data, toy_model
 
 from partialfl.algorithms.ditto import Ditto, local_only
 from partialfl.algorithms.model import FedAvg
-from partialfl.evaluation import round_evaluator
 from partialfl.local.sgd import SGDConfig, batch_plan, run_sgd
+from partialfl.pipeline.evaluation import round_evaluator
 from partialfl.problems.model import ModelProblem
 from partialfl.rng import generator
 from partialfl.runtime import BatchedBackend, SequentialBackend, run_rounds

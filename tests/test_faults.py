@@ -149,7 +149,7 @@ def test_reproduce_faults_quick(tmp_path):
 def test_faults_comparison_pairs_each_rate_with_the_fault_free_run():
     """Synthetic rows, 3 seeds: 30% faults end 2 orders above the fault-free run on every
     seed ('worse'); 10% faults within the seed spread ('no detectable difference')."""
-    from partialfl.experiments.faults import comparison
+    from partialfl.reproductions.faults import comparison
 
     rng = np.random.default_rng(1)
     rows = []

@@ -10,18 +10,20 @@ import torch
 from _nn_toy import one_thread
 
 from partialfl.data.femnist import load_femnist_npz, pixel_mean_std
-from partialfl.experiments.femnist import (
-    METHODS,
+from partialfl.registry import entry
+from partialfl.reproductions.femnist import (
+    FEMNIST,
     QUICK,
-    collect_kfold,
     evaluate_new_writers,
-    kfold_new_writers,
     load_data,
-    load_fold,
     reproduce_table,
+)
+from partialfl.reproductions.femnist_kfold import (
+    collect_kfold,
+    kfold_new_writers,
+    load_fold,
     writer_folds,
 )
-from partialfl.registry import entry
 
 pytestmark = pytest.mark.data
 
@@ -52,9 +54,10 @@ def test_load_data_holds_out_writers_and_normalises_with_training_stats(data_dir
 def test_quick_table_runs_resumes_and_evaluates_new_writers(tmp_path, data_dir):
     path = reproduce_table(tmp_path, quick=True, data_dir=data_dir, progress=False)
     text = path.read_text()
-    for label, _ in METHODS:
+    for label, _ in FEMNIST.rows:
         assert f"| {label} |" in text
     assert "## Deviations from the paper" in text
+    assert text.count("joint training vs fine-tuning the same part): ") == 2 * 6  # + new
     from _summaries import check_standalone_summary
 
     check_standalone_summary(text, quick=True)
@@ -63,7 +66,8 @@ def test_quick_table_runs_resumes_and_evaluates_new_writers(tmp_path, data_dir):
     for png in ("learning_curves.png", "per_client_accuracy.png"):
         assert (tmp_path / png).stat().st_size > 1000
     res = json.loads((tmp_path / "results.json").read_text())["results"]
-    for label, _ in METHODS:
+    assert set(res) == {label for label, _ in FEMNIST.rows}
+    for label, _ in FEMNIST.rows:
         (m,) = res[label]
         assert 0 <= m["test_acc"] <= 1 and 0 <= m["new_test_acc"] <= 1
         assert len(m["per_client_test_acc"]) == QUICK.num_writers - QUICK.holdout
@@ -92,7 +96,7 @@ def test_quick_table_runs_resumes_and_evaluates_new_writers(tmp_path, data_dir):
     assert main(["evaluate", str(tmp_path), "--data-dir", str(data_dir), "--json",
                  str(out)]) == 0
     table = json.loads(out.read_text())
-    assert set(table) == {f"seed0/{m.name}" for _, m in METHODS}
+    assert set(table) == {f"seed0/{m.name}" for _, m in FEMNIST.rows}
     assert table["seed0/ffgg-adapter"]["test"]["accuracy"] == pytest.approx(ev["test"].accuracy)
 
 
@@ -110,7 +114,7 @@ def test_table_from_the_store_with_processes_matches_memory(tmp_path, data_dir):
                     backend="processes", store=tmp_path / "store")
     a, b = (json.loads((tmp_path / d / "results.json").read_text())["results"]
             for d in ("mem", "disk"))
-    for label, _ in METHODS:
+    for label, _ in FEMNIST.rows:
         for k in ("test_acc", "new_test_acc", "per_client_test_acc"):
             assert a[label][0][k] == b[label][0][k], (label, k)
     # a store written for other writers is refused
@@ -138,7 +142,8 @@ def test_writer_folds_and_load_fold(data_dir):
 
 @pytest.mark.slow
 def test_quick_kfold_every_writer_is_new_once_and_resumes(tmp_path, data_dir):
-    path = kfold_new_writers(tmp_path, folds=2, quick=True, data_dir=data_dir, progress=False)
+    path = kfold_new_writers(FEMNIST, tmp_path, folds=2, quick=True, data_dir=data_dir,
+                             progress=False)
     text = path.read_text()
     assert "| FFGG (adapter) |" in text and "verdict" in text and "MDE" in text
     from _summaries import check_standalone_summary
@@ -152,8 +157,9 @@ def test_quick_kfold_every_writer_is_new_once_and_resumes(tmp_path, data_dir):
     for r in rec["runs"]:  # a fold's new writers are never among its training writers
         assert not set(r["new"]["client_ids"]) & set(r["seen"]["client_ids"])
         assert sum(r["new"]["total"]) > 0
-    again = collect_kfold(tmp_path, folds=2, data_dir=data_dir, num_writers=QUICK.num_writers)
+    again = collect_kfold(FEMNIST, tmp_path, folds=2, data_dir=data_dir,
+                          num_writers=QUICK.num_writers)
     assert sorted(map(json.dumps, again["runs"])) == sorted(map(json.dumps, rec["runs"]))
     # resumed: nothing recomputed, the same summary up to the measured times
-    assert kfold_new_writers(tmp_path, folds=2, quick=True, data_dir=data_dir,
+    assert kfold_new_writers(FEMNIST, tmp_path, folds=2, quick=True, data_dir=data_dir,
                              progress=False).read_text().split("Cost")[0] == text.split("Cost")[0]

@@ -313,7 +313,7 @@ def test_partialfl_run_on_flower_sim_gives_the_in_process_run(tmp_path):
     from pathlib import Path
 
     from partialfl.cli import main
-    from partialfl.experiments.train import load_run_spec
+    from partialfl.pipeline.train import load_run_spec
     from partialfl.runtime.logging import read_jsonl
 
     config = Path(__file__).resolve().parents[1] / "configs" / "ls-ffgg.toml"

@@ -177,8 +177,8 @@ def test_example_pyproject_is_valid_and_complete():
     """examples/flower/pyproject.toml declares exactly the keys partialfl understands and
     carries the quickstart config as its spec (it is generated: python -m
     partialfl.flower.project examples/flower/pyproject.toml configs/train/quickstart.toml)."""
-    from partialfl.experiments.train import load_run_spec
     from partialfl.flower.project import example_pyproject
+    from partialfl.pipeline.train import load_run_spec
 
     quickstart = ROOT / "configs" / "train" / "quickstart.toml"
     text = (ROOT / "examples" / "flower" / "pyproject.toml").read_text()

@@ -53,10 +53,10 @@ def live(tmp_path_factory, data_dir):
     if missing:
         pytest.skip(f"Flower's command-line tools are not installed: {', '.join(missing)}")
     from partialfl.build import build
-    from partialfl.experiments.train import load_run_spec, run_train
     from partialfl.flower.deployment import LocalFederation
     from partialfl.flower.env import apply_flower_env
     from partialfl.flower.local import node_view, write_node_stores
+    from partialfl.pipeline.train import load_run_spec, run_train
 
     apply_flower_env()
     base = tmp_path_factory.mktemp("live")
@@ -94,7 +94,7 @@ def _round0(spec, stage1_dir: Path | None = None):
     from partialfl import io as pio
     from partialfl.algorithms.base import RoundContext, ServerState
     from partialfl.build import build
-    from partialfl.experiments.pipeline import stage2_setup
+    from partialfl.pipeline.stages import stage2_setup
     from partialfl.runtime.sync import sample_cohort
 
     run = build(spec)
@@ -162,10 +162,10 @@ def test_secagg_on_live_nodes_is_the_plain_run_within_the_quantisation_error(liv
     Flower) θ within γ · N·2c/2^bits per coordinate, not equal to it (it was quantised), and
     no client's update is in any message the ServerApp received."""
     from partialfl import io as pio
-    from partialfl.experiments.train import load_run_spec, run_train
     from partialfl.flower.config import parse_run_config
     from partialfl.flower.secagg import quantisation_bound
     from partialfl.flower.train import run_flower_train
+    from partialfl.pipeline.train import load_run_spec, run_train
 
     fed, _, base, _ = live
     spec = load_run_spec(QUICKSTART, [*TINY, "stages=['personalize', 'finetune']",

@@ -23,12 +23,12 @@ def test_each_node_store_holds_only_its_clients_and_gives_the_same_updates(tmp_p
 
     from partialfl.algorithms.base import RoundContext
     from partialfl.build import build
-    from partialfl.experiments.train import load_run_spec
     from partialfl.flower.config import ConfigError, parse_run_config, partition_clients
     from partialfl.flower.local import node_view, write_node_stores
     from partialfl.flower.node import check_node_data, load_node_data
     from partialfl.flower.stage import node_parts
     from partialfl.flower.train import stage_run_config
+    from partialfl.pipeline.train import load_run_spec
 
     spec = load_run_spec(QUICKSTART, [*TINY, f"data.path={data_dir}"])
     data = node_view(build(spec))

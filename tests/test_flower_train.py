@@ -8,7 +8,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from partialfl.experiments.train import load_run_spec as load_train_spec
+from partialfl.pipeline.train import load_run_spec as load_train_spec
 
 ROOT = Path(__file__).resolve().parents[1]
 QUICKSTART = ROOT / "configs" / "train" / "quickstart.toml"
@@ -65,10 +65,10 @@ def test_node_builds_the_pipelines_stage(data_dir):
 
     from partialfl.algorithms.base import RoundContext
     from partialfl.build import build
-    from partialfl.experiments.pipeline import stage1_setup
     from partialfl.flower.config import parse_run_config
     from partialfl.flower.stage import node_parts, server_parts
     from partialfl.flower.train import stage_run_config
+    from partialfl.pipeline.stages import stage1_setup
 
     spec = _spec(data_dir)
     cfg = parse_run_config(stage_run_config(spec, "pretrain"))

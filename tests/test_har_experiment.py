@@ -13,16 +13,12 @@ from _nn_toy import max_diff, one_thread, toy_data, toy_model
 
 from partialfl import io as pio
 from partialfl.algorithms.ditto import Ditto
+from partialfl.build import Task
 from partialfl.config import ConfigError
-from partialfl.experiments.pipeline import (
-    CLIENT_STATE,
-    THETA1,
-    THETA2,
-    Task,
-    evaluate_run,
-    run_pipeline,
-)
 from partialfl.local.sgd import SGDConfig, run_sgd
+from partialfl.pipeline.evaluation import evaluate_run
+from partialfl.pipeline.files import CLIENT_STATE, THETA1, THETA2
+from partialfl.pipeline.stages import run_pipeline
 from partialfl.problems.model import ModelProblem
 from partialfl.spec import FinetuneConfig, MethodConfig, RunSpec, StageConfig
 from partialfl.split import make_split
@@ -65,7 +61,7 @@ def test_ditto_pipeline_deploys_personal_models_and_evaluates_new_clients(tmp_pa
     # the deployed models are the clients' v_m (not θ): recompute the accuracy from them
     cs = pio.load_tensors(tmp_path / "d" / CLIENT_STATE)[0]
     pb = ModelProblem(make_split(toy_model(), "none"), data)
-    from partialfl.evaluation import evaluate_model
+    from partialfl.pipeline.evaluation import evaluate_model
 
     v = Ditto.personal_v(res.theta, cs)
     assert evaluate_model(pb, v, {}, "test").accuracy == pytest.approx(m["test_acc"])
@@ -109,7 +105,7 @@ def test_local_only_ignores_pretraining_and_trains_each_client_alone(tmp_path):
 
 # ----------------------------------------------------------------------------- real data
 def test_load_data_holds_out_subjects_and_standardises_with_training_stats(data_dir):
-    from partialfl.experiments.har import load_data
+    from partialfl.reproductions.har import load_data
 
     seen, new, info = load_data(data_dir, holdout=5)
     assert seen.num_clients == 21 and new.num_clients == 5
@@ -123,12 +119,19 @@ def test_load_data_holds_out_subjects_and_standardises_with_training_stats(data_
 
 @pytest.mark.slow
 def test_quick_table_runs_and_reports_every_row(tmp_path, data_dir):
-    from partialfl.experiments.har import METHODS, reproduce_table
+    from partialfl.reproductions.har import HAR, reproduce_table
 
     path = reproduce_table(tmp_path, quick=True, data_dir=data_dir, progress=False)
     text = path.read_text()
-    for label, _ in METHODS:
+    for label, _ in HAR.rows:
         assert f"| {label} |" in text
+    # every jointly personalized row against its matched baseline, with intervals but no
+    # verdict at the quick size
+    matched = text.split("## Joint training vs fine-tuning the same part: training")[1]
+    matched = matched.split("\n## ")[0]
+    for label, base in HAR.matched([lab for lab, _ in HAR.rows]).items():
+        line = next(ln for ln in matched.splitlines() if ln.startswith(f"| {label} |"))
+        assert f"| {base} |" in line and "[" in line and "(quick run)" in line
     res = json.loads((tmp_path / "results.json").read_text())["results"]
     assert all(len(v) == 1 and 0 <= v[0]["test_acc"] <= 1 for v in res.values())
     assert all(0 <= v[0]["new_test_acc"] <= 1 for v in res.values())

@@ -142,7 +142,7 @@ def _has(dep: str) -> bool:
 
 def test_importing_the_package_leaves_the_environment_alone():
     code = ("import os, json; before = dict(os.environ)\n"
-            "import partialfl, partialfl.cli, partialfl.experiments\n"
+            "import partialfl, partialfl.cli, partialfl.pipeline, partialfl.reproductions\n"
             "try:\n    import partialfl.flower\nexcept ImportError:\n    pass\n"
             "print(json.dumps(sorted(set(os.environ.items()) ^ set(before.items()))))")
     env = {**os.environ, "PYTHONPATH": str(SRC) + os.pathsep + os.environ.get("PYTHONPATH", "")}

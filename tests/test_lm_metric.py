@@ -8,8 +8,8 @@ import torch
 
 from partialfl.data.federated import FederatedDataset
 from partialfl.data.text import BOS, EOS, OOV, PAD
-from partialfl.evaluation import summarize_counts
 from partialfl.lm import NextWordAccuracy, counted_mask, lm_loss, token_cross_entropy
+from partialfl.pipeline.evaluation import summarize_counts
 
 V = 8  # ids 0..3 special, 4..7 words
 

@@ -9,8 +9,8 @@ import torch.nn.functional as F
 from _nn_toy import max_diff, one_thread, toy_data, toy_model
 from torch import nn
 
-from partialfl.evaluation import evaluate_model, summarize_counts
 from partialfl.local.sgd import SGDConfig, SGDFineTuner, batch_plan, run_sgd
+from partialfl.pipeline.evaluation import evaluate_model, summarize_counts
 from partialfl.problems.model import ModelProblem, masked_token_accuracy
 from partialfl.rng import generator
 from partialfl.split import make_split

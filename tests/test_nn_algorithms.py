@@ -9,8 +9,8 @@ from _nn_toy import max_diff, one_thread, toy_data, toy_model
 
 from partialfl.algorithms.base import RoundContext
 from partialfl.algorithms.model import FedAlt, FedAvg, FedSim, LocalFFGG, model_ffgg
-from partialfl.evaluation import round_evaluator
 from partialfl.local.sgd import SGDConfig, SGDFineTuner, run_sgd
+from partialfl.pipeline.evaluation import round_evaluator
 from partialfl.problems.model import ModelProblem
 from partialfl.runtime import BatchedBackend, SequentialBackend, run_rounds
 from partialfl.server import SGD, Adam, Clipped

@@ -9,17 +9,13 @@ import pytest
 import torch
 from _nn_toy import max_diff, one_thread, toy_data, toy_model
 
-from partialfl.build import build_server_opt
+from partialfl.build import Task, build_server_opt
 from partialfl.config import ConfigError
-from partialfl.evaluation import evaluate_new_clients
-from partialfl.experiments.pipeline import (
-    Task,
-    evaluate_run,
-    read_deploy,
-    run_pipeline,
-)
 from partialfl.io import load_tensors
 from partialfl.local.sgd import SGDConfig, run_sgd
+from partialfl.pipeline.evaluation import evaluate_new_clients, evaluate_run
+from partialfl.pipeline.files import read_deploy
+from partialfl.pipeline.stages import run_pipeline
 from partialfl.problems.model import ModelProblem
 from partialfl.spec import FinetuneConfig, MethodConfig, RunSpec, ServerConfig, StageConfig
 from partialfl.split import make_split
@@ -238,3 +234,62 @@ def test_server_config_builds_schedules_and_clipping():
         build_server_opt(ServerConfig("sgd", 1.0, schedule={**warm, "warmup": 20}), 10)
     with pytest.raises(ConfigError, match="server.schedule: 'cosine' is not allowed"):
         ServerConfig("sgd", 1.0, schedule="cosine")
+
+
+def test_a_shared_stage2_gives_each_run_its_own_numbers(tmp_path):
+    """FedAvg's stage 2 does not depend on the part stage 3 fine-tunes: a FedAvg + FT run
+    reusing another FedAvg run's stage 2 (``stage2_dir``) computes no round and gets the
+    numbers of a run of its own; a folder holding another stage 2 is refused."""
+    from dataclasses import replace
+
+    ft = _cfg("fedavg", "none", finetune_split="output")
+    own = run_pipeline(ft, _task(), tmp_path / "own", stage1_dir=tmp_path / "s1",
+                       progress=False).metrics
+    plain = run_pipeline(_cfg("fedavg", "none"), _task(), tmp_path / "plain",
+                         stage1_dir=tmp_path / "s1", progress=False).metrics
+    calls = []
+    shared = run_pipeline(ft, _task(), tmp_path / "shared", stage1_dir=tmp_path / "s1",
+                          stage2_dir=tmp_path / "plain", progress=False,
+                          on_round=lambda s, r: calls.append(s)).metrics
+    assert calls == [] and not (tmp_path / "shared" / "stage2.jsonl").exists()
+    for k in ("test_acc", "test_acc_before_ft", "per_client_test_correct", "train_acc"):
+        assert shared[k] == own[k], k
+    assert own["test_acc_before_ft"] == plain["test_acc"]  # FT starts from FedAvg's model
+    longer = replace(ft, personalize=replace(ft.personalize, rounds=5))
+    with pytest.raises(ConfigError, match="holds the stage 2 of another configuration"):
+        run_pipeline(longer, _task(), tmp_path / "x", stage1_dir=tmp_path / "s1",
+                     stage2_dir=tmp_path / "plain", progress=False)
+    # a fresh shared folder records the stage 2 it holds; its owner must match it later
+    run_pipeline(ft, _task(), tmp_path / "y", stage1_dir=tmp_path / "s1",
+                 stage2_dir=tmp_path / "fresh", progress=False)
+    assert (tmp_path / "fresh" / "stage2.json").exists()
+    with pytest.raises(ConfigError, match="different configuration"):
+        run_pipeline(longer, _task(), tmp_path / "fresh", stage1_dir=tmp_path / "s1",
+                     progress=False)
+
+
+def test_fedavg_then_adapter_fine_tuning(tmp_path):
+    """FedAvg + FT with the adapter split (stage 3 inserts zero-output adapters into FedAvg's
+    model, then fine-tunes them per client): before fine-tuning it is FedAvg's model
+    exactly; fine-tuning moves it; new clients rebuild the adapters from deploy.safetensors."""
+    from dataclasses import replace
+
+    data = toy_data(10, seed=3)
+    seen, new = data.split_clients(num_new=3, seed=0)
+    cfg = _cfg("fedavg", "none", finetune_split="adapter")
+    cfg = replace(cfg, finetune=FinetuneConfig(lr=0.3, epochs=5, batch_size=4))
+    plain = run_pipeline(_cfg("fedavg", "none"), _task(seen), tmp_path / "plain",
+                         stage1_dir=tmp_path / "s1", progress=False).metrics
+    m = run_pipeline(cfg, _task(seen), tmp_path / "ad", stage1_dir=tmp_path / "s1",
+                     stage2_dir=tmp_path / "plain", progress=False).metrics
+    assert m["test_acc_before_ft"] == plain["test_acc"]
+    assert m["per_client_test_correct"] != plain["per_client_test_correct"]
+    counts = m["split_counts"]
+    assert counts["personal_params"] > 0 and counts["global_params"] == sum(
+        p.numel() for p in toy_model().parameters())
+    groups, meta = read_deploy(tmp_path / "ad")
+    assert meta["built_as"] == "adapter" and any("adapter" in n for n in groups["w_pretrained"])
+    ev = evaluate_run(tmp_path / "ad", new, model_fn=toy_model)
+    ev0 = evaluate_run(tmp_path / "plain", new, model_fn=toy_model)
+    assert ev["before"].accuracy == ev0["test"].accuracy  # zero adapters: FedAvg's model
+    assert ev["test"].per_client_correct.tolist() != ev["before"].per_client_correct.tolist()

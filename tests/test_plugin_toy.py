@@ -93,8 +93,8 @@ def test_without_allow_code_the_plugin_is_refused(tmp_path, capsys):
 
 def test_train_by_name_equals_the_python_api(tmp_path, monkeypatch):
     """``partialfl train`` with the toy and the toy rule on a CNN equals
-    :func:`partialfl.experiments.train.train` with the same spec tables."""
-    from partialfl.experiments.train import train
+    :func:`partialfl.pipeline.train.train` with the same spec tables."""
+    from partialfl.pipeline.train import train
 
     data = toy_data(6)
     folder = tmp_path / "clients"

@@ -10,8 +10,8 @@ from partialfl.algorithms.base import RoundContext
 from partialfl.algorithms.context import AlgorithmContext
 from partialfl.algorithms.model import FedAlt, FedSim
 from partialfl.algorithms.presets import build_preset, preset_names, preset_split
-from partialfl.evaluation import round_evaluator
 from partialfl.local.sgd import SGDConfig
+from partialfl.pipeline.evaluation import round_evaluator
 from partialfl.problems.model import ModelProblem
 from partialfl.registry import entry
 from partialfl.runtime import run_rounds

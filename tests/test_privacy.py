@@ -16,11 +16,9 @@ from partialfl.algorithms import Scaffold
 from partialfl.algorithms.base import ClientResult
 from partialfl.algorithms.model import FedAlt, FedAvg
 from partialfl.algorithms.wrapper import AlgorithmWrapper
-from partialfl.experiments.pipeline import (
-    Task,
-    run_pipeline,
-)
+from partialfl.build import Task
 from partialfl.local.sgd import SGDConfig
+from partialfl.pipeline.stages import run_pipeline
 from partialfl.privacy import CLIENT_METRICS, PrivacyError
 from partialfl.problems.least_squares import LeastSquaresProblem
 from partialfl.problems.model import ModelProblem

@@ -96,9 +96,9 @@ def test_model_evaluation_sums_give_the_pooled_metrics():
     """FEMNIST path without data: a node's reply from per-client counts is sums only (no
     histogram); the server's metrics from two nodes' replies equal the pooled ones (accuracy,
     loss, client mean exactly). Percentiles over clients are not computed on Flower."""
-    from partialfl.evaluation import summarize_counts
     from partialfl.flower.codec import decode_eval
     from partialfl.flower.models import count_sums, summarize_sums
+    from partialfl.pipeline.evaluation import summarize_counts
 
     g = np.random.default_rng(0)
     total = g.integers(0, 60, 400).astype(float)

@@ -2,12 +2,12 @@
 
 import math
 
-from partialfl.experiments.report import (
+from partialfl.pipeline.report import (
     accuracy_cells,
     docstring_bullets,
     markdown_table,
     percent_mean_std,
-    versus_fedavg,
+    versus_baselines,
 )
 
 
@@ -30,21 +30,51 @@ def test_accuracy_cells_mean_over_seeds():
     assert cells[3] == "90.00 ± 0.00"
 
 
-def test_versus_fedavg_checks_both_claims_against_both_fedavg_numbers():
-    results = {"FedAvg": [run(0.82, 0.80)],
+MATCHED = {"FFGG (input)": "FedAvg + FT (input)", "FFGG (adapter)": "FedAvg + FT (adapter)"}
+
+
+def test_versus_baselines_checks_the_claims_against_fedavg_and_the_matched_rows():
+    results = {"FedAvg": [run(0.80, 0.80)],
+               "FedAvg + FT (input)": [run(0.82, 0.80)],
+               "FedAvg + FT (adapter)": [run(0.83, 0.80)],
                "FFGG (input)": [run(0.81, 0.0)],
-               "FFGG (adapter)": [run(0.835, 0.0)]}
-    lines = versus_fedavg(results, "head", claim_margin=0.01)
+               "FFGG (adapter)": [run(0.845, 0.0)]}
+    lines = versus_baselines(results, MATCHED, claim_margin=0.01)
     text = "\n".join(lines)
-    assert "FedAvg (no fine-tuning): 80.00%; FedAvg + fine-tuned head: 82.00%" in text
-    assert "FFGG (input): 81.00% (+1.00 points vs FedAvg, -1.00 vs FedAvg + FT)" in text
-    # every split > 80 but not every split > 82
-    assert "every FFGG split above FedAvg: holds here vs FedAvg, does NOT hold vs FedAvg + FT" \
-        in text
+    assert "FedAvg (no fine-tuning): 80.00%." in text
+    assert ("FFGG (input): 81.00% (+1.00 points vs FedAvg; -1.00 vs FedAvg + FT (input), "
+            "82.00%: joint training vs fine-tuning the same part)") in text
+    # point estimates: every split > 80, but FFGG (input) is below its matched baseline
+    assert "every FFGG split above FedAvg: holds; above its matched baseline" in text
+    assert "(the same part fine-tuned after FedAvg): does NOT hold (point estimates)" in text
     assert "FFGG (adapter) > FFGG (input)" in text
-    # best is 83.5: +3.5 over FedAvg (≥ 1 holds), +1.5 over FedAvg + FT (holds)
-    assert lines[-1].endswith("holds here vs FedAvg, holds vs FedAvg + FT.")
-    assert not any("≥" in line for line in versus_fedavg(results, "head"))
+    # best 84.5: +4.5 over FedAvg (≥ 1 holds), +1.5 over its matched 83.0 (holds)
+    assert lines[-1].endswith("by ≥ 1 point(s): holds; its matched baseline by ≥ 1: holds "
+                              "(point estimates).")
+    assert not any("≥" in line for line in versus_baselines(results, MATCHED))
+
+
+def test_claims_hold_only_where_the_paired_interval_excludes_the_threshold():
+    import numpy as np
+
+    ids = [f"c{i}" for i in range(30)]
+    tot = np.full((1, 30), 20.0)
+
+    def c(k, noise=0.0):
+        rng = np.random.default_rng(int(k * 10))
+        return (np.clip(np.full((1, 30), k) + noise * rng.integers(-3, 4, (1, 30)), 0, 20),
+                tot, ids)
+
+    counts = {"FedAvg": c(10), "FedAvg + FT (input)": c(12), "FedAvg + FT (adapter)": c(12),
+              "FFGG (input)": c(16), "FFGG (adapter)": c(12, noise=1.0)}
+    results = {k: [{"test_acc": float(v[0].sum() / v[1].sum())}] for k, v in counts.items()}
+    text = "\n".join(versus_baselines(results, MATCHED, claim_margin=0.05, counts=counts))
+    # both splits clearly above FedAvg; FFGG (adapter) vs its matched row: noise around 0
+    assert "every FFGG split above FedAvg: holds; above its matched baseline" in text
+    assert ("not shown at this size (the interval of FFGG (adapter) reaches 0) (paired 95% "
+            "intervals)") in text
+    # best = FFGG (input), +30 points over FedAvg (≥ 5: holds), +20 over its matched (holds)
+    assert "beats FedAvg by ≥ 5 point(s): holds; its matched baseline by ≥ 5: holds" in text
 
 
 def test_markdown_table_and_docstring_bullets():
@@ -61,58 +91,98 @@ def _table_results(labels):
             for i, lab in enumerate(labels)}
 
 
+def _run(results, size, info, quick):
+    from partialfl.reproductions.tables import TableRun
+
+    return TableRun(size, results, {}, 60.0, quick, info)
+
+
 def test_femnist_summary_describes_its_own_run_and_stands_alone():
     from _summaries import check_standalone_summary
 
-    from partialfl.experiments import femnist
+    from partialfl.reproductions import femnist
 
-    res = _table_results([lab for lab, _ in femnist.METHODS])
+    res = _table_results([lab for lab, _ in femnist.FEMNIST.rows])
     info = {"train_writers": list("abcdefghijkl"), "new_writers": ["m", "n"]}
-    quick = femnist._summary(res, femnist.QUICK, info, 60.0, True)
+    quick = femnist.FEMNIST.summary(_run(res, femnist.QUICK, info, True))
     check_standalone_summary(quick, quick=True)
     assert "300 rounds" not in quick and "10 of the 84 writers" not in quick
     assert "stage 1 6 rounds, stage 2 3 rounds on 12 training writers" in quick
-    full = femnist._summary(res, femnist.FULL, info, 60.0, False)
+    full = femnist.FEMNIST.summary(_run(res, femnist.FULL, info, False))
     check_standalone_summary(full, quick=False)
-    assert "stage 1 300 rounds" in full and "Paper's claim: every FFGG split" in full
+    assert "stage 1 300 rounds" in full and "Paper's claim, every FFGG split" in full
 
 
 def test_shakespeare_summary_describes_its_own_run_and_stands_alone():
-    from types import SimpleNamespace
-
     from _summaries import check_standalone_summary
 
-    from partialfl.experiments import shakespeare
+    from partialfl.reproductions import shakespeare
 
-    res = _table_results([lab for lab, _ in shakespeare.METHODS])
-    tf = SimpleNamespace(stats={"clients": 8, "train_sequences": 700, "test_sequences": 90,
-                                "vocab_words": 300, "test_coverage": 0.8, "seq_len": 20})
-    quick = shakespeare._summary(res, shakespeare.QUICK, tf, 60.0, True)
+    res = _table_results([lab for lab, _ in shakespeare.SHAKESPEARE.rows])
+    info = {"stats": {"clients": 8, "train_sequences": 700, "test_sequences": 90,
+                      "vocab_words": 300, "test_coverage": 0.8, "seq_len": 20}}
+    table = shakespeare.SHAKESPEARE
+    quick = table.summary(_run(res, shakespeare.QUICK, info, True))
     check_standalone_summary(quick, quick=True)
     assert "200 pre-training rounds" not in quick and "3 pre-training rounds" in quick
-    full = shakespeare._summary(res, shakespeare.FULL, tf, 60.0, False)
+    full = table.summary(_run(res, shakespeare.FULL, info, False))
     check_standalone_summary(full, quick=False)
     assert "200 pre-training rounds" in full
 
 
 def test_plain_markdown_turns_sphinx_roles_into_code():
-    from partialfl.experiments.report import plain_markdown
+    from partialfl.pipeline.report import plain_markdown
 
     assert plain_markdown("see :mod:`partialfl.split` and :data:`~a.b.FULL`, :func:`f`") == \
         "see `partialfl.split` and `FULL`, `f`"
 
 
-def test_versus_fedavg_without_verdict_reports_numbers_only():
-    res = {"FedAvg": [run(0.8, 0.7)], "FFGG (output)": [run(0.6, 0.6)]}
-    lines = versus_fedavg(res, "head", claim_margin=0.01, verdict=False)
+def test_versus_baselines_without_verdict_reports_numbers_only():
+    res = {"FedAvg": [run(0.8, 0.8)], "FFGG (input)": [run(0.6, 0.6)],
+           "FedAvg + FT (input)": [run(0.7, 0.8)]}
+    lines = versus_baselines(res, {"FFGG (input)": "FedAvg + FT (input)"}, claim_margin=0.01,
+                             verdict=False)
     text = "\n".join(lines)
-    assert "FFGG (output): 60.00%" in text
+    assert "FFGG (input): 60.00%" in text and "-10.00 vs FedAvg + FT (input)" in text
     assert "holds" not in text and "not judged" in text and "too small" in text
+
+
+def test_matched_section_compares_each_row_with_its_own_baseline():
+    import numpy as np
+
+    from partialfl.pipeline.report import matched_section
+
+    ids = [f"c{i}" for i in range(40)]
+    tot = np.full((2, 40), 20.0)
+    base = np.full((2, 40), 14.0)
+    counts = {"FedAvg + FT (input)": (base, tot, ids), "FedAvg + FT (output)": (base + 3, tot,
+                                                                                ids),
+              "FFGG (input)": (base + 3, tot, ids), "FFGG (output)": (base + 3, tot, ids),
+              "FFGG (adapter)": (base, tot, ids)}
+    matched = {"FFGG (input)": "FedAvg + FT (input)", "FFGG (output)": "FedAvg + FT (output)",
+               "FFGG (adapter)": "FedAvg + FT (adapter)"}
+    lines = matched_section(counts, matched, unit="images", clients="writers")
+    text = "\n".join(lines)
+    row = {ln.split(" | ")[0][2:]: ln for ln in text.splitlines() if ln.startswith("| FFGG")}
+    # +3 of 20 on every client and seed against its own baseline: better; against the same
+    # counts: no difference (compared with one common baseline both would be "better")
+    assert "| FedAvg + FT (input) |" in row["FFGG (input)"]
+    assert "| better |" in row["FFGG (input)"]
+    assert "+15.00 [+15.00, +15.00]" in row["FFGG (input)"]
+    assert "no detectable difference" in row["FFGG (output)"]
+    assert ("- FFGG (input) vs FedAvg + FT (input) (joint training vs fine-tuning the same "
+            "part): +15.00 [+15.00, +15.00] points: better.") in text
+    assert "No per-client counts for FFGG (adapter)" in text  # its baseline is missing
+    quick = "\n".join(matched_section(counts, matched, unit="images", clients="writers",
+                                       verdict=False))
+    assert "better" not in quick and "no verdict at this size" in quick
+
+
 def test_counts_from_runs_and_paired_section():
     import numpy as np
     import pytest
 
-    from partialfl.experiments.report import counts_from_runs, paired_section
+    from partialfl.pipeline.report import counts_from_runs, paired_section
 
     ids = [f"c{i}" for i in range(30)]
     rng = np.random.default_rng(0)
@@ -151,7 +221,7 @@ def test_error_ratio_section_states_intervals_and_verdicts_over_seeds():
     run no verdict."""
     import numpy as np
 
-    from partialfl.experiments.report import error_ratio_section
+    from partialfl.pipeline.report import error_ratio_section
 
     ref = np.array([1e-6, 1e-4, 1e-8])
     pairs = {"lower": (ref * np.array([1e-3, 2e-3, 5e-4]), ref),

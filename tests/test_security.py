@@ -15,16 +15,14 @@ from conftest import SMALL
 
 from partialfl import io as pio
 from partialfl.algorithms import FFGG
+from partialfl.build import Task
 from partialfl.cli import main
 from partialfl.data import DataFormatError
 from partialfl.data.femnist import FEMNIST_NPZ
-from partialfl.experiments.pipeline import (
-    Task,
-    run_pipeline,
-)
 from partialfl.local import GradientDescent
 from partialfl.local.sgd import SGDConfig
 from partialfl.metrics import closed_form_metrics
+from partialfl.pipeline.stages import run_pipeline
 from partialfl.problems.least_squares import LeastSquaresProblem, LeastSquaresSpec
 from partialfl.runtime import run_rounds
 from partialfl.runtime.sync import ResumeError
@@ -194,7 +192,7 @@ def test_a_planted_stage_file_is_refused(tmp_path):
 
 def test_rejected_rerun_keeps_data_json(tmp_path):
     from partialfl.config import ConfigError
-    from partialfl.experiments import femnist
+    from partialfl.reproductions import femnist
 
     data = tmp_path / "data"
     data.mkdir()
@@ -301,7 +299,7 @@ def test_cli_diverged_run_warns_and_exits_non_zero(tmp_path, capsys):
 def test_divergence_is_never_silent(tmp_path):
     from dataclasses import replace
 
-    from partialfl.experiments.pipeline import pretrain
+    from partialfl.pipeline.stages import pretrain
     from partialfl.spec import ServerConfig
 
     cfg = _tiny_cfg("ffgg")

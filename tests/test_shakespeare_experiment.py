@@ -11,15 +11,16 @@ import pytest
 
 from partialfl.data.paths import default_data_dir
 from partialfl.data.shakespeare import FILE_NAME
-from partialfl.experiments.shakespeare import (
+from partialfl.registry import entry
+from partialfl.reproductions.shakespeare import (
     FULL,
     METHODS,
     PAPER,
     QUICK,
+    SHAKESPEARE,
     reproduce_table,
     stage_configs,
 )
-from partialfl.registry import entry
 from partialfl.runtime import read_jsonl
 
 pytestmark = pytest.mark.data
@@ -41,16 +42,17 @@ def _block_params(d: int, ff: int) -> int:
 
 def _check_outputs(out, size):
     summary = (out / "summary.md").read_text()
-    for label, _ in METHODS:
-        assert f"| {label}" in summary
+    for label, _ in SHAKESPEARE.rows:
+        assert f"| {label} |" in summary
     assert "Deviations from the paper" in summary
     from _summaries import check_standalone_summary
 
     check_standalone_summary(summary, quick=size not in (FULL, PAPER))
     assert "paired difference vs FedAvg" in summary and "MDE" in summary
+    assert "FedAvg + FT (adapter) (joint training vs fine-tuning the same part)" in summary
     res = json.loads((out / "results.json").read_text())["results"]
-    assert set(res) == {label for label, _ in METHODS}
-    for label, method in METHODS:
+    assert set(res) == {label for label, _ in SHAKESPEARE.rows}
+    for label, method in SHAKESPEARE.rows:
         assert len(res[label]) == len(size.seeds)
         for m in res[label]:
             for k in ("test_acc", "test_acc_before_ft", "train_acc", "test_acc_p10",
@@ -66,10 +68,14 @@ def _check_outputs(out, size):
             # personal parameters of each split, from the transformer's sizes
             pc = m["split_counts"]["personal_params"]
             d, ff, a, L = size.d_model, size.d_ff, size.adapter_dim, size.num_layers
-            expect = {"none": _block_params(d, ff),   # FedAvg + FT: its last block
-                      "input": _block_params(d, ff), "output": _block_params(d, ff),
-                      "adapter": L * 2 * (d * a + a + a * d + d)}[method.split_kind]
+            part = (method.finetune_split.name if method.finetune_split is not None
+                    else method.split_kind)  # FedAvg + FT (part): the part it fine-tunes
+            expect = {"none": 0, "input": _block_params(d, ff), "output": _block_params(d, ff),
+                      "adapter": L * 2 * (d * a + a + a * d + d)}[part]
             assert pc == expect
+        if method.finetune_split is not None:  # FedAvg's stage 2, shared
+            assert m["stage2_from"] == "FedAvg"
+            continue
         for seed in size.seeds:
             curve = read_jsonl(out / f"seed{seed}" / method.name / "stage2.jsonl")
             rounds = [r["round"] for r in curve if "test_acc" in r]
@@ -104,14 +110,15 @@ def test_worker_processes_give_the_same_table(tmp_path):
     reproduce_table(tmp_path / "two", size=replace(size, workers=2), progress=False)
     one, two = (json.loads((tmp_path / d / "results.json").read_text())["results"]
                 for d in ("one", "two"))
-    for label, _ in METHODS:
+    for label, _ in SHAKESPEARE.rows:
         assert [m["test_acc"] for m in one[label]] == [m["test_acc"] for m in two[label]]
         assert [m["train_acc"] for m in one[label]] == [m["train_acc"] for m in two[label]]
 
 
 def test_registered_and_settings():
     assert entry("reproduction", "shakespeare-table").build is reproduce_table
-    pre, pers, ft = stage_configs(FULL)
+    pre, stage2, ft = stage_configs(FULL)
+    pers = stage2(METHODS[1][1])
     for st in (pre, pers):
         assert st.server.optimizer.name == "adam" and st.server.schedule.name == "warmup-linear"
         assert st.server.schedule.options.warmup == round(0.1 * st.rounds)

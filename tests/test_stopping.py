@@ -12,14 +12,13 @@ import pytest
 import torch
 from _nn_toy import max_diff, one_thread, toy_data, toy_model
 
+from partialfl.build import Task
 from partialfl.config import ConfigError
 from partialfl.data.federated import FederatedDataset
 from partialfl.data.validation import carve_validation, validation_sizes
-from partialfl.experiments.pipeline import (
-    Task,
-    run_pipeline,
-)
-from partialfl.experiments.stopping import (
+from partialfl.local.sgd import SGDConfig
+from partialfl.pipeline.stages import run_pipeline
+from partialfl.pipeline.stopping import (
     FinetuneGrid,
     StopConfig,
     ValidationConfig,
@@ -27,7 +26,6 @@ from partialfl.experiments.stopping import (
     plateau_table,
     plateaued,
 )
-from partialfl.local.sgd import SGDConfig
 from partialfl.spec import FinetuneConfig, MethodConfig, RunSpec, StageConfig
 
 
@@ -114,11 +112,11 @@ def test_validation_split_is_carved_from_training_data_only():
         carve_validation(data, 1.5, 2, seed=0)
 
 
-def _plateau_cfg(algorithm="ffgg", split="output", rounds=30, **kw):
+def _plateau_cfg(algorithm="ffgg", split="output", rounds=30, finetune_split=None, **kw):
     stop = StopConfig(min_delta=0.02, window=2)
     stage = StageConfig(rounds=rounds, clients_per_round=3,
                         client=SGDConfig(lr=0.1, batch_size=4), eval_every=2, stop=stop)
-    method = MethodConfig(algorithm=algorithm, split=split)
+    method = MethodConfig(algorithm=algorithm, split=split, finetune_split=finetune_split)
     return RunSpec(method=method, pretrain=replace(stage, rounds=6, stop=None),
                           personalize=stage, finetune=FinetuneConfig(lr=0.1, epochs=2,
                                                                     batch_size=4),
@@ -140,11 +138,16 @@ def _curves(path):
             for line in path.open()]
 
 
-def test_no_choice_reads_a_test_example(tmp_path):
+@pytest.mark.parametrize("row", [("ffgg", "output", None), ("fedsim", "output", None),
+                                 ("fedavg", "none", "adapter")],
+                         ids=["ffgg", "fedsim", "fedavg-ft-adapter"])
+def test_no_choice_reads_a_test_example(tmp_path, row):
     """Garbage test inputs and random test labels change the test accuracy but none of the
-    choices: stopping rounds, validation curves, stage-3 setting, θ."""
+    choices: stopping rounds, validation curves, stage-3 setting, θ — for a jointly
+    personalized row, a stateful one and a matched baseline (FedAvg, then fine-tuning of
+    zero-initialised adapters: its stage-3 choice too)."""
     data = toy_data(8)
-    cfg = _plateau_cfg()
+    cfg = _plateau_cfg(*row[:2], finetune_split=row[2])
     a = run_pipeline(cfg, Task(data=data, model_fn=toy_model, name="toy"), tmp_path / "a",
                      progress=False)
     b = run_pipeline(cfg, Task(data=_garbage_test(data), model_fn=toy_model, name="toy"),
@@ -192,7 +195,7 @@ def test_plateau_run_resumes_at_the_same_stop(tmp_path):
 
 
 def test_validation_needs_an_in_memory_dataset():
-    from partialfl.experiments.pipeline import validation_tasks
+    from partialfl.pipeline.stages import validation_tasks
 
     with pytest.raises(ConfigError, match="FederatedDataset, got object"):
         validation_tasks(_plateau_cfg(), Task(data=object(), model_fn=toy_model))
@@ -233,8 +236,8 @@ def test_shakespeare_tiny_table_under_the_rule(tmp_path):
     reports where each method stopped (tiny size; needs the shared corpus)."""
     from partialfl.data.paths import default_data_dir
     from partialfl.data.shakespeare import FILE_NAME
-    from partialfl.experiments import shakespeare as sh
-    from partialfl.experiments.stopping import plateau_settings
+    from partialfl.pipeline.stopping import plateau_settings
+    from partialfl.reproductions import shakespeare as sh
 
     d = default_data_dir()
     if d is None or not (d / FILE_NAME).exists():
@@ -246,10 +249,12 @@ def test_shakespeare_tiny_table_under_the_rule(tmp_path):
                                             grid=FinetuneGrid(epochs=(0, 1), lr=(0.1,))))
     path = sh.reproduce_table(tmp_path, size=size, progress=False)
     res = json.loads((tmp_path / "results.json").read_text())["results"]
-    for label, _ in sh.METHODS:
+    for label, _ in sh.SHAKESPEARE.rows:
         (m,) = res[label]
         assert m["stage2_rounds"] == 1 and m["stage2_stopped"] and m["stage2_cap"] == 4
-        assert m["finetune_choice"]["epochs"] in (0, 1) or label == "FedAvg"
+        # stage 3 chosen on validation for every row with a personal part (plain FedAvg: none)
+        assert (m["finetune_choice"]["epochs"] in (0, 1)) if label != "FedAvg" else \
+            "finetune_choice" not in m
     text = path.read_text()
     assert "Stage budgets (plateau rule" in text and "1 (plateau)" in text
     assert (tmp_path / "budget_curves.png").stat().st_size > 10_000
@@ -258,7 +263,7 @@ def test_shakespeare_tiny_table_under_the_rule(tmp_path):
 @pytest.mark.slow
 @pytest.mark.data
 def test_femnist_quick_table_under_the_rule(tmp_path, data_dir):
-    from partialfl.experiments.femnist import reproduce_table
+    from partialfl.reproductions.femnist import reproduce_table
 
     path = reproduce_table(tmp_path, quick=True, data_dir=data_dir, progress=False,
                            plateau=True)
@@ -274,18 +279,19 @@ def test_tables_at_convergence_rule_every_stage_under_caps_beyond_the_fixed_budg
     """``--plateau`` (no explicit size) runs the FEMNIST and tiny-Shakespeare tables with the
     rule on stage 1 too and caps beyond the fixed budgets, evaluated often enough for the
     rule's window to fit well inside each cap."""
-    from partialfl.experiments import femnist as fm
-    from partialfl.experiments import shakespeare as sh
+    from partialfl.reproductions import femnist as fm
+    from partialfl.reproductions import shakespeare as sh
 
-    for mod, cfgs in ((fm, fm.stage_configs(fm.PLATEAU)), (sh, sh.stage_configs(sh.PLATEAU))):
-        pre, pers = cfgs[0], (cfgs[1](MethodConfig()) if callable(cfgs[1]) else cfgs[1])
+    for mod, cfgs in ((fm, fm.FEMNIST.stage_configs(fm.PLATEAU)),
+                      (sh, sh.stage_configs(sh.PLATEAU))):
+        pre, pers = cfgs[0], cfgs[1](MethodConfig())
         assert pre.stop is not None and pers.stop is not None, mod.__name__
         assert pre.rounds > mod.FULL.pretrain_rounds and pers.rounds > mod.FULL.rounds
         for st in (pre, pers):
             assert st.stop.window * st.eval_every <= st.rounds // 4, (mod.__name__, st)
             assert st.rounds % st.eval_every == 0  # the cap round is evaluated
     # the fixed tables keep stage 1 fixed
-    assert fm.stage_configs(fm.FULL)[0].stop is None
+    assert fm.FEMNIST.stage_configs(fm.FULL)[0].stop is None
     assert sh.stage_configs(sh.FULL)[0].stop is None
 
 
@@ -293,11 +299,12 @@ def test_summaries_of_the_tables_at_convergence_state_the_rule_not_fixed_budgets
     """A ``--plateau`` table is full size (verdicts given, no "quick run" note) and its
     summary states caps, stopping rounds and the validation-chosen stage 3 instead of the
     fixed tables' round counts and 5 epochs."""
-    from partialfl.experiments import femnist as fm
-    from partialfl.experiments import shakespeare as sh
+    from partialfl.reproductions import femnist as fm
+    from partialfl.reproductions import shakespeare as sh
 
-    assert fm._full_size(fm.PLATEAU) and fm._full_size(replace(fm.PLATEAU, seeds=(0,)))
-    assert sh._full_size(sh.PLATEAU) and not fm._full_size(replace(fm.PLATEAU, rounds=7))
+    assert fm.FEMNIST.is_full(fm.PLATEAU) and fm.FEMNIST.is_full(replace(fm.PLATEAU, seeds=(0,)))
+    assert sh.SHAKESPEARE.is_full(sh.PLATEAU)
+    assert not fm.FEMNIST.is_full(replace(fm.PLATEAU, rounds=7))
     res = {"FedAvg": [{"stage1_rounds": 450}], "FFGG (input)": [{"stage1_rounds": 450}]}
     (stages,) = fm._stages(fm.PLATEAU, res)
     assert "cap 600, stopped at round 450" in stages and "cap 1000" in stages

@@ -25,8 +25,8 @@ from partialfl.data.store import (
     open_store,
     write_store,
 )
-from partialfl.evaluation import round_evaluator
 from partialfl.local.sgd import SGDConfig
+from partialfl.pipeline.evaluation import round_evaluator
 from partialfl.problems.least_squares import LeastSquaresProblem
 from partialfl.problems.model import ModelProblem
 from partialfl.runtime import BatchedBackend, SequentialBackend, run_rounds

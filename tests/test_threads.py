@@ -13,7 +13,7 @@ from test_nn_algorithms import ALGOS, _problem
 
 from partialfl.algorithms import FFGG, FedAvg, Scaffold
 from partialfl.algorithms.base import RoundContext
-from partialfl.evaluation import round_evaluator
+from partialfl.pipeline.evaluation import round_evaluator
 from partialfl.local import GradientDescent
 from partialfl.local.gd import GDConfig
 from partialfl.problems.least_squares import LeastSquaresProblem

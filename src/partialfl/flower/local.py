@@ -32,8 +32,8 @@ from partialfl.flower.config import partition_clients
 
 def node_view(run) -> Any:
     """The training clients of a built model run as the stages see them (the validation
-    view when the spec carves one: :func:`partialfl.experiments.pipeline.validation_tasks`)."""
-    from partialfl.experiments.pipeline import validation_tasks
+    view when the spec carves one: :func:`partialfl.pipeline.stages.validation_tasks`)."""
+    from partialfl.pipeline.stages import validation_tasks
 
     task, _ = validation_tasks(run.spec.effective(), run.task)
     return task.data

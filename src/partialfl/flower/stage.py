@@ -8,8 +8,8 @@ in-process run, through :mod:`partialfl.build` (no name is looked at here).
   for the number of clients the SuperNodes declared; on a SuperNode: the data (the spec's
   ``[data]``, or the node's own client store), the task, and the stage's problem and
   algorithm exactly as the pipeline builds them
-  (:func:`~partialfl.experiments.pipeline.stage1_setup` /
-  :func:`~partialfl.experiments.pipeline.stage2_setup`, θ⁰ included).
+  (:func:`~partialfl.pipeline.stages.stage1_setup` /
+  :func:`~partialfl.pipeline.stages.stage2_setup`, θ⁰ included).
 """
 
 from __future__ import annotations
@@ -61,7 +61,7 @@ def node_parts(cfg: FlowerConfig, data=None) -> tuple[Any, Any, Any]:
         problem = built.problem
         return problem, built.algorithm, problem.init_theta(prng.generator(cfg.seed, "init"))
     from partialfl.build import build_data, model_task
-    from partialfl.experiments.pipeline import stage1_setup, stage2_setup, validation_tasks
+    from partialfl.pipeline.stages import stage1_setup, stage2_setup, validation_tasks
 
     if data is None:
         data, _ = _core(build_data, run)

@@ -12,7 +12,7 @@ ServerApp and every SuperNode build the stage from the spec exactly as the in-pr
   stage 1's θ through ``init-from``) on Flower; their θ are written where the pipeline keeps
   them (``stage1/theta.safetensors``, ``theta_stage2.safetensors``, with the per-round
   records ``stage1/stage1.jsonl`` and ``stage2.jsonl``), and then the in-process pipeline
-  (:func:`partialfl.experiments.train.run_built`) finds both stages done and runs stage 3 —
+  (:func:`partialfl.pipeline.train.run_built`) finds both stages done and runs stage 3 —
   the clients' fine-tuning and evaluation, here where the data is — and writes the same run
   folder as an in-process run (``metrics.json``, ``new_clients.json``, ``report.md``, plots).
   The ServerApp's own files are in ``stage1/flower/`` and ``flower/``.
@@ -130,8 +130,8 @@ def run_flower_train(spec, out: str | Path, *, engine: str = "flower-sim",
     :class:`~partialfl.flower.deployment.LocalFederation` to run on (instead of ``engine``'s);
     ``flower``: more of Flower's own run-config keys (e.g. ``{"secagg": True}``)."""
     from partialfl.build import build
-    from partialfl.experiments.pipeline import THETA1, THETA2
-    from partialfl.experiments.train import format_plan, run_built
+    from partialfl.pipeline.files import THETA1, THETA2
+    from partialfl.pipeline.train import format_plan, run_built
 
     if federation is None:
         _check_engine(engine, superlink, root_certificates)
@@ -233,7 +233,7 @@ def run_flower_closed_form(spec, out: str | Path, *, engine: str = "flower-sim",
     rounds, ``loss_gap`` = the SuperNodes' mean), ``<name>.png``, ``summary.md``; returns
     ``(records, summary path, the ServerApp's report)``."""
     from partialfl.build import build
-    from partialfl.experiments.closed_form import write_report
+    from partialfl.pipeline.closed_form import write_report
 
     if federation is None:
         _check_engine(engine, superlink, root_certificates)

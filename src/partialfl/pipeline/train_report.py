@@ -15,7 +15,7 @@ from pathlib import Path
 from typing import Any
 
 from partialfl import io as pio
-from partialfl.experiments.report import markdown_table, plot_curves
+from partialfl.pipeline.report import markdown_table, plot_curves
 
 
 def _hist(path: Path) -> list[dict[str, Any]]:

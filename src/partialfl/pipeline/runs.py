@@ -1,24 +1,25 @@
 """``partialfl evaluate``: new-client evaluation of one finished run or of every run of a table.
 
 A *run folder* holds ``deploy.safetensors`` (the trained θ and the split's tensors) and
-``config.json``; a *table
-folder* (``runs/femnist-table``) holds one run folder per seed and method
-(``seed0/ffgg-output``, …). Each run's θ is evaluated on the clients held out of the
-table's training — FEMNIST writers (:func:`partialfl.experiments.femnist.evaluate_new_writers`)
-or HAR subjects (:func:`partialfl.experiments.har.evaluate_new_subjects`): every new client
-fine-tunes its w, then pooled accuracy and its distribution over clients are reported, as a
-table (per-client accuracies by client id) or as JSON.
+``config.json``; a *table folder* (``runs/femnist-table``) holds one run folder per seed and
+method (``seed0/ffgg-output``, …). Each run's θ is evaluated on the clients held out of its
+training by an *evaluator* ``(run_dir, data_dir, *, finetune_epochs, lr) -> dict`` that knows
+where those clients come from (a table's: :func:`partialfl.reproductions.tables.
+new_client_evaluator`): every new client fine-tunes its w, then pooled accuracy and its
+distribution over clients are reported, as a table (per-client accuracies by client id) or as
+JSON.
 """
 
 from __future__ import annotations
 
 import json
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 
-from partialfl.experiments.report import markdown_table
+from partialfl.pipeline.report import markdown_table
 
 #: the deployed-model file of a finished run, and its pickle-based name in older versions
 DEPLOY_NAMES = ("deploy.safetensors", "deploy.pt")
@@ -53,11 +54,13 @@ def find_runs(path: str | Path) -> list[Path]:
         + (f" (sub-folders here: {', '.join(subs[:12])})" if subs else ""))
 
 
-def evaluate_runs(path: str | Path, data_dir=None, *, finetune_epochs: int | None = None,
+def evaluate_runs(path: str | Path, evaluator: Callable[[Path], Callable[..., dict]],
+                  data_dir=None, *, finetune_epochs: int | None = None,
                   lr: float | None = None, progress: bool = False) -> dict[str, dict[str, Any]]:
     """``label -> evaluation`` for every run of :func:`find_runs` (label: the run folder
-    relative to ``path``, or its name for a single run); each evaluation is
-    :func:`~partialfl.experiments.femnist.evaluate_new_writers`'s dict with ``client_ids``."""
+    relative to ``path``, or its name for a single run); ``evaluator(run)`` gives the run's
+    new-client evaluation, whose dict (that of
+    :func:`~partialfl.pipeline.evaluation.evaluate_run`) carries ``client_ids``."""
     path = Path(path)
     runs = find_runs(path)
     it = runs
@@ -68,24 +71,8 @@ def evaluate_runs(path: str | Path, data_dir=None, *, finetune_epochs: int | Non
     out = {}
     for run in it:
         label = run.name if run == path else run.relative_to(path).as_posix()
-        out[label] = _evaluator(run)(run, data_dir, finetune_epochs=finetune_epochs, lr=lr)
+        out[label] = evaluator(run)(run, data_dir, finetune_epochs=finetune_epochs, lr=lr)
     return out
-
-
-def _evaluator(run: Path):
-    """The new-client evaluation of the table ``run`` belongs to, told by its ``data.json``:
-    FEMNIST (held-out writers) or HAR (held-out subjects)."""
-    from partialfl import io as pio
-
-    info = next((p / "data.json" for p in (run, *run.parents) if (p / "data.json").exists()),
-                None)
-    if info is not None and "new_subjects" in pio.read_json(info):
-        from partialfl.experiments.har import evaluate_new_subjects
-
-        return evaluate_new_subjects
-    from partialfl.experiments.femnist import evaluate_new_writers
-
-    return evaluate_new_writers
 
 
 def _pct(v: float) -> str:

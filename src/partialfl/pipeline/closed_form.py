@@ -13,8 +13,8 @@ from pathlib import Path
 from partialfl import io as pio
 from partialfl.build import Run, build
 from partialfl.config import ConfigError, from_dict, toml_text
-from partialfl.experiments.report import REL_DIST2, markdown_table, plot_curves
 from partialfl.metrics import closed_form_metrics
+from partialfl.pipeline.report import REL_DIST2, markdown_table, plot_curves
 from partialfl.runtime import JsonlLogger, run_rounds
 from partialfl.runtime.asynchronous import run_async
 from partialfl.spec import RunSpec

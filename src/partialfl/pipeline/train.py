@@ -4,10 +4,11 @@
 relative ``data.path`` is relative to the config file's folder);
 :func:`partialfl.build.build` loads the data, builds the model, split and algorithm (so a bad
 name, a missing data folder or an impossible split fails before anything is written);
-:func:`run_train` then runs the three-stage pipeline (:mod:`partialfl.experiments.pipeline`:
+:func:`run_train` then runs the three-stage pipeline (:mod:`partialfl.pipeline.stages`:
 checkpoints every ``checkpoint_every`` rounds, resumes when run again into the same folder),
-evaluates the held-out new clients and writes the report (:mod:`partialfl.experiments.
-train_report`). :func:`train` is the Python form for a user's own model and data.
+evaluates the held-out new clients and writes the report
+(:mod:`partialfl.pipeline.train_report`). :func:`train` is the Python form for a user's own
+model and data.
 
 Files in ``--out``: ``spec.json``, ``stage1/`` (pre-training: ``stage1.jsonl`` …),
 ``stage2.jsonl``, ``metrics.json`` (stage 3, per-client accuracies by client id),
@@ -21,9 +22,9 @@ from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
-from partialfl import io as pio
 from partialfl.build import Run, Task, build, build_loss_metric, build_split, load_spec_plugins
 from partialfl.config import ConfigError, apply_overrides, from_dict, load_toml
+from partialfl.pipeline.files import write_json
 from partialfl.spec import DataSpec, ModelSpec, RunSpec
 
 
@@ -73,24 +74,18 @@ def format_plan(plan: dict[str, Any]) -> str:
     return "\n".join(lines)
 
 
-def _write_json(path: Path, obj) -> None:
-    from partialfl.experiments.report import jsonable
-
-    pio.write_json(path, jsonable(obj), indent=1)
-
-
 def run_built(run: Run, out: str | Path, *, progress: bool | None = None,
               on_round: Callable[[str, int], None] | None = None) -> dict[str, Any]:
     """Run a built spec into ``out``; returns stage 3's metrics (plus ``new_clients``)."""
     from partialfl.devices import use_threads
-    from partialfl.evaluation import evaluate_new_clients
-    from partialfl.experiments.pipeline import run_pipeline
-    from partialfl.experiments.train_report import write_report
+    from partialfl.pipeline.evaluation import evaluate_new_clients
+    from partialfl.pipeline.stages import run_pipeline
+    from partialfl.pipeline.train_report import write_report
 
     spec, out = run.spec, Path(out)
     use_threads(spec.threads)
     out.mkdir(parents=True, exist_ok=True)
-    _write_json(out / "spec.json", spec.to_dict())
+    write_json(out / "spec.json", spec.to_dict())
     show = spec.logging.progress if progress is None else progress
     res = run_pipeline(spec.effective(), run.task, out, progress=show, on_round=on_round)
     metrics = dict(res.metrics)
@@ -105,7 +100,7 @@ def run_built(run: Run, out: str | Path, *, progress: bool | None = None,
         new = {**ev["test"].as_dict("test"), "test_acc_before_ft": ev["before"].accuracy,
                "per_client_test_acc": ev["test"].per_client,
                "client_ids": list(run.new_clients.client_ids)}
-        _write_json(out / "new_clients.json", new)
+        write_json(out / "new_clients.json", new)
         metrics["new_clients"] = new
     write_report(out, tensorboard=spec.logging.tensorboard)
     return metrics
@@ -126,7 +121,7 @@ def train(model_fn: Callable[[int], Any], data, out: str | Path, **spec: Any):
     "output"}``, ``personalize={"rounds": 20}``); returns the metrics. The Python form of
     ``partialfl train`` for a user's own model and data::
 
-        from partialfl.experiments.train import train
+        from partialfl.pipeline.train import train
         metrics = train(lambda seed: MyNet(), my_federated_dataset, "runs/mine",
                         method={"algorithm": "ffgg", "split": "output"})
     """

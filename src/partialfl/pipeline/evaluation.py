@@ -15,17 +15,23 @@ training data (θ fixed) and is evaluated on its test data.
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable, Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
+from pathlib import Path
 from typing import Any
 
 import numpy as np
 import torch
 from torch import nn
 
+from partialfl import io as pio
 from partialfl.algorithms.base import Algorithm, RoundContext, ServerState
+from partialfl.algorithms.ditto import personal_models
 from partialfl.local.sgd import SGDConfig, run_sgd
+from partialfl.pipeline.files import deployed_split, read_deploy
 from partialfl.problems.model import ModelProblem, accuracy, cross_entropy
+from partialfl.spec import RunSpec
 from partialfl.split import Split, make_split
 from partialfl.types import Params
 
@@ -176,3 +182,65 @@ def evaluate_new_clients(
     return {"test": evaluate_model(problem, th, w, "test"),
             "train": evaluate_model(problem, th, w, "train"), "before": before,
             "num_clients": problem.num_clients, "split": sp.kind}
+
+
+# ----------------------------------------------------------------------------- runs
+def evaluate_run(run_dir: str | Path, data, *, model_fn: Callable[[int], nn.Module],
+                 split_fn=None, finetune_epochs: int | None = None,
+                 lr: float | None = None, batch_size: int | None = None, seed: int | None = None,
+                 loss_fn=cross_entropy, metric=accuracy, vectorize: bool = False,
+                 device: str = "cpu") -> dict[str, Any]:
+    """Evaluate a finished run's θ on new clients (``data``, never seen in training): each
+    fine-tunes its w from the run's w_pre with the run's stage-3 settings (override with the
+    arguments), then :func:`evaluate_new_clients` metrics. The
+    architecture comes from ``model_fn`` (and ``split_fn``) of the run's task; its tensors
+    from ``deploy.safetensors`` (no code is loaded from the run folder)."""
+    run_dir = Path(run_dir)
+    read_deploy(run_dir)  # a clear error first if the run is unfinished or the file unsafe
+    cfg = RunSpec.from_dict(
+        {k: v for k, v in pio.read_json(run_dir / "config.json").items() if k != "task"})
+    split, theta, w_pre = deployed_split(run_dir, cfg, model_fn, split_fn)
+    ft = cfg.finetune
+    if cfg.method.entry.trait("split") == "full":
+        return _evaluate_new_full_personal(cfg, split, theta, data, finetune_epochs, lr,
+                                           batch_size, seed, loss_fn, metric, vectorize, device)
+    mfile = run_dir / "metrics.json"
+    choice = pio.read_json(mfile).get("finetune_choice") if mfile.exists() else None
+    if choice:  # stage 3's setting chosen on validation data
+        ft = replace(ft, epochs=choice["epochs"], lr=choice["lr"])
+    lr = ft.lr if lr is None else lr
+    if not (isinstance(lr, int | float) and math.isfinite(lr) and lr > 0):
+        raise ValueError(f"lr must be a positive finite number, got {lr!r}")
+    res = evaluate_new_clients(
+        theta, None, split, data,
+        ft.epochs if finetune_epochs is None else finetune_epochs,
+        lr=lr, batch_size=batch_size or ft.batch_size,
+        clip_norm=ft.clip_norm, w_init="pretrained", w_pretrained=w_pre,
+        seed=cfg.seed if seed is None else seed, loss_fn=loss_fn, metric=metric,
+        vectorize=vectorize, device=device, precision=cfg.precision)
+    return res
+
+
+def _evaluate_new_full_personal(cfg: RunSpec, split: Split, theta: Params, data, epochs,
+                                lr, batch_size, seed, loss_fn, metric, vectorize, device
+                                ) -> dict[str, Any]:
+    """New clients of Ditto / local-only (see the module docstring): v from the deployed θ."""
+    problem = ModelProblem(split, data, loss_fn=loss_fn, metric=metric, vectorize=vectorize,
+                           device=device, precision=cfg.precision)
+    theta = {n: v.to(problem.device) for n, v in theta.items()}
+    local = bool(cfg.method.entry.trait("fresh_model"))
+    if epochs is None:
+        epochs = (cfg.personalize.rounds * cfg.personalize.client.get("epochs", 1) if local
+                  else cfg.finetune.epochs)
+    sgd = SGDConfig(lr=lr or (cfg.personalize.client.get("lr") if local else cfg.finetune.lr),
+                    epochs=int(epochs), batch_size=batch_size or cfg.finetune.batch_size,
+                    clip_norm=cfg.finetune.clip_norm)
+    allc = np.arange(problem.num_clients)
+    stacked = {n: t.unsqueeze(0).repeat(len(allc), *([1] * t.dim())) for n, t in theta.items()}
+    v, _ = personal_models(problem, allc, stacked, theta, sgd,
+                           0.0 if local else cfg.method.option("lam", 0.0),
+                           cfg.seed if seed is None else seed, -1, stream="new-clients")
+    return {"test": evaluate_model(problem, v, {}, "test"),
+            "train": evaluate_model(problem, v, {}, "train"),
+            "before": evaluate_model(problem, theta, {}, "test"),
+            "num_clients": problem.num_clients, "split": "none"}

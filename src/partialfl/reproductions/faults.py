@@ -42,7 +42,7 @@ import numpy as np
 from partialfl import io as pio
 from partialfl.algorithms import FFGG
 from partialfl.build import make_solver
-from partialfl.experiments.report import error_ratio_section
+from partialfl.pipeline.report import error_ratio_section
 from partialfl.problems.least_squares import LeastSquaresProblem, LeastSquaresSpec
 from partialfl.registry import register
 from partialfl.runtime import run_rounds
@@ -424,7 +424,7 @@ def comparison(rows: list[dict], quick: bool) -> list[str]:
     """Each fault rate against the fault-free run of the same runtime, paired by seed (the
     problem, the faults and the schedule come from the seed): the final distance to θ* with
     the t interval over seeds and its verdict
-    (:func:`~partialfl.experiments.report.error_ratio_section`)."""
+    (:func:`~partialfl.pipeline.report.error_ratio_section`)."""
     names = {"sync": "synchronous", "async": "asynchronous (simulated)",
              "processes": "asynchronous (worker processes)"}
     pairs = {}

@@ -5,11 +5,13 @@ settings, and its comparison with a measured table.
 
 θ is a stage-1 checkpoint (``--theta runs/har-table/stage1/theta.safetensors``) or, without one, a
 FedAvg pre-training of ``--pretrain-rounds`` rounds with the table's stage-1 settings (written
-to ``OUT/stage1``). ``--table`` names measured accuracies: a table's ``results.json`` or a
-markdown file (``docs/results.md``) whose section heading contains ``--section``; the FFGG
-rows (``FFGG (input…)``, ``FFGG (output…)``, …) are matched to the advisor's groups by split
-kind, and the Spearman correlation between the advisor's drops and the measured accuracies
-is reported with whether its top pick is within the seed spread of the best measured split.
+to ``OUT/stage1``). ``--table`` names what was measured: a table's ``results.json`` (the
+FFGG rows' accuracies, their gains over their matched baselines FedAvg + FT (same part) and
+over FedAvg, per seed) or a markdown file (``docs/results.md``, accuracies) whose section
+heading contains ``--section``. The FFGG rows (``FFGG (input…)``, …) are matched to the
+advisor's groups by split kind; for each measured quantity the Spearman correlation
+(``scipy.stats.spearmanr``) with the advisor's drops is reported, with whether its top pick
+is within the seed spread of the best split.
 """
 
 from __future__ import annotations
@@ -24,10 +26,7 @@ from typing import Any
 import numpy as np
 
 from partialfl import io as pio
-from partialfl.advisor import Advice, advise, spearman
-from partialfl.experiments.pipeline import Task, pretrain
-
-TASKS = ("har", "femnist", "shakespeare", "shakespeare-complete")
+from partialfl.build import Task
 
 
 @dataclass
@@ -45,38 +44,30 @@ class AdvisorTask:
     groups: dict[str, list[str]] = field(default_factory=dict)
 
 
+def advised_tables() -> dict[str, tuple[Any, Any]]:
+    """``partialfl advise`` task name → (table, its size): each table's own names
+    (``Table.advise_sizes``)."""
+    from partialfl.reproductions.femnist import FEMNIST
+    from partialfl.reproductions.har import HAR
+    from partialfl.reproductions.shakespeare import SHAKESPEARE
+
+    return {name: (t, size) for t in (HAR, FEMNIST, SHAKESPEARE)
+            for name, size in t.advise_sizes().items()}
+
+
 def build_task(name: str, data_dir=None, pretrain_rounds: int | None = None) -> AdvisorTask:
-    """The table ``name``'s task at its FULL size (stage 1 shortened to ``pretrain_rounds``)."""
-    if name == "har":
-        from partialfl.experiments import har as t
-
-        size = t.FULL if pretrain_rounds is None else replace(t.FULL,
-                                                              pretrain_rounds=pretrain_rounds)
-        train, _, _ = t.load_data(data_dir, size.num_subjects, size.holdout)
-        cfg = t._pipeline_config(size, t.METHODS[1][1], 0)
-        return AdvisorTask(t.har_task(train), cfg, t.PERSONAL_LR, size.finetune_epochs, t.BATCH)
-    if name == "femnist":
-        from partialfl.experiments import femnist as t
-
-        size = t.FULL if pretrain_rounds is None else replace(t.FULL,
-                                                              pretrain_rounds=pretrain_rounds)
-        train, _, _ = t.load_data(data_dir, size.num_writers, size.holdout)
-        cfg = t._pipeline_config(size, t.METHODS[0][1], 0)
-        return AdvisorTask(t.femnist_task(train), cfg, t.PERSONAL_LR, size.finetune_epochs, 32)
-    if name in ("shakespeare", "shakespeare-complete"):
-        from partialfl.experiments import shakespeare as t
-
-        size = t.FULL if name == "shakespeare" else t.COMPLETE_CHAR
-        if pretrain_rounds is not None:
-            size = replace(size, pretrain_rounds=pretrain_rounds)
-        task, _ = t.shakespeare_task(size, data_dir)
-        cfg = t._pipeline_config(size, t.METHODS[0][1], 0)
-        blocks = {f"block {i}": [rf"^blocks\.{i}\."] for i in range(size.num_layers)}
-        groups = {**blocks, "embeddings": [r"^tok_emb\.", r"^pos_emb\."], "head": [r"^head\."],
-                  "final norm": [r"^ln_f\."]}
-        return AdvisorTask(task, cfg, size.finetune_lr, size.finetune_epochs, t.BATCH_SIZE,
-                           t.CLIP_NORM, layers=False, groups=groups)
-    raise ValueError(f"unknown task {name!r}; allowed: {', '.join(TASKS)}")
+    """The table ``name``'s task at its full size (stage 1 shortened to ``pretrain_rounds``),
+    with the table's stage-3 settings and its own candidate groups."""
+    tables = advised_tables()
+    if name not in tables:
+        raise ValueError(f"unknown task {name!r}; allowed: {', '.join(tables)}")
+    table, size = tables[name]
+    if pretrain_rounds is not None:
+        size = replace(size, pretrain_rounds=pretrain_rounds)
+    task = table.load(size, data_dir).task
+    ft = table.stage_configs(size)[2]
+    return AdvisorTask(task, table.config(size, table.rows[0][1], 0), ft.lr, ft.epochs,
+                       ft.batch_size, ft.clip_norm, *table.advisor_groups(size))
 
 
 # ----------------------------------------------------------------------------- measured tables
@@ -114,15 +105,52 @@ def measured_accuracies(path: str | Path, section: str | None = None
     return out
 
 
-def compare(advice: Advice, measured: dict[str, tuple[float, float]]) -> dict[str, Any]:
-    """Spearman correlation of the advisor's drops with the measured accuracies over the
-    split kinds both have, and whether its top pick (among those kinds) is within the seed
-    spread (measured std of the best split plus that of the pick) of the best split."""
+#: what the advisor's drops are compared with: the FFGG rows' accuracy, their gain over their
+#: matched baseline (FedAvg + FT of the same part: does joint training add anything?) and
+#: over plain FedAvg (does personalizing that part pay?)
+TARGETS = {"accuracy": "test accuracy %", "matched": "FFGG − FedAvg + FT (same part), points",
+           "plain": "FFGG − FedAvg, points"}
+
+
+def measured_gains(path: str | Path) -> dict[str, dict[str, tuple[float, float]]]:
+    """target (:data:`TARGETS`) → split kind → (mean, std over seeds) in points, from a
+    table's ``results.json``: FFGG (kind)'s accuracy, its per-seed gain over FedAvg + FT
+    (kind) and over FedAvg (paired by seed). A table without the matched rows gives the
+    accuracy only."""
+    res = json.loads(Path(path).read_text())["results"]
+    out: dict[str, dict[str, tuple[float, float]]] = {t: {} for t in TARGETS}
+
+    def acc(label):
+        runs = sorted(res.get(label) or [], key=lambda r: r.get("seed", 0))
+        return 100 * np.asarray([r["test_acc"] for r in runs], float)
+
+    for label in res:
+        m = re.fullmatch(r"FFGG \((\w+)\)", label)
+        a = acc(label)
+        if not m or not a.size:
+            continue
+        kind = m.group(1)
+        out["accuracy"][kind] = (float(a.mean()), float(a.std()))
+        for target, base in (("matched", f"FedAvg + FT ({kind})"), ("plain", "FedAvg")):
+            b = acc(base)
+            if b.size == a.size:
+                d = a - b
+                out[target][kind] = (float(d.mean()), float(d.std()))
+    return {t: v for t, v in out.items() if v}
+
+
+def compare(advice, measured: dict[str, tuple[float, float]]) -> dict[str, Any]:
+    """Spearman correlation (``scipy.stats.spearmanr``) of the advisor's drops with measured
+    values per split kind (accuracies or gains, ``kind -> (mean, std)``) over the kinds both
+    have, and whether its top pick (among those kinds) is within the seed spread (std of the
+    best kind plus that of the pick) of the best kind."""
     drops = {s.name: s.drop for s in advice.scores}
     kinds = [k for k in measured if k in drops]
     if len(kinds) < 2:
         return {"kinds": kinds, "spearman": float("nan"), "note": "fewer than 2 shared kinds"}
-    rho = spearman([drops[k] for k in kinds], [measured[k][0] for k in kinds])
+    from scipy.stats import spearmanr
+
+    rho = float(spearmanr([drops[k] for k in kinds], [measured[k][0] for k in kinds])[0])
     pick = max(kinds, key=lambda k: drops[k])
     best = max(kinds, key=lambda k: measured[k][0])
     gap = measured[best][0] - measured[pick][0]
@@ -150,13 +178,21 @@ def run_advisor(name: str, out_dir: str | Path, *, theta: str | Path | None = No
         if pretrain_rounds is None:
             raise ValueError("give --theta (a stage-1 theta.safetensors) or --pretrain-rounds N")
         tp = time.perf_counter()
+        from partialfl.pipeline.stages import pretrain
+
         th = pretrain(at.stage1, at.task, out_dir / "stage1", progress and "stage 1 (FedAvg)")
         pre_seconds = time.perf_counter() - tp
+    from partialfl.advisor import advise
+
     adv = advise(at.task.model_fn(0), at.task.data, th, clients=clients, epochs=at.epochs,
                  lr=at.lr, batch_size=at.batch_size, clip_norm=at.clip_norm, seed=seed,
                  loss_fn=at.task.loss_fn, metric=at.task.metric, split_fn=at.task.split_fn,
                  layers=at.layers, groups=at.groups)
-    cmp = compare(adv, measured_accuracies(table, section)) if table else None
+    cmp = None
+    if table is not None:
+        targets = (measured_gains(table) if Path(table).suffix == ".json"
+                   else {"accuracy": measured_accuracies(table, section)})
+        cmp = {t: compare(adv, m) for t, m in targets.items()}
     total = time.perf_counter() - t0
     lines = [f"# Split advisor on {name}", "",
              f"{len(adv.settings['clients'])} sampled clients, {at.epochs} fine-tuning epochs at "
@@ -165,19 +201,20 @@ def run_advisor(name: str, out_dir: str | Path, *, theta: str | Path | None = No
              adv.table(), "", f"**Recommendation:** {adv.recommendation}.", "",
              f"Cost: advisor {adv.seconds:.1f} s; pre-training {pre_seconds:.1f} s; total "
              f"{total:.1f} s."]
-    if cmp is not None:
-        lines += ["", "## Against the measured table", ""]
-        if "advisor_pick" in cmp:
-            lines += [
-                "| split | measured acc % | advisor drop |", "| --- | ---: | ---: |",
-                *(f"| {k} | {cmp['measured'][k][0]:.2f} ± {cmp['measured'][k][1]:.2f} | "
-                  f"{cmp['drops'][k]:+.4f} |" for k in cmp["kinds"]), "",
-                f"Spearman ρ = {cmp['spearman']:.2f} over {len(cmp['kinds'])} splits; advisor's "
-                f"pick {cmp['advisor_pick']}, measured best {cmp['measured_best']} "
-                f"({cmp['gap_points']:.2f} points apart, seed spread {cmp['spread_points']:.2f}:"
-                f" {'within' if cmp['pick_within_spread'] else 'NOT within'})."]
-        else:
-            lines.append(cmp["note"])
+    for target, c in (cmp or {}).items():
+        lines += ["", f"## Against the measured table: {TARGETS[target]}", ""]
+        if "advisor_pick" not in c:
+            lines.append(c["note"])
+            continue
+        sign = "" if target == "accuracy" else "+"
+        lines += [
+            f"| split | measured: {TARGETS[target]} | advisor drop |", "| --- | ---: | ---: |",
+            *(f"| {k} | {c['measured'][k][0]:{sign}.2f} ± {c['measured'][k][1]:.2f} | "
+              f"{c['drops'][k]:+.4f} |" for k in c["kinds"]), "",
+            f"Spearman ρ = {c['spearman']:.2f} over {len(c['kinds'])} splits; advisor's pick "
+            f"{c['advisor_pick']}, measured best {c['measured_best']} ({c['gap_points']:.2f} "
+            f"points apart, seed spread {c['spread_points']:.2f}: "
+            f"{'within' if c['pick_within_spread'] else 'NOT within'})."]
     text = "\n".join(lines) + "\n"
     path = out_dir / "advice.md"
     for p, body in ((path, text), (out_dir / "advice.json", json.dumps(
@@ -191,11 +228,14 @@ def add_parser(sub) -> None:
     """The ``advise`` subcommand (registered by :mod:`partialfl.cli`)."""
     s = sub.add_parser("advise", help="rank which parameters to personalize for a table's "
                        "task (split advisor)")
-    s.add_argument("task", choices=TASKS)
+    s.add_argument("task", help="the table whose task to advise on (har, femnist, shakespeare, "
+                   "shakespeare-complete)")
     s.add_argument("--theta", help="a stage-1 theta.safetensors (pre-trained parameters)")
     s.add_argument("--pretrain-rounds", type=int, help="without --theta: FedAvg rounds")
     s.add_argument("--clients", type=int, default=10, help="clients sampled (default 10)")
-    s.add_argument("--table", help="measured table: results.json or a markdown file")
+    s.add_argument("--table", help="measured table: a table's results.json (accuracies and "
+                   "the gains over the matched baseline and over FedAvg) or a markdown file "
+                   "(accuracies)")
     s.add_argument("--section", help="heading text of the table's section in --table")
     s.add_argument("--out", help="output folder (default runs/advise-TASK)")
     s.add_argument("--data-dir", type=Path)

@@ -38,7 +38,7 @@ from partialfl.algorithms.asynchronous import joint_sgd
 from partialfl.algorithms.byzantine import ByzantineConfig, ByzantineRobust
 from partialfl.algorithms.ffgg import FFGG
 from partialfl.build import make_aggregator, make_attack, make_solver
-from partialfl.experiments.report import error_ratio_section, markdown_table, quick_note
+from partialfl.pipeline.report import error_ratio_section, markdown_table, quick_note
 from partialfl.problems.overpersonalized import OverpersonalizedLeastSquares
 from partialfl.registry import register
 from partialfl.runtime import JsonlLogger, run_rounds
@@ -225,7 +225,7 @@ def comparison(rows, study: ByzantineStudy, quick: bool) -> list[str]:
     """Paired comparisons over seeds (the problem, the Byzantine ids and the attacks' noise
     come from the seed), each averaged over the attacks of the grid: BR-FFGG against the
     robust shared model with the same aggregator and bucketing, and BR-FFGG with bucketing
-    against BR-FFGG without (:func:`~partialfl.experiments.report.error_ratio_section`)."""
+    against BR-FFGG without (:func:`~partialfl.pipeline.report.error_ratio_section`)."""
     seeds = sorted({r["seed"] for r in rows})
     labels = [lab for lab, _, _ in study.attack_grid()]
     lines = ["## Paired comparisons over seeds (log10 final error, averaged over the "

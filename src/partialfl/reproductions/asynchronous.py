@@ -41,7 +41,7 @@ from partialfl.algorithms.asynchronous import FedAsync, FedBuff, joint_sgd
 from partialfl.algorithms.fedavg import LocalGD
 from partialfl.algorithms.ffgg import FFGG
 from partialfl.build import make_solver
-from partialfl.experiments.report import (
+from partialfl.pipeline.report import (
     REL_DIST2,
     STYLES,
     error_ratio_section,
@@ -336,7 +336,7 @@ def _first_time_below(history, thr) -> float:
 def comparison(results: list[dict], quick: bool) -> list[str]:
     """Every method's final relative error against async FFGG's, paired by seed (the
     problem, the device speeds and the schedule come from the seed), with the t interval
-    over seeds and its verdict (:func:`~partialfl.experiments.report.error_ratio_section`)."""
+    over seeds and its verdict (:func:`~partialfl.pipeline.report.error_ratio_section`)."""
     ref = "async FFGG"
 
     def finals(method: str) -> np.ndarray:

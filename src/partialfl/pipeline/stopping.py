@@ -66,9 +66,9 @@ def choose_finetune(val_problem, theta, w0, grid: FinetuneGrid, client, seed: in
                     ) -> tuple[dict[str, Any], Any]:
     """Run the grid on ``val_problem`` (its "test" split is the validation data); returns
     ``({"epochs", "lr", "val": [[epochs, lr, value], ...]}, w of the chosen setting)``.
-    ``client`` is the stage-3 :class:`~partialfl.experiments.pipeline.ClientConfig` whose
+    ``client`` is the stage-3 :class:`~partialfl.pipeline.ClientConfig` whose
     other fields (batch size, clipping) every setting keeps."""
-    from partialfl.evaluation import evaluate_model, finetune_personal
+    from partialfl.pipeline.evaluation import evaluate_model, finetune_personal
 
     best, table = None, []
     for epochs, lr in grid.settings():
@@ -95,7 +95,7 @@ def budget_plot(out_dir: Path, methods: Sequence[tuple[str, Any]], seeds: Sequen
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    from partialfl.experiments.report import STYLES
+    from partialfl.pipeline.report import STYLES
     from partialfl.runtime import read_jsonl
 
     out_dir = Path(out_dir)
@@ -145,6 +145,10 @@ def budget_plot(out_dir: Path, methods: Sequence[tuple[str, Any]], seeds: Sequen
     ax.set_ylabel(("validation" if key == "val_acc" else "test") + " accuracy (%)")
     ax.set_title("stage budgets (dotted: end of stage 1; filled marker: stopped by the "
                  "plateau rule, hollow: cap)", fontsize=9)
+    # the zoom shows where the curves end up: a fresh model's first points (local training
+    # only) would squash it, so its lower end is the 10th percentile of stage 2's points
+    low = float(np.percentile(ys2, 10))
+    ys2 = [y for y in ys2 if y >= low]
     pad = max(0.5, 0.15 * (max(ys2) - min(ys2)))
     az.set_xlim(r1 - 0.05 * (xmax - r1) - 1, xmax + 0.05 * (xmax - r1) + 1)
     az.set_ylim(min(ys2) - pad, max(ys2) + pad)
@@ -163,8 +167,9 @@ def budget_plot(out_dir: Path, methods: Sequence[tuple[str, Any]], seeds: Sequen
 def plateau_table(results: dict[str, Sequence[dict]], timings: dict[str, float]) -> str:
     """A markdown table of each (method, seed)'s budget: stage-2 rounds (and whether the
     plateau rule or the cap ended it), the stage-3 setting chosen on validation data, the
-    validation and test accuracy and the minutes stages 2 and 3 took when they ran."""
-    from partialfl.experiments.report import markdown_table
+    validation and test accuracy and the minutes stages 2 and 3 took when they ran (a row
+    that reused another row's stage 2, ``stage2_from``: its stage 3)."""
+    from partialfl.pipeline.report import markdown_table
 
     rows = []
     for label, ms in results.items():
@@ -177,6 +182,10 @@ def plateau_table(results: dict[str, Sequence[dict]], timings: dict[str, float])
             # this invocation's time for them is ~0
             t = (m["stage2_seconds"] + m.get("stage3_seconds", 0.0) if "stage2_seconds" in m
                  else timings.get(f"seed{m['seed']}/{label}", float("nan")))
+            shared = m.get("stage2_from")  # stage 2 of another row: this row's cost is stage 3
+            if shared:
+                how += f"; {shared}'s stage 2"
+                t = m.get("stage3_seconds", float("nan"))
             rows.append([label, m["seed"], f"{rounds} ({how})",
                          ("0 ep (no fine-tuning)" if c and not c["epochs"] else
                           f"{c['epochs']} ep, lr {c['lr']:g}" if c else "-"),

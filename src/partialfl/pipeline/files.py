@@ -1,0 +1,172 @@
+"""The pipeline's files: tensors (safetensors), plain JSON and the deployed model.
+
+Every file is written atomically and holds tensors or plain JSON, never a pickle
+(:mod:`partialfl.io`); a pickle-based file of an older version (``*.pt``) in the place of one
+of :data:`THETA1`, :data:`THETA2`, :data:`CLIENT_STATE`, :data:`DEPLOY` is refused with a
+message naming it, never loaded. ``deploy.safetensors`` (:func:`save_deploy`) holds every
+tensor of a run's split model, θ and w_pre, and the split's description, so that
+:func:`deployed_split` rebuilds the split from the task's own model factory (no code is loaded
+from a run folder).
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Mapping
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+import numpy as np
+
+from partialfl import io as pio
+from partialfl.build import Task
+from partialfl.config import ConfigError
+from partialfl.rng import torch_seed
+from partialfl.spec import RunSpec
+
+if TYPE_CHECKING:  # torch is imported where a tensor is touched: writing JSON stays cheap
+    import torch
+    from torch import nn
+
+    from partialfl.split import Split
+    from partialfl.types import Params
+
+
+def write_json(path: Path, obj) -> None:
+    """``obj`` as indented JSON at ``path`` (atomically; numpy arrays and scalars as lists
+    and numbers)."""
+    pio.write_json(path, obj, indent=1, default=json_default)
+
+
+def load_params(model: nn.Module, params: Mapping[str, torch.Tensor]) -> nn.Module:
+    """Copy ``params`` (name → tensor) into ``model``'s parameters of the same names; every
+    name must exist in the model with the same shape."""
+    import torch
+
+    own = dict(model.named_parameters())
+    bad = [n for n in params if n not in own]
+    if bad:
+        raise KeyError(f"the model has no parameters {bad[:5]}")
+    with torch.no_grad():
+        for n, v in params.items():
+            if own[n].shape != v.shape:
+                raise ValueError(f"parameter {n!r}: shape {tuple(v.shape)} does not fit "
+                                 f"{tuple(own[n].shape)}")
+            own[n].copy_(v)
+    return model
+
+
+def seeded_split(task: Task, model: nn.Module, kind: str, options, seed: int) -> Split:
+    """Build a split with the global torch RNG seeded from (seed, "split") (adapter init)."""
+    import torch
+
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(torch_seed(seed, "split"))
+        return task.make_split(model, kind, options)
+
+
+#: tensor files of the pipeline (safetensors) and the pickle-based names of older versions
+THETA1, THETA2, CLIENT_STATE, DEPLOY = ("theta.safetensors", "theta_stage2.safetensors",
+                                        "client_state_stage2.client-side.safetensors",
+                                        "deploy.safetensors")
+_LEGACY = {THETA1: "theta.pt", THETA2: "theta_stage2.pt",
+           CLIENT_STATE: "client_state_stage2.pt", DEPLOY: "deploy.pt"}
+
+
+def tensor_file(folder: Path, name: str) -> Path | None:
+    """``folder/name`` if it exists; None if not; a pickle-based file of an older version
+    (or a planted one) in its place is refused, never loaded."""
+    path = folder / name
+    if path.exists():
+        return path
+    legacy = folder / _LEGACY[name]
+    if legacy.exists():
+        raise pio.UnsafeFileError(
+            f"{legacy} is a pickle-based file (from an older partialfl or put there by "
+            f"someone else): pickle files can run arbitrary code when loaded, so it is not "
+            f"loaded; delete it and re-run the stage to write {name}")
+    return None
+
+
+def read_params(folder: Path, name: str) -> Params | None:
+    """The tensors of ``folder/name`` (one of the pipeline's tensor files), or None."""
+    path = tensor_file(folder, name)
+    return None if path is None else pio.load_tensors(path, name)[0]
+
+
+def json_default(o):
+    """``json.dumps``' ``default`` for numpy arrays and scalars."""
+    if isinstance(o, np.ndarray):
+        return o.tolist()
+    if isinstance(o, np.floating | np.integer):
+        return o.item()
+    raise TypeError(f"not JSON serialisable: {type(o).__name__}")
+
+
+def check_or_write_json(path: Path, cfg_dict: dict, what: str) -> None:
+    """Write ``cfg_dict`` to ``path`` (atomically), or, if the file exists, refuse
+    (:class:`ConfigError`) unless it holds the same: a rejected re-run never overwrites it."""
+    if path.exists():
+        old = pio.read_json(path)
+        if old != json.loads(json.dumps(cfg_dict, default=json_default)):
+            raise ConfigError(f"{path.parent} already holds a {what} with a different "
+                              "configuration; use a new folder (or delete it) to start over")
+    else:
+        write_json(path, cfg_dict)
+
+
+
+def save_deploy(run_dir: Path, split: Split, theta: Params, w_pretrained: Params | None,
+                built_as: str | None = None, split_options: Mapping[str, Any] | None = None
+                ) -> None:
+    """``deploy.safetensors``: every tensor of the split model (``model/…``), θ
+    (``theta/…``), w_pre (``w_pretrained/…``) and the split's description as JSON."""
+    tensors = {f"model/{n}": v for n, v in split.model.state_dict().items()}
+    tensors.update({f"theta/{n}": v for n, v in theta.items()})
+    tensors.update({f"w_pretrained/{n}": v for n, v in (w_pretrained or {}).items()})
+    pio.save_tensors(Path(run_dir) / DEPLOY, tensors, {
+        "kind": split.kind, "global_names": list(split.global_names),
+        "personal_names": list(split.personal_names),
+        "built_as": built_as or split.kind, "split_options": dict(split_options or {})})
+
+
+def read_deploy(run_dir: str | Path) -> tuple[dict[str, dict[str, torch.Tensor]], dict]:
+    """The tensors of ``deploy.safetensors`` grouped by prefix (model, theta, w_pretrained)
+    and its metadata; a missing, pickle-based or corrupt file gives a named error."""
+    run_dir = Path(run_dir)
+    path = tensor_file(run_dir, DEPLOY)
+    if path is None:
+        raise FileNotFoundError(f"{run_dir / DEPLOY} not found: run the pipeline to the end "
+                                "first")
+    tensors, meta = pio.load_tensors(path, "deployed model")
+    groups: dict[str, dict[str, torch.Tensor]] = {"model": {}, "theta": {}, "w_pretrained": {}}
+    for key, v in tensors.items():
+        group, _, name = key.partition("/")
+        if group not in groups:
+            raise pio.FileFormatError(f"{path}: unexpected tensor {key!r}")
+        groups[group][name] = v
+    return groups, meta
+
+
+def deployed_split(run_dir: Path, cfg: RunSpec, model_fn, split_fn) -> tuple:
+    """``(split, θ, w_pre or None)`` of a finished run: the split rebuilt from ``model_fn`` /
+    ``split_fn`` as the run built it, its tensors loaded from ``deploy.safetensors``."""
+    groups, meta = read_deploy(run_dir)
+    task = Task(data=None, model_fn=model_fn, split_fn=split_fn)
+    model = task.model_fn(cfg.stage1_seed)
+    split = seeded_split(task, model, meta.get("built_as", meta["kind"]),
+                          meta.get("split_options", {}), cfg.seed)
+    if (list(split.global_names), list(split.personal_names)) != (meta["global_names"],
+                                                                  meta["personal_names"]):
+        raise pio.FileFormatError(f"{run_dir / DEPLOY} does not fit the model: its split has "
+                                  "other global/personal parameters than the one rebuilt")
+    try:
+        split.model.load_state_dict(groups["model"], strict=True)
+    except RuntimeError as e:
+        raise pio.FileFormatError(f"{run_dir / DEPLOY} does not fit the model: {e}") from None
+    return split, groups["theta"], groups["w_pretrained"] or None
+
+
+__all__ = ["CLIENT_STATE", "DEPLOY", "THETA1", "THETA2", "check_or_write_json",
+           "deployed_split", "json_default", "load_params", "read_deploy", "read_params",
+           "save_deploy", "seeded_split", "tensor_file", "write_json"]
