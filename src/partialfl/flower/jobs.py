@@ -46,8 +46,8 @@ from partialfl.runtime.asynchronous import (
     drive,
 )
 
-#: the asynchronous mode's checkpoint file in ``out-dir`` (synchronous mode:
-#: ``checkpoint.json`` + ``checkpoint-<round>.safetensors``, :mod:`partialfl.flower.checkpoint`)
+#: the asynchronous mode's checkpoint (pointer) in ``out-dir`` (synchronous mode:
+#: :data:`partialfl.flower.checkpoint.SYNC_CHECKPOINT`)
 ASYNC_CHECKPOINT = "checkpoint-async.safetensors"
 
 
@@ -143,9 +143,9 @@ class FlowerJobs:
         saved = checkpoint.check_report(saved, ("step", "requested", "streak"),
                                         "asynchronous checkpoint")
         last = saved.get("last_round", -1)
-        if type(last) is not int or type(saved.get("eval_withheld", 0)) is not int:
+        if type(last) is not int:
             raise checkpoint.CheckpointError("asynchronous checkpoint report has a malformed "
-                                             "last_round or eval_withheld")
+                                             "last_round")
         rep = self.report
         rep.failures = [Failure(**f) for f in saved["failures"]]
         rep.requested_client_updates = saved["requested"]

@@ -6,26 +6,24 @@ the ids of its sampled clients (``train`` messages), pulls the replies until all
 in-process — to the updates that arrived. Every reply goes through :func:`decode_reply` (the
 codec's checks); a SuperNode whose ClientApp raised, whose reply was refused or that did not
 answer in time is counted (:func:`partialfl.flower.report.record_failure`) and the round
-aggregates the others; a round with no update leaves θ unchanged. Checkpoints are the out-dir
-files of :mod:`partialfl.flower.checkpoint` (:class:`FlowerCheckpoint`).
+aggregates the others; a round with no update leaves θ unchanged. Checkpoints are the runtime's
+codec in out-dir with the report (:class:`partialfl.flower.checkpoint.FlowerCheckpoint`).
 """
 
 from __future__ import annotations
 
-from dataclasses import asdict
 from typing import Any
 
 import numpy as np
 from flwr.app import ConfigRecord, Message, RecordDict
 
 from partialfl.algorithms.base import ClientResult, RoundContext, ServerState, concat_results
-from partialfl.flower import checkpoint
+from partialfl.flower.checkpoint import FlowerCheckpoint
 from partialfl.flower.codec import WireFormatError, decode_updates, params_to_record
 from partialfl.flower.config import ConfigError, FlowerConfig, parse_fault_injection
 from partialfl.flower.evaluate import evaluate_now
 from partialfl.flower.federation import Federation, Link, ServerProblem
 from partialfl.flower.report import (
-    Failure,
     FlowerRunReport,
     ReportLog,
     ServerStopped,
@@ -34,7 +32,6 @@ from partialfl.flower.report import (
     record_failure,
 )
 from partialfl.metrics import closed_form_metrics
-from partialfl.runtime.faults import FaultLog
 from partialfl.runtime.sync import run_rounds
 from partialfl.types import ClientUpdates, Params
 
@@ -147,44 +144,6 @@ class FlowerRounds:
             log.warning("partialfl: round %d: no SecAgg+ aggregate; θ unchanged", r)
             return None, np.arange(0)
         return ClientResult(updates), np.searchsorted(cohort, np.asarray(updates.cohort))
-
-
-class FlowerCheckpoint:
-    """The ServerApp's checkpoint in ``out-dir`` (:mod:`partialfl.flower.checkpoint`) with
-    the report so far, for :func:`partialfl.runtime.sync.run_rounds`; a loaded state must
-    have the structure, shapes and dtypes of ``fresh`` (this run's initial state)."""
-
-    def __init__(self, cfg: FlowerConfig, report: FlowerRunReport, fresh: ServerState) -> None:
-        self.cfg, self.report, self.fresh = cfg, report, fresh
-
-    def save(self, state, client_state, history, local_grads, faults) -> None:
-        """θ, the optimizer state and the report so far."""
-        rep = self.report
-        checkpoint.save(self.cfg, state, state.round, {
-            "history": history, "failures": [asdict(f) for f in rep.failures],
-            "skipped_rounds": rep.skipped_rounds, "requested": rep.requested_client_updates,
-            "grads": int(local_grads), "eval_withheld": rep.eval_withheld, "faults": faults})
-
-    def load(self):
-        """The saved state (the report restored), validated against the configuration."""
-        loaded, start, rep = checkpoint.load(self.cfg, like=self.fresh)
-        faults = rep.get("faults", {})
-        withheld = rep.get("eval_withheld", 0)
-        try:
-            FaultLog.check_state(faults)
-            if type(withheld) is not int:
-                raise ValueError(f"eval_withheld is malformed: {withheld!r:.60}")
-        except ValueError as e:
-            raise checkpoint.CheckpointError(f"checkpoint in {self.cfg.out_dir}: {e}") from None
-        report = self.report
-        report.failures = [Failure(**f) for f in rep["failures"]]
-        report.skipped_rounds = int(rep["skipped_rounds"])
-        report.requested_client_updates = int(rep["requested"])
-        report.eval_withheld = withheld
-        report.resumed_from = start
-        log.info("partialfl: resuming from the checkpoint of round %d in %s", start,
-                 self.cfg.out_dir)
-        return loaded, None, list(rep["history"]), int(rep["grads"]), faults
 
 
 def run_sync(link, cfg, fed, algorithm, state, ref, report, t0) -> ServerState:
