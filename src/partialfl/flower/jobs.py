@@ -36,7 +36,7 @@ from partialfl.flower.report import (
     check_failures,
     log,
 )
-from partialfl.flower.rounds import decode_reply, train_content
+from partialfl.flower.rounds import decode_reply, shared_state, train_content
 from partialfl.metrics import closed_form_metrics
 from partialfl.runtime.asynchronous import (
     AsyncCheckpoint,
@@ -86,8 +86,9 @@ class FlowerJobs:
             raise ServerStopped(f"injected server stop after server step {state.round}")
         client = np.asarray([job.client], dtype=np.int64)
         node = self.fed.order[int(self.fed.owner[job.client])]
-        (mid,) = self.link.push([(node, "train", train_content(state.theta, ctx.round, client),
-                                  ctx.round)])
+        content = train_content(state.theta, ctx.round, client,
+                                shared_state(self.algorithm, state))
+        (mid,) = self.link.push([(node, "train", content, ctx.round)])
         self.inflight[mid] = (job, node, client, state.theta,
                               time.monotonic() + self.cfg.round_timeout)
         return None

@@ -36,11 +36,18 @@ from partialfl.runtime.sync import run_rounds
 from partialfl.types import ClientUpdates, Params
 
 
-def train_content(theta: Params, round_: int, clients) -> RecordDict:
-    return RecordDict({
-        "theta": params_to_record(theta),
-        "task": ConfigRecord({"round": int(round_), "clients": [int(c) for c in clients]}),
-    })
+def train_content(theta: Params, round_: int, clients, shared=None) -> RecordDict:
+    """A train message: θ, the round, the clients and the numbers of the server state the
+    algorithm's clients read (``shared``: ``{name: value}`` of its ``shared_extra``)."""
+    task = {"round": int(round_), "clients": [int(c) for c in clients]}
+    task.update({f"extra.{n}": float(v) for n, v in (shared or {}).items()})
+    return RecordDict({"theta": params_to_record(theta), "task": ConfigRecord(task)})
+
+
+def shared_state(algorithm, state) -> dict[str, float]:
+    """``state.extra``'s entries the clients of ``algorithm`` read (``shared_extra``)."""
+    return {n: state.extra[n] for n in getattr(algorithm, "shared_extra", ())
+            if n in state.extra}
 
 
 def decode_reply(m: Message | None, theta, clients, fed: Federation, node: int, round_: int,
@@ -106,7 +113,9 @@ class FlowerRounds:
         pos = fed.owner[cohort]
         nodes = [fed.order[i] for i in sorted(set(pos.tolist()))]
         parts = {n: cohort[pos == fed.order.index(n)] for n in nodes}
-        items = [(n, "train", train_content(state.theta, r, parts[n]), r) for n in nodes]
+        shared = shared_state(algorithm, state)
+        items = [(n, "train", train_content(state.theta, r, parts[n], shared), r)
+                 for n in nodes]
         ids, got = self.link.exchange(items, self.cfg.round_timeout)
         replies = [rep for n, mid in zip(nodes, ids)
                    if (rep := decode_reply(got.get(mid), state.theta, parts[n], fed, n, r,
@@ -128,8 +137,8 @@ class FlowerRounds:
         return ClientResult(updates), np.searchsorted(cohort, np.asarray(updates.cohort))
 
     def _secagg_round(self, algorithm, state, cohort, r, faults):
-        """The round over SecAgg+ (:func:`partialfl.flower.secagg.secagg_round`): one row,
-        the round's mean; its position is the first surviving client's."""
+        """The round over SecAgg+ (:func:`partialfl.flower.secagg.secagg_round`): the round's
+        mean as the row of every surviving client."""
         from partialfl.flower.secagg import secagg_round
 
         report = self.report
