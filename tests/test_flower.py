@@ -9,6 +9,7 @@ Skipped (with the reason) when the optional extra is missing: ``pip install
 
 from __future__ import annotations
 
+import importlib.util
 import time
 
 import numpy as np
@@ -116,6 +117,9 @@ FEDAVG_RUN = ls_run(2, eval_every=1, spec={"method": {"algorithm": "fedavg"},
 LOCAL_FFGG_RUN = ls_run(3, 4, spec={"method": {"algorithm": "local-ffgg", "local_steps": 3},
                                     "personalize": {"client": {"name": "gd", "tau": 5},
                                                     "server": {"lr": 0.5}}})
+# client-level DP (central, fixed clipping, Poisson sampling): the same noise seeds
+DP_RUN = ls_run(3, 4, eval_every=1, spec={"privacy": {"name": "dp", "clip_norm": 1.0,
+                                                      "noise_multiplier": 0.5}})
 # partition 1 crashes in round 1; partition 0 is too slow in round 3 (last: it keeps an actor
 # busy after the run)
 FAULT_RUN = ls_run(4, round_timeout=2.5, fault_injection="crash:partition=1,round=1; "
@@ -133,6 +137,8 @@ def sims():
 
     runs = {"ffgg": FFGG_RUN, "async": ASYNC_RUN, "buffer": BUFFER_RUN, "adam": ADAM_RUN,
             "fedavg": FEDAVG_RUN, "local-ffgg": LOCAL_FFGG_RUN, "faults": FAULT_RUN}
+    if importlib.util.find_spec("dp_accounting") is not None:  # the [dp] extra
+        runs["dp"] = DP_RUN
     if _registered("aggregator", "cm") and _registered("wrapper", "byzantine"):
         runs["br"] = BR_RUN
     received: dict[str, list[Message]] = {k: [] for k in runs}
@@ -249,6 +255,23 @@ def test_server_optimizer_and_other_algorithms_match_in_process(sims, run):
         assert report.history[-1]["eval_loss_gap"] < report.history[0]["eval_loss_gap"]
     else:
         assert type(built.algorithm).__name__ == "LocalFFGG"
+
+
+def test_dp_on_the_simulation_engine_is_the_in_process_run(sims):
+    """The spec's [privacy] block on Flower's simulation engine: the ClientApps clip in the DP
+    wrapper's client update, the ServerApp samples Poisson cohorts and noises the sum with the
+    same seeds, so θ and ε equal the in-process run's (tests/test_dp_flower.py has the modes,
+    adaptive clipping and SecAgg+)."""
+    if "dp" not in sims:
+        pytest.skip("DP needs dp-accounting: pip install 'partialfl[dp]'")
+    run_config, report, _ = sims["dp"]
+    built, res = in_process(run_config)
+    assert type(built.algorithm).__name__ == "DifferentiallyPrivate"
+    np.testing.assert_allclose(report.theta["theta"], res.state.theta["theta"], rtol=0,
+                               atol=1e-6)
+    eps = [h["dp_epsilon"] for h in report.history]
+    assert eps == pytest.approx([h["dp_epsilon"] for h in res.history], rel=0, abs=1e-6)
+    assert [h["round"] for h in report.history] == [0, 1, 2, 3] and eps[-1] > eps[1] > 0
 
 
 def test_failures_do_not_stop_training(sims):

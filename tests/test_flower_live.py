@@ -229,11 +229,14 @@ def test_an_unregistered_supernode_is_refused(live):
 def _kill_when(fed, out: Path, name: str, after_round: int, killed: list) -> threading.Thread:
     """Kill process ``name`` once the ServerApp's checkpoint in ``out`` is past
     ``after_round`` (or after 240 s)."""
+    from partialfl import io as pio
+    from partialfl.flower.checkpoint import SYNC_CHECKPOINT
+
     def watch() -> None:
         deadline = time.monotonic() + 240
         while time.monotonic() < deadline:
-            try:
-                nxt = json.loads((out / "checkpoint.json").read_text())["next_round"]
+            try:  # the committed round, read from the pointer (never cleaning: read only)
+                nxt = pio.load_tensors(out / SYNC_CHECKPOINT)[1]["progress"]["round"]
             except (OSError, ValueError, KeyError):
                 nxt = -1
             if nxt > after_round:

@@ -20,7 +20,8 @@ FEDAVG = {"method": {"algorithm": "fedavg", "weighting": "examples"},
 
 
 def _recording_factory(rows: list):
-    """The spec's algorithm, its server step recording how many update rows it was given."""
+    """The spec's algorithm, its server step recording the number of update rows it was
+    given and how many distinct ones."""
     def factory(cfg, problem):
         from partialfl.build import build
 
@@ -28,7 +29,9 @@ def _recording_factory(rows: list):
         step = alg.server_update
 
         def server_update(state, updates, ctx):
-            rows.append(len(updates.cohort))
+            v = np.concatenate([np.asarray(x).reshape(len(updates.cohort), -1)
+                                for x in updates.vectors.values()], 1)
+            rows.append((len(updates.cohort), len(np.unique(v, axis=0))))
             return step(state, updates, ctx)
 
         alg.server_update = server_update
@@ -59,7 +62,7 @@ def test_secagg_is_the_plain_run_within_the_quantisation_error(loopback, spec):
     # one round: θ¹ − θ¹_plain = −γ (aggregate − mean), below γ N·2c/2^bits per coordinate
     diff = {n: float(np.abs(rep.theta[n] - ref.state.theta[n]).max()) for n in rep.theta}
     assert 0 < max(diff.values()) <= lr * quantisation_bound(cfg, 3), diff
-    assert rows == [1]  # the server step saw one row: the unmasked mean
+    assert rows == [(5, 1)]  # the server step saw the unmasked mean for each of the 5
     # more rounds: still the plain run up to the quantisation's effect
     longer = ls_run(3, 5, spec=spec, secagg=True, secagg_clip=64.0)
     rep3 = run_server(loopback(3), longer)
@@ -100,8 +103,7 @@ def test_a_round_whose_clients_sit_on_one_node_still_needs_every_node(loopback):
 
 @pytest.mark.parametrize("spec, match", [
     ({"asynchronous": {"rule": "fedasync"}}, r"\[asynchronous\] block needs each client"),
-    ({"privacy": {"name": "dp", "clip_norm": 1.0, "noise_multiplier": 1.0}},
-     r"\[privacy\] block"),
+    ({"aggregation": {"name": "cm"}}, r"\[aggregation\] block needs each client"),
 ])
 def test_specs_that_need_individual_updates_are_refused(spec, match):
     with pytest.raises(ConfigError, match=match) as e:

@@ -13,9 +13,9 @@ from test_nn_algorithms import ALGOS, _problem
 
 from partialfl.algorithms import FFGG, FedAvg, Scaffold
 from partialfl.algorithms.base import RoundContext
-from partialfl.pipeline.evaluation import round_evaluator
 from partialfl.local import GradientDescent
 from partialfl.local.gd import GDConfig
+from partialfl.pipeline.evaluation import round_evaluator
 from partialfl.problems.least_squares import LeastSquaresProblem
 from partialfl.runtime import SequentialBackend, run_rounds
 from partialfl.runtime.threads import ThreadBackend

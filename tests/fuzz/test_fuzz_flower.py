@@ -2,7 +2,7 @@
 leaf names, shapes and dtypes, NaN/±inf, huge or negative weights, wrong cohorts, missing,
 extra and mistyped records, metrics as lists, strings or the wrong record kind, string and
 pickled object arrays, undecodable bytes), evaluation and describe replies, and crafted
-``checkpoint.json`` files.
+ServerApp checkpoints (the pointer's and the server file's metadata).
 
 The oracle is independent of the codec: every reply is built from per-part choices whose
 validity is known. A valid reply must decode to exactly what was sent; any other must be
@@ -381,14 +381,17 @@ def test_describe_replies_are_checked(nparts, M, part, corruption):
     assert got["clients"] == clients and got["partition-id"] == part
 
 
-# -- crafted checkpoint.json -----------------------------------------------------------------
+# -- crafted checkpoints ---------------------------------------------------------------------
 @pytest.fixture(scope="module")
 def saved_checkpoint(tmp_path_factory):
-    """A real ServerApp checkpoint (FFGG + Adam on least squares, θ and moments), and the
-    fresh state a resumed run compares it with."""
+    """A real ServerApp checkpoint (FFGG + Adam on least squares, θ and moments) as the
+    metadata of its two files (``{"pointer": …, "server": …}``) and every file's bytes, the
+    run config and the fresh state a resumed run compares it with."""
+    from partialfl import io as pio
     from partialfl.build import build
-    from partialfl.flower import checkpoint
+    from partialfl.flower.checkpoint import SYNC_CHECKPOINT, FlowerCheckpoint
     from partialfl.flower.config import parse_run_config
+    from partialfl.flower.report import Failure, FlowerRunReport
 
     d = tmp_path_factory.mktemp("ckpt")
     spec = {"problem": {"name": "least-squares", "num_clients": 4, "n": 20, "d_theta": 3,
@@ -397,9 +400,47 @@ def saved_checkpoint(tmp_path_factory):
     built = build(cfg.run)
     problem, alg = built.problem, built.algorithm
     fresh = alg.init(problem, problem.init_theta())
-    checkpoint.save(cfg, fresh, 2, {"history": [{"round": 0}], "failures": [],
-                                    "skipped_rounds": 0, "requested": 8, "grads": 4})
-    return cfg, fresh, json.loads((d / "checkpoint.json").read_text())
+    report = FlowerRunReport({}, fresh.theta, failures=[Failure(1, "error", 0, [1], "x")],
+                             requested_client_updates=8)
+    FlowerCheckpoint(cfg, report, fresh).save(fresh, None, [{"round": 0}], 4,
+                                              {"clients_failed": 1})
+    _, ptr = pio.load_tensors(d / SYNC_CHECKPOINT)
+    _, server = pio.load_tensors(d / ptr["files"]["server"]["name"])
+    files = {f.name: f.read_bytes() for f in d.iterdir()}
+    return cfg, fresh, {"pointer": ptr, "server": server}, files
+
+
+def write_checkpoint(folder, meta: dict, files: dict) -> None:
+    """The checkpoint of ``files`` with the metadata ``meta`` (the server file's tensors
+    kept; the pointer records the rewritten server file's SHA-256 unless ``meta`` changed
+    that entry)."""
+    from partialfl import io as pio
+    from partialfl.flower.checkpoint import SYNC_CHECKPOINT
+
+    for f in folder.iterdir():
+        f.unlink()
+    for name, data in files.items():
+        (folder / name).write_bytes(data)
+    ptr = json.loads(files_meta(files, SYNC_CHECKPOINT))
+    name = ptr["files"]["server"]["name"]
+    tensors, _ = pio.load_tensors(folder / name)
+    sha = pio.save_tensors(folder / name, tensors, meta["server"])
+    pointer = meta["pointer"]
+    entry = pointer.get("files", {}).get("server") if isinstance(pointer.get("files"),
+                                                                 dict) else None
+    if isinstance(entry, dict) and entry.get("sha256") == ptr["files"]["server"]["sha256"]:
+        entry["sha256"] = sha
+    pio.save_tensors(folder / SYNC_CHECKPOINT, {}, pointer)
+
+
+def files_meta(files: dict, name: str) -> str:
+    """The partialfl metadata (JSON text) of file ``name`` among ``files``' bytes."""
+    import struct
+
+    data = files[name]
+    n = struct.unpack("<Q", data[:8])[0]
+    return json.dumps(json.loads(json.loads(data[8:8 + n])["__metadata__"]["partialfl"])
+                      ["metadata"])
 
 
 JSON = st.recursive(st.none() | st.booleans() | st.integers(-2 ** 70, 2 ** 70)
@@ -419,16 +460,30 @@ def _paths(tree, prefix=()):
             yield from _paths(v, (*prefix, i))
 
 
-@settings(max_examples=150, deadline=None, derandomize=True,
+def _load(cfg, fresh):
+    from partialfl.flower.checkpoint import FlowerCheckpoint
+    from partialfl.flower.report import FlowerRunReport
+
+    ck = FlowerCheckpoint(cfg, FlowerRunReport({}, fresh.theta), fresh)
+    return ck, ck.load()
+
+
+@settings(max_examples=200, deadline=None, derandomize=True,
           suppress_health_check=[HealthCheck.too_slow, HealthCheck.function_scoped_fixture])
 @given(pick=st.integers(0, 10 ** 6), value=JSON, delete=st.booleans())
-def test_crafted_checkpoint_json_loads_or_is_one_checkpoint_error(saved_checkpoint, pick, value,
-                                                                  delete):
-    from partialfl.flower import checkpoint
+def test_crafted_checkpoint_loads_or_is_one_checkpoint_error(saved_checkpoint, pick, value,
+                                                             delete):
+    """One entry anywhere in the metadata of the pointer or of the server file (the state's
+    skeleton, the report, the fingerprint, the file names and hashes, ...) replaced by random
+    JSON or deleted: the checkpoint loads into a state usable as the fresh one, or resuming is
+    refused with one line (CheckpointError) — never another exception."""
+    from pathlib import Path
 
-    cfg, fresh, meta = saved_checkpoint
+    from partialfl.flower.checkpoint import CheckpointError, signature
+
+    cfg, fresh, meta, files = saved_checkpoint
     meta = json.loads(json.dumps(meta))
-    paths = list(_paths(meta))[1:]
+    paths = [q for q in _paths(meta) if len(q) >= 2]  # an entry of the pointer or server
     path = paths[pick % len(paths)]
     parent = meta
     for p in path[:-1]:
@@ -437,30 +492,31 @@ def test_crafted_checkpoint_json_loads_or_is_one_checkpoint_error(saved_checkpoi
         parent.pop(path[-1])
     else:
         parent[path[-1]] = value
-    out = cfg.out_dir
-    with open(f"{out}/checkpoint.json", "w") as f:
-        f.write(json.dumps(meta))
+    write_checkpoint(Path(cfg.out_dir), meta, files)
     try:
-        state, nxt, rep = checkpoint.load(cfg, like=fresh)
-    except checkpoint.CheckpointError as e:
+        ck, (state, client, history, grads, faults) = _load(cfg, fresh)
+    except CheckpointError as e:
         hypothesis.event("refused")
         assert str(e) and "\n" not in str(e) and len(str(e)) < 500
-        assert "is malformed (" not in str(e), f"no explicit check caught it: {e}"
         return
     hypothesis.event("loaded")
     # loaded: it must be usable as the fresh state is
-    assert checkpoint.signature(state.theta) == checkpoint.signature(fresh.theta)
-    assert checkpoint.signature(state.opt_state) == checkpoint.signature(fresh.opt_state)
+    assert signature(state.theta) == signature(fresh.theta)
+    assert signature(state.opt_state) == signature(fresh.opt_state)
     assert all(type(v) in (int, float) for k, v in state.extra.items() if k not in fresh.extra)
-    assert isinstance(nxt, int) and isinstance(rep["history"], list)
+    assert client is None and isinstance(history, list) and type(grads) is int
+    assert all(isinstance(f.clients, list) for f in ck.report.failures)
 
 
 def test_the_uncrafted_checkpoint_loads(saved_checkpoint):
-    from partialfl.flower import checkpoint
+    from pathlib import Path
 
-    cfg, fresh, meta = saved_checkpoint
-    with open(f"{cfg.out_dir}/checkpoint.json", "w") as f:
-        f.write(json.dumps(meta))
-    state, nxt, _ = checkpoint.load(cfg, like=fresh)
-    assert nxt == 2 and checkpoint.signature(state.opt_state) == checkpoint.signature(
-        fresh.opt_state)
+    from partialfl.flower.checkpoint import signature
+
+    cfg, fresh, meta, files = saved_checkpoint
+    write_checkpoint(Path(cfg.out_dir), json.loads(json.dumps(meta)), files)
+    ck, (state, _, history, grads, faults) = _load(cfg, fresh)
+    assert state.round == 0 and grads == 4 and history == [{"round": 0}]
+    assert faults == {"clients_failed": 1} and ck.report.requested_client_updates == 8
+    assert [f.reason for f in ck.report.failures] == ["x"]
+    assert signature(state.opt_state) == signature(fresh.opt_state)

@@ -81,6 +81,9 @@ class Algorithm:
     server_metrics: tuple[str, ...] = ()
     #: ... and the names of the θ-shaped ``extra`` payloads (e.g. Scaffold's ``dc``)
     extra_names: tuple[str, ...] = ()
+    #: numbers of the server state (``state.extra``) the clients' update reads besides θ
+    #: (DP's adaptive clip norm): a transport that sends the clients θ sends these too
+    shared_extra: tuple[str, ...] = ()
 
     def __init__(self, server_opt=None, aggregator=None) -> None:
         self.server_opt = server_opt if server_opt is not None else SGD(lr=1.0)

@@ -261,6 +261,10 @@ class DifferentiallyPrivate(AlgorithmWrapper):
         options: :class:`DPOptions`.
     """
 
+    #: the server step reads the updates only through their mean and their number (with
+    #: ``server_metrics`` empty, i.e. fixed clipping: secure aggregation can carry them)
+    mean_only = True
+
     def __init__(self, base: Algorithm, options: DPOptions) -> None:
         if isinstance(base, AlgorithmWrapper):
             raise TypeError(f"DifferentiallyPrivate wraps a plain algorithm, not the wrapper "
@@ -285,6 +289,9 @@ class DifferentiallyPrivate(AlgorithmWrapper):
         self.client_metrics = tuple(getattr(base, "client_metrics", ()))
         self.server_metrics = (*getattr(base, "server_metrics", ()),
                                *((UNCLIPPED,) if options.adaptive_clipping else ()))
+        # the clients clip with the server's current C (adaptive: it changes every round)
+        self.shared_extra = (*getattr(base, "shared_extra", ()),
+                             *((CLIP,) if options.adaptive_clipping else ()))
         self._plans: dict[int, DPPlan] = {}
 
     # -- configuration -------------------------------------------------------------------

@@ -21,7 +21,7 @@ from partialfl.types import Params
 
 #: the declarations of :class:`~partialfl.algorithms.base.Algorithm` a wrapper mirrors
 MIRRORED = ("name", "pseudo_gradient", "stateful_clients", "server_opt", "aggregator",
-            "client_metrics", "server_metrics", "extra_names")
+            "client_metrics", "server_metrics", "extra_names", "shared_extra")
 
 
 class _Mirror:
@@ -52,6 +52,7 @@ class AlgorithmWrapper(Algorithm):
     client_metrics = _Mirror()
     server_metrics = _Mirror()
     extra_names = _Mirror()
+    shared_extra = _Mirror()
 
     def __init__(self, base: Algorithm) -> None:
         if not isinstance(base, Algorithm):

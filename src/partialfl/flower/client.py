@@ -34,9 +34,11 @@ from partialfl.build import allow_code
 from partialfl.flower.codec import (
     decode_params,
     encode_updates,
+    metric_names,
     params_to_record,
 )
 from partialfl.flower.config import (
+    STATEFUL,
     ConfigError,
     FlowerConfig,
     decode_spec,
@@ -117,8 +119,7 @@ def node_runtime(context: Context, msg: Message | None = None,
             if algorithm_factory is not None:
                 algorithm = algorithm_factory(cfg, problem)
             if getattr(algorithm, "stateful_clients", False):
-                raise ValueError(f"algorithm {cfg.run.method.algorithm!r} keeps client state; "
-                                 "the Flower app runs stateless algorithms only")
+                raise ValueError(f"algorithm {cfg.run.method.algorithm!r} {STATEFUL}")
             clients = partition_clients(problem.num_clients, opts.num_partitions,
                                         opts.partition)
             if data is not None:
@@ -159,9 +160,11 @@ def train(rt: NodeRuntime, msg: Message) -> Message:
     cohort = rt.check_clients(np.asarray(task["clients"], dtype=np.int64))
     inject_faults(rt.cfg.fault_injection, rt.partition, r)
     theta = decode_params(msg.content["theta"], rt.torch)
-    state = ServerState(theta=theta, round=r)
+    shared = {n: float(task[f"extra.{n}"]) for n in rt.algorithm.shared_extra
+              if f"extra.{n}" in task}
+    state = ServerState(theta=theta, round=r, extra=shared)
     result = rt.algorithm.client_update(state, rt.problem, cohort, RoundContext(rt.cfg.seed, r))
-    content = encode_updates(result.updates, theta.keys())
+    content = encode_updates(result.updates, theta.keys(), metric_names(rt.algorithm))
     if any(f.kind == "nan" and f.applies(rt.partition, r)
            for f in parse_fault_injection(rt.cfg.fault_injection)):
         content["update"]["weights"] = [float("nan")] * len(cohort)  # testing: a bad client

@@ -2,7 +2,9 @@
 the one place where the server checks what a SuperNode sends.
 
 Server → SuperNode (``train``): ``content["theta"]`` an :class:`ArrayRecord` of θ (the server
-model) and ``content["task"]`` a :class:`ConfigRecord` ``{"round", "clients"}``.
+model) and ``content["task"]`` a :class:`ConfigRecord` ``{"round", "clients"}`` plus
+``"extra.<name>"`` for each number of the server state the algorithm's clients read
+(``shared_extra``: DP's adaptive clip norm).
 
 SuperNode → server: exactly one :class:`~partialfl.types.ClientUpdates` — the only thing that
 leaves a client — as ``content["vectors"]`` (stacked ``[k, *θ-shape]``), ``content["update"]``
@@ -13,9 +15,12 @@ parameter (whose name is never a θ name: the split is a partition) cannot be pu
 even by a buggy algorithm.
 
 Metrics are aggregated on the SuperNode: for each metric allowed by name
-(:data:`ALLOWED_METRICS`) only its sum over the node's clients (``"<name>.sum"``) and the
-number of clients (``"<name>.count"``) travel, as two scalars — never a per-client list, never
-an unlisted name (e.g. a personal parameter smuggled as a "metric").
+(:data:`ALLOWED_METRICS`, and the ``server_metrics`` the algorithm's server step reads) only
+its sum over the node's clients (``"<name>.sum"``) and the number of clients
+(``"<name>.count"``) travel, as two scalars — never a per-client list, never an unlisted name
+(e.g. a personal parameter smuggled as a "metric"). A server metric reaches the server step
+as the node's mean on each of the node's rows (the step only sums it: DP's adaptive clipping
+reads the count of unclipped updates).
 
 Every reply is untrusted. The decoders (:func:`decode_updates`, :func:`decode_eval`,
 :func:`decode_describe`, :func:`decode_theta0`) check it against what the server sent and what
@@ -114,8 +119,16 @@ def _check_names(tree: Params, allowed: Iterable[str], what: str) -> None:
         )
 
 
-def encode_updates(updates: ClientUpdates, theta_names: Iterable[str]) -> RecordDict:
-    """The reply content for one cohort's :class:`ClientUpdates` (see module docstring)."""
+def metric_names(algorithm) -> tuple[str, ...]:
+    """The metrics a node may send for ``algorithm``: :data:`ALLOWED_METRICS` and the
+    ``server_metrics`` its server step reads."""
+    return (*ALLOWED_METRICS, *getattr(algorithm, "server_metrics", ()))
+
+
+def encode_updates(updates: ClientUpdates, theta_names: Iterable[str],
+                   metrics: Iterable[str] = ALLOWED_METRICS) -> RecordDict:
+    """The reply content for one cohort's :class:`ClientUpdates` (see module docstring);
+    ``metrics``: the names allowed (:func:`metric_names`)."""
     theta_names = list(theta_names)
     _check_names(updates.vectors, theta_names, "update vectors")
     content = RecordDict({
@@ -125,7 +138,7 @@ def encode_updates(updates: ClientUpdates, theta_names: Iterable[str]) -> Record
             "weights": [float(w) for w in np.asarray(updates.weights, dtype=np.float64)],
             "grad-evals": int(updates.grad_evals),
         }),
-        "metrics": MetricRecord(aggregate_metrics(updates.metrics)),
+        "metrics": MetricRecord(aggregate_metrics(updates.metrics, tuple(metrics))),
     })
     for name, tree in updates.extra.items():
         _check_names(tree, theta_names, f"extra {name!r}")
@@ -311,7 +324,13 @@ def _decode_updates(content, theta: Params, cohort: np.ndarray, max_weights, ext
     if not ok.all():
         raise WireFormatError(f"reply is not finite for clients "
                               f"{asked[~ok].tolist()[:8]} (vectors, weights or extras)")
-    metrics = decode_metrics(content["metrics"], k) if "metrics" in keys else {}
+    metrics = (decode_metrics(content["metrics"], k, metric_names(algorithm))
+               if "metrics" in keys else {})
+    for name in getattr(algorithm, "server_metrics", ()):  # read by the server step
+        if name not in metrics or metrics[name][1] != k:
+            raise WireFormatError(f"reply lacks the metric {name!r} over its {k} clients, "
+                                  "which the server step reads")
+        updates.metrics[name] = np.full(k, metrics[name][0] / k)
     return updates, metrics
 
 
@@ -320,15 +339,17 @@ def decode_updates(content, theta: Params, cohort, torch: bool = False, *,
                    ) -> tuple[ClientUpdates, dict[str, tuple[float, float]]]:
     """Train reply content → ``(updates, metric sums)``, checked against the θ the server
     sent (leaves, shapes, dtypes), the clients it asked for, ``max_weights`` (per client, the
-    bound ``max(1, n_m)``; default 1) and ``algorithm``'s declared extras and privacy rules
-    (see the module docstring). Raises :class:`WireFormatError` only; the updates carry no
-    metrics (only the node's sums do)."""
+    bound ``max(1, n_m)``; default 1) and ``algorithm``'s declared extras, server metrics
+    and privacy rules (see the module docstring). Raises :class:`WireFormatError` only; the
+    updates carry only the server metrics (the node's mean per row), the metric sums come
+    apart."""
     extras = declared_extras(algorithm)
     updates, metrics = _guard("train reply", _decode_updates, content, theta, cohort,
                               max_weights, extras, algorithm)
     if torch:
         updates = ClientUpdates({n: arrays.to_torch(v) for n, v in updates.vectors.items()},
-                                updates.weights, updates.cohort, updates.grad_evals, {},
+                                updates.weights, updates.cohort, updates.grad_evals,
+                                updates.metrics,
                                 {e: {n: arrays.to_torch(v) for n, v in t.items()}
                                  for e, t in updates.extra.items()})
     return updates, metrics

@@ -358,6 +358,14 @@ def parse_run_config(run_config: Mapping[str, Any] | None = None, **overrides: A
     return cfg
 
 
+#: why an algorithm that keeps client state is refused (before Flower starts, and by a
+#: ClientApp)
+STATEFUL = ("keeps per-client state between rounds (APFL's v_m and α_m, Ditto's v_m, "
+            "Scaffold's c_m, stateful FedAlt/FedSim's w_m), and a Flower SuperNode keeps none: "
+            "run it in process (no --engine), or choose a stateless method (FedAvg, FedProx, "
+            "FFGG, Local FFGG, FedAlt/FedSim with stateless = true)")
+
+
 def _check_combinations(cfg: FlowerConfig) -> None:
     run = cfg.run
     if run.closed_form and cfg.stage != "personalize":
@@ -378,8 +386,10 @@ def _check_combinations(cfg: FlowerConfig) -> None:
         raise ConfigError(f"run-config key 'secagg-threshold': {cfg.secagg_threshold} must be "
                           f"less than secagg-shares ({cfg.secagg_shares})")
     if cfg.secagg:  # SecAgg+ gives the server the sum of a round's updates only
+        # ([privacy]: DP's server step needs the sum and the count, checked on its algorithm
+        # by partialfl.flower.secagg.check_algorithm)
         for key, block in (("aggregation", run.aggregation), ("attack", run.attack),
-                           ("privacy", run.privacy), ("asynchronous", run.asynchronous)):
+                           ("asynchronous", run.asynchronous)):
             if block is not None:
                 raise ConfigError(f"secagg: the spec's [{key}] block needs each client's "
                                   "update (or a client at a time); SecAgg+ gives the server "

@@ -335,7 +335,7 @@ class LocalFederation:
             result = out / "result.json"
             if proc.returncode == 0 and result.exists():
                 break
-            resumable = (out / "checkpoint.json").exists() or any(out.glob("checkpoint-*"))
+            resumable = _has_checkpoint(out)
             if attempt < restarts and resumable and not self.alive("superlink") and \
                     self.started and self.revive():
                 print(f"partialfl: the SuperLink died mid-run; restarted it, resuming from "
@@ -398,6 +398,14 @@ class SuperLinkConnection(LocalFederation):
     def revive(self) -> bool:
         """A deployment someone else runs is not restarted from here."""
         return False
+
+
+def _has_checkpoint(out: Path) -> bool:
+    """Whether the ServerApp committed a checkpoint in ``out`` (the sync or async pointer)."""
+    from partialfl.flower.checkpoint import SYNC_CHECKPOINT
+    from partialfl.flower.jobs import ASYNC_CHECKPOINT
+
+    return (out / SYNC_CHECKPOINT).is_file() or (out / ASYNC_CHECKPOINT).is_file()
 
 
 def _run_echoing(args: list[str], env, cwd, timeout: float, label: str

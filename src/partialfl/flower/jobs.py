@@ -36,7 +36,7 @@ from partialfl.flower.report import (
     check_failures,
     log,
 )
-from partialfl.flower.rounds import decode_reply, train_content
+from partialfl.flower.rounds import decode_reply, shared_state, train_content
 from partialfl.metrics import closed_form_metrics
 from partialfl.runtime.asynchronous import (
     AsyncCheckpoint,
@@ -46,8 +46,8 @@ from partialfl.runtime.asynchronous import (
     drive,
 )
 
-#: the asynchronous mode's checkpoint file in ``out-dir`` (synchronous mode:
-#: ``checkpoint.json`` + ``checkpoint-<round>.safetensors``, :mod:`partialfl.flower.checkpoint`)
+#: the asynchronous mode's checkpoint (pointer) in ``out-dir`` (synchronous mode:
+#: :data:`partialfl.flower.checkpoint.SYNC_CHECKPOINT`)
 ASYNC_CHECKPOINT = "checkpoint-async.safetensors"
 
 
@@ -86,8 +86,9 @@ class FlowerJobs:
             raise ServerStopped(f"injected server stop after server step {state.round}")
         client = np.asarray([job.client], dtype=np.int64)
         node = self.fed.order[int(self.fed.owner[job.client])]
-        (mid,) = self.link.push([(node, "train", train_content(state.theta, ctx.round, client),
-                                  ctx.round)])
+        content = train_content(state.theta, ctx.round, client,
+                                shared_state(self.algorithm, state))
+        (mid,) = self.link.push([(node, "train", content, ctx.round)])
         self.inflight[mid] = (job, node, client, state.theta,
                               time.monotonic() + self.cfg.round_timeout)
         return None
@@ -143,9 +144,9 @@ class FlowerJobs:
         saved = checkpoint.check_report(saved, ("step", "requested", "streak"),
                                         "asynchronous checkpoint")
         last = saved.get("last_round", -1)
-        if type(last) is not int or type(saved.get("eval_withheld", 0)) is not int:
+        if type(last) is not int:
             raise checkpoint.CheckpointError("asynchronous checkpoint report has a malformed "
-                                             "last_round or eval_withheld")
+                                             "last_round")
         rep = self.report
         rep.failures = [Failure(**f) for f in saved["failures"]]
         rep.requested_client_updates = saved["requested"]

@@ -80,7 +80,7 @@ def run_local(spec, out: str | Path, num_nodes: int, *, insecure: bool = False,
     from partialfl.flower.deployment import LocalFederation
     from partialfl.flower.env import apply_flower_env, require_flower
     from partialfl.flower.train import (
-        _check_stateless,
+        _check_algorithms,
         _names_code,
         run_flower_closed_form,
         run_flower_train,
@@ -93,11 +93,11 @@ def run_local(spec, out: str | Path, num_nodes: int, *, insecure: bool = False,
 
         raise ConfigError(f"--nodes must be >= 1, got {num_nodes}")
     run = build(spec)  # validates everything, loads the data
-    _check_stateless(run)
-    tmp = None if work_dir else tempfile.mkdtemp(prefix="partialfl-local-")
-    work = Path(work_dir or tmp).resolve()
     extra = {"checkpoint-every": spec.checkpoint_every, **({"secagg": True} if secagg else {}),
              **dict(flower or {})}
+    _check_algorithms(run, extra)
+    tmp = None if work_dir else tempfile.mkdtemp(prefix="partialfl-local-")
+    work = Path(work_dir or tmp).resolve()
     try:
         stores = None if spec.closed_form else write_node_stores(
             node_view(run), num_nodes, work / "node-data")

@@ -6,26 +6,24 @@ the ids of its sampled clients (``train`` messages), pulls the replies until all
 in-process — to the updates that arrived. Every reply goes through :func:`decode_reply` (the
 codec's checks); a SuperNode whose ClientApp raised, whose reply was refused or that did not
 answer in time is counted (:func:`partialfl.flower.report.record_failure`) and the round
-aggregates the others; a round with no update leaves θ unchanged. Checkpoints are the out-dir
-files of :mod:`partialfl.flower.checkpoint` (:class:`FlowerCheckpoint`).
+aggregates the others; a round with no update leaves θ unchanged. Checkpoints are the runtime's
+codec in out-dir with the report (:class:`partialfl.flower.checkpoint.FlowerCheckpoint`).
 """
 
 from __future__ import annotations
 
-from dataclasses import asdict
 from typing import Any
 
 import numpy as np
 from flwr.app import ConfigRecord, Message, RecordDict
 
 from partialfl.algorithms.base import ClientResult, RoundContext, ServerState, concat_results
-from partialfl.flower import checkpoint
+from partialfl.flower.checkpoint import FlowerCheckpoint
 from partialfl.flower.codec import WireFormatError, decode_updates, params_to_record
 from partialfl.flower.config import ConfigError, FlowerConfig, parse_fault_injection
 from partialfl.flower.evaluate import evaluate_now
 from partialfl.flower.federation import Federation, Link, ServerProblem
 from partialfl.flower.report import (
-    Failure,
     FlowerRunReport,
     ReportLog,
     ServerStopped,
@@ -34,16 +32,22 @@ from partialfl.flower.report import (
     record_failure,
 )
 from partialfl.metrics import closed_form_metrics
-from partialfl.runtime.faults import FaultLog
 from partialfl.runtime.sync import run_rounds
 from partialfl.types import ClientUpdates, Params
 
 
-def train_content(theta: Params, round_: int, clients) -> RecordDict:
-    return RecordDict({
-        "theta": params_to_record(theta),
-        "task": ConfigRecord({"round": int(round_), "clients": [int(c) for c in clients]}),
-    })
+def train_content(theta: Params, round_: int, clients, shared=None) -> RecordDict:
+    """A train message: θ, the round, the clients and the numbers of the server state the
+    algorithm's clients read (``shared``: ``{name: value}`` of its ``shared_extra``)."""
+    task = {"round": int(round_), "clients": [int(c) for c in clients]}
+    task.update({f"extra.{n}": float(v) for n, v in (shared or {}).items()})
+    return RecordDict({"theta": params_to_record(theta), "task": ConfigRecord(task)})
+
+
+def shared_state(algorithm, state) -> dict[str, float]:
+    """``state.extra``'s entries the clients of ``algorithm`` read (``shared_extra``)."""
+    return {n: state.extra[n] for n in getattr(algorithm, "shared_extra", ())
+            if n in state.extra}
 
 
 def decode_reply(m: Message | None, theta, clients, fed: Federation, node: int, round_: int,
@@ -109,7 +113,9 @@ class FlowerRounds:
         pos = fed.owner[cohort]
         nodes = [fed.order[i] for i in sorted(set(pos.tolist()))]
         parts = {n: cohort[pos == fed.order.index(n)] for n in nodes}
-        items = [(n, "train", train_content(state.theta, r, parts[n]), r) for n in nodes]
+        shared = shared_state(algorithm, state)
+        items = [(n, "train", train_content(state.theta, r, parts[n], shared), r)
+                 for n in nodes]
         ids, got = self.link.exchange(items, self.cfg.round_timeout)
         replies = [rep for n, mid in zip(nodes, ids)
                    if (rep := decode_reply(got.get(mid), state.theta, parts[n], fed, n, r,
@@ -131,8 +137,8 @@ class FlowerRounds:
         return ClientResult(updates), np.searchsorted(cohort, np.asarray(updates.cohort))
 
     def _secagg_round(self, algorithm, state, cohort, r, faults):
-        """The round over SecAgg+ (:func:`partialfl.flower.secagg.secagg_round`): one row,
-        the round's mean; its position is the first surviving client's."""
+        """The round over SecAgg+ (:func:`partialfl.flower.secagg.secagg_round`): the round's
+        mean as the row of every surviving client."""
         from partialfl.flower.secagg import secagg_round
 
         report = self.report
@@ -147,44 +153,6 @@ class FlowerRounds:
             log.warning("partialfl: round %d: no SecAgg+ aggregate; θ unchanged", r)
             return None, np.arange(0)
         return ClientResult(updates), np.searchsorted(cohort, np.asarray(updates.cohort))
-
-
-class FlowerCheckpoint:
-    """The ServerApp's checkpoint in ``out-dir`` (:mod:`partialfl.flower.checkpoint`) with
-    the report so far, for :func:`partialfl.runtime.sync.run_rounds`; a loaded state must
-    have the structure, shapes and dtypes of ``fresh`` (this run's initial state)."""
-
-    def __init__(self, cfg: FlowerConfig, report: FlowerRunReport, fresh: ServerState) -> None:
-        self.cfg, self.report, self.fresh = cfg, report, fresh
-
-    def save(self, state, client_state, history, local_grads, faults) -> None:
-        """θ, the optimizer state and the report so far."""
-        rep = self.report
-        checkpoint.save(self.cfg, state, state.round, {
-            "history": history, "failures": [asdict(f) for f in rep.failures],
-            "skipped_rounds": rep.skipped_rounds, "requested": rep.requested_client_updates,
-            "grads": int(local_grads), "eval_withheld": rep.eval_withheld, "faults": faults})
-
-    def load(self):
-        """The saved state (the report restored), validated against the configuration."""
-        loaded, start, rep = checkpoint.load(self.cfg, like=self.fresh)
-        faults = rep.get("faults", {})
-        withheld = rep.get("eval_withheld", 0)
-        try:
-            FaultLog.check_state(faults)
-            if type(withheld) is not int:
-                raise ValueError(f"eval_withheld is malformed: {withheld!r:.60}")
-        except ValueError as e:
-            raise checkpoint.CheckpointError(f"checkpoint in {self.cfg.out_dir}: {e}") from None
-        report = self.report
-        report.failures = [Failure(**f) for f in rep["failures"]]
-        report.skipped_rounds = int(rep["skipped_rounds"])
-        report.requested_client_updates = int(rep["requested"])
-        report.eval_withheld = withheld
-        report.resumed_from = start
-        log.info("partialfl: resuming from the checkpoint of round %d in %s", start,
-                 self.cfg.out_dir)
-        return loaded, None, list(rep["history"]), int(rep["grads"]), faults
 
 
 def run_sync(link, cfg, fed, algorithm, state, ref, report, t0) -> ServerState:

@@ -8,9 +8,10 @@ the aggregator's weight: 1, or the client's example count under ``weighting = "e
 a node without sampled clients sends ``p_i = 0`` with weight 0 — and the mod sends ``p_i`` and
 ``A_i`` quantised and masked. The server unmasks only the sum and gets
 ``Σ_i A_i p_i / Σ_i A_i = Σ_m a_m v_m / Σ_m a_m``: the round's (weighted) mean of the updates,
-which is all the server step of a mean-aggregating algorithm uses. It applies that one row with
-the algorithm's own ``server_update``; no individual update, and no node's partial sum, is ever
-decoded on the server.
+which is all the server step of a mean-aggregating algorithm uses. It applies it with the
+algorithm's own ``server_update`` as the row of every client whose update is in it (views of
+one array: the server knows who took part, not what each sent); no individual update, and no
+node's partial sum, is ever decoded on the server.
 
 What the server still learns: the round's aggregate (hence θ), the cohort (it samples it) and
 which nodes took part, each node's total weight ``A_i`` (the count of its sampled clients, or
@@ -27,11 +28,15 @@ dynamics. The weights are quantised to the same resolution. A round costs four m
 exchanges instead of one (setup, key sharing, masked vectors, unmasking) plus the key
 agreement and masking on the nodes (docs/flower.md gives the measured per-round cost).
 
-Only algorithms whose server step depends on the updates through the mean alone qualify
-(:func:`check_algorithm`: the base ``server_update`` with a mean aggregator, no extra payload,
-stateless clients — FFGG, FedAvg, Local FFGG, FedProx, …); robust aggregation, the Byzantine
-attack, differential privacy and asynchronous rules need individual updates and are refused
-when the run config is parsed (:mod:`partialfl.flower.config`).
+Only algorithms whose server step depends on the updates through the mean (and their number)
+alone qualify (:func:`check_algorithm`: the base ``server_update`` with a mean aggregator, no
+extra payload, no per-client metric read by the server, stateless clients — FFGG, FedAvg,
+Local FFGG, FedProx, …; or a wrapper declaring ``mean_only`` around one: differential privacy
+with a fixed clip norm, the clients clipping — and in local mode noising — before their node
+combines them, the server adding the central noise to the unmasked sum). Robust aggregation,
+the Byzantine attack and asynchronous rules need individual updates and are refused when the
+run config is parsed (:mod:`partialfl.flower.config`), DP's adaptive clipping (it reads each
+client's clipping bit) by :func:`check_algorithm`.
 """
 
 from __future__ import annotations
@@ -57,6 +62,11 @@ def check_algorithm(algorithm) -> None:
         why = "keeps client state"
     elif declared_extras(algorithm):
         why = f"sends extra payloads {sorted(declared_extras(algorithm))}"
+    elif getattr(algorithm, "server_metrics", ()):
+        why = (f"reads each client's {list(algorithm.server_metrics)} in its server step "
+               "(DP's adaptive clipping: give a fixed clip_norm, or secagg = false)")
+    elif getattr(algorithm, "mean_only", False) and hasattr(algorithm, "base"):
+        return check_algorithm(algorithm.base)  # a wrapper whose step needs mean and count
     elif not isinstance(getattr(algorithm, "aggregator", None), Mean):
         why = f"aggregates with {type(getattr(algorithm, 'aggregator', None)).__name__}"
     elif type(algorithm).server_update is not Algorithm.server_update or \
@@ -64,8 +74,8 @@ def check_algorithm(algorithm) -> None:
         why = "has its own server step"
     if why:
         raise ConfigError(f"secagg: algorithm {name} {why}; SecAgg+ gives the server only the "
-                          "mean of a round's updates (FFGG, FedAvg, Local FFGG, FedProx "
-                          "qualify)")
+                          "mean of a round's updates (FFGG, FedAvg, Local FFGG, FedProx, and "
+                          "DP with a fixed clip norm qualify)")
 
 
 def quantisation_bound(cfg, num_nodes: int) -> float:
@@ -188,8 +198,9 @@ class _LinkGrid:
 def secagg_round(link, cfg, fed, state, cohort: np.ndarray, round_: int, algorithm, report,
                  faults):
     """One SecAgg+ round over every SuperNode; returns ``(updates or None, clients whose
-    updates are in the aggregate)``. The updates are ONE row: the round's mean (module
-    docstring). Nodes that drop out are recorded as failures of their sampled clients."""
+    updates are in the aggregate)``. Every one of those clients' rows is the round's mean
+    (module docstring). Nodes that drop out are recorded as failures of their sampled
+    clients."""
     import flwr.compat.common.recorddict_compat as compat
     from flwr.app import ConfigRecord, Context, RecordDict
     from flwr.common import FitIns, ndarrays_to_parameters
@@ -239,7 +250,9 @@ def secagg_round(link, cfg, fed, state, cohort: np.ndarray, round_: int, algorit
             record_failure(report, round_, "invalid", fed.partition(n), parts[n],
                            "the SecAgg+ aggregate does not fit θ or is not finite", faults)
         return None, np.zeros(0, np.int64)
-    like = {n: a[None].astype(v.dtype) for n, a, v in zip(names, agg, values)}
-    vectors = {n: arrays.to_torch(v) for n, v in like.items()} if fed.torch else like
+    mean = {n: a.astype(v.dtype) for n, a, v in zip(names, agg, values)}
+    k = len(alive)  # every surviving client's row is the mean (views of one array)
+    vectors = ({n: arrays.to_torch(v).unsqueeze(0).expand(k, *v.shape) for n, v in mean.items()}
+               if fed.torch else {n: np.broadcast_to(v, (k, *v.shape)) for n, v in mean.items()})
     grads = int(sum(int(f.metrics.get("grad-evals", 0)) for f in fitres.values()))
-    return ClientUpdates(vectors, np.ones(1), alive[:1].copy(), grads), alive
+    return ClientUpdates(vectors, np.ones(k), alive.copy(), grads), alive

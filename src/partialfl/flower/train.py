@@ -97,18 +97,22 @@ def _federation(spec, engine: str, num_supernodes: int, superlink, root_certific
                            allow_imports=_names_code(spec))
 
 
-def _check_stateless(run) -> None:
-    """The Flower app keeps no client state between rounds: refuse an algorithm that does."""
+def _check_algorithms(run, flower: dict[str, Any]) -> None:
+    """Before Flower starts, refuse what the apps would: an algorithm that keeps client
+    state between rounds (:data:`STATEFUL`), and with ``secagg`` one whose server step needs
+    more than the mean (:func:`partialfl.flower.secagg.check_algorithm`)."""
     from partialfl.build import stage_algorithm
     from partialfl.config import ConfigError
+    from partialfl.flower.config import STATEFUL
+    from partialfl.flower.secagg import check_algorithm
 
     n = run.problem.num_clients if run.problem is not None else run.task.data.num_clients
     for stage in ("pretrain", "personalize") if run.task is not None else ("personalize",):
         alg = stage_algorithm(run.spec.effective(), stage, problem=run.problem, num_clients=n)
         if getattr(alg, "stateful_clients", False):
-            raise ConfigError(f"method.algorithm: {run.spec.method.algorithm} keeps client "
-                              "state between rounds; the Flower app runs stateless algorithms "
-                              "only")
+            raise ConfigError(f"method.algorithm: {run.spec.method.algorithm} {STATEFUL}")
+        if flower.get("secagg"):
+            check_algorithm(alg)
 
 
 def _records(path: Path, static: dict[str, Any], history: list[dict]) -> None:
@@ -136,9 +140,9 @@ def run_flower_train(spec, out: str | Path, *, engine: str = "flower-sim",
     if federation is None:
         _check_engine(engine, superlink, root_certificates)
     run = build(spec)  # validates everything and loads the data before Flower starts
-    _check_stateless(run)
-    eff = spec.effective()
     extra = dict(flower or {})
+    _check_algorithms(run, extra)
+    eff = spec.effective()
     if dry_run:
         shown = json.dumps({k: v for k, v in stage_run_config(
             spec, "personalize", "STAGE1.npz", **extra).items() if k != "spec"})
@@ -238,7 +242,7 @@ def run_flower_closed_form(spec, out: str | Path, *, engine: str = "flower-sim",
     if federation is None:
         _check_engine(engine, superlink, root_certificates)
     run = build(spec)
-    _check_stateless(run)
+    _check_algorithms(run, dict(flower or {}))
     out = Path(out).expanduser().resolve()
     fed = federation if federation is not None else _federation(
         spec, engine, num_supernodes, superlink, root_certificates)

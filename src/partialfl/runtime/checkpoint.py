@@ -227,7 +227,9 @@ class Checkpoint:
             raise pio.FileFormatError(f"checkpoint {self.path} is of a {meta.get('kind')!r} "
                                       f"run, not a {self.kind!r} one")
         if not isinstance(meta.get("generation"), int) or not isinstance(meta.get("files"),
-                                                                         dict):
+                                                                         dict) \
+                or not isinstance(meta.get("fingerprint"), dict | None) \
+                or not isinstance(meta.get("progress", {}), dict):
             raise pio.FileFormatError(f"checkpoint {self.path} has a corrupt pointer")
         return meta
 

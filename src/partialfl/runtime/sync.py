@@ -150,12 +150,15 @@ class FileCheckpoint:
     """The synchronous loop's state in a :class:`~partialfl.runtime.checkpoint.Checkpoint`
     at ``path`` (crash-consistent generations, validated against the run's ``fingerprint``);
     with ``private`` the client state goes to the client-side file. Tensors are loaded onto
-    ``device`` (None: where they were, if this machine has it, else the CPU)."""
+    ``device`` (None: where they were, if this machine has it, else the CPU). ``extra``: the
+    transport's own bookkeeping, saved with its ``state()`` and given back to its
+    ``restore(saved)`` on load (the Flower ServerApp's report), as in
+    :class:`~partialfl.runtime.asynchronous.AsyncCheckpoint`."""
 
     def __init__(self, path: str | Path, fingerprint: dict | None, private: bool = True,
-                 device=None) -> None:
+                 device=None, extra=None) -> None:
         self.codec = Checkpoint(path, fingerprint, kind="sync", private=private)
-        self.path, self.device = self.codec.path, device
+        self.path, self.device, self.extra = self.codec.path, device, extra
 
     def __str__(self) -> str:
         return str(self.path)
@@ -163,7 +166,9 @@ class FileCheckpoint:
     def save(self, state, client_state, history, grad_evals, faults) -> None:
         """Commit the run state as a new generation."""
         self.codec.save({"state": state, "history": history, "grad_evals": int(grad_evals),
-                         "faults": faults}, client_state, progress={"round": state.round})
+                         "faults": faults}, client_state,
+                        extra=None if self.extra is None else self.extra.state(),
+                        progress={"round": state.round})
 
     def load(self):
         """The saved run state, or None if there is no checkpoint yet."""
@@ -171,6 +176,8 @@ class FileCheckpoint:
         if saved is None:
             return None
         s = saved.server
+        if self.extra is not None:
+            self.extra.restore(saved.extra or {})
         return (s["state"], saved.client, s["history"], int(s["grad_evals"]),
                 s.get("faults", {}))
 
