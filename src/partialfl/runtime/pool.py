@@ -14,10 +14,13 @@ dynamic, and the caller always knows which task each worker runs.
 
 θ travels in shared memory: each worker maps its own shared copy of θ's tensors, which the
 parent overwrites before handing it a task computed from another θ (a new dict or a changed
-tensor); only the client id, the round context, the server state's small extras and the
-client's state rows go through the worker's task queue. Results come back on the worker's
-own pipe (a shared queue's lock could be left held by a worker killed mid-write), tensors
-through shared memory, copied out on arrival. θ of numpy arrays travels with each task.
+tensor); only the client id, the round context, the server state's extras and the client's
+state rows go through the worker's task queue, their arrays in the worker's inbound
+shared-memory slots (:mod:`partialfl.runtime.slots`). Results come back on the worker's own
+pipe (a shared queue's lock could be left held by a worker killed mid-write), their arrays
+in its outbound slots, copied out on arrival. A worker holds at most
+:data:`~partialfl.runtime.slots.SLOTS` tasks (the slots' reuse depends on it). θ of numpy
+arrays travels with each task (in the slots).
 
 Liveness, so that nothing waits forever: :meth:`WorkerPool.next` returns within its
 ``timeout`` (None: when an event comes, checking the workers every ``poll`` seconds); a worker
@@ -53,8 +56,8 @@ from typing import Any
 
 import numpy as np
 
-from partialfl import arrays
-from partialfl.algorithms.base import ClientResult, RoundContext, ServerState
+from partialfl.algorithms.base import RoundContext, ServerState
+from partialfl.runtime.slots import SLOTS, SlotReader, SlotWriter
 from partialfl.types import Params
 
 START_METHODS = ("fork", "spawn", "forkserver")
@@ -146,6 +149,7 @@ def _work(problem, algorithm, tasks, out, parent: int) -> None:
     if "torch" in sys.modules:
         sys.modules["torch"].set_num_threads(1)
     theta = None
+    inbox, outbox = SlotReader(), SlotWriter()
     out.send(("ready",))
     while True:
         try:
@@ -156,9 +160,10 @@ def _work(problem, algorithm, tasks, out, parent: int) -> None:
             continue
         if task is None:
             return
-        tid, client, state, ctx, cs, seconds, new_theta = task
+        tid, client, packed, seconds, new_theta = task
         start = time.perf_counter()
         try:
+            state, ctx, cs = inbox.unpack(packed)
             if new_theta is not None:
                 theta = new_theta if isinstance(new_theta, dict) else theta
                 state = replace(state, theta=theta)
@@ -166,7 +171,7 @@ def _work(problem, algorithm, tasks, out, parent: int) -> None:
             busy = time.perf_counter() - start
             if seconds > busy:
                 time.sleep(seconds - busy)
-            out.send(("ok", tid, res, busy))
+            out.send(("ok", tid, outbox.pack(res), busy))
         except Exception as e:  # report it: the client is skipped, the worker lives on
             out.send(("error", tid, traceback.format_exc(), _portable(e)))
 
@@ -187,18 +192,6 @@ def _is_tensor(v) -> bool:
 def _theta_key(theta: Params) -> tuple:
     """Identifies θ's values: its leaves and their in-place version counters."""
     return tuple((n, id(v), v._version) for n, v in theta.items())
-
-
-def _own(res: ClientResult) -> ClientResult:
-    """Copy a result's tensors out of the worker's shared memory segments."""
-
-    def cp(tree):
-        return None if tree is None else {n: (arrays.copy(v) if arrays.is_torch(v) else v)
-                                          for n, v in tree.items()}
-
-    u = res.updates
-    up = replace(u, vectors=cp(u.vectors), extra={e: cp(t) for e, t in u.extra.items()})
-    return ClientResult(up, cp(res.client_state))
 
 
 _LIVE = ("starting", "ready")
@@ -242,6 +235,8 @@ class WorkerPool:
         self.theta: list[dict | None] = [None] * workers  # each worker's shared θ
         self.held: list[tuple | None] = [None] * workers  # (key, leaves) of its values
         self.has_theta = [False] * workers  # the worker process maps its shared θ
+        self.outboxes: list[SlotWriter | None] = [None] * workers  # tasks → worker w
+        self.inboxes: list[SlotReader | None] = [None] * workers  # worker w's results →
         self.respawns = [0] * workers
         self.ready_queue: list[int] = []
         self.closed = False
@@ -261,6 +256,7 @@ class WorkerPool:
         self.procs[w], self.readers[w] = p, reader
         self.status[w], self.started[w] = "starting", time.monotonic()
         self.has_theta[w] = False  # a new process does not map the shared θ yet
+        self.outboxes[w], self.inboxes[w] = SlotWriter(), SlotReader()  # fresh slots too
 
     def fits(self, problem, algorithm) -> bool:
         """Whether this open pool runs ``problem`` and ``algorithm`` (the same objects)."""
@@ -296,10 +292,13 @@ class WorkerPool:
 
     def send(self, w: int, task: Task) -> None:
         """Hand ``task`` to started worker ``w`` (queued behind its pending tasks, which
-        must have been sent the same θ)."""
+        must have been sent the same θ; at most :data:`~partialfl.runtime.slots.SLOTS`)."""
         self._check_open()
         if self.status[w] != "ready":
             raise WorkerError(f"worker {w} is {self.status[w]}, not ready for a task")
+        if len(self.pending[w]) >= SLOTS:
+            raise WorkerError(f"worker {w} already holds {SLOTS} tasks (the most its "
+                              "shared-memory slots allow)")
         state, new_theta = task.state, None
         if state.theta and all(_is_tensor(v) for v in state.theta.values()):
             if self.pending[w] and (self.held[w] is None or
@@ -307,8 +306,9 @@ class WorkerPool:
                 raise WorkerError(f"worker {w} has tasks pending on another θ")
             new_theta = self._share_theta(w, state.theta)
             state = replace(state, theta={})
-        self.tasks[w].put((task.id, int(task.client), replace(state, opt_state=None),
-                           task.ctx, task.client_state, float(task.seconds), new_theta))
+        packed = self.outboxes[w].pack((replace(state, opt_state=None), task.ctx,
+                                        task.client_state))
+        self.tasks[w].put((task.id, int(task.client), packed, float(task.seconds), new_theta))
         if not self.pending[w]:
             self.since[w] = time.monotonic()
         self.pending[w].append(task.id)
@@ -380,7 +380,8 @@ class WorkerPool:
         tid = self.pending[w].pop(0)
         self.since[w] = time.monotonic()  # the next pending task starts now
         if msg[0] == "ok":
-            return PoolEvent("done", w, tid, _own(msg[2]), busy=float(msg[3]))
+            return PoolEvent("done", w, tid, self.inboxes[w].unpack(msg[2]),
+                             busy=float(msg[3]))
         return PoolEvent("error", w, tid, msg[2], error=msg[3])
 
     def _check_liveness(self) -> PoolEvent | None:
