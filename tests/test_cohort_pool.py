@@ -319,3 +319,31 @@ def _exists(pid: int) -> bool:
             return f.read().split(")")[-1].split()[0] != "Z"
     except FileNotFoundError:
         return False
+
+
+class _StartTime:
+    """A client that reports when it started (CLOCK_MONOTONIC: one clock for all processes)."""
+
+    def client_update(self, state, problem, cohort, ctx, client_state=None):
+        from partialfl.algorithms.base import ClientResult
+        from partialfl.types import ClientUpdates
+
+        t = np.array([time.monotonic_ns()])
+        return ClientResult(ClientUpdates({"x": np.zeros((1, 1))}, np.ones(1), cohort,
+                                          metrics={"start": t}))
+
+
+def test_clients_start_largest_first_and_come_back_in_cohort_order():
+    """Longest-processing-time-first, as the threads backend: the large clients start first,
+    so none is left to start last while the other workers idle."""
+    from partialfl.algorithms.base import RoundContext, ServerState
+    from partialfl.runtime.clients import ClientCall
+
+    data = toy_data(8, sizes=np.array([3, 9, 1, 9, 5, 12, 2, 7]))
+    pb = _problem("output", False, data)
+    call = ClientCall(_StartTime(), pb, ServerState({}), np.arange(8), RoundContext(0, 0))
+    with ProcessBackend(workers=1) as be:
+        out = be.map_groups(call, [np.array([i]) for i in range(8)])
+    assert [int(r.updates.cohort[0]) for r in out] == list(range(8))
+    started = [int(r.updates.metrics["start"][0]) for r in out]
+    assert list(np.argsort(started)) == [5, 1, 3, 7, 4, 0, 6, 2]  # ties (9, 9) in cohort order

@@ -2,7 +2,9 @@
 :class:`~partialfl.runtime.pool.WorkerPool` (persistent workers, θ in shared memory,
 one-client tasks handed to idle workers, dead-worker detection; see :mod:`partialfl.runtime.pool`).
 
-Each worker runs exactly what :class:`SequentialBackend` runs for a client,
+Clients are handed out largest first (:func:`~partialfl.runtime.clients.largest_first`,
+as the threads backend does) to whichever worker is free. Each worker runs exactly what
+:class:`SequentialBackend` runs for a client,
 ``algorithm.client_update(state, problem, [m], ctx, state_rows_m)``. Bit-exactness: the
 parent stacks the per-client rows in cohort order, as the sequential backend does, and the
 aggregator (mean, or any robust rule) runs on them in the parent. So the result equals the
@@ -27,7 +29,7 @@ import numpy as np
 
 from partialfl.algorithms.base import ClientResult
 from partialfl.batching import check_device
-from partialfl.runtime.clients import ClientCall, CohortRunner
+from partialfl.runtime.clients import ClientCall, CohortRunner, largest_first
 from partialfl.runtime.faults import is_data_error
 from partialfl.runtime.pool import (
     START_METHODS,
@@ -110,7 +112,7 @@ class ProcessBackend(CohortRunner):
         pos = np.concatenate(groups)
         clients = fn.cohort[pos]
         cs = fn.client_state
-        todo = deque(range(len(pos)))
+        todo = deque(largest_first(fn, [pos[i:i + 1] for i in range(len(pos))]))
         out: list[ClientResult | None] = [None] * len(pos)
         failures: dict[int, tuple[str, str]] = {}
         try:

@@ -47,7 +47,7 @@ from dataclasses import replace
 
 import numpy as np
 
-from partialfl.runtime.clients import ClientCall, CohortRunner
+from partialfl.runtime.clients import ClientCall, CohortRunner, largest_first
 from partialfl.runtime.cohort_pool import default_workers
 
 
@@ -84,16 +84,6 @@ class _Round:
             except BaseException as e:  # noqa: BLE001 - re-raised by the caller
                 with self.lock:
                     self.errors[i] = e
-
-
-def largest_first(fn, groups: list[np.ndarray]) -> list[int]:
-    """The order to hand out ``groups``: most training examples first (ties in cohort order)
-    for a :class:`ClientCall` whose problem counts examples, else cohort order."""
-    count = getattr(getattr(fn, "problem", None), "num_examples", None)
-    if not isinstance(fn, ClientCall) or count is None:
-        return list(range(len(groups)))
-    sizes = [int(np.sum(count(fn.cohort[g]))) for g in groups]
-    return sorted(range(len(groups)), key=lambda i: -sizes[i])
 
 
 class ThreadBackend(CohortRunner):
