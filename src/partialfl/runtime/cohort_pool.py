@@ -70,7 +70,10 @@ class ProcessBackend(CohortRunner):
     the algorithm stay the same objects (a new pair starts a new one); :meth:`close` (or the
     end of the program) stops it. ``task_timeout``: seconds after which a client's
     computation is killed and counted as a worker death (None: no limit; a dead worker is
-    always detected within ``poll`` seconds).
+    always detected within ``poll`` seconds). ``own_session``: each worker in a process
+    session of its own, dying with this process (a fair CPU share per worker on a busy Linux
+    machine, as torchrun's ranks have; :func:`partialfl.runtime.pool._detach`); an interrupt
+    of this process (Ctrl-C) then kills the workers at once.
     """
 
     name = "processes"
@@ -78,7 +81,7 @@ class ProcessBackend(CohortRunner):
 
     def __init__(self, workers: int | None = None, start_method: str | None = None,
                  task_timeout: float | None = None, poll: float = 0.2,
-                 max_respawns: int = 100) -> None:
+                 max_respawns: int = 100, own_session: bool = True) -> None:
         if workers is not None and (not isinstance(workers, int) or workers < 1):
             raise ValueError(f"workers must be a positive integer or None, got {workers!r}")
         if start_method is not None and start_method not in START_METHODS:
@@ -87,6 +90,7 @@ class ProcessBackend(CohortRunner):
         self.workers = workers or default_workers()
         self.start_method = start_method or default_start_method()
         self.task_timeout, self.poll, self.max_respawns = task_timeout, poll, max_respawns
+        self.own_session = own_session
         self._pool: WorkerPool | None = None
         self._finalizer = None
 
@@ -96,7 +100,8 @@ class ProcessBackend(CohortRunner):
             self._pool = WorkerPool(problem, algorithm, self.workers,
                                     start_method=self.start_method, poll=self.poll,
                                     task_timeout=self.task_timeout,
-                                    max_respawns=self.max_respawns)
+                                    max_respawns=self.max_respawns,
+                                    own_session=self.own_session)
             self._finalizer = weakref.finalize(self, self._pool.close)
             self._pool.wait_ready()
         return self._pool
@@ -140,6 +145,9 @@ class ProcessBackend(CohortRunner):
         except WorkerError:
             self.close()  # every worker gone: the next round starts a new pool
             raise
+        except KeyboardInterrupt:
+            self.close(wait=0.0)  # the workers (in sessions of their own) never saw it
+            raise
         except BaseException:
             self.close()  # a data error: workers may still be busy with this cohort
             raise
@@ -147,8 +155,11 @@ class ProcessBackend(CohortRunner):
             raise ClientsFailed(out, failures, clients)
         return out  # type: ignore[return-value]
 
-    def close(self) -> None:
-        """Stop the worker processes (a later round starts new ones)."""
+    def close(self, wait: float | None = None) -> None:
+        """Stop the worker processes (a later round starts new ones), killing those still
+        busy after ``wait`` seconds (None: the pool's default, 10 s)."""
+        if wait is not None and self._pool is not None:
+            self._pool.close(timeout=wait)
         if self._finalizer is not None:
             self._finalizer()
         self._pool, self._finalizer = None, None

@@ -144,8 +144,31 @@ def _single_threaded_children():
                 os.environ[k] = v
 
 
-def _work(problem, algorithm, tasks, out, parent: int) -> None:
+def _detach() -> None:
+    """Put this worker in a session of its own, bound to die with its parent.
+
+    Why: Linux groups runnable processes by session (autogroup) and shares the CPUs fairly
+    between the groups, so on a busy machine N workers in their parent's session share ONE
+    group's slice while N processes in sessions of their own (as ``torchrun`` starts its
+    ranks) get N slices: measured on a loaded 2-core machine, a FedAvg round's median went
+    from 0.64 s to 0.41 s; on a quiet machine nothing changes. A worker outside the parent's
+    process group no longer gets the terminal's signals (Ctrl-C reaches the parent, which
+    closes the pool) nor a kill of the group, so on Linux it asks the kernel for SIGKILL
+    when its parent dies (``PR_SET_PDEATHSIG``); elsewhere it still quits within a second of
+    its parent when idle (see :func:`_work`)."""
+    with contextlib.suppress(OSError):
+        os.setsid()
+    if sys.platform.startswith("linux"):
+        import ctypes
+
+        with contextlib.suppress(OSError, AttributeError):
+            ctypes.CDLL(None, use_errno=True).prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
+
+
+def _work(problem, algorithm, tasks, out, parent: int, own_session: bool = True) -> None:
     """A worker's loop (see the module docstring): quits on None or when the parent is gone."""
+    if own_session:
+        _detach()
     if "torch" in sys.modules:
         sys.modules["torch"].set_num_threads(1)
     theta = None
@@ -200,11 +223,13 @@ _LIVE = ("starting", "ready")
 class WorkerPool:
     """``workers`` persistent worker processes for one (problem, algorithm) pair (see the
     module docstring). Worker states: ``starting``, ``ready`` (takes tasks; runs them in the
-    order sent), ``dead`` (until :meth:`restart`), ``retired``."""
+    order sent), ``dead`` (until :meth:`restart`), ``retired``. ``own_session``: each worker
+    in a session of its own, dying with its parent (:func:`_detach`)."""
 
     def __init__(self, problem, algorithm, workers: int, *, start_method: str | None = None,
                  poll: float = 0.2, task_timeout: float | None = None,
-                 start_timeout: float = 600.0, max_respawns: int = 3) -> None:
+                 start_timeout: float = 600.0, max_respawns: int = 3,
+                 own_session: bool = True) -> None:
         if not isinstance(workers, int) or workers < 1:
             raise ValueError(f"workers must be a positive integer, got {workers!r}")
         method = start_method or default_start_method()
@@ -224,7 +249,7 @@ class WorkerPool:
         self.problem, self.algorithm, self.n = problem, algorithm, workers
         self.key = (id(problem), id(algorithm))  # ``problem``/``algorithm`` kept alive above
         self.poll, self.task_timeout, self.start_timeout = poll, task_timeout, start_timeout
-        self.max_respawns = max_respawns
+        self.max_respawns, self.own_session = max_respawns, own_session
         self.procs: list = [None] * workers
         self.tasks: list = [None] * workers
         self.readers: list = [None] * workers
@@ -250,7 +275,7 @@ class WorkerPool:
         with _single_threaded_children():
             p = self.ctx.Process(target=_work, daemon=True, name=f"{WORKER_NAME}-{w}",
                                  args=(self.problem, self.algorithm, self.tasks[w], writer,
-                                       os.getpid()))
+                                       os.getpid(), self.own_session))
             p.start()
         writer.close()  # the worker holds the only writing end: EOF when it dies
         self.procs[w], self.readers[w] = p, reader
