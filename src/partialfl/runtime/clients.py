@@ -3,8 +3,7 @@
 :class:`ClientCall` is ``algorithm.client_update`` for some positions of a cohort, with those
 clients' rows of the client state; it is a picklable value, so a pool (worker processes) can
 run it. :class:`CohortRunner` gives every mode the runtime's ``run(algorithm, state, problem,
-cohort, ctx, client_state)``; :func:`largest_first` is the order in which the pool modes
-(threads, processes) hand clients out.
+cohort, ctx, client_state)``.
 """
 
 from __future__ import annotations
@@ -60,17 +59,3 @@ class CohortRunner:
         """The cohort's client update, its clients mapped as this mode says."""
         return run_clients(algorithm, state, problem, cohort, ctx, client_state, self)
 
-
-def largest_first(fn, groups: list[np.ndarray]) -> list[int]:
-    """The order in which a pool mode hands out ``groups``: most training examples first
-    (ties in cohort order) for a :class:`ClientCall` whose problem counts examples, else cohort
-    order. Longest-processing-time-first: handed out to whichever worker is free, the large
-    clients start early and the small ones fill the gaps at the end of the round, instead of a
-    large client starting last while the other workers idle."""
-    count = getattr(getattr(fn, "problem", None), "num_examples", None)
-    if not isinstance(fn, ClientCall) or count is None or not groups:
-        return list(range(len(groups)))
-    per_client = np.asarray(count(fn.cohort[np.concatenate(groups)]), dtype=np.int64)
-    ends = np.cumsum([len(g) for g in groups])
-    sizes = [int(per_client[e - len(g):e].sum()) for g, e in zip(groups, ends)]
-    return sorted(range(len(groups)), key=lambda i: -sizes[i])

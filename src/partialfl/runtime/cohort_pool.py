@@ -2,8 +2,9 @@
 :class:`~partialfl.runtime.pool.WorkerPool` (persistent workers, θ in shared memory,
 one-client tasks handed to idle workers, dead-worker detection; see :mod:`partialfl.runtime.pool`).
 
-Clients are handed out largest first (:func:`~partialfl.runtime.clients.largest_first`,
-as the threads backend does) to whichever worker is free. Each worker runs exactly what
+Clients are handed out as planned by :class:`~partialfl.runtime.schedule.Schedule` (a list of
+near-equal training examples per worker, largest first, a worker with nothing left taking
+over another's smallest client), as in the threads backend. Each worker runs exactly what
 :class:`SequentialBackend` runs for a client,
 ``algorithm.client_update(state, problem, [m], ctx, state_rows_m)``. Bit-exactness: the
 parent stacks the per-client rows in cohort order, as the sequential backend does, and the
@@ -23,13 +24,12 @@ next round starts a new one.
 from __future__ import annotations
 
 import weakref
-from collections import deque
 
 import numpy as np
 
 from partialfl.algorithms.base import ClientResult
 from partialfl.batching import check_device
-from partialfl.runtime.clients import ClientCall, CohortRunner, largest_first
+from partialfl.runtime.clients import ClientCall, CohortRunner
 from partialfl.runtime.faults import is_data_error
 from partialfl.runtime.pool import (
     START_METHODS,
@@ -39,6 +39,7 @@ from partialfl.runtime.pool import (
     default_start_method,
     default_workers,
 )
+from partialfl.runtime.schedule import Schedule
 
 __all__ = ["START_METHODS", "ClientsFailed", "ProcessBackend", "WorkerError",
            "default_start_method", "default_workers"]
@@ -117,7 +118,7 @@ class ProcessBackend(CohortRunner):
         pos = np.concatenate(groups)
         clients = fn.cohort[pos]
         cs = fn.client_state
-        todo = deque(largest_first(fn, [pos[i:i + 1] for i in range(len(pos))]))
+        todo = Schedule.of(fn, [pos[i:i + 1] for i in range(len(pos))], pool.n)
         out: list[ClientResult | None] = [None] * len(pos)
         failures: dict[int, tuple[str, str]] = {}
         try:
@@ -126,7 +127,7 @@ class ProcessBackend(CohortRunner):
                 # (the worker need not wait while this process reads its last result)
                 while todo and (ws := pool.free(2 if len(todo) > pool.n else 1)):
                     for w in ws[:len(todo)]:
-                        i = todo.popleft()
+                        i = todo.take(w)
                         p = int(pos[i])
                         rows = None if cs is None else {n: v[p:p + 1] for n, v in cs.items()}
                         pool.send(w, Task(i, int(clients[i]), fn.state, fn.ctx, rows))
@@ -140,7 +141,7 @@ class ProcessBackend(CohortRunner):
                 elif ev.kind == "death":
                     if ev.task is not None:
                         failures[ev.task] = ("death", ev.payload)
-                    todo.extendleft(reversed(ev.unstarted))  # never run: run them elsewhere
+                    todo.give_back(ev.worker, ev.unstarted)  # never run: run them later
                     pool.restart(ev.worker)
         except WorkerError:
             self.close()  # every worker gone: the next round starts a new pool
