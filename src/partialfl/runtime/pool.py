@@ -264,6 +264,7 @@ class WorkerPool:
         self.inboxes: list[SlotReader | None] = [None] * workers  # worker w's results →
         self.respawns = [0] * workers
         self.ready_queue: list[int] = []
+        self._liveness_at = 0.0  # when next() checks the workers' liveness again
         self.closed = False
         for w in range(workers):
             self._spawn(w)
@@ -380,9 +381,12 @@ class WorkerPool:
                 w = self.ready_queue.pop(0)
                 if self.status[w] in _LIVE:
                     return self._read(w)
-            ev = self._check_liveness()
-            if ev is not None:
-                return ev
+            now = time.monotonic()
+            if now >= self._liveness_at:  # at most once per poll interval while events flow
+                ev = self._check_liveness()  # (a death with EOF is read at once anyway)
+                if ev is not None:
+                    return ev  # check again at the next call: another may be gone too
+                self._liveness_at = now + self.poll
             live = {self.readers[w]: w for w in range(self.n) if self.status[w] in _LIVE}
             if not live:
                 raise WorkerError(f"no worker process is left (each died; "
