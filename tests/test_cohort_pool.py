@@ -319,3 +319,78 @@ def _exists(pid: int) -> bool:
             return f.read().split(")")[-1].split()[0] != "Z"
     except FileNotFoundError:
         return False
+
+
+class _StartTime:
+    """A client that reports when it started (CLOCK_MONOTONIC: one clock for all processes)."""
+
+    def client_update(self, state, problem, cohort, ctx, client_state=None):
+        from partialfl.algorithms.base import ClientResult
+        from partialfl.types import ClientUpdates
+
+        t = np.array([time.monotonic_ns()])
+        return ClientResult(ClientUpdates({"x": np.zeros((1, 1))}, np.ones(1), cohort,
+                                          metrics={"start": t}))
+
+
+def test_clients_start_largest_first_and_come_back_in_cohort_order():
+    """Longest-processing-time-first, as the threads backend: the large clients start first,
+    so none is left to start last while the other workers idle."""
+    from partialfl.algorithms.base import RoundContext, ServerState
+    from partialfl.runtime.clients import ClientCall
+
+    data = toy_data(8, sizes=np.array([3, 9, 1, 9, 5, 12, 2, 7]))
+    pb = _problem("output", False, data)
+    call = ClientCall(_StartTime(), pb, ServerState({}), np.arange(8), RoundContext(0, 0))
+    with ProcessBackend(workers=1) as be:
+        out = be.map_groups(call, [np.array([i]) for i in range(8)])
+    assert [int(r.updates.cohort[0]) for r in out] == list(range(8))
+    started = [int(r.updates.metrics["start"][0]) for r in out]
+    assert list(np.argsort(started)) == [5, 1, 3, 7, 4, 0, 6, 2]  # ties (9, 9) in cohort order
+
+
+_BUSY_ORPHAN = r"""
+import os, sys, time
+sys.path.insert(0, sys.argv[1])
+from conftest import SMALL
+from partialfl.algorithms import FFGG
+from partialfl.local import GradientDescent
+from partialfl.problems.least_squares import LeastSquaresProblem
+from partialfl.runtime.pool import Task, WorkerPool
+p = LeastSquaresProblem(SMALL)
+alg = FFGG(GradientDescent(1))
+pool = WorkerPool(p, alg, 2, start_method="fork")
+pool.wait_ready()
+state = alg.init(p, p.init_theta())
+from partialfl.algorithms.base import RoundContext
+for w in range(2):  # each worker busy for 60 s (it sleeps out the task's duration)
+    pool.send(w, Task(w, w, state, RoundContext(0, 0), None, 60.0))
+time.sleep(1.0)
+print(*[q.pid for q in pool.procs], flush=True)
+os._exit(0)  # the parent dies without closing the pool
+"""
+
+
+@pytest.mark.timeout(60)
+def test_workers_have_their_own_sessions_and_die_with_their_parent_even_when_busy(tmp_path):
+    """Each worker is a session of its own (a fair CPU share per worker under load, as
+    torchrun's ranks) and, out of the parent's process group, is killed by the kernel when
+    its parent dies, even in the middle of a task."""
+    import subprocess
+    import sys
+
+    with ProcessBackend(workers=1) as be:
+        run_rounds(LeastSquaresProblem(SMALL, basis="standard"), Scaffold(2), 1,
+                   clients_per_round=1, backend=be)
+        pid = be._pool.procs[0].pid
+        assert os.getsid(pid) == pid != os.getsid(0)
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(sys.path)}
+    with open(tmp_path / "pids", "w") as f:  # a file, not a pipe the workers would hold
+        subprocess.run([sys.executable, "-c", _BUSY_ORPHAN, os.path.dirname(__file__)],
+                       env=env, check=True, stdout=f, timeout=50)
+    pids = [int(x) for x in (tmp_path / "pids").read_text().split()]
+    assert len(pids) == 2
+    deadline = time.monotonic() + 5
+    while any(_exists(pid) for pid in pids) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert not any(_exists(pid) for pid in pids)

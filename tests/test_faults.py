@@ -279,3 +279,23 @@ def test_a_store_error_stops_an_asynchronous_run(tmp_path):
     pb = _corrupt_client_store(tmp_path)
     with pytest.raises(StoreError, match="train_y.bin"):  # (it used to be skipped)
         run_async(pb, FedAvg(SGDConfig(lr=0.1, batch_size=4)), steps=12, concurrency=2)
+
+
+def test_row_norms_of_tensors_match_the_scaled_float64_reference():
+    """The server's per-row norms (θ growth diagnostics): torch's float64 reduction for fp32
+    and fp16 tensors, the scaled numpy path otherwise; non-finite rows are inf, no finite
+    row overflows."""
+    import torch
+
+    from partialfl.runtime.faults import _row_norms
+
+    x = torch.tensor([[3.0, 4.0, 0.0], [float("nan"), 1.0, 0.0], [float("inf"), 0.0, 0.0],
+                      [3e38, 3e38, -3e38], [0.0, 0.0, 0.0]])
+    ref = _row_norms(x.numpy())  # the numpy path
+    for got in (_row_norms(x), _row_norms(x.double()), _row_norms(x[:1].half())):
+        np.testing.assert_allclose(got, ref[:len(got)], rtol=1e-12)
+    assert np.isinf(ref[1:3]).all() and np.isfinite(ref[3]) and ref[4] == 0.0
+    r = torch.randn(7, 5, 3, generator=torch.Generator().manual_seed(0))
+    np.testing.assert_allclose(_row_norms(r), np.sqrt((r.double() ** 2).sum((1, 2))).numpy(),
+                               rtol=1e-12)
+    assert _row_norms(torch.zeros(2, 0)).tolist() == [0.0, 0.0]

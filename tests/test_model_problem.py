@@ -262,3 +262,27 @@ def test_errors():
         SGDConfig(lr=0)
     with pytest.raises(KeyError, match="personal values"):
         ModelProblem(make_split(toy_model(), "output"), toy_data(), w_pretrained={"x": 1})
+
+
+def test_one_client_kernels_without_a_mask_equal_a_mask_of_ones_bit_for_bit():
+    """The one-client kernels pass no mask (no padding): ℓ·1 = ℓ exactly, so the loss, its
+    gradient and the forward sums are those of a mask of ones, bit for bit; and the flat data
+    is gathered with index_select, the same rows as indexing."""
+    pb = _problem("output", vectorize=False)
+    store = pb._store["train"]
+    idx = torch.tensor([[3, 0, 5], [1, 1, 2]])
+    x, y = store.take(idx)
+    assert torch.equal(x, store.x[idx]) and torch.equal(y, store.y[idx])
+    x, y = store.gather(1, np.array([2, 0, 1]))
+    theta, w = pb.split.params()
+    train, frozen, _, _ = pb._arrange(theta, w, None, "both")
+    ones = torch.ones(len(y))
+    for kernel in (pb._plain_sum, lambda *a: pb._plain_step(a[0], a[1], {}, *a[2:])):
+        g1, aux1 = kernel(train, frozen, x, y, ones, None)
+        g0, aux0 = kernel(train, frozen, x, y, None, None)
+        assert all(torch.equal(g1[n], g0[n]) for n in g1)
+        assert torch.equal(aux1 if torch.is_tensor(aux1) else aux1[0],
+                           aux0 if torch.is_tensor(aux0) else aux0[0])
+    params = {**theta, **w}
+    assert all(torch.equal(a, b) for a, b in zip(pb._forward_fn(params, x, y, ones),
+                                                 pb._forward_fn(params, x, y, None)))

@@ -58,3 +58,4 @@ class CohortRunner:
     def run(self, algorithm, state, problem, cohort, ctx, client_state=None) -> ClientResult:
         """The cohort's client update, its clients mapped as this mode says."""
         return run_clients(algorithm, state, problem, cohort, ctx, client_state, self)
+

@@ -2,7 +2,10 @@
 :class:`~partialfl.runtime.pool.WorkerPool` (persistent workers, θ in shared memory,
 one-client tasks handed to idle workers, dead-worker detection; see :mod:`partialfl.runtime.pool`).
 
-Each worker runs exactly what :class:`SequentialBackend` runs for a client,
+Clients are handed out as planned by :class:`~partialfl.runtime.schedule.Schedule` (a list of
+near-equal training examples per worker, largest first, a worker with nothing left taking
+over another's smallest client), as in the threads backend. Each worker runs exactly what
+:class:`SequentialBackend` runs for a client,
 ``algorithm.client_update(state, problem, [m], ctx, state_rows_m)``. Bit-exactness: the
 parent stacks the per-client rows in cohort order, as the sequential backend does, and the
 aggregator (mean, or any robust rule) runs on them in the parent. So the result equals the
@@ -21,7 +24,6 @@ next round starts a new one.
 from __future__ import annotations
 
 import weakref
-from collections import deque
 
 import numpy as np
 
@@ -37,6 +39,7 @@ from partialfl.runtime.pool import (
     default_start_method,
     default_workers,
 )
+from partialfl.runtime.schedule import Schedule
 
 __all__ = ["START_METHODS", "ClientsFailed", "ProcessBackend", "WorkerError",
            "default_start_method", "default_workers"]
@@ -68,7 +71,10 @@ class ProcessBackend(CohortRunner):
     the algorithm stay the same objects (a new pair starts a new one); :meth:`close` (or the
     end of the program) stops it. ``task_timeout``: seconds after which a client's
     computation is killed and counted as a worker death (None: no limit; a dead worker is
-    always detected within ``poll`` seconds).
+    always detected within ``poll`` seconds). ``own_session``: each worker in a process
+    session of its own, dying with this process (a fair CPU share per worker on a busy Linux
+    machine, as torchrun's ranks have; :func:`partialfl.runtime.pool._detach`); an interrupt
+    of this process (Ctrl-C) then kills the workers at once.
     """
 
     name = "processes"
@@ -76,7 +82,7 @@ class ProcessBackend(CohortRunner):
 
     def __init__(self, workers: int | None = None, start_method: str | None = None,
                  task_timeout: float | None = None, poll: float = 0.2,
-                 max_respawns: int = 100) -> None:
+                 max_respawns: int = 100, own_session: bool = True) -> None:
         if workers is not None and (not isinstance(workers, int) or workers < 1):
             raise ValueError(f"workers must be a positive integer or None, got {workers!r}")
         if start_method is not None and start_method not in START_METHODS:
@@ -85,6 +91,7 @@ class ProcessBackend(CohortRunner):
         self.workers = workers or default_workers()
         self.start_method = start_method or default_start_method()
         self.task_timeout, self.poll, self.max_respawns = task_timeout, poll, max_respawns
+        self.own_session = own_session
         self._pool: WorkerPool | None = None
         self._finalizer = None
 
@@ -94,7 +101,8 @@ class ProcessBackend(CohortRunner):
             self._pool = WorkerPool(problem, algorithm, self.workers,
                                     start_method=self.start_method, poll=self.poll,
                                     task_timeout=self.task_timeout,
-                                    max_respawns=self.max_respawns)
+                                    max_respawns=self.max_respawns,
+                                    own_session=self.own_session)
             self._finalizer = weakref.finalize(self, self._pool.close)
             self._pool.wait_ready()
         return self._pool
@@ -110,7 +118,7 @@ class ProcessBackend(CohortRunner):
         pos = np.concatenate(groups)
         clients = fn.cohort[pos]
         cs = fn.client_state
-        todo = deque(range(len(pos)))
+        todo = Schedule.of(fn, [pos[i:i + 1] for i in range(len(pos))], pool.n)
         out: list[ClientResult | None] = [None] * len(pos)
         failures: dict[int, tuple[str, str]] = {}
         try:
@@ -119,7 +127,7 @@ class ProcessBackend(CohortRunner):
                 # (the worker need not wait while this process reads its last result)
                 while todo and (ws := pool.free(2 if len(todo) > pool.n else 1)):
                     for w in ws[:len(todo)]:
-                        i = todo.popleft()
+                        i = todo.take(w)
                         p = int(pos[i])
                         rows = None if cs is None else {n: v[p:p + 1] for n, v in cs.items()}
                         pool.send(w, Task(i, int(clients[i]), fn.state, fn.ctx, rows))
@@ -133,10 +141,13 @@ class ProcessBackend(CohortRunner):
                 elif ev.kind == "death":
                     if ev.task is not None:
                         failures[ev.task] = ("death", ev.payload)
-                    todo.extendleft(reversed(ev.unstarted))  # never run: run them elsewhere
+                    todo.give_back(ev.worker, ev.unstarted)  # never run: run them later
                     pool.restart(ev.worker)
         except WorkerError:
             self.close()  # every worker gone: the next round starts a new pool
+            raise
+        except KeyboardInterrupt:
+            self.close(wait=0.0)  # the workers (in sessions of their own) never saw it
             raise
         except BaseException:
             self.close()  # a data error: workers may still be busy with this cohort
@@ -145,8 +156,11 @@ class ProcessBackend(CohortRunner):
             raise ClientsFailed(out, failures, clients)
         return out  # type: ignore[return-value]
 
-    def close(self) -> None:
-        """Stop the worker processes (a later round starts new ones)."""
+    def close(self, wait: float | None = None) -> None:
+        """Stop the worker processes (a later round starts new ones), killing those still
+        busy after ``wait`` seconds (None: the pool's default, 10 s)."""
+        if wait is not None and self._pool is not None:
+            self._pool.close(timeout=wait)
         if self._finalizer is not None:
             self._finalizer()
         self._pool, self._finalizer = None, None

@@ -8,9 +8,9 @@ still takes turns) and fully on a free-threaded build. Unlike worker processes
 and nothing is copied per round: the threads read θ, the round context and the data where
 they are, and their results are the clients' own tensors.
 
-Clients are handed out one at a time to whichever thread is free (dynamic load balancing),
-largest first (by training examples: longest-processing-time-first scheduling, so no thread
-is left with a large client while the others idle at the end of the round); the results
+Clients are handed out one at a time as planned by :class:`~partialfl.runtime.schedule.
+Schedule` (a list of near-equal training examples per thread, largest first, a thread with
+nothing left taking over another's smallest client); the results
 come back in cohort order and are stacked as the sequential
 backend stacks them, and the aggregator runs on them in the caller's thread. A client's
 arithmetic does not depend on the thread that runs it (one intra-op thread each), so the
@@ -49,51 +49,42 @@ import numpy as np
 
 from partialfl.runtime.clients import ClientCall, CohortRunner
 from partialfl.runtime.cohort_pool import default_workers
+from partialfl.runtime.schedule import Schedule
 
 
 class _Round:
     """One :meth:`ThreadBackend.map_groups` call, shared by the threads: the groups, the
-    order to hand them out in (a counter under a lock), their results and failures."""
+    schedule that hands them out (under a lock), their results and failures."""
 
-    def __init__(self, groups: list[np.ndarray], order: list[int]) -> None:
-        self.groups, self.order = groups, order
+    def __init__(self, groups: list[np.ndarray], schedule: Schedule) -> None:
+        self.groups, self.schedule = groups, schedule
         self.out: list = [None] * len(groups)
         self.errors: dict[int, BaseException] = {}
         self.lock = threading.Lock()
-        self.next = 0
+        self.stopped = False
 
-    def take(self) -> int | None:
+    def take(self, w: int) -> int | None:
         with self.lock:
-            if self.errors or self.next >= len(self.order):
+            if self.errors or self.stopped:
                 return None
-            self.next += 1
-            return self.order[self.next - 1]
+            return self.schedule.take(w)
 
     def stop(self) -> None:
         """Hand out no further groups (a failure, or the caller stopped waiting)."""
         with self.lock:
-            self.next = len(self.groups)
+            self.stopped = True
 
-    def work(self, fn) -> None:
+    def work(self, fn, w: int) -> None:
+        """Thread ``w``: run its groups until none is left."""
         torch = sys.modules.get("torch")
         if torch is not None and torch.get_num_threads() != 1:
             torch.set_num_threads(1)  # this thread's own count (OpenMP's is per thread)
-        while (i := self.take()) is not None:
+        while (i := self.take(w)) is not None:
             try:
                 self.out[i] = fn(self.groups[i])
             except BaseException as e:  # noqa: BLE001 - re-raised by the caller
                 with self.lock:
                     self.errors[i] = e
-
-
-def largest_first(fn, groups: list[np.ndarray]) -> list[int]:
-    """The order to hand out ``groups``: most training examples first (ties in cohort order)
-    for a :class:`ClientCall` whose problem counts examples, else cohort order."""
-    count = getattr(getattr(fn, "problem", None), "num_examples", None)
-    if not isinstance(fn, ClientCall) or count is None:
-        return list(range(len(groups)))
-    sizes = [int(np.sum(count(fn.cohort[g]))) for g in groups]
-    return sorted(range(len(groups)), key=lambda i: -sizes[i])
 
 
 class ThreadBackend(CohortRunner):
@@ -148,13 +139,13 @@ class ThreadBackend(CohortRunner):
             self._executor = ThreadPoolExecutor(self.workers,
                                                 thread_name_prefix="partialfl-cohort")
             self._finalizer = weakref.finalize(self, self._executor.shutdown)
-        rnd = _Round(groups, largest_first(fn, groups))
+        rnd = _Round(groups, Schedule.of(fn, groups, n))
         torch = sys.modules.get("torch")
         old = torch.get_num_threads() if torch is not None else 1
         if old != 1:
             torch.set_num_threads(1)
         try:
-            for f in [self._executor.submit(rnd.work, c) for c in calls]:
+            for f in [self._executor.submit(rnd.work, c, w) for w, c in enumerate(calls)]:
                 f.result()
         finally:
             rnd.stop()  # e.g. interrupted: the threads finish their client and stop

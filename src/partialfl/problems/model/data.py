@@ -78,8 +78,10 @@ class FlatSplit:
 
     def take(self, idx: Tensor) -> tuple[Tensor, Tensor]:
         """Examples at global indices ``idx`` (any shape), on the device."""
-        if self.device.type == "cpu":
-            return self.x[idx], self.y[idx]
+        if self.device.type == "cpu":  # index_select: the same copy, a few times faster
+            flat = idx.reshape(-1)
+            return (self.x.index_select(0, flat).reshape(*idx.shape, *self.x.shape[1:]),
+                    self.y.index_select(0, flat).reshape(*idx.shape, *self.y.shape[1:]))
         if self.resident:
             idx = idx.to(self.device, non_blocking=True)
             return self.x[idx], self.y[idx]

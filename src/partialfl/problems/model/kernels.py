@@ -90,7 +90,8 @@ class Kernels:
         return {n: torch.zeros((k, *shapes[n]), dtype=ref[n].dtype, device=ref[n].device)
                 for n in names}
 
-    def _batch_loss(self, params: Params, x: Tensor, y: Tensor, mask: Tensor):
+    def _batch_loss(self, params: Params, x: Tensor, y: Tensor, mask: Tensor | None):
+        """``(Σ mask·ℓ, Σ mask·d, output)`` of one batch (``mask`` None: every example)."""
         if self._amp is None:
             out = functional_call(self.module, params, (x,))
             num, den = pair(self.loss_fn(out, y))
@@ -107,6 +108,8 @@ class Kernels:
                 out = functional_call(self.module, low, (xl,))
                 num, den = pair(self.loss_fn(out, y))
             num, den = num.float(), den.float()
+        if mask is None:  # one client's own examples, no padding: the sums a mask of ones
+            return num.sum(), den.sum(), out  # gives (ℓ·1 = ℓ exactly), two ops less each way
         m = mask.to(num.dtype)
         return (num * m).sum(), (den * m).sum(), out
 
@@ -169,11 +172,14 @@ class Kernels:
         return grad(sum_loss, has_aux=True)
 
     def _build_forward_fn(self):
-        """``(params, x, y, mask) -> (Σ loss, Σ loss weight, Σ correct, Σ total)``."""
+        """``(params, x, y, mask) -> (Σ loss, Σ loss weight, Σ correct, Σ total)`` (``mask``
+        None: every example)."""
 
         def fwd(params, x, y, mask):
             s, d, out = self._batch_loss(params, x, y, mask)
             c, t = self.metric(out, y)
+            if mask is None:  # one client, no padding (see _batch_loss)
+                return s, d, c.sum(), t.sum()
             m = mask.to(c.dtype)
             return s, d, (c * m).sum(), (t * m).sum()
 

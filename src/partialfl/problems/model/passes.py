@@ -70,8 +70,7 @@ class CohortPasses:
             gi = store.gather(int(cohort[i]), bi)
             train, frozen, _, _ = self._arrange(row(theta, theta_dims, i), row(w, None, i),
                                                 None, wrt)
-            ones = torch.ones(len(bi), device=self.device)
-            g, (loss, st) = self._scaled(self._plain_step, train, frozen, st_i, *gi, ones)
+            g, (loss, st) = self._scaled(self._plain_step, train, frozen, st_i, *gi, None)
             return ({n: v.unsqueeze(0) for n, v in g.items()}, loss.detach().unsqueeze(0),
                     {n: v.unsqueeze(0) for n, v in st.items()})
 
@@ -181,8 +180,7 @@ class CohortPasses:
         for j in range(0, n_1, self.chunk):
             bi = np.arange(j, min(n_1, j + self.chunk))
             xy = store.gather(int(cohort[0]), bi)
-            ones = torch.ones(len(bi), device=self.device)
-            g, d = self._scaled(self._plain_sum, train, frozen, *xy, ones)
+            g, d = self._scaled(self._plain_sum, train, frozen, *xy, None)
             for n in acc:
                 acc[n][0] += g[n]
             den[0] += d
@@ -223,8 +221,7 @@ class CohortPasses:
         n_1 = int(store.sizes[cohort[0]])
         for j in range(0, n_1, self.chunk):
             bi = np.arange(j, min(n_1, j + self.chunk))
-            res = self._forward_fn(params, *store.gather(int(cohort[0]), bi),
-                                   torch.ones(len(bi), device=self.device))
+            res = self._forward_fn(params, *store.gather(int(cohort[0]), bi), None)
             sums[:, 0] += torch.stack(res).to(self._acc)
         return sums.T
 
