@@ -1,0 +1,7 @@
+"""``python -m partialfl.cli``."""
+
+import sys
+
+from partialfl.cli import main
+
+sys.exit(main())
