@@ -126,3 +126,19 @@ def test_the_architecture_doc_lists_the_layers():
         for u in units:
             if u not in ("__init__", "__main__"):
                 assert f"`partialfl.{u}`" in text, f"docs/architecture.md does not name {u}"
+
+
+def test_the_layer_table_is_the_checked_layers_in_order():
+    """The doc's "Layers" table lists exactly the layers checked here, bottom to top, each
+    with exactly its packages."""
+    import re
+
+    text = (SRC.parents[1] / "docs" / "architecture.md").read_text()
+    table = text.split("## Layers", 1)[1].split("\n## ", 1)[0]
+    rows = [r for r in table.splitlines() if r.startswith("| ") and not r.startswith("| layer")
+            and not r.startswith("| ---")]
+    doc = [(r.split("|")[1].strip().lower(), set(re.findall(r"`partialfl\.(\w+)`",
+                                                            r.split("|")[2]))) for r in rows]
+    want = [(name, {u for u in units if u not in ("__init__", "__main__")})
+            for name, units in LAYERS]
+    assert doc == want

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 from pathlib import Path
 
 import numpy as np
@@ -25,30 +26,29 @@ from partialfl.runtime.asynchronous import ComputeTimeModel, Distribution, run_a
 from partialfl.server import SGD
 
 LS = LeastSquaresSpec(num_clients=6, n=40, d_theta=5, d_w=3, seed=2)
-TOML = f"""plugins = ["toy_plugin"]
-seed = 1
-[problem]
-name = "least-squares"
-num_clients = {LS.num_clients}
-n = {LS.n}
-d_theta = {LS.d_theta}
-d_w = {LS.d_w}
-seed = {LS.seed}
-basis = "standard"
-[method]
-algorithm = "toy"
-steps = 4
-lr = 0.01
-[aggregation]
-name = "drop-largest"
-drop = 1
-[personalize]
-rounds = 6
-clients_per_round = 4
-eval_every = 3
-client = {{ name = "gd", tau = 1 }}
-server = {{ lr = 0.02 }}
-"""
+ARCH_DOC = Path(__file__).resolve().parents[1] / "docs" / "architecture.md"
+
+
+def _doc_block(lang: str) -> str:
+    """The worked example's ``lang`` code block in docs/architecture.md (the doc shows what
+    these tests run)."""
+    text = ARCH_DOC.read_text().split("### Worked example", 1)[1]
+    return re.search(rf"```{lang}\n(.*?)```", text, flags=re.S).group(1)
+
+
+TOML = _doc_block("toml")
+
+
+def test_the_docs_worked_example_is_this_plugin_and_this_problem():
+    """docs/architecture.md shows tests/toy_plugin.py verbatim, and its spec is the problem
+    the Python-API runs below use."""
+    assert _doc_block("python") == (Path(__file__).parent / "toy_plugin.py").read_text()
+    import tomllib
+
+    problem = tomllib.loads(TOML)["problem"]
+    assert {k: problem[k] for k in ("num_clients", "n", "d_theta", "d_w", "seed")} == {
+        "num_clients": LS.num_clients, "n": LS.n, "d_theta": LS.d_theta, "d_w": LS.d_w,
+        "seed": LS.seed}
 
 
 def _lines(path):
