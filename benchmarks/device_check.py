@@ -23,6 +23,10 @@ examples per client, class prototypes plus noise, a per-client label shift) so t
 clients per round exist; or the shared FEMNIST writers with ``--data-dir`` (84 clients).
 
     python benchmarks/device_check.py [--quick] [--json out.json] [--model leaf_cnn]
+        [--table quick full --data-dir DIR]
+
+3. **The FEMNIST table** (``--table quick full``): the wall-clock time of ``partialfl
+   reproduce femnist-table`` on the device with the vmap backend, and each row's accuracy.
 """
 
 from __future__ import annotations
@@ -125,6 +129,38 @@ def round_seconds(data, args, device: str, backend: str, k: int) -> float:
     return (time.perf_counter() - t) / args.repeats
 
 
+def time_tables(args) -> dict:
+    """3. Wall-clock seconds of ``partialfl reproduce femnist-table`` at each size of
+    ``args.table`` on the accelerator (the CPU without one), vmap backend, each into a fresh
+    folder; the pooled test accuracy of every row (mean over seeds) with it."""
+    import shutil
+
+    from partialfl.reproductions.femnist import reproduce_table
+
+    if args.data_dir is None:
+        raise SystemExit("--table needs --data-dir (the folder with femnist_leaf_subset.npz)")
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    out = {}
+    for name in args.table:
+        folder = Path(args.table_out) / name
+        shutil.rmtree(folder, ignore_errors=True)
+        t = time.perf_counter()
+        reproduce_table(folder, quick=name != "full", seeds=[0] if name == "tiny" else None,
+                        data_dir=Path(args.data_dir), progress=False, backend="vmap",
+                        device=device)
+        seconds = time.perf_counter() - t
+        results = json.loads((folder / "results.json").read_text())
+        rows = results["results"]
+        acc = {label: float(np.mean([m["test_acc"] for m in per_seed]))
+               for label, per_seed in rows.items()
+               if isinstance(per_seed, list) and per_seed and isinstance(per_seed[0], dict)
+               and "test_acc" in per_seed[0]}
+        out[name] = {"device": device, "seconds": seconds, "test_acc": acc}
+        print(f"  femnist-table {name} on {device} (vmap): {seconds:.1f} s; "
+              + ", ".join(f"{k} {100 * v:.1f}%" for k, v in acc.items()), flush=True)
+    return out
+
+
 def main(argv: list[str] | None = None) -> dict:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--model", default="leaf_cnn")
@@ -141,10 +177,26 @@ def main(argv: list[str] | None = None) -> dict:
     ap.add_argument("--quick", action="store_true",
                     help="smoke size: 6 clients, 2 rounds, 3 per round, emnist_cnn")
     ap.add_argument("--json", default=None, help="also write the results to this JSON file")
+    ap.add_argument("--table", nargs="+", choices=["tiny", "quick", "full"], default=[],
+                    help="3. also time `partialfl reproduce femnist-table` at these sizes on "
+                         "the device (vmap backend; tiny: 1 seed of the quick size, for a "
+                         "smoke run on a CPU); needs --data-dir")
+    ap.add_argument("--table-out", default="device-check-tables",
+                    help="folder for the tables' runs (each size in a subfolder)")
+    ap.add_argument("--skip-agreement", action="store_true",
+                    help="only the table timings (3.)")
     args = ap.parse_args(argv)
     if args.quick:
         args.clients, args.rounds, args.repeats, args.cohorts = 6, 2, 1, [3]
         args.model = "emnist_cnn"
+    if args.skip_agreement:
+        out = {"torch": torch.__version__,
+               "gpu": torch.cuda.get_device_name(0) if torch.cuda.is_available() else None}
+        out["tables"] = time_tables(args)
+        if args.json:
+            Path(args.json).write_text(json.dumps(out, indent=1))
+        out["agreement_ok"] = True
+        return out
     data = load_data(args)
     M = data.num_clients
     cohorts = [k for k in args.cohorts if k <= M]
@@ -220,6 +272,8 @@ def main(argv: list[str] | None = None) -> dict:
     if not gpu:
         out["gpu_half"] = "skipped: no CUDA GPU on this machine"
         print("  GPU half skipped: no CUDA GPU on this machine")
+    if args.table:
+        out["tables"] = time_tables(args)
     if args.json:
         Path(args.json).write_text(json.dumps(out, indent=1))
     return out

@@ -194,3 +194,27 @@ def test_bf16_under_vmap_matches_plain_bf16():
 
     # both bf16 paths approximate the fp32 gradient to bf16 rounding (8 mantissa bits)
     assert rel(gv, g32) < 0.1 and rel(gp, g32) < 0.1 and rel(gv, gp) < 0.1
+
+
+def test_tables_run_on_the_device_they_are_given(monkeypatch, tmp_path):
+    """`partialfl reproduce femnist-table --device D --backend vmap` reaches every run's spec
+    (and a table on an accelerator runs its jobs in this one process)."""
+    from partialfl.cli import main
+    from partialfl.reproductions import femnist as F
+
+    cfg = F.FEMNIST.config(F.FULL, F.FEMNIST.rows[0][1], 0, "vmap", "cuda")
+    assert cfg.device == "cuda" and cfg.backend is not None
+    seen = {}
+
+    def fake(self, out_dir, **kw):
+        seen.update(kw)
+        (out_dir / "summary.md").parent.mkdir(parents=True, exist_ok=True)
+        (out_dir / "summary.md").write_text("ok\n")
+        return out_dir / "summary.md"
+
+    monkeypatch.setattr(type(F.FEMNIST), "reproduce", fake)
+    assert main(["reproduce", "femnist-table", "--quick", "--device", "cuda:0", "--backend",
+                 "vmap", "--out", str(tmp_path / "t"), "--no-progress"]) == 0
+    assert seen["device"] == "cuda:0" and seen["backend"] == "vmap"
+    assert main(["reproduce", "ls-tau", "--quick", "--device", "cuda", "--out",
+                 str(tmp_path / "u")]) == 2  # a reproduction without a device option

@@ -207,12 +207,13 @@ class Table:
         return tuple(m for m in self.rows if m[0] in size.methods)
 
     def config(self, size: TableSize, method: MethodConfig, seed: int,
-               backend: str = "sequential") -> RunSpec:
-        """The pipeline spec of one (method, seed) of the table (stage 1 from seed 0)."""
+               backend: str = "sequential", device: str = "cpu") -> RunSpec:
+        """The pipeline spec of one (method, seed) of the table (stage 1 from seed 0), run
+        with ``backend`` on ``device``."""
         pre, stage2, ft = self.stage_configs(size)
         val, grid = size.plateau[2:] if size.plateau else (None, None)
         return RunSpec(method=method, pretrain=pre, personalize=stage2(method), finetune=ft,
-                       seed=seed, pretrain_seed=0, backend=backend, validation=val,
+                       seed=seed, pretrain_seed=0, backend=backend, device=device, validation=val,
                        finetune_grid=grid)
 
     def is_full(self, size: TableSize) -> bool:
@@ -262,7 +263,7 @@ class Table:
     def reproduce(self, out_dir: Path, *, quick: bool = False,
                   seeds: Sequence[int] | None = None, data_dir: Path | None = None,
                   progress: bool = True, size: TableSize | None = None, plateau: bool = False,
-                  backend: str = "sequential", **options: Any) -> Path:
+                  backend: str = "sequential", device: str = "cpu", **options: Any) -> Path:
         """Run (or resume) the table into ``out_dir``; returns ``summary.md``. Also writes
         ``results.json`` (per row, one metrics dict per seed; per-run seconds),
         ``data.json``, ``stage1/``, the run folders ``seed*/METHOD`` and the plots.
@@ -271,6 +272,8 @@ class Table:
         parallel processes (on a shared 2-core machine two 1-thread processes beat one
         2-thread process and degrade gracefully). ``backend="processes"``: the runs go one
         after the other and each round's clients are spread over worker processes instead.
+        ``device``: every stage trains there (an accelerator: the runs go one after the other
+        in this process; use ``backend="vmap"`` there, the fast mode on a GPU).
         ``options``: the table's own (e.g. FEMNIST's ``store``)."""
         import torch
 
@@ -289,12 +292,12 @@ class Table:
             # stage 1 once, shared by every row and seed
             from partialfl.pipeline.stages import pretrain, validation_tasks
 
-            cfg0 = self.config(size, self.rows[0][1], size.seeds[0], backend)
+            cfg0 = self.config(size, self.rows[0][1], size.seeds[0], backend, device)
             pretrain(cfg0, validation_tasks(cfg0, loaded.task)[0], out_dir / "stage1",
                      progress and "stage 1 (FedAvg)")
             torch.set_num_threads(size.threads)
-            workers = 1 if backend == "processes" else size.workers
-            jobs = [(self, out_dir, data_dir, size, backend, options, seed, tuple(group),
+            workers = 1 if backend == "processes" or device != "cpu" else size.workers
+            jobs = [(self, out_dir, data_dir, size, backend, device, options, seed, tuple(group),
                      bool(progress) and workers <= 1)
                     for seed in size.seeds for group in self.groups(size, backend)]
             done = run_jobs(_run_group, jobs, workers, progress and f"{self.name} runs")
@@ -307,7 +310,7 @@ class Table:
         finally:
             torch.set_num_threads(old_threads)
 
-    def run_group(self, out_dir: Path, data_dir, size: TableSize, backend: str,
+    def run_group(self, out_dir: Path, data_dir, size: TableSize, backend: str, device: str,
                   options: dict, seed: int, labels: Sequence[str], progress: bool
                   ) -> list[tuple[str, int, dict, float]]:
         """The rows ``labels`` of one seed (one job): each through the pipeline (stage 2 once,
@@ -327,7 +330,7 @@ class Table:
             method = rows[label]
             run_dir = out_dir / f"seed{seed}" / method.name
             t0 = time.perf_counter()
-            res = run_pipeline(self.config(size, method, seed, backend), task, run_dir,
+            res = run_pipeline(self.config(size, method, seed, backend, device), task, run_dir,
                                stage1_dir=out_dir / "stage1", stage2_dir=stage2_dir,
                                progress=progress)
             m = dict(res.metrics)
