@@ -147,7 +147,7 @@ def time_tables(args) -> dict:
         t = time.perf_counter()
         reproduce_table(folder, quick=name != "full", seeds=[0] if name == "tiny" else None,
                         data_dir=Path(args.data_dir), progress=False, backend="vmap",
-                        device=device)
+                        device=device, workers=args.table_workers)
         seconds = time.perf_counter() - t
         results = json.loads((folder / "results.json").read_text())
         rows = results["results"]
@@ -155,7 +155,8 @@ def time_tables(args) -> dict:
                for label, per_seed in rows.items()
                if isinstance(per_seed, list) and per_seed and isinstance(per_seed[0], dict)
                and "test_acc" in per_seed[0]}
-        out[name] = {"device": device, "seconds": seconds, "test_acc": acc}
+        out[name] = {"device": device, "seconds": seconds, "test_acc": acc,
+                     "workers": args.table_workers}
         print(f"  femnist-table {name} on {device} (vmap): {seconds:.1f} s; "
               + ", ".join(f"{k} {100 * v:.1f}%" for k, v in acc.items()), flush=True)
     return out
@@ -183,6 +184,8 @@ def main(argv: list[str] | None = None) -> dict:
                          "smoke run on a CPU); needs --data-dir")
     ap.add_argument("--table-out", default="device-check-tables",
                     help="folder for the tables' runs (each size in a subfolder)")
+    ap.add_argument("--table-workers", type=int, default=None,
+                    help="parallel runs of the tables (processes sharing the device)")
     ap.add_argument("--skip-agreement", action="store_true",
                     help="only the table timings (3.)")
     args = ap.parse_args(argv)

@@ -215,6 +215,8 @@ def test_tables_run_on_the_device_they_are_given(monkeypatch, tmp_path):
     monkeypatch.setattr(type(F.FEMNIST), "reproduce", fake)
     assert main(["reproduce", "femnist-table", "--quick", "--device", "cuda:0", "--backend",
                  "vmap", "--out", str(tmp_path / "t"), "--no-progress"]) == 0
-    assert seen["device"] == "cuda:0" and seen["backend"] == "vmap"
+    assert seen["device"] == "cuda:0" and seen["backend"] == "vmap" and seen["workers"] is None
+    assert main(["reproduce", "femnist-table", "--quick", "--workers", "3", "--out",
+                 str(tmp_path / "t"), "--no-progress"]) == 0 and seen["workers"] == 3
     assert main(["reproduce", "ls-tau", "--quick", "--device", "cuda", "--out",
                  str(tmp_path / "u")]) == 2  # a reproduction without a device option

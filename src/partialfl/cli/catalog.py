@@ -44,7 +44,7 @@ def _cmd_reproduce(args) -> int:
     # --plateau (issue 17): stage budgets by the plateau rule on validation data
     extra = {k: v for k, v in (("backend", args.backend), ("store", args.store),
                                ("plateau", args.plateau), ("corpus", args.corpus),
-                               ("device", args.device),
+                               ("device", args.device), ("workers", args.workers),
                                ("task", args.task)) if v}
     takes = inspect.signature(fn).parameters
     for k in extra:
@@ -103,6 +103,9 @@ def add_commands(sub, epilog: bool = True) -> None:
                         "over worker processes")
     s.add_argument("--device", help="femnist-table: train on this device (cpu, cuda, cuda:N, "
                    "mps, auto); with an accelerator use --backend vmap")
+    s.add_argument("--workers", type=int, metavar="N",
+                   help="femnist-table: runs in parallel worker processes (default: the "
+                        "size's; several may share one GPU)")
     s.add_argument("--store", help="read the data through an on-disk client store in this "
                    "folder, written on first use (femnist-table)")
     s.add_argument("--plateau", action="store_true",

@@ -256,6 +256,7 @@ evaluate_new_writers = FEMNIST.evaluate_new_clients
 def reproduce_table(out_dir: Path, *, quick: bool = False, seeds: list[int] | None = None,
                     data_dir: Path | None = None, progress: bool = True,
                     size: Size | None = None, backend: str = "sequential", device: str = "cpu",
+                    workers: int | None = None,
                     store: Path | None = None, plateau: bool = False,
                     folds: int | None = None) -> Path:
     """Run (or resume) the table (:meth:`~partialfl.reproductions.tables.Table.reproduce`);
@@ -267,7 +268,7 @@ def reproduce_table(out_dir: Path, *, quick: bool = False, seeds: list[int] | No
     opts = {"store": store} if store is not None else {}
     path = FEMNIST.reproduce(out_dir, quick=quick, seeds=seeds, data_dir=data_dir,
                              progress=progress, size=size, plateau=plateau, backend=backend,
-                             device=device,
+                             device=device, workers=workers,
                              **opts)
     if folds:
         from partialfl.reproductions.femnist_kfold import kfold_new_writers

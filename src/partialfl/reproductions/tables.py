@@ -263,7 +263,8 @@ class Table:
     def reproduce(self, out_dir: Path, *, quick: bool = False,
                   seeds: Sequence[int] | None = None, data_dir: Path | None = None,
                   progress: bool = True, size: TableSize | None = None, plateau: bool = False,
-                  backend: str = "sequential", device: str = "cpu", **options: Any) -> Path:
+                  backend: str = "sequential", device: str = "cpu", workers: int | None = None,
+                  **options: Any) -> Path:
         """Run (or resume) the table into ``out_dir``; returns ``summary.md``. Also writes
         ``results.json`` (per row, one metrics dict per seed; per-run seconds),
         ``data.json``, ``stage1/``, the run folders ``seed*/METHOD`` and the plots.
@@ -272,12 +273,16 @@ class Table:
         parallel processes (on a shared 2-core machine two 1-thread processes beat one
         2-thread process and degrade gracefully). ``backend="processes"``: the runs go one
         after the other and each round's clients are spread over worker processes instead.
-        ``device``: every stage trains there (an accelerator: the runs go one after the other
-        in this process; use ``backend="vmap"`` there, the fast mode on a GPU).
+        ``device``: every stage trains there (use ``backend="vmap"`` on a GPU, its fast
+        mode); ``workers`` replaces the size's parallel runs (processes may share one GPU).
         ``options``: the table's own (e.g. FEMNIST's ``store``)."""
         import torch
 
         size = self.size_of(quick, plateau, size, seeds, **options)
+        if workers is not None:
+            if workers < 1:
+                raise ValueError(f"workers must be >= 1, got {workers}")
+            size = replace(size, workers=workers)
         out_dir = Path(out_dir)
         out_dir.mkdir(parents=True, exist_ok=True)
         old_threads = torch.get_num_threads()
@@ -296,7 +301,7 @@ class Table:
             pretrain(cfg0, validation_tasks(cfg0, loaded.task)[0], out_dir / "stage1",
                      progress and "stage 1 (FedAvg)")
             torch.set_num_threads(size.threads)
-            workers = 1 if backend == "processes" or device != "cpu" else size.workers
+            workers = 1 if backend == "processes" else size.workers
             jobs = [(self, out_dir, data_dir, size, backend, device, options, seed, tuple(group),
                      bool(progress) and workers <= 1)
                     for seed in size.seeds for group in self.groups(size, backend)]
