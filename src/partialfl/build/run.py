@@ -22,7 +22,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from partialfl.build.algorithm import async_rule, build_algorithm
-from partialfl.build.code import load_spec_plugins
+from partialfl.build.code import _check_code, load_spec_plugins
 from partialfl.build.problem import problem_of
 from partialfl.build.task import (
     Task,
@@ -57,6 +57,8 @@ def build(spec: RunSpec, progress: bool = False) -> Run:
     if not isinstance(spec, RunSpec):
         raise TypeError(f"build() takes a RunSpec, got {type(spec).__name__}")
     load_spec_plugins(spec)
+    if spec.model is not None and ":" in spec.model.name:  # refused before any data is read
+        _check_code("model.name", spec.model.name)
     if spec.closed_form:
         return _build_closed_form(spec, progress)
     return _build_model_run(spec)
