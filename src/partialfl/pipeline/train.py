@@ -69,7 +69,8 @@ def format_plan(plan: dict[str, Any]) -> str:
         f"stages     {' → '.join(plan['stages']) or '(none)'}: pre-train "
         f"{plan['rounds']['pretrain']} rounds, personalize {plan['rounds']['personalize']} "
         f"rounds, fine-tune {plan['finetune_epochs']} epochs",
-        f"device     {plan['device']} ({plan['precision']}, backend {plan['backend']})",
+        f"device     {plan['device']} ({plan['precision']}, backend {plan['backend']}, "
+        f"{plan.get('threads', 1)} torch thread(s): results repeat at this count)",
     ]
     return "\n".join(lines)
 
