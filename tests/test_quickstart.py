@@ -32,6 +32,7 @@ def _results(path: Path) -> dict:
     return {k: v for k, v in json.loads(path.read_text()).items() if "seconds" not in k}
 
 
+@pytest.mark.slow  # three reduced quickstart runs: 11 s on a loaded 2-core machine
 @pytest.mark.data
 def test_quickstart_repeats_at_its_thread_count_records_it_and_refuses_another(
         tmp_path, data_dir, capsys):
