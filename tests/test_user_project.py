@@ -106,3 +106,24 @@ def test_data_path_is_relative_to_the_config_and_set_paths_to_the_working_folder
     # a file path that does not exist beside the config falls back to the working folder
     (project / "study.toml").write_text(CONFIG.replace('path = "data"', 'path = "mine"'))
     assert load_run_spec(cfg).data.path == str(here / "mine")
+
+
+def test_a_run_folder_is_readable_by_the_group_under_umask_002(project, monkeypatch):
+    """Every file of a train run (JSON, JSONL, safetensors, checkpoints, PNGs, report) gets
+    0o666 less the umask, as a plain open() would: collaborators sharing the folder can read
+    them (they were 0600)."""
+    from partialfl.cli import main
+
+    monkeypatch.chdir(project.parent / "elsewhere")
+    monkeypatch.syspath_prepend(str(project))  # as --allow-code does for the console script
+    old = os.umask(0o002)
+    try:
+        assert main(["train", "../proj/study.toml", "--allow-code", "--no-progress",
+                     "--out", "run"]) == 0
+    finally:
+        os.umask(old)
+        sys.modules.pop("mymodels", None)
+    files = [p for p in Path("run").rglob("*") if p.is_file()]
+    assert len(files) > 10 and any(p.suffix == ".png" for p in files)
+    assert {str(p): oct(p.stat().st_mode & 0o777) for p in files} == {
+        str(p): oct(0o664) for p in files}
