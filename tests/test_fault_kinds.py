@@ -41,24 +41,24 @@ def test_the_closing_backend_closes_before_the_rounds_asked_only():
 @pytest.mark.parametrize("kind", sorted(fault_kinds.HOSTILE))
 def test_a_hostile_node_is_refused_counted_and_equals_a_crashed_node(loopback,  # noqa: F811
                                                                     kind):
-    """The run configs of the study on an in-process federation: every bad reply refused
+    """The study's run configs on an in-process federation: every bad reply refused
     ('invalid'), θ float64 and bit-identical to the run where node 1 crashed instead."""
     from partialfl.flower.server import run_server
 
-    run = ls_run(4, spec={"max_failure_fraction": 0.6})
-    crash = {**run, "fault-injection": "; ".join(f"crash:partition=1,round={r}"
-                                                  for r in (1, 2, 3))}
-    configs = fault_kinds.hostile_runs(run, range(1, 4))
-    assert [c["fault-injection"].split(":")[0] for c in configs] == list(fault_kinds.HOSTILE)
-    hostile = run_server(loopback(2), configs[list(fault_kinds.HOSTILE).index(kind)])
-    crashed = run_server(loopback(2), crash)
-    (row,) = fault_kinds.hostile_rows({kind: hostile}, crashed, 3 * 4, 0.0, seed=3)
+    base = ls_run(9, spec={"max_failure_fraction": 0.6})
+    configs = fault_kinds.hostile_runs(base, rounds=4)
+    assert [c["fault-injection"].split(":")[0] for c in configs] == ["crash", "dtype", "extra"]
+    assert all(c["spec"]["personalize"]["rounds"] == 4 for c in configs)
+    reports = {k: run_server(loopback(2), c) for k, c in zip(("crash", "dtype", "extra"),
+                                                             configs)}
+    (row,) = fault_kinds.hostile_rows({"crash": reports["crash"], kind: reports[kind]}, 0.0,
+                                      seed=3)
     assert row["ok"], row
     assert row["kind"] == f"hostile SuperNode ({kind})" and "3 replies refused" in row["observed"]
-    # a clean run differs: the check has teeth
-    clean = run_server(loopback(2), run)
-    bad = fault_kinds.hostile_rows({kind: clean}, crashed, 12, 0.0, seed=3)[0]
-    assert not bad["ok"]
+    assert "12 updates lost" in row["observed"]
+    # a run without the hostile node differs from the crashed-node run: the check has teeth
+    clean = run_server(loopback(2), {**configs[0], "fault-injection": ""})
+    assert not fault_kinds.hostile_rows({"crash": reports["crash"], kind: clean}, 0.0, 3)[0]["ok"]
 
 
 @pytest.mark.slow

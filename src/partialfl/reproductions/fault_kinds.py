@@ -8,12 +8,12 @@ outcome the runtime promises checked.
   fresh one, the failed clients are *skipped and counted*, and θ equals the sequential run
   with exactly those updates dropped (:class:`~partialfl.runtime.faults.DropClients`). It
   used to hang: the rerun waited on a queue no worker read.
-* **a hostile SuperNode** (Flower's simulation engine, run with the faults study's Flower
-  runs): from a third of the rounds on, the node of partition 1 sends its vectors in another
-  dtype (``dtype``) or a record the algorithm does not declare (``extra``). Each such reply
-  is *refused* by the codec and counted as a failure of that node (``invalid``); θ stays
-  float64, finite and bit-identical to the run in which that node crashed in the same
-  rounds. The ServerApp used to take θ's dtype from the reply (every later round failed) or
+* **a hostile SuperNode** (Flower's simulation engine, in the same Ray session as the
+  study's Flower runs; 6 rounds): from round 1 on, the node of partition 1 sends its vectors
+  in another dtype (``dtype``) or a record the algorithm does not declare (``extra``). Each
+  such reply is *refused* by the codec and counted as a failure of that node (``invalid``);
+  θ stays float64, finite and bit-identical to the run in which that node crashed in the
+  same rounds. The ServerApp used to take θ's dtype from the reply (every later round failed) or
   crash with a ``KeyError``.
 * **a kill between checkpoint files**: a process running Scaffold (client-side control
   variates, so a generation has a client-side and a server file) checkpointing every round
@@ -115,23 +115,29 @@ HOSTILE = {"dtype": "vectors in float32 for a float64 θ", "extra": "an undeclar
            "'extra.aux'"}
 
 
-def hostile_runs(base: dict[str, Any], rounds: range) -> list[dict[str, Any]]:
-    """The run configs (:data:`HOSTILE` kinds) of node 1 misbehaving in ``rounds``."""
-    return [{**base, "fault-injection": "; ".join(f"{k}:partition=1,round={r}" for r in rounds)}
-            for k in HOSTILE]
+def hostile_runs(base: dict[str, Any], rounds: int = 6) -> list[dict[str, Any]]:
+    """The run configs of ``base`` (a Flower run config of a ``spec`` table) shortened to
+    ``rounds`` rounds with node 1 crashing, then misbehaving (each :data:`HOSTILE` kind),
+    from round 1 on."""
+    spec = {**base["spec"], "personalize": {**base["spec"]["personalize"], "rounds": rounds}}
+    return [{**base, "spec": spec, "fault-injection": "; ".join(
+        f"{k}:partition=1,round={r}" for r in range(1, rounds))}
+        for k in ("crash", *HOSTILE)]
 
 
-def hostile_rows(reports: dict[str, Any], crashed, lost_updates: int, seconds: float,
-                 seed: int) -> list[dict[str, Any]]:
-    """A row per kind of ``reports`` (:data:`HOSTILE` kind → its run's report), against the
-    report of the run in which node 1 crashed in the same rounds (``crashed``)."""
+def hostile_rows(reports: dict[str, Any], seconds: float, seed: int) -> list[dict[str, Any]]:
+    """A row per :data:`HOSTILE` kind in ``reports`` (kind → its run's report), against
+    ``reports["crash"]``, the run in which node 1 crashed in the same rounds."""
+    crashed = reports["crash"]
     rows = []
     for kind, rep in reports.items():
+        if kind == "crash":
+            continue
         theta = np.asarray(rep.theta["theta"])
         same = bool(np.array_equal(theta, np.asarray(crashed.theta["theta"])))
         kinds = sorted({f.kind for f in rep.failures})
-        ok = (kinds == ["invalid"] and rep.failed_client_updates == lost_updates
-              and not rep.aborted and theta.dtype == np.float64 and np.isfinite(theta).all()
+        ok = (kinds == ["invalid"] and rep.failed_client_updates == crashed.failed_client_updates
+              > 0 and not rep.aborted and theta.dtype == np.float64 and np.isfinite(theta).all()
               and same and all(f.partition == 1 for f in rep.failures))
         rows.append(_row(
             f"hostile SuperNode ({kind})", "Flower simulation, 2 SuperNodes",

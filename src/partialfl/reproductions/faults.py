@@ -205,8 +205,7 @@ def least_squares_flower(size: Size, seed: int) -> list[dict] | str:
         f"crash:partition=1,round={r}" for r in range(lost_from, rounds))}
     t0 = time.perf_counter()
     clean_rep, lost_rep, *hostile = run_simulations(
-        [base, faulty, *fault_kinds.hostile_runs(base, range(lost_from, rounds))],
-        num_supernodes=2, num_cpus=2)
+        [base, faulty, *fault_kinds.hostile_runs(base)], num_supernodes=2, num_cpus=2)
     b = build(parse_run_config(faulty).run)
     problem = b.problem
     gone = partition_clients(problem.num_clients, 2, 1)
@@ -228,8 +227,8 @@ def least_squares_flower(size: Size, seed: int) -> list[dict] | str:
                          {"node loss": rep.failed_client_updates}, faults, attempted, history,
                          "round", seed=seed, lost_partitions=list(rep.lost_partitions),
                          **extra))
-    return rows + fault_kinds.hostile_rows(dict(zip(fault_kinds.HOSTILE, hostile)), lost_rep,
-                                           len(drop), time.perf_counter() - t0, seed)
+    return rows + fault_kinds.hostile_rows(dict(zip(("crash", *fault_kinds.HOSTILE), hostile)),
+                                           time.perf_counter() - t0, seed)
 
 
 def femnist_sync(size: Size, data_dir, seed: int) -> list[dict] | str:
