@@ -3,6 +3,8 @@ must find, and Spearman's correlation against SciPy."""
 
 from __future__ import annotations
 
+import json
+
 import numpy as np
 import pytest
 import torch
@@ -211,3 +213,87 @@ def test_advisor_task_on_the_complete_works_next_character():
     # blocks 0 and 1 are the input and output splits (duplicates are scored once)
     assert {"input", "output", "adapter", "embeddings", "head"} <= names
     assert all(np.isfinite(s.drop) for s in adv.scores)
+
+
+# ----------------------------------------------------------------------------- as a split
+def test_every_group_is_given_as_the_split_line_that_makes_it_personal():
+    """``split_toml``: the line a train config's [method] table needs; parsed as TOML and
+    built through the spec it selects exactly the group's parameters (issue 23 item 10:
+    "personalize 'layer conv2'" said nothing of how to write it)."""
+    import tomllib
+
+    from partialfl.advisor import group_patterns, split_toml
+    from partialfl.build import build_split
+    from partialfl.spec import RunSpec
+
+    model = toy_model(0)
+    pats = group_patterns(model)
+    assert pats["layer mid"] == ["^mid\\.[^.]+$"]
+    assert split_toml("layer mid", pats["layer mid"]) == \
+        "split = { name = \"pattern\", personal = ['^mid\\.[^.]+$'] }"
+    for name, sp in candidate_splits(model).items():
+        if name == "adapter":  # adds parameters: built from the same model by name
+            assert split_toml(name) == 'split = "adapter"'
+            continue
+        line = split_toml(name, pats.get(name))
+        method = {"algorithm": "ffgg", **tomllib.loads(line)}
+        comp = RunSpec.from_dict({"method": method}).method.split
+        options = {f: getattr(comp.options, f) for f in ("personal", "global_")} \
+            if comp.name == "pattern" else None
+        built = build_split(toy_model(0), comp.name, options)
+        assert built.personal_names == sp.personal_names, name
+    with pytest.raises(ValueError, match="quote"):
+        split_toml("g", ["a'b"])
+
+
+def test_advise_a_users_own_train_config(tmp_path, monkeypatch):
+    """``partialfl advise CONFIG.toml``: any model run's config (a model module beside it,
+    with --allow-code), pre-trained for its own stage-1 rounds; the advice gives the split
+    lines."""
+    import sys
+    import textwrap
+
+    from partialfl.cli import main
+
+    proj = tmp_path / "proj"
+    (proj / "data").mkdir(parents=True)
+    for m in range(4):
+        rng = np.random.default_rng(m)
+        x = rng.standard_normal((16, 4)).astype(np.float32)
+        np.savez(proj / "data" / f"c{m}.npz", x=x, y=((x[:, 0] > 0).astype(np.int64) + m) % 3)
+    (proj / "mymodels.py").write_text(textwrap.dedent("""
+        from torch import nn
+        def mlp(num_classes=3):
+            return nn.Sequential(nn.Linear(4, 8), nn.ReLU(), nn.Linear(8, 8), nn.ReLU(),
+                                 nn.Linear(8, num_classes))
+        """))
+    (proj / "study.toml").write_text(textwrap.dedent("""
+        [model]
+        name = "mymodels:mlp"
+        [data]
+        source = "folder"
+        path = "data"
+        [pretrain]
+        rounds = 2
+        clients_per_round = 2
+        [finetune]
+        epochs = 1
+        """))
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.delenv("PARTIALFL_ALLOW_CODE", raising=False)
+    try:
+        assert main(["advise", "proj/study.toml", "--clients", "3", "--no-progress"]) == 2
+        assert main(["advise", "proj/study.toml", "--allow-code", "--clients", "3",
+                     "--no-progress"]) == 0
+    finally:
+        sys.modules.pop("mymodels", None)
+    out = tmp_path / "runs" / "advise-study"
+    text = (out / "advice.md").read_text()
+    assert (out / "stage1" / "theta.safetensors").exists()  # its own 2 FedAvg rounds
+    scores = {s["name"]: s for s in json.loads((out / "advice.json").read_text())["scores"]}
+    assert scores["layer 2"]["split"] == \
+        "split = { name = \"pattern\", personal = ['^2\\.[^.]+$'] }"
+    assert scores["output"]["split"] == 'split = "output"'
+    block = text.split("```toml\n")[1].split("```")[0].splitlines()
+    top = sorted(scores.values(), key=lambda s: s["rank"])[:3]
+    assert block == [f"{s['split']}    # {s['name']}" for s in top]

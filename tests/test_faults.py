@@ -135,6 +135,12 @@ def test_reproduce_faults_quick(tmp_path):
     assert "orders of magnitude below the fault-free run [95% CI]" in text
     assert "| synchronous, 30% faults |" in text and "(one seed: no interval)" in text
     assert (tmp_path / "faults.png").stat().st_size > 0
+    # issue 21's fault kinds, each with its outcome (a closed pool, a kill between
+    # checkpoint files; with Flower, a SuperNode sending another dtype / an extra record)
+    kinds = json.loads((tmp_path / "results.json").read_text())["kinds"]
+    assert all(k["ok"] for k in kinds) and "expected outcome: yes." in text
+    names = {k["kind"].split(" (")[0] for k in kinds}
+    assert {"closed worker pool", "kill between checkpoint files"} <= names
     import importlib.util
 
     if importlib.util.find_spec("flwr") and importlib.util.find_spec("ray"):
@@ -144,6 +150,8 @@ def test_reproduce_faults_quick(tmp_path):
         fl = [r for r in rows if r["runtime"] == "flower-sim" and r["rate"] > 0]
         assert fl and fl[0]["lost"] == fl[0]["injected"]["node loss"] > 0
         assert fl[0]["lost_partitions"] == [1] and fl[0]["ref_diff"] < 1e-9
+        assert {"hostile SuperNode (dtype)", "hostile SuperNode (extra)"} <= {
+            k["kind"] for k in kinds}
 
 
 def test_faults_comparison_pairs_each_rate_with_the_fault_free_run():

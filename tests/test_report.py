@@ -2,6 +2,8 @@
 
 import math
 
+import pytest
+
 from partialfl.pipeline.report import (
     accuracy_cells,
     docstring_bullets,
@@ -240,3 +242,49 @@ def test_error_ratio_section_states_intervals_and_verdicts_over_seeds():
     one = "\n".join(error_ratio_section({"x": (ref[:1] * 1e-2, ref[:1])}, reference="R",
                                         error="e"))
     assert "+2.00 (one seed: no interval)" in one and "**One seed**" in one
+
+
+def test_har_summary_set_up_describes_the_settings_it_ran():
+    """The quick summary's set-up said "10 subjects per round" and "5 epochs" (the full
+    table's) although the quick run used 3 and 1 (issue 23 item 10)."""
+    from _summaries import check_standalone_summary
+
+    from partialfl.reproductions import har
+
+    res = _table_results([lab for lab, _ in har.HAR.rows])
+    info = {"train_subjects": [f"s{i}" for i in range(6)], "new_subjects": ["a", "b"],
+            "summary": "6 clients"}
+    quick = har.HAR.summary(_run(res, har.QUICK, info, True))
+    check_standalone_summary(quick, quick=True)
+    setup = quick.split("## Set-up")[1]
+    assert "3 subjects per round" in setup and "10 subjects per round" not in setup
+    assert "Stage 3: 1 epoch(s) (lr 0.02)" in setup and "5 epochs" not in setup
+    assert "Ditto (λ = 0.1)" in setup and "{" not in setup
+    full = har.HAR.summary(_run(res, har.FULL, info, False)).split("## Set-up")[1]
+    assert "10 subjects per round" in full and "Stage 3: 5 epoch(s)" in full
+    plateau = "\n".join(har.HAR.closing(_run(res, har.PLATEAU, info, False)))
+    assert "Stage 3: the epochs and lr chosen on validation data" in plateau
+
+
+@pytest.mark.parametrize("curves,outside", [(2, False), (4, False), (6, True), (16, True)])
+def test_a_legend_never_covers_many_curves(curves, outside):
+    """With more than a few curves (a table's stage 2 has up to 16) the legend goes beside
+    the axes; it covered the curves' ends."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    from partialfl.pipeline.report import legend_beside
+
+    fig, ax = plt.subplots()
+    for i in range(curves):
+        ax.plot([0, 1, 2], [i, i + 1, i + 2], label=f"method {i}")
+    legend_beside(ax)
+    fig.canvas.draw()
+    leg = ax.get_legend().get_window_extent()
+    box = ax.get_window_extent()
+    assert (leg.x0 >= box.x1) == outside
+    if not outside:
+        assert box.x0 <= leg.x0 and leg.x1 <= box.x1
+    plt.close(fig)

@@ -17,7 +17,10 @@ validation part V_m (``holdout``); with w = the parameters of G (θ the rest, fi
 
 Groups are ranked by ``drop``; the recommendation is the top group if its drop is positive
 by more than its spread over clients allows to call noise (mean − 2·s.e. > 0), else "do not
-personalize". :func:`spearman` compares a ranking with measured table accuracies.
+personalize". Every group is also given as the split a train config writes in its
+``[method]`` table (:func:`split_toml`: a kind by name, a layer or group as a ``pattern``
+split of its parameter-name regexes). :func:`spearman` (``scipy.stats.spearmanr``) compares
+a ranking with measured table accuracies.
 
 API::
 
@@ -30,7 +33,7 @@ from __future__ import annotations
 import re
 import time
 from collections.abc import Callable, Mapping, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 import numpy as np
 import torch
@@ -62,6 +65,7 @@ class GroupScore:
     drop: float
     drop_se: float
     grad_dissimilarity: float
+    split: str = ""  # the group as a train config's split (:func:`split_toml`)
 
     @property
     def drop_per_kparam(self) -> float:
@@ -79,6 +83,11 @@ class Advice:
 
     def rank_of(self, name: str) -> int:
         return [s.name for s in self.scores].index(name) + 1
+
+    def splits(self, top: int = 3) -> str:
+        """How to write the ``top`` groups as a split: lines of a train config's
+        ``[method]`` table."""
+        return "\n".join(f"{s.split}    # {s.name}" for s in self.scores[:top])
 
     def table(self) -> str:
         rows = ["| rank | group | personal params | val. loss before → after | drop ± s.e. | "
@@ -118,17 +127,38 @@ def candidate_splits(model: nn.Module, kinds: Sequence[str] | None = None, layer
         except (SplitError, ValueError):
             continue
     seen = {sp.personal_names for sp in out.values()}
-    extra = dict(groups or {})
-    if layers:
-        mods = parameterised_modules(model)
-        for m in mods if len(mods) > 1 else ():
-            extra[f"layer {m}"] = [f"^{re.escape(m)}\\.[^.]+$"]
-    for name, pats in extra.items():
+    for name, pats in group_patterns(model, layers, groups).items():
         sp = make_split(model, "pattern", personal=list(pats))
         if sp.personal_names not in seen:  # e.g. "layer conv1" is the input split
             out[name] = sp
             seen.add(sp.personal_names)
     return out
+
+
+def group_patterns(model: nn.Module, layers: bool = True,
+                   groups: Mapping[str, Sequence[str]] | None = None) -> dict[str, list[str]]:
+    """name → parameter-name regexes of the candidate groups that are not registered kinds:
+    ``groups`` and, with ``layers``, ``layer <module>`` for each parameterised module (when
+    there are several)."""
+    extra = {k: list(v) for k, v in (groups or {}).items()}
+    if layers:
+        mods = parameterised_modules(model)
+        for m in mods if len(mods) > 1 else ():
+            extra[f"layer {m}"] = [f"^{re.escape(m)}\\.[^.]+$"]
+    return extra
+
+
+def split_toml(name: str, patterns: Sequence[str] | None = None) -> str:
+    """Candidate ``name`` as the line of a train config's ``[method]`` table that makes it
+    the personal part: a registered kind by name (``split = "output"``), a group by its
+    regexes (``split = { name = "pattern", personal = ['^conv2\\.[^.]+$'] }``, TOML
+    literal strings: no escaping)."""
+    if patterns is None:
+        return f'split = "{name}"'
+    if any("'" in p or "\n" in p for p in patterns):
+        raise ValueError(f"group {name!r}: a pattern holds a quote or newline: {patterns}")
+    pats = ", ".join(f"'{p}'" for p in patterns)
+    return f'split = {{ name = "pattern", personal = [{pats}] }}'
 
 
 def _fit_val(data: FederatedDataset, cohort: np.ndarray, holdout: float, seed: int
@@ -210,13 +240,16 @@ def advise(model: nn.Module, data: FederatedDataset, theta: Mapping[str, torch.T
     fv = _fit_val(data, cohort, holdout, seed)
     cfg = SGDConfig(lr=lr, epochs=epochs, batch_size=batch_size, clip_norm=clip_norm)
     cands = candidate_splits(model, kinds, layers, split_fn, seed, groups)
-    scores = [score_split(sp, fv, cfg, seed, loss_fn, metric, name)
+    pats = group_patterns(model, layers, groups)
+    scores = [replace(score_split(sp, fv, cfg, seed, loss_fn, metric, name),
+                      split=split_toml(name, pats.get(name)))
               for name, sp in cands.items()]
     scores.sort(key=lambda s: s.drop, reverse=True)
     top = scores[0]
     if top.drop - 2 * top.drop_se > 0:
         rec = (f"personalize '{top.name}' ({top.params:,} parameters): it lowers the clients' "
-               f"held-out loss most ({top.drop:+.4f} ± {top.drop_se:.4f})")
+               f"held-out loss most ({top.drop:+.4f} ± {top.drop_se:.4f}); in a train "
+               f"config's [method] table: {top.split}")
     else:
         rec = ("do not personalize: no group lowers the clients' held-out loss by more than "
                f"its noise (best '{top.name}': {top.drop:+.4f} ± {top.drop_se:.4f})")
@@ -226,20 +259,15 @@ def advise(model: nn.Module, data: FederatedDataset, theta: Mapping[str, torch.T
 
 
 def spearman(a: Sequence[float], b: Sequence[float]) -> float:
-    """Spearman rank correlation of two equally long sequences (average ranks for ties)."""
+    """Spearman rank correlation of two equally long sequences
+    (``scipy.stats.spearmanr``: average ranks for ties; nan when one is constant)."""
+    import warnings
+
+    from scipy.stats import spearmanr
+
     a, b = np.asarray(a, float), np.asarray(b, float)
-    if a.shape != b.shape or a.size < 2:
+    if a.shape != b.shape or a.ndim != 1 or a.size < 2:
         raise ValueError("spearman needs two sequences of the same length >= 2")
-
-    def ranks(x):
-        order = np.argsort(x, kind="stable")
-        r = np.empty(len(x))
-        r[order] = np.arange(1, len(x) + 1)
-        for v in np.unique(x):
-            r[x == v] = r[x == v].mean()
-        return r
-
-    ra, rb = ranks(a), ranks(b)
-    ra, rb = ra - ra.mean(), rb - rb.mean()
-    den = np.sqrt((ra ** 2).sum() * (rb ** 2).sum())
-    return float((ra * rb).sum() / den) if den > 0 else float("nan")
+    with warnings.catch_warnings():  # a constant input: nan, as documented
+        warnings.simplefilter("ignore")
+        return float(spearmanr(a, b).statistic)

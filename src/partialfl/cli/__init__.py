@@ -66,6 +66,12 @@ def main(argv: list[str] | None = None) -> int:
     except (ClientFaultError, ConnectionError) as e:
         print(f"partialfl: error: {str(e).splitlines()[0]}", file=sys.stderr)
         return 1
+    except RuntimeError as e:  # a Flower run that failed: its cause, in one line
+        env = sys.modules.get("partialfl.flower.env")
+        if env is None or not isinstance(e, env.FlowerRunError):
+            raise
+        print(f"partialfl: error: {str(e).splitlines()[0]}", file=sys.stderr)
+        return 1
     except KeyboardInterrupt:
         print("partialfl: interrupted", file=sys.stderr)
         return 130

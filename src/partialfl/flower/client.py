@@ -38,6 +38,7 @@ from partialfl.flower.codec import (
     params_to_record,
 )
 from partialfl.flower.config import (
+    REPLY_FAULTS,
     STATEFUL,
     ConfigError,
     FlowerConfig,
@@ -165,10 +166,24 @@ def train(rt: NodeRuntime, msg: Message) -> Message:
     state = ServerState(theta=theta, round=r, extra=shared)
     result = rt.algorithm.client_update(state, rt.problem, cohort, RoundContext(rt.cfg.seed, r))
     content = encode_updates(result.updates, theta.keys(), metric_names(rt.algorithm))
-    if any(f.kind == "nan" and f.applies(rt.partition, r)
-           for f in parse_fault_injection(rt.cfg.fault_injection)):
-        content["update"]["weights"] = [float("nan")] * len(cohort)  # testing: a bad client
+    for f in parse_fault_injection(rt.cfg.fault_injection):
+        if f.kind in REPLY_FAULTS and f.applies(rt.partition, r):
+            hostile_reply(content, f.kind)
     return Message(content, reply_to=msg)
+
+
+def hostile_reply(content: RecordDict, kind: str) -> None:
+    """Testing (fault injection): make a train reply one the server must refuse — ``nan``
+    weights, ``dtype``: the vectors in another float dtype than θ's, ``extra``: a record
+    the algorithm does not declare (it crashed the ServerApp with a KeyError)."""
+    vectors = {n: a.numpy() for n, a in content["vectors"].items()}
+    if kind == "nan":
+        content["update"]["weights"] = [float("nan")] * len(content["update"]["weights"])
+    elif kind == "dtype":
+        content["vectors"] = params_to_record({n: v.astype(
+            np.float32 if v.dtype == np.float64 else np.float64) for n, v in vectors.items()})
+    elif kind == "extra":
+        content["extra.aux"] = params_to_record(vectors)
 
 
 def evaluate(rt: NodeRuntime, msg: Message) -> Message:

@@ -126,7 +126,8 @@ FIELDS: tuple[Field, ...] = (
     # -- testing ------------------------------------------------------------------------------
     Field("fault-injection", str, "", "testing only: make ClientApps fail, e.g. "
           "'crash:partition=1,round=1; slow:partition=0,round=2,seconds=5; "
-          "nan:partition=0,round=1' (non-finite weights), or the server stop after a round: "
+          "nan:partition=0,round=1' (non-finite weights; dtype: vectors in another dtype, "
+          "extra: an undeclared record), or the server stop after a round: "
           "'stop:round=2'"),
 )
 
@@ -398,16 +399,18 @@ def _check_combinations(cfg: FlowerConfig) -> None:
 
 
 # -- fault injection (testing the failure handling) ------------------------------------
-FAULT_KINDS = ("crash", "slow", "nan", "stop")
+FAULT_KINDS = ("crash", "slow", "nan", "dtype", "extra", "stop")
+#: the kinds a ClientApp applies to its reply (a hostile node: the server must refuse it)
+REPLY_FAULTS = ("nan", "dtype", "extra")
 
 
 @dataclass(frozen=True)
 class Fault:
     """Make the ClientApp of SuperNode ``partition`` misbehave in ``round`` (-1 = every
     round): ``crash`` raises, ``slow`` sleeps ``seconds`` before working, ``nan`` sends NaN
-    weights; or (``stop``, no partition) make the ServerApp stop after ``round`` as a killed
-    server would (after that round's checkpoint; async mode: after server step
-    ``round`` + 1)."""
+    weights, ``dtype`` its vectors in another float dtype, ``extra`` an undeclared record;
+    or (``stop``, no partition) make the ServerApp stop after ``round`` as a killed server
+    would (after that round's checkpoint; async mode: after server step ``round`` + 1)."""
 
     kind: str
     partition: int = -1
@@ -421,7 +424,7 @@ class Fault:
 
 def inject_faults(spec: str, partition: int, round_: int) -> None:
     """On a ClientApp: raise (``crash``) or sleep (``slow``) as ``spec`` says for this
-    ``partition`` and round (``nan`` is applied to the reply by the caller)."""
+    ``partition`` and round (:data:`REPLY_FAULTS` are applied to the reply by the caller)."""
     import time
 
     for f in parse_fault_injection(spec):

@@ -31,7 +31,7 @@ from pathlib import Path
 from typing import Any
 
 from partialfl.flower.config import parse_run_config
-from partialfl.flower.env import flower_env
+from partialfl.flower.env import FlowerRunError, flower_env
 from partialfl.flower.node import ALLOW_IMPORTS_ENV
 from partialfl.flower.project import _toml_value, write_app
 
@@ -342,15 +342,26 @@ class LocalFederation:
                       f"the checkpoint in {out}", file=sys.stderr, flush=True)
                 cfg["resume"] = True
                 continue
-            raise RuntimeError(
-                f"`{' '.join(args)[:300]} ...` exited with {proc.returncode} and "
-                f"{'no' if not result.exists() else 'a'} {result}:\n{proc.stdout[-3000:]}\n"
-                f"{proc.stderr[-3000:]}\n--- superlink log ---\n{self.log_tail('superlink')}")
+            raise self._failed(args, proc, result)
         rep = json.loads(result.read_text())
         with np.load(out / "theta.npz") as z:
             rep["theta"] = {n: z[n] for n in z.files}
         rep["flwr_output"] = proc.stdout
         return rep
+
+
+    def _failed(self, args, proc, result: Path) -> FlowerRunError:
+        """The error of a run without its result: the cause found in the ServerApp's output
+        or the SuperNodes' logs (:func:`~partialfl.flower.report.failure_cause`) first."""
+        from partialfl.flower.report import failure_cause
+
+        nodes = [self.log_tail(f"supernode-{i}", 400) for i in range(self.num_supernodes)]
+        cause = failure_cause(proc.stdout, proc.stderr, *nodes)
+        return FlowerRunError(
+            f"the Flower run failed: {cause or 'see the output below'}\n`{' '.join(args)[:300]}"
+            f" ...` exited with {proc.returncode} and {'no' if not result.exists() else 'a'} "
+            f"{result}:\n{proc.stdout[-3000:]}\n{proc.stderr[-3000:]}\n--- superlink log "
+            f"---\n{self.log_tail('superlink')}")
 
 
 class SuperLinkConnection(LocalFederation):

@@ -15,11 +15,22 @@
 The variable names were checked against flwr 1.42 (``flwr/supercore/telemetry.py``,
 ``flwr/supercore/update_check.py``, ``flwr/common/constant.py``,
 ``flwr/supercore/superexec/run_superexec.py``).
+
+Paths: the processes partialfl starts run in folders of their own, so the data folder
+(``PARTIALFL_DATA_DIR``, or the default one this process found) and every ``PYTHONPATH``
+entry are given to them as absolute paths (:func:`absolute_paths`; a relative data folder
+used to be looked up from the SuperNode's folder and fail there).
 """
 
 from __future__ import annotations
 
 import os
+from pathlib import Path
+
+
+class FlowerRunError(RuntimeError):
+    """A Flower run ended without its result; the first line of the message is the cause
+    found in the processes' output (e.g. a SuperNode's data-not-found error)."""
 
 FLOWER_ENV: dict[str, str] = {
     "FLWR_TELEMETRY_ENABLED": "0",
@@ -29,12 +40,31 @@ FLOWER_ENV: dict[str, str] = {
 }
 
 
+def absolute_paths(env: dict[str, str], cwd: str | Path | None = None) -> dict[str, str]:
+    """``env`` with ``PARTIALFL_DATA_DIR`` (set to the default data folder found from
+    ``cwd`` when unset, :func:`partialfl.data.paths.default_data_dir`) and every
+    ``PYTHONPATH`` entry made absolute against ``cwd`` (default: the working folder)."""
+    from partialfl.data.paths import ENV_VAR, default_data_dir
+
+    here = Path(cwd) if cwd is not None else Path.cwd()
+    out = dict(env)
+    found = default_data_dir() if cwd is None and not out.get(ENV_VAR) else None
+    data = out.get(ENV_VAR) or (str(found) if found is not None else "")
+    if data:
+        out[ENV_VAR] = os.path.normpath(here / Path(data).expanduser())
+    if out.get("PYTHONPATH"):
+        out["PYTHONPATH"] = os.pathsep.join(os.path.normpath(here / p) if p else str(here)
+                                            for p in out["PYTHONPATH"].split(os.pathsep))
+    return out
+
+
 def flower_env(base: dict[str, str] | None = None, **extra: str) -> dict[str, str]:
-    """``base`` (default: ``os.environ``) with :data:`FLOWER_ENV` and ``extra`` applied."""
+    """``base`` (default: ``os.environ``) with :data:`FLOWER_ENV` and ``extra`` applied and
+    its paths absolute (:func:`absolute_paths`)."""
     env = dict(os.environ if base is None else base)
     env.update(FLOWER_ENV)
     env.update(extra)
-    return env
+    return absolute_paths(env)
 
 
 def apply_flower_env() -> None:
@@ -46,6 +76,10 @@ def apply_flower_env() -> None:
 
     for k, v in FLOWER_ENV.items():
         os.environ.setdefault(k, v)
+    from partialfl.data.paths import ENV_VAR
+
+    if os.environ.get(ENV_VAR):  # Ray's workers run in folders of their own
+        os.environ[ENV_VAR] = absolute_paths(dict(os.environ))[ENV_VAR]
     tel = sys.modules.get("flwr.supercore.telemetry")
     if tel is not None:
         tel.FLWR_TELEMETRY_ENABLED = os.environ["FLWR_TELEMETRY_ENABLED"]

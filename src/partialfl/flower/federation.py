@@ -143,6 +143,7 @@ def describe(link: Link, cfg: FlowerConfig, node_ids: list[int]) -> Federation:
     failures: list[Failure] = []
     theta0 = None
     last = ""  # the last refusal, for the error when no node is left
+    raised: set[int] = set()  # nodes whose ClientApp raised (a node's own error: no retry)
     while True:
         new = [n for n in node_ids if n not in asked]
         asked.update(new)
@@ -156,6 +157,8 @@ def describe(link: Link, cfg: FlowerConfig, node_ids: list[int]) -> Federation:
                 log.warning("SuperNode %s did not describe itself (%s); it is left out", node,
                             reason)
                 last = reason.strip().splitlines()[-1] if reason.strip() else last
+                if m is not None:
+                    raised.add(node)
                 continue
             try:
                 info = decode_describe(m.content)
@@ -184,7 +187,8 @@ def describe(link: Link, cfg: FlowerConfig, node_ids: list[int]) -> Federation:
         missing = sorted(set(range(nparts.pop())) - set(seen)) if nparts else None
         if missing == []:
             break
-        if time.monotonic() >= deadline:
+        # every node there raised (e.g. its data not found): waiting cannot help
+        if time.monotonic() >= deadline or (not nodes and len(raised) >= cfg.min_nodes):
             why = f" (last refusal: {last[:300]})" if last else ""
             if missing is None:
                 raise RuntimeError(f"no SuperNode answered the describe query{why}")

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import json
 import logging
+import re
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
@@ -154,9 +155,38 @@ class ReportLog:
         log.info("partialfl: %s", shown)
 
 
+#: the last line of a Python traceback: ``[module.]TypeName: message``
+_ERROR_LINE = re.compile(r"^(?:[A-Za-z_][\w.]*\.)?([A-Z]\w*(?:Error|Exception|Exit)): (.+)$")
+#: how Flower reports a ClientApp's exception: ``<class 'pkg.mod.ConfigError'>:<'message'>``
+_FLOWER_REASON = re.compile(r"<class '(?:[\w.]+\.)?(\w+)'>:<'(.*?)'>", re.S)
+_ANSI = re.compile(r"\x1b\[[0-9;]*m")
+
+
+def node_reason(reason: str) -> str:
+    """A ClientApp's error as Flower reports it, written as Python does (``ConfigError:
+    message``)."""
+    return _FLOWER_REASON.sub(lambda m: f"{m.group(1)}: {m.group(2)}", str(reason))
+
+
+def failure_cause(*texts: str) -> str | None:
+    """The error that stopped a Flower run, from its processes' output (give the ServerApp's
+    stream first, then the SuperNodes' logs): the last ``TypeName: message`` line of the
+    first text that has one (:func:`node_reason` applied), or None."""
+    for text in texts:
+        found = None
+        for line in (text or "").splitlines():
+            m = _ERROR_LINE.match(_ANSI.sub("", line).strip())
+            if m:
+                found = f"{m.group(1)}: {m.group(2)}"
+        if found:
+            return node_reason(found)
+    return None
+
+
 def short(reason: str, n: int = 600) -> str:
-    """Long reasons (e.g. a remote traceback) keep their head and their tail (the error)."""
-    reason = str(reason).strip()
+    """Long reasons (e.g. a remote traceback) keep their head and their tail (the error);
+    Flower's wrapping of a ClientApp's exception is unwrapped (:func:`node_reason`)."""
+    reason = node_reason(str(reason)).strip()
     return reason if len(reason) <= n else f"{reason[:200]} ... {reason[-(n - 205):]}"
 
 

@@ -92,10 +92,11 @@ def run_server(grid: Grid, run_config: dict[str, Any], *,
 
 
 def describe_run(cfg) -> str:
-    """``"METHOD on PROBLEM-OR-DATA, stage STAGE"`` (stage 1 trains FedAvg)."""
+    """``"METHOD on PROBLEM-OR-DATA, stage STAGE"`` (stage 1 trains FedAvg, whatever the
+    method of stage 2)."""
     run = cfg.run
     what = run.problem.name if run.closed_form else f"{run.data.source}/{run.model.name}"
-    method = ("pre-training" if cfg.stage == "pretrain" else
+    method = ("FedAvg pre-training" if cfg.stage == "pretrain" else
               run.method.label or run.method.algorithm if run.closed_form else run.method.name)
     return f"{method} on {what}, stage {cfg.stage}"
 

@@ -139,6 +139,7 @@ def run_flower_train(spec, out: str | Path, *, engine: str = "flower-sim",
 
     if federation is None:
         _check_engine(engine, superlink, root_certificates)
+    spec = absolute_data_path(spec)  # the SuperNodes run in folders of their own
     run = build(spec)  # validates everything and loads the data before Flower starts
     extra = dict(flower or {})
     _check_algorithms(run, extra)
@@ -179,6 +180,15 @@ def run_flower_train(spec, out: str | Path, *, engine: str = "flower-sim",
             f"{eff.pretrain.rounds} + {eff.personalize.rounds} rounds on "
             f"{num_supernodes} SuperNodes{where} in {time.perf_counter() - t0:.1f} s; "
             f"results written to {out}/")
+
+
+def absolute_data_path(spec):
+    """``spec`` with a relative ``data.path`` made absolute against the working folder."""
+    d = getattr(spec, "data", None)
+    if d is None or not d.path or Path(d.path).expanduser().is_absolute():
+        return spec
+    path = str(Path(d.path).expanduser().absolute())
+    return dataclasses.replace(spec, data=dataclasses.replace(d, path=path))
 
 
 def _audit(flower: dict[str, Any], stage: str) -> dict[str, Any]:

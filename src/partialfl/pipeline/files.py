@@ -108,11 +108,24 @@ def check_or_write_json(path: Path, cfg_dict: dict, what: str) -> None:
     (:class:`ConfigError`) unless it holds the same: a rejected re-run never overwrites it."""
     if path.exists():
         old = pio.read_json(path)
-        if old != json.loads(json.dumps(cfg_dict, default=json_default)):
+        new = json.loads(json.dumps(cfg_dict, default=json_default))
+        if old != new:
+            diff = ", ".join(f"{k}: {a!r} there, {b!r} now" for k, a, b in
+                             config_differences(old, new)[:3])
             raise ConfigError(f"{path.parent} already holds a {what} with a different "
-                              "configuration; use a new folder (or delete it) to start over")
+                              f"configuration ({diff}); use a new folder (or delete it) to "
+                              "start over")
     else:
         write_json(path, cfg_dict)
+
+
+def config_differences(old: Any, new: Any, prefix: str = "") -> list[tuple[str, Any, Any]]:
+    """``[(dotted key, old value, new value), ...]`` where two JSON configs differ (a key
+    missing on one side: None there)."""
+    if isinstance(old, dict) and isinstance(new, dict):
+        return [d for k in sorted(set(old) | set(new), key=str)
+                for d in config_differences(old.get(k), new.get(k), f"{prefix}{k}.")]
+    return [] if old == new else [(prefix.rstrip(".") or "(all)", old, new)]
 
 
 
@@ -168,5 +181,6 @@ def deployed_split(run_dir: Path, cfg: RunSpec, model_fn, split_fn) -> tuple:
 
 
 __all__ = ["CLIENT_STATE", "DEPLOY", "THETA1", "THETA2", "check_or_write_json",
-           "deployed_split", "json_default", "load_params", "read_deploy", "read_params",
-           "save_deploy", "seeded_split", "tensor_file", "write_json"]
+           "config_differences", "deployed_split", "json_default", "load_params",
+           "read_deploy", "read_params", "save_deploy", "seeded_split", "tensor_file",
+           "write_json"]

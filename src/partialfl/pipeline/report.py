@@ -143,12 +143,13 @@ def plain_markdown(text: str) -> str:
 
 
 def docstring_bullets(doc: str, heading: str) -> list[str]:
-    """The ``* `` bullets after ``heading`` in a module docstring, as markdown ``- `` items
-    (so a reproduction's documented deviations are written into its summary verbatim)."""
+    """The ``* `` bullets after ``heading`` in a module docstring (``""``: all of ``doc``), as
+    markdown ``- `` items (so a reproduction's documented deviations are written into its
+    summary verbatim)."""
     items: list[str] = []
     cur: list[str] = []
     started = False
-    for line in doc.split(heading, 1)[1].strip().splitlines():
+    for line in (doc.split(heading, 1)[1] if heading else doc).strip().splitlines():
         if line.startswith("* "):
             if cur:
                 items.append(" ".join(cur))
@@ -207,13 +208,29 @@ def plot_curves(path: Path, panels: list[dict[str, list[dict]]], titles: Sequenc
             ax.ticklabel_format(axis="x", style="sci", scilimits=(-4, 4))
         ax.grid(alpha=0.3, which="both")
     axes[0][0].set_ylabel(ylabel)
-    axes[0][-1].legend(fontsize=8)
+    legend_beside(axes[0][-1])
     fig.tight_layout()
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
-    pio.savefig(fig, path, dpi=120)
+    pio.savefig(fig, path, dpi=120, bbox_inches="tight")
     plt.close(fig)
     return path
+
+
+#: a panel with more curves than this gets its legend beside the axes, not over the curves
+LEGEND_INSIDE_MAX = 4
+
+
+def legend_beside(ax, fontsize: int = 8) -> None:
+    """The panel's legend where it hides no curve: inside at matplotlib's least covered
+    place for a few curves, else to the right of the axes (save with
+    ``bbox_inches="tight"`` so it stays in the image)."""
+    n = len(ax.get_legend_handles_labels()[0])
+    if n <= LEGEND_INSIDE_MAX:
+        ax.legend(fontsize=fontsize, loc="best")
+    else:
+        ax.legend(fontsize=fontsize - 1, loc="upper left", bbox_to_anchor=(1.02, 1.0),
+                  borderaxespad=0.0, frameon=False)
 
 
 def jsonable(v):
@@ -284,9 +301,9 @@ def pipeline_plots(out_dir: Path, methods: Sequence[tuple[str, Any]], seeds: Seq
     ax.set_xlabel("per-client test accuracy (%)")
     ax.set_ylabel(f"fraction of {clients} (CDF, all seeds)")
     ax.grid(alpha=0.3)
-    ax.legend(fontsize=7)
+    legend_beside(ax, 7)
     fig.tight_layout()
-    pio.savefig(fig, out_dir / "per_client_accuracy.png", dpi=120)
+    pio.savefig(fig, out_dir / "per_client_accuracy.png", dpi=120, bbox_inches="tight")
     plt.close(fig)
 
 

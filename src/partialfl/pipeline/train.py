@@ -18,6 +18,7 @@ Files in ``--out``: ``spec.json``, ``stage1/`` (pre-training: ``stage1.jsonl`` â
 
 from __future__ import annotations
 
+import os
 from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
@@ -31,11 +32,15 @@ from partialfl.spec import DataSpec, ModelSpec, RunSpec
 def load_run_spec(path: str | Path | None = None, overrides: Sequence[str] = (), *,
                   device: str | None = None, data: dict | None = None) -> RunSpec:
     """The validated spec of a TOML file (or of ``data``) with ``key=value`` overrides. A
-    model run without ``[model]`` / ``[data]`` gets the defaults (emnist_cnn on FEMNIST); a
-    relative ``data.path`` is taken relative to the config file's folder when it exists
-    there."""
+    model run without ``[model]`` / ``[data]`` gets the defaults (emnist_cnn on FEMNIST). A
+    relative ``data.path`` in the file is taken relative to the file's folder when it exists
+    there (else the working folder); one given by an override, relative to the working
+    folder; the spec holds it as an absolute path (processes started in other folders, such
+    as Flower's SuperNodes, read the same data)."""
     raw = load_toml(path) if path is not None else dict(data or {})
-    raw = apply_overrides(raw, list(overrides))
+    if path is not None:
+        raw = _data_path(raw, Path(path).resolve().parent)
+    raw = _data_path(apply_overrides(raw, list(overrides)), Path.cwd())
     if device is not None:
         raw["device"] = device
     if path is not None:
@@ -44,13 +49,20 @@ def load_run_spec(path: str | Path | None = None, overrides: Sequence[str] = (),
     if "problem" not in raw:
         raw.setdefault("model", {})
         raw.setdefault("data", {})
-        d = raw["data"]
-        if path is not None and isinstance(d, dict) and d.get("path"):
-            p = Path(str(d["path"])).expanduser()
-            here = Path(path).resolve().parent / p
-            if not p.is_absolute() and here.exists():
-                raw["data"] = {**d, "path": str(here)}
     return from_dict(RunSpec, raw)
+
+
+def _data_path(raw: dict, folder: Path) -> dict:
+    """``raw`` with a relative ``data.path`` made absolute against ``folder`` (left as is if
+    nothing exists there and ``folder`` is not the working folder: the working folder then
+    decides)."""
+    d = raw.get("data")
+    if not (isinstance(d, dict) and isinstance(d.get("path"), str) and d["path"]):
+        return raw
+    p = Path(d["path"]).expanduser()
+    if p.is_absolute() or (folder != Path.cwd() and not (folder / p).exists()):
+        return raw if not p.is_absolute() else {**raw, "data": {**d, "path": str(p)}}
+    return {**raw, "data": {**d, "path": os.path.normpath(folder / p)}}
 
 
 def format_plan(plan: dict[str, Any]) -> str:
@@ -69,7 +81,8 @@ def format_plan(plan: dict[str, Any]) -> str:
         f"stages     {' â†’ '.join(plan['stages']) or '(none)'}: pre-train "
         f"{plan['rounds']['pretrain']} rounds, personalize {plan['rounds']['personalize']} "
         f"rounds, fine-tune {plan['finetune_epochs']} epochs",
-        f"device     {plan['device']} ({plan['precision']}, backend {plan['backend']})",
+        f"device     {plan['device']} ({plan['precision']}, backend {plan['backend']}, "
+        f"{plan.get('threads', 1)} torch thread(s): results repeat at this count)",
     ]
     return "\n".join(lines)
 

@@ -1,17 +1,22 @@
 """``partialfl advise TASK``: the split advisor (:mod:`partialfl.advisor`) on a table's task
 (``har``, ``femnist``, ``shakespeare``, ``shakespeare-complete``: the complete works'
 next-character table), with the table's model, data and stage-3 fine-tuning
-settings, and its comparison with a measured table.
+settings, and its comparison with a measured table — or on a user's own train config
+(``partialfl advise my_study.toml [--allow-code]``: its model, training clients, stage-1 and
+stage-3 settings).
 
 θ is a stage-1 checkpoint (``--theta runs/har-table/stage1/theta.safetensors``) or, without one, a
-FedAvg pre-training of ``--pretrain-rounds`` rounds with the table's stage-1 settings (written
-to ``OUT/stage1``). ``--table`` names what was measured: a table's ``results.json`` (the
-FFGG rows' accuracies, their gains over their matched baselines FedAvg + FT (same part) and
-over FedAvg, per seed) or a markdown file (``docs/results.md``, accuracies) whose section
-heading contains ``--section``. The FFGG rows (``FFGG (input…)``, …) are matched to the
-advisor's groups by split kind; for each measured quantity the Spearman correlation
-(``scipy.stats.spearmanr``) with the advisor's drops is reported, with whether its top pick
-is within the seed spread of the best split.
+FedAvg pre-training of ``--pretrain-rounds`` rounds (a config: default its own
+``pretrain.rounds``) with the task's stage-1 settings (written to ``OUT/stage1``). The advice
+gives each top group as the split line of a train config's ``[method]`` table.
+
+``--table`` names what was measured: a table's ``results.json`` (the FFGG rows' accuracies,
+their gains over their matched baselines FedAvg + FT (same part) and over FedAvg, per seed)
+or a markdown file (``docs/results.md``, accuracies) whose section heading contains
+``--section``. The FFGG rows (``FFGG (input…)``, …) are matched to the advisor's groups by
+split kind; for each measured quantity the Spearman correlation
+(:func:`partialfl.advisor.spearman`) with the advisor's drops is reported, with whether its
+top pick is within the seed spread of the best split.
 """
 
 from __future__ import annotations
@@ -55,12 +60,34 @@ def advised_tables() -> dict[str, tuple[Any, Any]]:
             for name, size in t.advise_sizes().items()}
 
 
+def config_task(path: str | Path, pretrain_rounds: int | None = None) -> AdvisorTask:
+    """A train config's task (:func:`partialfl.build.build`: its model, training clients,
+    loss and metric), its stage 1 (``pretrain_rounds`` replacing its rounds) and stage-3
+    settings. Code the config names is imported only where allowed (``--allow-code``)."""
+    from partialfl.build import build
+    from partialfl.pipeline.train import load_run_spec
+
+    spec = load_run_spec(path, [] if pretrain_rounds is None else
+                         [f"pretrain.rounds={pretrain_rounds}"])
+    if spec.closed_form:
+        raise ValueError(f"{path}: a closed-form problem has no layers to advise on; give a "
+                         "model run's config")
+    run = build(spec)
+    ft = spec.effective().finetune
+    return AdvisorTask(run.task, spec.effective(), ft.lr, ft.epochs, ft.batch_size,
+                       ft.clip_norm)
+
+
 def build_task(name: str, data_dir=None, pretrain_rounds: int | None = None) -> AdvisorTask:
     """The table ``name``'s task at its full size (stage 1 shortened to ``pretrain_rounds``),
-    with the table's stage-3 settings and its own candidate groups."""
+    with the table's stage-3 settings and its own candidate groups; ``name`` a ``.toml``
+    file: that train config's task (:func:`config_task`)."""
+    if str(name).endswith(".toml"):
+        return config_task(name, pretrain_rounds)
     tables = advised_tables()
     if name not in tables:
-        raise ValueError(f"unknown task {name!r}; allowed: {', '.join(tables)}")
+        raise ValueError(f"unknown task {name!r}; allowed: {', '.join(tables)} or a train "
+                         "config (.toml)")
     table, size = tables[name]
     if pretrain_rounds is not None:
         size = replace(size, pretrain_rounds=pretrain_rounds)
@@ -148,9 +175,9 @@ def compare(advice, measured: dict[str, tuple[float, float]]) -> dict[str, Any]:
     kinds = [k for k in measured if k in drops]
     if len(kinds) < 2:
         return {"kinds": kinds, "spearman": float("nan"), "note": "fewer than 2 shared kinds"}
-    from scipy.stats import spearmanr
+    from partialfl.advisor import spearman
 
-    rho = float(spearmanr([drops[k] for k in kinds], [measured[k][0] for k in kinds])[0])
+    rho = spearman([drops[k] for k in kinds], [measured[k][0] for k in kinds])
     pick = max(kinds, key=lambda k: drops[k])
     best = max(kinds, key=lambda k: measured[k][0])
     gap = measured[best][0] - measured[pick][0]
@@ -175,7 +202,7 @@ def run_advisor(name: str, out_dir: str | Path, *, theta: str | Path | None = No
     if theta is not None:  # tensors only: safetensors, never a pickle
         th = pio.load_tensors(theta, "θ file")[0]
     else:
-        if pretrain_rounds is None:
+        if pretrain_rounds is None and not str(name).endswith(".toml"):
             raise ValueError("give --theta (a stage-1 theta.safetensors) or --pretrain-rounds N")
         tp = time.perf_counter()
         from partialfl.pipeline.stages import pretrain
@@ -196,9 +223,12 @@ def run_advisor(name: str, out_dir: str | Path, *, theta: str | Path | None = No
     total = time.perf_counter() - t0
     lines = [f"# Split advisor on {name}", "",
              f"{len(adv.settings['clients'])} sampled clients, {at.epochs} fine-tuning epochs at "
-             f"lr {at.lr} (the table's stage 3), {int(100 * adv.settings['holdout'])}% of each "
+             f"lr {at.lr} (stage 3's settings), {int(100 * adv.settings['holdout'])}% of each "
              "client's training data held out for the validation loss.", "",
              adv.table(), "", f"**Recommendation:** {adv.recommendation}.", "",
+             "The top groups as the split of a train config (a line of its `[method]` "
+             "table; `finetune_split` takes the same value after FedAvg):", "", "```toml",
+             adv.splits(), "```", "",
              f"Cost: advisor {adv.seconds:.1f} s; pre-training {pre_seconds:.1f} s; total "
              f"{total:.1f} s."]
     for target, c in (cmp or {}).items():
@@ -229,7 +259,10 @@ def add_parser(sub) -> None:
     s = sub.add_parser("advise", help="rank which parameters to personalize for a table's "
                        "task (split advisor)")
     s.add_argument("task", help="the table whose task to advise on (har, femnist, shakespeare, "
-                   "shakespeare-complete)")
+                   "shakespeare-complete) or a train config (.toml)")
+    s.add_argument("--allow-code", action="store_true",
+                   help="a config's model may be code ('module:callable'; modules beside the "
+                        "config are found)")
     s.add_argument("--theta", help="a stage-1 theta.safetensors (pre-trained parameters)")
     s.add_argument("--pretrain-rounds", type=int, help="without --theta: FedAvg rounds")
     s.add_argument("--clients", type=int, default=10, help="clients sampled (default 10)")
@@ -244,9 +277,15 @@ def add_parser(sub) -> None:
 
 
 def _cmd(args) -> int:
-    out = Path(args.out or Path("runs") / f"advise-{args.task}")
-    path = run_advisor(args.task, out, theta=args.theta, pretrain_rounds=args.pretrain_rounds,
-                       clients=args.clients, data_dir=args.data_dir, table=args.table,
-                       section=args.section, progress=not args.no_progress)
+    from partialfl.build import allow_code, config_folder_on_path
+
+    out = Path(args.out or Path("runs") / f"advise-{Path(args.task).stem}")
+    if args.allow_code and args.task.endswith(".toml"):
+        config_folder_on_path(Path(args.task).parent)
+    with allow_code(args.allow_code or None):
+        path = run_advisor(args.task, out, theta=args.theta,
+                           pretrain_rounds=args.pretrain_rounds, clients=args.clients,
+                           data_dir=args.data_dir, table=args.table, section=args.section,
+                           progress=not args.no_progress)
     print(path.read_text())
     return 0

@@ -24,6 +24,8 @@ faulty and the fault-free runs alike.
 * **least squares in Flower's simulation engine**: a SuperNode lost for the last two thirds
   of the rounds (its clients' updates lost, the run goes on below ``max-failure-fraction``)
   against the in-process run with exactly those updates dropped.
+* **issue 21's fault kinds** — closed pool, hostile SuperNode, kill between checkpoint files:
+  :mod:`partialfl.reproductions.fault_kinds`, each checked for its outcome.
 """
 
 from __future__ import annotations
@@ -45,6 +47,7 @@ from partialfl.build import make_solver
 from partialfl.pipeline.report import error_ratio_section
 from partialfl.problems.least_squares import LeastSquaresProblem, LeastSquaresSpec
 from partialfl.registry import register
+from partialfl.reproductions import fault_kinds
 from partialfl.runtime import run_rounds
 from partialfl.runtime.asynchronous import run_async
 from partialfl.runtime.faults import DropClients, FaultInjector
@@ -70,6 +73,8 @@ class Size:
     seeds: tuple[int, ...]
     halve_every: int
     flower_rounds: int = 60
+    pool_rounds: int = 8
+    checkpoint_rounds: int = 4
 
 
 QUICK = Size(clients=12, n=200, d_theta=8, d_w=4, rounds=240, async_steps=1600,
@@ -77,7 +82,7 @@ QUICK = Size(clients=12, n=200, d_theta=8, d_w=4, rounds=240, async_steps=1600,
              halve_every=60)
 FULL = Size(clients=32, n=400, d_theta=40, d_w=20, rounds=600, async_steps=9600,
             process_steps=600, femnist_writers=16, femnist_rounds=10, seeds=(0, 1, 2),
-            halve_every=150)
+            halve_every=150, pool_rounds=24, checkpoint_rounds=8)
 
 
 def _ls_metrics(star: np.ndarray) -> Callable:
@@ -198,7 +203,9 @@ def least_squares_flower(size: Size, seed: int) -> list[dict] | str:
     base = {"spec": spec}
     faulty = {**base, "fault-injection": "; ".join(
         f"crash:partition=1,round={r}" for r in range(lost_from, rounds))}
-    clean_rep, lost_rep = run_simulations([base, faulty], num_supernodes=2, num_cpus=2)
+    t0 = time.perf_counter()
+    clean_rep, lost_rep, *hostile = run_simulations(
+        [base, faulty, *fault_kinds.hostile_runs(base)], num_supernodes=2, num_cpus=2)
     b = build(parse_run_config(faulty).run)
     problem = b.problem
     gone = partition_clients(problem.num_clients, 2, 1)
@@ -220,7 +227,8 @@ def least_squares_flower(size: Size, seed: int) -> list[dict] | str:
                          {"node loss": rep.failed_client_updates}, faults, attempted, history,
                          "round", seed=seed, lost_partitions=list(rep.lost_partitions),
                          **extra))
-    return rows
+    return rows + fault_kinds.hostile_rows(dict(zip(("crash", *fault_kinds.HOSTILE), hostile)),
+                                           time.perf_counter() - t0, seed)
 
 
 def femnist_sync(size: Size, data_dir, seed: int) -> list[dict] | str:
@@ -346,14 +354,16 @@ def reproduce_faults(out_dir: Path, *, quick: bool = False, seeds: list[int] | N
              ("least-squares async", lambda s: least_squares_async(size, s, False)),
              ("least-squares processes", lambda s: least_squares_async(size, s, True)),
              ("least-squares Flower", lambda s: least_squares_flower(size, s)),
-             ("FEMNIST", lambda s: femnist_sync(size, data_dir, s))]
+             ("FEMNIST", lambda s: femnist_sync(size, data_dir, s)),
+             ("closed worker pool", lambda s: fault_kinds.pool_part(size, s)),
+             ("kill between checkpoint files", lambda s: fault_kinds.kill_part(size, s))]
     jobs = [(name, fn, s) for s in seeds for name, fn in parts]
     it = jobs
     if progress:
         from tqdm.auto import tqdm
 
         it = tqdm(jobs, desc="faults")
-    timings = {}
+    timings, kinds = {}, []
     logger = logging.getLogger("partialfl")
     level = logger.level
     logger.setLevel(logging.ERROR)  # thousands of injected faults: counted, not printed
@@ -365,18 +375,20 @@ def reproduce_faults(out_dir: Path, *, quick: bool = False, seeds: list[int] | N
             if isinstance(out, str):
                 if out not in notes:
                     notes.append(out)
-            else:
-                rows.extend(out)
+            else:  # the study's rows, and the fault kinds' (a "kind" each)
+                rows.extend(r for r in out if "kind" not in r)
+                kinds.extend(r for r in out if "kind" in r)
     finally:
         logger.setLevel(level)
     seconds = time.perf_counter() - t0
-    pio.write_json(out_dir / "results.json",
-                   {"rows": rows, "timings": timings, "seconds": seconds, "tols": TOLS},
+    pio.write_json(out_dir / "results.json", {"rows": rows, "kinds": kinds, "timings": timings,
+                                              "seconds": seconds, "tols": TOLS},
                    indent=1, default=float)
     _plot(rows, out_dir / "faults.png")
     path = out_dir / "summary.md"
-    pio.write_text(path, _summary(rows, notes, size, seeds, seconds, quick))
+    pio.write_text(path, _summary(rows, notes, size, seeds, seconds, quick, kinds))
     return path
+
 
 
 def verdict(rows: list[dict]) -> list[str]:
@@ -452,7 +464,7 @@ def comparison(rows: list[dict], quick: bool) -> list[str]:
             "comparisons of final errors, so they have no interval.", ""]
 
 
-def _summary(rows, notes, size: Size, seeds, seconds: float, quick: bool) -> str:
+def _summary(rows, notes, size: Size, seeds, seconds: float, quick: bool, kinds=()) -> str:
     return "\n".join([
         f"# faults: FFGG with clients failing at random{' (quick)' if quick else ''}",
         "",
@@ -477,6 +489,7 @@ def _summary(rows, notes, size: Size, seeds, seconds: float, quick: bool) -> str
         "",
         "Plot: `faults.png` (distance to θ* per round / step for each fault rate).",
         "",
+        *fault_kinds.section(list(kinds)),
         f"Wall-clock: {seconds:.1f} s.",
         "",
     ])

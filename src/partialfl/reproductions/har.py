@@ -15,26 +15,8 @@ FedAvg, FedAvg + fine-tuning of each part below (the matched baselines), FFGG wi
 evaluated as new clients (each fine-tunes its personal part on its first session(s) from the
 trained θ, then is tested on its last session).
 
-Set-up, and why (also written into the summary):
-
-* Stage 1: FedAvg on every parameter, 10 subjects per round, 1 local epoch, batch 32, client
-  lr 0.05, server SGD lr 1 (plain averaging).
-* Stage 2: the method, 10 subjects per round, 1 local epoch, client lr 0.02; FFGG's server
-  SGD lr 0.1 ≈ client lr × minibatches per epoch (~6), so a
-  round moves θ about as far as a FedAvg round (as in the FEMNIST table); the others use the
-  FedAvg server (lr 1 on the mean change).
-* Stage 3: 5 epochs of w fine-tuning per subject (lr 0.02); FedAvg's row is
-  evaluated as is, and "FedAvg + FT (part)" fine-tunes each part a personalized row trains
-  (the matched baseline: the input, output, adapter or norm part of FedAvg's model).
-* Local training only: every subject trains a fresh model alone, all subjects every round,
-  for the same number of stage-2 rounds (one epoch each), i.e. as many local epochs as rounds,
-  at the pre-training client lr (a fresh model needs it). Its held-out subjects do the same.
-* Ditto: the global model by FedAvg (stage-2 settings), each sampled subject then runs one
-  epoch of proximal SGD on its personal model (starting from the global model when it first
-  joins); a held-out subject trains its v from θ for the stage-3 epochs. No stage 3.
-* The CNN has a GroupNorm (4 groups) after each convolution (the data README's calibration
-  network has none), so that the norm split exists; personal adapters are zero-initialised
-  1×1 convolutions after each convolution and a low-rank residual on the logits.
+Set-up, and why: :data:`SETUP` (written into the summary with the sizes the run used; the
+full table: 10 subjects per round in stages 1 and 2, 5 epochs of fine-tuning in stage 3).
 """
 
 from __future__ import annotations
@@ -44,10 +26,11 @@ from pathlib import Path
 
 import numpy as np
 
+from partialfl import io as pio
 from partialfl.build import Task, make_model
 from partialfl.data.har import channel_mean_std, load_hapt, standardize
 from partialfl.local.sgd import SGDConfig
-from partialfl.pipeline.report import docstring_bullets
+from partialfl.pipeline.report import docstring_bullets, legend_beside
 from partialfl.pipeline.stopping import plateau_settings, stage1_stop
 from partialfl.registry import register
 from partialfl.reproductions.tables import Loaded, Table, TableRun, TableSize, data_record
@@ -61,6 +44,29 @@ DITTO_LAMBDA = 0.1
 HOLDOUT_SUBJECTS = 5
 DEFAULT_SEEDS = (0, 1, 2)
 BATCH = 32
+
+#: the set-up and why, as the summary writes it (``{…}``: the run's sizes and settings)
+SETUP = """\
+* Stage 1: FedAvg on every parameter, {k} subjects per round, 1 local epoch, batch {batch},
+  client lr {pre_lr}, server SGD lr 1 (plain averaging).
+* Stage 2: the method, {k} subjects per round, 1 local epoch, client lr {lr}; FFGG's server
+  SGD lr {ffgg_lr} ≈ client lr × minibatches per epoch (~6 on the full data), so a round moves
+  θ about as far as a FedAvg round (as in the FEMNIST table); the others use the FedAvg
+  server (lr 1 on the mean change).
+* Stage 3: {ft} of w fine-tuning per subject; FedAvg's row is evaluated as is, and "FedAvg +
+  FT (part)" fine-tunes each part a personalized row trains (the matched baseline: the
+  input, output, adapter or norm part of FedAvg's model).
+* Local training only: every subject trains a fresh model alone, all subjects every round,
+  for the same number of stage-2 rounds (one epoch each), i.e. as many local epochs as
+  rounds, at the pre-training client lr (a fresh model needs it). Its held-out subjects do
+  the same.
+* Ditto (λ = {lam}): the global model by FedAvg (stage-2 settings), each sampled subject then
+  runs one epoch of proximal SGD on its personal model (starting from the global model when
+  it first joins); a held-out subject trains its v from θ for the stage-3 epochs. No stage 3.
+* The CNN has a GroupNorm (4 groups) after each convolution (the data README's calibration
+  network has none), so that the norm split exists; personal adapters are zero-initialised
+  1×1 convolutions after each convolution and a low-rank residual on the logits.
+"""
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -223,8 +229,11 @@ class HarTable(Table):
                  f"below: caps {s.pretrain_rounds} (stage 1) and {s.rounds} (stage 2); stage "
                  "3's epochs and lr chosen on validation data for every row with a personal "
                  "part (see the stage budgets above)."] if s.plateau else [])
-        return ["## Set-up", "", *rule,
-                *docstring_bullets(__doc__, "Set-up, and why (also written into the summary):")]
+        ft = ("the epochs and lr chosen on validation data" if s.plateau else
+              f"{s.finetune_epochs} epoch(s) (lr {PERSONAL_LR})")
+        text = SETUP.format(k=s.clients_per_round, batch=BATCH, pre_lr=PRETRAIN_LR,
+                            lr=PERSONAL_LR, ffgg_lr=FFGG_SERVER_LR, ft=ft, lam=DITTO_LAMBDA)
+        return ["## Set-up", "", *rule, *docstring_bullets(text, "")]
 
     def extra_plots(self, out_dir: Path, run: TableRun) -> list[str]:
         per_subject_plot(out_dir / "per_subject_accuracy.png", run.results)
@@ -297,8 +306,8 @@ def per_subject_plot(path: Path, results: dict[str, list[dict]]) -> Path:
     ax.set_xlabel("subject (sorted by FedAvg accuracy)")
     ax.set_ylabel("test accuracy, last session (%)")
     ax.grid(alpha=0.3)
-    ax.legend(fontsize=7)
+    legend_beside(ax, 7)
     fig.tight_layout()
-    fig.savefig(path, dpi=120)
+    pio.savefig(fig, path, dpi=120, bbox_inches="tight")
     plt.close(fig)
     return Path(path)

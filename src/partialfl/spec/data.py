@@ -32,7 +32,8 @@ class ModelSpec:
 @dataclass(frozen=True)
 class DataSpec(_Spec):
     """``source``: a registered data source (``femnist``, ``shakespeare``, ``har``, ``folder``,
-    ``hf-disk``, …); ``path``: its folder or file (relative to the config file's folder);
+    ``hf-disk``, …); ``path``: its folder or file (in a config file: relative to the file's folder
+    when it exists there; with ``--set``: relative to the working folder);
     ``options``: the source's keyword arguments. ``num_clients``: a seeded subset of the
     clients; ``holdout``: clients kept out of training as *new clients*. ``hf-disk`` /
     ``folder`` data with ``x, y`` only: ``test_fraction`` of each client's examples are its
