@@ -323,13 +323,25 @@ def finetune_and_evaluate(cfg: RunSpec, task: Task, s2: Stage2, run_dir: Path,
         "stage3_seconds": time.perf_counter() - t0, **extra, **_budgets(s2.folder or run_dir),
     }
     if save_personalized:
-        from partialfl.pipeline.deploy import PersonalizedModels
-
-        PersonalizedModels(split, theta, w, task.data.client_ids, problem,
-                           {"method": cfg.method.name, "seed": cfg.seed, "task": task.name}
-                           ).save(run_dir / "personalized")
+        _save_personalized(cfg, task, split, problem, deployed if full else theta, w, run_dir)
     save_deploy(run_dir, split, _host(theta), _host(problem.w_pretrained), *built)
     return metrics, split, theta
+
+
+def _save_personalized(cfg: RunSpec, task: Task, split: Split, problem, theta: Params,
+                       w: Params, run_dir: Path) -> None:
+    """Every client's deployed model in ``run_dir/personalized``
+    (:class:`~partialfl.pipeline.deploy.PersonalizedModels`). Ditto / local-only deploy a
+    personal copy of every parameter (``theta`` stacked over the clients): saved as a split
+    with every parameter personal."""
+    from partialfl.pipeline.deploy import PersonalizedModels
+
+    meta = {"method": cfg.method.name, "seed": cfg.seed, "task": task.name}
+    if cfg.method.entry.trait("split") == "full":
+        names = tuple(n for n, _ in split.model.named_parameters())
+        split, w, theta = Split(split.model, "full", (), names), {**w, **theta}, {}
+    PersonalizedModels(split, theta, w, task.data.client_ids, problem, meta
+                       ).save(run_dir / "personalized")
 
 
 def _budgets(run_dir: Path) -> dict[str, Any]:

@@ -53,6 +53,17 @@ def load_run_spec(path: str | Path | None = None, overrides: Sequence[str] = (),
     return from_dict(RunSpec, raw)
 
 
+def _stage3(plan: dict[str, Any]) -> str:
+    """What stage 3 does: fine-tune w, or (Ditto, local-only: every parameter personal)
+    nothing, the clients deploy their personal models v_m."""
+    if not plan.get("full_personal"):
+        return f"fine-tune {plan['finetune_epochs']} epochs"
+    new = ("fresh model, the personalize budget" if plan.get("fresh_model")
+           else f"from θ, {plan['finetune_epochs']} epochs")
+    return ("no fine-tuning (each client deploys its personal model; new clients train "
+            f"theirs {new})")
+
+
 def format_plan(plan: dict[str, Any]) -> str:
     """The dry-run plan, one fact per line."""
     counts = plan.get("split_counts") or {}
@@ -68,7 +79,7 @@ def format_plan(plan: dict[str, Any]) -> str:
         f"algorithm  {plan['algorithm']}",
         f"stages     {' → '.join(plan['stages']) or '(none)'}: pre-train "
         f"{plan['rounds']['pretrain']} rounds, personalize {plan['rounds']['personalize']} "
-        f"rounds, fine-tune {plan['finetune_epochs']} epochs",
+        f"rounds, {_stage3(plan)}",
         f"device     {plan['device']} ({plan['precision']}, backend {plan['backend']})",
     ]
     return "\n".join(lines)
@@ -78,7 +89,6 @@ def run_built(run: Run, out: str | Path, *, progress: bool | None = None,
               on_round: Callable[[str, int], None] | None = None) -> dict[str, Any]:
     """Run a built spec into ``out``; returns stage 3's metrics (plus ``new_clients``)."""
     from partialfl.devices import use_threads
-    from partialfl.pipeline.evaluation import evaluate_new_clients
     from partialfl.pipeline.stages import run_pipeline
     from partialfl.pipeline.train_report import write_report
 
@@ -87,23 +97,36 @@ def run_built(run: Run, out: str | Path, *, progress: bool | None = None,
     out.mkdir(parents=True, exist_ok=True)
     write_json(out / "spec.json", spec.to_dict())
     show = spec.logging.progress if progress is None else progress
-    res = run_pipeline(spec.effective(), run.task, out, progress=show, on_round=on_round)
+    res = run_pipeline(spec.effective(), run.task, out, progress=show, on_round=on_round,
+                       save_personalized=True)
     metrics = dict(res.metrics)
     if run.new_clients is not None:
-        ft = spec.effective().finetune
-        _, w_pre = res.split.params()
-        ev = evaluate_new_clients(res.theta, None, res.split, run.new_clients, ft.epochs,
-                                  lr=ft.lr, batch_size=ft.batch_size, clip_norm=ft.clip_norm,
-                                  w_pretrained=w_pre, seed=spec.seed,
-                                  loss_fn=run.task.loss_fn, metric=run.task.metric,
-                                  vectorize=False)
-        new = {**ev["test"].as_dict("test"), "test_acc_before_ft": ev["before"].accuracy,
-               "per_client_test_acc": ev["test"].per_client,
-               "client_ids": list(run.new_clients.client_ids)}
-        write_json(out / "new_clients.json", new)
-        metrics["new_clients"] = new
+        metrics["new_clients"] = _new_clients(run, out)
     write_report(out, tensorboard=spec.logging.tensorboard)
     return metrics
+
+
+def _new_clients(run: Run, out: Path) -> dict[str, Any]:
+    """The held-out clients of a finished run, evaluated as ``partialfl evaluate`` does
+    (:func:`~partialfl.pipeline.evaluation.evaluate_run` on the run's deployed model: a
+    split model fine-tunes w; Ditto / local-only train each client's personal model);
+    written to ``new_clients.json``."""
+    from partialfl.pipeline.evaluation import evaluate_run
+
+    task = run.task
+    ev = evaluate_run(out, run.new_clients, model_fn=task.model_fn, split_fn=task.split_fn,
+                      loss_fn=task.loss_fn, metric=task.metric, device=_device(run.spec))
+    new = {**ev["test"].as_dict("test"), "test_acc_before_ft": ev["before"].accuracy,
+           "per_client_test_acc": ev["test"].per_client,
+           "client_ids": list(run.new_clients.client_ids)}
+    write_json(out / "new_clients.json", new)
+    return new
+
+
+def _device(spec: RunSpec) -> str:
+    from partialfl.devices import resolve_device
+
+    return str(resolve_device(spec.device))
 
 
 def run_train(spec: RunSpec, out: str | Path | None = None, *, dry_run: bool = False,
