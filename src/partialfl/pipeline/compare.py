@@ -39,9 +39,16 @@ def load_runs(paths: Sequence[str | Path]) -> list[dict[str, Any]]:
     ``config.json``, ``metrics.json`` and ``new_clients.json`` (or None)."""
     from partialfl.pipeline.runs import find_runs
 
+    from partialfl.pipeline.study import read_index
+
     runs, seen = [], set()
     for p in paths:
-        for run in find_runs(p):
+        found = find_runs(p)
+        index = read_index(p)
+        if index is not None:  # a study: its runs in the order of its sweep values and seeds
+            order = {r["folder"]: i for i, r in enumerate(index["runs"])}
+            found.sort(key=lambda r: order.get(r.name, len(order)))
+        for run in found:
             key = run.resolve()
             if key in seen:
                 continue
@@ -69,7 +76,7 @@ def group_runs(runs: list[dict[str, Any]]) -> dict[str, list[dict[str, Any]]]:
                                       for f in flats.values()}) > 1]
     out = {}
     for k, members in groups.items():
-        label = ", ".join(f"{n}={flats[k].get(n)}" for n in differ) or \
+        label = ", ".join(f"{n.removesuffix('.name')}={flats[k].get(n)}" for n in differ) or \
             str(members[0]["metrics"].get("method", members[0]["folder"].name))
         members = sorted(members, key=lambda r: r["config"].get("seed", 0))
         seeds = [r["config"].get("seed", 0) for r in members]
@@ -137,6 +144,9 @@ def compare(paths: Sequence[str | Path], out: str | Path, *, baseline: str | Non
         if counts[baseline] is None:
             continue
         _check_paired(groups, baseline, which)
+        if counts[baseline][0].shape[-1] < 2:
+            lines += [f"## {title}", "", "(One client: no interval over clients.)", ""]
+            continue
         lines += [f"## {title}", "",
                   *paired_section(counts, baseline, unit="examples", clients=clients,
                                   seed=seed, verdict=len(groups) > 1), ""]
@@ -172,7 +182,7 @@ def _plot(path: Path, panels: dict[str, dict[str, Any]]) -> None:
         hi = [100 * (ivs[k].high - ivs[k].estimate) for k in labels]
         ax.errorbar(est, range(len(labels)), xerr=[lo, hi], fmt="o", capsize=4)
         ax.set_yticks(range(len(labels)), labels, fontsize=8)
-        ax.invert_yaxis()
+        ax.set_ylim(len(labels) - 0.5, -0.5)
         ax.set_xlabel("pooled test accuracy (%), 95% interval")
         ax.set_title(title, fontsize=10)
         ax.grid(alpha=0.3, axis="x")
