@@ -38,7 +38,6 @@ def load_runs(paths: Sequence[str | Path]) -> list[dict[str, Any]]:
     """Every finished run under ``paths`` (run, study or table folders): its folder,
     ``config.json``, ``metrics.json`` and ``new_clients.json`` (or None)."""
     from partialfl.pipeline.runs import find_runs
-
     from partialfl.pipeline.study import read_index
 
     runs, seen = [], set()
