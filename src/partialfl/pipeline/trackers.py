@@ -12,7 +12,9 @@ derived from the run folder's JSONL when the run ends (so a resumed run is logge
 full): every evaluation record (``stage1/test_acc`` …) and per-round training record
 (``stage2/train_loss``, ``stage2/examples_per_s``, ``stage2/rounds_per_s``) with the round as
 step, the final metrics (``test_acc``, ``new_clients/test_acc`` …) and the spec as the run's
-configuration. ``WANDB_MODE=offline`` / a ``file:`` MLflow store log without a server.
+configuration. ``WANDB_MODE=offline`` / a local MLflow store (``sqlite:///mlflow.db`` with
+full MLflow; a ``file:`` store needs ``MLFLOW_ALLOW_FILE_STORE=true`` since MLflow 3.x) log
+without a server. A tracker's failure is reported in one line; the run folder is complete.
 """
 
 from __future__ import annotations
@@ -104,10 +106,6 @@ def to_wandb(run_dir: Path, spec, options: dict[str, Any]) -> None:
 def to_mlflow(run_dir: Path, spec, options: dict[str, Any]) -> None:
     """One MLflow run of ``run_dir`` (``options``: ``tracking_uri``, ``experiment``)."""
     mlflow = _need("mlflow", "mlflow")
-    bad = sorted(set(options) - {"tracking_uri", "experiment"})
-    if bad:
-        raise ConfigError(f"logging.mlflow.{bad[0]}: unknown key; allowed: tracking_uri, "
-                          "experiment")
     if options.get("tracking_uri"):
         mlflow.set_tracking_uri(str(options["tracking_uri"]))
     mlflow.set_experiment(str(options.get("experiment") or spec.name))
@@ -123,10 +121,18 @@ def to_mlflow(run_dir: Path, spec, options: dict[str, Any]) -> None:
 def export_run(run_dir: str | Path, spec) -> None:
     """Log the finished run at ``run_dir`` to the trackers its spec's ``logging`` names."""
     run_dir = Path(run_dir)
-    if spec.logging.wandb is not None:
-        to_wandb(run_dir, spec, dict(spec.logging.wandb))
-    if spec.logging.mlflow is not None:
-        to_mlflow(run_dir, spec, dict(spec.logging.mlflow))
+    for key, fn in (("wandb", to_wandb), ("mlflow", to_mlflow)):
+        opts = getattr(spec.logging, key)
+        if opts is None:
+            continue
+        try:
+            fn(run_dir, spec, dict(opts))
+        except ConfigError:
+            raise
+        except Exception as e:  # the tracker's own error, in one line; the run is written
+            msg = (str(e).strip().splitlines() or [type(e).__name__])[0]
+            raise ConfigError(f"logging.{key}: {type(e).__name__}: {msg} (the run itself is "
+                              f"complete in {run_dir})") from e
 
 
 __all__ = ["export_run", "final_metrics", "to_mlflow", "to_wandb"]

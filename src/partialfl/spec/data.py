@@ -90,6 +90,12 @@ class LoggingSpec:
         None, "also log to MLflow: {tracking_uri = 'file:./mlruns', experiment = 'my-study'} "
         "(extra partialfl[mlflow])")
 
+    def __post_init__(self) -> None:
+        bad = sorted(set(self.mlflow or {}) - {"tracking_uri", "experiment"})
+        if bad:
+            raise ConfigError(f"logging.mlflow.{bad[0]}: unknown key; allowed: tracking_uri, "
+                              "experiment")
+
 
 # ----------------------------------------------------------------------------- wrappers
 @dataclass(frozen=True)
