@@ -133,7 +133,8 @@ def _run_model(args, spec) -> int:
         return 0
     claim_out(out, args.overwrite)
     hook = heartbeat(spec.name) if args.no_progress else None
-    metrics = run_built(run, out, progress=False if args.no_progress else None, on_round=hook)
+    metrics = run_built(run, out, progress=False if args.no_progress else None, on_round=hook,
+                        config=args.config)
     print(f"test accuracy {100 * metrics['test_acc']:.2f}% (per-client p10/p50/p90 "
           f"{100 * metrics['test_acc_p10']:.1f}/{100 * metrics['test_acc_p50']:.1f}/"
           f"{100 * metrics['test_acc_p90']:.1f}%)")

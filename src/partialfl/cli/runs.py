@@ -13,6 +13,12 @@ def _evaluator(data):
     from partialfl.reproductions import new_client_evaluator
 
     def train_run(run, _data_dir, **kw):
+        from partialfl import io as pio
+        from partialfl.build import code_allowed, config_folder_on_path
+
+        src = run / "source.json"
+        if code_allowed() and src.is_file():  # the model module beside the run's config
+            config_folder_on_path(Path(pio.read_json(src)["config"]).parent)
         return evaluate_train_run(run, data, **kw)
 
     def pick(run: Path):

@@ -142,7 +142,8 @@ def _run_one(job: dict[str, Any]) -> dict[str, Any]:
         claim_out(out, job["overwrite"])
         run = build(spec)
         print(f"[{job['label']}] started", file=sys.stderr, flush=True)
-        m = run_built(run, out, progress=False, on_round=heartbeat(job["label"]))
+        m = run_built(run, out, progress=False, on_round=heartbeat(job["label"]),
+                      config=job["config"])
     new = m.get("new_clients") or {}
     print(f"[{job['label']}] done: test accuracy {100 * m['test_acc']:.2f}%"
           + (f", new clients {100 * new['test_acc']:.2f}%" if new else ""),

@@ -87,8 +87,11 @@ def format_plan(plan: dict[str, Any]) -> str:
 
 
 def run_built(run: Run, out: str | Path, *, progress: bool | None = None,
-              on_round: Callable[[str, int], None] | None = None) -> dict[str, Any]:
-    """Run a built spec into ``out``; returns stage 3's metrics (plus ``new_clients``)."""
+              on_round: Callable[[str, int], None] | None = None,
+              config: str | Path | None = None) -> dict[str, Any]:
+    """Run a built spec into ``out``; returns stage 3's metrics (plus ``new_clients``).
+    ``config``: the TOML file the spec came from, recorded in ``source.json`` (so that
+    ``partialfl evaluate --allow-code`` finds the model module beside it)."""
     from partialfl.devices import use_threads
     from partialfl.pipeline.stages import run_pipeline
     from partialfl.pipeline.train_report import write_report
@@ -97,6 +100,8 @@ def run_built(run: Run, out: str | Path, *, progress: bool | None = None,
     use_threads(spec.threads)
     out.mkdir(parents=True, exist_ok=True)
     write_json(out / "spec.json", spec.to_dict())
+    if config is not None:
+        write_json(out / "source.json", {"config": str(Path(config).resolve())})
     show = spec.logging.progress if progress is None else progress
     res = run_pipeline(spec.effective(), run.task, out, progress=show, on_round=on_round,
                        save_personalized=True)
