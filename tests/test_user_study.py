@@ -63,17 +63,19 @@ batch_size = 16
 '''
 
 
-def _project(root: Path) -> Path:
+def _project(root: Path, side: int = 4, classes: int = 4) -> Path:
+    """A project folder: the model module, the config and an ``hf-disk`` dataset of
+    ``side``×``side`` images of ``classes`` classes in ``data/``."""
     datasets = pytest.importorskip("datasets")
     pytest.importorskip("flwr_datasets")
     root.mkdir()
     (root / "mymodels.py").write_text(MODEL)
     (root / "study.toml").write_text(textwrap.dedent(CONFIG))
     rng = np.random.default_rng(0)
-    y = rng.integers(0, 4, 320)
-    x = (rng.integers(0, 50, (320, 4, 4)) + 50 * y[:, None, None]).astype(np.uint8)
-    feats = datasets.Features({"image": datasets.Array2D((4, 4), "uint8"),
-                               "label": datasets.ClassLabel(num_classes=4)})
+    y = rng.integers(0, classes, 320)
+    x = (rng.integers(0, 50, (320, side, side)) + 50 * (y[:, None, None] % 4)).astype(np.uint8)
+    feats = datasets.Features({"image": datasets.Array2D((side, side), "uint8"),
+                               "label": datasets.ClassLabel(num_classes=classes)})
     datasets.Dataset.from_dict({"image": x, "label": y}, features=feats).save_to_disk(
         str(root / "data"))
     return root
@@ -137,3 +139,51 @@ def test_a_users_study_end_to_end(tmp_path, monkeypatch):
         assert acc == pytest.approx(m["per_client_test_acc"][i], abs=1e-6)
     finally:
         sys.modules.pop("mymodels", None)
+
+
+#: the README study section at test size: (text in the README, what the test runs instead);
+#: every substitution must still match the README (so this list stays in step)
+README_STUDY_SIZE = [("rounds = 20", "rounds = 2"), ("epochs = 2", "epochs = 1"),
+                     ("--seeds 0 1 2", "--seeds 0")]
+
+
+def _block(text: str, marker: str) -> str:
+    return text.split(f"<!-- {marker} -->", 1)[1].split("\n", 2)[2].split("```", 1)[0]
+
+
+def test_readme_study_section_runs_as_written(tmp_path, monkeypatch):
+    """The README's "Your own study": its model module, config and commands, executed as
+    written (sizes reduced), then its `load_personalized` block (fenced `py`: it needs the
+    study's files, so the README's self-contained `python` blocks test leaves it out)."""
+    readme = (Path(__file__).resolve().parents[1] / "README.md").read_text()
+    section = readme.split("## Your own study", 1)[1].split("\n## ", 1)[0]
+    blocks = {m: _block(section, m) for m in ("study-model", "study-config", "study-commands",
+                                              "study-load")}
+    for old, new in README_STUDY_SIZE:
+        hits = [m for m in blocks if old in blocks[m]]
+        assert hits, old
+        blocks = {m: b.replace(old, new) for m, b in blocks.items()}
+    project = tmp_path / "myproject"
+    _project(project, side=28, classes=10)  # the README's model: 28×28, 10 classes
+    (project / "mymodels.py").write_text(blocks["study-model"])
+    (project / "study.toml").write_text(blocks["study-config"])
+    import shlex
+
+    from partialfl.cli import main
+
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setattr(sys, "path", list(sys.path))  # --allow-code adds the config's folder
+    monkeypatch.delenv("PARTIALFL_ALLOW_CODE", raising=False)
+    for line in blocks["study-commands"].strip().splitlines():  # in-process: `main(argv)`
+        args = shlex.split(line)
+        assert args[0] == "partialfl"
+        assert main(args[1:] + ["--no-progress"] * (args[1] in ("train", "evaluate"))) == 0, line
+    study = tmp_path / "runs" / "mystudy"
+    assert len(json.loads((study / "study.json").read_text())["runs"]) == 2
+    assert "method.split=input" in (study / "compare.md").read_text()
+    ns: dict = {}
+    try:
+        exec(compile(blocks["study-load"], "README study-load", "exec"), ns)
+    finally:
+        sys.modules.pop("mymodels", None)
+    assert not ns["net"].training and ns["net"][-1].out_features == 10
