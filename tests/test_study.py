@@ -34,6 +34,7 @@ def test_sweep_grid_is_the_product_of_values_and_seeds():
             parse_sweep(bad)
 
 
+@pytest.mark.slow  # ~10 s on a quiet machine: three studies of four runs
 def test_study_runs_are_the_same_whatever_the_jobs(tmp_path, user_module, capsys):
     """Four runs in two worker processes equal the same runs one after the other; the study
     folder's index lists them and `compare` tables them with paired intervals."""
@@ -64,6 +65,16 @@ def test_study_runs_are_the_same_whatever_the_jobs(tmp_path, user_module, capsys
     iv = accuracy_interval([r["per_client_test_correct"] for r in runs],
                            [r["per_client_test_total"] for r in runs])
     assert f"{100 * iv.estimate:.2f} [{100 * iv.low:.2f}, {100 * iv.high:.2f}]" in text
+    # run again: a finished study is refused; an interrupted one runs only what is missing
+    capsys.readouterr()
+    assert _study(tmp_path, user_module, tmp_path / "s1", "--jobs", "1") == 2
+    err = capsys.readouterr().err.strip()
+    assert len(err.splitlines()) == 1 and "s1" in err and "--overwrite" in err
+    (tmp_path / "s1" / folders[1] / "report.md").unlink()
+    assert _study(tmp_path, user_module, tmp_path / "s1", "--jobs", "1") == 0
+    err = capsys.readouterr().err
+    assert "3 of 4 runs finished already" in err and f"[{folders[1]}] done" in err
+    assert f"[{folders[0]}]" not in err
     # runs of other clients cannot be paired: one line, exit 2
     other = client_folder(tmp_path / "other", clients=6, seed=1)
     cfg = tiny_toml(tmp_path / "o.toml", user_module, other)

@@ -2,8 +2,8 @@
 
 A project folder holds a model module beside its config and an ``hf-disk`` dataset (written
 with Hugging Face ``datasets``' ``save_to_disk``); from ANOTHER working directory the
-``partialfl`` command trains it for two seeds (a study folder), compares and evaluates the
-runs, and a client's model is loaded with ``load_personalized``."""
+``partialfl`` command trains it for two seeds (a study folder, two worker processes), compares
+and evaluates the runs, and a client's model is loaded with ``load_personalized``."""
 
 from __future__ import annotations
 
@@ -105,20 +105,27 @@ def test_a_users_study_end_to_end(tmp_path, monkeypatch):
     index = json.loads((study / "study.json").read_text())
     assert [r["folder"] for r in index["runs"]] == ["seed=0", "seed=1"]
 
-    out = _partialfl(["compare", "runs/mystudy"], elsewhere)
+    # compare and evaluate in this process (the command's `main`), from the same folder
+    from partialfl.cli import main
+
+    monkeypatch.chdir(elsewhere)
+    monkeypatch.setattr(sys, "path", list(sys.path))  # --allow-code adds the config's folder
+    monkeypatch.delenv("PARTIALFL_ALLOW_CODE", raising=False)
+    assert main(["compare", "runs/mystudy"]) == 0
     text = (study / "compare.md").read_text()
     assert "## Training clients" in text and "## New clients" in text
     assert "6 clients per seed, 2 seeds" in text and "2 new clients per seed" in text
     assert (study / "compare.png").stat().st_size > 0
 
-    _partialfl(["evaluate", "runs/mystudy", "--allow-code", "--json", "ev.json",
-                "--no-progress"], elsewhere)
+    assert main(["evaluate", "runs/mystudy", "--allow-code", "--json", "ev.json",
+                 "--no-progress"]) == 0
     ev = json.loads((elsewhere / "ev.json").read_text())
     for seed in (0, 1):
         new = json.loads((study / f"seed={seed}" / "new_clients.json").read_text())
         assert ev[f"seed={seed}"]["test"]["accuracy"] == new["test_acc"]
 
     # a client's deployed model, loaded into the user's own module
+    sys.modules.pop("mymodels", None)
     monkeypatch.syspath_prepend(str(project))
     monkeypatch.setenv("PARTIALFL_ALLOW_CODE", "1")
     import torch

@@ -13,6 +13,10 @@ The runs go to worker processes (:func:`~partialfl.pipeline.jobs.run_jobs`, ``jo
 time); each run sets its own thread count (``threads``, default 1) and derives all its
 randomness from its seed, so a run's results are the same whatever ``jobs`` is.
 ``partialfl compare STUDY`` (:mod:`partialfl.pipeline.compare`) then tables them.
+
+Run again into the same folder, a study whose runs all finished is refused (``overwrite``:
+every run is run again); an interrupted study keeps its finished runs and runs (or resumes)
+the others.
 """
 
 from __future__ import annotations
@@ -149,7 +153,7 @@ def _run_one(job: dict[str, Any]) -> dict[str, Any]:
           + (f", new clients {100 * new['test_acc']:.2f}%" if new else ""),
           file=sys.stderr, flush=True)
     return {"folder": job["label"], "test_acc": m["test_acc"],
-            "new_clients_test_acc": new.get("test_acc")}
+            "new_clients_test_acc": new.get("test_acc") if new else None}
 
 
 def run_study(config: str | Path, out: str | Path, *, seeds: Sequence[int],
@@ -161,22 +165,38 @@ def run_study(config: str | Path, out: str | Path, *, seeds: Sequence[int],
     Every run's spec is validated before anything is written or started."""
     from partialfl.build import allow_code as allowing
     from partialfl.pipeline.jobs import run_jobs
-    from partialfl.pipeline.train import load_run_spec
+    from partialfl.pipeline.train import finished, load_run_spec
 
     out = Path(out)
     runs = study_runs(seeds or [0], sweep)
     with allowing(allow_code or None):
         for r in runs:  # a bad key or value fails here, before anything runs
             load_run_spec(config, run_sets(r, sets), device=device)
+    if jobs is not None and jobs < 1:
+        raise ConfigError(f"--jobs must be >= 1, got {jobs}")
+    kept = [] if overwrite else [r for r in runs if finished(out / r["folder"])]
+    if runs and len(kept) == len(runs):
+        raise FileExistsError(f"{out} holds this study, finished; pass --overwrite to run it "
+                              "again (or choose another --out)")
     write_index(out, config, seeds, sweep, runs)
     todo = [{"config": str(config), "sets": run_sets(r, sets), "out": str(out / r["folder"]),
              "label": r["folder"], "device": device, "allow_code": allow_code,
-             "overwrite": overwrite} for r in runs]
-    workers = min(len(todo), os.cpu_count() or 1) if jobs is None else jobs
-    if workers < 1:
-        raise ConfigError(f"--jobs must be >= 1, got {jobs}")
-    done = {d["folder"]: d for d in run_jobs(_run_one, todo, min(workers, len(todo)))}
+             "overwrite": overwrite} for r in runs if r not in kept]
+    if kept:  # an interrupted study: its finished runs stay, the others run or resume
+        print(f"{out}: {len(kept)} of {len(runs)} runs finished already; running the "
+              f"other {len(todo)}", file=sys.stderr, flush=True)
+    workers = min(len(todo), os.cpu_count() or 1) if jobs is None else min(jobs, len(todo))
+    done = {d["folder"]: d for d in run_jobs(_run_one, todo, workers)}
+    done.update({r["folder"]: _summary(r["folder"], out / r["folder"]) for r in kept})
     return [done[r["folder"]] for r in runs]
+
+
+def _summary(folder: str, run_dir: Path) -> dict[str, Any]:
+    """A finished run's summary, read from its files."""
+    m = pio.read_json(run_dir / "metrics.json")
+    new = run_dir / "new_clients.json"
+    return {"folder": folder, "test_acc": m["test_acc"],
+            "new_clients_test_acc": pio.read_json(new)["test_acc"] if new.is_file() else None}
 
 
 def read_index(path: str | Path) -> dict[str, Any] | None:
