@@ -86,6 +86,18 @@ def test_study_runs_are_the_same_whatever_the_jobs(tmp_path, user_module, capsys
     assert len(err.splitlines()) == 1 and "cannot pair" in err, err
 
 
+def test_study_dry_run_lists_the_runs_and_bad_values_write_nothing(tmp_path, user_module,
+                                                                   capsys):
+    out = tmp_path / "s"
+    assert _study(tmp_path, user_module, out, "--dry-run") == 0
+    text = capsys.readouterr().out
+    assert text.startswith("run        tiny") and "study      4 runs" in text
+    assert f"{out / 'method.split=input,seed=1'}" in text and not out.exists()
+    assert _study(tmp_path, user_module, out, "--sweep", "method.algorithm=ffgg,nosuch") == 2
+    err = capsys.readouterr().err.strip()
+    assert len(err.splitlines()) == 1 and "nosuch" in err and not out.exists()
+
+
 def test_rerun_refuses_a_finished_run_and_overwrite_reruns(tmp_path, user_module, capsys):
     data = client_folder(tmp_path / "clients")
     cfg = tiny_toml(tmp_path / "t.toml", user_module, data)

@@ -30,9 +30,9 @@ def _cmd_run(args) -> int:
     if args.supernodes < 1:
         raise ConfigError(f"--supernodes must be >= 1, got {args.supernodes}")
     study = args.seeds is not None or args.sweep
-    if study and (spec.closed_form or args.engine != "local" or args.dry_run):
+    if study and (spec.closed_form or args.engine != "local"):
         raise ConfigError("--seeds / --sweep run a model config in-process (not a closed-form "
-                          "problem, --engine flower*, or --dry-run)")
+                          "problem or --engine flower*)")
     with allow_code(args.allow_code or None):
         if spec.closed_form:
             return _run_closed_form(args, spec)
@@ -44,18 +44,23 @@ def _cmd_run(args) -> int:
 def _run_study(args, spec) -> int:
     """``train CONFIG --seeds … --sweep …``: every run in its sub-folder of the study folder."""
     from partialfl.build import build
-    from partialfl.pipeline.study import parse_sweep, run_study, study_runs
+    from partialfl.pipeline.study import check_study, parse_sweep, run_study
     from partialfl.pipeline.train import format_plan
 
     out = out_dir(args.out or Path("runs") / spec.name)
     sweep = parse_sweep(args.sweep or [])
     seeds = args.seeds if args.seeds is not None else [spec.seed]
-    n = len(study_runs(seeds, sweep))
+    sets = list(args.set or []) + ([f"threads={args.threads}"] if args.threads else [])
+    runs = check_study(args.config, seeds, sweep, sets, device=args.device,
+                       allow_code=bool(args.allow_code))
     print(format_plan(build(spec).plan), flush=True)
-    print(f"study      {n} runs (seeds {' '.join(map(str, seeds))}"
+    print(f"study      {len(runs)} runs (seeds {' '.join(map(str, seeds))}"
           + "".join(f"; {k} = {', '.join(v)}" for k, v in sweep.items())
           + f") into {out}/, {args.jobs or 'one per core'} worker processes", flush=True)
-    sets = list(args.set or []) + ([f"threads={args.threads}"] if args.threads else [])
+    if args.dry_run:
+        print("\n".join(f"  {out / r['folder']}" for r in runs))
+        print("dry run: nothing trained, nothing written")
+        return 0
     done = run_study(args.config, out, seeds=seeds, sweep=sweep, sets=sets, jobs=args.jobs,
                      overwrite=args.overwrite, device=args.device,
                      allow_code=bool(args.allow_code))

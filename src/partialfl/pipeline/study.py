@@ -156,6 +156,21 @@ def _run_one(job: dict[str, Any]) -> dict[str, Any]:
             "new_clients_test_acc": new.get("test_acc") if new else None}
 
 
+def check_study(config: str | Path, seeds: Sequence[int], sweep: dict[str, list[str]],
+                sets: Sequence[str] = (), *, device: str | None = None,
+                allow_code: bool = False) -> list[dict[str, Any]]:
+    """The study's runs, every run's spec validated (a bad key or value fails here, before
+    anything is written or run)."""
+    from partialfl.build import allow_code as allowing
+    from partialfl.pipeline.train import load_run_spec
+
+    runs = study_runs(seeds or [0], sweep)
+    with allowing(allow_code or None):
+        for r in runs:
+            load_run_spec(config, run_sets(r, sets), device=device)
+    return runs
+
+
 def run_study(config: str | Path, out: str | Path, *, seeds: Sequence[int],
               sweep: dict[str, list[str]], sets: Sequence[str] = (), jobs: int | None = None,
               overwrite: bool = False, device: str | None = None,
@@ -163,15 +178,11 @@ def run_study(config: str | Path, out: str | Path, *, seeds: Sequence[int],
     """Run every run of the study (see the module docstring) into ``out``; returns one
     summary per run (``folder``, ``test_acc``, ``new_clients_test_acc``) in index order.
     Every run's spec is validated before anything is written or started."""
-    from partialfl.build import allow_code as allowing
     from partialfl.pipeline.jobs import run_jobs
-    from partialfl.pipeline.train import finished, load_run_spec
+    from partialfl.pipeline.train import finished
 
     out = Path(out)
-    runs = study_runs(seeds or [0], sweep)
-    with allowing(allow_code or None):
-        for r in runs:  # a bad key or value fails here, before anything runs
-            load_run_spec(config, run_sets(r, sets), device=device)
+    runs = check_study(config, seeds, sweep, sets, device=device, allow_code=allow_code)
     if jobs is not None and jobs < 1:
         raise ConfigError(f"--jobs must be >= 1, got {jobs}")
     kept = [] if overwrite else [r for r in runs if finished(out / r["folder"])]
@@ -210,5 +221,5 @@ def read_index(path: str | Path) -> dict[str, Any] | None:
     return index
 
 
-__all__ = ["FORMAT", "folder_name", "heartbeat", "parse_sweep", "read_index", "run_study",
-           "study_runs"]
+__all__ = ["FORMAT", "check_study", "folder_name", "heartbeat", "parse_sweep", "read_index",
+           "run_study", "study_runs"]
