@@ -54,9 +54,8 @@ def test_study_runs_are_the_same_whatever_the_jobs(tmp_path, user_module, capsys
     capsys.readouterr()
     assert main(["compare", str(tmp_path / "s2")]) == 0
     text = (tmp_path / "s2" / "compare.md").read_text()
-    assert "| method.split=output | 0 1 |" in text and "paired difference vs " \
-        "method.split=output" in text
-    assert "| method.split=input |" in text and "4 clients per seed, 2 seeds" in text
+    assert "| ffgg-output | 0 1 |" in text and "paired difference vs ffgg-output" in text
+    assert "| ffgg-input |" in text and "4 clients per seed, 2 seeds" in text
     assert (tmp_path / "s2" / "compare.png").stat().st_size > 0
     # the same numbers as partialfl.stats on the runs' counts
     from partialfl.stats import accuracy_interval

@@ -187,7 +187,7 @@ def test_readme_study_section_runs_as_written(tmp_path, monkeypatch):
         assert main(args[1:] + ["--no-progress"] * (args[1] in ("train", "evaluate"))) == 0, line
     study = tmp_path / "runs" / "mystudy"
     assert len(json.loads((study / "study.json").read_text())["runs"]) == 2
-    assert "method.split=input" in (study / "compare.md").read_text()
+    assert "| ffgg-input |" in (study / "compare.md").read_text()
     ns: dict = {}
     try:
         exec(compile(blocks["study-load"], "README study-load", "exec"), ns)

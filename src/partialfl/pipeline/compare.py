@@ -3,8 +3,10 @@
 Every finished run (a folder with ``metrics.json``, found as ``partialfl evaluate`` finds them,
 :func:`~partialfl.pipeline.runs.find_runs`) is grouped with the runs whose configuration
 (``config.json``) is the same but for the seed: a group is one *method* (a setting of the
-sweep), its runs its seeds. The groups are labelled by the keys in which they differ
-(``method.split=input``) and compared with :func:`~partialfl.pipeline.report.paired_section`:
+sweep), its runs its seeds. The groups are labelled by their method's name (``ffgg-output``)
+when that tells them apart, else by the keys in which they differ
+(``method.split=input, personalize.client.lr=0.1``), and compared with
+:func:`~partialfl.pipeline.report.paired_section`:
 pooled test accuracy with its 95% bootstrap interval over clients and seeds, the paired
 difference from the baseline (the first group, or ``baseline``), its verdict and minimum
 detectable difference (:mod:`partialfl.stats`). Pairing needs the same clients (by id) and
@@ -73,10 +75,14 @@ def group_runs(runs: list[dict[str, Any]]) -> dict[str, list[dict[str, Any]]]:
     keys = sorted({n for f in flats.values() for n in f})
     differ = [n for n in keys if len({json.dumps(f.get(n), sort_keys=True)
                                       for f in flats.values()}) > 1]
+    names = {k: str(g[0]["metrics"].get("method", g[0]["folder"].name))
+             for k, g in groups.items()}
+    unique = len(set(names.values())) == len(names)
     out = {}
     for k, members in groups.items():
-        label = ", ".join(f"{n.removesuffix('.name')}={flats[k].get(n)}" for n in differ) or \
-            str(members[0]["metrics"].get("method", members[0]["folder"].name))
+        keys = ", ".join(f"{n.removesuffix('.name')}={flats[k][n]}" for n in differ
+                         if flats[k].get(n) is not None)
+        label = names[k] if unique or not keys else keys
         members = sorted(members, key=lambda r: r["config"].get("seed", 0))
         seeds = [r["config"].get("seed", 0) for r in members]
         if len(set(seeds)) != len(seeds):
