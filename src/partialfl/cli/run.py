@@ -30,6 +30,8 @@ def _cmd_run(args) -> int:
     if args.supernodes < 1:
         raise ConfigError(f"--supernodes must be >= 1, got {args.supernodes}")
     study = args.seeds is not None or args.sweep
+    if args.jobs is not None and not study:
+        raise ConfigError("--jobs applies to a study (--seeds / --sweep)")
     if study and (spec.closed_form or args.engine != "local"):
         raise ConfigError("--seeds / --sweep run a model config in-process (not a closed-form "
                           "problem or --engine flower*)")
