@@ -7,6 +7,7 @@ import numpy as np
 import pytest
 from _flower_loopback import loopback  # noqa: F401 - a federation in one process, no Ray
 from _flower_sims import flower_runs  # noqa: F401 - one simulated federation, shared
+from _user_project import user_module  # noqa: F401 - a user's own model module
 
 from partialfl.data.paths import default_data_dir
 from partialfl.problems.least_squares import LeastSquaresProblem, LeastSquaresSpec, generate_raw

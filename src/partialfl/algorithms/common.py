@@ -12,6 +12,12 @@ from partialfl.types import Params
 WEIGHTINGS = ("uniform", "examples")
 
 
+def loss_metric(loss) -> dict:
+    """A client's reported training loss (the allowed per-client metric ``train_loss``,
+    :mod:`partialfl.privacy`; ``[k]``), or nothing when its trainer gives none."""
+    return {} if loss is None else {"train_loss": loss}
+
+
 def check_weighting(weighting: str) -> str:
     """``weighting`` if it is one of :data:`WEIGHTINGS`, else a ValueError naming them."""
     return one_of(weighting, WEIGHTINGS, "weighting")

@@ -32,6 +32,7 @@ from partialfl.algorithms.common import (
     check_weighting,
     client_weights,
     delta,
+    loss_metric,
     pick,
     repeat_tree,
 )
@@ -57,10 +58,6 @@ def shared_model(problem, theta0: Params, w_init: str = "pretrained") -> Params:
         return theta0
     w0 = problem.init_w(np.arange(1), w_init, 0, 0)
     return {**theta0, **{n: w0[n][0] for n in names}}
-
-
-def _loss_metric(res) -> dict:
-    return {} if res.loss is None else {"train_loss": res.loss}
 
 
 def theta_part(problem, x: Params) -> Params:
@@ -149,7 +146,7 @@ class FedAvg(DeployAll, Algorithm):
         cohort = np.asarray(cohort)
         x, stats, res = self._local_run(problem, cohort, state, ctx, client_state)
         up = ClientUpdates(delta(x, state.theta), client_weights(problem, cohort, self.weighting),
-                           cohort, res.steps, metrics=_loss_metric(res))
+                           cohort, res.steps, metrics=loss_metric(res.loss))
         return ClientResult(up, stats)
 
     def deploy(self, state, problem, cohort, client_state, ctx):
@@ -234,7 +231,7 @@ class Scaffold(FedAvg):
             cm_new = {n: arrays.where_rows(idle, cm[n], v) for n, v in cm_new.items()}
         dc = {n: cm_new[n] - cm[n] for n in y}
         up = ClientUpdates(delta(y, x0), client_weights(problem, cohort, self.weighting), cohort,
-                           res.steps, metrics=_loss_metric(res), extra={"dc": dc})
+                           res.steps, metrics=loss_metric(res.loss), extra={"dc": dc})
         return ClientResult(up, {**{f"c_{n}": v for n, v in cm_new.items()}, **(stats or {})})
 
     def server_update(self, state, updates, ctx):

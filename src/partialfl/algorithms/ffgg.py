@@ -13,6 +13,7 @@ from __future__ import annotations
 import numpy as np
 
 from partialfl.algorithms.base import Algorithm, ClientResult, Deployed, RoundContext
+from partialfl.algorithms.common import loss_metric
 from partialfl.algorithms.context import AlgorithmContext
 from partialfl.registry import register
 from partialfl.types import ClientUpdates
@@ -42,7 +43,8 @@ class FFGG(Algorithm):
         g = problem.grad_theta(cohort, theta, sol.w, mode=ctx.mode)
         weights = (problem.num_examples(cohort) if self.weighting == "examples"
                    else np.ones(len(cohort)))
-        return ClientResult(ClientUpdates(g, weights, np.asarray(cohort), sol.grad_evals + 1))
+        return ClientResult(ClientUpdates(g, weights, np.asarray(cohort), sol.grad_evals + 1,
+                                          metrics=loss_metric(getattr(sol, "loss", None))))
 
     def deploy(self, state, problem, cohort, client_state, ctx):
         """θ with each client's w fine-tuned afresh by the solver (what a client would deploy)."""

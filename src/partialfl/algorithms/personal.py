@@ -34,16 +34,13 @@ from partialfl.algorithms.common import (
     client_weights,
     delta,
     finetuned_w,
+    loss_metric,
 )
 from partialfl.algorithms.context import AlgorithmContext
 from partialfl.local.base import LocalTrainer
 from partialfl.registry import option, register
 from partialfl.tree import tree_copy
 from partialfl.types import ClientUpdates, Params
-
-
-def _loss_metric(loss) -> dict:
-    return {} if loss is None else {"train_loss": loss}
 
 
 class LocalFFGG(DeployAll, Algorithm):
@@ -76,7 +73,7 @@ class LocalFFGG(DeployAll, Algorithm):
                             round_=ctx.round, stream="local", mode=ctx.mode)
         up = ClientUpdates(delta(r2.theta, state.theta),
                            client_weights(problem, cohort, self.weighting), np.asarray(cohort),
-                           r1.steps + 2 * r2.steps, metrics=_loss_metric(r2.loss))
+                           r1.steps + 2 * r2.steps, metrics=loss_metric(r2.loss))
         return ClientResult(up)
 
     def deploy(self, state, problem, cohort, client_state, ctx):
@@ -128,7 +125,7 @@ class _PersonalState(DeployAll, Algorithm):
         theta_local, w_new, steps, loss = self._local(problem, cohort, state.theta, w, ctx)
         up = ClientUpdates(delta(theta_local, state.theta),
                            client_weights(problem, cohort, self.weighting), np.asarray(cohort),
-                           steps, metrics=_loss_metric(loss))
+                           steps, metrics=loss_metric(loss))
         return ClientResult(up, None if self.stateless else w_new)
 
     def deploy(self, state, problem, cohort, client_state, ctx):

@@ -169,6 +169,7 @@ def _build_model_run(spec: RunSpec) -> Run:
         "algorithm": e.name, "stages": list(spec.stages),
         "rounds": {"pretrain": run.pretrain.rounds, "personalize": run.personalize.rounds},
         "finetune_epochs": run.finetune.epochs,
+        "full_personal": e.trait("split") == "full", "fresh_model": bool(e.trait("fresh_model")),
         "device": spec.device if spec.device == str(device) else f"{spec.device} → {device}",
         "precision": spec.precision, "backend": spec.backend.name, "threads": spec.threads,
     }

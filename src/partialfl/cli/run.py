@@ -29,10 +29,50 @@ def _cmd_run(args) -> int:
         raise ConfigError("--flower applies to --engine flower-sim / flower")
     if args.supernodes < 1:
         raise ConfigError(f"--supernodes must be >= 1, got {args.supernodes}")
+    study = args.seeds is not None or args.sweep
+    if args.jobs is not None and not study:
+        raise ConfigError("--jobs applies to a study (--seeds / --sweep)")
+    if study and (spec.closed_form or args.engine != "local"):
+        raise ConfigError("--seeds / --sweep run a model config in-process (not a closed-form "
+                          "problem or --engine flower*)")
     with allow_code(args.allow_code or None):
         if spec.closed_form:
             return _run_closed_form(args, spec)
+        if study:
+            return _run_study(args, spec)
         return _run_model(args, spec)
+
+
+def _run_study(args, spec) -> int:
+    """``train CONFIG --seeds … --sweep …``: every run in its sub-folder of the study folder."""
+    from partialfl.build import build
+    from partialfl.pipeline.study import check_study, parse_sweep, run_study
+    from partialfl.pipeline.train import format_plan
+
+    out = out_dir(args.out or Path("runs") / spec.name)
+    sweep = parse_sweep(args.sweep or [])
+    seeds = args.seeds if args.seeds is not None else [spec.seed]
+    sets = list(args.set or []) + ([f"threads={args.threads}"] if args.threads else [])
+    runs = check_study(args.config, seeds, sweep, sets, device=args.device,
+                       allow_code=bool(args.allow_code))
+    print(format_plan(build(spec).plan), flush=True)
+    print(f"study      {len(runs)} runs (seeds {' '.join(map(str, seeds))}"
+          + "".join(f"; {k} = {', '.join(v)}" for k, v in sweep.items())
+          + f") into {out}/, {args.jobs or 'one per core'} worker processes", flush=True)
+    if args.dry_run:
+        print("\n".join(f"  {out / r['folder']}" for r in runs))
+        print("dry run: nothing trained, nothing written")
+        return 0
+    done = run_study(args.config, out, seeds=seeds, sweep=sweep, sets=sets, jobs=args.jobs,
+                     overwrite=args.overwrite, device=args.device,
+                     allow_code=bool(args.allow_code))
+    for d in done:
+        new = d["new_clients_test_acc"]
+        print(f"{d['folder']}: test accuracy {100 * d['test_acc']:.2f}%"
+              + ("" if new is None else f", new clients {100 * new:.2f}%"))
+    print(f"study written to {out}/ (study.json, one folder per run); compare the runs with "
+          f"`partialfl compare {out}`")
+    return 0
 
 
 def _flower_options(args) -> dict:
@@ -83,7 +123,8 @@ def _run_closed_form(args, cfg) -> int:
 
 
 def _run_model(args, spec) -> int:
-    from partialfl.pipeline.train import format_plan, run_train
+    from partialfl.pipeline.study import heartbeat
+    from partialfl.pipeline.train import claim_out, format_plan, run_built, run_train
 
     out = out_dir(args.out or Path("runs") / spec.name)
     if args.engine != "local":
@@ -92,12 +133,15 @@ def _run_model(args, spec) -> int:
         res = run_flower_train(spec, out, dry_run=args.dry_run, **_flower_options(args))
         print(res)
         return 0
-    run, metrics = run_train(spec, out, dry_run=args.dry_run,
-                             progress=False if args.no_progress else None)
-    print(format_plan(run.plan))
-    if metrics is None:
+    run, _ = run_train(spec, dry_run=True)  # built: a bad config fails before any write
+    print(format_plan(run.plan), flush=True)  # the plan first, then the (long) training
+    if args.dry_run:
         print("dry run: nothing trained, nothing written")
         return 0
+    claim_out(out, args.overwrite)
+    hook = heartbeat(spec.name) if args.no_progress else None
+    metrics = run_built(run, out, progress=False if args.no_progress else None, on_round=hook,
+                        config=args.config)
     print(f"test accuracy {100 * metrics['test_acc']:.2f}% (per-client p10/p50/p90 "
           f"{100 * metrics['test_acc_p10']:.1f}/{100 * metrics['test_acc_p50']:.1f}/"
           f"{100 * metrics['test_acc_p90']:.1f}%)")
@@ -143,4 +187,16 @@ def _add_run_args(s) -> None:
                    help="Flower engines: one of the Flower app's own run-config keys, e.g. "
                         "--flower round-timeout=600 --flower secagg=true (repeatable; "
                         "docs/flower.md)")
+    s.add_argument("--seeds", type=int, nargs="+", metavar="S",
+                   help="a study: one run per seed, each in OUT/seed=S (see --sweep)")
+    s.add_argument("--sweep", action="append", metavar="KEY=V1,V2",
+                   help="a study: one run per value (repeatable: the grid of all values) "
+                        "and seed, each in OUT/KEY=V,seed=S; study.json lists them; compare "
+                        "them with `partialfl compare OUT`")
+    s.add_argument("--jobs", type=int, metavar="N",
+                   help="a study's worker processes (default: one per core, at most one per "
+                        "run); a run's results do not depend on it")
+    s.add_argument("--overwrite", action="store_true",
+                   help="delete a finished run in --out and run it again (default: a "
+                        "finished run is refused, an unfinished one resumes)")
     add_common(s)

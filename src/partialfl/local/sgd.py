@@ -277,4 +277,4 @@ class SGDFineTuner:
         w = problem.init_w(cohort, self.init, seed, round_)
         res = run_sgd(problem, cohort, theta, w, train="w", cfg=self.cfg, seed=seed,
                       round_=round_, stream="finetune", mode=mode)
-        return SolverResult(res.w, res.steps)
+        return SolverResult(res.w, res.steps, res.loss)

@@ -26,11 +26,13 @@ INITS = W_INITS  # pretrained = the problem's own start (0 for the closed forms)
 
 @dataclass(frozen=True)
 class SolverResult:
-    """A local solver's output: the fine-tuned w (stacked over the cohort) and the number of local
-    gradient evaluations per client."""
+    """A local solver's output: the fine-tuned w (stacked over the cohort), the number of local
+    gradient evaluations per client and, for a minibatch solver, each client's mean training
+    loss over its steps (``[k]``; None when not measured)."""
 
     w: Params
     grad_evals: int
+    loss: np.ndarray | None = None
 
 
 class LocalSolver(Protocol):

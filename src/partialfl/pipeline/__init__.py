@@ -12,7 +12,11 @@ federated data, and what is made of a finished run.
 - :mod:`~partialfl.pipeline.report`: markdown tables, plots, paired sections;
 - :mod:`~partialfl.pipeline.train` / :mod:`~partialfl.pipeline.train_report`: ``partialfl
   train`` and its report; :mod:`~partialfl.pipeline.closed_form`: ``partialfl run`` on a
-  closed-form problem; :mod:`~partialfl.pipeline.jobs`: many runs in worker processes.
+  closed-form problem; :mod:`~partialfl.pipeline.jobs`: many runs in worker processes;
+- :mod:`~partialfl.pipeline.study`: a study (``train --seeds/--sweep``), its runs in worker
+  processes; :mod:`~partialfl.pipeline.compare`: ``partialfl compare`` (runs grouped by
+  configuration minus seed, paired intervals); :mod:`~partialfl.pipeline.trackers`: W&B and
+  MLflow runs of a finished run.
 
 It sits on the core (spec, build, algorithms, runtime, data, models) and below
 :mod:`partialfl.reproductions`, :mod:`partialfl.flower` and the CLI: nothing here imports

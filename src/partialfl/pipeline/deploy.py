@@ -163,7 +163,7 @@ class PersonalizedModels:
         """Every client's model saved by :meth:`save`, on the architecture ``module`` (an
         instance of the trained model; adapters are inserted again if needed). Evaluate with
         ``.evaluate(data=...)``."""
-        d = Path(directory)
+        d = models_folder(directory)
         index = read_index(d)
         module = _with_adapters(module, index)
         rows = [_load(d, e["file"]) for e in index["clients"]]
@@ -244,6 +244,16 @@ def personalize(problem, algorithm: Algorithm, run, *, seed: int = 0,
 
 
 # ----------------------------------------------------------------------------- loading
+def models_folder(directory: str | Path) -> Path:
+    """The folder of saved models: ``directory`` itself, or for a run folder of
+    ``partialfl train`` (or of a pipeline run with ``save_personalized``) its
+    ``personalized/``."""
+    d = Path(directory)
+    if not (d / "index.json").exists() and (d / "personalized" / "index.json").exists():
+        return d / "personalized"
+    return d
+
+
 def read_index(directory: str | Path) -> dict[str, Any]:
     """The ``index.json`` of a saved folder (checked to be this format)."""
     f = Path(directory) / "index.json"
@@ -260,13 +270,14 @@ def read_index(directory: str | Path) -> dict[str, Any]:
 def load_personalized(directory: str | Path, module: nn.Module, client_id: str | int
                       ) -> nn.Module:
     """Load θ and client ``client_id``'s w_m (by id, or by position if an int) saved by
-    :meth:`PersonalizedModels.save` into ``module`` — an instance of the trained
+    :meth:`PersonalizedModels.save` (``directory``: that folder, or a ``partialfl train`` run
+    folder, which holds it as ``personalized/``) into ``module`` — an instance of the trained
     architecture — and put it in eval mode.
 
     Returns the module to use: ``module`` itself, or for an adapter split whose adapters
     ``module`` lacks, a copy with the same adapters inserted. Every parameter and running
     statistic of the module must be in the file and vice versa, with equal shapes."""
-    d = Path(directory)
+    d = models_folder(directory)
     index = read_index(d)
     ids = tuple(str(e["id"]) for e in index["clients"])
     i, _ = _client_position(ids, client_id)

@@ -19,6 +19,7 @@ from typing import Any
 
 import numpy as np
 
+from partialfl import io as pio
 from partialfl.pipeline.report import markdown_table
 
 #: the deployed-model file of a finished run, and its pickle-based name in older versions
@@ -38,9 +39,12 @@ def find_runs(path: str | Path) -> list[Path]:
         raise FileNotFoundError(f"{path} is not a folder: pass a run folder (e.g. "
                                 "runs/femnist-table/seed0/ffgg-output) or a table folder")
     if any((path / name).is_file() for name in DEPLOY_NAMES):
+        _confined(path, [path / n for n in DEPLOY_NAMES if (path / n).is_file()])
         return [path]
-    runs = sorted({p.parent for name in DEPLOY_NAMES for pattern in (f"*/{name}", f"*/*/{name}")
-                   for p in path.glob(pattern) if p.is_file()})
+    found = [p for name in DEPLOY_NAMES for pattern in (f"*/{name}", f"*/*/{name}")
+             for p in path.glob(pattern) if p.is_file()]
+    _confined(path, found)
+    runs = sorted({p.parent for p in found})
     if runs:
         return runs
     if (path / "config.json").is_file():
@@ -52,6 +56,18 @@ def find_runs(path: str | Path) -> list[Path]:
         "such as "
         "runs/femnist-table/seed0/ffgg-output or the table folder runs/femnist-table"
         + (f" (sub-folders here: {', '.join(subs[:12])})" if subs else ""))
+
+
+def _confined(root: Path, files: list[Path]) -> None:
+    """Refuse a deployed-model file, or a run folder on its way, that is a symbolic link: it
+    could lead outside the folder being evaluated (``evaluate`` would score another run)."""
+    for f in files:
+        for p in (f, *[q for q in f.relative_to(root).parents if q != Path(".")]):
+            link = p if p == f else root / p
+            if link.is_symlink():
+                raise pio.UnsafeFileError(
+                    f"{link} is a symbolic link (to {link.resolve()}): a run folder's files "
+                    f"must lie inside {root}; copy the run there instead of linking it")
 
 
 def evaluate_runs(path: str | Path, evaluator: Callable[[Path], Callable[..., dict]],

@@ -20,14 +20,17 @@ nothing is shared. Both deploy v_m and skip stage 3; on new clients
 participation).
 
 Files in ``run_dir`` (:mod:`partialfl.pipeline.files`): ``config.json``; ``stage2.jsonl``
-(per-evaluation metrics: learning curves), ``stage2.ckpt`` (the resumable checkpoint's pointer,
+(per-evaluation metrics: learning curves), ``stage2_train.jsonl`` (per round: the cohort's
+mean training loss and throughput, :func:`partialfl.runtime.logging.train_record`),
+``stage2.ckpt`` (the resumable checkpoint's pointer,
 :mod:`partialfl.runtime.checkpoint`), ``stage2.g<N>.server.ckpt`` and
 ``stage2.g<N>.client-side.ckpt`` (the clients' state, e.g. FedAlt's w_m: never in a server file),
 ``theta_stage2.safetensors`` (θ after stage 2), ``client_state_stage2.client-side.safetensors``
 (FedAlt/FedSim personal parameters), ``deploy.safetensors`` (the split model's tensors with θ
 and w_pre, for :func:`~partialfl.pipeline.evaluation.evaluate_run` on new clients),
 ``metrics.json`` (stage 3). Stage 1 lives in ``stage1_dir`` (default ``run_dir/stage1``; share
-it between methods and seeds with the same pre-training): ``stage1.jsonl``, ``stage1.ckpt``,
+it between methods and seeds with the same pre-training): ``stage1.jsonl``,
+``stage1_train.jsonl``, ``stage1.ckpt``,
 ``theta.safetensors``; with ``save_personalized``, ``personalized/`` (every client's deployed
 model, :mod:`partialfl.pipeline.deploy`). A stage whose final file exists is skipped; an
 interrupted stage resumes from its last checkpoint (``checkpoint_every`` rounds) with
@@ -132,6 +135,9 @@ def _run_stage(problem, algorithm, stage: StageConfig, seed: int, out: Path, tag
                checkpoint_every: int, backend: Component, progress, theta0=None,
                on_round=None, validation: bool = False, max_failure_fraction: float = 0.5):
     logger = JsonlLogger(out / f"{tag}.jsonl", stage=tag)
+    # one record per round, appended (a resumed stage logs its rounds after the checkpoint
+    # again: readers keep the last record of a round, train_report.train_histories)
+    train_logger = JsonlLogger(out / f"{tag}_train.jsonl", append=True, stage=tag)
     runner = backend.build()
     stop = stage.stop
     t0 = time.perf_counter()
@@ -143,13 +149,15 @@ def _run_stage(problem, algorithm, stage: StageConfig, seed: int, out: Path, tag
             seed=seed, theta0=theta0, backend=runner,
             evaluate=_val_evaluator() if validation else round_evaluator(("test",)),
             eval_every=stage.eval_every or max(1, stage.rounds),
-            logger=logger, progress=(f"{tag}" if progress is True else progress),
+            logger=logger, train_logger=train_logger,
+            progress=(f"{tag}" if progress is True else progress),
             checkpoint=out / f"{tag}.ckpt", checkpoint_every=checkpoint_every, resume=True,
             on_round=on_round, stop=(lambda h: plateaued(h, stop)) if stop else None,
             max_failure_fraction=max_failure_fraction,
         )
     finally:
         logger.close()
+        train_logger.close()
         getattr(runner, "close", lambda: None)()
     # the stage's budget: rounds run (≤ the cap), whether the plateau rule stopped it, time
     write_json(out / f"{tag}_timing.json",
@@ -323,13 +331,25 @@ def finetune_and_evaluate(cfg: RunSpec, task: Task, s2: Stage2, run_dir: Path,
         "stage3_seconds": time.perf_counter() - t0, **extra, **_budgets(s2.folder or run_dir),
     }
     if save_personalized:
-        from partialfl.pipeline.deploy import PersonalizedModels
-
-        PersonalizedModels(split, theta, w, task.data.client_ids, problem,
-                           {"method": cfg.method.name, "seed": cfg.seed, "task": task.name}
-                           ).save(run_dir / "personalized")
+        _save_personalized(cfg, task, split, problem, deployed if full else theta, w, run_dir)
     save_deploy(run_dir, split, _host(theta), _host(problem.w_pretrained), *built)
     return metrics, split, theta
+
+
+def _save_personalized(cfg: RunSpec, task: Task, split: Split, problem, theta: Params,
+                       w: Params, run_dir: Path) -> None:
+    """Every client's deployed model in ``run_dir/personalized``
+    (:class:`~partialfl.pipeline.deploy.PersonalizedModels`). Ditto / local-only deploy a
+    personal copy of every parameter (``theta`` stacked over the clients): saved as a split
+    with every parameter personal."""
+    from partialfl.pipeline.deploy import PersonalizedModels
+
+    meta = {"method": cfg.method.name, "seed": cfg.seed, "task": task.name}
+    if cfg.method.entry.trait("split") == "full":
+        names = tuple(n for n, _ in split.model.named_parameters())
+        split, w, theta = Split(split.model, "full", (), names), {**w, **theta}, {}
+    PersonalizedModels(split, theta, w, task.data.client_ids, problem, meta
+                       ).save(run_dir / "personalized")
 
 
 def _budgets(run_dir: Path) -> dict[str, Any]:

@@ -23,6 +23,7 @@ from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
+from partialfl import io as pio
 from partialfl.build import Run, Task, build, build_loss_metric, build_split, load_spec_plugins
 from partialfl.config import ConfigError, apply_overrides, from_dict, load_toml
 from partialfl.pipeline.files import write_json
@@ -65,6 +66,17 @@ def _data_path(raw: dict, folder: Path) -> dict:
     return {**raw, "data": {**d, "path": os.path.normpath(folder / p)}}
 
 
+def _stage3(plan: dict[str, Any]) -> str:
+    """What stage 3 does: fine-tune w, or (Ditto, local-only: every parameter personal)
+    nothing, the clients deploy their personal models v_m."""
+    if not plan.get("full_personal"):
+        return f"fine-tune {plan['finetune_epochs']} epochs"
+    new = ("fresh model, the personalize budget" if plan.get("fresh_model")
+           else f"from θ, {plan['finetune_epochs']} epochs")
+    return ("no fine-tuning (each client deploys its personal model; new clients train "
+            f"theirs {new})")
+
+
 def format_plan(plan: dict[str, Any]) -> str:
     """The dry-run plan, one fact per line."""
     counts = plan.get("split_counts") or {}
@@ -80,7 +92,7 @@ def format_plan(plan: dict[str, Any]) -> str:
         f"algorithm  {plan['algorithm']}",
         f"stages     {' → '.join(plan['stages']) or '(none)'}: pre-train "
         f"{plan['rounds']['pretrain']} rounds, personalize {plan['rounds']['personalize']} "
-        f"rounds, fine-tune {plan['finetune_epochs']} epochs",
+        f"rounds, {_stage3(plan)}",
         f"device     {plan['device']} ({plan['precision']}, backend {plan['backend']}, "
         f"{plan.get('threads', 1)} torch thread(s): results repeat at this count)",
     ]
@@ -88,10 +100,12 @@ def format_plan(plan: dict[str, Any]) -> str:
 
 
 def run_built(run: Run, out: str | Path, *, progress: bool | None = None,
-              on_round: Callable[[str, int], None] | None = None) -> dict[str, Any]:
-    """Run a built spec into ``out``; returns stage 3's metrics (plus ``new_clients``)."""
+              on_round: Callable[[str, int], None] | None = None,
+              config: str | Path | None = None) -> dict[str, Any]:
+    """Run a built spec into ``out``; returns stage 3's metrics (plus ``new_clients``).
+    ``config``: the TOML file the spec came from, recorded in ``source.json`` (so that
+    ``partialfl evaluate --allow-code`` finds the model module beside it)."""
     from partialfl.devices import use_threads
-    from partialfl.pipeline.evaluation import evaluate_new_clients
     from partialfl.pipeline.stages import run_pipeline
     from partialfl.pipeline.train_report import write_report
 
@@ -99,24 +113,97 @@ def run_built(run: Run, out: str | Path, *, progress: bool | None = None,
     use_threads(spec.threads)
     out.mkdir(parents=True, exist_ok=True)
     write_json(out / "spec.json", spec.to_dict())
+    if config is not None:
+        write_json(out / "source.json", {"config": str(Path(config).resolve())})
     show = spec.logging.progress if progress is None else progress
-    res = run_pipeline(spec.effective(), run.task, out, progress=show, on_round=on_round)
+    res = run_pipeline(spec.effective(), run.task, out, progress=show, on_round=on_round,
+                       save_personalized=True)
     metrics = dict(res.metrics)
     if run.new_clients is not None:
-        ft = spec.effective().finetune
-        _, w_pre = res.split.params()
-        ev = evaluate_new_clients(res.theta, None, res.split, run.new_clients, ft.epochs,
-                                  lr=ft.lr, batch_size=ft.batch_size, clip_norm=ft.clip_norm,
-                                  w_pretrained=w_pre, seed=spec.seed,
-                                  loss_fn=run.task.loss_fn, metric=run.task.metric,
-                                  vectorize=False)
-        new = {**ev["test"].as_dict("test"), "test_acc_before_ft": ev["before"].accuracy,
-               "per_client_test_acc": ev["test"].per_client,
-               "client_ids": list(run.new_clients.client_ids)}
-        write_json(out / "new_clients.json", new)
-        metrics["new_clients"] = new
+        metrics["new_clients"] = _new_clients(run, out)
     write_report(out, tensorboard=spec.logging.tensorboard)
+    if spec.logging.wandb is not None or spec.logging.mlflow is not None:
+        from partialfl.pipeline.trackers import export_run
+
+        export_run(out, spec)
     return metrics
+
+
+def _new_clients(run: Run, out: Path) -> dict[str, Any]:
+    """The held-out clients of a finished run, evaluated as ``partialfl evaluate`` does
+    (:func:`~partialfl.pipeline.evaluation.evaluate_run` on the run's deployed model: a
+    split model fine-tunes w; Ditto / local-only train each client's personal model);
+    written to ``new_clients.json``."""
+    from partialfl.pipeline.evaluation import evaluate_run
+
+    task = run.task
+    ev = evaluate_run(out, run.new_clients, model_fn=task.model_fn, split_fn=task.split_fn,
+                      loss_fn=task.loss_fn, metric=task.metric, device=_device(run.spec))
+    new = {**ev["test"].as_dict("test"), "test_acc_before_ft": ev["before"].accuracy,
+           "per_client_test_acc": ev["test"].per_client,
+           "per_client_test_correct": ev["test"].per_client_correct,
+           "per_client_test_total": ev["test"].per_client_total,
+           "client_ids": list(run.new_clients.client_ids)}
+    write_json(out / "new_clients.json", new)
+    return new
+
+
+def _device(spec: RunSpec) -> str:
+    from partialfl.devices import resolve_device
+
+    return str(resolve_device(spec.device))
+
+
+def evaluate_train_run(run_dir: str | Path, data: str | Path | None = None, *,
+                       finetune_epochs: int | None = None, lr: float | None = None
+                       ) -> dict[str, Any]:
+    """New-client evaluation of a finished train run (``partialfl evaluate``): its spec
+    (``spec.json``) is rebuilt for the model; the new clients are the run's held-out clients
+    (``data.holdout``) or, with ``data``, every client of that path read as the spec's
+    ``data`` table reads its own (same source and options)."""
+    import dataclasses
+
+    from partialfl.build import build_data
+    from partialfl.pipeline.evaluation import evaluate_run
+
+    run_dir = Path(run_dir)
+    spec = load_run_spec(data=pio.read_json(run_dir / "spec.json"))
+    run = build(spec)
+    if data is not None:
+        d = dataclasses.replace(spec.data, path=str(Path(data).expanduser().resolve()),
+                                holdout=0, num_clients=None)
+        new, _ = build_data(dataclasses.replace(spec, data=d))
+    elif run.new_clients is None:
+        raise ValueError(f"{run_dir} held out no clients (data.holdout = 0): pass --data "
+                         "PATH with the new clients' data")
+    else:
+        new = run.new_clients
+    task = run.task
+    ev = evaluate_run(run_dir, new, model_fn=task.model_fn, split_fn=task.split_fn,
+                      finetune_epochs=finetune_epochs, lr=lr, loss_fn=task.loss_fn,
+                      metric=task.metric, device=_device(spec))
+    return {**ev, "client_ids": list(new.client_ids)}
+
+
+def finished(out: str | Path) -> bool:
+    """Whether ``out`` holds a finished train run (its report, written last)."""
+    out = Path(out)
+    return (out / "spec.json").is_file() and (out / "report.md").is_file()
+
+
+def claim_out(out: str | Path, overwrite: bool = False) -> None:
+    """Make ``out`` ready for a run: a finished run there is refused (a one-line error naming
+    the folder and ``--overwrite``) or, with ``overwrite``, deleted; an unfinished one is left
+    to resume. Only a folder that holds a train run (``spec.json``) is ever deleted."""
+    out = Path(out)
+    if not finished(out):
+        return
+    if not overwrite:
+        raise FileExistsError(f"{out} holds a finished run; pass --overwrite to run it again "
+                              "(or choose another --out)")
+    import shutil
+
+    shutil.rmtree(out)
 
 
 def run_train(spec: RunSpec, out: str | Path | None = None, *, dry_run: bool = False,
@@ -149,5 +236,5 @@ def train(model_fn: Callable[[int], Any], data, out: str | Path, **spec: Any):
     return run_built(Run(s, task=task), out)
 
 
-__all__ = ["DataSpec", "ModelSpec", "format_plan", "load_run_spec", "run_built", "run_train",
-           "train"]
+__all__ = ["DataSpec", "ModelSpec", "claim_out", "evaluate_train_run", "finished",
+           "format_plan", "load_run_spec", "run_built", "run_train", "train"]

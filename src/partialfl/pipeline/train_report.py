@@ -1,10 +1,12 @@
 """A ``partialfl train`` run's report, rebuilt from its logs alone (``partialfl report``).
 
-Reads ``stage1/stage1.jsonl``, ``stage2.jsonl``, ``metrics.json`` and ``new_clients.json`` of
-a run folder and writes ``report.md`` (one markdown table), ``learning_curves.png`` (test
-metric per round, both federated stages), ``per_client_accuracy.png`` (the distribution of the
-final per-client test accuracy, training and new clients) and, with ``tensorboard=True``,
-TensorBoard scalars (``tensorboard/``, tags ``stage1/test_acc`` …, step = round; needs the
+Reads ``stage1/stage1.jsonl``, ``stage2.jsonl`` (evaluations), ``stage1/stage1_train.jsonl``,
+``stage2_train.jsonl`` (per round: training loss, examples/s, rounds/s), ``metrics.json`` and
+``new_clients.json`` of a run folder and writes ``report.md`` (one markdown table),
+``learning_curves.png`` (test metric per round, both federated stages),
+``per_client_accuracy.png`` (the distribution of the final per-client test accuracy, training
+and new clients) and, with ``tensorboard=True``, TensorBoard scalars (``tensorboard/``, tags
+``stage1/test_acc``, ``stage2/train_loss`` …, step = round; needs the
 ``partialfl[tensorboard]`` extra). JSONL stays the record: the event files are derived.
 """
 
@@ -35,6 +37,23 @@ def stage_histories(run_dir: str | Path) -> dict[str, list[dict[str, Any]]]:
             "stage2": _hist(run_dir / "stage2.jsonl")}
 
 
+#: the per-round training scalars written to TensorBoard (from ``stage*_train.jsonl``)
+TRAIN_SCALARS = ("train_loss", "examples_per_s", "rounds_per_s")
+
+
+def train_histories(run_dir: str | Path) -> dict[str, list[dict[str, Any]]]:
+    """``{"stage1": records, "stage2": records}`` of the per-round training logs
+    (``stage1/stage1_train.jsonl``, ``stage2_train.jsonl``; a resumed stage logged some
+    rounds twice: the last record of each round is kept), sorted by round."""
+    run_dir = Path(run_dir)
+    out = {}
+    for stage, f in (("stage1", run_dir / "stage1" / "stage1_train.jsonl"),
+                     ("stage2", run_dir / "stage2_train.jsonl")):
+        last = {int(r["round"]): r for r in _hist(f)}
+        out[stage] = [last[k] for k in sorted(last)]
+    return out
+
+
 def _pct(v) -> str:
     return "–" if v is None or v != v else f"{100 * float(v):.2f}"
 
@@ -58,8 +77,10 @@ def report_table(run_dir: Path) -> str:
                            "train acc (%)"], rows)
 
 
-def write_tensorboard(run_dir: Path, hists: dict[str, list[dict]]) -> Path:
-    """Scalars of every logged number under ``run_dir/tensorboard`` (rewritten)."""
+def write_tensorboard(run_dir: Path, hists: dict[str, list[dict]],
+                      train: dict[str, list[dict]] | None = None) -> Path:
+    """Scalars of every logged number under ``run_dir/tensorboard`` (rewritten): the
+    evaluation records ``hists`` and the per-round :data:`TRAIN_SCALARS` of ``train``."""
     try:
         from torch.utils.tensorboard import SummaryWriter
     except ImportError:
@@ -78,6 +99,11 @@ def write_tensorboard(run_dir: Path, hists: dict[str, list[dict]]) -> Path:
                 for k, v in r.items():
                     if k != "round" and isinstance(v, int | float) and not isinstance(v, bool):
                         w.add_scalar(f"{stage}/{k}", float(v), int(r["round"]))
+        for stage, recs in (train or {}).items():
+            for r in recs:
+                for k in TRAIN_SCALARS:
+                    if isinstance(r.get(k), int | float):
+                        w.add_scalar(f"{stage}/{k}", float(r[k]), int(r["round"]))
     finally:
         w.close()
     return tb
@@ -127,7 +153,7 @@ def write_report(run_dir: str | Path, *, tensorboard: bool = False) -> Path:
                 x="round", y="test_acc", ylabel="test accuracy (%)", logy=False)
     _per_client_plot(run_dir)
     if tensorboard:
-        write_tensorboard(run_dir, hists)
+        write_tensorboard(run_dir, hists, train_histories(run_dir))
     name = spec.get("name", run_dir.name)
     text = "\n".join([f"# {name}", "", table, "",
                       "Plots: `learning_curves.png`, `per_client_accuracy.png`. Logs: "

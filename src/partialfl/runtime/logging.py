@@ -36,6 +36,33 @@ def base_record(round_: int, step: int, time: float, grad_evals: int,
             "grad_evals": int(grad_evals), **faults}
 
 
+def train_record(round_: int, sent, kept, problem, seconds: float) -> dict[str, Any]:
+    """One round's training record: ``round`` (after the round), ``train_loss`` — the mean
+    over the clients whose update was kept of the ``train_loss`` each reported (the allowed
+    per-client metric, :mod:`partialfl.privacy`; absent if none reported one), ``clients``
+    kept, ``examples`` (their training examples), ``seconds`` of the round,
+    ``examples_per_s`` = examples / seconds and ``rounds_per_s`` = 1 / seconds.
+
+    ``sent``: the cohort's message before screening (ClientUpdates or None), ``kept``: the
+    client ids that passed (None: none)."""
+    import numpy as np
+
+    kept = np.asarray([] if kept is None else kept, dtype=int)
+    rec: dict[str, Any] = {"round": int(round_), "clients": int(kept.size)}
+    loss = None if sent is None else sent.metrics.get("train_loss")
+    if loss is not None and kept.size:
+        pos = {int(c): i for i, c in enumerate(np.asarray(sent.cohort))}
+        vals = np.asarray(loss, dtype=float)[[pos[int(c)] for c in kept if int(c) in pos]]
+        vals = vals[np.isfinite(vals)]
+        if vals.size:
+            rec["train_loss"] = float(vals.mean())
+    n = float(np.sum(problem.num_examples(kept))) if kept.size else 0.0
+    sec = max(float(seconds), 1e-9)
+    rec.update(examples=n, seconds=float(seconds), examples_per_s=n / sec,
+               rounds_per_s=1.0 / sec)
+    return rec
+
+
 def _clean(v: Any) -> Any:
     if hasattr(v, "item") and getattr(v, "ndim", 0) == 0:
         v = v.item()

@@ -44,12 +44,15 @@ class Evaluation:
     """What the loop logs: ``fn(algorithm, state, problem, client_state, ctx)`` (None: only
     the common keys, :data:`partialfl.runtime.logging.RECORD_KEYS`) at the start, after every
     ``every``-th round (sync) or applied update (async) and at the end; each record goes to
-    ``logger`` (``log(record)``); ``progress``: a progress bar (True, or its label)."""
+    ``logger`` (``log(record)``); ``progress``: a progress bar (True, or its label);
+    ``train_logger`` (sync): one record per round,
+    :func:`~partialfl.runtime.logging.train_record` (training loss, throughput)."""
 
     fn: Evaluator | None = None
     every: int = 1
     logger: Any = None
     progress: bool | str = False
+    train_logger: Any = None
 
     def __post_init__(self) -> None:
         _positive_int(self.every, "eval_every")

@@ -46,7 +46,7 @@ from partialfl.runtime.checkpoint import (  # noqa: F401 - ResumeError: part of 
 from partialfl.runtime.clients import run_clients
 from partialfl.runtime.cohort_pool import ClientsFailed, WorkerError
 from partialfl.runtime.faults import FaultLog, receive
-from partialfl.runtime.logging import base_record
+from partialfl.runtime.logging import base_record, train_record
 from partialfl.runtime.run import Checkpointing, Evaluation, Evaluator, Rounds, Run
 from partialfl.sampling import sample_cohort
 from partialfl.types import Params
@@ -194,6 +194,7 @@ def run_rounds(
     evaluate: Evaluator | None = None,
     eval_every: int = 1,
     logger=None,
+    train_logger=None,
     progress: bool | str = False,
     checkpoint: str | Path | Checkpointer | None = None,
     checkpoint_every: int = 0,
@@ -207,7 +208,7 @@ def run_rounds(
     """:func:`run_sync` of the :class:`~partialfl.runtime.run.Run` these keywords describe
     (the keyword form, kept for its callers): ``backend`` is the executor's mode (a batching
     mode or a :class:`SyncTransport`; None: the problem's own mode), on the problem's device;
-    ``evaluate``, ``eval_every``, ``logger``, ``progress`` make the
+    ``evaluate``, ``eval_every``, ``logger``, ``progress``, ``train_logger`` make the
     :class:`~partialfl.runtime.run.Evaluation`; ``checkpoint`` (a path or a
     :class:`Checkpointer`), ``checkpoint_every``, ``resume``, ``private_checkpoints``,
     ``fingerprint`` the :class:`~partialfl.runtime.run.Checkpointing`; ``clients_per_round``,
@@ -216,7 +217,8 @@ def run_rounds(
         checkpoint, checkpoint_every, resume, private_checkpoints, fingerprint)
     return run_sync(Run(problem, algorithm, Rounds(rounds, clients_per_round, stop, on_round),
                         seed=seed, theta0=theta0, executor=Executor.of(problem, backend),
-                        evaluation=Evaluation(evaluate, eval_every, logger, progress),
+                        evaluation=Evaluation(evaluate, eval_every, logger, progress,
+                                              train_logger),
                         checkpoint=ck, max_failure_fraction=max_failure_fraction))
 
 
@@ -307,11 +309,13 @@ def run_sync(run: Run) -> RunResult:
         if bar is not None:
             bar.close()
     for r in it:
+        t_round = time.perf_counter()
         ctx = run.context(r)
         cohort = sample(seed, r, M, k)
         cs = None if client_state is None else {n: v[cohort] for n, v in client_state.items()}
         result, _ = (transport.run_round(algorithm, state, problem, cohort, ctx, cs, faults)
                      if len(cohort) else (None, np.arange(0)))
+        sent = None if result is None else result.updates
         if result is not None:
             result, _ = receive(result, state, algorithm, faults, f"round {r}")
         if result is None and skip is not None:  # nobody sampled or every client lost
@@ -330,6 +334,10 @@ def run_sync(run: Run) -> RunResult:
             if bad:  # θ is not finite: a named warning, the last record shows it, no save
                 diverged = faults.diverged(f"round {r}", bad)
         faults.check()
+        if ev.train_logger is not None:
+            kept = None if result is None else result.updates.cohort
+            ev.train_logger.log(train_record(r + 1, sent, kept, problem,
+                                             time.perf_counter() - t_round))
         if sched.on_round is not None:
             sched.on_round(r, state)
         if state.round % ev.every == 0 or state.round == rounds or diverged:

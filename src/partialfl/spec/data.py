@@ -78,10 +78,24 @@ class DataSpec(_Spec):
 @dataclass(frozen=True)
 class LoggingSpec:
     """JSONL metrics are always written; ``tensorboard`` adds event files (extra
-    ``partialfl[tensorboard]``); ``progress`` shows progress bars."""
+    ``partialfl[tensorboard]``), ``wandb`` / ``mlflow`` a run in those trackers (extras
+    ``partialfl[wandb]`` / ``partialfl[mlflow]``), all derived from the JSONL when the run
+    ends (:mod:`partialfl.pipeline.trackers`); ``progress`` shows progress bars."""
 
     tensorboard: bool = option(False, "also write TensorBoard event files")
     progress: bool = option(True, "show progress bars")
+    wandb: dict[str, Any] | None = option(
+        None, "also log to Weights & Biases: keywords of wandb.init, e.g. {project = 'my-study', "
+        "mode = 'offline'} (extra partialfl[wandb])")
+    mlflow: dict[str, Any] | None = option(
+        None, "also log to MLflow: {tracking_uri = 'file:./mlruns', experiment = 'my-study'} "
+        "(extra partialfl[mlflow])")
+
+    def __post_init__(self) -> None:
+        bad = sorted(set(self.mlflow or {}) - {"tracking_uri", "experiment"})
+        if bad:
+            raise ConfigError(f"logging.mlflow.{bad[0]}: unknown key; allowed: tracking_uri, "
+                              "experiment")
 
 
 # ----------------------------------------------------------------------------- wrappers
