@@ -51,3 +51,12 @@ def test_random_w_init_deploys_on_closed_forms(ls_toml, tmp_path, capsys):
     rc, err = _run(["run", ls_toml, "--out", tmp_path / "o", "--no-progress",
                     "--set", "method.w_init=random"], capsys)
     assert rc == 0, err
+
+
+@pytest.mark.parametrize("flag", [["--threads", "99999999999999999999"],
+                                  ["--set", "threads=4294967296"]])
+def test_absurd_thread_counts_are_one_line(ls_toml, tmp_path, capsys, flag):
+    """A thread count beyond a C int once escaped as a ctypes OverflowError traceback from
+    threadpoolctl; now the spec refuses it (exit 2, one line naming the range)."""
+    rc, err = _run(["run", ls_toml, "--out", tmp_path / "o", "--no-progress", *flag], capsys)
+    assert rc == 2 and len(err) == 1 and "threads must be an integer in [1, " in err[0], err

@@ -44,6 +44,9 @@ from partialfl.spec.stages import (
     ValidationConfig,
 )
 
+#: the most torch/BLAS threads a run may ask for (more overflows the C int of the pools)
+MAX_THREADS = 1024
+
 
 # ----------------------------------------------------------------------------- the run
 @dataclass(frozen=True)
@@ -110,8 +113,9 @@ class RunSpec(_Spec):
         if list(self.stages) != [s for s in STAGES if s in self.stages]:
             raise ConfigError(f"stages: {list(self.stages)} must be distinct and in the order "
                               f"{', '.join(STAGES)}")
-        if not (isinstance(self.threads, int) and self.threads >= 1):
-            raise ConfigError(f"threads must be an integer >= 1, got {self.threads!r}")
+        if not (isinstance(self.threads, int) and 1 <= self.threads <= MAX_THREADS):
+            raise ConfigError(f"threads must be an integer in [1, {MAX_THREADS}], got "
+                              f"{self.threads!r}")
         for key, used in (("pretrain.stop", self.pretrain.stop),
                           ("personalize.stop", self.personalize.stop),
                           ("finetune_grid", self.finetune_grid)):
