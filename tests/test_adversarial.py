@@ -60,3 +60,22 @@ def test_absurd_thread_counts_are_one_line(ls_toml, tmp_path, capsys, flag):
     threadpoolctl; now the spec refuses it (exit 2, one line naming the range)."""
     rc, err = _run(["run", ls_toml, "--out", tmp_path / "o", "--no-progress", *flag], capsys)
     assert rc == 2 and len(err) == 1 and "threads must be an integer in [1, " in err[0], err
+
+
+@pytest.mark.parametrize("z", ["1e10", "1e300"])
+def test_huge_noise_multiplier_is_one_line(ls_toml, tmp_path, capsys, z):
+    """z = 1e300 escaped as an OverflowError traceback from dp_accounting, z = 1e10 with
+    fixed-size sampling as 'math domain error'; the mechanism now bounds z (one line)."""
+    rc, err = _run(["run", ls_toml, "--out", tmp_path / "o", "--no-progress", "--set",
+                    f"privacy={{clip_norm=1, noise_multiplier={z}, sampling='fixed'}}"], capsys)
+    assert rc == 2 and len(err) == 1 and "noise multiplier must be in [0, 1e+06]" in err[0], err
+
+
+@pytest.mark.parametrize("backend", ["sequential", "threads"])
+def test_every_client_failing_by_injection_is_one_line(ls_toml, tmp_path, capsys, backend):
+    """``faults = {rate = 1}``: every client raises, so the first error is re-raised as is
+    (a systematic failure); the injected fault once escaped the CLI as a traceback."""
+    rc, err = _run(["run", ls_toml, "--out", tmp_path / "o", "--no-progress", "--set",
+                    "faults={rate=1.0, kinds=['raise']}", "--set", f"backend='{backend}'"],
+                   capsys)
+    assert rc == 1 and err[-1].startswith("partialfl: error: injected raise fault in client")
