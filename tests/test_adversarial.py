@@ -79,3 +79,29 @@ def test_every_client_failing_by_injection_is_one_line(ls_toml, tmp_path, capsys
                     "faults={rate=1.0, kinds=['raise']}", "--set", f"backend='{backend}'"],
                    capsys)
     assert rc == 1 and err[-1].startswith("partialfl: error: injected raise fault in client")
+
+
+@pytest.mark.parametrize("bit", [-1e300, 1e300])
+def test_a_forged_unclipped_count_cannot_break_adaptive_clipping(bit):
+    """DP's adaptive clip norm reads each client's unclipped bit b_m ∈ {0, 1} (a Flower node
+    sends their sum, checked finite only): b = -1e300 once crashed the server step with an
+    OverflowError in exp, b = 1e300 set C to 0. The server clamps each b_m to [0, 1]."""
+    from test_dp import Fixed, _fixed_problem
+
+    from partialfl.algorithms.dp import UNCLIPPED, DifferentiallyPrivate, DPOptions
+    from partialfl.runtime import run_rounds
+
+    class Forged(DifferentiallyPrivate):
+        def client_update(self, state, problem, cohort, ctx, client_state=None):
+            res = super().client_update(state, problem, cohort, ctx, client_state)
+            res.updates.metrics[UNCLIPPED][0] = bit  # one hostile client
+            return res
+
+    rows = np.ones((4, 2))  # every norm is sqrt(2) > C: every honest bit is 0
+    opts = DPOptions(clip_norm=0.5, noise_multiplier=0.0, adaptive_clipping=True,
+                     clients_per_round=4, target_quantile=0.5)
+    res = run_rounds(_fixed_problem(4, 2), Forged(Fixed(rows), opts), 1,
+                     theta0={"theta": np.zeros(2)}, seed=0)
+    clip = res.state.extra["dp_clip_norm"]
+    b = 0.0 if bit < 0 else 1.0  # the forged bit counts as at most one client's
+    assert clip == pytest.approx(0.5 * np.exp(-0.2 * (b / 4 - 0.5)))
