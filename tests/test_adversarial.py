@@ -105,3 +105,54 @@ def test_a_forged_unclipped_count_cannot_break_adaptive_clipping(bit):
     clip = res.state.extra["dp_clip_norm"]
     b = 0.0 if bit < 0 else 1.0  # the forged bit counts as at most one client's
     assert clip == pytest.approx(0.5 * np.exp(-0.2 * (b / 4 - 0.5)))
+
+
+def _updates(**over):
+    from partialfl.types import ClientUpdates
+
+    k = 2
+    base = dict(vectors={"theta": np.zeros((k, 3))}, weights=np.ones(k), cohort=np.arange(k),
+                grad_evals=1)
+    return ClientUpdates(**{**base, **over})
+
+
+_W = np.array([[1.5, 2.5], [3.5, 4.5]])  # two clients' personal w
+
+
+@pytest.mark.parametrize("field", [
+    {"weights": _W},                                   # w as a [k, d_w] "weight"
+    {"weights": np.array(["1.5,2.5", "3.5,4.5"])},     # w as text
+    {"cohort": np.array([1.5, 2.5])},                  # w as float "client ids"
+    {"cohort": np.array(["w=1.5", "w=2.5"])},
+    {"grad_evals": _W},                                # w as the "work done"
+    {"grad_evals": "w=1.5,2.5"},
+])
+def test_privacy_screen_checks_weights_cohort_and_grad_evals_by_value(field):
+    """The screen checked vectors, extras and metrics by value but not the bookkeeping
+    channels: w passed as weights [k, d_w], strings, float ids or an array of grad_evals."""
+    from partialfl.privacy import screen
+
+    ok, why = screen(_updates(**field), {"theta": np.zeros(3)})
+    assert not ok.any() and why.startswith(f"client message field {next(iter(field))} must be")
+    assert screen(_updates(), {"theta": np.zeros(3)})[0].all()  # the honest message passes
+
+
+@pytest.mark.parametrize("generation", [True, -1, 1, 99])
+def test_a_pointer_naming_another_generation_deletes_nothing(tmp_path, generation):
+    """A checkpoint pointer whose generation number disagrees with the files it names (a
+    crafted or damaged pointer) made clean() delete the committed generation's files — the
+    only complete state — before load failed. Now it is a corrupt pointer: nothing removed."""
+    from partialfl import io as pio
+    from partialfl.runtime.checkpoint import Checkpoint
+
+    ck = Checkpoint(tmp_path / "ck.safetensors", {"seed": 0})
+    for r in (1, 2):
+        ck.save({"theta": np.full(3, float(r))}, {"w": np.ones((2, 2))}, progress={"round": r})
+    _, meta = pio.load_tensors(ck.path, "pointer")
+    pio.save_tensors(ck.path, {}, {**meta, "generation": generation})
+    files = sorted(p.name for p in tmp_path.iterdir())
+    with pytest.raises(pio.FileFormatError, match="corrupt pointer"):
+        Checkpoint(ck.path, {"seed": 0}).load()
+    assert sorted(p.name for p in tmp_path.iterdir()) == files
+    pio.save_tensors(ck.path, {}, meta)  # the true pointer back: generation 2 resumes
+    assert Checkpoint(ck.path, {"seed": 0}).load().server["theta"][0] == 2.0

@@ -231,6 +231,12 @@ class Checkpoint:
                 or not isinstance(meta.get("fingerprint"), dict | None) \
                 or not isinstance(meta.get("progress", {}), dict):
             raise pio.FileFormatError(f"checkpoint {self.path} has a corrupt pointer")
+        g = meta["generation"]
+        for entry in meta["files"].values():  # the files are the generation's: clean() keeps
+            m = self._gen.match(str(entry.get("name", ""))) if isinstance(entry, dict) else None
+            if isinstance(g, bool) or g < 1 or m is None or int(m.group(1)) != g:
+                raise pio.FileFormatError(f"checkpoint {self.path} has a corrupt pointer "
+                                          f"(generation {g!r} does not name its files)")
         return meta
 
     def _read(self, entry: Any, what: str, device) -> Any:
