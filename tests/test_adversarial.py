@@ -156,3 +156,17 @@ def test_a_pointer_naming_another_generation_deletes_nothing(tmp_path, generatio
     assert sorted(p.name for p in tmp_path.iterdir()) == files
     pio.save_tensors(ck.path, {}, meta)  # the true pointer back: generation 2 resumes
     assert Checkpoint(ck.path, {"seed": 0}).load().server["theta"][0] == 2.0
+
+
+def test_the_run_log_is_never_written_through_a_planted_symlink(ls_toml, tmp_path, capsys):
+    """A symlink named like the run's JSONL log in its folder (a folder received from
+    someone, a shared /tmp) made the run overwrite the link's target with its log; every
+    other file was replaced atomically. Now: one line, exit 2, the target untouched."""
+    victim = tmp_path / "victim.txt"
+    victim.write_text("precious\n")
+    out = tmp_path / "out"
+    out.mkdir()
+    (out / "ls.jsonl").symlink_to(victim)
+    rc, err = _run(["run", ls_toml, "--out", out, "--no-progress"], capsys)
+    assert victim.read_text() == "precious\n"
+    assert rc == 2 and len(err) == 1 and "is a symbolic link" in err[0], err
