@@ -170,3 +170,25 @@ def test_the_run_log_is_never_written_through_a_planted_symlink(ls_toml, tmp_pat
     rc, err = _run(["run", ls_toml, "--out", out, "--no-progress"], capsys)
     assert victim.read_text() == "precious\n"
     assert rc == 2 and len(err) == 1 and "is a symbolic link" in err[0], err
+
+
+def test_a_process_pool_never_starts_more_workers_than_clients():
+    """``backend = {name = "processes", workers = 100000}`` tried to start 100000 worker
+    processes for an 8-client problem (the test harness was killed, out of memory); the
+    pool starts at most one worker per client and gives the same θ."""
+    from partialfl.algorithms import FFGG
+    from partialfl.local import GradientDescent
+    from partialfl.runtime import run_rounds
+    from partialfl.runtime.cohort_pool import ProcessBackend
+    from partialfl.server import SGD
+
+    pb = LeastSquaresProblem(LeastSquaresSpec(num_clients=3, n=20, d_theta=2, d_w=2, seed=0))
+
+    def run(backend):
+        return run_rounds(pb, FFGG(GradientDescent(2, 0.1), SGD(0.1)), 2, clients_per_round=3,
+                          seed=1, backend=backend).state.theta["theta"]
+
+    with ProcessBackend(workers=64) as be:
+        theta = run(be)
+        assert be._pool.n == 3
+    assert np.array_equal(theta, run(None))
