@@ -192,3 +192,13 @@ def test_a_process_pool_never_starts_more_workers_than_clients():
         theta = run(be)
         assert be._pool.n == 3
     assert np.array_equal(theta, run(None))
+
+
+@pytest.mark.parametrize("flag", ["nonsense=1", "round-timeout=nan", "secagg=maybe"])
+def test_a_dry_run_refuses_the_flower_keys_the_run_refuses(ls_toml, capsys, flag):
+    """``--dry-run --engine flower-sim --flower nonsense=1`` said the plan was fine (exit 0)
+    while the same command without --dry-run refuses the key; the dry run checks it too."""
+    pytest.importorskip("flwr")
+    rc, err = _run(["run", ls_toml, "--dry-run", "--engine", "flower-sim", "--flower", flag],
+                   capsys)
+    assert rc == 2 and len(err) == 1 and flag.split("=")[0] in err[0], err
