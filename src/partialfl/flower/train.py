@@ -104,10 +104,8 @@ def check_flower_run(run, flower: dict[str, Any]) -> None:
     (:func:`partialfl.flower.secagg.check_algorithm`)."""
     from partialfl.build import stage_algorithm
     from partialfl.config import ConfigError
-    from partialfl.flower.config import STATEFUL
+    from partialfl.flower.config import STATEFUL, parse_run_config
     from partialfl.flower.secagg import check_algorithm
-
-    from partialfl.flower.config import parse_run_config
 
     parse_run_config(stage_run_config(run.spec, **flower))  # Flower's own keys (--flower)
     n = run.problem.num_clients if run.problem is not None else run.task.data.num_clients
