@@ -202,3 +202,15 @@ def test_a_dry_run_refuses_the_flower_keys_the_run_refuses(ls_toml, capsys, flag
     rc, err = _run(["run", ls_toml, "--dry-run", "--engine", "flower-sim", "--flower", flag],
                    capsys)
     assert rc == 2 and len(err) == 1 and flag.split("=")[0] in err[0], err
+
+
+def test_report_of_a_run_folder_with_a_deeply_nested_spec_is_one_line(tmp_path, capsys):
+    """``partialfl report`` on a received run folder whose spec.json is 10⁵ nested arrays
+    escaped as a RecursionError traceback (the report read it with json.loads)."""
+    from partialfl import io as pio
+
+    (tmp_path / "spec.json").write_text("[" * 100_000 + "]" * 100_000)
+    with pytest.raises(pio.FileFormatError, match="nested too deeply"):
+        pio.read_json(tmp_path / "spec.json")
+    rc, err = _run(["report", tmp_path], capsys)
+    assert rc == 2 and len(err) == 1 and "nested too deeply" in err[0], err
