@@ -214,3 +214,11 @@ def test_report_of_a_run_folder_with_a_deeply_nested_spec_is_one_line(tmp_path, 
         pio.read_json(tmp_path / "spec.json")
     rc, err = _run(["report", tmp_path], capsys)
     assert rc == 2 and len(err) == 1 and "nested too deeply" in err[0], err
+
+
+def test_dp_with_the_asynchronous_runtime_is_refused_before_running(ls_toml, capsys):
+    """``[privacy]`` with ``[asynchronous]``: the dry run said yes (exit 0), the run itself
+    refused only once the first update arrived. The spec refuses the pair."""
+    rc, err = _run(["run", ls_toml, "--dry-run", "--set", "asynchronous={}", "--set",
+                    "privacy={clip_norm=1, noise_multiplier=1}"], capsys)
+    assert rc == 2 and len(err) == 1 and "asynchronous" in err[0], err

@@ -140,6 +140,9 @@ class RunSpec(_Spec):
             if c is not None and c.entry.trait("block") != want:
                 raise ConfigError(f"{key}: {c.name!r} is not allowed here; allowed: "
                                   f"{', '.join(_block_names(want))}")
+        if self.privacy is not None and self.asynchronous is not None:
+            raise ConfigError("privacy: DP adds noise to one sum per synchronous round; it "
+                              "cannot run with [asynchronous] (remove one of them)")
         if self.closed_form and self.method.split is not None:
             raise ConfigError("method.split: a closed-form problem defines its own personal "
                               "coordinates; leave split out")
