@@ -222,3 +222,11 @@ def test_dp_with_the_asynchronous_runtime_is_refused_before_running(ls_toml, cap
     rc, err = _run(["run", ls_toml, "--dry-run", "--set", "asynchronous={}", "--set",
                     "privacy={clip_norm=1, noise_multiplier=1}"], capsys)
     assert rc == 2 and len(err) == 1 and "asynchronous" in err[0], err
+
+
+@pytest.mark.parametrize("key", ["seed", "pretrain_seed"])
+def test_a_negative_seed_is_refused_by_name(ls_toml, tmp_path, capsys, key):
+    """``--set seed=-1`` passed --dry-run, then the run failed with numpy's 'expected
+    non-negative integer' (no key named); the spec names the key and the range."""
+    rc, err = _run(["run", ls_toml, "--dry-run", "--set", f"{key}=-1"], capsys)
+    assert rc == 2 and err == [f"partialfl: error: {key} must be an integer >= 0, got -1"]

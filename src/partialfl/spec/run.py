@@ -113,6 +113,10 @@ class RunSpec(_Spec):
         if list(self.stages) != [s for s in STAGES if s in self.stages]:
             raise ConfigError(f"stages: {list(self.stages)} must be distinct and in the order "
                               f"{', '.join(STAGES)}")
+        for key in ("seed", "pretrain_seed"):  # numpy seeds are integers >= 0
+            v = getattr(self, key)
+            if v is not None and not (isinstance(v, int) and v >= 0):
+                raise ConfigError(f"{key} must be an integer >= 0, got {v!r}")
         if not (isinstance(self.threads, int) and 1 <= self.threads <= MAX_THREADS):
             raise ConfigError(f"threads must be an integer in [1, {MAX_THREADS}], got "
                               f"{self.threads!r}")
