@@ -230,3 +230,14 @@ def test_a_negative_seed_is_refused_by_name(ls_toml, tmp_path, capsys, key):
     non-negative integer' (no key named); the spec names the key and the range."""
     rc, err = _run(["run", ls_toml, "--dry-run", "--set", f"{key}=-1"], capsys)
     assert rc == 2 and err == [f"partialfl: error: {key} must be an integer >= 0, got -1"]
+
+
+def test_more_supernodes_than_clients_is_refused_before_flower_starts(ls_toml, capsys):
+    """``--supernodes 9`` for 8 clients started the whole Flower simulation, every node
+    refused its partition and the CLI died with a RuntimeError traceback; a dry run said
+    yes. Both now refuse it first (one line, exit 2)."""
+    pytest.importorskip("flwr")
+    rc, err = _run(["run", ls_toml, "--dry-run", "--engine", "flower-sim", "--supernodes",
+                    "7"], capsys)
+    assert rc == 2 and err == ["partialfl: error: 7 SuperNodes for 6 clients: each SuperNode "
+                               "holds at least one client; use at most 6"], err

@@ -95,7 +95,7 @@ def run_local(spec, out: str | Path, num_nodes: int, *, insecure: bool = False,
     run = build(spec)  # validates everything, loads the data
     extra = {"checkpoint-every": spec.checkpoint_every, **({"secagg": True} if secagg else {}),
              **dict(flower or {})}
-    check_flower_run(run, extra)
+    check_flower_run(run, extra, num_nodes)
     tmp = None if work_dir else tempfile.mkdtemp(prefix="partialfl-local-")
     work = Path(work_dir or tmp).resolve()
     try:
