@@ -118,7 +118,9 @@ def use_threads(n: int) -> None:
     ``threads``: results repeat exactly at the same thread count)."""
     from threadpoolctl import threadpool_limits
 
-    if not (isinstance(n, int) and n >= 1):
-        raise ValueError(f"threads must be an integer >= 1, got {n!r}")
+    from partialfl.spec.run import MAX_THREADS
+
+    if not (isinstance(n, int) and 1 <= n <= MAX_THREADS):
+        raise ValueError(f"threads must be an integer in [1, {MAX_THREADS}], got {n!r}")
     torch.set_num_threads(n)
     threadpool_limits(n)

@@ -37,6 +37,9 @@ from partialfl.sampling import SAMPLINGS
 ACCOUNTANTS = ("rdp", "pld")
 #: the smallest noise multiplier :func:`solve_noise_multiplier` searches from
 Z_MIN = 0.05
+#: the largest noise multiplier accounted (ε is already 0 to double precision there; the
+#: accountants overflow or leave their domain far above it)
+Z_MAX = 1e6
 
 
 def _lib():
@@ -81,8 +84,8 @@ class Mechanism:
 
     def __post_init__(self) -> None:
         z, M, k = self.noise_multiplier, self.num_clients, self.clients_per_round
-        if not (z >= 0 and math.isfinite(z)):
-            raise ValueError(f"noise multiplier must be finite and >= 0, got {z!r}")
+        if not 0 <= z <= Z_MAX:
+            raise ValueError(f"noise multiplier must be in [0, {Z_MAX:g}], got {z!r}")
         if not 1 <= k <= M:
             raise ValueError(f"clients_per_round must be in [1, num_clients={M}], got {k!r}")
         if self.sampling not in SAMPLINGS:

@@ -114,6 +114,9 @@ def read_json(path: str | Path) -> Any:
         return json.loads(path.read_text(encoding="utf-8"))
     except (json.JSONDecodeError, UnicodeDecodeError) as e:
         raise FileFormatError(f"{path} is not valid JSON (truncated or corrupt?): {e}") from None
+    except RecursionError:
+        raise FileFormatError(f"{path} is nested too deeply to be a file of this project"
+                              ) from None
 
 
 def savefig(fig, path: str | Path, **kw: Any) -> None:

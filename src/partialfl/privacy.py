@@ -82,13 +82,30 @@ def _tree_refusal(tree, theta: Mapping | Collection[str], k: int, where: str) ->
     return None
 
 
+def _scalars_refusal(updates: ClientUpdates, k: int) -> str | None:
+    """Why the message's bookkeeping may not pass (None: it may): ``cohort`` one integer id
+    per client, ``weights`` one real number per client, ``grad_evals`` one integer — each
+    of these channels carries nothing else (e.g. w as a ``[k, d]`` weight or a string)."""
+    ids, wts = (np.asarray(arrays.to_numpy(v)) for v in (updates.cohort, updates.weights))
+    if ids.shape != (k,) or (k and ids.dtype.kind not in "iu"):
+        return (f"client message field cohort must be one integer id per client, got "
+                f"{ids.dtype} of shape {ids.shape}")
+    if wts.shape != (k,) or (k and wts.dtype.kind not in "iuf"):
+        return (f"client message field weights must be one real number per client (shape "
+                f"({k},)), got {wts.dtype} of shape {wts.shape}")
+    g = updates.grad_evals
+    if isinstance(g, bool | np.bool_) or not isinstance(g, int | np.integer):
+        return f"client message field grad_evals must be one integer, got {type(g).__name__}"
+    return None
+
+
 def screen(updates: ClientUpdates, theta: Mapping | Collection[str], algorithm=None
            ) -> tuple[np.ndarray, str | None]:
     """``(ok, reason)``: ``ok[i]`` whether client i's message may pass (see the module
     docstring), ``reason`` why the first refused one may not (None if all pass). ``theta``:
     the server's θ (shapes are checked) or just its leaf names."""
     k = len(updates.cohort)
-    why = _tree_refusal(updates.vectors, theta, k, "vectors")
+    why = _scalars_refusal(updates, k) or _tree_refusal(updates.vectors, theta, k, "vectors")
     declared = frozenset(getattr(algorithm, "extra_names", ()))
     for e, tree in updates.extra.items():
         if why is not None:

@@ -402,6 +402,7 @@ class DifferentiallyPrivate(AlgorithmWrapper):
     def _next_clip(self, clip: float, updates: ClientUpdates, plan: DPPlan, ctx) -> float:
         """C · exp(−η_C (b̄ − γ)) with b̄ = (Σ(b_m − ½) + N(0, σ_b²))/k + ½."""
         bits = np.asarray(updates.metrics.get(UNCLIPPED, np.zeros(0)), dtype=np.float64)
+        bits = np.clip(np.nan_to_num(bits, nan=0.0), 0.0, 1.0)  # b_m ∈ [0, 1]: untrusted
         noise = (prng.generator(ctx.seed, "dp-noise-count", ctx.round).standard_normal()
                  * plan.clip_count_std)
         frac = (float(np.sum(bits - 0.5)) + noise) / plan.denominator + 0.5

@@ -11,7 +11,7 @@ import sys
 
 from partialfl import __version__
 from partialfl.config import ConfigError
-from partialfl.runtime.faults import ClientFaultError
+from partialfl.runtime.faults import ClientFaultError, InjectedFault
 
 
 def build_parser(epilog: bool = True) -> argparse.ArgumentParser:
@@ -63,7 +63,8 @@ def main(argv: list[str] | None = None) -> int:
         msg = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
         print(f"partialfl: error: {msg}", file=sys.stderr)
         return 2
-    except (ClientFaultError, ConnectionError) as e:
+    except (ClientFaultError, InjectedFault, ConnectionError) as e:  # injected: a whole
+        # cohort failed before any client succeeded (FaultLog.raise_if_systematic)
         print(f"partialfl: error: {str(e).splitlines()[0]}", file=sys.stderr)
         return 1
     except RuntimeError as e:  # a Flower run that failed: its cause, in one line

@@ -95,7 +95,12 @@ def _run_closed_form(args, cfg) -> int:
     if args.dry_run:
         from partialfl.build import build
 
-        print(build(cfg).plan)
+        run = build(cfg)
+        if args.engine != "local":  # what the Flower run would refuse, refused now
+            from partialfl.flower.train import check_flower_run
+
+            check_flower_run(run, _flower_options(args)["flower"], args.supernodes)
+        print(run.plan)
         print("dry run: nothing trained, nothing written")
         return 0
     if args.engine != "local":

@@ -80,8 +80,8 @@ def run_local(spec, out: str | Path, num_nodes: int, *, insecure: bool = False,
     from partialfl.flower.deployment import LocalFederation
     from partialfl.flower.env import apply_flower_env, require_flower
     from partialfl.flower.train import (
-        _check_algorithms,
         _names_code,
+        check_flower_run,
         run_flower_closed_form,
         run_flower_train,
     )
@@ -95,7 +95,7 @@ def run_local(spec, out: str | Path, num_nodes: int, *, insecure: bool = False,
     run = build(spec)  # validates everything, loads the data
     extra = {"checkpoint-every": spec.checkpoint_every, **({"secagg": True} if secagg else {}),
              **dict(flower or {})}
-    _check_algorithms(run, extra)
+    check_flower_run(run, extra, num_nodes)
     tmp = None if work_dir else tempfile.mkdtemp(prefix="partialfl-local-")
     work = Path(work_dir or tmp).resolve()
     try:

@@ -97,16 +97,23 @@ def _federation(spec, engine: str, num_supernodes: int, superlink, root_certific
                            allow_imports=_names_code(spec))
 
 
-def _check_algorithms(run, flower: dict[str, Any]) -> None:
-    """Before Flower starts, refuse what the apps would: an algorithm that keeps client
-    state between rounds (:data:`STATEFUL`), and with ``secagg`` one whose server step needs
-    more than the mean (:func:`partialfl.flower.secagg.check_algorithm`)."""
+def check_flower_run(run, flower: dict[str, Any], num_supernodes: int | None = None
+                     ) -> None:
+    """Before Flower starts (a dry run too), refuse what the apps would: Flower's own keys
+    (``flower``) that do not validate, more SuperNodes than clients (one would hold none),
+    an algorithm that keeps client state between rounds
+    (:data:`STATEFUL`), and with ``secagg`` one whose server step needs more than the mean
+    (:func:`partialfl.flower.secagg.check_algorithm`)."""
     from partialfl.build import stage_algorithm
     from partialfl.config import ConfigError
-    from partialfl.flower.config import STATEFUL
+    from partialfl.flower.config import STATEFUL, parse_run_config
     from partialfl.flower.secagg import check_algorithm
 
+    parse_run_config(stage_run_config(run.spec, **flower))  # Flower's own keys (--flower)
     n = run.problem.num_clients if run.problem is not None else run.task.data.num_clients
+    if num_supernodes is not None and num_supernodes > n:
+        raise ConfigError(f"{num_supernodes} SuperNodes for {n} clients: each SuperNode "
+                          f"holds at least one client; use at most {n}")
     for stage in ("pretrain", "personalize") if run.task is not None else ("personalize",):
         alg = stage_algorithm(run.spec.effective(), stage, problem=run.problem, num_clients=n)
         if getattr(alg, "stateful_clients", False):
@@ -142,7 +149,7 @@ def run_flower_train(spec, out: str | Path, *, engine: str = "flower-sim",
     spec = absolute_data_path(spec)  # the SuperNodes run in folders of their own
     run = build(spec)  # validates everything and loads the data before Flower starts
     extra = dict(flower or {})
-    _check_algorithms(run, extra)
+    check_flower_run(run, extra, num_supernodes)
     eff = spec.effective()
     if dry_run:
         shown = json.dumps({k: v for k, v in stage_run_config(
@@ -252,7 +259,7 @@ def run_flower_closed_form(spec, out: str | Path, *, engine: str = "flower-sim",
     if federation is None:
         _check_engine(engine, superlink, root_certificates)
     run = build(spec)
-    _check_algorithms(run, dict(flower or {}))
+    check_flower_run(run, dict(flower or {}), num_supernodes)
     out = Path(out).expanduser().resolve()
     fed = federation if federation is not None else _federation(
         spec, engine, num_supernodes, superlink, root_certificates)

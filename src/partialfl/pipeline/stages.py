@@ -357,7 +357,7 @@ def _budgets(run_dir: Path) -> dict[str, Any]:
     f = run_dir / "stage2_timing.json"
     if not f.exists():
         return {}
-    t = json.loads(f.read_text())
+    t = pio.read_json(f)
     return {"stage2_rounds": t["rounds"], "stage2_cap": t["cap"],
             "stage2_stopped": t["stopped"]}
 
@@ -417,7 +417,7 @@ def run_pipeline(cfg: RunSpec, task: Task, run_dir: str | Path, *,
                                                   save_personalized)
     t1 = s1 / "timing.json"
     if cfg.pretrain.stop is not None and t1.exists():
-        t = json.loads(t1.read_text())
+        t = pio.read_json(t1)
         metrics.update(stage1_rounds=t["rounds"], stage1_stopped=t.get("stopped", False))
     write_json(mfile, metrics)
     # the same plain-JSON values whether computed now or read back from a finished run

@@ -12,7 +12,6 @@ and new clients) and, with ``tensorboard=True``, TensorBoard scalars (``tensorbo
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
 from typing import Any
 
@@ -27,7 +26,7 @@ def _hist(path: Path) -> list[dict[str, Any]]:
 
 
 def _json(path: Path) -> dict[str, Any] | None:
-    return json.loads(path.read_text()) if path.exists() else None
+    return pio.read_json(path) if path.exists() else None
 
 
 def stage_histories(run_dir: str | Path) -> dict[str, list[dict[str, Any]]]:

@@ -125,7 +125,8 @@ class GeneralizedLinearProblem:
         if how in ("zero", "pretrained"):
             return {"w": np.zeros((len(cohort), self.d_w))}
         if how == "random":
-            return {"w": np.stack([prng.generator(seed, "init-w", round_, int(m))
+            return {"w": np.stack([prng.generator(seed, "init-w", *prng.round_path(round_),
+                                                  int(m))
                                    .standard_normal(self.d_w) for m in cohort])}
         raise ValueError(f"unknown w initialisation {how!r}; allowed: {', '.join(W_INITS)}")
 

@@ -180,8 +180,8 @@ class LeastSquaresProblem:
         if how == "random":
             return {
                 "w": np.stack(
-                    [prng.generator(seed, "init-w", round_, int(m)).standard_normal(self.d_w)
-                     for m in cohort]
+                    [prng.generator(seed, "init-w", *prng.round_path(round_), int(m))
+                     .standard_normal(self.d_w) for m in cohort]
                 ).reshape(len(cohort), self.d_w)
             }
         raise ValueError(f"unknown w initialisation {how!r}; allowed: {', '.join(W_INITS)}")

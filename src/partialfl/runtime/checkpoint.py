@@ -231,6 +231,17 @@ class Checkpoint:
                 or not isinstance(meta.get("fingerprint"), dict | None) \
                 or not isinstance(meta.get("progress", {}), dict):
             raise pio.FileFormatError(f"checkpoint {self.path} has a corrupt pointer")
+        g = meta["generation"]
+        for entry in meta["files"].values():  # the files are the generation's: clean() keeps
+            if not isinstance(entry, dict):    # only those
+                raise pio.FileFormatError(f"checkpoint {self.path} has a corrupt pointer")
+            name = str(entry.get("name", ""))
+            if (m := self._gen.match(name)) is None:  # never follow a name out of it
+                raise pio.FileFormatError(f"checkpoint {self.path} names a foreign file "
+                                          f"{name!r}")
+            if isinstance(g, bool) or int(m.group(1)) != g:
+                raise pio.FileFormatError(f"checkpoint {self.path} has a corrupt pointer "
+                                          f"(generation {g!r} does not name its files)")
         return meta
 
     def _read(self, entry: Any, what: str, device) -> Any:

@@ -98,7 +98,10 @@ class ProcessBackend(CohortRunner):
     def _pool_for(self, problem, algorithm) -> WorkerPool:
         if self._pool is None or not self._pool.fits(problem, algorithm):
             self.close()
-            self._pool = WorkerPool(problem, algorithm, self.workers,
+            # never more workers than clients: the rest could never run one (workers =
+            # 100000 once tried to start that many processes)
+            n = min(self.workers, max(1, int(getattr(problem, "num_clients", self.workers))))
+            self._pool = WorkerPool(problem, algorithm, n,
                                     start_method=self.start_method, poll=self.poll,
                                     task_timeout=self.task_timeout,
                                     max_respawns=self.max_respawns,

@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import json
 import math
+import os
 from pathlib import Path
 from typing import Any
 
@@ -78,7 +79,12 @@ class JsonlLogger:
     def __init__(self, path: str | Path, append: bool = False, **static: Any) -> None:
         self.path = Path(path)
         self.path.parent.mkdir(parents=True, exist_ok=True)
-        self._f = open(self.path, "a" if append else "w", buffering=1)  # noqa: SIM115
+        if self.path.is_symlink():  # a planted link would redirect the log onto its target
+            raise ValueError(f"{self.path} is a symbolic link: a run's log is never written "
+                             "through one (remove it)")
+        flags = os.O_WRONLY | os.O_CREAT | (os.O_APPEND if append else os.O_TRUNC)
+        fd = os.open(self.path, flags | getattr(os, "O_NOFOLLOW", 0), 0o666)
+        self._f = open(fd, "a" if append else "w", buffering=1)  # noqa: SIM115
         self.static = static
 
     def log(self, record: dict[str, Any]) -> None:

@@ -44,6 +44,9 @@ from partialfl.spec.stages import (
     ValidationConfig,
 )
 
+#: the most torch/BLAS threads a run may ask for (more overflows the C int of the pools)
+MAX_THREADS = 1024
+
 
 # ----------------------------------------------------------------------------- the run
 @dataclass(frozen=True)
@@ -110,8 +113,13 @@ class RunSpec(_Spec):
         if list(self.stages) != [s for s in STAGES if s in self.stages]:
             raise ConfigError(f"stages: {list(self.stages)} must be distinct and in the order "
                               f"{', '.join(STAGES)}")
-        if not (isinstance(self.threads, int) and self.threads >= 1):
-            raise ConfigError(f"threads must be an integer >= 1, got {self.threads!r}")
+        for key in ("seed", "pretrain_seed"):  # numpy seeds are integers >= 0
+            v = getattr(self, key)
+            if v is not None and not (isinstance(v, int) and v >= 0):
+                raise ConfigError(f"{key} must be an integer >= 0, got {v!r}")
+        if not (isinstance(self.threads, int) and 1 <= self.threads <= MAX_THREADS):
+            raise ConfigError(f"threads must be an integer in [1, {MAX_THREADS}], got "
+                              f"{self.threads!r}")
         for key, used in (("pretrain.stop", self.pretrain.stop),
                           ("personalize.stop", self.personalize.stop),
                           ("finetune_grid", self.finetune_grid)):
@@ -136,6 +144,9 @@ class RunSpec(_Spec):
             if c is not None and c.entry.trait("block") != want:
                 raise ConfigError(f"{key}: {c.name!r} is not allowed here; allowed: "
                                   f"{', '.join(_block_names(want))}")
+        if self.privacy is not None and self.asynchronous is not None:
+            raise ConfigError("privacy: DP adds noise to one sum per synchronous round; it "
+                              "cannot run with [asynchronous] (remove one of them)")
         if self.closed_form and self.method.split is not None:
             raise ConfigError("method.split: a closed-form problem defines its own personal "
                               "coordinates; leave split out")
