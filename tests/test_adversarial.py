@@ -241,3 +241,30 @@ def test_more_supernodes_than_clients_is_refused_before_flower_starts(ls_toml, c
                     "7"], capsys)
     assert rc == 2 and err == ["partialfl: error: 7 SuperNodes for 6 clients: each SuperNode "
                                "holds at least one client; use at most 6"], err
+
+
+def test_an_attribute_attached_to_an_update_row_never_reaches_the_server():
+    """A client's row object may carry more than its values (a Python attribute on a torch
+    tensor, an ndarray subclass with a payload): the server's view holds plain arrays only,
+    with the same values."""
+    import torch
+
+    from partialfl.privacy import server_view
+    from partialfl.types import ClientUpdates
+
+    class Carrier(np.ndarray):
+        pass
+
+    t = torch.ones(2, 3)
+    t.secret_w = torch.arange(5.0)
+    a = np.zeros((2, 4)).view(Carrier)
+    a.secret_w = np.arange(5.0)
+    e = torch.full((2, 1), 2.0)
+    e.secret_w = 1
+    upd = ClientUpdates({"t": t, "a": a}, np.ones(2), np.arange(2), 1, {}, {"c": {"x": e}})
+    seen = server_view(upd)
+    rows = [seen.vectors["t"], seen.vectors["a"], seen.extra["c"]["x"]]
+    assert not any(hasattr(r, "secret_w") for r in rows)
+    assert type(seen.vectors["a"]) is np.ndarray and type(seen.vectors["t"]) is torch.Tensor
+    assert torch.equal(seen.vectors["t"], t) and np.array_equal(seen.vectors["a"], a)
+    assert torch.equal(seen.extra["c"]["x"], e)

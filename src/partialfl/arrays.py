@@ -56,6 +56,14 @@ def as_like(values: Any, ref: Array, dtype: Any = None) -> Array:
     return np.asarray(to_numpy(values), dtype=dtype or ref.dtype)
 
 
+def plain(x: Array) -> Array:
+    """``x`` as a plain array object of the base class (a view, no copy): nothing a subclass
+    or a Python attribute attached to the object carries survives, only the values."""
+    if is_torch(x):
+        return x.detach().as_subclass(_torch().Tensor)
+    return np.asarray(x)
+
+
 def copy(x: Array) -> Array:
     """An independent copy (a tensor is cloned, an array copied)."""
     return x.clone() if is_torch(x) else np.array(x, copy=True)

@@ -159,12 +159,15 @@ def check_updates(updates: ClientUpdates, theta: Mapping | Collection[str],
 
 def server_view(updates: ClientUpdates, algorithm=None) -> ClientUpdates:
     """The message as the server receives it: client-side metrics removed (only the names in
-    ``algorithm.server_metrics`` pass)."""
+    ``algorithm.server_metrics`` pass), every row a plain array (values only)."""
     keep = frozenset(getattr(algorithm, "server_metrics", ()))
     metrics = {}
     for n, v in updates.metrics.items():
         if n in keep:  # float64, every NaN the canonical one: no payload bits pass
             a = _float64(v)
             metrics[n] = np.where(np.isnan(a), np.nan, a)
-    return ClientUpdates(updates.vectors, updates.weights, updates.cohort, updates.grad_evals,
-                         metrics, updates.extra)
+    # plain arrays: an attribute or subclass attached to a row object never reaches the server
+    return ClientUpdates({n: arrays.plain(v) for n, v in updates.vectors.items()},
+                         updates.weights, updates.cohort, updates.grad_evals, metrics,
+                         {n: {m: arrays.plain(t) for m, t in tree.items()}
+                          for n, tree in updates.extra.items()})
