@@ -268,3 +268,28 @@ def test_an_attribute_attached_to_an_update_row_never_reaches_the_server():
     assert type(seen.vectors["a"]) is np.ndarray and type(seen.vectors["t"]) is torch.Tensor
     assert torch.equal(seen.vectors["t"], t) and np.array_equal(seen.vectors["a"], a)
     assert torch.equal(seen.extra["c"]["x"], e)
+
+
+def test_failed_clients_leaving_too_few_for_the_robust_rule_skip_the_step(ls_toml, tmp_path):
+    """Faults drop a round's NaN updates; if the k left are too few for the trimmed mean
+    (f = ⌊δk⌋ = 0) that round's step is skipped with a warning and counted, as a round that
+    lost every client, instead of ending the run with a configuration error."""
+    import json
+    import warnings
+
+    from partialfl.aggregation.protection import UnprotectedWarning
+
+    out = tmp_path / "o"
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        rc = main(["run", str(ls_toml), "--out", str(out), "--no-progress",
+                   "--set", "faults={rate=0.3, kinds=['nan']}",
+                   "--set", "aggregation={name='tm', delta=0.25}",
+                   "--set", "personalize.clients_per_round=4",
+                   "--set", "personalize.rounds=6", "--set", "max_failure_fraction=0.9"])
+    assert rc == 0
+    skipped = [w for w in caught if issubclass(w.category, UnprotectedWarning)
+               and "step is skipped" in str(w.message)]
+    last = json.loads(next(out.glob("*.jsonl")).read_text().splitlines()[-1])
+    assert skipped and last["rounds_unprotected"] == len(skipped) >= 1
+    assert last["updates_nonfinite"] >= 1

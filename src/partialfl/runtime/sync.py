@@ -26,6 +26,7 @@ the clients' state (e.g. FedAlt's w_m, Scaffold's c_m) goes to a separate file l
 from __future__ import annotations
 
 import time
+import warnings
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -35,6 +36,7 @@ import numpy as np
 
 from partialfl import io as pio
 from partialfl import rng as prng
+from partialfl.aggregation.protection import UnprotectedError, UnprotectedWarning
 from partialfl.algorithms.base import Algorithm, RoundContext, ServerState, concat_results
 from partialfl.batching import Executor
 from partialfl.runtime.checkpoint import (  # noqa: F401 - ResumeError: part of this API
@@ -284,6 +286,8 @@ def run_sync(run: Run) -> RunResult:
             rec.update(ev.fn(algorithm, st, problem, client_state, run.context(st.round)))
         if hasattr(algorithm, "round_metrics"):  # e.g. DP's ε spent so far
             rec.update(algorithm.round_metrics(st))
+        if st.extra.get("rounds_unprotected"):  # steps skipped by _step
+            rec["rounds_unprotected"] = int(st.extra["rounds_unprotected"])
         history.append(rec)
         if ev.logger is not None:
             ev.logger.log(rec)
@@ -328,7 +332,7 @@ def run_sync(run: Run) -> RunResult:
                 ids = np.asarray(result.updates.cohort)  # the rows' own clients (a wrapper
                 for n, v in result.client_state.items():  # may have dropped some)
                     client_state[n][ids] = v
-            old, state = state, algorithm.server_update(state, result.updates, ctx)
+            old, state = state, _step(algorithm, state, result.updates, ctx, len(cohort), r)
             grad_evals += result.updates.grad_evals
             bad = faults.server_step(f"round {r}", old.theta, state.theta, result.updates)
             if bad:  # θ is not finite: a named warning, the last record shows it, no save
@@ -353,6 +357,24 @@ def run_sync(run: Run) -> RunResult:
             break
     return RunResult(state, client_state, history, time.perf_counter() - t0, faults,
                      stopped or bool(diverged), diverged)
+
+
+def _step(algorithm, state: ServerState, updates, ctx, sampled: int, r: int) -> ServerState:
+    """The server step of round ``r``. When failed clients were dropped and the robust rule
+    no longer protects the k that remain, the round's step is skipped (θ stays), warned and
+    counted in ``state.extra['rounds_unprotected']``, as a round that lost every client: a
+    failing client is never fatal. With the whole cohort the rule's refusal stands."""
+    try:
+        return algorithm.server_update(state, updates, ctx)
+    except UnprotectedError as e:
+        if len(updates.cohort) >= sampled:
+            raise
+        warnings.warn(f"round {r}: {len(updates.cohort)} of {sampled} clients left after the "
+                      f"failed ones were dropped, too few for the robust rule ({e}); the "
+                      "round's step is skipped (θ stays)", UnprotectedWarning, stacklevel=2)
+        extra = {**state.extra, "rounds_unprotected": state.extra.get("rounds_unprotected", 0)
+                 + 1}
+        return ServerState(state.theta, state.opt_state, state.round + 1, extra)
 
 
 def _postfix(rec: dict) -> dict[str, str]:
