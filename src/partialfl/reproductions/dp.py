@@ -25,7 +25,9 @@ Design, and why (also written into the summary):
   (:mod:`partialfl.dp_accounting`); z is solved for the target ε (the smallest z with
   ε(z) ≤ target). The guarantee is client-level: add or remove one private client.
   ε = ∞ is the same run with the same clipping and z = 0 (no noise), so the ε = ∞ column
-  isolates the noise.
+  isolates the noise. ε = 0 releases nothing: stage 2 runs 0 rounds, so every row is the
+  public θ with its part fine-tuned in stage 3 (FFGG (part) and FedAvg + FT (part) are then
+  the same computation): what private training adds at all.
 * **Clip norms.** C_Δ per data set for a model change (FedAvg, FedAvg + FT: HAR 0.1,
   FEMNIST 0.15, about the median norm of the private clients' first FedAvg update from the
   public θ, 0.117 and 0.160, measured once without noise: a hyper-parameter chosen outside
@@ -56,15 +58,14 @@ from partialfl.pipeline.report import (
     counts_from_runs,
     docstring_bullets,
     jsonable,
-    markdown_table,
-    quick_note,
 )
 from partialfl.registry import component, register
 from partialfl.reproductions.tables import Loaded, Table, TableRun, TableSize
 from partialfl.spec import MethodConfig, RunSpec
 
-EPSILONS = (1.0, 3.0, 8.0, math.inf)
-QUICK_EPSILONS = (1.0, math.inf)
+#: ε = 0: no private training at all (stage 2 runs 0 rounds: the public θ, then stage 3)
+EPSILONS = (0.0, 1.0, 3.0, 8.0, math.inf)
+QUICK_EPSILONS = (0.0, 1.0, math.inf)
 #: δ = DELTA_FACTOR / M (M: the private clients)
 DELTA_FACTOR = 0.1
 PARTS = ("input", "output", "adapter")
@@ -171,7 +172,10 @@ class Private(Table):
         return Loaded(priv, None, info, pretrain_task=pub)
 
     def stage_configs(self, size):
-        return self.setting.base.stage_configs(size)
+        pre, stage2, ft = self.setting.base.stage_configs(size)
+        if self.eps == 0:  # nothing private is trained: the public θ, then stage 3
+            return pre, lambda method: replace(stage2(method), rounds=0), ft
+        return pre, stage2, ft
 
     def privacy(self, method: MethodConfig, num_clients: int) -> dict[str, Any]:
         """The ``[privacy]`` block of a row (see the module docstring)."""
@@ -186,6 +190,8 @@ class Private(Table):
     def config(self, size, method: MethodConfig, seed: int,
                backend: str = "sequential") -> RunSpec:
         spec = super().config(size, method, seed, backend)
+        if self.eps == 0:
+            return spec
         m = len(self.loaded(size, self.data_dir).task.data.client_ids)  # M: private clients
         return replace(spec, privacy=component("wrapper", self.privacy(method, m), "privacy"))
 
@@ -250,7 +256,7 @@ def reproduce_dp(out_dir: Path, *, quick: bool = False, seeds: list[int] | None 
             panel["by_eps"][eps_name(eps)] = {
                 "counts": {k: [c[0].tolist(), c[1].tolist()] for k, v in res.items()
                            if (c := counts_from_runs(v)) is not None},
-                "privacy": _privacy_of(sub, size, ROWS)}
+                "privacy": _privacy_of(sub, size, ROWS) if eps > 0 else {}}
             panel["matched"] = table.matched(list(res))
         record["panels"][st.key] = panel
         record["seconds"][st.key] = time.perf_counter() - tk

@@ -71,6 +71,9 @@ def privacy_rows(panel: dict) -> list[list[str]]:
     rows = []
     for eps, v in panel["by_eps"].items():
         pr = v["privacy"]
+        if not pr:  # ε = 0: stage 2 ran no round
+            rows.append([_sym(eps), "–", "0 (nothing released)", "–", "–", "0"])
+            continue
         zs = {round(z, 6) for p in pr.values() for z in p["dp_noise_multiplier"]}
         spent = [e for p in pr.values() for e in p["dp_epsilon"]]
         clips = sorted({c for p in pr.values() for c in p["dp_clip_norm"]})
@@ -99,7 +102,7 @@ def panel_lines(panel: dict, epsilons: list[str], quick: bool) -> list[str]:
         acc.append([label, *cells])
     lines += ["Test accuracy %, [95% CI] over clients × seeds:", "",
               markdown_table(["method", *(f"ε = {_sym(e)}" for e in epsilons)], acc), ""]
-    finite = [e for e in epsilons if e != "inf"]
+    finite = [e for e in epsilons if e != "inf"]  # "0": no private training
     gap_rows, dd_rows = [], []
     for label, base in panel["matched"].items():
         gap_rows.append([label, *(_pts(contrast(panel, [(1, label, e), (-1, base, e)]))
@@ -162,7 +165,7 @@ def epsilon_plot(path: Path, record: dict) -> Path:
             ax.errorbar(x, y, yerr=err, marker="os^vDP*X"[i % 8], ms=4, lw=1, capsize=2,
                         ls="--" if label.startswith("FedAvg + FT") else "-", label=label)
         ax.set_xticks(np.arange(len(epsilons)), [_sym(e) for e in epsilons])
-        ax.set_xlabel("ε (client-level, stage 2)")
+        ax.set_xlabel("ε (client-level, stage 2; 0: no private training)")
         ax.set_ylabel("test accuracy (%)")
         ax.set_title(p["title"], fontsize=9)
         ax.grid(alpha=0.3)
@@ -181,7 +184,7 @@ def summary(record: dict, design: list[str]) -> str:
     lines = [f"# dp: partial personalization under client-level differential privacy of θ"
              f"{' (quick)' if quick else ''}", ""]
     if quick:
-        lines += [quick_note("two ε, one seed, a few clients and rounds"), ""]
+        lines += [quick_note("ε ∈ {0, 1, ∞}, one seed, a few clients and rounds"), ""]
     lines += ["Accuracy against the privacy budget ε of θ's updates in stage 2 "
               "(client-level, add or remove one private client), for FedAvg, FFGG with a "
               "personal input / output / adapter part, and FedAvg + FT (same part), which "
