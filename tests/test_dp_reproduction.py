@@ -161,6 +161,9 @@ def test_dp_quick_writes_summary_plot_and_the_accountants_epsilon(tmp_path, data
         size = st.size(True)
         M, k, R = len(p["private"]), p["size"]["clients_per_round"], size.rounds
         assert set(p["public"]).isdisjoint(p["private"])
+        zero = p["by_eps"]["0"]["counts"]  # no private round: joint = fine-tuning the part
+        for label, base in p["matched"].items():
+            assert zero[label] == zero[base]
         for eps in QUICK_EPSILONS:
             name = "inf" if math.isinf(eps) else f"{eps:g}"
             for pr in p["by_eps"][name]["privacy"].values():
