@@ -102,12 +102,12 @@ def panel_lines(panel: dict, epsilons: list[str], quick: bool) -> list[str]:
         acc.append([label, *cells])
     lines += ["Test accuracy %, [95% CI] over clients × seeds:", "",
               markdown_table(["method", *(f"ε = {_sym(e)}" for e in epsilons)], acc), ""]
-    finite = [e for e in epsilons if e != "inf"]  # "0": no private training
+    noisy = [e for e in epsilons if e not in ("0", "inf")]  # "0": no private training
     gap_rows, dd_rows = [], []
     for label, base in panel["matched"].items():
         gap_rows.append([label, *(_pts(contrast(panel, [(1, label, e), (-1, base, e)]))
                                   for e in epsilons)])
-        for e in finite:
+        for e in noisy:
             iv = contrast(panel, [(1, label, e), (-1, base, e), (-1, label, "inf"),
                                   (1, base, "inf")])
             dd_rows.append([label, _sym(e), _pts(iv),
@@ -123,7 +123,7 @@ def panel_lines(panel: dict, epsilons: list[str], quick: bool) -> list[str]:
     for label in labels:
         if label == "FedAvg":
             continue
-        for e in finite:
+        for e in noisy:
             mine = contrast(panel, [(1, label, e), (-1, label, "inf")])
             iv = contrast(panel, [(1, label, e), (-1, label, "inf"), (-1, "FedAvg", e),
                                   (1, "FedAvg", "inf")])
@@ -131,13 +131,20 @@ def panel_lines(panel: dict, epsilons: list[str], quick: bool) -> list[str]:
                               _verdict(iv, quick, "loses less than FedAvg",
                                        "loses more than FedAvg")])
     fed = [[_sym(e), _pts(contrast(panel, [(1, "FedAvg", e), (-1, "FedAvg", "inf")]))]
-           for e in finite]
+           for e in noisy]
     lines += ["Does a personal, noise-free part change the accuracy–privacy trade-off? "
               "FedAvg's own drop A(ε) − A(∞): "
               + "; ".join(f"ε = {e}: {d}" for e, d in fed) + " points. Every other row:", "",
               markdown_table(["row", "ε", "drop A(ε) − A(∞), points",
                               "drop − FedAvg's drop, points [95% CI]", "verdict"],
                              drop_rows), ""]
+    if "0" in epsilons:
+        add = [[label, *(_pts(contrast(panel, [(1, label, e), (-1, label, "0")]))
+                         for e in epsilons if e != "0")] for label in labels]
+        lines += ["What private training adds at all: A(ε) − A(0), where ε = 0 is the public θ "
+                  "with the part fine-tuned and no private round, points [95% CI]:", "",
+                  markdown_table(["row", *(f"ε = {_sym(e)}" for e in epsilons if e != "0")],
+                                 add), ""]
     return lines
 
 
