@@ -156,6 +156,13 @@ def test_dp_quick_writes_summary_plot_and_the_accountants_epsilon(tmp_path, data
     assert "## HAR by subject" in text and "## FEMNIST by writer" in text
     assert (out / "accuracy_vs_epsilon.png").stat().st_size > 10_000
     record = json.loads((out / "dp.json").read_text())
+    # the record rebuilt from the finished tables alone is the same, but for the time
+    from partialfl.reproductions.dp import collect
+
+    collect(out, quick=True)
+    again = json.loads((out / "dp.json").read_text())
+    assert again["panels"] == record["panels"] and again["epsilons"] == record["epsilons"]
+    assert again["total_seconds"] is None and "not recorded" in (out / "summary.md").read_text()
     for st in settings():
         p = record["panels"][st.key]
         size = st.size(True)

@@ -223,6 +223,27 @@ def _privacy_of(out: Path, size, rows) -> dict[str, dict]:
     return got
 
 
+def _panel(st: Setting, size) -> dict[str, Any]:
+    return {"title": st.title, "seeds": list(size.seeds), "by_eps": {},
+            "size": {"pretrain_rounds": size.pretrain_rounds, "rounds": size.rounds,
+                     "finetune_epochs": size.finetune_epochs,
+                     "clients_per_round": getattr(size, "clients_per_round", 10)},
+            "clip": st.clip, "ffgg_server_lr": st.ffgg_server_lr}
+
+
+def _add_eps(panel: dict, table: Private, sub: Path, size, eps: float) -> None:
+    """A finished table at ``eps`` (folder ``sub``) into ``panel``: every row's per-client
+    counts, the runs' privacy records, the clients and the matched pairs."""
+    res = pio.read_json(sub / "results.json")["results"]
+    info = pio.read_json(sub / "data.json")
+    panel["public"], panel["private"] = info["public"], info["private"]
+    panel["by_eps"][eps_name(eps)] = {
+        "counts": {k: [c[0].tolist(), c[1].tolist()] for k, v in res.items()
+                   if (c := counts_from_runs(v)) is not None},
+        "privacy": _privacy_of(sub, size, ROWS) if eps > 0 else {}}
+    panel["matched"] = table.matched(list(res))
+
+
 @register("reproduction", "dp",
           doc="Accuracy against ε under client-level DP of θ: FedAvg(+FT) vs FFGG parts")
 def reproduce_dp(out_dir: Path, *, quick: bool = False, seeds: list[int] | None = None,
@@ -230,7 +251,8 @@ def reproduce_dp(out_dir: Path, *, quick: bool = False, seeds: list[int] | None 
     """For HAR and FEMNIST and every ε: the rows through the table driver
     (``out_dir/KEY/eps=E/``, stage 1 in ``out_dir/KEY/stage1``); ``dp.json`` (every row's
     per-client counts per ε, the runs' ε, z, δ, C), ``accuracy_vs_epsilon.png`` and
-    ``summary.md`` (returned)."""
+    ``summary.md`` (returned; all three rewritten after every ε, so a stopped study keeps
+    what finished)."""
     out_dir = Path(out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
     t0 = time.perf_counter()
@@ -239,30 +261,37 @@ def reproduce_dp(out_dir: Path, *, quick: bool = False, seeds: list[int] | None 
                               "panels": {}, "seconds": {}}
     for st in settings():
         size, tk = st.size(quick, seeds), time.perf_counter()
-        panel: dict[str, Any] = {"title": st.title, "seeds": list(size.seeds), "by_eps": {},
-                                 "size": {"pretrain_rounds": size.pretrain_rounds,
-                                          "rounds": size.rounds,
-                                          "finetune_epochs": size.finetune_epochs,
-                                          "clients_per_round": getattr(
-                                              size, "clients_per_round", 10)},
-                                 "clip": st.clip, "ffgg_server_lr": st.ffgg_server_lr}
+        record["panels"][st.key] = panel = _panel(st, size)
         for eps in epsilons:
             table = Private(st, eps, quick, data_dir)
             sub = out_dir / st.key / f"eps={eps_name(eps)}"
             table.reproduce(sub, size=size, data_dir=data_dir, progress=progress, quick=quick)
-            res = pio.read_json(sub / "results.json")["results"]
-            info = pio.read_json(sub / "data.json")
-            panel["public"], panel["private"] = info["public"], info["private"]
-            panel["by_eps"][eps_name(eps)] = {
-                "counts": {k: [c[0].tolist(), c[1].tolist()] for k, v in res.items()
-                           if (c := counts_from_runs(v)) is not None},
-                "privacy": _privacy_of(sub, size, ROWS) if eps > 0 else {}}
-            panel["matched"] = table.matched(list(res))
-        record["panels"][st.key] = panel
-        record["seconds"][st.key] = time.perf_counter() - tk
-        record["total_seconds"] = time.perf_counter() - t0
-        path = _write(out_dir, record)  # after each data set: a stopped study keeps it
+            _add_eps(panel, table, sub, size, eps)
+            record["seconds"][st.key] = time.perf_counter() - tk
+            record["total_seconds"] = time.perf_counter() - t0
+            path = _write(out_dir, record)
     return path
+
+
+def collect(out_dir: Path, *, quick: bool = False, seeds: list[int] | None = None) -> Path:
+    """Rewrite ``dp.json``, the plot and ``summary.md`` from the finished tables under
+    ``out_dir`` alone (those with a ``results.json``; e.g. of a study stopped early), without
+    running anything; the measured time is then not known."""
+    out_dir = Path(out_dir)
+    record: dict[str, Any] = {"quick": quick, "epsilons": [], "panels": {}, "seconds": {},
+                              "total_seconds": None}
+    for st in settings():
+        size = st.size(quick, seeds)
+        panel = _panel(st, size)
+        for eps in QUICK_EPSILONS if quick else EPSILONS:
+            sub = out_dir / st.key / f"eps={eps_name(eps)}"
+            if (sub / "results.json").exists():
+                _add_eps(panel, Private(st, eps, quick), sub, size, eps)
+        if panel["by_eps"]:
+            record["panels"][st.key] = panel
+    record["epsilons"] = [eps_name(e) for e in (QUICK_EPSILONS if quick else EPSILONS)
+                          if any(eps_name(e) in p["by_eps"] for p in record["panels"].values())]
+    return _write(out_dir, record)
 
 
 def _write(out_dir: Path, record: dict) -> Path:
@@ -277,5 +306,5 @@ def _write(out_dir: Path, record: dict) -> Path:
     return path
 
 
-__all__ = ["EPSILONS", "Private", "QUICK_EPSILONS", "Setting", "public_private",
+__all__ = ["EPSILONS", "Private", "QUICK_EPSILONS", "Setting", "collect", "public_private",
            "reproduce_dp", "settings"]

@@ -57,8 +57,9 @@ def _labels(panel: dict) -> list[str]:
     return list(first["counts"])
 
 
-def _epsilons(record: dict) -> list[str]:
-    return list(record["epsilons"])
+def _epsilons(record: dict, panel: dict | None = None) -> list[str]:
+    """The study's ε names in order (those ``panel`` has, if given: a stopped study)."""
+    return [e for e in record["epsilons"] if panel is None or e in panel["by_eps"]]
 
 
 def _sym(eps: str) -> str:
@@ -103,7 +104,10 @@ def panel_lines(panel: dict, epsilons: list[str], quick: bool) -> list[str]:
     lines += ["Test accuracy %, [95% CI] over clients × seeds:", "",
               markdown_table(["method", *(f"ε = {_sym(e)}" for e in epsilons)], acc), ""]
     noisy = [e for e in epsilons if e not in ("0", "inf")]  # "0": no private training
-    gap_rows, dd_rows = [], []
+    if "inf" not in epsilons:
+        noisy = []
+        lines += ["(ε = ∞ has not finished: no contrast against it.)", ""]
+    gap_rows, dd_rows, drop_rows = [], [], []
     for label, base in panel["matched"].items():
         gap_rows.append([label, *(_pts(contrast(panel, [(1, label, e), (-1, base, e)]))
                                   for e in epsilons)])
@@ -115,11 +119,11 @@ def panel_lines(panel: dict, epsilons: list[str], quick: bool) -> list[str]:
                                      "joint training helps less under noise")])
     lines += ["Joint training vs fine-tuning the same part, gap = FFGG (part) − FedAvg + FT "
               "(part), points [95% CI]:", "",
-              markdown_table(["row", *(f"ε = {_sym(e)}" for e in epsilons)], gap_rows), "",
-              "Does joint training help more under noise than without? gap(ε) − gap(∞), "
-              "points [95% CI]:", "",
-              markdown_table(["row", "ε", "gap(ε) − gap(∞)", "verdict"], dd_rows), ""]
-    drop_rows = []
+              markdown_table(["row", *(f"ε = {_sym(e)}" for e in epsilons)], gap_rows), ""]
+    if noisy:
+        lines += ["Does joint training help more under noise than without? gap(ε) − gap(∞), "
+                  "points [95% CI]:", "",
+                  markdown_table(["row", "ε", "gap(ε) − gap(∞)", "verdict"], dd_rows), ""]
     for label in labels:
         if label == "FedAvg":
             continue
@@ -132,12 +136,13 @@ def panel_lines(panel: dict, epsilons: list[str], quick: bool) -> list[str]:
                                        "loses more than FedAvg")])
     fed = [[_sym(e), _pts(contrast(panel, [(1, "FedAvg", e), (-1, "FedAvg", "inf")]))]
            for e in noisy]
-    lines += ["Does a personal, noise-free part change the accuracy–privacy trade-off? "
-              "FedAvg's own drop A(ε) − A(∞): "
-              + "; ".join(f"ε = {e}: {d}" for e, d in fed) + " points. Every other row:", "",
-              markdown_table(["row", "ε", "drop A(ε) − A(∞), points",
-                              "drop − FedAvg's drop, points [95% CI]", "verdict"],
-                             drop_rows), ""]
+    if noisy:
+        lines += ["Does a personal, noise-free part change the accuracy–privacy trade-off? "
+                  "FedAvg's own drop A(ε) − A(∞): "
+                  + "; ".join(f"ε = {e}: {d}" for e, d in fed) + " points. Every other row:",
+                  "", markdown_table(["row", "ε", "drop A(ε) − A(∞), points",
+                                      "drop − FedAvg's drop, points [95% CI]", "verdict"],
+                                     drop_rows), ""]
     if "0" in epsilons:
         add = [[label, *(_pts(contrast(panel, [(1, label, e), (-1, label, "0")]))
                          for e in epsilons if e != "0")] for label in labels]
@@ -158,11 +163,10 @@ def epsilon_plot(path: Path, record: dict) -> Path:
 
     from partialfl.stats import accuracy_interval
 
-    epsilons = _epsilons(record)
     panels = record["panels"]
     fig, axes = plt.subplots(1, len(panels), figsize=(5.2 * len(panels), 4.0), squeeze=False)
     for ax, p in zip(axes[0], panels.values()):
-        labels = _labels(p)
+        labels, epsilons = _labels(p), _epsilons(record, p)
         for i, label in enumerate(labels):
             ivs = [accuracy_interval(*_counts(p, e, label)) for e in epsilons]
             x = np.arange(len(epsilons)) + (i - (len(labels) - 1) / 2) * 0.06
@@ -187,7 +191,6 @@ def epsilon_plot(path: Path, record: dict) -> Path:
 def summary(record: dict, design: list[str]) -> str:
     """``summary.md`` of the study (see the module docstring)."""
     quick = record["quick"]
-    epsilons = _epsilons(record)
     lines = [f"# dp: partial personalization under client-level differential privacy of θ"
              f"{' (quick)' if quick else ''}", ""]
     if quick:
@@ -207,12 +210,14 @@ def summary(record: dict, design: list[str]) -> str:
                   f"{s['finetune_epochs']} epochs of local fine-tuning); seeds {p['seeds']}. "
                   f"Clip norms: C_Δ = {p['clip']:g} for FedAvg's model change, "
                   f"C_∇ = C_Δ / {p['ffgg_server_lr']:g} for FFGG's gradient.", "",
-                  *panel_lines(p, epsilons, quick)]
-    lines += ["## Design", "", *design, "",
-              "Measured time: " + ", ".join(f"{k} {v / 60:.1f} min" for k, v in
-                                            record["seconds"].items())
-              + f"; total {record['total_seconds'] / 60:.1f} min (wall-clock of this "
-              "invocation; a resumed study reloads its finished runs).", ""]
+                  *panel_lines(p, _epsilons(record, p), quick)]
+    time = ("Measured time: not recorded (this summary was rebuilt from the finished "
+            "tables, `partialfl.reproductions.dp.collect`)." if record["total_seconds"] is None
+            else "Measured time: " + ", ".join(f"{k} {v / 60:.1f} min" for k, v in
+                                               record["seconds"].items())
+            + f"; total {record['total_seconds'] / 60:.1f} min (wall-clock of this "
+            "invocation; a resumed study reloads its finished runs).")
+    lines += ["## Design", "", *design, "", time, ""]
     return "\n".join(lines)
 
 
