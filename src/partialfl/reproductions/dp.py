@@ -262,7 +262,8 @@ def reproduce_dp(out_dir: Path, *, quick: bool = False, seeds: list[int] | None 
     for st in settings():
         size, tk = st.size(quick, seeds), time.perf_counter()
         record["panels"][st.key] = panel = _panel(st, size)
-        for eps in epsilons:
+        # ε = 0 and ∞ first: every contrast needs them, so a study stopped early has them
+        for eps in sorted(epsilons, key=lambda e: (0 < e < math.inf, e)):
             table = Private(st, eps, quick, data_dir)
             sub = out_dir / st.key / f"eps={eps_name(eps)}"
             table.reproduce(sub, size=size, data_dir=data_dir, progress=progress, quick=quick)
