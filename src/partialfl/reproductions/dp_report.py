@@ -173,8 +173,13 @@ def epsilon_plot(path: Path, record: dict) -> Path:
             y = np.array([100 * iv.estimate for iv in ivs])
             err = np.array([[100 * (iv.estimate - iv.low) for iv in ivs],
                             [100 * (iv.high - iv.estimate) for iv in ivs]])
-            ax.errorbar(x, y, yerr=err, marker="os^vDP*X"[i % 8], ms=4, lw=1, capsize=2,
-                        ls="--" if label.startswith("FedAvg + FT") else "-", label=label)
+            # ε = 0 (no private training) is a reference point, not joined to the curve
+            ref = np.array([e == "0" for e in epsilons])
+            style = {"marker": "os^vDP*X"[i % 8], "ms": 4, "capsize": 2, "color": f"C{i}"}
+            ax.errorbar(x[~ref], y[~ref], yerr=err[:, ~ref], lw=1, label=label, **style,
+                        ls="--" if label.startswith("FedAvg + FT") else "-")
+            if ref.any():
+                ax.errorbar(x[ref], y[ref], yerr=err[:, ref], ls="none", **style)
         ax.set_xticks(np.arange(len(epsilons)), [_sym(e) for e in epsilons])
         ax.set_xlabel("ε (client-level, stage 2; 0: no private training)")
         ax.set_ylabel("test accuracy (%)")
