@@ -389,3 +389,32 @@ def test_device_not_present_exits_2_naming_the_available_devices(tmp_path, tiny_
     assert not out.exists()
     assert main(["train", str(cfg), "--device", "auto", "--dry-run"]) == 0
     assert "auto → cpu" in capsys.readouterr().out
+
+
+def test_readme_privacy_block_runs_and_the_report_states_epsilon(tmp_path, tiny_module):
+    """The README's ``[privacy]`` block, appended to a train config as it says, runs; every
+    stage's records carry ε and ``report.md`` states each stage's ε and both together."""
+    text = (ROOT / "README.md").read_text()
+    block = text.split("<!-- dp-snippet -->", 1)[1].split("```toml\n", 1)[1].split("```")[0]
+    block = textwrap.dedent(block)
+    assert block.startswith("[privacy]") and "target_epsilon = 8.0" in block
+    data = _client_folder(tmp_path / "clients")
+    cfg = _tiny_toml(tmp_path / "t.toml", tiny_module, data, "\n" + block)
+    out = tmp_path / "out"
+    assert main(["train", str(cfg), "--out", str(out), "--no-progress"]) == 0
+    last = {s: json.loads(f.read_text().splitlines()[-1]) for s, f in
+            (("stage 1", out / "stage1" / "stage1.jsonl"), ("stage 2", out / "stage2.jsonl"))}
+    for rec in last.values():
+        assert 7.5 < rec["dp_epsilon"] <= 8.0 and rec["dp_delta"] == 1e-3
+        assert rec["dp_clip_norm"] == 0.1 and rec["dp_noise_multiplier"] > 0
+    report = (out / "report.md").read_text()
+    for stage, rec in last.items():
+        assert (f"Privacy, {stage} " in report and f"(ε = {rec['dp_epsilon']:.2f}, δ = 0.001)"
+                in report)
+    total = sum(r["dp_epsilon"] for r in last.values())
+    assert f"Both stages together (basic composition, an upper bound): ε ≤ {total:.2f}" in report
+    # without the block: no privacy line
+    plain = tmp_path / "plain"
+    cfg2 = _tiny_toml(tmp_path / "p.toml", tiny_module, data)
+    assert main(["train", str(cfg2), "--out", str(plain), "--no-progress"]) == 0
+    assert "Privacy" not in (plain / "report.md").read_text()

@@ -214,6 +214,31 @@ def paired_difference(correct, total, base_correct, base_total, *, level: float 
     return _interval(est, reps, level, m, s, t.sum(-1).mean(-1), n_boot)
 
 
+def contrast_interval(terms, *, level: float = 0.95, n_boot: int = DEFAULT_BOOT,
+                      seed: int = 0, resample_seeds: bool = True) -> Interval:
+    """Bootstrap interval of a linear contrast L = Σ_j a_j A_j of pooled accuracies, with the
+    same clients and seeds resampled for every term (paired): ``terms`` is a sequence of
+    ``(a_j, correct [S, M], total [S, M])``, all of one shape. ``[(1, c, t), (−1, bc, bt)]``
+    is :func:`paired_difference`; four terms give a difference of differences, e.g.
+    (A − B at one setting) − (A − B at another) on the same clients and seeds."""
+    _check(level, n_boot)
+    terms = list(terms)
+    if not terms:
+        raise ValueError("contrast_interval needs at least one term")
+    counts = [_counts(c, t, f"contrast_interval (term {j})")
+              for j, (_, c, t) in enumerate(terms)]
+    shape = counts[0][0].shape
+    if any(c.shape != shape for c, _ in counts):
+        raise ValueError(f"contrast_interval: every term must cover the same seeds and "
+                         f"clients, got shapes {[c.shape for c, _ in counts]}")
+    s, m = shape[-2:]
+    wc, ws = _draws(m, s, n_boot, seed, resample_seeds)
+    a = [float(t[0]) for t in terms]
+    reps = sum(aj * _replicates(c, t, wc, ws) for aj, (c, t) in zip(a, counts))
+    est = sum(aj * pooled_accuracy(c, t) for aj, (c, t) in zip(a, counts))
+    return _interval(est, reps, level, m, s, counts[0][1].sum(-1).mean(-1), n_boot)
+
+
 # ----------------------------------------------------------------- final errors over seeds
 #: errors below this are rounding noise (relative squared distance in double precision)
 ERROR_FLOOR = 1e-30

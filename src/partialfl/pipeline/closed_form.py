@@ -107,13 +107,14 @@ def summary_markdown(rows: list[dict], title: str, notes: list[str]) -> str:
     return "\n".join([f"# {title}", "", markdown_table(header, table), "", *notes, ""])
 
 
-def privacy_note(history: list[dict]) -> list[str]:
-    """The guarantee a differentially private run reached (its last record's ε), or nothing."""
+def privacy_note(history: list[dict], where: str = "") -> list[str]:
+    """The guarantee a differentially private run (or stage ``where``) reached (its last
+    record's ε), or nothing."""
     last = history[-1] if history else {}
     if "dp_epsilon" not in last:
         return []
-    return [f"Privacy: client-level (ε = {last['dp_epsilon']:.2f}, δ = {last['dp_delta']:.3g}) "
-            f"for θ after {last['round']} rounds (noise multiplier z = "
+    return [f"Privacy{where}: client-level (ε = {last['dp_epsilon']:.2f}, δ = "
+            f"{last['dp_delta']:.3g}) for θ after {last['round']} rounds (noise multiplier z = "
             f"{last['dp_noise_multiplier']:.4g}, clip norm C = {last['dp_clip_norm']:.4g}; "
             "ε from dp-accounting); the personal parameters never leave the clients."]
 

@@ -379,8 +379,10 @@ def validation_tasks(cfg: RunSpec, task: Task) -> tuple[Task, Task | None]:
 def run_pipeline(cfg: RunSpec, task: Task, run_dir: str | Path, *,
                  stage1_dir: str | Path | None = None, stage2_dir: str | Path | None = None,
                  progress: bool = True, on_round: Callable[[str, int], None] | None = None,
-                 save_personalized: bool = False) -> PipelineResult:
+                 save_personalized: bool = False, stage1_task: Task | None = None
+                 ) -> PipelineResult:
     """Run (or resume) the three stages; returns stage 3's metrics (also in metrics.json).
+    ``stage1_task``: the task stage 1 pre-trains on (default ``task``; e.g. public clients).
 
     ``stage2_dir``: where stage 2's files live (default ``run_dir``). Runs whose stage 2 is
     the same computation (:func:`stage2_identity`: e.g. FedAvg followed by fine-tuning of
@@ -404,8 +406,10 @@ def run_pipeline(cfg: RunSpec, task: Task, run_dir: str | Path, *,
 
         def hook2(r, _s):
             on_round("stage2", r)
+    pre_task = validation_tasks(cfg, stage1_task)[0] if stage1_task is not None else None
     task, test_task = validation_tasks(cfg, task)
-    theta1 = pretrain(cfg, task, s1, progress and "stage 1 (FedAvg)", on_round=hook1)
+    theta1 = pretrain(cfg, pre_task or task, s1, progress and "stage 1 (FedAvg)",
+                      on_round=hook1)
     s2 = personalize(cfg, task, theta1, s2dir,
                      progress and f"stage 2 ({cfg.method.name})", on_round=hook2)
     mfile = run_dir / "metrics.json"

@@ -76,6 +76,23 @@ def report_table(run_dir: Path) -> str:
                            "train acc (%)"], rows)
 
 
+def privacy_lines(hists: dict[str, list[dict]]) -> list[str]:
+    """The guarantee of θ of a run with a ``[privacy]`` block: every private federated
+    stage's ε (its accountant, last record) and, when both are private, the two together by
+    basic composition (ε₁ + ε₂, δ₁ + δ₂): both release θ computed from the same clients."""
+    from partialfl.pipeline.closed_form import privacy_note
+
+    names = {"stage1": "stage 1 (pre-training)", "stage2": "stage 2 (personalization)"}
+    lines = [line for stage, recs in hists.items()
+             for line in privacy_note(recs, f", {names.get(stage, stage)}")]
+    last = [recs[-1] for recs in hists.values() if recs and "dp_epsilon" in recs[-1]]
+    if len(last) > 1:
+        eps = sum(r["dp_epsilon"] for r in last)
+        lines.append(f"Both stages together (basic composition, an upper bound): ε ≤ "
+                     f"{eps:.2f}, δ ≤ {sum(r['dp_delta'] for r in last):.3g}.")
+    return lines
+
+
 def write_tensorboard(run_dir: Path, hists: dict[str, list[dict]],
                       train: dict[str, list[dict]] | None = None) -> Path:
     """Scalars of every logged number under ``run_dir/tensorboard`` (rewritten): the
@@ -154,7 +171,8 @@ def write_report(run_dir: str | Path, *, tensorboard: bool = False) -> Path:
     if tensorboard:
         write_tensorboard(run_dir, hists, train_histories(run_dir))
     name = spec.get("name", run_dir.name)
-    text = "\n".join([f"# {name}", "", table, "",
+    privacy = privacy_lines(hists)
+    text = "\n".join([f"# {name}", "", table, "", *(f"{p}\n" for p in privacy),
                       "Plots: `learning_curves.png`, `per_client_accuracy.png`. Logs: "
                       "`stage1/stage1.jsonl`, `stage2.jsonl`, `metrics.json`.", ""])
     pio.write_text(run_dir / "report.md", text)

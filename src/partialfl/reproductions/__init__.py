@@ -13,6 +13,7 @@ from partialfl import io as pio
 from partialfl.reproductions import (
     asynchronous,
     byzantine,
+    dp,
     faults,
     femnist,
     har,
@@ -36,5 +37,5 @@ def new_client_evaluator(run: Path) -> Callable[..., dict]:
                 femnist.FEMNIST.evaluate_new_clients)
 
 
-__all__ = ["TABLES", "asynchronous", "byzantine", "faults", "femnist", "har", "heterogeneity",
+__all__ = ["TABLES", "asynchronous", "byzantine", "dp", "faults", "femnist", "har", "heterogeneity",
            "least_squares", "new_client_evaluator", "shakespeare"]

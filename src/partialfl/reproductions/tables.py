@@ -74,11 +74,13 @@ class TableSize:
 @dataclass
 class Loaded:
     """A table's data: the pipeline ``task`` (training clients), the held-out ``new``
-    clients (or None) and ``info``, what ``data.json`` records (the clients, statistics)."""
+    clients (or None), ``info``, what ``data.json`` records (the clients, statistics), and
+    ``pretrain_task``, the task stage 1 trains on (None: ``task``; e.g. public clients)."""
 
     task: Task
     new: Any
     info: dict[str, Any]
+    pretrain_task: Task | None = None
 
 
 @dataclass
@@ -213,8 +215,17 @@ class Table:
         pre, stage2, ft = self.stage_configs(size)
         val, grid = size.plateau[2:] if size.plateau else (None, None)
         return RunSpec(method=method, pretrain=pre, personalize=stage2(method), finetune=ft,
-                       seed=seed, pretrain_seed=0, backend=backend, device=device, validation=val,
-                       finetune_grid=grid)
+                       seed=seed, pretrain_seed=0, backend=backend, device=device,
+                       validation=val, finetune_grid=grid)
+
+    def stage1_config(self, size: TableSize, backend: str = "sequential",
+                      device: str = "cpu") -> RunSpec:
+        """The spec stage 1 (shared by every row and seed) runs with: the first row's."""
+        return self.config(size, self.rows[0][1], size.seeds[0], backend, device)
+
+    def stage1_dir(self, out_dir: Path) -> Path:
+        """The folder of the shared stage 1."""
+        return Path(out_dir) / "stage1"
 
     def is_full(self, size: TableSize) -> bool:
         """Whether ``size`` is one whose summary gives verdicts (:meth:`full_sizes`)."""
@@ -297,9 +308,9 @@ class Table:
             # stage 1 once, shared by every row and seed
             from partialfl.pipeline.stages import pretrain, validation_tasks
 
-            cfg0 = self.config(size, self.rows[0][1], size.seeds[0], backend, device)
-            pretrain(cfg0, validation_tasks(cfg0, loaded.task)[0], out_dir / "stage1",
-                     progress and "stage 1 (FedAvg)")
+            cfg0 = self.stage1_config(size, backend, device)
+            pretrain(cfg0, validation_tasks(cfg0, loaded.pretrain_task or loaded.task)[0],
+                     self.stage1_dir(out_dir), progress and "stage 1 (FedAvg)")
             torch.set_num_threads(size.threads)
             workers = 1 if backend == "processes" else size.workers
             jobs = [(self, out_dir, data_dir, size, backend, device, options, seed, tuple(group),
@@ -336,8 +347,8 @@ class Table:
             run_dir = out_dir / f"seed{seed}" / method.name
             t0 = time.perf_counter()
             res = run_pipeline(self.config(size, method, seed, backend, device), task, run_dir,
-                               stage1_dir=out_dir / "stage1", stage2_dir=stage2_dir,
-                               progress=progress)
+                               stage1_dir=self.stage1_dir(out_dir), stage2_dir=stage2_dir,
+                               progress=progress, stage1_task=loaded.pretrain_task)
             m = dict(res.metrics)
             if stage2_dir is not None:
                 m["stage2_from"] = labels[0]
