@@ -15,7 +15,7 @@ from partialfl.cli import main
 
 ROOT = Path(__file__).resolve().parents[1]
 QUICKSTART = ROOT / "configs" / "train" / "quickstart.toml"
-#: the quickstart at a reduced size (the full one takes 12-30 s on a loaded 2-core machine)
+#: the quickstart at a reduced size (the full one takes 14.2 s on a quiet 2-core machine)
 SMALL = ["data.num_clients=6", "data.holdout=2", "pretrain.rounds=3", "personalize.rounds=2",
          "pretrain.clients_per_round=3", "personalize.clients_per_round=3",
          "pretrain.eval_every=0", "personalize.eval_every=0", "finetune.epochs=1"]
