@@ -135,7 +135,8 @@ def _run_model(args, spec) -> int:
     if args.engine != "local":
         from partialfl.flower.train import run_flower_train
 
-        res = run_flower_train(spec, out, dry_run=args.dry_run, **_flower_options(args))
+        res = run_flower_train(spec, out, dry_run=args.dry_run, config=args.config,
+                               **_flower_options(args))
         print(res)
         return 0
     run, _ = run_train(spec, dry_run=True)  # built: a bad config fails before any write
@@ -143,7 +144,7 @@ def _run_model(args, spec) -> int:
     if args.dry_run:
         print("dry run: nothing trained, nothing written")
         return 0
-    claim_out(out, args.overwrite)
+    claim_out(out, args.overwrite, spec)
     hook = heartbeat(spec.name) if args.no_progress else None
     metrics = run_built(run, out, progress=False if args.no_progress else None, on_round=hook,
                         config=args.config)

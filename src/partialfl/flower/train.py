@@ -135,10 +135,12 @@ def run_flower_train(spec, out: str | Path, *, engine: str = "flower-sim",
                      num_supernodes: int = 2, dry_run: bool = False, progress: bool = True,
                      timeout: float = 900.0, superlink: str | None = None,
                      root_certificates: str | Path | None = None, federation=None,
-                     flower: dict[str, Any] | None = None) -> str:
+                     flower: dict[str, Any] | None = None,
+                     config: str | Path | None = None) -> str:
     """Run a model spec's stages on Flower into ``out`` (see the module docstring); returns
-    a one-paragraph summary. ``federation``: a started
-    :class:`~partialfl.flower.deployment.LocalFederation` to run on (instead of ``engine``'s);
+    a one-paragraph summary (``config``: the TOML file, recorded as an in-process run does).
+    ``federation``: a started :class:`~partialfl.flower.deployment.LocalFederation` to run on
+    (instead of ``engine``'s);
     ``flower``: more of Flower's own run-config keys (e.g. ``{"secagg": True}``)."""
     from partialfl.build import build
     from partialfl.pipeline.files import THETA1, THETA2
@@ -180,7 +182,7 @@ def run_flower_train(spec, out: str | Path, *, engine: str = "flower-sim",
                           timeout=timeout, out_dir=out / "flower",
                           progress="personalize" if progress else None)
             _stage_files(out, "stage2", THETA2, rep)
-    metrics = run_built(run, out, progress=False)  # stage 3 here: both stages are done
+    metrics = run_built(run, out, progress=False, config=config)  # stage 3: 1 and 2 are done
     where = (f" of the SuperLink at {superlink}" if superlink else
              f" ({getattr(fed, 'description', '')})" if federation is not None else "")
     return (f"{engine}: test accuracy {100 * metrics['test_acc']:.2f}% after "

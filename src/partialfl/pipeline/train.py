@@ -18,6 +18,7 @@ Files in ``--out``: ``spec.json``, ``stage1/`` (pre-training: ``stage1.jsonl`` â
 
 from __future__ import annotations
 
+import json
 import os
 from collections.abc import Callable, Sequence
 from pathlib import Path
@@ -26,7 +27,7 @@ from typing import Any
 from partialfl import io as pio
 from partialfl.build import Run, Task, build, build_loss_metric, build_split, load_spec_plugins
 from partialfl.config import ConfigError, apply_overrides, from_dict, load_toml
-from partialfl.pipeline.files import write_json
+from partialfl.pipeline.files import config_differences, json_default, write_json
 from partialfl.spec import DataSpec, ModelSpec, RunSpec
 
 
@@ -191,16 +192,24 @@ def finished(out: str | Path) -> bool:
     return (out / "spec.json").is_file() and (out / "report.md").is_file()
 
 
-def claim_out(out: str | Path, overwrite: bool = False) -> None:
+def claim_out(out: str | Path, overwrite: bool = False, spec: RunSpec | None = None) -> None:
     """Make ``out`` ready for a run: a finished run there is refused (a one-line error naming
-    the folder and ``--overwrite``) or, with ``overwrite``, deleted; an unfinished one is left
-    to resume. Only a folder that holds a train run (``spec.json``) is ever deleted."""
+    the folder, what differs from ``spec`` if anything, and ``--overwrite``) or, with
+    ``overwrite``, deleted; an unfinished one is left to resume. Only a folder that holds a
+    train run (``spec.json``) is ever deleted."""
     out = Path(out)
     if not finished(out):
         return
     if not overwrite:
-        raise FileExistsError(f"{out} holds a finished run; pass --overwrite to run it again "
-                              "(or choose another --out)")
+        diff = ""
+        if spec is not None and (out / "spec.json").exists():
+            old = pio.read_json(out / "spec.json")
+            new = json.loads(json.dumps(spec.to_dict(), default=json_default))
+            diff = ", ".join(f"{k}: {a!r} there, {b!r} now" for k, a, b in
+                             config_differences(old, new)[:3])
+        what = f" with another configuration ({diff})" if diff else ""
+        raise FileExistsError(f"{out} holds a finished run{what}; pass --overwrite to run it "
+                              "again (or choose another --out)")
     import shutil
 
     shutil.rmtree(out)
