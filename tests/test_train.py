@@ -5,12 +5,13 @@ from __future__ import annotations
 import dataclasses
 import json
 import re
-import sys
 import textwrap
 from pathlib import Path
 
 import numpy as np
 import pytest
+from _user_project import client_folder as _client_folder
+from _user_project import tiny_toml as _tiny_toml
 
 from partialfl.cli import main
 from partialfl.pipeline.train import load_run_spec as load_train_spec
@@ -19,77 +20,10 @@ from partialfl.pipeline.train import run_train
 ROOT = Path(__file__).resolve().parents[1]
 TRAIN_CONFIGS = sorted((ROOT / "configs" / "train").glob("*.toml"))
 
-TINY_MODEL = '''
-import torch
-from torch import nn
 
-
-def tiny(num_classes: int = 3, width: int = 6):
-    return nn.Sequential(nn.Flatten(), nn.Linear(16, width), nn.ReLU(),
-                         nn.Linear(width, num_classes))
-'''
-
-
-@pytest.fixture
-def tiny_module(tmp_path, monkeypatch):
-    """A user's own model module ``usermodels.tiny`` on sys.path (code named by a config:
-    allowed on this machine, as ``--allow-code`` does)."""
-    d = tmp_path / "pkg"
-    d.mkdir()
-    (d / "usermodels.py").write_text(TINY_MODEL)
-    monkeypatch.syspath_prepend(str(d))
-    monkeypatch.setenv("PARTIALFL_ALLOW_CODE", "1")
-    yield "usermodels:tiny"
-    sys.modules.pop("usermodels", None)
-
-
-def _client_folder(root: Path, clients: int = 5, classes: int = 3, seed: int = 0) -> Path:
-    """Per-client npz files (4×4 uint8 images) with client-specific label skews."""
-    rng = np.random.default_rng(seed)
-    root.mkdir(parents=True, exist_ok=True)
-    for m in range(clients):
-        n = 12 + 2 * m
-        y = (rng.integers(0, 2, n) + m) % classes
-        x = (rng.integers(0, 60, (n, 4, 4)) + 60 * y[:, None, None]).astype(np.uint8)
-        np.savez(root / f"user{m}.npz", x=x, y=y)
-    return root
-
-
-def _tiny_toml(path: Path, model: str, data_dir: Path, extra: str = "") -> Path:
-    path.write_text(textwrap.dedent(f"""
-        name = "tiny"
-        [model]
-        name = "{model}"
-        [data]
-        source = "folder"
-        path = "{data_dir}"
-        holdout = 1
-        [method]
-        algorithm = "ffgg"
-        split = "output"
-        [pretrain]
-        rounds = 2
-        clients_per_round = 3
-        client = {{ lr = 0.1, batch_size = 8 }}
-        [personalize]
-        rounds = 2
-        clients_per_round = 3
-        eval_every = 1
-        client = {{ lr = 0.05, batch_size = 8 }}
-        server = {{ lr = 0.1 }}
-        [finetune]
-        lr = 0.05
-        epochs = 1
-        batch_size = 8
-        [logging]
-        progress = false
-        """) + extra)
-    return path
-
-
-def test_folder_source_dry_run_prints_plan_and_writes_nothing(tmp_path, tiny_module, capsys):
+def test_folder_source_dry_run_prints_plan_and_writes_nothing(tmp_path, user_module, capsys):
     data = _client_folder(tmp_path / "clients")
-    cfg = _tiny_toml(tmp_path / "t.toml", tiny_module, data)
+    cfg = _tiny_toml(tmp_path / "t.toml", user_module, data)
     out = tmp_path / "out"
     assert main(["train", str(cfg), "--dry-run", "--out", str(out)]) == 0
     text = capsys.readouterr().out
@@ -100,11 +34,11 @@ def test_folder_source_dry_run_prints_plan_and_writes_nothing(tmp_path, tiny_mod
     assert not out.exists()
 
 
-def test_train_run_writes_metrics_report_plots_and_tensorboard(tmp_path, tiny_module, capsys):
+def test_train_run_writes_metrics_report_plots_and_tensorboard(tmp_path, user_module, capsys):
     pytest.importorskip("tensorboard", reason="needs the tensorboard extra "
                         "(pip install 'partialfl[tensorboard]')")
     data = _client_folder(tmp_path / "clients")
-    cfg = _tiny_toml(tmp_path / "t.toml", tiny_module, data,
+    cfg = _tiny_toml(tmp_path / "t.toml", user_module, data,
                      "tensorboard = true\n")
     out = tmp_path / "out"
     assert main(["train", str(cfg), "--out", str(out), "--no-progress"]) == 0
@@ -133,9 +67,9 @@ def test_train_run_writes_metrics_report_plots_and_tensorboard(tmp_path, tiny_mo
     assert (out / "learning_curves.png").stat().st_size > 0
 
 
-def test_train_resumes_a_finished_run_identically(tmp_path, tiny_module):
+def test_train_resumes_a_finished_run_identically(tmp_path, user_module):
     data = _client_folder(tmp_path / "clients")
-    spec = load_train_spec(_tiny_toml(tmp_path / "t.toml", tiny_module, data))
+    spec = load_train_spec(_tiny_toml(tmp_path / "t.toml", user_module, data))
     _, m1 = run_train(spec, tmp_path / "o", progress=False)
     _, m2 = run_train(spec, tmp_path / "o", progress=False)
     assert m1["test_acc"] == m2["test_acc"]
@@ -144,9 +78,9 @@ def test_train_resumes_a_finished_run_identically(tmp_path, tiny_module):
         run_train(other, tmp_path / "o", progress=False)
 
 
-def test_stages_subset(tmp_path, tiny_module):
+def test_stages_subset(tmp_path, user_module):
     data = _client_folder(tmp_path / "clients")
-    cfg = _tiny_toml(tmp_path / "t.toml", tiny_module, data)
+    cfg = _tiny_toml(tmp_path / "t.toml", user_module, data)
     spec = load_train_spec(cfg, ["stages=['personalize']"])
     pc = spec.effective()
     assert pc.pretrain.rounds == 0 and pc.personalize.rounds == 2 and pc.finetune.epochs == 0
@@ -163,10 +97,10 @@ def test_stages_subset(tmp_path, tiny_module):
     (["--set", "stages=['finetune','pretrain']"], "stages"),
     (["--device", "tpu"], "device"),
 ])
-def test_config_errors_exit_2_with_one_line_and_write_nothing(tmp_path, tiny_module, capsys,
+def test_config_errors_exit_2_with_one_line_and_write_nothing(tmp_path, user_module, capsys,
                                                               args, needle):
     data = _client_folder(tmp_path / "clients")
-    cfg = _tiny_toml(tmp_path / "t.toml", tiny_module, data)
+    cfg = _tiny_toml(tmp_path / "t.toml", user_module, data)
     out = tmp_path / "out"
     assert main(["train", str(cfg), "--out", str(out), *args]) == 2
     err = capsys.readouterr().err.strip()
@@ -344,9 +278,9 @@ def test_table_configs_are_the_reproductions(table, method, expected):
                                name=expected.name) == expected
 
 
-def test_progress_bar_shows_round_metric_and_eta(tmp_path, tiny_module, capsys):
+def test_progress_bar_shows_round_metric_and_eta(tmp_path, user_module, capsys):
     data = _client_folder(tmp_path / "clients")
-    spec = load_train_spec(_tiny_toml(tmp_path / "t.toml", tiny_module, data))
+    spec = load_train_spec(_tiny_toml(tmp_path / "t.toml", user_module, data))
     run_train(spec, tmp_path / "o", progress=True)
     err = capsys.readouterr().err
     assert "stage 2 (ffgg-output)" in err and "test_acc=" in err and "round" in err
@@ -374,14 +308,14 @@ def test_readme_train_snippet_runs(tmp_path, monkeypatch):
     assert m["test_acc"] > 0.6
 
 
-def test_device_not_present_exits_2_naming_the_available_devices(tmp_path, tiny_module,
+def test_device_not_present_exits_2_naming_the_available_devices(tmp_path, user_module,
                                                                   capsys):
     import torch
 
     if torch.cuda.is_available():
         pytest.skip("this machine has CUDA: 'cuda' is a valid device here")
     data = _client_folder(tmp_path / "clients")
-    cfg = _tiny_toml(tmp_path / "t.toml", tiny_module, data)
+    cfg = _tiny_toml(tmp_path / "t.toml", user_module, data)
     out = tmp_path / "out"
     assert main(["train", str(cfg), "--device", "cuda", "--out", str(out)]) == 2
     err = capsys.readouterr().err.strip()
@@ -391,7 +325,7 @@ def test_device_not_present_exits_2_naming_the_available_devices(tmp_path, tiny_
     assert "auto → cpu" in capsys.readouterr().out
 
 
-def test_readme_privacy_block_runs_and_the_report_states_epsilon(tmp_path, tiny_module):
+def test_readme_privacy_block_runs_and_the_report_states_epsilon(tmp_path, user_module):
     """The README's ``[privacy]`` block, appended to a train config as it says, runs; every
     stage's records carry ε and ``report.md`` states each stage's ε and both together."""
     text = (ROOT / "README.md").read_text()
@@ -399,7 +333,7 @@ def test_readme_privacy_block_runs_and_the_report_states_epsilon(tmp_path, tiny_
     block = textwrap.dedent(block)
     assert block.startswith("[privacy]") and "target_epsilon = 8.0" in block
     data = _client_folder(tmp_path / "clients")
-    cfg = _tiny_toml(tmp_path / "t.toml", tiny_module, data, "\n" + block)
+    cfg = _tiny_toml(tmp_path / "t.toml", user_module, data, "\n" + block)
     out = tmp_path / "out"
     assert main(["train", str(cfg), "--out", str(out), "--no-progress"]) == 0
     last = {s: json.loads(f.read_text().splitlines()[-1]) for s, f in
@@ -415,6 +349,6 @@ def test_readme_privacy_block_runs_and_the_report_states_epsilon(tmp_path, tiny_
     assert f"Both stages together (basic composition, an upper bound): ε ≤ {total:.2f}" in report
     # without the block: no privacy line
     plain = tmp_path / "plain"
-    cfg2 = _tiny_toml(tmp_path / "p.toml", tiny_module, data)
+    cfg2 = _tiny_toml(tmp_path / "p.toml", user_module, data)
     assert main(["train", str(cfg2), "--out", str(plain), "--no-progress"]) == 0
     assert "Privacy" not in (plain / "report.md").read_text()
