@@ -2,7 +2,8 @@
 on a CNN model problem, synchronously on every backend, in the asynchronous runtime and in a
 Flower simulation (``algorithm_factory``: the ServerApp and the ClientApps build it).
 
-The toy (the class below, under 40 lines) speaks only the problem interface: fresh w = 0,
+The toy (``tests/toy_plugin.Toy``, under 40 lines, also the worked example of
+docs/architecture.md) speaks only the problem interface: fresh w = 0,
 ``tau`` gradient steps on w with θ fixed, then the θ-gradient at that w; its deployment
 (cohort-scoped, :meth:`Algorithm.deploy`) is the same w. On least squares it is FFGG with the
 GD solver (Algorithm 2) from w = 0, so both must give the same θ.
@@ -16,9 +17,9 @@ import numpy as np
 import pytest
 from _nn_toy import max_diff, one_thread, toy_data, toy_model
 from conftest import SMALL
+from toy_plugin import Toy  # τ GD steps on w from 0, then ∇_θ f_m(θ, w)
 
 from partialfl.algorithms import FFGG
-from partialfl.algorithms.base import Algorithm, ClientResult, Deployed
 from partialfl.local import GradientDescent
 from partialfl.metrics import closed_form_metrics
 from partialfl.pipeline.evaluation import round_evaluator
@@ -29,33 +30,6 @@ from partialfl.runtime.asynchronous import run_async
 from partialfl.runtime.cohort_pool import ProcessBackend
 from partialfl.server import SGD
 from partialfl.split import make_split
-from partialfl.types import ClientUpdates
-
-
-class Toy(Algorithm):
-    """τ GD steps on w from 0 with θ fixed, then send ∇_θ f_m(θ, w)."""
-
-    name = "toy"
-
-    def __init__(self, tau: int, lr: float, server_opt=None) -> None:
-        super().__init__(server_opt)
-        self.tau, self.lr = tau, lr
-
-    def _w(self, problem, cohort, theta, seed):
-        w = problem.init_w(cohort, "zero", seed, -1)
-        for _ in range(self.tau):
-            g = problem.grad_w(cohort, theta, w)
-            w = {n: (v - self.lr * g[n]) if n in g else v for n, v in w.items()}
-        return w
-
-    def client_update(self, state, problem, cohort, ctx, client_state=None):
-        w = self._w(problem, cohort, state.theta, ctx.seed)
-        g = problem.grad_theta(cohort, state.theta, w)
-        return ClientResult(ClientUpdates(g, np.ones(len(cohort)), np.asarray(cohort),
-                                          self.tau + 1))
-
-    def deploy(self, state, problem, cohort, client_state, ctx):
-        return Deployed(state.theta, self._w(problem, cohort, state.theta, ctx.seed))
 
 
 def _ls():
@@ -135,8 +109,11 @@ def test_toy_in_a_flower_simulation_matches_in_process():
     from partialfl.flower.config import parse_run_config
     from partialfl.flower.simulation import run_simulation
 
-    # the ClientApp actors cannot import this test file: send its code along
+    # the ClientApp actors cannot import the test folder: send its code along
+    import toy_plugin
+
     ray.cloudpickle.register_pickle_by_value(sys.modules[__name__])
+    ray.cloudpickle.register_pickle_by_value(toy_plugin)
     run = ls_run(3, 5, eval_every=3)
     report = run_simulation(run, num_supernodes=2, num_cpus=2, algorithm_factory=_toy_for)
     cfg = parse_run_config(run)
