@@ -103,14 +103,13 @@ def _toy_for(cfg, problem):
 def test_toy_in_a_flower_simulation_matches_in_process():
     pytest.importorskip("flwr", reason="flwr is not installed (pip install 'partialfl[flower]')")
     ray = pytest.importorskip("ray", reason="Flower's simulation engine needs ray")
+    # the ClientApp actors cannot import the test folder: send its code along
+    import toy_plugin
     from _flower_sims import ls_run
 
     from partialfl.build import problem_of
     from partialfl.flower.config import parse_run_config
     from partialfl.flower.simulation import run_simulation
-
-    # the ClientApp actors cannot import the test folder: send its code along
-    import toy_plugin
 
     ray.cloudpickle.register_pickle_by_value(sys.modules[__name__])
     ray.cloudpickle.register_pickle_by_value(toy_plugin)
