@@ -187,3 +187,56 @@ def test_dp_quick_writes_summary_plot_and_the_accountants_epsilon(tmp_path, data
                 want = epsilon(Mechanism(z, M, k, "poisson"), R, DELTA_FACTOR / M)
                 assert pr["dp_epsilon"] == [pytest.approx(want, rel=1e-9)] * len(size.seeds)
                 assert want <= eps
+
+
+def test_a_row_whose_stage2_loses_its_clients_is_a_recorded_result_not_a_crash(
+        tmp_path, monkeypatch):
+    """At small ε a row's clients may all turn non-finite (FFGG's fine-tuning on a θ drowned
+    in noise): the group is recorded as failed in ``failed.json``, returned with its error,
+    and a resumed study reads the record instead of running the group again."""
+    from partialfl.reproductions.dp import FAILED, Private, settings
+    from partialfl.reproductions.tables import Table
+    from partialfl.runtime.faults import ClientFaultError
+
+    calls = []
+
+    def boom(self, *a, **k):
+        calls.append(a)
+        raise ClientFaultError("467 of 927 client computations were lost")
+
+    monkeypatch.setattr(Table, "run_group", boom)
+    st = next(s for s in settings() if s.key == "har")
+    table, size = Private(st, 1.0, quick=True), st.size(True)
+    labels = ("FFGG (adapter)",)
+    for _ in range(2):
+        got = table.run_group(tmp_path, None, size, "sequential", "cpu", {}, 0, labels, False)
+        assert got == [("FFGG (adapter)", 0, {"method": "ffgg-adapter", "seed": 0,
+                                               "failed": "467 of 927 client computations "
+                                                         "were lost"}, 0.0)]
+    assert len(calls) == 1  # the second call read the record
+    assert json.loads((tmp_path / "seed0" / "ffgg-adapter" / FAILED).read_text())["error"] \
+        .startswith("467 of 927")
+
+    def other(self, *a, **k):
+        raise ValueError("a bug is not a result")
+
+    monkeypatch.setattr(Table, "run_group", other)
+    with pytest.raises(ValueError, match="a bug"):
+        table.run_group(tmp_path, None, size, "sequential", "cpu", {}, 1, labels, False)
+
+
+def test_summary_and_plot_show_a_failed_row_with_its_error_and_no_contrast(tmp_path):
+    from partialfl.reproductions.dp_report import epsilon_plot, summary
+
+    rec = _record()
+    by = rec["panels"]["har"]["by_eps"]["1"]
+    del by["counts"]["FFGG (output)"], by["privacy"]["FFGG (output)"]
+    by["failed"] = {"FFGG (output)": ["5 of 9 client computations were lost"]}
+    text = summary(rec, ["- design"])
+    assert "| FFGG (output) | failed (1) |" in text
+    assert "1. FFGG (output) at ε = 1: 5 of 9 client computations were lost" in text
+    gap_row = next(line for line in text.splitlines()
+                   if line.startswith("| FFGG (output) | –"))
+    assert gap_row.count("–") == 1  # no gap at ε = 1, a gap at ∞
+    epsilon_plot(tmp_path / "e.png", rec)
+    assert (tmp_path / "e.png").stat().st_size > 10_000

@@ -68,6 +68,8 @@ EPSILONS = (0.0, 1.0, 3.0, 8.0, math.inf)
 QUICK_EPSILONS = (0.0, 1.0, math.inf)
 #: δ = DELTA_FACTOR / M (M: the private clients)
 DELTA_FACTOR = 0.1
+#: a run folder's record of a row group that failed (see :meth:`Private.run_group`)
+FAILED = "failed.json"
 PARTS = ("input", "output", "adapter")
 ROWS: tuple[tuple[str, MethodConfig], ...] = (
     ("FedAvg", MethodConfig(algorithm="fedavg", split="none")),
@@ -202,6 +204,37 @@ class Private(Table):
     def stage1_dir(self, out_dir: Path) -> Path:
         return Path(out_dir).parent / "stage1"
 
+    def run_group(self, out_dir: Path, data_dir, size, backend: str, device: str,
+                  options: dict, seed: int, labels, progress: bool):
+        """The table's rows of one seed; a row group whose stage 2 loses too many client
+        computations (e.g. FFGG's fine-tuning turning non-finite on a θ drowned in noise at
+        small ε) is a *result*, not a crash: every row of the group is recorded as failed
+        (``failed.json`` in the group's first run folder, so a resumed study does not rerun
+        it), shown as such in the summary, and the study goes on."""
+        from partialfl.runtime.faults import ClientFaultError
+
+        rows = dict(self.methods(size))
+        marker = out_dir / f"seed{seed}" / rows[labels[0]].name / FAILED
+        if not marker.exists():
+            try:
+                return super().run_group(out_dir, data_dir, size, backend, device, options,
+                                         seed, labels, progress)
+            except ClientFaultError as e:
+                pio.write_json(marker, {"stage": "stage2", "error": str(e)})
+        why = pio.read_json(marker)["error"]
+        return [(label, seed, {"method": rows[label].name, "seed": seed, "failed": why}, 0.0)
+                for label in labels]
+
+    def summary(self, run: TableRun, plots=()) -> str:
+        """The base table's summary without the failed rows (see :meth:`run_group`), which
+        a closing section lists with their errors."""
+        failed = {k: sorted({m["failed"] for m in v if "failed" in m})
+                  for k, v in run.results.items() if any("failed" in m for m in v)}
+        text = super().summary(replace(run, results={k: [] if k in failed else v
+                                                     for k, v in run.results.items()}), plots)
+        return text + "".join(f"\n- failed: {k}: {why}" for k, v in failed.items()
+                              for why in v) + ("\n" if failed else "")
+
     def full_sizes(self):
         return ()  # the study gives its own verdicts
 
@@ -233,14 +266,19 @@ def _panel(st: Setting, size) -> dict[str, Any]:
 
 def _add_eps(panel: dict, table: Private, sub: Path, size, eps: float) -> None:
     """A finished table at ``eps`` (folder ``sub``) into ``panel``: every row's per-client
-    counts, the runs' privacy records, the clients and the matched pairs."""
+    counts (rows that failed in any seed: their errors instead), the runs' privacy records,
+    the clients and the matched pairs."""
     res = pio.read_json(sub / "results.json")["results"]
     info = pio.read_json(sub / "data.json")
     panel["public"], panel["private"] = info["public"], info["private"]
+    failed = {k: sorted({m["failed"] for m in v if "failed" in m})
+              for k, v in res.items() if any("failed" in m for m in v)}
     panel["by_eps"][eps_name(eps)] = {
         "counts": {k: [c[0].tolist(), c[1].tolist()] for k, v in res.items()
                    if (c := counts_from_runs(v)) is not None},
-        "privacy": _privacy_of(sub, size, ROWS) if eps > 0 else {}}
+        "failed": failed,
+        "privacy": _privacy_of(sub, size, [r for r in ROWS if r[0] not in failed])
+        if eps > 0 else {}}
     panel["matched"] = table.matched(list(res))
 
 

@@ -53,8 +53,16 @@ def _verdict(iv, quick: bool, better: str, worse: str) -> str:
 
 
 def _labels(panel: dict) -> list[str]:
-    first = next(iter(panel["by_eps"].values()))
-    return list(first["counts"])
+    """The rows, in the study's order (those with counts or a failure at any ε)."""
+    out: dict[str, None] = {}
+    for v in panel["by_eps"].values():
+        out.update(dict.fromkeys([*v["counts"], *v.get("failed", {})]))
+    return list(out)
+
+
+def _failed(panel: dict, eps: str, label: str) -> list[str]:
+    """The errors of ``label``'s runs that failed at ``eps`` (none: [])."""
+    return panel["by_eps"][eps].get("failed", {}).get(label, [])
 
 
 def _epsilons(record: dict, panel: dict | None = None) -> list[str]:
@@ -72,8 +80,10 @@ def privacy_rows(panel: dict) -> list[list[str]]:
     rows = []
     for eps, v in panel["by_eps"].items():
         pr = v["privacy"]
-        if not pr:  # ε = 0: stage 2 ran no round
-            rows.append([_sym(eps), "–", "0 (nothing released)", "–", "–", "0"])
+        if not pr:  # ε = 0: stage 2 ran no round (or every row failed)
+            rows.append([_sym(eps), "–", "0 (nothing released)", "–", "–", "0"]
+                        if eps == "0" else [_sym(eps), "–", "– (every row failed)", "–", "–",
+                                            "–"])
             continue
         zs = {round(z, 6) for p in pr.values() for z in p["dp_noise_multiplier"]}
         spent = [e for p in pr.values() for e in p["dp_epsilon"]]
@@ -94,15 +104,24 @@ def panel_lines(panel: dict, epsilons: list[str], quick: bool) -> list[str]:
     lines = [markdown_table(["ε", "noise multiplier z", "ε spent (accountant, after stage 2)",
                              "δ", "clip norms C (FedAvg rows, FFGG rows)", "stage-2 rounds"],
                             privacy_rows(panel)), ""]
-    acc = []
+    acc, failures = [], []
     for label in labels:
         cells = []
         for eps in epsilons:
             c = _counts(panel, eps, label)
+            if c is None and _failed(panel, eps, label):
+                failures += [f"- {label} at ε = {_sym(eps)}: {why}"
+                             for why in _failed(panel, eps, label)]
+                cells.append(f"failed ({len(failures)})")
+                continue
             cells.append(_pts(None if c is None else accuracy_interval(*c), signed=False))
         acc.append([label, *cells])
     lines += ["Test accuracy %, [95% CI] over clients × seeds:", "",
               markdown_table(["method", *(f"ε = {_sym(e)}" for e in epsilons)], acc), ""]
+    if failures:
+        lines += ["Failed rows (stage 2 stopped: too many client computations lost; no "
+                  "accuracy, and no contrast involving them):", "",
+                  *(f"{i}. {f[2:]}" for i, f in enumerate(failures, 1)), ""]
     noisy = [e for e in epsilons if e not in ("0", "inf")]  # "0": no private training
     if "inf" not in epsilons:
         noisy = []
@@ -168,15 +187,20 @@ def epsilon_plot(path: Path, record: dict) -> Path:
     for ax, p in zip(axes[0], panels.values()):
         labels, epsilons = _labels(p), _epsilons(record, p)
         for i, label in enumerate(labels):
-            ivs = [accuracy_interval(*_counts(p, e, label)) for e in epsilons]
+            # a failed row at some ε has no point there (the summary lists why)
+            ivs = [None if (c := _counts(p, e, label)) is None else accuracy_interval(*c)
+                   for e in epsilons]
             x = np.arange(len(epsilons)) + (i - (len(labels) - 1) / 2) * 0.06
-            y = np.array([100 * iv.estimate for iv in ivs])
-            err = np.array([[100 * (iv.estimate - iv.low) for iv in ivs],
-                            [100 * (iv.high - iv.estimate) for iv in ivs]])
+            y = np.array([np.nan if iv is None else 100 * iv.estimate for iv in ivs])
+            err = np.array([[0.0 if iv is None else 100 * (iv.estimate - iv.low) for iv in ivs],
+                            [0.0 if iv is None else 100 * (iv.high - iv.estimate)
+                             for iv in ivs]])
             # ε = 0 (no private training) is a reference point, not joined to the curve
             ref = np.array([e == "0" for e in epsilons])
             style = {"marker": "os^vDP*X"[i % 8], "ms": 4, "capsize": 2, "color": f"C{i}"}
-            ax.errorbar(x[~ref], y[~ref], yerr=err[:, ~ref], lw=1, label=label, **style,
+            gone = [_sym(e) for e, iv in zip(epsilons, ivs) if iv is None]
+            name = label + (f" (failed at ε = {', '.join(gone)})" if gone else "")
+            ax.errorbar(x[~ref], y[~ref], yerr=err[:, ~ref], lw=1, label=name, **style,
                         ls="--" if label.startswith("FedAvg + FT") else "-")
             if ref.any():
                 ax.errorbar(x[ref], y[ref], yerr=err[:, ref], ls="none", **style)
