@@ -11,9 +11,11 @@ Every round starts from θ⁰, so every round is the same work. Modes:
   one client's passes run the CNN's inputs and weights channels-last, where CPU convolutions
   and pooling are faster; not bit for bit the contiguous steps, so checked within float
   tolerance like ``vmap``). The peers run the same ``nn.Module`` in PyTorch's default layout,
-  as their examples do; a pfl user could convert layouts by hand in their own model;
+  as their examples do (the pfl/*+cl modes convert it by hand);
 * pfl-research 0.6.0: ``simulated`` (``SimulatedBackend``, one process) and ``torchrun``
-  (``--workers`` ranks, gloo), in its own virtual environment;
+  (``--workers`` ranks, gloo), in its own virtual environment; and ``MODE+cl``, the same with
+  the module converted to channels-last by hand (``net.to(memory_format=torch.channels_last)``,
+  what a pfl user would add to match partialfl's ``+cl`` modes);
 * Flower: ``simulation`` (the simulation engine: Ray actors, ``--workers`` at once), from this
   environment (``pip install flwr[simulation]``);
 * BlazeFL 3.0.0 needs Python >= 3.14: skipped, with the reason, where none is found (its
@@ -69,7 +71,8 @@ LR, BATCH, CLIENTS, SEED = 0.5, 32, 10, 0
 PFL_REQ = "pfl[pytorch]==0.6.0"
 MODES = ("partialfl/sequential", "partialfl/processes", "partialfl/threads", "partialfl/vmap",
          "partialfl/sequential+cl", "partialfl/processes+cl", "partialfl/threads+cl",
-         "pfl/simulated", "pfl/torchrun", "flower/simulation",
+         "pfl/simulated", "pfl/torchrun", "pfl/simulated+cl", "pfl/torchrun+cl",
+         "flower/simulation",
          "blazefl/single", "blazefl/processes", "blazefl/threads")
 REFERENCE = "partialfl/sequential"
 ALGORITHMS = ("fedavg", "ffgg")
@@ -289,6 +292,8 @@ def runner_argv(mode: str, args, cohort: Path, weights: Path, pfl_py: Path | Non
                 ) -> list[str]:
     lib, how = mode.split("/")
     common_args = ["--cohort", str(cohort), "--weights-out", str(weights)]
+    if lib == "pfl" and how.endswith("+cl"):
+        how, common_args = how[:-3], [*common_args, "--channels-last"]
     if lib == "partialfl":
         return [sys.executable, str(RUNNERS / "partialfl_runner.py"), "--mode", how,
                 "--workers", str(args.workers), *common_args]
