@@ -69,6 +69,17 @@ def is_data_error(err: BaseException | str | None) -> bool:
 _rows_finite = arrays.rows_finite
 
 
+def error_text(err: BaseException | str) -> str:
+    """``"Type: message"`` of a client's error, even when its ``str()`` raises (a client's
+    exception is its own code: formatting it must not fail the run)."""
+    if isinstance(err, str):
+        return err
+    try:
+        return f"{type(err).__name__}: {err}"
+    except Exception:  # noqa: BLE001 - any failure of the client's __str__
+        return f"{type(err).__name__}: <its message could not be formatted>"
+
+
 def _row_norms(v) -> np.ndarray:
     """The Euclidean norm of each row (float64, scaled so that no finite row overflows)."""
     if arrays.is_torch(v) and v.dtype.is_floating_point and v.dtype.itemsize <= 4:
@@ -181,7 +192,7 @@ class FaultLog:
             raise err
         self.attempted += 1
         self.failed += 1
-        text = err if isinstance(err, str) else f"{type(err).__name__}: {err}"
+        text = error_text(err)
         if self.first_error is None and not self.first_error_text:
             self.first_error = err if isinstance(err, BaseException) else None
             self.first_error_text = f"{where}: {text}"

@@ -57,6 +57,8 @@ from typing import Any
 import numpy as np
 
 from partialfl.algorithms.base import RoundContext, ServerState
+from partialfl.runtime.clients import checked
+from partialfl.runtime.faults import error_text
 from partialfl.runtime.slots import SLOTS, SlotReader, SlotWriter
 from partialfl.types import Params
 
@@ -190,7 +192,8 @@ def _work(problem, algorithm, tasks, out, parent: int, own_session: bool = True)
             if new_theta is not None:
                 theta = new_theta if isinstance(new_theta, dict) else theta
                 state = replace(state, theta=theta)
-            res = algorithm.client_update(state, problem, np.asarray([client]), ctx, cs)
+            res = checked(algorithm.client_update(state, problem, np.asarray([client]), ctx,
+                                                  cs), np.asarray([client]), state.theta)
             busy = time.perf_counter() - start
             if seconds > busy:
                 time.sleep(seconds - busy)
@@ -409,8 +412,12 @@ class WorkerPool:
         tid = self.pending[w].pop(0)
         self.since[w] = time.monotonic()  # the next pending task starts now
         if msg[0] == "ok":
-            return PoolEvent("done", w, tid, self.inboxes[w].unpack(msg[2]),
-                             busy=float(msg[3]))
+            try:
+                res = self.inboxes[w].unpack(msg[2])
+            except Exception as e:  # noqa: BLE001 - the client's result, not this process
+                return PoolEvent("error", w, tid, "its result could not be read here "
+                                 f"({error_text(e)})")
+            return PoolEvent("done", w, tid, res, busy=float(msg[3]))
         return PoolEvent("error", w, tid, msg[2], error=msg[3])
 
     def _check_liveness(self) -> PoolEvent | None:
