@@ -171,3 +171,31 @@ def test_a_folder_without_a_run_is_not_cleaned(tmp_path):
     (tmp_path / "spec.json").write_text("{}")
     _clean_interrupted(tmp_path, "ls")
     assert not other.exists()
+
+
+class _Hangs(AlgorithmWrapper):
+    def __init__(self, base) -> None:
+        super().__init__(base)
+        self.name = base.name
+
+    def client_update(self, state, problem, cohort, ctx, client_state=None):
+        if ctx.round == 1 and list(np.asarray(cohort)) == [TARGET]:
+            import time
+
+            time.sleep(3600)  # a hung client (a deadlock, an endless loop)
+        return self.base.client_update(state, problem, cohort, ctx, client_state)
+
+
+@pytest.mark.timeout(120)
+def test_a_hung_client_is_killed_when_the_config_bounds_a_task():
+    """A client computation that never returns hung a ``processes`` run for good: the
+    pool's task timeout existed but no config reached it. ``backend = {name = "processes",
+    task_timeout = S}`` kills it after S seconds, counted as a worker death."""
+    from partialfl.registry import create
+
+    with pytest.raises(ValueError, match="task_timeout must be a number of seconds > 0"):
+        create("executor", {"name": "processes", "task_timeout": 0})
+    be = create("executor", {"name": "processes", "workers": 2, "task_timeout": 2})
+    with be:
+        res = run_rounds(_problem(), _Hangs(_alg()), 3, seed=1, backend=be)
+    assert res.faults.worker_deaths == 1 and res.state.round == 3
