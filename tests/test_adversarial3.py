@@ -199,3 +199,20 @@ def test_a_hung_client_is_killed_when_the_config_bounds_a_task():
     with be:
         res = run_rounds(_problem(), _Hangs(_alg()), 3, seed=1, backend=be)
     assert res.faults.worker_deaths == 1 and res.state.round == 3
+
+
+@pytest.mark.xfail(strict=True, reason="the robust rule's k >= bound is checked when the rule "
+                   "first aggregates, not when the spec is built: the dry run would need each "
+                   "rule's own bound for the stage's clients_per_round (design-level)")
+def test_a_dry_run_refuses_a_robust_rule_that_tolerates_no_attacker(tmp_path, capsys):
+    """``aggregation = {name = "tm", delta = 0.1}`` with 5 clients per round: the run stops
+    at its first round (f = ⌊δk⌋ = 0), the dry run said the plan was fine (exit 0)."""
+    from partialfl.cli import main
+
+    cfg = tmp_path / "ls.toml"
+    cfg.write_text('seed = 0\n[problem]\nname = "least-squares"\nnum_clients = 8\nn = 40\n'
+                   'd_theta = 3\nd_w = 2\nseed = 0\n[method]\nalgorithm = "ffgg"\n'
+                   '[personalize]\nrounds = 2\nclients_per_round = 5\n'
+                   'client = { name = "cg", tau = 2 }\n')
+    rc = main(["run", str(cfg), "--dry-run", "--set", "aggregation={name='tm', delta=0.1}"])
+    assert rc == 2 and "tolerates no Byzantine input" in capsys.readouterr().err
