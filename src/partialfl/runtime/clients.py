@@ -19,6 +19,17 @@ from partialfl.privacy import PrivacyError, tree_refusal
 from partialfl.types import ClientUpdates, Params
 
 
+def error_text(err: BaseException | str) -> str:
+    """``"Type: message"`` of a client's error, even when its ``str()`` raises (a client's
+    exception is its own code: formatting it must not fail the run)."""
+    if isinstance(err, str):
+        return err
+    try:
+        return f"{type(err).__name__}: {err}"
+    except Exception:  # noqa: BLE001 - any failure of the client's __str__
+        return f"{type(err).__name__}: <its message could not be formatted>"
+
+
 class MalformedResult(ValueError):
     """A client computation returned something that is not its clients' result (see
     :func:`checked`): a failure of that computation, skipped and counted like a raise."""

@@ -42,6 +42,7 @@ from partialfl.algorithms.base import ClientResult
 from partialfl.algorithms.wrapper import AlgorithmWrapper
 from partialfl.privacy import PrivacyError, screen, server_view
 from partialfl.registry import option, register
+from partialfl.runtime.clients import error_text
 from partialfl.types import ClientUpdates
 
 log = logging.getLogger("partialfl")
@@ -67,17 +68,6 @@ def is_data_error(err: BaseException | str | None) -> bool:
 
 
 _rows_finite = arrays.rows_finite
-
-
-def error_text(err: BaseException | str) -> str:
-    """``"Type: message"`` of a client's error, even when its ``str()`` raises (a client's
-    exception is its own code: formatting it must not fail the run)."""
-    if isinstance(err, str):
-        return err
-    try:
-        return f"{type(err).__name__}: {err}"
-    except Exception:  # noqa: BLE001 - any failure of the client's __str__
-        return f"{type(err).__name__}: <its message could not be formatted>"
 
 
 def _row_norms(v) -> np.ndarray:

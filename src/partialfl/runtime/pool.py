@@ -57,8 +57,7 @@ from typing import Any
 import numpy as np
 
 from partialfl.algorithms.base import RoundContext, ServerState
-from partialfl.runtime.clients import checked
-from partialfl.runtime.faults import error_text
+from partialfl.runtime.clients import checked, error_text
 from partialfl.runtime.slots import SLOTS, SlotReader, SlotWriter
 from partialfl.types import Params
 
