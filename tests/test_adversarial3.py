@@ -116,7 +116,8 @@ def test_a_malformed_client_result_is_counted_in_the_asynchronous_runtime(how):
     (None, an unformattable exception) or were applied (the Sybil's second row)."""
     from partialfl.runtime.asynchronous import run_async
 
-    res = run_async(_problem(), _alg(how), steps=12, concurrency=2, seed=0)
+    res = run_async(_problem(), _alg(how), steps=12, concurrency=2, seed=0,
+                    max_failure_fraction=0.95)
     lost = [e for e in res.event_dicts() if e["event"] == "lost"]
     assert res.state.round == 12 and lost
     assert res.faults.lost == len(lost) and res.faults.failed + res.faults.refused == len(lost)
@@ -130,8 +131,9 @@ def test_a_malformed_client_result_is_counted_on_asynchronous_worker_processes(h
     unpickling error."""
     from partialfl.runtime.processes import run_processes
 
+    # the hostile client fails fast and is sampled again often: how often depends on timing
     res = run_processes(_problem(), _alg(how), steps=12, concurrency=2, time_unit=0.01,
-                        seed=0, poll_seconds=0.2)
+                        seed=0, poll_seconds=0.2, max_failure_fraction=0.95)
     assert res.state.round == 12 and res.faults.lost >= 1
     assert np.abs(res.client_state["w"]).max() < 1e3
 
