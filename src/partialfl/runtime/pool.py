@@ -57,7 +57,7 @@ from typing import Any
 import numpy as np
 
 from partialfl.algorithms.base import RoundContext, ServerState
-from partialfl.runtime.clients import checked, error_text
+from partialfl.runtime.clients import error_text
 from partialfl.runtime.slots import SLOTS, SlotReader, SlotWriter
 from partialfl.types import Params
 
@@ -191,8 +191,7 @@ def _work(problem, algorithm, tasks, out, parent: int, own_session: bool = True)
             if new_theta is not None:
                 theta = new_theta if isinstance(new_theta, dict) else theta
                 state = replace(state, theta=theta)
-            res = checked(algorithm.client_update(state, problem, np.asarray([client]), ctx,
-                                                  cs), np.asarray([client]), state.theta)
+            res = algorithm.client_update(state, problem, np.asarray([client]), ctx, cs)
             busy = time.perf_counter() - start
             if seconds > busy:
                 time.sleep(seconds - busy)
