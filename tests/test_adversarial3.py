@@ -203,9 +203,6 @@ def test_a_hung_client_is_killed_when_the_config_bounds_a_task():
     assert res.faults.worker_deaths == 1 and res.state.round == 3
 
 
-@pytest.mark.xfail(strict=True, reason="the robust rule's k >= bound is checked when the rule "
-                   "first aggregates, not when the spec is built: the dry run would need each "
-                   "rule's own bound for the stage's clients_per_round (design-level)")
 def test_a_dry_run_refuses_a_robust_rule_that_tolerates_no_attacker(tmp_path, capsys):
     """``aggregation = {name = "tm", delta = 0.1}`` with 5 clients per round: the run stops
     at its first round (f = ⌊δk⌋ = 0), the dry run said the plan was fine (exit 0)."""
