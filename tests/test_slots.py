@@ -127,12 +127,23 @@ class Leaves:
 
 
 def test_worker_results_arrive_intact_through_reused_slots():
+    """Through the pool itself (the processes backend accepts client results only)."""
+    from partialfl.runtime.pool import Task, WorkerPool
+
     pb = _problem("output", False, toy_data(8))
-    call = ClientCall(Leaves(), pb, ServerState({}), np.arange(8), RoundContext(0, 0))
-    with ProcessBackend(workers=1) as be:  # one worker: its two slots reused four times
-        out = be.map_groups(call, [np.array([i]) for i in range(8)])
-    for i, got in enumerate(out):
-        same(leaves(i), got)
+    pool = WorkerPool(pb, Leaves(), 1)  # one worker: its two slots reused four times
+    try:
+        pool.wait_ready()
+        out = {}
+        for i in range(8):
+            pool.send(0, Task(i, i, ServerState({}), RoundContext(0, 0), None))
+            ev = pool.next()
+            assert ev.kind == "done", ev
+            out[ev.task] = ev.payload
+    finally:
+        pool.close()
+    for i in range(8):
+        same(leaves(i), out[i])
 
 
 def test_results_need_no_shared_memory_handover_per_tensor(monkeypatch):

@@ -132,7 +132,9 @@ def test_replicas_share_the_data_own_the_module_and_are_reused():
 
 
 def test_clients_start_largest_first_and_come_back_in_cohort_order():
+    from partialfl.algorithms.base import ClientResult
     from partialfl.runtime.clients import ClientCall
+    from partialfl.types import ClientUpdates
 
     data = toy_data(8, sizes=np.array([3, 9, 1, 9, 5, 12, 2, 7]))
     pb = _problem("output", False, data)
@@ -141,12 +143,12 @@ def test_clients_start_largest_first_and_come_back_in_cohort_order():
     class Recording:
         def client_update(self, state, problem, cohort, ctx, client_state=None):
             started.append(int(cohort[0]))
-            return int(cohort[0])
+            return ClientResult(ClientUpdates({}, np.ones(1), np.asarray(cohort), 0))
 
     call = ClientCall(Recording(), pb, None, np.arange(8), RoundContext(0, 0))
     with ThreadBackend(workers=1) as be:
         out = be.map_groups(call, [np.array([i]) for i in range(8)])
-    assert out == list(range(8))
+    assert [int(r.updates.cohort[0]) for r in out] == list(range(8))
     assert started == [5, 1, 3, 7, 4, 0, 6, 2]  # by size, ties (9, 9) in cohort order
 
 

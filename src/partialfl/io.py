@@ -22,6 +22,7 @@ import hashlib
 import json
 import math
 import os
+import re
 import struct
 import tempfile
 from collections.abc import Iterator, Mapping
@@ -87,6 +88,25 @@ def atomic_write(path: str | Path, mode: str = "w", **kw: Any) -> Iterator[IO]:
         with contextlib.suppress(FileNotFoundError):
             os.unlink(tmp)
         raise
+
+
+#: the temporary file of an :func:`atomic_write` (``tempfile``'s 8 random characters)
+_STALE = re.compile(r"^\..+\.[a-z0-9_]{8}\.tmp$")
+
+
+def clean_stale_writes(folder: str | Path) -> list[Path]:
+    """Remove the temporary files that killed :func:`atomic_write` s left in ``folder`` and
+    its sub-folders (no process may be writing there); returns them. Symbolic links are
+    neither followed nor removed."""
+    gone = []
+    for root, _, files in os.walk(folder):
+        for name in files:
+            f = Path(root) / name
+            if _STALE.match(name) and not f.is_symlink() and f.is_file():
+                with contextlib.suppress(FileNotFoundError):
+                    f.unlink()
+                    gone.append(f)
+    return gone
 
 
 def write_text(path: str | Path, text: str) -> None:

@@ -64,7 +64,7 @@ def _is_float(v) -> bool:
     return isinstance(v, np.ndarray | np.generic) and np.asarray(v).dtype.kind == "f"
 
 
-def _tree_refusal(tree, theta: Mapping | Collection[str], k: int, where: str) -> str | None:
+def tree_refusal(tree, theta: Mapping | Collection[str], k: int, where: str) -> str | None:
     """Why a tree of a message may not pass (None: it may)."""
     bad = sorted(set(tree) - set(theta))
     if bad:
@@ -105,7 +105,7 @@ def screen(updates: ClientUpdates, theta: Mapping | Collection[str], algorithm=N
     docstring), ``reason`` why the first refused one may not (None if all pass). ``theta``:
     the server's θ (shapes are checked) or just its leaf names."""
     k = len(updates.cohort)
-    why = _scalars_refusal(updates, k) or _tree_refusal(updates.vectors, theta, k, "vectors")
+    why = _scalars_refusal(updates, k) or tree_refusal(updates.vectors, theta, k, "vectors")
     declared = frozenset(getattr(algorithm, "extra_names", ()))
     for e, tree in updates.extra.items():
         if why is not None:
@@ -114,7 +114,7 @@ def screen(updates: ClientUpdates, theta: Mapping | Collection[str], algorithm=N
             why = (f"client message field extra[{e!r}] is not declared by the algorithm "
                    f"(its extra_names: {sorted(declared)})")
         else:
-            why = _tree_refusal(tree, theta, k, f"extra[{e!r}]")
+            why = tree_refusal(tree, theta, k, f"extra[{e!r}]")
     allowed = _allowed_metrics(algorithm)
     for name, v in updates.metrics.items():
         if why is not None:

@@ -54,6 +54,8 @@ def build_algorithm(spec: RunSpec, stage: StageConfig, *, method=None, problem=N
     auto = 1.0 / L if (L is not None and e.trait("sends") == "gradient") else 1.0
     opt = build_server_opt(stage.server, stage.rounds, L, auto)
     agg = build_aggregator(spec)
+    n = num_clients if num_clients is not None else getattr(problem, "num_clients", None)
+    check_protected(agg, stage.clients_per_round or n)
     ctx = AlgorithmContext(stage.client.build(), opt, agg, method.weighting, method.w_init,
                            e.name)
     try:
@@ -63,9 +65,23 @@ def build_algorithm(spec: RunSpec, stage: StageConfig, *, method=None, problem=N
             raise
         raise ConfigError(f"method: {err}") from None
     if wrap:
-        n = num_clients if num_clients is not None else getattr(problem, "num_clients", None)
         alg = wrap_algorithm(spec, alg, n, stage.clients_per_round, agg, stage.rounds)
     return alg
+
+
+def check_protected(agg, k: int | None) -> None:
+    """Refuse, when the spec is built (so ``--dry-run`` says it), a robust rule that would
+    tolerate no Byzantine input, or break its own bound, at the stage's planned cohort of k
+    clients (:func:`partialfl.aggregation.protection.tolerated`; the rule checks again on
+    every call, with the cohort as it arrives)."""
+    from partialfl.aggregation.protection import UnprotectedError, tolerated
+
+    if agg is None or not k:
+        return
+    try:
+        tolerated(agg, int(k))
+    except UnprotectedError as err:
+        raise ConfigError(f"aggregation: {err}") from None
 
 
 def stage_algorithm(spec: RunSpec, stage: str, *, problem=None, num_clients: int | None = None):

@@ -35,12 +35,24 @@ def _cmd_run(args) -> int:
     if study and (spec.closed_form or args.engine != "local"):
         raise ConfigError("--seeds / --sweep run a model config in-process (not a closed-form "
                           "problem or --engine flower*)")
+    if not args.dry_run:
+        _clean_interrupted(out_dir(args.out or Path("runs") / spec.name), spec.name)
     with allow_code(args.allow_code or None):
         if spec.closed_form:
             return _run_closed_form(args, spec)
         if study:
             return _run_study(args, spec)
         return _run_model(args, spec)
+
+
+def _clean_interrupted(out: Path, name: str) -> None:
+    """Before a run resumes in ``out`` (a folder holding a run of ``name``: its spec, log or
+    study), remove the temporary files its killed writes left there (a kill -9 during a
+    plot or report write once left them for good; checkpoints clean their own)."""
+    from partialfl import io as pio
+
+    if any((out / f).is_file() for f in ("spec.json", f"{name}.jsonl", "study.json")):
+        pio.clean_stale_writes(out)
 
 
 def _run_study(args, spec) -> int:

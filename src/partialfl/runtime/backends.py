@@ -76,11 +76,18 @@ class ProcessOptions:
     workers: int | None = option(None, "worker processes (None: the usable CPU cores)")
     start_method: str | None = option(None, "fork, spawn or forkserver (None: fork unless "
                                       "torch sees a GPU)")
+    task_timeout: float | None = option(None, "seconds after which a client's computation is "
+                                        "killed and counted as a worker death (a hung "
+                                        "client; None: no limit)")
 
     def __post_init__(self) -> None:
         if self.workers is not None and not (isinstance(self.workers, int) and
                                              self.workers >= 1):
             raise ValueError(f"workers must be an integer >= 1, got {self.workers!r}")
+        t = self.task_timeout
+        if t is not None and (isinstance(t, bool) or not isinstance(t, int | float)
+                              or not 0 < t < float("inf")):
+            raise ValueError(f"task_timeout must be a number of seconds > 0, got {t!r}")
         if self.start_method is not None and self.start_method not in START_METHODS:
             raise ValueError(f"start_method {self.start_method!r} is not allowed; allowed: "
                              f"{', '.join(START_METHODS)}")
@@ -90,7 +97,7 @@ class ProcessOptions:
 def _processes(opts: ProcessOptions, ctx=None) -> ProcessBackend:
     """The cohort's clients over CPU worker processes (θ in shared memory; bit-exact with
     sequential)."""
-    return ProcessBackend(opts.workers, opts.start_method)
+    return ProcessBackend(opts.workers, opts.start_method, task_timeout=opts.task_timeout)
 
 
 @dataclass(frozen=True)

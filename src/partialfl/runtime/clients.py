@@ -15,7 +15,64 @@ import numpy as np
 
 from partialfl.algorithms.base import ClientResult, RoundContext, ServerState, concat_results
 from partialfl.batching import map_clients
-from partialfl.types import Params
+from partialfl.privacy import PrivacyError, tree_refusal
+from partialfl.types import ClientUpdates, Params
+
+
+def error_text(err: BaseException | str) -> str:
+    """``"Type: message"`` of a client's error, even when its ``str()`` raises (a client's
+    exception is its own code: formatting it must not fail the run)."""
+    if isinstance(err, str):
+        return err
+    try:
+        return f"{type(err).__name__}: {err}"
+    except Exception:  # noqa: BLE001 - any failure of the client's __str__
+        return f"{type(err).__name__}: <its message could not be formatted>"
+
+
+class MalformedResult(ValueError):
+    """A client computation returned something that is not its clients' result (see
+    :func:`checked`): a failure of that computation, skipped and counted like a raise."""
+
+
+def _rows(tree, k: int, where: str) -> str | None:
+    for n, v in (tree or {}).items():
+        shape = getattr(v, "shape", None)
+        if shape is None or len(shape) == 0 or shape[0] != k:
+            return f"{where}[{n!r}] has shape {shape}, not one row per client ({k})"
+    return None
+
+
+def checked(res, clients: np.ndarray, theta=None) -> ClientResult:
+    """``res`` if it is a result for (some of, each at most once) the asked ``clients``: a
+    :class:`ClientResult` whose rows — vectors, metrics, extras and client state — number
+    its clients; else :class:`MalformedResult` (vectors that are not θ-shaped rows of θ's
+    leaves: the privacy screen's :class:`~partialfl.privacy.PrivacyError`). Checked
+    where a client's computation returns (a worker, a thread, the simulated clock), so one
+    client can neither break the concatenation of a cohort's rows nor write rows under
+    another client's id (its personal state included)."""
+    if not isinstance(res, ClientResult) or not isinstance(res.updates, ClientUpdates):
+        raise MalformedResult(f"the client computation returned {type(res).__name__}, not a "
+                              "ClientResult")
+    u = res.updates
+    ids = np.asarray(u.cohort).reshape(-1)
+    asked = set(np.asarray(clients).reshape(-1).tolist())
+    if (len(ids) and ids.dtype.kind not in "iu") or len(set(ids.tolist())) != len(ids) or \
+            not set(ids.tolist()) <= asked:
+        raise MalformedResult(f"the result is for clients {ids.tolist()[:8]}, asked for "
+                              f"{sorted(asked)[:8]} (each at most once)")
+    k = len(ids)
+    if theta:  # rows that are not θ-shaped: the privacy screen's refusal, raised here
+        why = tree_refusal(u.vectors, theta, k, "vectors")
+        if why is not None:
+            raise PrivacyError(why)
+    why = (_rows(u.vectors, k, "vectors") or _rows(u.metrics, k, "metrics")
+           or next(filter(None, (_rows(t, k, f"extra[{e!r}]") for e, t in u.extra.items())),
+                   None)
+           or _rows(res.client_state, k, "client_state"))
+    if why is not None:
+        raise MalformedResult(f"malformed client result: {why}")
+    return res
 
 
 def rows(tree: Params | None, pos: np.ndarray) -> Params | None:
@@ -39,8 +96,9 @@ class ClientCall:
     client_state: Params | None = None
 
     def __call__(self, pos: np.ndarray) -> ClientResult:
-        return self.algorithm.client_update(self.state, self.problem, self.cohort[pos],
-                                            self.ctx, rows(self.client_state, pos))
+        return checked(self.algorithm.client_update(self.state, self.problem, self.cohort[pos],
+                                                    self.ctx, rows(self.client_state, pos)),
+                       self.cohort[pos], getattr(self.state, "theta", None))
 
 
 def run_clients(algorithm, state: ServerState, problem, cohort, ctx: RoundContext,

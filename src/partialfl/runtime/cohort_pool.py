@@ -29,7 +29,7 @@ import numpy as np
 
 from partialfl.algorithms.base import ClientResult
 from partialfl.batching import check_device
-from partialfl.runtime.clients import ClientCall, CohortRunner
+from partialfl.runtime.clients import ClientCall, CohortRunner, checked, error_text
 from partialfl.runtime.faults import is_data_error
 from partialfl.runtime.pool import (
     START_METHODS,
@@ -135,8 +135,12 @@ class ProcessBackend(CohortRunner):
                         rows = None if cs is None else {n: v[p:p + 1] for n, v in cs.items()}
                         pool.send(w, Task(i, int(clients[i]), fn.state, fn.ctx, rows))
                 ev = pool.next()
-                if ev.kind == "done":
-                    out[ev.task] = ev.payload
+                if ev.kind == "done":  # the worker's result, checked here (runtime.clients)
+                    try:
+                        out[ev.task] = checked(ev.payload, clients[ev.task:ev.task + 1],
+                                               fn.state.theta)
+                    except ValueError as e:  # MalformedResult, PrivacyError
+                        failures[ev.task] = ("error", error_text(e))
                 elif ev.kind == "error" and is_data_error(ev.error):
                     raise ev.error  # a data error stops the run (the pool is closed below)
                 elif ev.kind == "error":

@@ -42,6 +42,7 @@ from partialfl.algorithms.base import ClientResult
 from partialfl.algorithms.wrapper import AlgorithmWrapper
 from partialfl.privacy import PrivacyError, screen, server_view
 from partialfl.registry import option, register
+from partialfl.runtime.clients import error_text
 from partialfl.types import ClientUpdates
 
 log = logging.getLogger("partialfl")
@@ -181,7 +182,7 @@ class FaultLog:
             raise err
         self.attempted += 1
         self.failed += 1
-        text = err if isinstance(err, str) else f"{type(err).__name__}: {err}"
+        text = error_text(err)
         if self.first_error is None and not self.first_error_text:
             self.first_error = err if isinstance(err, BaseException) else None
             self.first_error_text = f"{where}: {text}"

@@ -57,6 +57,7 @@ from typing import Any
 import numpy as np
 
 from partialfl.algorithms.base import RoundContext, ServerState
+from partialfl.runtime.clients import error_text
 from partialfl.runtime.slots import SLOTS, SlotReader, SlotWriter
 from partialfl.types import Params
 
@@ -409,8 +410,12 @@ class WorkerPool:
         tid = self.pending[w].pop(0)
         self.since[w] = time.monotonic()  # the next pending task starts now
         if msg[0] == "ok":
-            return PoolEvent("done", w, tid, self.inboxes[w].unpack(msg[2]),
-                             busy=float(msg[3]))
+            try:
+                res = self.inboxes[w].unpack(msg[2])
+            except Exception as e:  # noqa: BLE001 - the client's result, not this process
+                return PoolEvent("error", w, tid, "its result could not be read here "
+                                 f"({error_text(e)})")
+            return PoolEvent("done", w, tid, res, busy=float(msg[3]))
         return PoolEvent("error", w, tid, msg[2], error=msg[3])
 
     def _check_liveness(self) -> PoolEvent | None:

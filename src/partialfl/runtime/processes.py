@@ -24,8 +24,10 @@ data error (a corrupt client store) raised in a worker stops the run.
 from __future__ import annotations
 
 import time as _time
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
+
+import numpy as np
 
 from partialfl.algorithms.base import Algorithm
 from partialfl.batching import Executor
@@ -35,6 +37,7 @@ from partialfl.runtime.asynchronous import (
     Event,
     run_arrivals,
 )
+from partialfl.runtime.clients import MalformedResult, checked, error_text
 from partialfl.runtime.faults import ClientFaultError, is_data_error
 from partialfl.runtime.pool import Task, WorkerError, WorkerPool
 from partialfl.runtime.run import Arrivals, Checkpointing, Evaluation, Run
@@ -113,6 +116,11 @@ class WorkerProcesses:
         # the pool's events are the loop's: done, error (the client's traceback), death of
         # the slot's worker (its job lost), ready (a restarted worker)
         job = None if ev.task is None else self.jobs.pop(ev.task)
+        if ev.kind == "done":  # a result for another client, or none: the client failed
+            try:
+                checked(ev.payload, np.asarray([job.client]))
+            except MalformedResult as e:
+                ev = replace(ev, kind="error", payload=error_text(e), error=None)
         error = ev.kind == "error"
         if error:  # a data error itself (re-raised by the server), else the reason's line
             why = ev.error if is_data_error(ev.error) else ev.payload.strip().splitlines()[-1]

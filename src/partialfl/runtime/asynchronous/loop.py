@@ -19,6 +19,7 @@ from partialfl.batching import Executor, Loop, Vmap
 from partialfl.runtime.asynchronous.server import AsyncCheckpoint, AsyncRunResult, AsyncServer, Job
 from partialfl.runtime.asynchronous.timing import ComputeTimeModel
 from partialfl.runtime.checkpoint import run_fingerprint
+from partialfl.runtime.clients import checked
 from partialfl.runtime.faults import ClientFaultError
 from partialfl.runtime.run import Arrivals, Checkpointing, Evaluation, Run, check_budget
 from partialfl.types import Params
@@ -202,8 +203,10 @@ class SimulatedClock:
     def send(self, job, state, client_state, ctx, seconds):
         """Compute the job's client update now; it arrives ``seconds`` later."""
         try:
-            res = self.algorithm.client_update(state, self.problem, np.asarray([job.client]),
-                                               ctx, client_state)
+            res = checked(self.algorithm.client_update(state, self.problem,
+                                                       np.asarray([job.client]), ctx,
+                                                       client_state),
+                          np.asarray([job.client]), state.theta)
         except Exception as e:  # noqa: BLE001 - a failing client is skipped
             return e
         # dispatch_time: now, or for a job sent again on resume, when it was first sent
