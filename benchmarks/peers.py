@@ -7,8 +7,15 @@ example-weighted average of the clients' models, one torch thread per process or
 Every round starts from θ⁰, so every round is the same work. Modes:
 
 * partialfl: ``sequential``, ``processes`` and ``threads`` (``--workers`` each), ``vmap``;
+  and ``MODE+cl``, the same with ``memory_format = "channels_last"`` (the run spec's option:
+  one client's passes run the CNN's inputs and weights channels-last, where CPU convolutions
+  and pooling are faster; not bit for bit the contiguous steps, so checked within float
+  tolerance like ``vmap``). The peers run the same ``nn.Module`` in PyTorch's default layout,
+  as their examples do (the pfl/*+cl modes convert it by hand);
 * pfl-research 0.6.0: ``simulated`` (``SimulatedBackend``, one process) and ``torchrun``
-  (``--workers`` ranks, gloo), in its own virtual environment;
+  (``--workers`` ranks, gloo), in its own virtual environment; and ``MODE+cl``, the same with
+  the module converted to channels-last by hand (``net.to(memory_format=torch.channels_last)``,
+  what a pfl user would add to match partialfl's ``+cl`` modes);
 * Flower: ``simulation`` (the simulation engine: Ray actors, ``--workers`` at once), from this
   environment (``pip install flwr[simulation]``);
 * BlazeFL 3.0.0 needs Python >= 3.14: skipped, with the reason, where none is found (its
@@ -22,8 +29,8 @@ tree, which a loaded machine distorts less: under load, wall time also depends o
 scheduler shares a mode holds (Linux autogroups: torchrun starts each rank in a session of its
 own, partialfl's modes run in one), so compare wall times on a quiet machine. Checks: every
 mode trains on the same number of examples, lowers the cohort's mean training loss, and ends
-the round at partialfl-sequential's weights within float tolerance (partialfl's modes bit
-for bit).
+the round at partialfl-sequential's weights within float tolerance (partialfl's contiguous
+modes bit for bit).
 
 Peers are installed by this script from the package registry into their own virtual
 environments under ``benchmarks/.peers/`` (git-ignored; pfl needs a Python < 3.13 and gets the
@@ -63,7 +70,9 @@ import common  # noqa: E402
 LR, BATCH, CLIENTS, SEED = 0.5, 32, 10, 0
 PFL_REQ = "pfl[pytorch]==0.6.0"
 MODES = ("partialfl/sequential", "partialfl/processes", "partialfl/threads", "partialfl/vmap",
-         "pfl/simulated", "pfl/torchrun", "flower/simulation",
+         "partialfl/sequential+cl", "partialfl/processes+cl", "partialfl/threads+cl",
+         "pfl/simulated", "pfl/torchrun", "pfl/simulated+cl", "pfl/torchrun+cl",
+         "flower/simulation",
          "blazefl/single", "blazefl/processes", "blazefl/threads")
 REFERENCE = "partialfl/sequential"
 ALGORITHMS = ("fedavg", "ffgg")
@@ -283,6 +292,8 @@ def runner_argv(mode: str, args, cohort: Path, weights: Path, pfl_py: Path | Non
                 ) -> list[str]:
     lib, how = mode.split("/")
     common_args = ["--cohort", str(cohort), "--weights-out", str(weights)]
+    if lib == "pfl" and how.endswith("+cl"):
+        how, common_args = how[:-3], [*common_args, "--channels-last"]
     if lib == "partialfl":
         return [sys.executable, str(RUNNERS / "partialfl_runner.py"), "--mode", how,
                 "--workers", str(args.workers), *common_args]
@@ -456,7 +467,7 @@ def report(alg, modes, results, skipped, failed, info, out: Path, cohort: Path) 
             d = max(float(np.abs(w[n] - ref[n]).max()) for n in ref)
             rel = np.sqrt(sum(float(((w[n] - ref[n]) ** 2).sum()) for n in ref)) / ref_step
             diff = f"{d:.1e}"
-        exact = m.startswith("partialfl/") and m != "partialfl/vmap"
+        exact = m.startswith("partialfl/") and m != "partialfl/vmap" and "+cl" not in m
         ok = (ex == {info["examples"]} and l1 < l0 and rel is not None
               and (rel == 0 if exact else rel < 1e-3))
         print(f"{m:22s} {best[m]:7.3f} {med:8.3f} "

@@ -232,7 +232,10 @@ def test_summary_and_plot_show_a_failed_row_with_its_error_and_no_contrast(tmp_p
     by = rec["panels"]["har"]["by_eps"]["1"]
     del by["counts"]["FFGG (output)"], by["privacy"]["FFGG (output)"]
     by["failed"] = {"FFGG (output)": ["5 of 9 client computations were lost"]}
+    panel = rec["panels"]["har"]  # run in the study's order: ε = ∞ before ε = 1
+    panel["by_eps"] = {"inf": panel["by_eps"]["inf"], "1": by}
     text = summary(rec, ["- design"])
+    assert text.index("| 1 | 2.5 |") < text.index("| ∞ | 0 |")  # tables in ε order
     assert "| FFGG (output) | failed (1) |" in text
     assert "1. FFGG (output) at ε = 1: 5 of 9 client computations were lost" in text
     gap_row = next(line for line in text.splitlines()

@@ -25,7 +25,8 @@ def test_peers_script_runs_partialfl_modes_and_checks_them(tmp_path):
            "PYTHONPATH": os.pathsep.join([str(ROOT / "src"), os.environ.get("PYTHONPATH", "")])}
     out = subprocess.run(
         [sys.executable, str(ROOT / "benchmarks" / "peers.py"), "--modes",
-         "partialfl/sequential", "partialfl/threads", "blazefl/threads", "--algorithms",
+         "partialfl/sequential", "partialfl/threads", "partialfl/threads+cl", "blazefl/threads",
+         "--algorithms",
          "fedavg", "--repeats", "1", "--peers-dir", str(tmp_path)],
         capture_output=True, text=True, env=env, timeout=300, cwd=ROOT)
     assert out.returncode == 0, out.stderr[-2000:]
@@ -33,6 +34,9 @@ def test_peers_script_runs_partialfl_modes_and_checks_them(tmp_path):
             if ln.startswith(("partialfl/", "blazefl/"))}
     for m in ("partialfl/sequential", "partialfl/threads"):
         assert rows[m].split()[5] == "1505" and "ok (rel 0e+00)" in rows[m], rows[m]
+    # channels-last: the same round to float rounding (checked against contiguous sequential)
+    assert rows["partialfl/threads+cl"].split()[5] == "1505"
+    assert " ok (rel " in rows["partialfl/threads+cl"], rows["partialfl/threads+cl"]
     assert "skipped" in rows["blazefl/threads"]
     assert out.stdout.strip().splitlines()[-1] == (
         "partialfl best mode vs best peer mode: n/a (no peer mode ran)")

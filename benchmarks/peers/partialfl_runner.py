@@ -4,9 +4,11 @@ says) on the cohort's 10 writers, from θ⁰ every time, with one backend.
 The round is what a user's call runs: ``run_rounds(problem, algorithm, 1, backend=...)`` on a
 problem holding only the cohort's writers (full participation), i.e. the clients' updates,
 the message checks and the server update. Modes: ``sequential``, ``processes`` and
-``threads`` (``--workers`` each; one torch thread per worker), ``vmap`` (clients batched).
+``threads`` (``--workers`` each; one torch thread per worker), ``vmap`` (clients batched);
+``MODE+cl``: the same with ``memory_format="channels_last"`` (one client's passes run the
+CNN channels-last: same maths, another summation order).
 
-    python benchmarks/peers/partialfl_runner.py --mode threads --workers 2 --cohort FILE
+    python benchmarks/peers/partialfl_runner.py --mode threads+cl --workers 2 --cohort FILE
 """
 
 from __future__ import annotations
@@ -19,11 +21,13 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 import common  # noqa: E402
 
-MODES = ("sequential", "processes", "threads", "vmap")
+MODES = ("sequential", "processes", "threads", "vmap", "sequential+cl", "processes+cl",
+         "threads+cl")
 CHUNK = 256  # examples per forward pass of FFGG's full-data gradient
 
 
-def build(cohort_ids, lr: float, batch: int, algorithm: str, vectorize: bool):
+def build(cohort_ids, lr: float, batch: int, algorithm: str, vectorize: bool,
+          memory_format: str = "contiguous"):
     """The problem on the cohort's writers (FEMNIST from PARTIALFL_DATA_DIR), the algorithm
     and θ⁰: the EMNIST CNN seeded 0, as ``benchmarks/nn_speed.py`` builds it."""
     from partialfl.aggregation.basic import Mean
@@ -37,7 +41,8 @@ def build(cohort_ids, lr: float, batch: int, algorithm: str, vectorize: bool):
     data = load_femnist_npz(None).subset(cohort_ids)
     split = make_split(make_model("emnist_cnn", 62, seed=0),
                        "none" if algorithm == "fedavg" else "output", seed=0)
-    problem = ModelProblem(split, data, vectorize=vectorize, chunk=CHUNK)
+    problem = ModelProblem(split, data, vectorize=vectorize, chunk=CHUNK,
+                           memory_format=memory_format)
     cfg = SGDConfig(lr=lr, epochs=1, batch_size=batch)
     # the example-weighted mean: weighting="examples" sets the weights, and the default
     # aggregator Mean() would ignore them (weighted=False)
@@ -68,13 +73,14 @@ def main() -> None:
     from partialfl.runtime import run_rounds
 
     cohort = common.Cohort(args.cohort)
+    mode, _, cl = args.mode.partition("+")
     problem, alg, theta0 = build(cohort.writers, cohort.lr, cohort.batch, cohort.algorithm,
-                                 args.mode == "vmap")
+                                 mode == "vmap", "channels_last" if cl else "contiguous")
     # the same data and θ⁰ as the cohort file (θ⁰: FFGG's θ, plus its initial w)
     assert [int(n) for n in problem.num_examples(range_(cohort.k))] == cohort.sizes
     assert all(bool((cohort.theta0[n] == {**theta0, **problem.w_pretrained}[n]).all())
                for n in cohort.names), "θ⁰ differs from the cohort file"
-    be = backend(args.mode, args.workers)
+    be = backend(mode, args.workers)
     timer = common.RoundTimer(cohort, args.weights_out)
     common.emit(ready=True)
     for _ in common.commands():

@@ -15,7 +15,11 @@ pfl splits each cohort over the N ranks and sums their statistics with ``torch.d
 (gloo). A callback times each central iteration, resets the model to θ⁰ (every round is the
 same work) and waits for the next command; rank 0 reads it and broadcasts it to the others.
 
-    python benchmarks/peers/pfl_runner.py --cohort FILE
+``--channels-last``: the module converted by hand with ``net.to(memory_format=
+torch.channels_last)``, what a pfl user would add to get the layout partialfl's
+``memory_format`` option gives (``benchmarks/peers.py``'s ``pfl/*+cl`` modes).
+
+    python benchmarks/peers/pfl_runner.py --cohort FILE [--channels-last]
     torchrun --standalone --nproc-per-node 2 benchmarks/peers/pfl_runner.py --cohort FILE
 """
 
@@ -34,6 +38,8 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--cohort", required=True)
     ap.add_argument("--weights-out", default=None)
+    ap.add_argument("--channels-last", action="store_true",
+                    help="convert the module to channels-last by hand")
     args = ap.parse_args()
     common.one_thread()
 
@@ -54,6 +60,8 @@ def main() -> None:
 
     cohort = common.Cohort(args.cohort)
     net = cohort.model()
+    if args.channels_last:
+        net = net.to(memory_format=torch.channels_last)
 
     def loss(x, y):  # pfl's PyTorchModel calls module.loss(*batch) and module.metrics
         return F.cross_entropy(net(x), y)

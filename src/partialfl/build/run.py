@@ -171,6 +171,7 @@ def _build_model_run(spec: RunSpec) -> Run:
         "finetune_epochs": run.finetune.epochs,
         "full_personal": e.trait("split") == "full", "fresh_model": bool(e.trait("fresh_model")),
         "device": spec.device if spec.device == str(device) else f"{spec.device} → {device}",
-        "precision": spec.precision, "backend": spec.backend.name, "threads": spec.threads,
+        "precision": spec.precision, "memory_format": spec.memory_format,
+        "backend": spec.backend.name, "threads": spec.threads,
     }
     return Run(spec, task=task, new_clients=new, plan=plan)

@@ -26,6 +26,14 @@ from partialfl.models.base import ModelContext, NamedLayersMixin, seeded
 from partialfl.registry import option, register
 
 
+def relu_pool(x: Tensor) -> Tensor:
+    """ReLU then 2×2 max-pool, computed as pool then ReLU: ReLU is monotone, so
+    max(relu(a), relu(b)) = relu(max(a, b)) exactly, and the pooled argmax (first maximum) gets
+    the same gradient (zero where the maximum is ≤ 0); the ReLU then runs on 4× fewer
+    values. Bit for bit the values and gradients of ``max_pool2d(relu(x), 2)``."""
+    return F.relu(F.max_pool2d(x, 2))
+
+
 class EmnistCNN(NamedLayersMixin, nn.Module):
     """The EMNIST CNN of Pillutla et al. (2022), ``pfl/models/emnist_convnet.py``.
 
@@ -46,8 +54,8 @@ class EmnistCNN(NamedLayersMixin, nn.Module):
 
     def forward(self, x: Tensor) -> Tensor:
         """Class logits ``[B, num_classes]`` of images ``[B, in_channels, 28, 28]``."""
-        x = F.max_pool2d(F.relu(self.conv1(x)), 2)
-        x = F.max_pool2d(F.relu(self.conv2(x)), 2)
+        x = relu_pool(self.conv1(x))
+        x = relu_pool(self.conv2(x))
         return self.fc(torch.flatten(x, 1))
 
 
@@ -72,8 +80,8 @@ class LeafCNN(NamedLayersMixin, nn.Module):
 
     def forward(self, x: Tensor) -> Tensor:
         """Class logits ``[B, num_classes]`` of images ``[B, in_channels, 28, 28]``."""
-        x = F.max_pool2d(F.relu(self.conv1(x)), 2)
-        x = F.max_pool2d(F.relu(self.conv2(x)), 2)
+        x = relu_pool(self.conv1(x))
+        x = relu_pool(self.conv2(x))
         x = F.relu(self.dense(torch.flatten(x, 1)))
         return self.fc(x)
 

@@ -132,6 +132,7 @@ def evaluate_new_clients(
     vectorize: bool = True,
     device: str | torch.device = "cpu",
     precision: str = "fp32",
+    memory_format: str = "contiguous",
 ) -> dict[str, Any]:
     """Evaluate a trained θ on clients never seen in training, after fine-tuning their w.
 
@@ -148,7 +149,7 @@ def evaluate_new_clients(
         w_init: where w starts: ``pretrained`` (``w_pretrained``, default the model's own
             personal values), ``zero`` or ``random``.
         seed: seeds the minibatches (and a random w).
-        loss_fn, metric, vectorize, device, precision: as in
+        loss_fn, metric, vectorize, device, precision, memory_format: as in
             :class:`~partialfl.problems.model.ModelProblem`.
 
     Returns:
@@ -169,7 +170,8 @@ def evaluate_new_clients(
     if not isinstance(finetune_epochs, int) or finetune_epochs < 0:
         raise ValueError(f"finetune_epochs must be a non-negative integer, got {finetune_epochs!r}")
     problem = ModelProblem(sp, data, loss_fn=loss_fn, metric=metric, w_pretrained=w_pretrained,
-                           vectorize=vectorize, device=device, precision=precision)
+                           vectorize=vectorize, device=device, precision=precision,
+                           memory_format=memory_format)
     th = {n: torch.as_tensor(theta[n]).detach().to(problem.device).clone()
           for n in sp.global_names}
     allc = np.arange(problem.num_clients)
@@ -217,7 +219,8 @@ def evaluate_run(run_dir: str | Path, data, *, model_fn: Callable[[int], nn.Modu
         lr=lr, batch_size=batch_size or ft.batch_size,
         clip_norm=ft.clip_norm, w_init="pretrained", w_pretrained=w_pre,
         seed=cfg.seed if seed is None else seed, loss_fn=loss_fn, metric=metric,
-        vectorize=vectorize, device=device, precision=cfg.precision)
+        vectorize=vectorize, device=device, precision=cfg.precision,
+        memory_format=cfg.memory_format)
     return res
 
 
@@ -226,7 +229,8 @@ def _evaluate_new_full_personal(cfg: RunSpec, split: Split, theta: Params, data,
                                 ) -> dict[str, Any]:
     """New clients of Ditto / local-only (see the module docstring): v from the deployed θ."""
     problem = ModelProblem(split, data, loss_fn=loss_fn, metric=metric, vectorize=vectorize,
-                           device=device, precision=cfg.precision)
+                           device=device, precision=cfg.precision,
+                           memory_format=cfg.memory_format)
     theta = {n: v.to(problem.device) for n, v in theta.items()}
     local = bool(cfg.method.entry.trait("fresh_model"))
     if epochs is None:

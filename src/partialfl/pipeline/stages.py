@@ -108,7 +108,8 @@ class PipelineResult:
 def _problem(task: Task, split: Split, cfg: RunSpec, w_pretrained=None) -> ModelProblem:
     return ModelProblem(split, task.data, loss_fn=task.loss_fn, metric=task.metric,
                         w_pretrained=w_pretrained, batching=cfg.backend.build(),
-                        device=cfg.device, precision=cfg.precision)
+                        device=cfg.device, precision=cfg.precision,
+                        memory_format=cfg.memory_format)
 
 
 def _host(params: Params) -> Params:

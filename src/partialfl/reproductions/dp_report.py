@@ -74,11 +74,13 @@ def _sym(eps: str) -> str:
     return "∞" if eps == "inf" else eps
 
 
-def privacy_rows(panel: dict) -> list[list[str]]:
-    """Per ε: the noise multiplier z, δ, the clip norms and the ε the runs report spent
-    after stage 2 (the same for every row and seed: one mechanism)."""
+def privacy_rows(panel: dict, epsilons: list[str] | None = None) -> list[list[str]]:
+    """Per ε (in the order ``epsilons``; default: as run): the noise multiplier z, δ, the
+    clip norms and the ε the runs report spent after stage 2 (the same for every row and
+    seed: one mechanism)."""
     rows = []
-    for eps, v in panel["by_eps"].items():
+    for eps in epsilons or list(panel["by_eps"]):
+        v = panel["by_eps"][eps]
         pr = v["privacy"]
         if not pr:  # ε = 0: stage 2 ran no round (or every row failed)
             rows.append([_sym(eps), "–", "0 (nothing released)", "–", "–", "0"]
@@ -103,7 +105,7 @@ def panel_lines(panel: dict, epsilons: list[str], quick: bool) -> list[str]:
     labels = _labels(panel)
     lines = [markdown_table(["ε", "noise multiplier z", "ε spent (accountant, after stage 2)",
                              "δ", "clip norms C (FedAvg rows, FFGG rows)", "stage-2 rounds"],
-                            privacy_rows(panel)), ""]
+                            privacy_rows(panel, epsilons)), ""]
     acc, failures = [], []
     for label in labels:
         cells = []

@@ -21,6 +21,7 @@ into the objects that run it. Importing this module loads no array library.
 from partialfl.spec.base import (
     DEVICE_PATTERN,
     DEVICES,
+    MEMORY_FORMATS,
     NAME_PATTERN,
     PRECISIONS,
     STAGES,
@@ -41,7 +42,7 @@ from partialfl.spec.stages import (
     parse_lr,
 )
 
-__all__ = ["DEVICES", "DEVICE_PATTERN", "NAME_PATTERN", "PRECISIONS", "STAGES", "W_INITS",
-           "WEIGHTINGS", "AsyncSpec", "DataSpec", "FinetuneConfig", "FinetuneGrid",
+__all__ = ["DEVICES", "DEVICE_PATTERN", "MEMORY_FORMATS", "NAME_PATTERN", "PRECISIONS", "STAGES",
+           "W_INITS", "WEIGHTINGS", "AsyncSpec", "DataSpec", "FinetuneConfig", "FinetuneGrid",
            "LoggingSpec", "MethodConfig", "ModelSpec", "RunSpec", "ServerConfig", "StageConfig",
            "StopConfig", "ValidationConfig", "comp", "drop_unset", "load_spec", "parse_lr"]

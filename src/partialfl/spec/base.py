@@ -13,6 +13,7 @@ from partialfl.registry import Component, component, component_field
 DEVICE_PATTERN = re.compile(r"cpu|cuda(:\d+)?|mps|auto")
 DEVICES = ("cpu", "cuda", "cuda:N", "mps", "auto")
 PRECISIONS = ("fp32", "bf16", "fp16")
+MEMORY_FORMATS = ("contiguous", "channels_last")
 #: what a run's name (its output file name) may look like
 NAME_PATTERN = r"[A-Za-z0-9][A-Za-z0-9._-]{0,99}"
 STAGES = ("pretrain", "personalize", "finetune")

@@ -29,6 +29,7 @@ from partialfl.registry import Component, component, entry, option
 from partialfl.spec.base import (
     DEVICE_PATTERN,
     DEVICES,
+    MEMORY_FORMATS,
     NAME_PATTERN,
     PRECISIONS,
     STAGES,
@@ -66,6 +67,8 @@ class RunSpec(_Spec):
     threads: int = option(1, "torch/BLAS threads of this process")
     device: str = option("cpu", "cpu, cuda, cuda:N, mps or auto")
     precision: str = option("fp32", "fp32, bf16 or fp16 (autocast)")
+    memory_format: str = option("contiguous", "contiguous or channels_last (conv models: "
+                                "one client's steps run channels-last, faster on CPU)")
     backend: Component | None = comp("executor", None, "how a cohort's clients run: "
                                      "sequential, vmap {max_examples}, processes {workers} "
                                      "(default: vmap on a closed form, sequential on a model)")
@@ -127,6 +130,7 @@ class RunSpec(_Spec):
                 raise ConfigError(f"{key} reads validation data: set validation (e.g. "
                                   "validation = {fraction = 0.1, min_examples = 2})")
         check_choice("precision", self.precision, PRECISIONS)
+        check_choice("memory_format", self.memory_format, MEMORY_FORMATS)
         if not isinstance(self.device, str) or not DEVICE_PATTERN.fullmatch(self.device):
             raise ConfigError(f"device: {self.device!r} is not allowed; allowed: "
                               f"{', '.join(DEVICES)}")

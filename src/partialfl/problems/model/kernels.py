@@ -18,6 +18,15 @@ from partialfl.problems.model.modules import train_mode
 from partialfl.types import Params
 
 
+def channels_last(tree: Params) -> Params:
+    """The 4-D floating leaves channels-last (a differentiable copy; the rest as they are).
+    ``to`` restrides even where the layout is ambiguous (one channel: ``contiguous`` would
+    keep the NCHW strides, and a convolution chooses its kernel by the strides)."""
+    cl = torch.channels_last
+    return {n: (v.to(memory_format=cl) if v.dim() == 4 and v.is_floating_point() else v)
+            for n, v in tree.items()}
+
+
 def rows(tree: Params, dims: Mapping[str, int | None] | None, sl: slice) -> Params:
     """The rows ``sl`` of a tree whose leaves are stacked (dim 0) or shared (None): views."""
     return {n: (v if dims is not None and dims[n] is None else v[sl]) for n, v in tree.items()}
@@ -90,8 +99,12 @@ class Kernels:
         return {n: torch.zeros((k, *shapes[n]), dtype=ref[n].dtype, device=ref[n].device)
                 for n in names}
 
-    def _batch_loss(self, params: Params, x: Tensor, y: Tensor, mask: Tensor | None):
-        """``(Σ mask·ℓ, Σ mask·d, output)`` of one batch (``mask`` None: every example)."""
+    def _batch_loss(self, params: Params, x: Tensor, y: Tensor, mask: Tensor | None,
+                    one: bool = False):
+        """``(Σ mask·ℓ, Σ mask·d, output)`` of one batch (``mask`` None: every example).
+        ``one``: one client's plain pass, where ``memory_format`` applies (not under vmap)."""
+        if one and self.memory_format == "channels_last":
+            params, x = channels_last(params), channels_last({"x": x})["x"]
         if self._amp is None:
             out = functional_call(self.module, params, (x,))
             num, den = pair(self.loss_fn(out, y))
@@ -144,7 +157,7 @@ class Kernels:
         leaves = {n: v.detach().requires_grad_(True) for n, v in train.items()}
         stats = {n: v.clone() for n, v in (stats or {}).items()}
         with torch.enable_grad(), train_mode(self._norm_modules if stats else ()):
-            s, d, _ = self._batch_loss({**frozen, **leaves, **stats}, x, y, mask)
+            s, d, _ = self._batch_loss({**frozen, **leaves, **stats}, x, y, mask, one=True)
             val = s / torch.clamp(d, min=1e-12) if mean else s
             out = val if scale is None else val * scale
             gs = torch.autograd.grad(out, list(leaves.values()), allow_unused=True)
@@ -175,8 +188,8 @@ class Kernels:
         """``(params, x, y, mask) -> (Σ loss, Σ loss weight, Σ correct, Σ total)`` (``mask``
         None: every example)."""
 
-        def fwd(params, x, y, mask):
-            s, d, out = self._batch_loss(params, x, y, mask)
+        def fwd(params, x, y, mask, one=False):
+            s, d, out = self._batch_loss(params, x, y, mask, one)
             c, t = self.metric(out, y)
             if mask is None:  # one client, no padding (see _batch_loss)
                 return s, d, c.sum(), t.sum()

@@ -221,7 +221,7 @@ class CohortPasses:
         n_1 = int(store.sizes[cohort[0]])
         for j in range(0, n_1, self.chunk):
             bi = np.arange(j, min(n_1, j + self.chunk))
-            res = self._forward_fn(params, *store.gather(int(cohort[0]), bi), None)
+            res = self._forward_fn(params, *store.gather(int(cohort[0]), bi), None, True)
             sums[:, 0] += torch.stack(res).to(self._acc)
         return sums.T
 
