@@ -222,14 +222,19 @@ class FaultLog:
                                "client": int(updates.cohort[i]), "norm": float(norms[i])}
         return bad
 
+    def growth_text(self, owner: str = "") -> str:
+        """The server step that grew ‖θ‖ most, if it grew it 1000× (else ""): the likely
+        cause when honest clients fail after it. ``owner``: where its client lives."""
+        g = self.growth
+        if g.get("factor", 1.0) < 1e3:
+            return ""
+        return (f"‖θ‖ grew ×{g['factor']:.3g} (to {g['to']:.3g}) at {g['where']}, whose "
+                f"largest update came from client {g['client']}{owner} (norm {g['norm']:.3g})")
+
     def cause(self) -> str:
         """The first fault, and the server step that grew ‖θ‖ most if it grew it 1000×."""
         parts = [self.first_error_text] if self.first_error_text else []
-        g = self.growth
-        if g.get("factor", 1.0) >= 1e3:
-            parts.append(f"‖θ‖ grew ×{g['factor']:.3g} (to {g['to']:.3g}) at {g['where']}, "
-                         f"whose largest update came from client {g['client']} (norm "
-                         f"{g['norm']:.3g})")
+        parts += [t] if (t := self.growth_text()) else []
         return "; ".join(parts) or "no client error recorded"
 
     def diverged(self, where: str, bad: list[str]) -> str:

@@ -1,0 +1,110 @@
+"""Regressions from the fourth adversarial battery (issue 21, tried again from scratch by
+someone who did not write the fixes): a hostile client's message with a bookkeeping value out
+of range or rows in another dtype than θ, and the blame after one node's huge update."""
+
+from __future__ import annotations
+
+import json
+
+import numpy as np
+import pytest
+from _flower_sims import ls_run
+from test_adversarial3 import TARGET, _alg, _problem
+
+from partialfl.algorithms.base import ClientResult
+from partialfl.algorithms.wrapper import AlgorithmWrapper
+from partialfl.runtime import run_rounds
+from partialfl.types import ClientUpdates
+
+
+class Forge(AlgorithmWrapper):
+    """Client ``TARGET``'s message is rewritten by ``fn(updates) -> updates``."""
+
+    def __init__(self, base, fn) -> None:
+        super().__init__(base)
+        self.fn, self.name = fn, base.name
+
+    def client_update(self, state, problem, cohort, ctx, client_state=None):
+        res = self.base.client_update(state, problem, cohort, ctx, client_state)
+        if list(np.asarray(cohort)) != [TARGET]:
+            return res
+        return ClientResult(self.fn(res.updates), res.client_state)
+
+
+def _with(u: ClientUpdates, **kw) -> ClientUpdates:
+    d = {"vectors": u.vectors, "weights": u.weights, "cohort": u.cohort,
+         "grad_evals": u.grad_evals, "metrics": u.metrics, "extra": u.extra}
+    return ClientUpdates(**{**d, **kw})
+
+
+def _threads_run(problem, algorithm, rounds=3):
+    from partialfl.runtime.threads import ThreadBackend
+
+    with ThreadBackend(2) as be:
+        return run_rounds(problem, algorithm, rounds, seed=1, backend=be,
+                          max_failure_fraction=0.9)
+
+
+@pytest.mark.parametrize("g", [2 ** 20000, 2 ** 63 - 1, -10 ** 18], ids=["huge", "int64", "neg"])
+def test_a_grad_evals_out_of_range_is_one_counted_failure(g):
+    """``grad_evals`` was checked to be an integer only: a 6000-digit count went into the
+    run history, whose JSON write then failed (ValueError: exceeds the limit for integer
+    string conversion), and any count carried 64 bits of the client's w into the server's
+    log. Now a count outside [0, 2^53] (as the Flower codec bounds it) is that client's
+    counted failure, the other clients pass."""
+    res = _threads_run(_problem(), Forge(_alg(), lambda u: _with(u, grad_evals=g)))
+    assert res.faults.lost == 3 and res.state.round == 3
+    json.dumps(res.history)
+    assert all(0 <= h["grad_evals"] <= 2 ** 53 for h in res.history)
+
+
+@pytest.mark.parametrize("dtype", [np.longdouble, np.float16])
+def test_rows_in_another_dtype_than_theta_are_refused(dtype):
+    """Least squares (θ float64): float128 rows made θ float128."""
+    res = _threads_run(_problem(), Forge(_alg(), lambda u: _with(
+        u, vectors={n: v.astype(dtype) for n, v in u.vectors.items()})))
+    assert res.state.theta["theta"].dtype == np.float64 and res.faults.lost == 3
+
+
+def test_float64_rows_for_a_float32_model_are_one_counted_failure():
+    """A model (θ float32): one client sending its rows as float64 made θ float64, after
+    which every client computation of every later round failed (8 of 8 lost). Now that
+    client's rows are refused and θ stays float32."""
+    import torch
+    from _nn_toy import toy_data, toy_model
+
+    from partialfl.algorithms.model import FedAlt
+    from partialfl.local.sgd import SGDConfig
+    from partialfl.problems.model import ModelProblem
+    from partialfl.split import make_split
+
+    pb = ModelProblem(make_split(toy_model(0), "output"), toy_data(), vectorize=True)
+    alg = Forge(FedAlt(SGDConfig(lr=0.2, batch_size=4)), lambda u: _with(
+        u, vectors={n: v.double() for n, v in u.vectors.items()}))
+    from partialfl.runtime.threads import ThreadBackend
+
+    with ThreadBackend(2) as be:
+        res = run_rounds(pb, alg, 3, clients_per_round=4, seed=2, backend=be,
+                         max_failure_fraction=0.9)
+    assert all(v.dtype == torch.float32 for v in res.state.theta.values())
+    assert 1 <= res.faults.lost <= 3  # client TARGET's rounds only
+
+
+def test_the_flower_abort_after_one_node_huge_update_names_that_node(loopback):
+    """Under a plain mean, node 1 sending 1e300 left θ finite but huge; then node 0's honest
+    replies were non-finite and the abort named only partition 0 ("partitions lost: [0]").
+    Now the abort also names the step that grew ‖θ‖ and the partition of its largest
+    update."""
+    pytest.importorskip("flwr")
+    from partialfl.flower.codec import params_to_record
+    from partialfl.flower.report import RunAborted
+    from partialfl.flower.server import run_server
+
+    def tamper(partition, mtype, content):
+        if partition == 1 and mtype == "train":
+            content["vectors"] = params_to_record({n: np.full_like(a.numpy(), 1e300)
+                                                   for n, a in content["vectors"].items()})
+
+    with pytest.raises(RunAborted, match=r"grew .* from client \d+ \(partition 1\)"):
+        run_server(loopback(2, tamper=tamper),
+                   ls_run(6, eval_every=1, spec={"max_failure_fraction": 0.3}))
