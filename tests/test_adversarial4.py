@@ -133,3 +133,29 @@ def test_the_server_cannot_strip_local_dp_noise():
         noise = prng.generator(seed, "dp-noise", r, int(m)).standard_normal(d) * z * C
         clipped = rows[m] * min(1.0, C / np.linalg.norm(rows[m]))
         assert not np.allclose(up.vectors["theta"][i] - noise, clipped, rtol=1e-6)
+
+
+def test_an_out_folder_the_system_refuses_is_one_line(tmp_path, capsys):
+    """An ``--out`` path the system refuses (here a symlink loop; also a read-only or
+    unwritable place such as /sys) ended in an OSError traceback."""
+    from test_adversarial import _LS, _run
+
+    spec = tmp_path / "ls.toml"
+    spec.write_text(_LS)
+    (tmp_path / "loop").symlink_to("loop")
+    rc, err = _run(["run", spec, "--out", tmp_path / "loop" / "x"], capsys)
+    err = [e for e in err if "rows)" not in e]  # the progress bar of building the problem
+    assert rc == 2 and len(err) == 1 and "symbolic links" in err[0], err
+
+
+def test_a_symlink_loop_in_a_store_is_a_store_error(tmp_path):
+    """A store file that is a symlink to itself raised RuntimeError from Path.resolve."""
+    from test_store_integrity import _store
+
+    from partialfl.data.store import StoreError, open_store
+
+    path = _store(tmp_path)
+    (path / "train_x.bin").unlink()
+    (path / "train_x.bin").symlink_to("train_x.bin")
+    with pytest.raises(StoreError, match="broken symlink"):
+        open_store(path)
