@@ -159,3 +159,20 @@ def test_a_symlink_loop_in_a_store_is_a_store_error(tmp_path):
     (path / "train_x.bin").symlink_to("train_x.bin")
     with pytest.raises(StoreError, match="broken symlink"):
         open_store(path)
+
+
+@pytest.mark.parametrize("header", [
+    '{"a": {"dtype": "F32", "shape": [1], "data_offsets": [0, ' + "9" * 5000 + "]}}",
+    '{"__metadata__": {}, "z": ' + "9" * 5000 + "}"])
+def test_a_safetensors_header_with_a_huge_integer_is_a_file_format_error(tmp_path, header):
+    """json.loads raises a plain ValueError (not JSONDecodeError) for an integer of more than
+    4300 digits: load_tensors let it through instead of its FileFormatError, which the
+    checkpoint readers catch (a Flower resume then crashed instead of refusing the file)."""
+    import struct
+
+    from partialfl.io import FileFormatError, load_tensors
+
+    p = tmp_path / "t.safetensors"
+    p.write_bytes(struct.pack("<Q", len(header)) + header.encode() + bytes(8))
+    with pytest.raises(FileFormatError, match="corrupt safetensors header"):
+        load_tensors(p)
