@@ -211,3 +211,28 @@ def test_monna_trusted_index_is_never_a_byzantine_client():
 def test_monna_with_a_dropped_row_before_its_trusted_index_keeps_running():
     res = _monna_run(3, 7, "inf")
     assert res.state.round == 6
+
+
+@pytest.mark.parametrize("growth", [{"factor": "x"}, {"factor": 2e3, "where": "round 0",
+                                                      "to": "y", "client": "z", "norm": 1.0}])
+def test_a_checkpoint_with_a_malformed_growth_record_is_refused(loopback, tmp_path, growth):
+    """The fault log's growth record (the server step that grew ‖θ‖ most) was checked to be
+    a table only: a resumed Flower run then crashed at its first server step with TypeError
+    ('>' between float and str) or, naming a client that is not an id, IndexError. Now the
+    resume is refused with one line (CheckpointError), as for the other counters."""
+    pytest.importorskip("flwr")
+    from test_faults_flower import _body, craft
+
+    from partialfl.flower.checkpoint import CheckpointError
+    from partialfl.flower.report import ServerStopped
+    from partialfl.flower.server import run_server
+    from partialfl.io import encode_state
+
+    run = ls_run(4, checkpoint_every=1, out_dir=str(tmp_path))
+    with pytest.raises(ServerStopped):
+        run_server(loopback(2), {**run, "fault-injection": "stop:round=1"})
+    skeleton, _ = encode_state(growth)
+    craft(tmp_path, server=lambda m, t: _body(m)["faults"]["dict"].__setitem__("growth",
+                                                                                 skeleton))
+    with pytest.raises(CheckpointError, match="fault counter 'growth' is malformed"):
+        run_server(loopback(2), {**run, "resume": True})

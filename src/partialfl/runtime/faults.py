@@ -114,6 +114,17 @@ def finite_mask(updates: ClientUpdates) -> np.ndarray:
     return ok
 
 
+def _growth_ok(g: Any) -> bool:
+    """Whether ``g`` is a growth record as :meth:`FaultLog.server_step` writes it (empty, or
+    its five entries with their types: a saved one is compared and formatted later)."""
+    if g == {}:
+        return True
+    num = (int, float)
+    return (isinstance(g, dict) and set(g) == {"factor", "where", "to", "client", "norm"}
+            and all(type(g[k]) in num and g[k] >= 0 for k in ("factor", "to", "norm"))
+            and isinstance(g["where"], str) and type(g["client"]) is int and g["client"] >= 0)
+
+
 @dataclass
 class FaultLog:
     """Counts of client computations and of those lost, with the abort rule."""
@@ -154,7 +165,7 @@ class FaultLog:
         if not isinstance(rec, dict):
             raise ValueError(f"fault counters are not a table: {type(rec).__name__}")
         for k, v in rec.items():
-            ok = (isinstance(v, str) if k == "first" else isinstance(v, dict) if k == "growth"
+            ok = (isinstance(v, str) if k == "first" else _growth_ok(v) if k == "growth"
                   else type(v) is int and v >= 0)
             if not ok:
                 raise ValueError(f"fault counter {k!r} is malformed: {v!r:.60}")
