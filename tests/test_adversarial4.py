@@ -269,3 +269,19 @@ def test_a_two_client_node_evaluation_does_not_reveal_each_client():
 
     splits = [t1 for t1 in range(1, T) if consistent(t1)]
     assert len(splits) > 2, splits  # not identified (with the ratio sum: only 7 and 20)
+
+
+@pytest.mark.parametrize("line", ["[" * 100000 + "]" * 100000, "[1, 2]", '"text"',
+                                  '{"round": ' + "9" * 5000 + "}"],
+                         ids=["deep", "list", "string", "huge-int"])
+def test_a_damaged_metrics_log_is_a_file_format_error(tmp_path, line):
+    """read_jsonl (report, compare, resume) let a line of deeply nested JSON through as
+    RecursionError and a line that is a list or a string as AttributeError: `partialfl
+    report` on such a run folder ended in a traceback."""
+    from partialfl.io import FileFormatError
+    from partialfl.runtime.logging import read_jsonl
+
+    p = tmp_path / "stage2.jsonl"
+    p.write_text('{"round": 0, "test_acc": 0.5}\n' + line + "\n")
+    with pytest.raises(FileFormatError, match="line 2: not a JSON record"):
+        read_jsonl(p)
