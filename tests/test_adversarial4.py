@@ -285,3 +285,23 @@ def test_a_damaged_metrics_log_is_a_file_format_error(tmp_path, line):
     p.write_text('{"round": 0, "test_acc": 0.5}\n' + line + "\n")
     with pytest.raises(FileFormatError, match="line 2: not a JSON record"):
         read_jsonl(p)
+
+
+@pytest.mark.parametrize("text", ["[1, 2, 3]", '"hello"', "7"], ids=["list", "string", "int"])
+@pytest.mark.parametrize("name", ["metrics.json", "config.json", "new_clients.json"])
+def test_a_run_folder_json_file_that_is_not_an_object_is_one_line(tmp_path, capsys, name,
+                                                                   text):
+    """`partialfl compare` (also report, evaluate) on a run folder whose metrics.json,
+    config.json or new_clients.json holds valid JSON that is not an object (a file damaged
+    by hand) ended in AttributeError or TypeError tracebacks."""
+    from test_adversarial import _run
+
+    run = tmp_path / "run"
+    run.mkdir()
+    (run / "deploy.safetensors").write_bytes(b"")  # compare looks for it only
+    for f, obj in (("config.json", '{"method": "ffgg", "seed": 0}'),
+                   ("metrics.json", '{"test_acc": 0.5, "client_ids": [1, 2]}'),
+                   ("new_clients.json", '{"test_acc": 0.4}')):
+        (run / f).write_text(text if f == name else obj)
+    rc, err = _run(["compare", run], capsys)
+    assert rc == 2 and len(err) == 1 and "is not a JSON object" in err[0], err
