@@ -125,18 +125,25 @@ def write_json(path: str | Path, obj: Any, **dumps_kw: Any) -> None:
     write_text(path, json.dumps(obj, **dumps_kw))
 
 
-def read_json(path: str | Path) -> Any:
-    """JSON from ``path``; a missing file gives FileNotFoundError, a bad one FileFormatError."""
+def read_json(path: str | Path) -> dict[str, Any]:
+    """The JSON object in ``path`` (every JSON file of the project holds one); a missing file
+    gives FileNotFoundError, a bad one — not JSON, or JSON that is not an object (a list or a
+    string crashed the readers with AttributeError) — FileFormatError."""
     path = Path(path)
     if not path.is_file():
         raise FileNotFoundError(f"{path} not found")
     try:
-        return json.loads(path.read_text(encoding="utf-8"))
-    except (json.JSONDecodeError, UnicodeDecodeError) as e:
-        raise FileFormatError(f"{path} is not valid JSON (truncated or corrupt?): {e}") from None
+        obj = json.loads(path.read_text(encoding="utf-8"))
+    except ValueError as e:  # JSONDecodeError, UnicodeDecodeError, an integer of > 4300 digits
+        raise FileFormatError(f"{path} is not valid JSON (truncated or corrupt?): "
+                              f"{str(e)[:200]}") from None
     except RecursionError:
         raise FileFormatError(f"{path} is nested too deeply to be a file of this project"
                               ) from None
+    if not isinstance(obj, dict):
+        raise FileFormatError(f"{path} is not a JSON object (a {type(obj).__name__}): damaged "
+                              "or not a file of this project")
+    return obj
 
 
 def savefig(fig, path: str | Path, **kw: Any) -> None:
@@ -174,7 +181,7 @@ def _check_safetensors_header(path: Path, data: bytes) -> dict:
         raise FileFormatError(f"{path} is truncated or not a safetensors file")
     try:
         header = json.loads(data[8:8 + n])
-    except (json.JSONDecodeError, UnicodeDecodeError, RecursionError):
+    except (ValueError, RecursionError):  # (ValueError: also an integer of > 4300 digits)
         raise FileFormatError(f"{path} has a corrupt safetensors header") from None
     if not isinstance(header, dict):
         raise FileFormatError(f"{path} has a corrupt safetensors header (not a JSON object)")

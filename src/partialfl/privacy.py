@@ -47,6 +47,9 @@ from partialfl.types import ClientUpdates
 #: per-client scalars a client may report (each aggregated over its own examples)
 CLIENT_METRICS = frozenset({"train_loss"})
 
+#: the most local gradient evaluations one message may claim (2^53: exact as a float)
+MAX_GRAD_EVALS = 2**53
+
 
 class PrivacyError(ValueError):
     """A client message carries something that is not allowed to leave a client."""
@@ -79,10 +82,14 @@ def tree_refusal(tree, theta: Mapping | Collection[str], k: int, where: str) -> 
             if tuple(v.shape) != want:
                 return (f"client message field {where}[{n!r}] has shape {tuple(v.shape)}, "
                         f"not one θ-shaped row per client {want}")
+            if arrays.is_torch(v) != arrays.is_torch(theta[n]) or v.dtype != theta[n].dtype:
+                # (float64 rows made a float32 θ float64 and every later client failed)
+                return (f"client message field {where}[{n!r}] is {type(v).__name__} of "
+                        f"{v.dtype}, θ is {type(theta[n]).__name__} of {theta[n].dtype}")
     return None
 
 
-def _scalars_refusal(updates: ClientUpdates, k: int) -> str | None:
+def scalars_refusal(updates: ClientUpdates, k: int) -> str | None:
     """Why the message's bookkeeping may not pass (None: it may): ``cohort`` one integer id
     per client, ``weights`` one real number per client, ``grad_evals`` one integer — each
     of these channels carries nothing else (e.g. w as a ``[k, d]`` weight or a string)."""
@@ -96,6 +103,9 @@ def _scalars_refusal(updates: ClientUpdates, k: int) -> str | None:
     g = updates.grad_evals
     if isinstance(g, bool | np.bool_) or not isinstance(g, int | np.integer):
         return f"client message field grad_evals must be one integer, got {type(g).__name__}"
+    if not 0 <= g <= MAX_GRAD_EVALS:  # (a 6000-digit count crashed the run log's JSON)
+        shown = int(g) if abs(g) < 10**30 else "a number of more than 30 digits"
+        return f"client message field grad_evals must be in [0, {MAX_GRAD_EVALS}], got {shown}"
     return None
 
 
@@ -105,7 +115,7 @@ def screen(updates: ClientUpdates, theta: Mapping | Collection[str], algorithm=N
     docstring), ``reason`` why the first refused one may not (None if all pass). ``theta``:
     the server's θ (shapes are checked) or just its leaf names."""
     k = len(updates.cohort)
-    why = _scalars_refusal(updates, k) or tree_refusal(updates.vectors, theta, k, "vectors")
+    why = scalars_refusal(updates, k) or tree_refusal(updates.vectors, theta, k, "vectors")
     declared = frozenset(getattr(algorithm, "extra_names", ()))
     for e, tree in updates.extra.items():
         if why is not None:

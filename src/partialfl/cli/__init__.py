@@ -67,6 +67,9 @@ def main(argv: list[str] | None = None) -> int:
         # cohort failed before any client succeeded (FaultLog.raise_if_systematic)
         print(f"partialfl: error: {str(e).splitlines()[0]}", file=sys.stderr)
         return 1
+    except OSError as e:  # a path the system refuses (no permission, a symlink loop, EIO)
+        print(f"partialfl: error: {e}", file=sys.stderr)
+        return 2
     except RuntimeError as e:  # a Flower run that failed: its cause, in one line
         env = sys.modules.get("partialfl.flower.env")
         if env is None or not isinstance(e, env.FlowerRunError):

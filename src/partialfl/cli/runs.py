@@ -18,7 +18,10 @@ def _evaluator(data):
 
         src = run / "source.json"
         if code_allowed() and src.is_file():  # the model module beside the run's config
-            config_folder_on_path(Path(pio.read_json(src)["config"]).parent)
+            config = pio.read_json(src).get("config")
+            if not isinstance(config, str):
+                raise pio.FileFormatError(f"{src} names no config file (damaged?)")
+            config_folder_on_path(Path(config).parent)
         return evaluate_train_run(run, data, **kw)
 
     def pick(run: Path):

@@ -5,9 +5,9 @@ never sent) and replies with sums and counts over at least
 it holds fewer (counted: ``eval_withheld_nodes`` in the round's record, ``eval_withheld`` in
 the summary). The server adds the sums up: least squares → means over the evaluated clients
 (``eval_loss``, ``eval_loss_gap``); model problems →
-:func:`partialfl.flower.models.summarize_sums` (pooled accuracy and loss, mean per-client
-accuracy). Percentiles over clients are not computed on Flower: they would need per-client
-values (or a fine histogram of them) to reach the server.
+:func:`partialfl.flower.models.summarize_sums` (pooled accuracy and loss). The mean and
+percentiles over clients are not computed on Flower: they would need per-client values (or a
+fine histogram, or a sum of per-client ratios, of them) to reach the server.
 """
 
 from __future__ import annotations

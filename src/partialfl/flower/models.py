@@ -27,9 +27,11 @@ def evaluate_model_clients(rt, theta, round_: int) -> dict[str, Any]:
 def count_sums(per_client: dict[str, Any], min_clients: int = 1) -> dict[str, Any]:
     """The node's evaluation reply from its per-client counts (which stay on the node):
     ``clients``, ``correct.sum``, ``total.sum``, ``loss_sum.sum``, ``loss_weight.sum`` and
-    ``acc.sum`` / ``acc.count`` (Σ and number of per-client accuracies over the clients with
-    test data) — or ``{}`` (withheld) when fewer than ``min_clients`` clients have test data,
-    so no reply is about fewer clients than that."""
+    ``acc.count`` (the number of clients with test data) — or ``{}`` (withheld) when fewer
+    than ``min_clients`` clients have test data, so no reply is about fewer clients than that.
+    Linear sums only: the sum of the per-client accuracies c_m/t_m, sent with Σ c_m and Σ t_m,
+    gave the server each client's exact c_m and t_m on a node of two clients (the default
+    eval-min-clients) — so the mean per-client accuracy is not computed on Flower."""
     counts = {k: np.asarray(v, dtype=np.float64) for k, v in per_client.items()}
     t = counts["total"]
     acc = counts["correct"][t > 0] / t[t > 0]
@@ -37,14 +39,13 @@ def count_sums(per_client: dict[str, Any], min_clients: int = 1) -> dict[str, An
         return {}
     out: dict[str, Any] = {"clients": float(len(t))}
     out.update({f"{k}.sum": float(v.sum()) for k, v in counts.items()})
-    out["acc.sum"], out["acc.count"] = float(acc.sum()), float(acc.size)
+    out["acc.count"] = float(acc.size)
     return out
 
 
 def summarize_sums(sums: dict[str, Any]) -> dict[str, float]:
-    """The server's evaluation metrics from the nodes' summed counts: pooled accuracy, loss
-    and the mean per-client accuracy (exact). No percentiles over clients: they would need
-    per-client values at the server, which the SuperNodes do not send."""
+    """The server's evaluation metrics from the nodes' summed counts: pooled accuracy and
+    loss. No mean or percentiles over clients: they need per-client values (see
+    :func:`count_sums`), which the SuperNodes do not send."""
     return {"eval_acc": sums["correct.sum"] / max(sums["total.sum"], 1e-12),
-            "eval_acc_client_mean": sums["acc.sum"] / max(sums["acc.count"], 1.0),
             "eval_loss": sums["loss_sum.sum"] / max(sums["loss_weight.sum"], 1e-12)}

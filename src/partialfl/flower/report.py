@@ -206,12 +206,15 @@ def record_failure(report: FlowerRunReport, round_: int, kind: str, partition: i
     return f
 
 
-def check_failures(cfg: FlowerConfig, report: FlowerRunReport) -> None:
-    """Abort once more than ``max-failure-fraction`` of the requested updates failed."""
+def check_failures(cfg: FlowerConfig, report: FlowerRunReport, cause: str = "") -> None:
+    """Abort once more than ``max-failure-fraction`` of the requested updates failed;
+    ``cause``: the likely cause beyond the failures (the server step that grew ‖θ‖ most:
+    honest nodes fail after one node's huge update, and only this names that node)."""
     asked = report.requested_client_updates
     lost = report.failed_client_updates
     if asked and lost / asked > cfg.max_failure_fraction:
         raise RunAborted(
             f"{lost} of {asked} requested client updates failed ({lost / asked:.0%} > "
             f"max-failure-fraction {cfg.max_failure_fraction:g}); failures by kind "
-            f"{report.failure_counts}, partitions lost: {report.lost_partitions or 'none'}")
+            f"{report.failure_counts}, partitions lost: {report.lost_partitions or 'none'}"
+            + (f"; {cause}" if cause else ""))

@@ -128,13 +128,22 @@ class FlowerRounds:
         loss = train_loss([m for _, m in replies])
         if loss is not None:
             self.last["train_loss"] = loss
-        check_failures(self.cfg, report)
+        check_failures(self.cfg, report, self.growth(faults))
         if not ups:
             report.skipped_rounds += 1
             log.warning("partialfl: round %d: no update arrived; θ unchanged", r)
             return None, np.arange(0)
         updates = merge(ups)
         return ClientResult(updates), np.searchsorted(cohort, np.asarray(updates.cohort))
+
+    def growth(self, faults) -> str:
+        """The fault log's largest ‖θ‖ growth (if 1000× or more), its client's partition
+        named."""
+        c = faults.growth.get("client") if faults is not None else None
+        if c is None:
+            return ""
+        node = self.fed.order[int(self.fed.owner[c])]
+        return faults.growth_text(f" (partition {self.fed.partition(node)})")
 
     def _secagg_round(self, algorithm, state, cohort, r, faults):
         """The round over SecAgg+ (:func:`partialfl.flower.secagg.secagg_round`): the round's

@@ -15,7 +15,7 @@ import numpy as np
 
 from partialfl.algorithms.base import ClientResult, RoundContext, ServerState, concat_results
 from partialfl.batching import map_clients
-from partialfl.privacy import PrivacyError, tree_refusal
+from partialfl.privacy import PrivacyError, scalars_refusal, tree_refusal
 from partialfl.types import ClientUpdates, Params
 
 
@@ -62,8 +62,9 @@ def checked(res, clients: np.ndarray, theta=None) -> ClientResult:
         raise MalformedResult(f"the result is for clients {ids.tolist()[:8]}, asked for "
                               f"{sorted(asked)[:8]} (each at most once)")
     k = len(ids)
-    if theta:  # rows that are not θ-shaped: the privacy screen's refusal, raised here
-        why = tree_refusal(u.vectors, theta, k, "vectors")
+    if theta:  # rows that are not θ-shaped, a grad_evals out of range: the privacy
+        # screen's refusal, raised here (the merged cohort's message would refuse them all)
+        why = scalars_refusal(u, k) or tree_refusal(u.vectors, theta, k, "vectors")
         if why is not None:
             raise PrivacyError(why)
     why = (_rows(u.vectors, k, "vectors") or _rows(u.metrics, k, "metrics")

@@ -114,6 +114,17 @@ def finite_mask(updates: ClientUpdates) -> np.ndarray:
     return ok
 
 
+def _growth_ok(g: Any) -> bool:
+    """Whether ``g`` is a growth record as :meth:`FaultLog.server_step` writes it (empty, or
+    its five entries with their types: a saved one is compared and formatted later)."""
+    if g == {}:
+        return True
+    num = (int, float)
+    return (isinstance(g, dict) and set(g) == {"factor", "where", "to", "client", "norm"}
+            and all(type(g[k]) in num and g[k] >= 0 for k in ("factor", "to", "norm"))
+            and isinstance(g["where"], str) and type(g["client"]) is int and g["client"] >= 0)
+
+
 @dataclass
 class FaultLog:
     """Counts of client computations and of those lost, with the abort rule."""
@@ -154,7 +165,7 @@ class FaultLog:
         if not isinstance(rec, dict):
             raise ValueError(f"fault counters are not a table: {type(rec).__name__}")
         for k, v in rec.items():
-            ok = (isinstance(v, str) if k == "first" else isinstance(v, dict) if k == "growth"
+            ok = (isinstance(v, str) if k == "first" else _growth_ok(v) if k == "growth"
                   else type(v) is int and v >= 0)
             if not ok:
                 raise ValueError(f"fault counter {k!r} is malformed: {v!r:.60}")
@@ -222,14 +233,19 @@ class FaultLog:
                                "client": int(updates.cohort[i]), "norm": float(norms[i])}
         return bad
 
+    def growth_text(self, owner: str = "") -> str:
+        """The server step that grew ‖θ‖ most, if it grew it 1000× (else ""): the likely
+        cause when honest clients fail after it. ``owner``: where its client lives."""
+        g = self.growth
+        if g.get("factor", 1.0) < 1e3:
+            return ""
+        return (f"‖θ‖ grew ×{g['factor']:.3g} (to {g['to']:.3g}) at {g['where']}, whose "
+                f"largest update came from client {g['client']}{owner} (norm {g['norm']:.3g})")
+
     def cause(self) -> str:
         """The first fault, and the server step that grew ‖θ‖ most if it grew it 1000×."""
         parts = [self.first_error_text] if self.first_error_text else []
-        g = self.growth
-        if g.get("factor", 1.0) >= 1e3:
-            parts.append(f"‖θ‖ grew ×{g['factor']:.3g} (to {g['to']:.3g}) at {g['where']}, "
-                         f"whose largest update came from client {g['client']} (norm "
-                         f"{g['norm']:.3g})")
+        parts += [t] if (t := self.growth_text()) else []
         return "; ".join(parts) or "no client error recorded"
 
     def diverged(self, where: str, bad: list[str]) -> str:

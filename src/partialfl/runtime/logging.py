@@ -109,14 +109,17 @@ def read_jsonl(path: str | Path) -> list[dict[str, Any]]:
     from partialfl.io import FileFormatError
 
     out = []
-    with open(path) as f:
+    with open(path, encoding="utf-8", errors="replace") as f:
         for i, line in enumerate(f, 1):
             if line.strip():
-                try:
+                try:  # (ValueError: also an integer of more than 4300 digits)
                     rec = json.loads(line)
-                except json.JSONDecodeError as e:
+                except (ValueError, RecursionError) as e:
                     raise FileFormatError(f"{path}, line {i}: not a JSON record (truncated?): "
-                                          f"{e}") from None
+                                          f"{str(e)[:200]}") from None
+                if not isinstance(rec, dict):  # a list or a string crashed the readers
+                    raise FileFormatError(f"{path}, line {i}: not a JSON record (an object): "
+                                          f"a {type(rec).__name__}")
                 for k, v in rec.items():
                     if v in ("nan", "inf", "-inf"):
                         rec[k] = float(v)

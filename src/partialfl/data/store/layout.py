@@ -159,7 +159,10 @@ def safe_file(root: Path, name: Any, where: str) -> Path:
                          "files are plain names inside the store folder")
     fp = root / name
     if fp.is_symlink():
-        real, top = fp.resolve(), root.resolve()
+        try:
+            real, top = fp.resolve(strict=True), root.resolve()
+        except (OSError, RuntimeError) as e:  # a symlink loop, a dangling link
+            raise StoreError(f"{fp}: a broken symlink ({e})") from None
         if real.parent != top:
             raise StoreError(f"{fp}: a symlink out of the store folder (to {real})")
     return fp
