@@ -26,7 +26,8 @@ from partialfl.runtime import read_jsonl
 pytestmark = pytest.mark.data
 
 TINY = replace(QUICK, max_clients=4, max_train=64, vocab_size=100, pretrain_rounds=2, rounds=1,
-               clients_per_round=2, d_model=8, d_ff=16, threads=1)
+               clients_per_round=2, d_model=8, d_ff=16, threads=1,
+               adapter_dim=3)  # not the split's own default (4): the size's must reach the runs
 
 
 def _data_dir():

@@ -241,3 +241,31 @@ def test_transformer_split_builds_adapted_copy_from_pretrained():
         assert transformer_split(base, kind).model is base
     with pytest.raises(ValueError, match="unknown transformer split options"):
         transformer_split(base, "adapter", {"rank": 3})
+
+
+def test_table_split_fn_gives_the_sizes_bottleneck_to_every_run_spec():
+    """The Shakespeare table's split_fn: a run spec's adapter split leaves ``adapter_dim`` at
+    None, and the size's bottleneck must then be the one trained (a None in the spec once
+    overrode it, and the table trained the split's default, d_model/16)."""
+    from partialfl.build.task import split_of
+    from partialfl.reproductions.matched import with_matched
+    from partialfl.reproductions.shakespeare import METHODS, size_split_fn
+
+    split_fn = size_split_fn(7)
+    model = _model()
+    seen = 0
+    for label, method in with_matched(METHODS):
+        for finetune in (False, True):
+            if finetune and method.finetune_split is None:
+                continue
+            kind, options = split_of(method, finetune=finetune)
+            if kind != "adapter":
+                continue
+            split = split_fn(model, kind, options)
+            down = [p for n, p in split.model.named_parameters() if n.endswith("down.weight")]
+            assert down and all(p.shape[0] == 7 for p in down), label
+            seen += 1
+    assert seen >= 2  # FFGG (adapter) and FedAvg + FT (adapter)
+    # an explicit bottleneck in the spec still wins
+    adapted = split_fn(model, "adapter", {"adapter_dim": 5}).model
+    assert {p.shape[0] for n, p in adapted.named_parameters() if n.endswith("down.weight")} == {5}

@@ -198,6 +198,17 @@ def stage_configs(size: Size):
     return pre, lambda method: pers, ft
 
 
+def size_split_fn(adapter_dim: int):
+    """The table's ``split_fn``: :func:`transformer_split` with the size's adapter bottleneck
+    wherever the run spec leaves the split's ``adapter_dim`` unset (None, its default)."""
+
+    def split_fn(model, kind, options):
+        opts = {k: v for k, v in options.items() if not (k == "adapter_dim" and v is None)}
+        return transformer_split(model, kind, {"adapter_dim": adapter_dim, **opts})
+
+    return split_fn
+
+
 def shakespeare_task(size: Size, data_dir=None):
     """``(Task, TextFederation)``: the data, the transformer factory, the token loss, the
     masked accuracy and the transformer split builder."""
@@ -211,19 +222,13 @@ def shakespeare_task(size: Size, data_dir=None):
             torch.manual_seed(torch_seed(seed, "model"))
             return TransformerLM(mcfg)
 
-    def split_fn(model, kind, options):
-        return transformer_split(model, kind, {"adapter_dim": size.adapter_dim, **options})
-
+    split_fn = size_split_fn(size.adapter_dim)
     data = "" if (size.corpus, size.task) == ("tiny", "word") else f"{size.corpus}-{size.task}-"
     name = (f"shakespeare-{data}V{len(tf.vocab)}-d{size.d_model}-L{size.num_layers}-"
             f"H{size.num_heads}-ff{size.d_ff}-a{size.adapter_dim}")
     task = Task(data=tf.dataset, model_fn=model_fn, loss_fn=token_cross_entropy,
                 metric=NextWordAccuracy(), split_fn=split_fn, name=name)
     return task, tf
-
-
-
-
 
 
 class ShakespeareTable(Table):
