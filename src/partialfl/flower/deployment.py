@@ -32,7 +32,7 @@ from typing import Any
 
 from partialfl.flower.config import parse_run_config
 from partialfl.flower.env import FlowerRunError, flower_env
-from partialfl.flower.node import ALLOW_IMPORTS_ENV
+from partialfl.flower.node import ALLOW_IMPORTS_ENV, NOISE_KEY_ENV
 from partialfl.flower.project import _toml_value, write_app
 
 
@@ -115,6 +115,9 @@ class LocalFederation:
         bindir = str(Path(sys.executable).parent)
         self.env = flower_env(FLWR_HOME=str(self.home),
                               PATH=bindir + os.pathsep + os.environ.get("PATH", ""))
+        # the nodes partialfl starts are the user's own: local DP noise from the run seed, so
+        # the run repeats the in-process one (a node started elsewhere keeps its key secret)
+        self.env[NOISE_KEY_ENV] = "seed"
         if allow_imports:  # the user's own spec names code: their own processes may import it
             from partialfl.build import ALLOW_CODE_ENV
 

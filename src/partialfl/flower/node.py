@@ -21,6 +21,13 @@ decides:
   by ``partialfl flower local``): every training client of the run in order, only this
   node's with examples. The node then reads nothing else (without it, the spec's ``[data]``
   is read and the node serves its partition by index).
+* ``dp-noise-key`` (node config, or the environment variable ``PARTIALFL_NODE_DP_NOISE_KEY``):
+  the key of the noise local DP adds on this node's clients — an integer, or ``seed`` for the
+  run's seed (the run then repeats the in-process one exactly; ``partialfl train --engine
+  flower-sim|flower`` sets it for the SuperNodes it starts itself). Unset: each node draws a
+  fresh secret key when it builds the run, which nothing sends, so the server cannot
+  regenerate the noise and subtract it (local DP then holds against the server too, and the
+  run does not repeat bit for bit).
 
 This module does not import ``flwr``.
 """
@@ -39,6 +46,8 @@ from partialfl.flower.config import ConfigError, node_partition
 
 #: the environment variable that lets a SuperNode import code named by a run's spec
 ALLOW_IMPORTS_ENV = "PARTIALFL_NODE_ALLOW_IMPORTS"
+#: the environment variable that sets a SuperNode's local-DP noise key (``dp-noise-key``)
+NOISE_KEY_ENV = "PARTIALFL_NODE_DP_NOISE_KEY"
 
 
 @dataclass(frozen=True)
@@ -50,6 +59,19 @@ class NodeOptions:
     allow_imports: bool = False
     eval_min_clients: int = 1
     data: str = ""
+    noise_key: int | str | None = None  # an integer, "seed" (the run seed) or None (secret)
+
+    def local_noise_key(self, run_seed: int) -> int:
+        """The key of this node's local-DP noise for a run of seed ``run_seed``: the operator's
+        integer, the run seed (``seed``), or a fresh secret (drawn per call: a node draws it
+        once per run it builds)."""
+        import secrets
+
+        if self.noise_key == "seed":
+            return int(run_seed)
+        if self.noise_key is None:
+            return secrets.randbits(63)
+        return int(self.noise_key)
 
 
 def _flag(v: Any, what: str) -> bool:
@@ -78,7 +100,20 @@ def node_options(node_config: Mapping[str, Any],
     if not isinstance(data, str):
         raise ConfigError(f"node-config 'data': got {data!r}; expected the path of the node's "
                           "client store")
-    return NodeOptions(part, nparts, allow, floor, data.strip())
+    key = node_config.get("dp-noise-key", env.get(NOISE_KEY_ENV))
+    return NodeOptions(part, nparts, allow, floor, data.strip(), _noise_key(key))
+
+
+def _noise_key(v: Any) -> int | str | None:
+    if v is None or (isinstance(v, str) and not v.strip()):
+        return None
+    text = str(v).strip()
+    if text == "seed":
+        return "seed"
+    if not isinstance(v, bool) and text.isdigit() and int(text) < 2**63:
+        return int(text)
+    raise ConfigError(f"node-config 'dp-noise-key' ({NOISE_KEY_ENV}): got {v!r}; expected an "
+                      "integer in [0, 2^63) or 'seed' (the run's seed)")
 
 
 def code_refs(spec: Mapping[str, Any]) -> list[tuple[str, str]]:

@@ -110,7 +110,7 @@ def node_contribution(rt, msg):
     from flwr.common import Code, FitRes, Status, ndarrays_to_parameters, parameters_to_ndarrays
 
     from partialfl import arrays
-    from partialfl.algorithms.base import RoundContext, ServerState
+    from partialfl.algorithms.base import ServerState
     from partialfl.flower.codec import aggregate_metrics
 
     ins = compat.recorddict_to_fitins(msg.content, keep_input=True)
@@ -130,7 +130,7 @@ def node_contribution(rt, msg):
 
         inject_faults(rt.cfg.fault_injection, rt.partition, r)
         up = rt.algorithm.client_update(ServerState(theta=theta, round=r), rt.problem, cohort,
-                                        RoundContext(rt.cfg.seed, r)).updates
+                                        rt.context(r)).updates
         a = (np.asarray(arrays.to_numpy(up.weights), dtype=np.float64)
              if rt.algorithm.aggregator.weighted else np.ones(len(cohort)))
         weight = float(a.sum())
