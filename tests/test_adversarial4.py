@@ -153,39 +153,76 @@ def test_a_safetensors_header_with_a_huge_integer_is_a_file_format_error(tmp_pat
         load_tensors(p)
 
 
-_MONNA_XFAIL = (
-    "design: a run spec's MoNNA index is a position in the cohort as the server receives it, "
-    "but cohorts are sampled (a Byzantine client occupies that position in some rounds: error "
-    "1e9 with index 0, seed 6, against 0.013 with the trimmed mean) and rows dropped before "
-    "the rule (non-finite, failed clients) shift the positions or leave fewer rows than the "
-    "index (a Byzantine client sending inf stops the run with 'trusted index 7 but only 6 "
-    "inputs'). A fix needs a trusted client id (never Byzantine, always in the cohort) mapped "
-    "to its row each round, or a server-held reference vector")
-
-
-def _monna_run(seed, index, attack):
+def _monna_run(seed, trusted, attack):
     from _flower_sims import in_process
 
     run = ls_run(6, 8, eval_every=1, spec={
-        "seed": seed, "aggregation": {"name": "monna", "delta": 0.25, "index": index},
+        "seed": seed, "aggregation": {"name": "monna", "delta": 0.25, "trusted": trusted},
         "attack": {"name": "byzantine", "fraction": 0.25, "attack": attack}})
-    return in_process(run)[1]
+    return in_process(run)
 
 
-@pytest.mark.xfail(strict=True, reason=_MONNA_XFAIL)
-def test_monna_trusted_index_is_never_a_byzantine_client():
+def test_monna_trusted_client_is_never_a_byzantine_client():
+    """A run spec's MoNNA ``index`` was a position in the cohort as the server received it,
+    but cohorts are sampled: with index 0 and seed 6 the client at position 0 was Byzantine
+    in some rounds (error 1e9, against 0.013 with the trimmed mean). Now the spec names a
+    trusted client id: never drawn Byzantine, in every cohort, its row found each round."""
     from partialfl.algorithms.byzantine import ByzantineConfig
     from partialfl.attacks import NoAttack
 
-    assert 0 in ByzantineConfig.sample(8, 0.25, 6, NoAttack()).clients  # position 0 hostile
-    res = _monna_run(6, 0, {"name": "gaussian", "sigma": 1e6})
+    assert 0 in ByzantineConfig.sample(8, 0.25, 6, NoAttack()).clients  # 0 would be hostile
+    assert 0 not in ByzantineConfig.sample(8, 0.25, 6, NoAttack(), exclude=0).clients
+    built, res = _monna_run(6, 0, {"name": "gaussian", "sigma": 1e6})
+    assert 0 not in built.algorithm.byzantine.clients
+    assert len(built.algorithm.byzantine.clients) == 2
     assert res.history[-1]["rel_dist2"] < 1.0
 
 
-@pytest.mark.xfail(strict=True, reason=_MONNA_XFAIL)
-def test_monna_with_a_dropped_row_before_its_trusted_index_keeps_running():
-    res = _monna_run(3, 7, "inf")
-    assert res.state.round == 6
+def test_monna_with_a_dropped_row_before_its_trusted_client_keeps_running():
+    """A Byzantine client sending inf was dropped before the rule, shifting the positions (or
+    leaving fewer rows than the index): the run stopped with 'trusted index 7 but only 6
+    inputs'. The trusted client's row is now found by id after the drops."""
+    built, res = _monna_run(3, 7, "inf")
+    assert res.state.round == 6 and res.state.extra["byz_dropped"] > 0
+    assert res.state.extra["byz_no_reference"] == 0
+    assert np.isfinite(res.history[-1]["rel_dist2"])
+
+
+def test_the_trusted_client_joins_every_cohort_and_a_round_without_it_is_skipped():
+    from partialfl.aggregation import MoNNA
+    from partialfl.algorithms.base import RoundContext, ServerState
+    from partialfl.algorithms.byzantine import ByzantineConfig, ByzantineRobust
+    from partialfl.algorithms.fedavg import FedAvg
+    from partialfl.sampling import sample_cohort
+    from partialfl.server import SGD
+    from partialfl.types import ClientUpdates
+
+    base = FedAvg(None, SGD(lr=1.0))  # server side only: Δθ rows, θ ← θ + mean
+    alg = ByzantineRobust(base, MoNNA(delta=0.25, trusted=5))
+    for r in range(20):
+        c = alg.sample_cohort(1, r, 10, 4)
+        assert 5 in c and len(c) == 4 and len(set(c.tolist())) == 4
+        plain = sample_cohort(1, r, 10, 4)
+        assert set(c.tolist()) == set(plain.tolist()) if 5 in plain else \
+            len(set(c.tolist()) & set(plain.tolist())) == 3
+    with pytest.raises(ValueError, match="client 5 is the aggregator's trusted client"):
+        ByzantineRobust(base, MoNNA(delta=0.25, trusted=5),
+                        ByzantineConfig((5,)))
+    # its row is found by id: the rule averages the rows nearest to client 5's
+    rows = np.array([[100.0], [1.0], [1.1], [0.9]])
+    with pytest.raises(ValueError, match="row is known only to the runtime"):
+        MoNNA(delta=0.25, trusted=5)(rows)
+    from partialfl.aggregation.distance import at_row
+
+    assert at_row(MoNNA(delta=0.25, trusted=5), 2)(rows)[0] == pytest.approx(1.0)
+    # a round without the trusted client keeps θ and is counted
+    theta = {"x": np.zeros(1)}
+    up = ClientUpdates({"x": rows}, np.ones(4), np.array([0, 1, 2, 3]))
+    new = alg.server_update(ServerState(theta, None, 0, {}), up, RoundContext(0, 0))
+    assert new.theta["x"][0] == 0.0 and new.extra["byz_no_reference"] == 1
+    up = ClientUpdates({"x": rows}, np.ones(4), np.array([0, 1, 5, 3]))
+    new = alg.server_update(ServerState(theta, None, 0, {}), up, RoundContext(0, 0))
+    assert new.theta["x"][0] == pytest.approx(1.0)  # θ + the mean of the 3 rows nearest 1.1
 
 
 @pytest.mark.parametrize("growth", [{"factor": "x"}, {"factor": 2e3, "where": "round 0",
@@ -280,3 +317,14 @@ def test_a_run_folder_json_file_that_is_not_an_object_is_one_line(tmp_path, caps
         (run / f).write_text(text if f == name else obj)
     rc, err = _run(["compare", run], capsys)
     assert rc == 2 and len(err) == 1 and "is not a JSON object" in err[0], err
+
+
+def test_a_run_refuses_monna_by_cohort_position():
+    """``index`` (a row position) stays for the rule used alone; a training run refuses it,
+    since a sampled cohort puts an attacker at that position in some rounds."""
+    from _flower_sims import in_process
+
+    run = ls_run(2, 8, spec={"aggregation": {"name": "monna", "delta": 0.25, "index": 0},
+                             "attack": {"name": "byzantine", "fraction": 0.25}})
+    with pytest.raises(Exception, match="give trusted=<client id> instead"):
+        in_process(run)

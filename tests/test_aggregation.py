@@ -294,7 +294,7 @@ def test_factory_builds_every_rule_and_wrappers():
     for name, s, nnm in itertools.product(_names("aggregator"), (1, 2), (False, True)):
         kw = {"index": 0} if name == "monna" else {}
         if name == "monna" and s > 1:  # the trusted index would be a random bucket mean
-            with pytest.raises(ValueError, match="trusted index would point at a bucket mean"):
+            with pytest.raises(ValueError, match="trusted input would be a bucket mean"):
                 make_aggregator(name, delta=0.15, bucketing=s, nnm=nnm, **kw)
             continue
         agg = make_aggregator(name, delta=0.15, bucketing=s, nnm=nnm, seed=1, **kw)

@@ -154,9 +154,10 @@ def test_monna_needs_a_reference_the_server_chose():
         MoNNA(0.1, reference=np.zeros(4))(np.ones((10, 3)), None)
     with pytest.raises(ValueError, match="reference vector contains NaN"):
         MoNNA(0.1, reference=[0.0, np.nan])
-    # Under bucketing the trusted index would be a random bucket mean: refused.
-    with pytest.raises(ValueError, match="trusted index would point at a bucket mean"):
-        make_aggregator("monna", delta=0.1, index=0, bucketing=2)
+    # Under bucketing the trusted input would be a random bucket mean: refused.
+    for key in ("index", "trusted"):
+        with pytest.raises(ValueError, match="trusted input would be a bucket mean"):
+            make_aggregator("monna", delta=0.1, bucketing=2, **{key: 0})
     agg = make_aggregator("monna", delta=0.1, index=0)
     assert np.abs(agg(with_attacker(20, row=5), None)).max() < 10
 

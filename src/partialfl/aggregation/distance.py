@@ -14,13 +14,14 @@ by every rule in :mod:`partialfl.aggregation.rules`.
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 import numpy as np
 
 from partialfl.aggregation.common import (
     NonFiniteInputError,
+    chain_of,
     check_delta,
     check_int,
     check_limit,
@@ -201,6 +202,11 @@ class MoNNA:
 
     * ``index``: the position among the inputs of one the server trusts (its own update, placed
       there by the server); it counts among the k − f (first among its ties; byzfl's ``idx``);
+    * ``trusted``: the id of a client the server trusts (e.g. the server's own data as a
+      client) — what a run spec gives: :class:`~partialfl.algorithms.byzantine.ByzantineRobust`
+      puts it in every cohort, never makes it Byzantine and maps it to its row each round
+      (:func:`at_row`); a round it did not reply in is skipped and counted (cohorts are sampled
+      and rows dropped, so a fixed position would sometimes be an attacker's);
     * ``reference``: a vector ``[d]`` the server holds (e.g. its update on its own data), not an
       input.
 
@@ -213,18 +219,23 @@ class MoNNA:
     index: int | None = None
     reference: Any = field(default=None, compare=False, repr=False)
     allow_unprotected: bool = False
+    trusted: int | None = None
     name = "monna"
 
     def __post_init__(self) -> None:
         check_delta(self.delta, "monna")
         check_flag(self.allow_unprotected, "monna: allow_unprotected")
-        if (self.index is None) == (self.reference is None):
+        given = [self.index is not None, self.reference is not None, self.trusted is not None]
+        if sum(given) != 1:
             raise ValueError(
-                "monna: needs exactly one trusted reference chosen by the server: index=i (the "
-                "position of an input the server trusts, e.g. its own update) or reference="
-                "vector [d] (held by the server); a client's row may be Byzantine"
+                "monna: needs exactly one trusted reference chosen by the server: trusted=id "
+                "(a client the server trusts), index=i (the position of an input the server "
+                "trusts, e.g. its own update) or reference=vector [d] (held by the server); a "
+                "sampled client's row may be Byzantine"
             )
-        if self.index is not None:
+        if self.trusted is not None:
+            check_int(self.trusted, "monna: trusted", 0)
+        elif self.index is not None:
             check_int(self.index, "monna: index", 0)
         else:
             ref = np.asarray(self.reference, dtype=np.float64).reshape(-1)
@@ -240,6 +251,9 @@ class MoNNA:
         # rows checked for NaN/inf by the distance pass itself
         X, _, restore = prepare(vectors, weights, "monna", check_finite=False)
         k = len(X)
+        if self.trusted is not None:
+            raise ValueError(f"monna: trusted client {self.trusted} is a client id; its row is "
+                             "known only to the runtime (ByzantineRobust maps it each round)")
         if self.index is not None:
             if self.index >= k:
                 raise ValueError(f"monna: trusted index {self.index} but only {k} inputs")
@@ -256,6 +270,23 @@ class MoNNA:
             dist = dists_to(X, self.reference, "monna")
         nn = np.sort(np.argsort(dist, kind="stable")[: k - self.tolerated(k)])
         return restore(mean_rows(X, nn))
+
+
+def trusted_client(agg) -> int | None:
+    """The client id a rule (or a chain of wrappers around it) trusts (MoNNA's ``trusted``)."""
+    for rule in chain_of(agg):
+        t = getattr(rule, "trusted", None)
+        if t is not None:
+            return int(t)
+    return None
+
+
+def at_row(agg, row: int):
+    """``agg`` with its trusted client mapped to input position ``row`` (through wrappers)."""
+    if getattr(agg, "trusted", None) is not None:
+        return replace(agg, trusted=None, index=int(row))
+    inner = getattr(agg, "inner", None)
+    return agg if inner is None else replace(agg, inner=at_row(inner, row))
 
 
 @dataclass(frozen=True)
@@ -293,8 +324,12 @@ class SubsetOptions(AggregatorOptions):
 class MoNNAOptions(AggregatorOptions):
     """MoNNA's trusted row."""
 
-    index: int | None = option(None, "the cohort position of a client the server trusts "
-                               "(required: MoNNA needs an honest reference)")
+    trusted: int | None = option(None, "the id of a client the server trusts (a run needs it: "
+                                 "MoNNA needs an honest reference; it joins every cohort and "
+                                 "is never Byzantine)")
+    index: int | None = option(None, "the rule used alone on rows you pass: the position of "
+                               "the row you trust (a training run refuses it: its cohorts "
+                               "are sampled and rows dropped, so use trusted)")
 
 
 register_rule("krum", Krum, KrumOptions, doc="Krum (Blanchard et al. 2017): the row with the "

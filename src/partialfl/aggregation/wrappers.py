@@ -92,12 +92,13 @@ class Bucketing:
             raise ValueError(f"bucketing: bucket size s must be an integer >= 1, got {self.s!r}")
         if not callable(self.inner):
             raise TypeError(f"bucketing: inner aggregator must be callable, got {self.inner!r}")
-        if any(getattr(r, "name", None) == "monna" and r.index is not None
+        if any(getattr(r, "name", None) == "monna"
+               and (r.index is not None or r.trusted is not None)
                for r in chain_of(self.inner)):
             raise ValueError(
-                "bucketing: MoNNA's trusted index would point at a bucket mean of random "
-                "clients, not at an input the server trusts; give MoNNA a reference vector or "
-                "use no bucketing"
+                "bucketing: MoNNA's trusted input would be a bucket mean of random clients, "
+                "not an input the server trusts; give MoNNA a reference vector or use no "
+                "bucketing"
             )
 
     @property

@@ -23,8 +23,11 @@ The set of Byzantine clients and their attack are part of the run's configuratio
 (:class:`ByzantineConfig`). Counters in ``state.extra``: ``byz_dropped`` (non-finite updates
 dropped so far), ``byz_rejected`` (server steps rejected), ``byz_excess`` (rounds whose
 cohort held more Byzantine clients than the aggregator tolerates, e.g. by the chance of
-sampling) and ``byz_unprotected`` (rounds in which so few clients replied that the aggregator
-tolerated none); a warning the first time of each.
+sampling), ``byz_unprotected`` (rounds in which so few clients replied that the aggregator
+tolerated none) and ``byz_no_reference`` (rounds skipped because the client a MoNNA trusts
+sent no usable update); a warning the first time of each. A rule that trusts a client
+(MoNNA's ``trusted``) has it in every cohort (:meth:`ByzantineRobust.sample_cohort`), never
+Byzantine, and its row found by id each round.
 
 Protection (:mod:`partialfl.aggregation.protection`) is checked where it can fail silently:
 ``init`` refuses a Byzantine fraction (of all clients) above the aggregator's δ and, given
@@ -48,7 +51,8 @@ import numpy as np
 from partialfl import arrays
 from partialfl import rng as prng
 from partialfl.aggregation import bind, finite_rows, to_numpy
-from partialfl.aggregation.common import check_int
+from partialfl.aggregation.common import chain_of, check_int
+from partialfl.aggregation.distance import at_row, trusted_client
 from partialfl.aggregation.protection import (
     UnprotectedError,
     check_flag,
@@ -83,12 +87,16 @@ class ByzantineConfig:
                             f"got {self.attack!r}")
 
     @staticmethod
-    def sample(num_clients: int, fraction: float, seed: int, attack: Attack) -> ByzantineConfig:
-        """⌊fraction·M⌋ Byzantine clients drawn from generator(seed, "byzantine")."""
+    def sample(num_clients: int, fraction: float, seed: int, attack: Attack,
+               exclude: int | None = None) -> ByzantineConfig:
+        """⌊fraction·M⌋ Byzantine clients drawn from generator(seed, "byzantine") (among the
+        clients other than ``exclude``, a client the server trusts)."""
         if not 0 <= fraction < 0.5:
             raise ValueError(f"Byzantine fraction must be in [0, 0.5), got {fraction!r}")
         b = int(np.floor(fraction * num_clients + 1e-9))
-        ids = prng.generator(seed, "byzantine").choice(num_clients, b, replace=False)
+        pool = np.arange(num_clients) if exclude is None else np.delete(
+            np.arange(num_clients), exclude)
+        ids = prng.generator(seed, "byzantine").choice(pool, b, replace=False)
         return ByzantineConfig(tuple(int(i) for i in ids), attack)
 
 
@@ -120,7 +128,33 @@ class ByzantineRobust(AlgorithmWrapper):
         self.aggregator = aggregator
         self.byzantine = byzantine or ByzantineConfig()
         self._byz = np.asarray(self.byzantine.clients, dtype=np.int64)
+        if any(getattr(r, "name", None) == "monna" and getattr(r, "index", None) is not None
+               for r in chain_of(aggregator)):
+            raise ValueError("monna: index (a position among the rows) means nothing in a "
+                             "training run, whose cohorts are sampled and rows dropped (an "
+                             "attacker would hold that position in some rounds): give "
+                             "trusted=<client id> instead")
+        self.trusted = trusted_client(aggregator)  # MoNNA's trusted client id, if any
+        if self.trusted is not None and self.trusted in self.byzantine.clients:
+            raise ValueError(f"client {self.trusted} is the aggregator's trusted client and "
+                             "cannot be Byzantine")
         self.name = f"br-{base.name}"
+
+    def sample_cohort(self, seed: int, round_: int, num_clients: int,
+                      k: int | None) -> np.ndarray:
+        """The base's cohort; with a trusted client, that client is in every cohort (in
+        place of the last one drawn when the draw missed it)."""
+        from partialfl.sampling import sample_cohort
+
+        cohort = np.asarray(getattr(self.base, "sample_cohort", sample_cohort)(
+            seed, round_, num_clients, k), dtype=np.int64)
+        t = self.trusted
+        if t is None or t in cohort or not len(cohort):
+            return cohort
+        if t >= num_clients:
+            raise ValueError(f"the aggregator's trusted client {t} is outside [0, "
+                             f"{num_clients})")
+        return np.sort(np.concatenate([cohort[:-1], [t]]))
 
     def init(self, problem, theta0: Params) -> ServerState:
         """The base algorithm's state (after checking the Byzantine ids, their fraction
@@ -128,11 +162,15 @@ class ByzantineRobust(AlgorithmWrapper):
         if len(self._byz) and self._byz.max() >= problem.num_clients:
             raise ValueError(f"Byzantine client ids {self.byzantine.clients} outside "
                              f"[0, {problem.num_clients})")
+        if self.trusted is not None and self.trusted >= problem.num_clients:
+            raise ValueError(f"the aggregator's trusted client {self.trusted} is outside "
+                             f"[0, {problem.num_clients})")
         if len(self._byz):
             check_fraction(self.aggregator, len(self._byz) / problem.num_clients,
                            self.allow_unprotected)
         state = self.base.init(problem, theta0)
-        for key in ("byz_dropped", "byz_rejected", "byz_excess", "byz_unprotected"):
+        for key in ("byz_dropped", "byz_rejected", "byz_excess", "byz_unprotected",
+                    "byz_no_reference"):
             state.extra.setdefault(key, 0)
         if self.clients_per_round is not None:
             tolerated(self.aggregator, self.clients_per_round)  # refuses an unprotected plan
@@ -190,6 +228,17 @@ class ByzantineRobust(AlgorithmWrapper):
         kept = updates if ok.all() else updates.select(np.flatnonzero(ok))
         server = copy.copy(self.base)
         server.aggregator = bind(self.aggregator, ctx.seed, ctx.round)
+        if self.trusted is not None:
+            rows = np.flatnonzero(np.asarray(kept.cohort) == self.trusted)
+            if not len(rows):  # the trusted client failed this round: no honest reference
+                extra["byz_no_reference"] = extra.get("byz_no_reference", 0) + 1
+                extra["byz_rejected"] = extra.get("byz_rejected", 0) + 1
+                warn_once(f"{self.name}: round {ctx.round}: the trusted client {self.trusted} "
+                          "sent no usable update, so the round has no honest reference and "
+                          "θ is kept (counted in state.extra['byz_no_reference'])",
+                          ("byz_no_reference", id(self)))
+                return ServerState(state.theta, state.opt_state, state.round + 1, extra)
+            server.aggregator = at_row(server.aggregator, int(rows[0]))
         with cohort_checked():  # checked as sent; the rows dropped above never refuse
             new = server.server_update(ServerState(state.theta, state.opt_state, state.round,
                                                    extra), kept, ctx)
@@ -262,6 +311,6 @@ def _byzantine(opts: ByzantineOptions, ctx: WrapperContext) -> ByzantineRobust:
         raise ConfigError("attack: the number of clients must be known")
     agg = ctx.aggregator if ctx.aggregator is not None else Mean()
     byz = ByzantineConfig.sample(ctx.num_clients, opts.fraction, ctx.seed,
-                                 opts.attack.build())
+                                 opts.attack.build(), exclude=trusted_client(agg))
     return ByzantineRobust(ctx.base, agg, byz, clients_per_round=ctx.clients_per_round,
                            allow_unprotected=bool(getattr(agg, "allow_unprotected", False)))
