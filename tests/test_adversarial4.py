@@ -108,6 +108,13 @@ def test_the_flower_abort_after_one_node_huge_update_names_that_node(loopback):
     with pytest.raises(RunAborted, match=r"grew .* from client \d+ \(partition 1\)"):
         run_server(loopback(2, tamper=tamper),
                    ls_run(6, eval_every=1, spec={"max_failure_fraction": 0.3}))
+    # the asynchronous transport named no node either (it checked failures without the cause)
+    from _flower_sims import ASYNC_2
+
+    with pytest.raises(RunAborted, match=r"grew .* from client \d+ \(partition 1\)"):
+        run_server(loopback(2, tamper=tamper),
+                   ls_run(ASYNC_2["rounds"] * 3, spec={**ASYNC_2["spec"],
+                                                       "max_failure_fraction": 0.3}))
 
 
 def test_an_out_folder_the_system_refuses_is_one_line(tmp_path, capsys):

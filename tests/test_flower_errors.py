@@ -132,3 +132,22 @@ def test_live_nodes_that_cannot_find_their_data_fail_the_run_with_that_error(tmp
     first = str(e.value).splitlines()[0]
     assert first.startswith("the Flower run failed: RuntimeError: no SuperNode answered")
     assert f"ConfigError: spec: data.path: client folder '{missing}' does not exist" in first
+
+
+def test_nodes_disagreeing_on_the_problem_are_named_each(loopback):
+    """Nodes that disagree on the kind of problem (one says torch) stopped the ServerApp with
+    a message that named no node; now it lists each node's partition, clients and kind."""
+    from _flower_sims import ls_run
+
+    from partialfl.flower.config import ConfigError
+    from partialfl.flower.server import run_server
+
+    def tamper(partition, kind, content):
+        if kind == "query.describe" and partition == 1:
+            content["info"]["torch"] = 1
+
+    with pytest.raises(ConfigError, match=r"node 1000: partition 0 of 2, 8 clients, "
+                                          r"closed-form; node 1001: partition 1 of 2, 8 "
+                                          r"clients, a model"):
+        run_server(loopback(2, tamper=tamper), ls_run(1))
+

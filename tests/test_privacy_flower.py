@@ -41,6 +41,8 @@ def test_client_cannot_send_personal_values_as_metrics():
     ({"w": [0.1, 0.2, 0.3]}, "metric 'w' is not allowed"),
     ({"loss.sum": [1.0, 2.0, 4.0], "loss.count": 3.0}, "must be one finite scalar"),
     ({"loss.sum": 7.0}, "needs one sum and one count"),
+    # a sum over no client is a value the count does not explain (it was accepted)
+    ({"loss.sum": 7.0, "loss.count": 0.0}, "a sum of 7.0 over 0 clients"),
     ({"loss": [1.0, 2.0, 4.0]}, "metric 'loss' is not allowed"),
 ])
 def test_server_refuses_unaggregated_or_unlisted_metrics(record, match):

@@ -80,7 +80,8 @@ def test_convert_gldv2_and_errors(tmp_path, capsys):
     assert "--images" in capsys.readouterr().err
     assert main(["data", "convert", "gldv2", str(csv), str(tmp_path / "g"), "--images",
                  str(img)]) == 2  # exists, no --overwrite
-    assert "exists" in capsys.readouterr().err
+    # the CLI's own flag, not the Python keyword (it said 'pass overwrite=True')
+    assert "exists; pass --overwrite to replace it" in capsys.readouterr().err
     assert main(["data", "convert", "gldv2", str(csv), str(tmp_path / "g3"), "--images",
                  str(img), "--option", "colour=1"]) == 2
     assert "colour" in capsys.readouterr().err

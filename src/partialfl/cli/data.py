@@ -18,9 +18,12 @@ def _cmd_data_convert(args) -> int:
             options[key] = json.loads(value)
         except json.JSONDecodeError:
             options[key] = value
-    path = convert_data(args.format, args.input, args.out, images=args.images,
-                   max_clients=args.max_clients, options=options, overwrite=args.overwrite,
-                   progress=not args.no_progress)
+    try:
+        path = convert_data(args.format, args.input, args.out, images=args.images,
+                            max_clients=args.max_clients, options=options,
+                            overwrite=args.overwrite, progress=not args.no_progress)
+    except FileExistsError:
+        raise FileExistsError(f"{args.out} exists; pass --overwrite to replace it") from None
     print(f"wrote {open_store(path)!r}")
     return 0
 

@@ -274,8 +274,11 @@ def decode_metrics(record, k: float = np.inf,
     for name, parts in sums.items():
         if set(parts) != {"sum", "count"}:
             raise WireFormatError(f"reply metric {name!r} needs one sum and one count >= 0")
-        out[name] = (parts["sum"], float(_int(parts["count"], f"reply metric '{name}.count'",
-                                              0, k)))
+        count = float(_int(parts["count"], f"reply metric '{name}.count'", 0, k))
+        if count == 0 and parts["sum"] != 0:
+            raise WireFormatError(f"reply metric {name!r}: a sum of {parts['sum']!r} over 0 "
+                                  "clients")
+        out[name] = (parts["sum"], count)
     return out
 
 

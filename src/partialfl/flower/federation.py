@@ -181,9 +181,13 @@ def describe(link: Link, cfg: FlowerConfig, node_ids: list[int]) -> Federation:
         infos = list(nodes.values())
         nparts = {i["num-partitions"] for i in infos}
         if len(nparts) > 1 or len({(i["num-clients"], i["torch"]) for i in infos}) > 1:
-            raise ConfigError(f"SuperNodes disagree on num-partitions {sorted(nparts)}, the "
-                              "number of clients or the kind of problem: start them with the "
-                              "same node config")
+            each = "; ".join(
+                f"node {n}: partition {i['partition-id']} of {i['num-partitions']}, "
+                f"{i['num-clients']} clients, {'a model' if i['torch'] else 'closed-form'}"
+                for n, i in sorted(nodes.items(), key=lambda t: int(t[0])))
+            raise ConfigError("SuperNodes disagree on num-partitions, the number of clients "
+                              "or the kind of problem (start them with the same node config "
+                              f"and run config): {each[:1500]}")
         missing = sorted(set(range(nparts.pop())) - set(seen)) if nparts else None
         if missing == []:
             break

@@ -36,7 +36,7 @@ from partialfl.flower.report import (
     check_failures,
     log,
 )
-from partialfl.flower.rounds import decode_reply, shared_state, train_content
+from partialfl.flower.rounds import decode_reply, growth_cause, shared_state, train_content
 from partialfl.metrics import closed_form_metrics
 from partialfl.runtime.asynchronous import (
     AsyncCheckpoint,
@@ -118,7 +118,8 @@ class FlowerJobs:
                     self.streak = 0
                     self.queue.append(Event("done", job.slot, job, ClientResult(rep[0]),
                                             self.now()))
-            check_failures(self.cfg, report)
+            faults = self.server.faults if self.server is not None else None
+            check_failures(self.cfg, report, growth_cause(self.fed, faults))
             if not got and not self.queue:
                 time.sleep(self.cfg.poll_interval)
         return self.queue.pop(0)

@@ -87,6 +87,17 @@ def train_loss(sums: list[dict[str, tuple[float, float]]]) -> float | None:
     return tot / cnt if cnt else None
 
 
+
+def growth_cause(fed: Federation, faults) -> str:
+    """The fault log's largest ‖θ‖ growth (if 1000× or more), with the partition of the
+    client whose update was largest in that step: the likely cause when honest nodes fail
+    after it (synchronous and asynchronous transports)."""
+    c = faults.growth.get("client") if faults is not None else None
+    if c is None:
+        return ""
+    node = fed.order[int(fed.owner[c])]
+    return faults.growth_text(f" (partition {fed.partition(node)})")
+
 class FlowerRounds:
     """The Flower transport of :func:`partialfl.runtime.sync.run_rounds`: round r sends θ_r
     and the ids of its sampled clients to the SuperNodes holding them, pulls the replies
@@ -128,22 +139,13 @@ class FlowerRounds:
         loss = train_loss([m for _, m in replies])
         if loss is not None:
             self.last["train_loss"] = loss
-        check_failures(self.cfg, report, self.growth(faults))
+        check_failures(self.cfg, report, growth_cause(self.fed, faults))
         if not ups:
             report.skipped_rounds += 1
             log.warning("partialfl: round %d: no update arrived; θ unchanged", r)
             return None, np.arange(0)
         updates = merge(ups)
         return ClientResult(updates), np.searchsorted(cohort, np.asarray(updates.cohort))
-
-    def growth(self, faults) -> str:
-        """The fault log's largest ‖θ‖ growth (if 1000× or more), its client's partition
-        named."""
-        c = faults.growth.get("client") if faults is not None else None
-        if c is None:
-            return ""
-        node = self.fed.order[int(self.fed.owner[c])]
-        return faults.growth_text(f" (partition {self.fed.partition(node)})")
 
     def _secagg_round(self, algorithm, state, cohort, r, faults):
         """The round over SecAgg+ (:func:`partialfl.flower.secagg.secagg_round`): the round's
