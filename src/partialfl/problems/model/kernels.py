@@ -27,6 +27,54 @@ def channels_last(tree: Params) -> Params:
             for n, v in tree.items()}
 
 
+#: name → the ``(_parameters or _buffers dict, key)`` slots a module's tensor of that name
+#: occupies (every alias of a tied weight)
+Slots = dict[str, list[tuple[dict, str]]]
+
+
+def member_slots(module: torch.nn.Module) -> Slots | None:
+    """Where :func:`call_with` puts each named parameter and buffer of ``module``, computed
+    once; None when a module has parametrizations (only ``functional_call`` applies them)."""
+    from torch.nn.utils import parametrize
+
+    canonical: dict[int, str] = {}
+    for n, t in [*module.named_parameters(), *module.named_buffers()]:
+        canonical.setdefault(id(t), n)
+    slots: Slots = {}
+    seen: set[tuple[int, str]] = set()
+    for _, m in module.named_modules(remove_duplicate=False):
+        if parametrize.is_parametrized(m):
+            return None
+        for d in (m._parameters, m._buffers):
+            for key, t in d.items():
+                if t is None or (id(d), key) in seen or id(t) not in canonical:
+                    continue
+                seen.add((id(d), key))
+                slots.setdefault(canonical[id(t)], []).append((d, key))
+    return slots
+
+
+def call_with(module: torch.nn.Module, slots: Slots, params: Params, x: Tensor) -> Tensor:
+    """``module(x)`` with its parameters and buffers replaced by ``params`` for the call — what
+    ``functional_call(module, params, (x,))`` computes (tied aliases bound together, a tensor
+    the module reassigns written back into ``params``), without re-deriving the module's
+    structure per call (one client's passes make one such call per step). Not thread-safe:
+    each thread has its own module (:meth:`ModelProblem.thread_replica`)."""
+    saved: list[tuple[dict, str, Tensor, str]] = []
+    try:
+        for n, v in params.items():
+            for d, key in slots[n]:
+                saved.append((d, key, d[key], n))
+                d[key] = v
+        return module(x)
+    finally:
+        for d, key, old, n in reversed(saved):
+            now = d[key]
+            if now is not params[n]:  # the module replaced it (not an in-place update)
+                params[n] = now
+            d[key] = old
+
+
 def rows(tree: Params, dims: Mapping[str, int | None] | None, sl: slice) -> Params:
     """The rows ``sl`` of a tree whose leaves are stacked (dim 0) or shared (None): views."""
     return {n: (v if dims is not None and dims[n] is None else v[sl]) for n, v in tree.items()}
@@ -49,8 +97,16 @@ class Kernels:
         self._sum_grad_fn = self._build_sum_grad_fn()
         self._forward_fn = self._build_forward_fn()
         self._vcache: dict = {}
+        self._slots = member_slots(self.module)
 
-    _DERIVED = ("_step_fn", "_sum_grad_fn", "_forward_fn", "_vcache")
+    _DERIVED = ("_step_fn", "_sum_grad_fn", "_forward_fn", "_vcache", "_slots")
+
+    def _call(self, params: Params, x: Tensor, one: bool) -> Tensor:
+        """The module on ``x`` with ``params``: one client's plain pass binds them directly
+        (:func:`call_with`), a transformed (vmapped) one through ``functional_call``."""
+        if one and self._slots is not None and all(n in self._slots for n in params):
+            return call_with(self.module, self._slots, params, x)
+        return functional_call(self.module, params, (x,))
 
     def __getstate__(self) -> dict:
         """Pickling (e.g. to spawned worker processes) leaves out the functorch transforms,
@@ -106,7 +162,7 @@ class Kernels:
         if one and self.memory_format == "channels_last":
             params, x = channels_last(params), channels_last({"x": x})["x"]
         if self._amp is None:
-            out = functional_call(self.module, params, (x,))
+            out = self._call(params, x, one)
             num, den = pair(self.loss_fn(out, y))
         else:
             # cast the float leaves and inputs explicitly (differentiably: gradients stay
@@ -118,7 +174,7 @@ class Kernels:
                        else v) for n, v in params.items()}
             xl = x.to(self._amp) if x.is_floating_point() else x
             with torch.autocast(self.device.type, dtype=self._amp):
-                out = functional_call(self.module, low, (xl,))
+                out = self._call(low, xl, one)
                 num, den = pair(self.loss_fn(out, y))
             num, den = num.float(), den.float()
         if mask is None:  # one client's own examples, no padding: the sums a mask of ones
