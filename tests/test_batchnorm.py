@@ -290,13 +290,21 @@ def test_the_pipeline_deploys_the_clients_own_statistics(tmp_path):
 @pytest.mark.skipif(not torch.cuda.is_available(),
                     reason="needs a CUDA GPU (none on this machine): BatchNorm under vmap on CUDA")
 def test_fedbn_on_cuda_takes_the_cpu_steps():
+    """With TF32 off: CUDA's default convolutions round their inputs to 10-bit mantissas,
+    which alone moved this run 9e-3 from the CPU's on a lent H200 (1.2e-7 with TF32 off), so
+    the test failed there until it asked for fp32."""
     data = toy_data()
     out = {}
-    for dev in ("cpu", "cuda"):
-        alg, split = build_preset("fedbn", toy_bn_model(0), CFG)
-        res = run_rounds(ModelProblem(split, data, device=dev), alg, 3, clients_per_round=4,
-                         seed=0)
-        out[dev] = {n: v.cpu() for n, v in {**res.state.theta, **res.client_state}.items()}
+    tf32 = (torch.backends.cudnn.allow_tf32, torch.backends.cuda.matmul.allow_tf32)
+    torch.backends.cudnn.allow_tf32 = torch.backends.cuda.matmul.allow_tf32 = False
+    try:
+        for dev in ("cpu", "cuda"):
+            alg, split = build_preset("fedbn", toy_bn_model(0), CFG)
+            res = run_rounds(ModelProblem(split, data, device=dev), alg, 3,
+                             clients_per_round=4, seed=0)
+            out[dev] = {n: v.cpu() for n, v in {**res.state.theta, **res.client_state}.items()}
+    finally:
+        torch.backends.cudnn.allow_tf32, torch.backends.cuda.matmul.allow_tf32 = tf32
     assert set(STATS) <= set(out["cuda"])
     assert max_diff(out["cpu"], out["cuda"]) < 1e-4
 
