@@ -85,7 +85,7 @@ class SGDConfig:
         return SGDFineTuner(self, w_init)
 
 
-@register("local", "sgd", options=SGDConfig, trainer=True)
+@register("local", "sgd", options=SGDConfig, trainer=True, model_only=True)
 def _sgd(opts: SGDConfig, ctx=None) -> SGDConfig:
     """Minibatch SGD epochs on the client's data (model problems): the client optimizer of
     every model algorithm, and FFGG's fine-tuner."""
