@@ -490,4 +490,12 @@ def node_partition(node_config: Mapping[str, Any]) -> tuple[int, int]:
         raise ConfigError(f"SuperNode node-config lacks {', '.join(missing)}: start it with "
                           "--node-config 'partition-id=P num-partitions=N' (simulation sets "
                           "both)")
-    return int(node_config["partition-id"]), int(node_config["num-partitions"])
+    out = []
+    for k in ("partition-id", "num-partitions"):
+        v = node_config[k]
+        text = str(v).strip()
+        if isinstance(v, bool) or not (isinstance(v, int) or (
+                isinstance(v, str) and text.isascii() and text.lstrip("-").isdigit())):
+            raise ConfigError(f"node-config {k!r}: got {v!r}; expected an integer")
+        out.append(int(text))
+    return out[0], out[1]
