@@ -147,7 +147,7 @@ def test_a_closed_form_run_with_the_default_sgd_client_is_one_line(tmp_path, cap
     """A least-squares spec without ``[personalize.client]`` gets the default client, SGD on
     minibatches, which needs a model: ``partialfl run`` ended in a traceback
     (AttributeError: 'LeastSquaresProblem' object has no attribute 'call_mode', exit 1)
-    after building the problem. Now the spec is refused in one line, exit 2."""
+    after building the problem. Now one line naming the clients to give, exit 2."""
     from partialfl.cli import main
 
     cfg = tmp_path / "ls.toml"
@@ -156,7 +156,7 @@ def test_a_closed_form_run_with_the_default_sgd_client_is_one_line(tmp_path, cap
                    'rounds = 1\n')
     rc = main(["run", str(cfg), "--out", str(tmp_path / "out"), "--no-progress"])
     err = [ln for ln in capsys.readouterr().err.splitlines() if ln.strip()]
-    assert rc == 2 and len(err) == 1 and "closed-form problem takes gd, cg or exact" in err[0]
+    assert rc == 2 and len(err) == 1 and "give the stage's client gd, cg or exact" in err[0]
 
 
 @pytest.mark.parametrize("config", [

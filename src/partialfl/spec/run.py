@@ -154,11 +154,6 @@ class RunSpec(_Spec):
         if self.closed_form and self.method.split is not None:
             raise ConfigError("method.split: a closed-form problem defines its own personal "
                               "coordinates; leave split out")
-        client = self.personalize.client
-        if self.closed_form and client.entry.trait("model_only"):
-            raise ConfigError(f"personalize.client: {client.name!r} trains a model on "
-                              "minibatches of data; a closed-form problem takes gd, cg or "
-                              "exact (e.g. client = {name = \"cg\", tau = 5})")
         if self.closed_form and (self.model is not None or self.data is not None):
             raise ConfigError("problem: a closed-form run has no model or data; give either "
                               "[problem] or [model] and [data]")
