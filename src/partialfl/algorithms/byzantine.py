@@ -42,7 +42,6 @@ the rule for the cohort) turns the refusals into warnings.
 
 from __future__ import annotations
 
-import copy
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -63,7 +62,7 @@ from partialfl.aggregation.protection import (
 )
 from partialfl.algorithms.base import Algorithm, ServerState
 from partialfl.algorithms.context import WrapperContext
-from partialfl.algorithms.wrapper import AlgorithmWrapper
+from partialfl.algorithms.wrapper import AlgorithmWrapper, with_aggregator
 from partialfl.attacks import Attack, NoAttack
 from partialfl.registry import component_field, option, register
 from partialfl.tree import flatten_stacked
@@ -94,6 +93,9 @@ class ByzantineConfig:
         if not 0 <= fraction < 0.5:
             raise ValueError(f"Byzantine fraction must be in [0, 0.5), got {fraction!r}")
         b = int(np.floor(fraction * num_clients + 1e-9))
+        if exclude is not None and not 0 <= exclude < num_clients:
+            raise ValueError(f"the aggregator's trusted client {exclude} is outside [0, "
+                             f"{num_clients})")
         pool = np.arange(num_clients) if exclude is None else np.delete(
             np.arange(num_clients), exclude)
         ids = prng.generator(seed, "byzantine").choice(pool, b, replace=False)
@@ -226,8 +228,7 @@ class ByzantineRobust(AlgorithmWrapper):
             extra["byz_rejected"] = extra.get("byz_rejected", 0) + 1
             return ServerState(state.theta, state.opt_state, state.round + 1, extra)
         kept = updates if ok.all() else updates.select(np.flatnonzero(ok))
-        server = copy.copy(self.base)
-        server.aggregator = bind(self.aggregator, ctx.seed, ctx.round)
+        rule = bind(self.aggregator, ctx.seed, ctx.round)
         if self.trusted is not None:
             rows = np.flatnonzero(np.asarray(kept.cohort) == self.trusted)
             if not len(rows):  # the trusted client failed this round: no honest reference
@@ -238,7 +239,8 @@ class ByzantineRobust(AlgorithmWrapper):
                           "θ is kept (counted in state.extra['byz_no_reference'])",
                           ("byz_no_reference", id(self)))
                 return ServerState(state.theta, state.opt_state, state.round + 1, extra)
-            server.aggregator = at_row(server.aggregator, int(rows[0]))
+            rule = at_row(rule, int(rows[0]))
+        server = with_aggregator(self.base, rule)
         with cohort_checked():  # checked as sent; the rows dropped above never refuse
             new = server.server_update(ServerState(state.theta, state.opt_state, state.round,
                                                    extra), kept, ctx)

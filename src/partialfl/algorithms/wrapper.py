@@ -86,3 +86,18 @@ class AlgorithmWrapper(Algorithm):
     def global_theta(self, state: ServerState, problem) -> Params:
         """The wrapped algorithm's global θ."""
         return self.base.global_theta(state, problem)
+
+
+def with_aggregator(algorithm: Algorithm, aggregator) -> Algorithm:
+    """A shallow copy of ``algorithm`` whose server step aggregates with ``aggregator``:
+    every wrapper down its ``base`` chain is copied too and the rule set at each level, since
+    a wrapper's server step delegates to its base, which reads its own ``aggregator``
+    (setting it on the outer copy alone left e.g. ``FaultInjector(FFGG)`` aggregating with
+    the rule as built, not the one bound for the round)."""
+    import copy
+
+    out = copy.copy(algorithm)
+    out.aggregator = aggregator
+    if isinstance(algorithm, AlgorithmWrapper):
+        out.base = with_aggregator(algorithm.base, aggregator)
+    return out

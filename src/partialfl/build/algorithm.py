@@ -99,10 +99,19 @@ def stage_algorithm(spec: RunSpec, stage: str, *, problem=None, num_clients: int
 
 def wrap_algorithm(spec: RunSpec, alg, num_clients: int | None,
                    clients_per_round: int | None, aggregator=None, rounds: int | None = None):
-    """``alg`` inside the run's wrappers (faults, attack, privacy), innermost first."""
+    """``alg`` inside the run's wrappers (faults, attack, privacy), innermost first. A rule
+    that trusts a client (MoNNA's ``trusted``) gets the robust server even without an
+    ``[attack]`` block (no simulated attacker: a deployment's attackers are real), since only
+    that server puts the client in every cohort and finds its row."""
+    from partialfl.aggregation.distance import trusted_client
     from partialfl.algorithms.context import WrapperContext
 
-    for block in (spec.faults, spec.attack, spec.privacy):
+    attack = spec.attack
+    if attack is None and trusted_client(aggregator) is not None:
+        from partialfl.registry import component
+
+        attack = component("wrapper", "byzantine")
+    for block in (spec.faults, attack, spec.privacy):
         if block is None:
             continue
         ctx = WrapperContext(alg, spec.seed, num_clients, clients_per_round, aggregator, rounds)

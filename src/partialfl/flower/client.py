@@ -22,7 +22,7 @@ in-process (:func:`partialfl.flower.stage.node_parts`), and cached per process.
 from __future__ import annotations
 
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import numpy as np
@@ -68,11 +68,22 @@ class NodeRuntime:
     theta_names: tuple[str, ...] = ()  # θ's leaves in the server's order
     eval_min_clients: int = 2  # the run config's, raised by the node's own floor
     noise_key: int | None = None  # local DP's noise key (:mod:`partialfl.flower.node`)
+    noise_secret: bool = False  # the key is the node's own (not the run seed the server holds)
+    asked: dict[int, int] = field(default_factory=dict)  # round → train requests answered
 
     def context(self, round_: int) -> RoundContext:
         """What the node's client updates know of round ``round_``: the run seed and the
-        node's own noise key (never sent)."""
-        return RoundContext(self.cfg.seed, round_, noise_key=self.noise_key)
+        node's own noise key (never sent). A round asked again (a resend, or a server
+        replaying round r at another θ to subtract the two replies: the same noise would
+        cancel, leaving the exact difference of the clipped updates) draws its noise from a
+        fresh secret, so no noise is released twice; a key that is the run seed repeats the
+        in-process run instead (the server could regenerate it anyway)."""
+        import secrets
+
+        n = self.asked.get(round_, 0)
+        self.asked[round_] = n + 1
+        key = secrets.randbits(63) if n and self.noise_secret else self.noise_key
+        return RoundContext(self.cfg.seed, round_, noise_key=key)
 
     def check_clients(self, cohort: np.ndarray) -> np.ndarray:
         """``cohort`` if this SuperNode holds every client in it, else a ValueError naming them."""
@@ -136,7 +147,8 @@ def node_runtime(context: Context, msg: Message | None = None,
                              clients, torch=not cfg.closed_form, theta0=theta0,
                              theta_names=names,
                              eval_min_clients=max(cfg.eval_min_clients, opts.eval_min_clients),
-                             noise_key=opts.local_noise_key(cfg.seed))
+                             noise_key=opts.local_noise_key(cfg.seed),
+                             noise_secret=opts.noise_key != "seed")
             _CACHE.clear()  # one run per process at a time
             _CACHE[key] = rt
     return rt

@@ -490,4 +490,10 @@ def node_partition(node_config: Mapping[str, Any]) -> tuple[int, int]:
         raise ConfigError(f"SuperNode node-config lacks {', '.join(missing)}: start it with "
                           "--node-config 'partition-id=P num-partitions=N' (simulation sets "
                           "both)")
-    return int(node_config["partition-id"]), int(node_config["num-partitions"])
+    out = [str(node_config[k]).strip() for k in ("partition-id", "num-partitions")]
+    for k, text in zip(("partition-id", "num-partitions"), out):
+        v = node_config[k]  # an int, or its digits (never a bool, a float or other digits)
+        if isinstance(v, bool) or not isinstance(v, int | str) or not (
+                text.isascii() and text.lstrip("-").isdigit()):
+            raise ConfigError(f"node-config {k!r}: got {v!r}; expected an integer")
+    return int(out[0]), int(out[1])

@@ -110,7 +110,7 @@ def _noise_key(v: Any) -> int | str | None:
     text = str(v).strip()
     if text == "seed":
         return "seed"
-    if not isinstance(v, bool) and text.isdigit() and int(text) < 2**63:
+    if not isinstance(v, bool) and text.isascii() and text.isdigit() and int(text) < 2**63:
         return int(text)
     raise ConfigError(f"node-config 'dp-noise-key' ({NOISE_KEY_ENV}): got {v!r}; expected an "
                       "integer in [0, 2^63) or 'seed' (the run's seed)")

@@ -167,6 +167,12 @@ def run_sgd(problem, cohort, theta: Params, w: Params, *, train: str, cfg: SGDCo
     if k == 0:
         raise ValueError("run_sgd needs a non-empty cohort")
     plans = client_plans(problem, cohort, cfg, seed, round_, stream)
+    if not hasattr(problem, "call_mode"):  # the default client on a closed-form problem
+        from partialfl.config import ConfigError
+
+        raise ConfigError(f"client 'sgd' trains a model on minibatches of data; "
+                          f"{type(problem).__name__} is a closed form: give the stage's "
+                          "client gd, cg or exact (e.g. client = {name = \"cg\", tau = 5})")
     mode = problem.call_mode(mode)
     if train in ("theta", "both", "alternate"):
         theta = _stack_theta(theta, problem.theta_shapes, k)
