@@ -74,19 +74,36 @@ def test_a_replayed_round_repeats_the_run_seed_noise_of_a_simulation(loopback): 
     np.testing.assert_array_equal(_ask(grid, sent, theta), _ask(grid, sent, theta))
 
 
-@pytest.mark.xfail(strict=True, reason="design: a SuperNode takes local DP's noise multiplier, "
-                   "clip norm and round budget from the run config the server sends; a node "
-                   "floor (node config) is not built yet — docs/dp.md says so")
 def test_a_node_refuses_a_server_that_turns_its_local_dp_noise_off(loopback):  # noqa: F811
-    """A hostile server sends a local-DP run config with noise_multiplier = 0 (or mode
-    central, or more rounds): the node clips but adds no noise, so each client's clipped
-    update reaches the server exactly."""
-    grid = loopback(1)
-    sent = _train_message(grid, _local_dp(2.0))
+    """A hostile server sent a local-DP run config with noise_multiplier = 0 (or central mode,
+    or no privacy): the node clipped but added no noise, so each client's clipped update
+    reached the server exactly. A node with the floor ``dp-min-noise`` (its own node config)
+    now refuses every such run — an error reply naming the floor, never an update — and
+    still answers the honest one."""
+    from partialfl.flower.server import run_server
+
+    floor = {"dp-min-noise": 2.0}
+    grid = loopback(1, node_config=floor)
+    sent = _train_message(grid, _local_dp(2.0))  # the honest run: answered
     theta = {n: a.numpy() for n, a in sent.content["theta"].items()}
-    no_noise = _train_message(loopback(1), _local_dp(0.0)).content["run-config"]
-    with pytest.raises(AssertionError):
-        _ask(grid, sent, theta, no_noise)  # the node should refuse (an error reply)
+    assert _ask(grid, sent, theta).shape[0] == 4
+    hostile = [_local_dp(0.0), _local_dp(1.0), ls_run(1, 4), ls_run(1, 4, spec={"privacy": {
+        "name": "dp", "clip_norm": 1.0, "noise_multiplier": 2.0, "sampling": "fixed"}})]
+    for run in hostile:  # z = 0, z below the floor, no privacy, central mode
+        config = _train_message(loopback(1), run).content["run-config"]
+        with pytest.raises(AssertionError, match="below this node's floor dp-min-noise = 2"):
+            _ask(grid, sent, theta, config)
+    # a whole run asked of floored nodes fails at their refusal, naming it
+    with pytest.raises(Exception, match="dp-min-noise"):
+        run_server(loopback(2, node_config=floor), _local_dp(0.0))
+
+
+@pytest.mark.parametrize("bad", ["-1", "x", "nan", True])
+def test_a_bad_noise_floor_is_one_config_error(bad):
+    from partialfl.flower.node import node_options
+
+    with pytest.raises(ConfigError, match="dp-min-noise.*expected a finite number >= 0"):
+        node_options({"partition-id": 0, "num-partitions": 1, "dp-min-noise": bad})
 
 
 # ------------------------------------------------------------------ MoNNA's trusted client

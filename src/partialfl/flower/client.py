@@ -136,6 +136,7 @@ def node_runtime(context: Context, msg: Message | None = None,
             problem, algorithm, theta0 = node_parts(cfg, data)
             if algorithm_factory is not None:
                 algorithm = algorithm_factory(cfg, problem)
+            opts.check_noise(algorithm, problem.num_clients)  # before any client computes
             if getattr(algorithm, "stateful_clients", False):
                 raise ValueError(f"algorithm {cfg.run.method.algorithm!r} {STATEFUL}")
             clients = partition_clients(problem.num_clients, opts.num_partitions,

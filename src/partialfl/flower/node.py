@@ -28,12 +28,19 @@ decides:
   fresh secret key when it builds the run, which nothing sends, so the server cannot
   regenerate the noise and subtract it (local DP then holds against the server too, and the
   run does not repeat bit for bit).
+* ``dp-min-noise`` (node config, or ``PARTIALFL_NODE_DP_MIN_NOISE``): the smallest local-DP
+  noise multiplier z this node adds to its clients' updates. The run's privacy options come
+  from the server, so without it a hostile server can ask for z = 0, central mode or no
+  privacy at all; with it the node refuses (one line, a counted failure of the node) every run
+  whose clients would send updates with local noise below z — the floor is what makes local
+  DP hold against the server.
 
 This module does not import ``flwr``.
 """
 
 from __future__ import annotations
 
+import math
 import os
 from collections.abc import Mapping
 from dataclasses import dataclass
@@ -48,6 +55,8 @@ from partialfl.flower.config import ConfigError, node_partition
 ALLOW_IMPORTS_ENV = "PARTIALFL_NODE_ALLOW_IMPORTS"
 #: the environment variable that sets a SuperNode's local-DP noise key (``dp-noise-key``)
 NOISE_KEY_ENV = "PARTIALFL_NODE_DP_NOISE_KEY"
+#: the environment variable of a SuperNode's floor under local DP's noise (``dp-min-noise``)
+MIN_NOISE_ENV = "PARTIALFL_NODE_DP_MIN_NOISE"
 
 
 @dataclass(frozen=True)
@@ -60,6 +69,20 @@ class NodeOptions:
     eval_min_clients: int = 1
     data: str = ""
     noise_key: int | str | None = None  # an integer, "seed" (the run seed) or None (secret)
+    min_noise: float | None = None  # the floor under local DP's noise multiplier
+
+    def check_noise(self, algorithm, num_clients: int) -> None:
+        """Refuse a run whose clients would add less local-DP noise than this node's floor."""
+        if self.min_noise is None:
+            return
+        from partialfl.algorithms.dp import local_noise_multiplier
+
+        z = local_noise_multiplier(algorithm, num_clients)
+        if not z >= self.min_noise:
+            raise ConfigError(
+                f"SuperNode refuses the run: its clients would add local-DP noise of multiplier "
+                f"{z:g}, below this node's floor dp-min-noise = {self.min_noise:g} (its own "
+                "node config: the server's run config cannot lower it)")
 
     def local_noise_key(self, run_seed: int) -> int:
         """The key of this node's local-DP noise for a run of seed ``run_seed``: the operator's
@@ -101,7 +124,22 @@ def node_options(node_config: Mapping[str, Any],
         raise ConfigError(f"node-config 'data': got {data!r}; expected the path of the node's "
                           "client store")
     key = node_config.get("dp-noise-key", env.get(NOISE_KEY_ENV))
-    return NodeOptions(part, nparts, allow, floor, data.strip(), _noise_key(key))
+    z = node_config.get("dp-min-noise", env.get(MIN_NOISE_ENV))
+    return NodeOptions(part, nparts, allow, floor, data.strip(), _noise_key(key),
+                       _min_noise(z))
+
+
+def _min_noise(v: Any) -> float | None:
+    if v is None or (isinstance(v, str) and not v.strip()):
+        return None
+    try:
+        z = float(v) if not isinstance(v, bool) else math.nan
+    except ValueError:
+        z = math.nan
+    if not (math.isfinite(z) and z >= 0):
+        raise ConfigError(f"node-config 'dp-min-noise' ({MIN_NOISE_ENV}): got {v!r}; expected "
+                          "a finite number >= 0 (the smallest local-DP noise multiplier)")
+    return z
 
 
 def _noise_key(v: Any) -> int | str | None:
