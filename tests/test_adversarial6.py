@@ -1,0 +1,123 @@
+"""Regressions from the sixth adversarial battery (issue 21, tried again from scratch by
+someone who did not write the fixes): each case once crashed a run or let one client's
+result change what the server or the other clients' state received."""
+
+from __future__ import annotations
+
+from dataclasses import replace
+
+import numpy as np
+import pytest
+
+from partialfl.algorithms import FedAlt
+from partialfl.algorithms.base import ClientResult
+from partialfl.algorithms.wrapper import AlgorithmWrapper
+from partialfl.local import GDConfig
+from partialfl.problems.least_squares import LeastSquaresProblem, LeastSquaresSpec
+from partialfl.runtime import run_rounds
+
+
+def _reshape(res: ClientResult, how: str) -> ClientResult:
+    """``res`` with its structure changed as ``how`` says (values untouched)."""
+    u, cs = res.updates, res.client_state
+    if how == "state-missing":  # a leaf of the client state left out
+        return ClientResult(u, {})
+    if how == "state-none":
+        return ClientResult(u, None)
+    if how == "state-more":  # a leaf the runtime's state does not have
+        return ClientResult(u, {**cs, "zz": np.ones((1, 5))})
+    if how == "state-complex":  # cast silently into the float state before
+        return ClientResult(u, {n: v.astype(np.complex128) for n, v in cs.items()})
+    if how == "metric-text":  # a metric the others do not send, as text
+        return ClientResult(replace(u, metrics={**u.metrics, "train_loss": np.array(["w"])}),
+                            cs)
+    if how == "extra-more":  # an extra the others do not send
+        return ClientResult(replace(u, extra={"aux": {"theta": u.vectors["theta"]}}), cs)
+    raise AssertionError(how)
+
+
+class Reshaped(AlgorithmWrapper):
+    """Client ``target``'s result comes back with another structure."""
+
+    def __init__(self, base, how: str, target: int) -> None:
+        super().__init__(base)
+        self.how, self.target, self.name = how, target, base.name
+
+    def client_update(self, state, problem, cohort, ctx, client_state=None):
+        res = self.base.client_update(state, problem, cohort, ctx, client_state)
+        if list(np.asarray(cohort)) != [self.target]:
+            return res
+        return _reshape(res, self.how)
+
+
+def _problem():
+    return LeastSquaresProblem(LeastSquaresSpec(num_clients=4, n=40, d_theta=3, d_w=2, seed=0))
+
+
+def _alg():
+    return FedAlt(GDConfig(2, 0.05), w_init="zero")  # w_m kept by the clients
+
+
+def _backend(name):
+    from partialfl.runtime.backends import SequentialBackend
+    from partialfl.runtime.cohort_pool import ProcessBackend
+    from partialfl.runtime.threads import ThreadBackend
+
+    return {"loop": SequentialBackend, "threads": lambda: ThreadBackend(2),
+            "processes": lambda: ProcessBackend(workers=2)}[name]()
+
+
+def _run(alg, backend):
+    be = _backend(backend)
+    try:
+        # every round samples all 4 clients, in the order 0..3 (cohort position = id)
+        return run_rounds(_problem(), alg, 3, seed=1, backend=be, clients_per_round=4,
+                          max_failure_fraction=0.9)
+    finally:
+        getattr(be, "close", lambda: None)()
+
+
+_HOWS = ["state-missing", "state-none", "state-more", "state-complex", "metric-text",
+         "extra-more"]
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("backend", ["loop", "threads", "processes"])
+def test_a_client_result_of_another_structure_is_one_counted_failure(backend):
+    """The results of a cohort's clients were stacked by the FIRST result's field names
+    (``concat_results``), so one client whose result had another structure either crashed
+    the round (KeyError: 'w', TypeError: a client state of None, KeyError: 'train_loss' /
+    'aux' for a metric or an extra only it sent) or, placed first, silently dropped that
+    field for every client — without a client-state leaf, no client's w_m was ever
+    updated; a complex or object client-state row was cast into the runtime's float state.
+    Now the result's client state must have the structure of the rows it was given, the
+    results of a cohort must agree (the odd one out is the failure), and that client is
+    skipped and counted: the others' result equals the run in which it raises."""
+    from partialfl.runtime.faults import FaultInjector
+
+    for target in (0, 2):
+        ref = _run(FaultInjector(_alg(), at={(r, target): "raise" for r in range(3)}),
+                   backend)
+        for how in _HOWS:
+            res = _run(Reshaped(_alg(), how, target), backend)
+            assert (res.faults.failed, res.faults.lost) == (3, 3), (how, target)
+            np.testing.assert_array_equal(res.state.theta["theta"], ref.state.theta["theta"])
+            np.testing.assert_array_equal(res.client_state["w"], ref.client_state["w"])
+            assert set(res.client_state) == {"w"}
+            assert res.client_state["w"].dtype == np.float64
+
+
+@pytest.mark.parametrize("how", ["state-missing", "state-none", "state-more",
+                                 "state-complex"])
+def test_a_client_state_of_another_structure_is_refused_in_the_asynchronous_runtime(how):
+    """The simulated asynchronous runtime wrote a result's client state leaf by leaf: a leaf
+    the runtime does not hold crashed the run (KeyError: 'zz'), a complex row was cast into
+    it; a missing leaf or None left the client's w_m unchanged while its update was applied.
+    Now that job is lost and counted."""
+    from partialfl.runtime.asynchronous import run_async
+
+    res = run_async(_problem(), Reshaped(_alg(), how, 1), steps=12, concurrency=2, seed=0,
+                    max_failure_fraction=0.95)
+    lost = [e for e in res.event_dicts() if e["event"] == "lost"]
+    assert res.state.round == 12 and lost and res.faults.failed == len(lost)
+    assert set(res.client_state) == {"w"} and res.client_state["w"].dtype == np.float64
