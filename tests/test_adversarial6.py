@@ -121,3 +121,40 @@ def test_a_client_state_of_another_structure_is_refused_in_the_asynchronous_runt
     lost = [e for e in res.event_dicts() if e["event"] == "lost"]
     assert res.state.round == 12 and lost and res.faults.failed == len(lost)
     assert set(res.client_state) == {"w"} and res.client_state["w"].dtype == np.float64
+
+
+@pytest.mark.timeout(30)
+@pytest.mark.skipif(not hasattr(__import__("os"), "mkfifo"), reason="needs FIFOs")
+def test_a_fifo_named_like_a_store_sidecar_does_not_hang_the_open(tmp_path):
+    """A received client store whose ``.verified.json`` (the remembered CRC checks) is a
+    FIFO: opening the store blocked for good in ``open()`` (the symlink check let it
+    through). Now the sidecar is read only when it is a regular file; the CRCs are checked."""
+    import os
+
+    from _nn_toy import toy_data
+
+    from partialfl.data.store import ClientStore, write_store
+    from partialfl.data.store import verify as sv
+
+    path = write_store(tmp_path / "s", toy_data(num_clients=3, seed=1))
+    side = path / sv.SIDECAR
+    side.unlink(missing_ok=True)
+    os.mkfifo(side)
+    sv.forget()
+    store = ClientStore(path)
+    assert sorted(store.crc_read) == sorted(store._h.files)  # nothing trusted: all read
+
+
+@pytest.mark.timeout(30)
+@pytest.mark.skipif(not hasattr(__import__("os"), "mkfifo"), reason="needs FIFOs")
+def test_a_fifo_named_like_a_run_log_is_one_line_for_report(tmp_path, capsys):
+    """``partialfl report`` on a received run folder whose ``stage2.jsonl`` is a FIFO hung
+    for good (read_jsonl opened it, waiting for a writer). Now: one line, exit 2."""
+    import os
+
+    from partialfl.cli import main
+
+    os.mkfifo(tmp_path / "stage2.jsonl")
+    assert main(["report", str(tmp_path)]) == 2
+    err = [ln for ln in capsys.readouterr().err.splitlines() if ln.strip()]
+    assert len(err) == 1 and "not a regular file" in err[0], err
