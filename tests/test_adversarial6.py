@@ -158,3 +158,36 @@ def test_a_fifo_named_like_a_run_log_is_one_line_for_report(tmp_path, capsys):
     assert main(["report", str(tmp_path)]) == 2
     err = [ln for ln in capsys.readouterr().err.splitlines() if ln.strip()]
     assert len(err) == 1 and "not a regular file" in err[0], err
+
+
+@pytest.mark.parametrize("mode", ["local", "central"])
+def test_a_local_dp_reply_carries_no_exact_training_loss(mode):
+    """Local DP noised a client's update, but its message kept the base's ``train_loss``, the
+    client's exact (un-noised) training loss, which a SuperNode sends as ``train_loss.sum``
+    over its sampled clients: with one client of a node in the cohort, a server — even
+    against a node's ``dp-min-noise`` floor — read that client's exact loss at any θ it
+    sent (a loss oracle outside the mechanism: the same value under two noise keys). Now
+    only the noised update leaves a local-DP client; central mode (the server is trusted)
+    keeps the metric."""
+    from _nn_toy import toy_data, toy_model
+
+    from partialfl.algorithms import FedAvg
+    from partialfl.algorithms.base import RoundContext
+    from partialfl.algorithms.dp import DifferentiallyPrivate, DPOptions
+    from partialfl.flower.codec import encode_updates, metric_names
+    from partialfl.local import SGDConfig
+    from partialfl.problems.model import ModelProblem
+    from partialfl.split import make_split
+
+    pb = ModelProblem(make_split(toy_model(0), "none"), toy_data(), vectorize=False)
+    alg = DifferentiallyPrivate(FedAvg(SGDConfig(steps=2, lr=0.1, batch_size=4)),
+                                DPOptions(clip_norm=1.0, noise_multiplier=5.0, mode=mode,
+                                          sampling="fixed", clients_per_round=2))
+    st = alg.init(pb, pb.init_theta())
+    one = alg.sample_cohort(0, 0, pb.num_clients, None)[:1]
+    res = alg.client_update(st, pb, one, RoundContext(0, 0, noise_key=12345))
+    sent = dict(encode_updates(res.updates, st.theta.keys(), metric_names(alg))["metrics"])
+    if mode == "local":
+        assert not res.updates.metrics and not sent
+    else:
+        assert "train_loss" in res.updates.metrics and "train_loss.sum" in sent

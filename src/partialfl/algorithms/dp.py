@@ -357,6 +357,8 @@ class DifferentiallyPrivate(AlgorithmWrapper):
             raise ValueError(f"DP covers θ-only updates; {self.base.name} also sends "
                              f"{sorted(up.extra)}")
         vectors, metrics = up.vectors, dict(up.metrics)
+        if self.options.mode == "local":  # only the noised update leaves the client: its
+            metrics = {}  # exact training loss (train_loss) is no part of the mechanism
         clip = self._clip(state)
         if clip is not None:
             norms = row_norms(vectors)
