@@ -8,6 +8,7 @@ from dataclasses import replace
 
 import numpy as np
 import pytest
+from _flower_loopback import loopback  # noqa: F401 - fixture
 
 from partialfl.algorithms import FedAlt
 from partialfl.algorithms.base import ClientResult
@@ -191,3 +192,29 @@ def test_a_local_dp_reply_carries_no_exact_training_loss(mode):
         assert not res.updates.metrics and not sent
     else:
         assert "train_loss" in res.updates.metrics and "train_loss.sum" in sent
+
+
+def test_a_replay_after_another_run_config_still_gets_fresh_local_dp_noise(loopback):  # noqa: F811
+    """A SuperNode drew a repeated round's noise from a fresh secret, but remembered which
+    rounds it had answered in its cached runtime only. A server with a node whose
+    ``dp-noise-key`` is the operator's integer sent round r at θ_a, then one message under
+    another run config (the cache holds one run: the runtime was rebuilt, its memory
+    empty), then round r again under the first config at θ_b: both replies carried the same
+    noise, and their difference was the exact difference of the clipped updates. Now the
+    node remembers the rounds answered per noise key for as long as the process lives."""
+    from test_adversarial5 import _ask, _local_dp, _train_message
+
+    z = 2.0
+    grid = loopback(1, node_config={"dp-noise-key": "7"})
+    sent = _train_message(grid, _local_dp(z))
+    theta_a = {n: a.numpy() for n, a in sent.content["theta"].items()}
+    theta_b = {n: v + 0.5 for n, v in theta_a.items()}
+    other = _train_message(loopback(1), _local_dp(3.0)).content["run-config"]
+    reply_a = _ask(grid, sent, theta_a)
+    _ask(grid, sent, theta_a, other)  # evicts the node's cached runtime
+    reply_b = _ask(grid, sent, theta_b, sent.content["run-config"])
+    clean = loopback(1)
+    no_noise = _train_message(clean, _local_dp(0.0)).content["run-config"]
+    clip_a, clip_b = (_ask(clean, sent, t, no_noise) for t in (theta_a, theta_b))
+    leak = np.abs((reply_a - reply_b) - (clip_a - clip_b)).max()
+    assert leak > 0.5 * z  # the server learns the difference only under noise
