@@ -269,9 +269,12 @@ class DifferentiallyPrivate(AlgorithmWrapper):
     mean_only = True
 
     def __init__(self, base: Algorithm, options: DPOptions) -> None:
-        if isinstance(base, AlgorithmWrapper):
-            raise TypeError(f"DifferentiallyPrivate wraps a plain algorithm, not the wrapper "
-                            f"{type(base).__name__}")
+        if isinstance(base, AlgorithmWrapper):  # a configuration's combination: a value
+            # error, so a spec gets one line (a TypeError once escaped as a traceback)
+            raise ValueError(f"DP wraps a plain algorithm, not the wrapper "
+                             f"{type(base).__name__}: [privacy] cannot be combined with "
+                             "[faults], [attack] or an aggregation rule with a trusted client "
+                             "(MoNNA's trusted)")
         super().__init__(base)
         if not isinstance(options, DPOptions):
             raise TypeError(f"options must be DPOptions, got {type(options).__name__}")
