@@ -218,3 +218,65 @@ def test_a_replay_after_another_run_config_still_gets_fresh_local_dp_noise(loopb
     clip_a, clip_b = (_ask(clean, sent, t, no_noise) for t in (theta_a, theta_b))
     leak = np.abs((reply_a - reply_b) - (clip_a - clip_b)).max()
     assert leak > 0.5 * z  # the server learns the difference only under noise
+
+
+# ------------------------------------------------------------------ specs: one line, exit 2
+_SPEC = """seed = 0
+[problem]
+name = "least-squares"
+num_clients = 8
+n = 60
+d_theta = 3
+d_w = 2
+seed = 0
+[method]
+algorithm = "ffgg"
+w_init = "zero"
+[personalize]
+rounds = 3
+clients_per_round = 4
+client = { name = "cg", tau = 2 }
+server = { optimizer = "sgd", lr = 0.05 }
+"""
+_MONNA = '[aggregation]\nname = "monna"\ndelta = 0.25\ntrusted = 0\n'
+_DP = '[privacy]\nname = "dp"\nclip_norm = 1.0\nnoise_multiplier = 0.5\nsampling = "fixed"\n'
+
+
+def _dry_run(tmp_path, capsys, extra: str):
+    from partialfl.cli import main
+
+    p = tmp_path / "spec.toml"
+    p.write_text(_SPEC + extra)
+    rc = main(["run", str(p), "--dry-run"])
+    return rc, [ln for ln in capsys.readouterr().err.splitlines() if ln.strip()]
+
+
+@pytest.mark.parametrize("extra", [_MONNA, '[faults]\nrate = 0.1\n',
+                                   '[attack]\nname = "byzantine"\nfraction = 0.125\n'
+                                   '[aggregation]\nname = "tm"\ndelta = 0.25\n'],
+                         ids=["monna-trusted", "faults", "attack"])
+def test_privacy_beside_a_wrapper_is_one_line(tmp_path, capsys, extra):
+    """``aggregation = {name = "monna", trusted = 0}`` (which now brings the robust server
+    without an ``[attack]`` block), ``[faults]`` or ``[attack]``, with ``[privacy]``: DP's
+    refusal to wrap another wrapper was a TypeError, so ``partialfl run`` (even
+    ``--dry-run``) ended in a traceback. Now one line naming the combination, exit 2."""
+    rc, err = _dry_run(tmp_path, capsys, extra + _DP)
+    assert rc == 2 and len(err) == 1, err
+    assert "cannot be combined" in err[0]
+
+
+@pytest.mark.parametrize("extra", [_MONNA, '[attack]\nname = "byzantine"\nfraction = 0.125\n'
+                                           '[aggregation]\nname = "tm"\ndelta = 0.25\n'],
+                         ids=["monna-trusted", "attack"])
+def test_a_robust_rule_under_fedasync_is_refused_before_running(tmp_path, capsys, extra):
+    """A robust rule under ``[asynchronous]`` (FedAsync: one arriving update per server
+    step) was checked at the synchronous cohort size: the dry run said yes, and the run
+    aggregated every update alone, 'unprotected' (one warning; a MoNNA with a trusted client
+    then applied the trusted client's updates only and dropped every other one). Now the
+    rule is checked at the updates one step aggregates: refused at k = 1, accepted under
+    FedBuff with a buffer it protects."""
+    rc, err = _dry_run(tmp_path, capsys, extra + '[asynchronous]\nrule = "fedasync"\n')
+    assert rc == 2 and len(err) == 1 and "k = 1 inputs" in err[0], err
+    rc, err = _dry_run(tmp_path, capsys,
+                       extra + '[asynchronous]\nrule = {name = "fedbuff", buffer = 4}\n')
+    assert rc == 0, err
