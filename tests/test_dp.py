@@ -362,7 +362,7 @@ def test_refusals_name_the_problem(ls):
         DifferentiallyPrivate(FFGG(ExactSolver(), aggregator=CoordinateMedian()), opts)
     with pytest.raises(ValueError, match="own server step"):
         DifferentiallyPrivate(Scaffold(tau=1), opts)
-    with pytest.raises(TypeError, match="plain algorithm"):
+    with pytest.raises(ValueError, match="plain algorithm"):
         DifferentiallyPrivate(FaultInjector(FFGG(ExactSolver())), opts)
     with pytest.raises(ValueError, match="noise_multiplier or target_epsilon"):
         DPOptions()

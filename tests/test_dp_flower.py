@@ -120,10 +120,11 @@ def test_the_server_cannot_strip_a_nodes_local_dp_noise(loopback, key):
     err, rows = stripped({} if key is None else {"dp-noise-key": key})
     assert err > 0.5 * z * C  # the clients' updates stay hidden under the noise
     assert stripped({"dp-noise-key": "seed"})[0] < 1e-9  # the attack itself is right
-    if key is not None:  # an operator's key repeats the run; the secret one does not
-        np.testing.assert_array_equal(stripped({"dp-noise-key": key})[1], rows)
-    else:
-        assert np.abs(stripped({})[1] - rows).max() > 0.1
+    # neither key repeats its noise in one node process: a node answers each (key, round)
+    # once, later asks draw fresh secrets (test_adversarial6: a server that rebuilt the
+    # node's runtime with another run config replayed an operator key's noise)
+    again = stripped({} if key is None else {"dp-noise-key": key})
+    assert again[0] > 0.5 * z * C and np.abs(again[1] - rows).max() > 0.1
 
 
 @pytest.mark.parametrize("bad", ["-1", "x", "1.5", 2**63])

@@ -23,6 +23,7 @@ import json
 import math
 import os
 import re
+import stat
 import struct
 import tempfile
 from collections.abc import Iterator, Mapping
@@ -107,6 +108,27 @@ def clean_stale_writes(folder: str | Path) -> list[Path]:
                     f.unlink()
                     gone.append(f)
     return gone
+
+
+def open_regular(path: str | Path, *, follow: bool = True) -> IO[bytes]:
+    """``path`` opened for reading in binary, if it is a regular file; else
+    :class:`FileFormatError` (FileNotFoundError if it is missing). Opened without blocking, so
+    a FIFO planted under a file's name in a received folder is refused instead of hanging
+    the reader for good; ``follow=False``: a symlink is refused too."""
+    flags = os.O_RDONLY | getattr(os, "O_NONBLOCK", 0)
+    if not follow:
+        flags |= getattr(os, "O_NOFOLLOW", 0)
+    try:
+        fd = os.open(path, flags)
+    except FileNotFoundError:
+        raise
+    except OSError as e:  # O_NOFOLLOW on a symlink: ELOOP; a folder (on some systems)
+        raise FileFormatError(f"{path} cannot be read as a file ({e.strerror})") from None
+    f = os.fdopen(fd, "rb")
+    if not stat.S_ISREG(os.fstat(fd).st_mode):
+        f.close()
+        raise FileFormatError(f"{path} is not a regular file (a folder, FIFO or device)")
+    return f
 
 
 def write_text(path: str | Path, text: str) -> None:

@@ -269,9 +269,12 @@ class DifferentiallyPrivate(AlgorithmWrapper):
     mean_only = True
 
     def __init__(self, base: Algorithm, options: DPOptions) -> None:
-        if isinstance(base, AlgorithmWrapper):
-            raise TypeError(f"DifferentiallyPrivate wraps a plain algorithm, not the wrapper "
-                            f"{type(base).__name__}")
+        if isinstance(base, AlgorithmWrapper):  # a configuration's combination: a value
+            # error, so a spec gets one line (a TypeError once escaped as a traceback)
+            raise ValueError(f"DP wraps a plain algorithm, not the wrapper "
+                             f"{type(base).__name__}: [privacy] cannot be combined with "
+                             "[faults], [attack] or an aggregation rule with a trusted client "
+                             "(MoNNA's trusted)")
         super().__init__(base)
         if not isinstance(options, DPOptions):
             raise TypeError(f"options must be DPOptions, got {type(options).__name__}")
@@ -357,6 +360,8 @@ class DifferentiallyPrivate(AlgorithmWrapper):
             raise ValueError(f"DP covers θ-only updates; {self.base.name} also sends "
                              f"{sorted(up.extra)}")
         vectors, metrics = up.vectors, dict(up.metrics)
+        if self.options.mode == "local":  # only the noised update leaves the client: its
+            metrics = {}  # exact training loss (train_loss) is no part of the mechanism
         clip = self._clip(state)
         if clip is not None:
             norms = row_norms(vectors)

@@ -55,7 +55,10 @@ def build_algorithm(spec: RunSpec, stage: StageConfig, *, method=None, problem=N
     opt = build_server_opt(stage.server, stage.rounds, L, auto)
     agg = build_aggregator(spec)
     n = num_clients if num_clients is not None else getattr(problem, "num_clients", None)
-    check_protected(agg, stage.clients_per_round or n)
+    check_protected(agg, server_cohort(spec, stage.clients_per_round or n),
+                    "" if spec.asynchronous is None else
+                    " (an asynchronous step aggregates the updates that arrived: 1 under "
+                    "fedasync, the buffer K under fedbuff)")
     ctx = AlgorithmContext(stage.client.build(), opt, agg, method.weighting, method.w_init,
                            e.name)
     try:
@@ -69,7 +72,16 @@ def build_algorithm(spec: RunSpec, stage: StageConfig, *, method=None, problem=N
     return alg
 
 
-def check_protected(agg, k: int | None) -> None:
+def server_cohort(spec: RunSpec, k: int | None) -> int | None:
+    """The updates one server step aggregates: the round's k clients, or under
+    ``[asynchronous]`` the rule's (FedAsync: 1, FedBuff: its buffer K) — a robust rule that
+    saw one arriving update per step once ran unprotected at every step, with a warning."""
+    if spec.asynchronous is None:
+        return k
+    return int(spec.asynchronous.rule.get("buffer", 1))
+
+
+def check_protected(agg, k: int | None, where: str = "") -> None:
     """Refuse, when the spec is built (so ``--dry-run`` says it), a robust rule that would
     tolerate no Byzantine input, or break its own bound, at the stage's planned cohort of k
     clients (:func:`partialfl.aggregation.protection.tolerated`; the rule checks again on
@@ -81,7 +93,7 @@ def check_protected(agg, k: int | None) -> None:
     try:
         tolerated(agg, int(k))
     except UnprotectedError as err:
-        raise ConfigError(f"aggregation: {err}") from None
+        raise ConfigError(f"aggregation{where}: {err}") from None
 
 
 def stage_algorithm(spec: RunSpec, stage: str, *, problem=None, num_clients: int | None = None):

@@ -22,7 +22,7 @@ in-process (:func:`partialfl.flower.stage.node_parts`), and cached per process.
 from __future__ import annotations
 
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
@@ -69,7 +69,6 @@ class NodeRuntime:
     eval_min_clients: int = 2  # the run config's, raised by the node's own floor
     noise_key: int | None = None  # local DP's noise key (:mod:`partialfl.flower.node`)
     noise_secret: bool = False  # the key is the node's own (not the run seed the server holds)
-    asked: dict[int, int] = field(default_factory=dict)  # round → train requests answered
 
     def context(self, round_: int) -> RoundContext:
         """What the node's client updates know of round ``round_``: the run seed and the
@@ -77,11 +76,13 @@ class NodeRuntime:
         replaying round r at another θ to subtract the two replies: the same noise would
         cancel, leaving the exact difference of the clipped updates) draws its noise from a
         fresh secret, so no noise is released twice; a key that is the run seed repeats the
-        in-process run instead (the server could regenerate it anyway)."""
+        in-process run instead (the server could regenerate it anyway). What was answered is
+        remembered per (key, round) for the process (:data:`_ANSWERED`), not per cached
+        runtime: a message under another run config rebuilt the runtime and emptied it."""
         import secrets
 
-        n = self.asked.get(round_, 0)
-        self.asked[round_] = n + 1
+        n = _ANSWERED.get((self.noise_key, round_), 0)
+        _ANSWERED[(self.noise_key, round_)] = n + 1
         key = secrets.randbits(63) if n and self.noise_secret else self.noise_key
         return RoundContext(self.cfg.seed, round_, noise_key=key)
 
@@ -97,6 +98,9 @@ class NodeRuntime:
 
 
 _CACHE: dict[tuple, NodeRuntime] = {}
+#: (noise key, round) → train requests this process answered with that key (see
+#: :meth:`NodeRuntime.context`; kept when the cached runtime is replaced)
+_ANSWERED: dict[tuple[int | None, int], int] = {}
 
 #: ``(cfg, problem) -> Algorithm``: an algorithm built by code instead of by the spec
 AlgorithmFactory = Callable[[FlowerConfig, Any], Any]

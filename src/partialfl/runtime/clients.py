@@ -13,6 +13,7 @@ from typing import Any
 
 import numpy as np
 
+from partialfl import arrays
 from partialfl.algorithms.base import ClientResult, RoundContext, ServerState, concat_results
 from partialfl.batching import map_clients
 from partialfl.privacy import PrivacyError, scalars_refusal, tree_refusal
@@ -43,14 +44,71 @@ def _rows(tree, k: int, where: str) -> str | None:
     return None
 
 
-def checked(res, clients: np.ndarray, theta=None) -> ClientResult:
+def _layout(tree) -> tuple:
+    """A tree's structure: each leaf's name, row shape, dtype and kind (numpy or torch)."""
+    return tuple(sorted((str(n), tuple(np.shape(v))[1:], str(getattr(v, "dtype", type(v))),
+                         arrays.is_torch(v)) for n, v in tree.items()))
+
+
+def _state_refusal(got, sent: Params) -> str | None:
+    """Why a result's client state does not fit the rows it was computed from (None: it
+    does): the same leaves, each with the same row shape and dtype. (A leaf left out was
+    lost for every other client of the cohort, or crashed the merge; one more, or a complex
+    or object row, crashed the write-back or was cast into the runtime's state.)"""
+    if got is None or not isinstance(got, dict):
+        return f"client_state is {type(got).__name__}, not the leaves {sorted(sent)}"
+    if _layout(got) != _layout(sent):
+        return (f"client_state has the leaves {list(_layout(got))[:4]}, not the rows it was "
+                f"given {list(_layout(sent))[:4]} (names, row shapes, dtypes)")
+    return None
+
+
+def structure(res: ClientResult) -> tuple:
+    """What must agree between the results of one cohort before they are stacked: the
+    names, row shapes and dtypes of the vectors, metrics, extras and client state."""
+    u = res.updates
+    return (_layout(u.vectors), _layout(u.metrics),
+            tuple(sorted((str(e), _layout(t)) for e, t in u.extra.items())),
+            None if res.client_state is None else _layout(res.client_state))
+
+
+def odd_results(results: list[ClientResult]) -> dict[int, str]:
+    """The positions whose :func:`structure` differs from the one most results share (ties:
+    the earliest), with why. :func:`~partialfl.algorithms.base.concat_results` stacks by
+    the first result's names, so one client's differing result once crashed the round
+    (KeyError) or, placed first, silently dropped a field of every other client."""
+    sigs = [structure(r) for r in results]
+    counts: dict[tuple, int] = {}
+    for s in sigs:
+        counts[s] = counts.get(s, 0) + 1
+    ref = max(counts, key=lambda s: (counts[s], -sigs.index(s)))
+    return {i: "malformed client result: its fields (names, row shapes, dtypes) differ from "
+               "those of the cohort's other clients"
+            for i, s in enumerate(sigs) if s != ref}
+
+
+def concat_checked(results: list[ClientResult]) -> ClientResult:
+    """:func:`~partialfl.algorithms.base.concat_results` of results that agree in
+    :func:`structure`; :class:`MalformedResult` if some do not (the runtime then isolates
+    the clients and skips the odd ones: :func:`odd_results`)."""
+    odd = odd_results(results)
+    if odd:
+        raise MalformedResult(f"{len(odd)} of {len(results)} client results differ in "
+                              "structure from the others")
+    return concat_results(results)
+
+
+def checked(res, clients: np.ndarray, theta=None, client_state: Params | None = None
+            ) -> ClientResult:
     """``res`` if it is a result for (some of, each at most once) the asked ``clients``: a
     :class:`ClientResult` whose rows — vectors, metrics, extras and client state — number
     its clients; else :class:`MalformedResult` (vectors that are not θ-shaped rows of θ's
     leaves: the privacy screen's :class:`~partialfl.privacy.PrivacyError`). Checked
     where a client's computation returns (a worker, a thread, the simulated clock), so one
     client can neither break the concatenation of a cohort's rows nor write rows under
-    another client's id (its personal state included)."""
+    another client's id (its personal state included). ``client_state``: the rows the
+    computation was given; the result's client state must have their structure
+    (:func:`_state_refusal`)."""
     if not isinstance(res, ClientResult) or not isinstance(res.updates, ClientUpdates):
         raise MalformedResult(f"the client computation returned {type(res).__name__}, not a "
                               "ClientResult")
@@ -71,6 +129,8 @@ def checked(res, clients: np.ndarray, theta=None) -> ClientResult:
            or next(filter(None, (_rows(t, k, f"extra[{e!r}]") for e, t in u.extra.items())),
                    None)
            or _rows(res.client_state, k, "client_state"))
+    if why is None and client_state is not None:
+        why = _state_refusal(res.client_state, client_state)
     if why is not None:
         raise MalformedResult(f"malformed client result: {why}")
     return res
@@ -97,9 +157,10 @@ class ClientCall:
     client_state: Params | None = None
 
     def __call__(self, pos: np.ndarray) -> ClientResult:
+        cs = rows(self.client_state, pos)
         return checked(self.algorithm.client_update(self.state, self.problem, self.cohort[pos],
-                                                    self.ctx, rows(self.client_state, pos)),
-                       self.cohort[pos], getattr(self.state, "theta", None))
+                                                    self.ctx, cs),
+                       self.cohort[pos], getattr(self.state, "theta", None), cs)
 
 
 def run_clients(algorithm, state: ServerState, problem, cohort, ctx: RoundContext,
@@ -108,7 +169,7 @@ def run_clients(algorithm, state: ServerState, problem, cohort, ctx: RoundContex
     says."""
     cohort = np.asarray(cohort)
     call = ClientCall(algorithm, problem, state, cohort, ctx, client_state)
-    return map_clients(call, cohort, mode, combine=concat_results)
+    return map_clients(call, cohort, mode, combine=concat_checked)
 
 
 class CohortRunner:

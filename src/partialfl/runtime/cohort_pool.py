@@ -137,8 +137,11 @@ class ProcessBackend(CohortRunner):
                 ev = pool.next()
                 if ev.kind == "done":  # the worker's result, checked here (runtime.clients)
                     try:
+                        p = int(pos[ev.task])
                         out[ev.task] = checked(ev.payload, clients[ev.task:ev.task + 1],
-                                               fn.state.theta)
+                                               fn.state.theta,
+                                               None if cs is None else
+                                               {n: v[p:p + 1] for n, v in cs.items()})
                     except ValueError as e:  # MalformedResult, PrivacyError
                         failures[ev.task] = ("error", error_text(e))
                 elif ev.kind == "error" and is_data_error(ev.error):

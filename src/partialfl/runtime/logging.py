@@ -19,6 +19,7 @@ processes) — has these keys (:func:`base_record`), then the evaluator's metric
 
 from __future__ import annotations
 
+import io
 import json
 import math
 import os
@@ -106,10 +107,11 @@ class JsonlLogger:
 def read_jsonl(path: str | Path) -> list[dict[str, Any]]:
     """Read records back; string "nan"/"inf" become floats. A corrupt line (e.g. the last
     one of an interrupted run: the log is appended line by line) gives a named error."""
-    from partialfl.io import FileFormatError
+    from partialfl.io import FileFormatError, open_regular
 
     out = []
-    with open(path, encoding="utf-8", errors="replace") as f:
+    with open_regular(path) as raw:  # (a FIFO in a received run folder hung `report`)
+        f = io.TextIOWrapper(raw, encoding="utf-8", errors="replace")
         for i, line in enumerate(f, 1):
             if line.strip():
                 try:  # (ValueError: also an integer of more than 4300 digits)

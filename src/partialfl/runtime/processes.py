@@ -82,6 +82,7 @@ class WorkerProcesses:
         self.max_respawns, self.start_method = max_respawns, start_method
         self.pool: WorkerPool | None = None
         self.jobs: dict[int, object] = {}
+        self.sent: dict[int, Params | None] = {}  # each job's client-state rows
         self.t0 = _time.perf_counter()
 
     def start(self) -> None:
@@ -102,6 +103,7 @@ class WorkerProcesses:
     def send(self, job, state, client_state, ctx, seconds):
         """Hand the job to its slot's worker (it sleeps until ``seconds × time_unit``)."""
         self.jobs[job.job] = job
+        self.sent[job.job] = client_state  # the rows its result's client state must match
         self.pool.send(job.slot, Task(job.job, job.client, state, ctx, client_state,
                                       self.time_unit * seconds))
         return None
@@ -116,9 +118,10 @@ class WorkerProcesses:
         # the pool's events are the loop's: done, error (the client's traceback), death of
         # the slot's worker (its job lost), ready (a restarted worker)
         job = None if ev.task is None else self.jobs.pop(ev.task)
+        rows = None if ev.task is None else self.sent.pop(ev.task, None)
         if ev.kind == "done":  # a result for another client, or none: the client failed
             try:
-                checked(ev.payload, np.asarray([job.client]))
+                checked(ev.payload, np.asarray([job.client]), None, rows)
             except MalformedResult as e:
                 ev = replace(ev, kind="error", payload=error_text(e), error=None)
         error = ev.kind == "error"

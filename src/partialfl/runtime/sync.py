@@ -45,7 +45,7 @@ from partialfl.runtime.checkpoint import (  # noqa: F401 - ResumeError: part of 
     check_fingerprint,
     run_fingerprint,
 )
-from partialfl.runtime.clients import run_clients
+from partialfl.runtime.clients import MalformedResult, odd_results, run_clients
 from partialfl.runtime.cohort_pool import ClientsFailed, WorkerError
 from partialfl.runtime.faults import FaultLog, receive
 from partialfl.runtime.logging import base_record, train_record
@@ -115,9 +115,21 @@ class InProcess:
                 pos.append(i)
             except Exception as e:  # noqa: BLE001
                 faults.client_error(f"client {int(m)} in round {ctx.round}", e)
+        out, pos = _agreeing(out, pos, cohort, ctx, faults)
         if not out:
             faults.raise_if_systematic(len(cohort))
         return (concat_results(out) if out else None), np.asarray(pos, dtype=np.int64)
+
+
+def _agreeing(out: list, pos: list, cohort, ctx, faults: FaultLog) -> tuple[list, list]:
+    """The one-client results that agree in structure with most others (the odd ones
+    counted as failed clients: :func:`partialfl.runtime.clients.odd_results`)."""
+    odd = odd_results(out) if len(out) > 1 else {}
+    for j, why in odd.items():
+        faults.client_error(f"client {int(cohort[pos[j]])} in round {ctx.round}",
+                            MalformedResult(why))
+    keep = [j for j in range(len(out)) if j not in odd]
+    return [out[j] for j in keep], [pos[j] for j in keep]
 
 
 def _survivors(e: ClientsFailed, cohort, ctx, faults: FaultLog):
@@ -129,11 +141,14 @@ def _survivors(e: ClientsFailed, cohort, ctx, faults: FaultLog):
             faults.worker_death(where, why)
         else:
             faults.client_error(where, WorkerError(f"{where} failed in a worker:\n{why}"))
-    pos = np.asarray([i for i, r in enumerate(e.results) if r is not None], dtype=np.int64)
+    out, kept = _agreeing([r for r in e.results if r is not None],
+                          [i for i, r in enumerate(e.results) if r is not None], cohort, ctx,
+                          faults)
+    pos = np.asarray(kept, dtype=np.int64)
     if len(pos) == 0:
         faults.raise_if_systematic(len(cohort))
         return None, pos
-    return concat_results([e.results[i] for i in pos]), pos
+    return concat_results(out), pos
 
 
 @runtime_checkable

@@ -108,7 +108,9 @@ class AsyncSpec(_Spec):
     X / speed_m simulated seconds, X drawn from ``duration`` (a registered distribution
     with its options: constant, exponential, half-normal {scale}, log-normal, pareto
     {scale, shape}), device speeds log-normal with ``speed_sigma`` (0: all equal);
-    ``rounds`` of the stage count applied updates."""
+    ``rounds`` of the stage count applied updates. A robust aggregation rule is checked at
+    the updates one step aggregates (1 under fedasync, K under fedbuff), so fedasync
+    refuses it unless ``allow_unprotected``."""
 
     rule: Component = comp("wrapper", "fedasync", "fedasync {staleness, a, b} or fedbuff "
                            "{buffer, staleness, a, b}")

@@ -20,7 +20,7 @@ import time
 from pathlib import Path
 
 from partialfl.data.store.layout import StoreError, crc_file
-from partialfl.io import write_json
+from partialfl.io import open_regular, write_json
 
 SIDECAR = ".verified.json"
 RACY_NS = 2_000_000_000  # coarser than any file-system timestamp tick (FAT: 2 s)
@@ -37,12 +37,12 @@ def _trusted(entry, key: list[int], crc: int) -> bool:
 
 
 def _load_sidecar(root: Path) -> dict:
-    if (root / SIDECAR).is_symlink():  # only the store's own file counts
-        return {}
+    """The remembered checks; {} unless the sidecar is the store's own regular file (a
+    symlink is not followed; a FIFO planted under its name once hung the open for good)."""
     try:
-        with open(root / SIDECAR, "rb") as f:
+        with open_regular(root / SIDECAR, follow=False) as f:
             d = json.loads(f.read(1 << 20))
-    except (OSError, ValueError, RecursionError):
+    except (OSError, ValueError, RecursionError):  # FileFormatError is a ValueError
         return {}
     return d if isinstance(d, dict) else {}
 

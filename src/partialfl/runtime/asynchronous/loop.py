@@ -206,7 +206,7 @@ class SimulatedClock:
             res = checked(self.algorithm.client_update(state, self.problem,
                                                        np.asarray([job.client]), ctx,
                                                        client_state),
-                          np.asarray([job.client]), state.theta)
+                          np.asarray([job.client]), state.theta, client_state)
         except Exception as e:  # noqa: BLE001 - a failing client is skipped
             return e
         # dispatch_time: now, or for a job sent again on resume, when it was first sent
