@@ -110,10 +110,10 @@ def test_async_resume_sends_the_task_in_flight_again_and_applies_no_task_twice(f
 
 
 def test_async_resume_refuses_another_configuration_and_a_missing_checkpoint(flower_runs):
-    from partialfl.runtime.sync import ResumeError
+    from partialfl.flower.checkpoint import CheckpointError
 
     run, _, _ = flower_runs["async-resumed"]
-    with pytest.raises(ResumeError, match="seed"):
+    with pytest.raises(CheckpointError, match="seed"):  # one line, as in synchronous mode
         async_checkpoint(parse_run_config(_reseeded(run))).load()
     _, err, _ = flower_runs["async-missing"]
     assert isinstance(err, ConfigError) and "no checkpoint at" in str(err)

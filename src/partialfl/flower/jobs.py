@@ -23,6 +23,7 @@ from typing import Any
 
 import numpy as np
 
+from partialfl import io as pio
 from partialfl.algorithms.base import ClientResult, RoundContext, ServerState
 from partialfl.flower import checkpoint
 from partialfl.flower.config import FlowerConfig, parse_fault_injection
@@ -45,6 +46,7 @@ from partialfl.runtime.asynchronous import (
     Event,
     drive,
 )
+from partialfl.runtime.checkpoint import ResumeError
 
 #: the asynchronous mode's checkpoint (pointer) in ``out-dir`` (synchronous mode:
 #: :data:`partialfl.flower.checkpoint.SYNC_CHECKPOINT`)
@@ -161,15 +163,44 @@ class FlowerJobs:
         """Tasks still in flight are abandoned (their replies are never pulled)."""
 
 
-def async_checkpoint(cfg: FlowerConfig, extra=None) -> AsyncCheckpoint:
+class FlowerAsyncCheckpoint(AsyncCheckpoint):
+    """:class:`AsyncCheckpoint` whose :meth:`load` checks everything it read against this
+    run (:func:`partialfl.flower.checkpoint.check_async`: ``fresh``, the run's initial
+    state, ``num_clients`` and ``concurrency``) and refuses anything else with one line."""
+
+    def __init__(self, path, fingerprint, extra=None, fresh=None, num_clients: int = 0,
+                 concurrency: int = 0) -> None:
+        super().__init__(path, fingerprint, private=False, extra=extra)
+        self.fresh, self.num_clients, self.concurrency = fresh, num_clients, concurrency
+
+    def load(self):
+        try:
+            loaded = super().load()
+        except checkpoint.CheckpointError:
+            raise
+        except ResumeError as e:
+            raise checkpoint.CheckpointError(f"refusing to resume: {checkpoint._line(e)}"
+                                             ) from None
+        except (pio.FileFormatError, OSError, TypeError, ValueError, KeyError) as e:
+            raise checkpoint.CheckpointError(
+                f"checkpoint {self.path}: {checkpoint._line(e)}") from None
+        if loaded is None or self.fresh is None:
+            return loaded
+        return checkpoint.check_async(loaded, self.fresh, self.num_clients, self.concurrency,
+                                      self.path)
+
+
+def async_checkpoint(cfg: FlowerConfig, extra=None, fresh=None, num_clients: int = 0,
+                     concurrency: int = 0) -> AsyncCheckpoint:
     """The asynchronous mode's checkpoint ``out-dir``/:data:`ASYNC_CHECKPOINT`, validated
     like the synchronous one against the run's fingerprint (the spec's identity and the
     run-config keys but the volatile ones, :meth:`FlowerConfig.fingerprint`); no
     client-side file (the SuperNodes are stateless). ``extra``: the transport whose report
-    is saved with it."""
-    return AsyncCheckpoint(Path(cfg.out_dir) / ASYNC_CHECKPOINT, cfg.fingerprint(),
-                           private=False,
-                           extra=extra)
+    is saved with it; given ``fresh`` (the run's initial state), what it loads is checked
+    (:class:`FlowerAsyncCheckpoint`)."""
+    return FlowerAsyncCheckpoint(Path(cfg.out_dir) / ASYNC_CHECKPOINT, cfg.fingerprint(),
+                                 extra=extra, fresh=fresh, num_clients=num_clients,
+                                 concurrency=concurrency)
 
 
 def run_async(link, cfg, fed, algorithm, state, ref, report, t0) -> ServerState:
@@ -207,7 +238,8 @@ def run_async(link, cfg, fed, algorithm, state, ref, report, t0) -> ServerState:
 
     problem = ref if ref is not None else ServerProblem(fed.num_clients, fed.examples, fed.theta0)
     jobs = FlowerJobs(link, cfg, fed, report, conc, t0, algorithm)
-    ck = async_checkpoint(cfg, jobs) if cfg.checkpoint_every or cfg.resume else None
+    ck = async_checkpoint(cfg, jobs, state, fed.num_clients, conc) \
+        if cfg.checkpoint_every or cfg.resume else None
     if cfg.resume and not ck.path.is_file():
         raise checkpoint.CheckpointError(f"run-config key 'resume': no checkpoint at {ck.path}")
     server = AsyncServer(problem, alg, concurrency=conc, seed=cfg.seed, theta0=state.theta,

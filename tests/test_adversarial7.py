@@ -1,0 +1,146 @@
+"""Adversarial round 7 (issue 21): regression tests for what the seventh independent round
+found."""
+
+from __future__ import annotations
+
+import shutil
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+pytest.importorskip("flwr", reason="flwr is not installed (pip install 'partialfl[flower]')")
+
+from _flower_sims import ASYNC_2, ls_run  # noqa: E402
+from test_faults_flower import _inflate  # noqa: E402
+
+from partialfl.config import deep_merge  # noqa: E402
+
+
+# -- a crafted asynchronous Flower checkpoint ----------------------------------------------
+def _snap(m):
+    """The asynchronous server's bookkeeping in a server file's skeleton."""
+    return m["state"]["dict"]["server"]["dict"]["server"]["dict"]
+
+
+def _jobs(m):
+    return m["state"]["dict"]["server"]["dict"]["jobs"]["list"]
+
+
+def _theta(fields):
+    return fields["theta"]["dict"]["theta"]["tensor"]
+
+
+def _set(get, key, value):
+    return lambda m, t: get(m).__setitem__(key, value)
+
+
+def _tensor(get, value):
+    return lambda m, t: t.__setitem__(get(m), value)
+
+
+def _job(m):
+    return _jobs(m)[0]["tuple"][0]["tuple"]
+
+
+ASYNC_CRAFTED = {
+    "theta-nan": _tensor(lambda m: _theta(_snap(m)["state"]["fields"]), np.full(10, np.nan)),
+    "theta-shape": _tensor(lambda m: _theta(_snap(m)["state"]["fields"]), np.zeros(3)),
+    "theta-float32": _tensor(lambda m: _theta(_snap(m)["state"]["fields"]),
+                             np.zeros(10, np.float32)),
+    "busy-length": _tensor(lambda m: _snap(m)["busy"]["tensor"], np.zeros(7, bool)),
+    "arrivals-huge": _set(_snap, "arrivals", 10**6),
+    "arrivals-negative": _set(_snap, "arrivals", -5),
+    "next-job-text": _set(_snap, "next_job", "x"),
+    "time-nan": _set(_snap, "time", "nan"),
+    "events-int": _set(_snap, "events", 5),
+    "history-of-ints": _set(_snap, "history", {"list": [3]}),
+    "round-negative": lambda m, t: _snap(m)["state"]["fields"].__setitem__("round", -3),
+    "state-not-a-state": _set(_snap, "state", {"dict": {}}),
+    "snapshot-key-missing": lambda m, t: _snap(m).pop("busy"),
+    "jobs-int": lambda m, t: m["state"]["dict"]["server"]["dict"].__setitem__("jobs", 3),
+    "job-arity": lambda m, t: _jobs(m)[0]["tuple"].__setitem__(0, {"tuple": [3, 0]}),
+    "job-client-out-of-range": lambda m, t: _job(m).__setitem__(1, 99),
+    "job-client-negative": lambda m, t: _job(m).__setitem__(1, -1),
+    "job-slot-out-of-range": lambda m, t: _job(m).__setitem__(2, 7),
+    "job-theta-nan": _tensor(lambda m: _theta(_jobs(m)[0]["tuple"][1]["fields"]),
+                             np.full(10, np.nan)),
+    "job-theta-shape": _tensor(lambda m: _theta(_jobs(m)[0]["tuple"][1]["fields"]),
+                               np.zeros(3)),
+}
+
+
+@pytest.fixture(scope="module")
+def async_template(tmp_path_factory):
+    """An asynchronous run (two tasks in flight) stopped after server step 3 with its
+    checkpoint: ``(run config without the stop, folder)``."""
+    from _flower_loopback import LoopbackGrid
+    from flwr.supercore.task_identity import TaskIdentity
+
+    from partialfl.flower.server import ServerStopped, run_server
+
+    out = tmp_path_factory.mktemp("async7") / "tmpl"
+    run = ls_run(**ASYNC_2, checkpoint_every=1, out_dir=str(out))
+    with pytest.MonkeyPatch.context() as mp:
+        for name, value in (("_run_id", 1), ("_node_id", 0), ("_task_id", 1)):
+            mp.setattr(TaskIdentity, name, value)
+        with pytest.raises(ServerStopped):
+            run_server(LoopbackGrid(2), {**run, "fault-injection": "stop:round=2"})
+    return run, out
+
+
+def _craft_async(folder: Path, edit) -> None:
+    """Edit the server file of the asynchronous checkpoint in ``folder`` (its hash
+    recorded in the pointer, so the edit reaches the checks behind it)."""
+    from partialfl import io as pio
+    from partialfl.flower.server import ASYNC_CHECKPOINT
+
+    path = folder / ASYNC_CHECKPOINT
+    _, ptr = pio.load_tensors(path)
+    spath = folder / ptr["files"]["server"]["name"]
+    tensors, meta = pio.load_tensors(spath)
+    edit(meta, tensors)
+    pio.save_tensors(spath, tensors, meta)
+    ptr["files"]["server"]["sha256"] = _inflate(spath)
+    pio.save_tensors(path, {}, ptr)
+
+
+@pytest.mark.parametrize("variant", sorted(ASYNC_CRAFTED))
+def test_crafted_async_checkpoint_is_one_line_refusal(variant, async_template, loopback,
+                                                      tmp_path):
+    """The asynchronous ServerApp's checkpoint was loaded unchecked (only its report was):
+    θ = NaN resumed and trained on (a "resumed" run with θ NaN), θ of another shape or
+    dtype aborted the run blaming the SuperNodes ("partitions lost: [0]"), arrivals = 10⁶
+    ended the run at once as finished, a job's client -1 trained client 7, a sent θ of NaN
+    was counted as the client's failure, and a dozen other edits ended the ServerApp in
+    IndexError/TypeError/AttributeError/KeyError tracebacks. Now each is a CheckpointError
+    (a ConfigError: one line, exit 2) naming the problem, as in synchronous mode."""
+    from partialfl.flower.checkpoint import CheckpointError
+    from partialfl.flower.server import run_server
+
+    run, tmpl = async_template
+    folder = tmp_path / "ck"
+    shutil.copytree(tmpl, folder)
+    _craft_async(folder, ASYNC_CRAFTED[variant])
+    with pytest.raises(CheckpointError) as e:
+        run_server(loopback(2), {**run, "out-dir": str(folder), "resume": True})
+    assert "\n" not in str(e.value) and len(str(e.value)) < 400, str(e.value)
+
+
+def test_untouched_async_checkpoints_still_resume_fedbuff_and_adam(loopback, tmp_path):
+    """The checks refuse nothing a real run writes: FedBuff (its buffer in the server
+    state) and Adam (an optimizer state) resume to the uninterrupted θ."""
+    from partialfl.flower.server import ServerStopped, run_server
+
+    for i, extra in enumerate(({"spec": {"asynchronous": {"rule": {"name": "fedbuff",
+                                                                    "buffer": 2}}}},
+                               {"spec": {"personalize": {"server": {"optimizer": "adam",
+                                                                    "lr": 0.05}}}})):
+        cfg = deep_merge(ASYNC_2, extra)
+        full = run_server(loopback(2), ls_run(**cfg, out_dir=str(tmp_path / f"full{i}")))
+        run = ls_run(**cfg, checkpoint_every=1, out_dir=str(tmp_path / f"r{i}"))
+        with pytest.raises(ServerStopped):
+            run_server(loopback(2), {**run, "fault-injection": "stop:round=2"})
+        rep = run_server(loopback(2), {**run, "resume": True})
+        assert rep.resumed_from == 3 and rep.server_steps == full.server_steps == 6
+        np.testing.assert_array_equal(rep.theta["theta"], full.theta["theta"])
