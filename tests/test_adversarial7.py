@@ -144,3 +144,42 @@ def test_untouched_async_checkpoints_still_resume_fedbuff_and_adam(loopback, tmp
         rep = run_server(loopback(2), {**run, "resume": True})
         assert rep.resumed_from == 3 and rep.server_steps == full.server_steps == 6
         np.testing.assert_array_equal(rep.theta["theta"], full.theta["theta"])
+
+
+# -- a synchronous Flower checkpoint with counters out of range -----------------------------
+def _sync_crafted():
+    from test_faults_flower import _body, _extra, _fields
+
+    return {
+        "round-past-the-stage": lambda m, t: _fields(m).__setitem__("round", 10**6),
+        "skipped-rounds-negative": lambda m, t: _extra(m).__setitem__("skipped_rounds", -5),
+        "requested-negative": lambda m, t: _extra(m).__setitem__("requested", -5),
+        "eval-withheld-negative": lambda m, t: _extra(m).__setitem__("eval_withheld", -3),
+        "failure-out-of-range": lambda m, t: _extra(m).__setitem__("failures", {"list": [
+            {"dict": {"round": -7, "kind": "error", "partition": -1,
+                      "clients": {"list": [-4]}, "reason": "two\nlines"}}]}),
+        "history-of-garbage": lambda m, t: _body(m).__setitem__(
+            "history", {"list": [{"dict": {"round": "x", "eval_loss": "y"}}]}),
+        "history-out-of-order": lambda m, t: _body(m)["history"]["list"].reverse(),
+    }
+
+
+@pytest.mark.parametrize("variant", sorted(_sync_crafted()))
+def test_sync_checkpoint_counters_out_of_range_are_refused(variant, loopback, tmp_path):
+    """Counters and records of a received synchronous checkpoint were checked for type
+    only: round 10⁶ of a 4-round stage "resumed" as finished with 10⁶ server steps,
+    skipped_rounds = -5 reported 9 server steps of 4, requested = -5 shrank the denominator
+    of max-failure-fraction, and a history of garbage records (or reversed) replaced the
+    run's own in result.json. Now each is one CheckpointError line."""
+    from test_faults_flower import craft
+
+    from partialfl.flower.checkpoint import CheckpointError
+    from partialfl.flower.server import ServerStopped, run_server
+
+    run = ls_run(4, checkpoint_every=1, out_dir=str(tmp_path))
+    with pytest.raises(ServerStopped):
+        run_server(loopback(2), {**run, "fault-injection": "stop:round=1"})
+    craft(tmp_path, server=_sync_crafted()[variant])
+    with pytest.raises(CheckpointError) as e:
+        run_server(loopback(2), {**run, "resume": True})
+    assert "\n" not in str(e.value) and len(str(e.value)) < 400, str(e.value)

@@ -60,10 +60,23 @@ def signature(tree: Any) -> Any:
 FAILURE_FIELDS = {"round": int, "kind": str, "partition": int, "clients": list, "reason": str}
 
 
+def _text(v: Any) -> bool:
+    return isinstance(v, str) and len(v) <= 2000 and "\n" not in v and "\r" not in v
+
+
+def history_ok(history: Any, last: int) -> bool:
+    """Whether ``history`` is a list of records (dicts) of rounds 0..``last`` in order."""
+    if not isinstance(history, list) or not all(isinstance(h, dict) for h in history):
+        return False
+    rounds = [h.get("round") for h in history]
+    return all(type(r) is int and 0 <= r <= last for r in rounds) and rounds == sorted(rounds)
+
+
 def check_report(rep: Any, counters: tuple[str, ...], what: str = "checkpoint") -> dict:
-    """``rep`` if it is a saved report: ``failures`` (a list of failure records), the
-    integer ``counters`` and, when present, ``history`` (a list of dicts) and
-    ``eval_withheld`` (an integer); else :class:`CheckpointError`."""
+    """``rep`` if it is a saved report: ``failures`` (a list of failure records: round >=
+    -1, partition and clients >= 0, kind and reason one line each), the integer
+    ``counters`` >= 0 and, when present, ``history`` (a list of dicts) and
+    ``eval_withheld`` (an integer >= 0); else :class:`CheckpointError`."""
     if not isinstance(rep, dict):
         raise CheckpointError(f"{what} report is not a dict")
     fails = rep.get("failures")
@@ -71,15 +84,17 @@ def check_report(rep: Any, counters: tuple[str, ...], what: str = "checkpoint") 
             isinstance(f, dict) and set(f) == set(FAILURE_FIELDS)
             and all(isinstance(f[k], t) and not isinstance(f[k], bool)
                     for k, t in FAILURE_FIELDS.items())
-            and all(isinstance(c, int) for c in f["clients"]) for f in fails):
+            and all(type(c) is int and c >= 0 for c in f["clients"])
+            and f["round"] >= -1 and f["partition"] >= 0
+            and _text(f["kind"]) and _text(f["reason"]) for f in fails):
         raise CheckpointError(f"{what} report has malformed failures")
     if "history" in rep and not (isinstance(rep["history"], list)
                                  and all(isinstance(h, dict) for h in rep["history"])):
         raise CheckpointError(f"{what} report has a malformed history")
     for k in counters:
-        if k not in rep or isinstance(rep[k], bool) or not isinstance(rep[k], int):
-            raise CheckpointError(f"{what} report lacks the integer {k!r}")
-    if type(rep.get("eval_withheld", 0)) is not int:
+        if k not in rep or type(rep[k]) is not int or rep[k] < 0:
+            raise CheckpointError(f"{what} report lacks the integer {k!r} >= 0")
+    if type(rep.get("eval_withheld", 0)) is not int or rep.get("eval_withheld", 0) < 0:
         raise CheckpointError(f"{what} report has a malformed eval_withheld")
     return rep
 
@@ -143,9 +158,13 @@ class FlowerCheckpoint(FileCheckpoint):
             raise CheckpointError(f"checkpoint {path} holds client state; the SuperNodes keep "
                                   "none")
         state = self._state(body["state"])
+        if state.round > self.cfg.rounds:
+            raise CheckpointError(f"checkpoint {path}: round {state.round} is past this "
+                                  f"stage's {self.cfg.rounds} rounds")
         history, grads, faults = body["history"], body["grad_evals"], body["faults"]
-        if not (isinstance(history, list) and all(isinstance(h, dict) for h in history)):
-            raise CheckpointError(f"checkpoint {path} has a malformed history")
+        if not history_ok(history, state.round):
+            raise CheckpointError(f"checkpoint {path} has a malformed history (records of "
+                                  f"rounds 0..{state.round} in order)")
         if type(grads) is not int or grads < 0:
             raise CheckpointError(f"checkpoint {path}: grad_evals must be an integer >= 0")
         try:
@@ -224,13 +243,15 @@ def _when(v: Any) -> bool:
     return type(v) in (int, float) and v == v and 0 <= v < float("inf")
 
 
-def check_async(loaded, like, num_clients: int, concurrency: int, path) -> Any:
+def check_async(loaded, like, num_clients: int, concurrency: int, path,
+                max_arrivals: int | None = None) -> Any:
     """``loaded`` (an asynchronous checkpoint's ``(snapshot, client state, jobs)``) if the
     server's bookkeeping and every job in flight are this run's kind: each state as
     :func:`check_state`, ``busy`` one flag per client, the counters integers >= 0 consistent
     with one record per applied update (``arrivals`` rows, round <= arrivals), events and
     records of their fields' types, each job's client and slot in range and its θ version no
-    newer than the server's; else :class:`CheckpointError`."""
+    newer than the server's, at most ``max_arrivals`` applied updates; else
+    :class:`CheckpointError`."""
     snap, client_state, jobs = loaded
     bad = f"checkpoint {path}: the asynchronous server's bookkeeping"
     if not isinstance(snap, dict) or set(snap) != SNAPSHOT_KEYS:
@@ -247,6 +268,9 @@ def check_async(loaded, like, num_clients: int, concurrency: int, path) -> Any:
     if not all(_count(v) for v in counts.values()) or not _when(snap["time"]):
         raise CheckpointError(f"{bad}: next_job, arrivals, grad_evals and time must be "
                               "numbers >= 0")
+    if max_arrivals is not None and snap["arrivals"] > max_arrivals:
+        raise CheckpointError(f"{bad}: {snap['arrivals']} updates applied, past this stage's "
+                              f"{max_arrivals}")
     if not (isinstance(rows, list) and len(rows) == snap["arrivals"] >= state.round
             and all(isinstance(r, tuple) and len(r) == 9 and all(_when(x) for x in r)
                     for r in rows)):
@@ -256,7 +280,7 @@ def check_async(loaded, like, num_clients: int, concurrency: int, path) -> Any:
             isinstance(e, tuple) and len(e) == 6 and e[0] in _EVENT_KINDS
             and _when(e[1]) and all(_count(x) for x in e[2:]) for e in events)):
         raise CheckpointError(f"{bad}: the event log is malformed")
-    if not (isinstance(history, list) and all(isinstance(h, dict) for h in history)):
+    if not history_ok(history, state.round):
         raise CheckpointError(f"{bad}: the history is malformed")
     try:
         FaultLog.check_state(snap["faults"])

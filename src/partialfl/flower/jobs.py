@@ -169,9 +169,10 @@ class FlowerAsyncCheckpoint(AsyncCheckpoint):
     state, ``num_clients`` and ``concurrency``) and refuses anything else with one line."""
 
     def __init__(self, path, fingerprint, extra=None, fresh=None, num_clients: int = 0,
-                 concurrency: int = 0) -> None:
+                 concurrency: int = 0, max_arrivals: int | None = None) -> None:
         super().__init__(path, fingerprint, private=False, extra=extra)
         self.fresh, self.num_clients, self.concurrency = fresh, num_clients, concurrency
+        self.max_arrivals = max_arrivals
 
     def load(self):
         try:
@@ -187,7 +188,7 @@ class FlowerAsyncCheckpoint(AsyncCheckpoint):
         if loaded is None or self.fresh is None:
             return loaded
         return checkpoint.check_async(loaded, self.fresh, self.num_clients, self.concurrency,
-                                      self.path)
+                                      self.path, self.max_arrivals)
 
 
 def async_checkpoint(cfg: FlowerConfig, extra=None, fresh=None, num_clients: int = 0,
@@ -200,7 +201,8 @@ def async_checkpoint(cfg: FlowerConfig, extra=None, fresh=None, num_clients: int
     (:class:`FlowerAsyncCheckpoint`)."""
     return FlowerAsyncCheckpoint(Path(cfg.out_dir) / ASYNC_CHECKPOINT, cfg.fingerprint(),
                                  extra=extra, fresh=fresh, num_clients=num_clients,
-                                 concurrency=concurrency)
+                                 concurrency=concurrency,
+                                 max_arrivals=cfg.rounds * cfg.buffer_size)
 
 
 def run_async(link, cfg, fed, algorithm, state, ref, report, t0) -> ServerState:
