@@ -183,3 +183,65 @@ def test_sync_checkpoint_counters_out_of_range_are_refused(variant, loopback, tm
     with pytest.raises(CheckpointError) as e:
         run_server(loopback(2), {**run, "resume": True})
     assert "\n" not in str(e.value) and len(str(e.value)) < 400, str(e.value)
+
+
+# -- FIFOs planted under a data file's name in a received data folder -----------------------
+_fifo = pytest.mark.skipif(not hasattr(__import__("os"), "mkfifo"), reason="needs FIFOs")
+
+
+@pytest.mark.timeout(30)
+@_fifo
+@pytest.mark.parametrize("planted", ["labels.txt", "acc_exp01_user01.txt"])
+def test_a_fifo_in_a_hapt_folder_does_not_hang_the_loader(planted, tmp_path):
+    """A received UCI HAPT ``RawData`` folder whose ``labels.txt`` (or an acc/gyro file) is
+    a FIFO: ``load_hapt`` blocked for good in ``read_text`` waiting for a writer. Now the
+    files are read through :func:`partialfl.io.open_regular`: one FileFormatError line."""
+    import os
+
+    from partialfl import io as pio
+    from partialfl.data.har import load_hapt
+
+    for name in ("acc_exp01_user01.txt", "gyro_exp01_user01.txt"):
+        (tmp_path / name).write_text("0 0 0\n")
+    (tmp_path / "labels.txt").write_text("1 1 1 0 1\n")
+    (tmp_path / planted).unlink()
+    os.mkfifo(tmp_path / planted)
+    with pytest.raises(pio.FileFormatError, match="not a regular file"):
+        load_hapt(tmp_path)
+
+
+@pytest.mark.timeout(30)
+@_fifo
+def test_a_fifo_named_like_a_client_file_does_not_hang_the_folder_source(tmp_path):
+    """The ``folder`` data source (one ``CLIENT.npz`` per client) of a received folder
+    holding a FIFO named ``evil.npz``: ``np.load`` blocked for good. Now: a
+    DataFormatError naming the file."""
+    import os
+    import types
+
+    from _user_project import client_folder
+
+    from partialfl.data.federated import DataFormatError
+    from partialfl.data.sources import ArrayOptions, DataContext, folder
+
+    root = client_folder(tmp_path / "clients", clients=3)
+    os.mkfifo(root / "evil.npz")
+    spec = types.SimpleNamespace(path=str(root), test_fraction=0.25, seed=0, holdout=0,
+                                 num_clients=None)
+    with pytest.raises(DataFormatError, match="evil.npz.*not a regular file"):
+        folder(ArrayOptions(), DataContext(spec))
+
+
+@pytest.mark.timeout(30)
+@_fifo
+def test_a_fifo_named_like_a_play_does_not_hang_the_complete_shakespeare(tmp_path):
+    """The complete-Shakespeare corpus read from a plays folder holding a FIFO named
+    ``x.md`` blocked for good. Now one FileFormatError line."""
+    import os
+
+    from partialfl import io as pio
+    from partialfl.data.shakespeare_complete import complete_roles
+
+    os.mkfifo(tmp_path / "x.md")
+    with pytest.raises(pio.FileFormatError, match="not a regular file"):
+        complete_roles(tmp_path)

@@ -131,6 +131,14 @@ def open_regular(path: str | Path, *, follow: bool = True) -> IO[bytes]:
     return f
 
 
+def read_regular(path: str | Path) -> bytes:
+    """The bytes of ``path`` read through :func:`open_regular` (a FIFO or device planted
+    under a data file's name is a :class:`FileFormatError`, never a reader blocked for
+    good)."""
+    with open_regular(path) as f:
+        return f.read()
+
+
 def write_text(path: str | Path, text: str) -> None:
     with atomic_write(path, "w", encoding="utf-8") as f:
         f.write(text)

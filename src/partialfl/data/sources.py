@@ -33,6 +33,7 @@ import torch
 
 from partialfl.config import ConfigError
 from partialfl.data.federated import DataFormatError, FederatedDataset
+from partialfl.io import open_regular
 from partialfl.registry import option, register
 from partialfl.rng import generator
 
@@ -169,7 +170,7 @@ def folder(opts: ArrayOptions, ctx: DataContext):
     parts = []
     for i, f in enumerate(files):
         try:
-            with np.load(f, allow_pickle=False) as z:
+            with open_regular(f) as fh, np.load(fh, allow_pickle=False) as z:
                 keys = set(z.files)
                 if {"train_x", "train_y", "test_x", "test_y"} <= keys:
                     parts.append(tuple(z[k] for k in ("train_x", "train_y", "test_x", "test_y")))
