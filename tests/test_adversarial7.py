@@ -245,3 +245,23 @@ def test_a_fifo_named_like_a_play_does_not_hang_the_complete_shakespeare(tmp_pat
     os.mkfifo(tmp_path / "x.md")
     with pytest.raises(pio.FileFormatError, match="not a regular file"):
         complete_roles(tmp_path)
+
+
+@pytest.mark.timeout(30)
+@_fifo
+def test_a_fifo_as_init_from_does_not_hang_the_server_app(tmp_path):
+    """Run-config key ``init-from`` naming a FIFO (a received stage-1 folder's
+    ``theta.npz``): the ServerApp blocked for good in ``np.load``. Now one ConfigError
+    line naming the key."""
+    import os
+    import types
+
+    from partialfl.flower.config import ConfigError
+    from partialfl.flower.stage import _stage1_params
+
+    os.mkfifo(tmp_path / "theta.npz")
+    entry = types.SimpleNamespace(trait=lambda name: False)
+    cfg = types.SimpleNamespace(init_from=str(tmp_path / "theta.npz"), run=types.SimpleNamespace(
+        method=types.SimpleNamespace(entry=entry), stage1_seed=0, seed=0))
+    with pytest.raises(ConfigError, match="'init-from'.*not a regular file"):
+        _stage1_params(cfg, None)

@@ -83,6 +83,8 @@ def _stage1_params(cfg: FlowerConfig, task) -> dict[str, Any]:
     import numpy as np
     import torch
 
+    from partialfl.io import open_regular
+
     run = cfg.run
     if run.method.entry.trait("fresh_model"):
         return {n: p.detach().clone() for n, p in task.model_fn(run.seed).named_parameters()}
@@ -90,7 +92,7 @@ def _stage1_params(cfg: FlowerConfig, task) -> dict[str, Any]:
         return {n: p.detach().clone() for n, p in
                 task.model_fn(run.stage1_seed).named_parameters()}
     try:
-        with np.load(cfg.init_from, allow_pickle=False) as z:
+        with open_regular(cfg.init_from) as fh, np.load(fh, allow_pickle=False) as z:
             params = {n: torch.from_numpy(z[n]) for n in z.files}
     except (OSError, ValueError) as e:
         raise ConfigError(f"run-config key 'init-from': cannot read {cfg.init_from}: {e}"
