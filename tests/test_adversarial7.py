@@ -265,3 +265,33 @@ def test_a_fifo_as_init_from_does_not_hang_the_server_app(tmp_path):
         method=types.SimpleNamespace(entry=entry), stage1_seed=0, seed=0))
     with pytest.raises(ConfigError, match="'init-from'.*not a regular file"):
         _stage1_params(cfg, None)
+
+
+# -- one-client parameter binding ----------------------------------------------------------
+def test_call_with_restores_every_slot_when_the_forward_deletes_a_buffer_and_raises():
+    """A forward that deletes one of its buffers and then raises: ``call_with``'s restore
+    loop raised KeyError on the deleted slot — masking the forward's own error — and
+    stopped there, leaving this client's ``lin.weight`` and ``lin.bias`` bound in the
+    module for the next call. Now every slot gets its own tensor back, and the forward's
+    error is the one raised (as with ``torch.func.functional_call``)."""
+    import torch
+
+    from partialfl.problems.model.kernels import call_with, member_slots
+
+    class DropsBuffer(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.lin = torch.nn.Linear(3, 2)
+            self.register_buffer("b", torch.ones(2))
+
+        def forward(self, x):
+            del self.b
+            raise RuntimeError("forward failed")
+
+    m = DropsBuffer()
+    before = {n: t for n, t in [*m.named_parameters(), *m.named_buffers()]}
+    client = {n: torch.randn_like(t) for n, t in before.items()}
+    with pytest.raises(RuntimeError, match="forward failed"):
+        call_with(m, member_slots(m), client, torch.randn(4, 3))
+    after = {n: t for n, t in [*m.named_parameters(), *m.named_buffers()]}
+    assert set(after) == set(before) and all(after[n] is before[n] for n in before)

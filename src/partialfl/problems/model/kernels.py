@@ -68,8 +68,8 @@ def call_with(module: torch.nn.Module, slots: Slots, params: Params, x: Tensor) 
                 d[key] = v
         return module(x)
     finally:
-        for d, key, old, n in reversed(saved):
-            now = d[key]
+        for d, key, old, n in reversed(saved):  # every slot, even one the module deleted
+            now = d.get(key, params[n])
             if now is not params[n]:  # the module replaced it (not an in-place update)
                 params[n] = now
             d[key] = old
