@@ -295,3 +295,14 @@ def test_call_with_restores_every_slot_when_the_forward_deletes_a_buffer_and_rai
         call_with(m, member_slots(m), client, torch.randn(4, 3))
     after = {n: t for n, t in [*m.named_parameters(), *m.named_buffers()]}
     assert set(after) == set(before) and all(after[n] is before[n] for n in before)
+
+
+def test_a_component_given_as_none_round_trips_like_an_omitted_one():
+    """Found by the config fuzz suite this round: ``{"attack": {"attack": None}}``
+    validated to an attack block whose ``attack`` was None, which ``to_dict`` then wrote
+    as omitted, so the spec read back differed from the one written (the default
+    ``none`` component). Now a None for a component with a default is that default."""
+    from partialfl.spec import RunSpec
+
+    spec = RunSpec.from_dict({"attack": {"attack": None}})
+    assert RunSpec.from_dict(spec.to_dict()) == spec == RunSpec.from_dict({"attack": {}})

@@ -110,8 +110,10 @@ def component_field(kind: str, default: str | None, doc: str, *, optional: bool 
     ``default`` is its name (a table without ``name`` means it); ``optional``: the field is
     None unless given."""
 
-    def parse(value, key):
-        return None if value is None else component(kind, value, key, default)
+    def parse(value, key):  # None given for a field with a default: the default (as omitted)
+        if value is None:
+            return None if default is None or optional else component(kind, default)
+        return component(kind, value, key, default)
 
     meta = {"kind": kind, "doc": doc, "default_name": default, "parse": parse}
     if default is None or optional:
