@@ -479,7 +479,8 @@ def test_crafted_checkpoint_loads_or_is_one_checkpoint_error(saved_checkpoint, p
     refused with one line (CheckpointError) — never another exception."""
     from pathlib import Path
 
-    from partialfl.flower.checkpoint import CheckpointError, signature
+    from partialfl.flower.checkpoint import CheckpointError
+    from partialfl.runtime.resume_check import signature
 
     cfg, fresh, meta, files = saved_checkpoint
     meta = json.loads(json.dumps(meta))
@@ -511,7 +512,7 @@ def test_crafted_checkpoint_loads_or_is_one_checkpoint_error(saved_checkpoint, p
 def test_the_uncrafted_checkpoint_loads(saved_checkpoint):
     from pathlib import Path
 
-    from partialfl.flower.checkpoint import signature
+    from partialfl.runtime.resume_check import signature
 
     cfg, fresh, meta, files = saved_checkpoint
     write_checkpoint(Path(cfg.out_dir), json.loads(json.dumps(meta)), files)

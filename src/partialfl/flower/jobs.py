@@ -39,6 +39,7 @@ from partialfl.flower.report import (
 )
 from partialfl.flower.rounds import decode_reply, growth_cause, shared_state, train_content
 from partialfl.metrics import closed_form_metrics
+from partialfl.runtime import resume_check
 from partialfl.runtime.asynchronous import (
     AsyncCheckpoint,
     AsyncServer,
@@ -179,6 +180,8 @@ class FlowerAsyncCheckpoint(AsyncCheckpoint):
             loaded = super().load()
         except checkpoint.CheckpointError:
             raise
+        except resume_check.CheckpointError as e:
+            raise checkpoint.CheckpointError(str(e)) from None
         except ResumeError as e:
             raise checkpoint.CheckpointError(f"refusing to resume: {checkpoint._line(e)}"
                                              ) from None

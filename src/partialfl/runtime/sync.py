@@ -34,7 +34,6 @@ from typing import Any, Protocol, runtime_checkable
 
 import numpy as np
 
-from partialfl import io as pio
 from partialfl import rng as prng
 from partialfl.aggregation.protection import UnprotectedError, UnprotectedWarning
 from partialfl.algorithms.base import Algorithm, RoundContext, ServerState, concat_results
@@ -49,6 +48,7 @@ from partialfl.runtime.clients import MalformedResult, odd_results, run_clients
 from partialfl.runtime.cohort_pool import ClientsFailed, WorkerError
 from partialfl.runtime.faults import FaultLog, receive
 from partialfl.runtime.logging import base_record, train_record
+from partialfl.runtime.resume_check import CheckpointError, check_sync
 from partialfl.runtime.run import Checkpointing, Evaluation, Evaluator, Rounds, Run
 from partialfl.sampling import sample_cohort
 from partialfl.types import Params
@@ -193,10 +193,12 @@ class FileCheckpoint:
         if saved is None:
             return None
         s = saved.server
+        if not isinstance(s, dict) or not {"state", "history", "grad_evals"} <= set(s):
+            raise CheckpointError(f"checkpoint {self.path}: the server file is not a partialfl "
+                                  "run state")
         if self.extra is not None:
             self.extra.restore(saved.extra or {})
-        return (s["state"], saved.client, s["history"], int(s["grad_evals"]),
-                s.get("faults", {}))
+        return s["state"], saved.client, s["history"], s["grad_evals"], s.get("faults", {})
 
 
 def run_rounds(
@@ -279,21 +281,18 @@ def run_sync(run: Run) -> RunResult:
     every = 0 if run.checkpoint is None else run.checkpoint.every
     resume = run.checkpoint is not None and run.checkpoint.resume
     loaded = ckpt.load() if resume and ckpt is not None else None
-    if loaded is not None:
+    theta0 = (run.theta0 if run.theta0 is not None
+              else problem.init_theta(prng.generator(seed, "init")))
+    state = algorithm.init(problem, theta0)
+    client_state = algorithm.init_client_state(problem)
+    history, grad_evals = [], 0
+    if loaded is not None:  # this run's kind of state (a fresh one's shapes), or one line
+        check_sync(loaded, state, client_state, rounds, ckpt)
         state, client_state, history, grad_evals, saved_faults = loaded
         faults.restore(saved_faults)
-        if client_state is None and algorithm.init_client_state(problem) is not None:
-            raise pio.FileFormatError(f"checkpoint {ckpt}: the clients' state is missing")
         if ev.logger is not None:
             for rec in history:
                 ev.logger.log(rec)
-    else:
-        theta0 = (run.theta0 if run.theta0 is not None
-                  else problem.init_theta(prng.generator(seed, "init")))
-        state = algorithm.init(problem, theta0)
-        client_state = algorithm.init_client_state(problem)
-        history = []
-        grad_evals = 0
 
     def _eval(st: ServerState, elapsed: float) -> None:
         rec = base_record(st.round, st.round, elapsed, grad_evals, faults.record())

@@ -21,6 +21,7 @@ from partialfl.runtime.asynchronous.timing import ComputeTimeModel
 from partialfl.runtime.checkpoint import run_fingerprint
 from partialfl.runtime.clients import checked
 from partialfl.runtime.faults import ClientFaultError
+from partialfl.runtime.resume_check import check_async
 from partialfl.runtime.run import Arrivals, Checkpointing, Evaluation, Run, check_budget
 from partialfl.types import Params
 
@@ -120,8 +121,10 @@ def drive(server: AsyncServer, transport: AsyncTransport, compute_time: ComputeT
     try:
         transport.start()
         loaded = checkpoint.load() if resume and checkpoint is not None else None
-        if loaded is not None:
-            snap, client_state, jobs = loaded
+        if loaded is not None:  # this run's kind of state (the fresh server's), or one line
+            snap, client_state, jobs = check_async(
+                loaded, server.state, server.problem.num_clients, server.concurrency,
+                checkpoint.path, like_clients=server.client_state)
             server.restore(snap, client_state)
             transport.resume(server.time)
             for job, state, cs in sorted(jobs, key=lambda j: j[0].job):

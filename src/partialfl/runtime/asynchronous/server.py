@@ -11,12 +11,12 @@ from typing import Any
 
 import numpy as np
 
-from partialfl import io as pio
 from partialfl import rng as prng
 from partialfl.algorithms.base import Algorithm, RoundContext, ServerState
 from partialfl.runtime.checkpoint import Checkpoint
 from partialfl.runtime.faults import FaultLog, receive
 from partialfl.runtime.logging import base_record
+from partialfl.runtime.resume_check import CheckpointError
 from partialfl.types import ClientUpdates, Params
 
 
@@ -259,13 +259,18 @@ class AsyncCheckpoint:
         if saved is None:
             return None
         body, clients = saved.server, saved.client
-        if not isinstance(clients, dict) or len(clients.get("rows", ())) != len(body["jobs"]):
-            raise pio.FileFormatError(f"checkpoint {self.path}: the client-side part does not "
-                                      "match the jobs in flight")
-        jobs = [(Job(*j), st, cs) for (j, st), cs in zip(body["jobs"], clients["rows"])]
+        try:
+            rows = clients["rows"]
+            if len(rows) != len(body["jobs"]):
+                raise ValueError("one client part per job")
+            jobs = [(Job(*j), st, cs) for (j, st), cs in zip(body["jobs"], rows)]
+            snap, client_state = body["server"], clients["client_state"]
+        except (TypeError, KeyError, ValueError, IndexError):
+            raise CheckpointError(f"checkpoint {self.path}: the jobs in flight and the "
+                                  "client-side part are malformed or do not match") from None
         if self.extra is not None:
             self.extra.restore(saved.extra or {})
-        return body["server"], clients["client_state"], jobs
+        return snap, client_state, jobs
 
 
 def recount_staleness(events: Sequence[tuple]) -> dict[int, int]:
