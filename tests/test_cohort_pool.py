@@ -394,3 +394,32 @@ def test_workers_have_their_own_sessions_and_die_with_their_parent_even_when_bus
     while any(_exists(pid) for pid in pids) and time.monotonic() < deadline:
         time.sleep(0.05)
     assert not any(_exists(pid) for pid in pids)
+
+
+def test_workers_started_beside_a_running_thread_pool_are_not_forked():
+    """A fork copies the locks the threads of a running ThreadBackend hold at that instant
+    (one hang of a processes run started beside one, in a loaded full suite); while such a
+    pool runs, new worker pools start from the forkserver (its own single-threaded process),
+    and the run is still the sequential one bit for bit; after it closes, fork again."""
+    import torch
+
+    from partialfl.runtime.cohort_pool import default_start_method
+    from partialfl.runtime.threads import ThreadBackend, live_thread_pools
+
+    if torch.cuda.is_available():
+        pytest.skip("with a GPU the workers are spawned anyway")
+    make, kind = ALGOS["ffgg"]
+    data = toy_data()
+    seq = run_rounds(_problem(kind, False, data), make(), 2, clients_per_round=4, seed=3,
+                     backend=SequentialBackend())
+    assert live_thread_pools() == 0 and default_start_method() == "fork"
+    with ThreadBackend(2) as tb:
+        run_rounds(_problem(kind, False, data), make(), 1, clients_per_round=4, seed=3,
+                   backend=tb)
+        assert live_thread_pools() == 1 and default_start_method() == "forkserver"
+        with ProcessBackend(workers=2) as be:
+            par = run_rounds(_problem(kind, False, data), make(), 2, clients_per_round=4,
+                             seed=3, backend=be)
+            assert be._pool is not None and be._pool.ctx.get_start_method() == "forkserver"
+    assert max_diff(seq.state.theta, par.state.theta) == 0
+    assert live_thread_pools() == 0 and default_start_method() == "fork"

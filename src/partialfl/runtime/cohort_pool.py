@@ -89,7 +89,7 @@ class ProcessBackend(CohortRunner):
             raise ValueError(f"unknown start method {start_method!r}; allowed: "
                              f"{', '.join(START_METHODS)}")
         self.workers = workers or default_workers()
-        self.start_method = start_method or default_start_method()
+        self.start_method = start_method  # None: default_start_method() when a pool starts
         self.task_timeout, self.poll, self.max_respawns = task_timeout, poll, max_respawns
         self.own_session = own_session
         self._pool: WorkerPool | None = None

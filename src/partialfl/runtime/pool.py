@@ -82,14 +82,22 @@ def default_workers() -> int:
 
 
 def default_start_method() -> str:
-    """``fork`` unless torch sees an accelerator (see the module docstring), then ``spawn``."""
+    """``fork`` unless torch sees an accelerator (see the module docstring), then ``spawn``;
+    ``forkserver`` while a thread pool of partialfl's runs in this process (a fork copies
+    whatever lock one of its threads holds at that instant, so a child can hang for good:
+    the forkserver forks from its own single-threaded process)."""
     import torch
 
-    if "fork" not in mp.get_all_start_methods():
+    from partialfl.runtime.threads import live_thread_pools
+
+    methods = mp.get_all_start_methods()
+    if "fork" not in methods:
         return "spawn"
     mps = getattr(torch.backends, "mps", None)
     if torch.cuda.is_available() or (mps is not None and mps.is_available()):
         return "spawn"
+    if live_thread_pools():
+        return "forkserver" if "forkserver" in methods else "spawn"
     return "fork"
 
 

@@ -87,6 +87,17 @@ class _Round:
                     self.errors[i] = e
 
 
+#: the thread backends whose threads are running (:func:`live_thread_pools`)
+_LIVE: weakref.WeakSet = weakref.WeakSet()
+
+
+def live_thread_pools() -> int:
+    """How many :class:`ThreadBackend` thread pools are running in this process (a worker
+    pool started now does not fork beside them: :func:`partialfl.runtime.pool.
+    default_start_method`)."""
+    return len(_LIVE)
+
+
 class ThreadBackend(CohortRunner):
     """Runs a round's clients on ``workers`` threads of this process (see the module
     docstring): a pool mode of :func:`partialfl.batching.map_clients` for
@@ -139,6 +150,7 @@ class ThreadBackend(CohortRunner):
             self._executor = ThreadPoolExecutor(self.workers,
                                                 thread_name_prefix="partialfl-cohort")
             self._finalizer = weakref.finalize(self, self._executor.shutdown)
+            _LIVE.add(self)
         rnd = _Round(groups, Schedule.of(fn, groups, n))
         torch = sys.modules.get("torch")
         old = torch.get_num_threads() if torch is not None else 1
@@ -169,6 +181,7 @@ class ThreadBackend(CohortRunner):
             self._finalizer()
         self._executor, self._finalizer = None, None
         self._problem, self._replicas = None, []
+        _LIVE.discard(self)
 
     def __enter__(self) -> ThreadBackend:
         return self
