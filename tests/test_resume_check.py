@@ -34,6 +34,18 @@ def _rewrite(path, kind: str, edit) -> None:
     ck.save(server, client, extra=saved.extra, progress=ptr.get("progress"))
 
 
+def _refused(template, tmp_path, name: str, kind: str, edit, run) -> None:
+    """A copy of the template's checkpoint rewritten by ``edit`` is refused on resume with
+    one CheckpointError line naming the checkpoint."""
+    p, tmpl = template
+    d = tmp_path / "ck"
+    shutil.copytree(tmpl, d)
+    _rewrite(d / name, kind, edit)
+    with pytest.raises(CheckpointError) as e:
+        run(p, d / name, resume=True)
+    assert "\n" not in str(e.value) and name in str(e.value), str(e.value)
+
+
 def _theta(edit):
     def f(server, client):
         st = server["state"]
@@ -99,13 +111,7 @@ def sync_template(tmp_path_factory):
 @pytest.mark.parametrize("variant", sorted(SYNC))
 def test_a_crafted_synchronous_checkpoint_is_refused_in_one_line(variant, sync_template,
                                                                  tmp_path):
-    p, tmpl = sync_template
-    d = tmp_path / "ck"
-    shutil.copytree(tmpl, d)
-    _rewrite(d / "run.ckpt", "sync", SYNC[variant])
-    with pytest.raises(CheckpointError) as e:
-        _sync(p, d / "run.ckpt", resume=True)
-    assert "\n" not in str(e.value) and "run.ckpt" in str(e.value), str(e.value)
+    _refused(sync_template, tmp_path, "run.ckpt", "sync", SYNC[variant], _sync)
 
 
 def test_the_untouched_rewritten_checkpoint_resumes(sync_template, tmp_path):
@@ -224,13 +230,7 @@ def async_template(tmp_path_factory):
 @pytest.mark.parametrize("variant", sorted(ASYNC))
 def test_a_crafted_asynchronous_checkpoint_is_refused_in_one_line(variant, async_template,
                                                                   tmp_path):
-    p, tmpl = async_template
-    d = tmp_path / "ck"
-    shutil.copytree(tmpl, d)
-    _rewrite(d / "a.ckpt", "async", ASYNC[variant])
-    with pytest.raises(CheckpointError) as e:
-        _async(p, d / "a.ckpt", resume=True)
-    assert "\n" not in str(e.value) and "a.ckpt" in str(e.value), str(e.value)
+    _refused(async_template, tmp_path, "a.ckpt", "async", ASYNC[variant], _async)
 
 
 def test_the_untouched_asynchronous_checkpoint_resumes_to_the_full_run(async_template,
