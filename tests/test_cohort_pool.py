@@ -404,7 +404,8 @@ def test_workers_started_beside_a_running_thread_pool_are_not_forked():
     import torch
 
     from partialfl.runtime.cohort_pool import default_start_method
-    from partialfl.runtime.threads import ThreadBackend, live_thread_pools
+    from partialfl.runtime.pool import LIVE_THREAD_POOLS
+    from partialfl.runtime.threads import ThreadBackend
 
     if torch.cuda.is_available():
         pytest.skip("with a GPU the workers are spawned anyway")
@@ -412,14 +413,14 @@ def test_workers_started_beside_a_running_thread_pool_are_not_forked():
     data = toy_data()
     seq = run_rounds(_problem(kind, False, data), make(), 2, clients_per_round=4, seed=3,
                      backend=SequentialBackend())
-    assert live_thread_pools() == 0 and default_start_method() == "fork"
+    assert not LIVE_THREAD_POOLS and default_start_method() == "fork"
     with ThreadBackend(2) as tb:
         run_rounds(_problem(kind, False, data), make(), 1, clients_per_round=4, seed=3,
                    backend=tb)
-        assert live_thread_pools() == 1 and default_start_method() == "forkserver"
+        assert len(LIVE_THREAD_POOLS) == 1 and default_start_method() == "forkserver"
         with ProcessBackend(workers=2) as be:
             par = run_rounds(_problem(kind, False, data), make(), 2, clients_per_round=4,
                              seed=3, backend=be)
             assert be._pool is not None and be._pool.ctx.get_start_method() == "forkserver"
     assert max_diff(seq.state.theta, par.state.theta) == 0
-    assert live_thread_pools() == 0 and default_start_method() == "fork"
+    assert not LIVE_THREAD_POOLS and default_start_method() == "fork"

@@ -32,11 +32,9 @@ that raises is an ``error`` event and its worker lives on. :meth:`WorkerPool.res
 replaces a dead worker (at most ``max_respawns`` times per worker, then it is retired); a
 closed pool refuses tasks (:class:`WorkerError`) and is never reused.
 
-Start method: ``fork`` where it is safe (Linux/macOS with a CPU-only torch: cheapest). A
-torch that sees a GPU runs autograd's device threads in the parent, and autograd then refuses
-to run in a forked child ("Unable to handle autograd's threading in combination with
-fork-based multiprocessing", seen on an H200 machine), so there the workers are *spawned*
-(``ModelProblem`` pickles without its functorch transforms and rebuilds them).
+Start method (:func:`default_start_method`): ``fork`` where it is safe (a CPU-only torch, no
+thread pool of ours running); with a GPU autograd refuses to run in a forked child (seen on an
+H200), so workers are *spawned* (``ModelProblem`` pickles without its functorch transforms).
 """
 
 from __future__ import annotations
@@ -50,6 +48,7 @@ import signal
 import sys
 import time
 import traceback
+import weakref
 from dataclasses import dataclass, replace
 from multiprocessing import connection as mp_connection
 from typing import Any
@@ -81,24 +80,19 @@ def default_workers() -> int:
         return max(1, os.cpu_count() or 1)
 
 
+LIVE_THREAD_POOLS: weakref.WeakSet = weakref.WeakSet()  # ThreadBackends whose threads run
+
+
 def default_start_method() -> str:
-    """``fork`` unless torch sees an accelerator (see the module docstring), then ``spawn``;
-    ``forkserver`` while a thread pool of partialfl's runs in this process (a fork copies
-    whatever lock one of its threads holds at that instant, so a child can hang for good:
-    the forkserver forks from its own single-threaded process)."""
+    """``fork`` if torch sees no accelerator (see the module docstring), else ``spawn``;
+    ``forkserver`` while a thread pool runs (a fork copies the locks its threads hold)."""
     import torch
 
-    from partialfl.runtime.threads import live_thread_pools
-
     methods = mp.get_all_start_methods()
-    if "fork" not in methods:
-        return "spawn"
     mps = getattr(torch.backends, "mps", None)
-    if torch.cuda.is_available() or (mps is not None and mps.is_available()):
+    if "fork" not in methods or torch.cuda.is_available() or (mps and mps.is_available()):
         return "spawn"
-    if live_thread_pools():
-        return "forkserver" if "forkserver" in methods else "spawn"
-    return "fork"
+    return ("forkserver" if "forkserver" in methods else "spawn") if LIVE_THREAD_POOLS else "fork"
 
 
 def in_worker() -> bool:

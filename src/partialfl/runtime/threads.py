@@ -49,6 +49,7 @@ import numpy as np
 
 from partialfl.runtime.clients import ClientCall, CohortRunner
 from partialfl.runtime.cohort_pool import default_workers
+from partialfl.runtime.pool import LIVE_THREAD_POOLS
 from partialfl.runtime.schedule import Schedule
 
 
@@ -85,17 +86,6 @@ class _Round:
             except BaseException as e:  # noqa: BLE001 - re-raised by the caller
                 with self.lock:
                     self.errors[i] = e
-
-
-#: the thread backends whose threads are running (:func:`live_thread_pools`)
-_LIVE: weakref.WeakSet = weakref.WeakSet()
-
-
-def live_thread_pools() -> int:
-    """How many :class:`ThreadBackend` thread pools are running in this process (a worker
-    pool started now does not fork beside them: :func:`partialfl.runtime.pool.
-    default_start_method`)."""
-    return len(_LIVE)
 
 
 class ThreadBackend(CohortRunner):
@@ -150,7 +140,7 @@ class ThreadBackend(CohortRunner):
             self._executor = ThreadPoolExecutor(self.workers,
                                                 thread_name_prefix="partialfl-cohort")
             self._finalizer = weakref.finalize(self, self._executor.shutdown)
-            _LIVE.add(self)
+            LIVE_THREAD_POOLS.add(self)
         rnd = _Round(groups, Schedule.of(fn, groups, n))
         torch = sys.modules.get("torch")
         old = torch.get_num_threads() if torch is not None else 1
@@ -181,7 +171,7 @@ class ThreadBackend(CohortRunner):
             self._finalizer()
         self._executor, self._finalizer = None, None
         self._problem, self._replicas = None, []
-        _LIVE.discard(self)
+        LIVE_THREAD_POOLS.discard(self)
 
     def __enter__(self) -> ThreadBackend:
         return self
