@@ -224,8 +224,10 @@ def test_wrappers_forward_every_declaration_of_the_wrapped_algorithm():
         base = Ditto(sgd, sgd, 0.5)
         alg = wrap(base)
         for attr in MIRRORED:
-            if attr not in ("name", "aggregator"):
+            if attr not in ("name", "aggregator", "fixed_extra"):
                 assert getattr(alg, attr) is getattr(base, attr), attr
+        # ByzantineRobust adds its planned cohort to what a resumed state must keep
+        assert set(base.fixed_extra) <= set(alg.fixed_extra)
         res = run_rounds(p, alg, 1, clients_per_round=2)
         assert res.faults.refused == 0 and res.state.round == 1
     br = ByzantineRobust(Ditto(sgd, sgd, 0.5), CoordinateMedian())

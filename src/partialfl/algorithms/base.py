@@ -92,6 +92,10 @@ class Algorithm:
     #: numbers of the server state (``state.extra``) the clients' update reads besides θ
     #: (DP's adaptive clip norm): a transport that sends the clients θ sends these too
     shared_extra: tuple[str, ...] = ()
+    #: entries of ``state.extra`` fixed by the run's configuration at ``init`` (Scaffold's
+    #: and DP's M, a fixed clip norm, the planned Byzantine cohort): a resumed state must
+    #: hold the fresh state's values (:mod:`partialfl.runtime.resume_check`)
+    fixed_extra: tuple[str, ...] = ()
 
     def __init__(self, server_opt=None, aggregator=None) -> None:
         self.server_opt = server_opt if server_opt is not None else SGD(lr=1.0)

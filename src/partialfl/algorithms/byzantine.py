@@ -141,6 +141,7 @@ class ByzantineRobust(AlgorithmWrapper):
             raise ValueError(f"client {self.trusted} is the aggregator's trusted client and "
                              "cannot be Byzantine")
         self.name = f"br-{base.name}"
+        self.fixed_extra = (*base.fixed_extra, "byz_cohort")  # the planned cohort size
 
     def sample_cohort(self, seed: int, round_: int, num_clients: int,
                       k: int | None) -> np.ndarray:

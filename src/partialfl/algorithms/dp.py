@@ -298,6 +298,10 @@ class DifferentiallyPrivate(AlgorithmWrapper):
         # the clients clip with the server's current C (adaptive: it changes every round)
         self.shared_extra = (*getattr(base, "shared_extra", ()),
                              *((CLIP,) if options.adaptive_clipping else ()))
+        # M (the accountant's sampling rate) and a clip norm that does not adapt are the
+        # options', whatever a resumed state says
+        self.fixed_extra = (*getattr(base, "fixed_extra", ()), NUM_CLIENTS,
+                            *(() if options.adaptive_clipping else (CLIP,)))
         self._plans: dict[int, DPPlan] = {}
 
     # -- configuration -------------------------------------------------------------------

@@ -186,6 +186,7 @@ class Scaffold(FedAvg):
     name = "scaffold"
     extra_names = ("dc",)  # the control-variate change Δc, θ-shaped, global
     stateful_clients = True
+    fixed_extra = ("num_clients",)  # M in the step c ← c + (|C|/M)·mean Δc
 
     def __init__(self, tau: int | None = None, lr: float | None = None, server_opt=None,
                  aggregator=None, fast: bool = True, *, local=None,

@@ -21,7 +21,7 @@ from partialfl.types import Params
 
 #: the declarations of :class:`~partialfl.algorithms.base.Algorithm` a wrapper mirrors
 MIRRORED = ("name", "pseudo_gradient", "stateful_clients", "server_opt", "aggregator",
-            "client_metrics", "server_metrics", "extra_names", "shared_extra")
+            "client_metrics", "server_metrics", "extra_names", "shared_extra", "fixed_extra")
 
 
 class _Mirror:
@@ -53,6 +53,7 @@ class AlgorithmWrapper(Algorithm):
     server_metrics = _Mirror()
     extra_names = _Mirror()
     shared_extra = _Mirror()
+    fixed_extra = _Mirror()
 
     def __init__(self, base: Algorithm) -> None:
         if not isinstance(base, Algorithm):

@@ -50,6 +50,22 @@ def _finite(a: Any) -> bool:
     return a.dtype.kind not in "fc" or bool(np.isfinite(a).all())
 
 
+def _all_finite(tree: Any) -> bool:
+    """Whether every floating array and float of ``tree`` (dicts, lists, tuples) is finite."""
+    if isinstance(tree, dict):
+        return all(_all_finite(v) for v in tree.values())
+    if isinstance(tree, list | tuple):
+        return all(_all_finite(v) for v in tree)
+    if hasattr(tree, "shape"):
+        return _finite(tree)
+    return not isinstance(tree, float) or bool(np.isfinite(tree))
+
+
+def _scalar_ok(v: Any) -> bool:
+    """A state number (a counter, a size, a norm): finite and >= 0."""
+    return type(v) not in (int, float) or bool(np.isfinite(v)) and v >= 0
+
+
 def history_ok(history: Any, last: int) -> bool:
     """Whether ``history`` is a list of records (dicts) of rounds 0..``last`` in order."""
     if not isinstance(history, list) or not all(isinstance(h, dict) for h in history):
@@ -58,10 +74,13 @@ def history_ok(history: Any, last: int) -> bool:
     return all(type(r) is int and 0 <= r <= last for r in rounds) and rounds == sorted(rounds)
 
 
-def check_state(state: Any, like: Any, path: Any, error: type = CheckpointError) -> Any:
+def check_state(state: Any, like: Any, path: Any, error: type = CheckpointError,
+                fixed: tuple = ()) -> Any:
     """``state`` if it is a server state shaped like ``like`` (this run's fresh one: θ and
-    optimizer state of the same structure, shapes and dtypes, θ finite, a round >= 0, the
-    algorithm's counters of its types); else ``error`` naming ``path``."""
+    optimizer state of the same structure, shapes and dtypes, every floating value of θ, the
+    optimizer state and the algorithm's state finite, a round >= 0, the algorithm's numbers
+    of their types and >= 0, those it declares ``fixed`` (its ``fixed_extra``: set from the
+    configuration) equal to ``like``'s); else ``error`` naming ``path``."""
     from partialfl.algorithms.base import ServerState
 
     if not isinstance(state, ServerState) or not isinstance(state.theta, dict) or \
@@ -78,11 +97,17 @@ def check_state(state: Any, like: Any, path: Any, error: type = CheckpointError)
         if k in like.extra and like.extra[k] == () and _buffered(v, like.theta):
             continue  # FedBuff's buffer of updates received
         if k in like.extra and signature(v) != signature(like.extra[k]) or \
-                k not in like.extra and (type(v) not in (int, float) or v != v):
+                k not in like.extra and type(v) not in (int, float) or \
+                not (_all_finite(v) and _scalar_ok(v)):
             raise error(f"checkpoint {path}: algorithm state {str(k)[:40]!r} differs from "
-                        "this run's")
+                        "this run's, is not finite or is negative")
+        if k in fixed and k in like.extra and v != like.extra[k]:
+            raise error(f"checkpoint {path}: algorithm state {str(k)[:40]!r} is {v!r}, but "
+                        f"this run's configuration sets {like.extra[k]!r}")
     if not all(_finite(v) for v in state.theta.values()):
         raise error(f"checkpoint {path}: θ is not finite")
+    if not _all_finite(state.opt_state):
+        raise error(f"checkpoint {path}: the optimizer state is not finite")
     return state
 
 
@@ -139,13 +164,13 @@ def check_faults(faults: Any, path: Any, error: type = CheckpointError) -> dict:
 
 
 def check_sync(loaded: tuple, like: Any, like_clients: Any, rounds: int, path: Any,
-               error: type = CheckpointError) -> tuple:
+               error: type = CheckpointError, fixed: tuple = ()) -> tuple:
     """``loaded`` (a synchronous checkpoint's ``(state, client state, history, grad_evals,
-    fault counters)``) if the state is this run's kind (:func:`check_state`,
+    fault counters)``) if the state is this run's kind (:func:`check_state` with ``fixed``,
     :func:`check_clients`), its round at most ``rounds``, the history records of rounds
     0..round in order and the counters integers >= 0; else ``error``."""
     state, client_state, history, grads, faults = loaded
-    state = check_state(state, like, path, error)
+    state = check_state(state, like, path, error, fixed)
     if state.round > rounds:
         raise error(f"checkpoint {path}: round {state.round} is past this run's {rounds} "
                     "rounds")
@@ -175,21 +200,21 @@ def _when(v: Any) -> bool:
 
 def check_async(loaded: tuple, like: Any, num_clients: int, concurrency: int, path: Any,
                 max_arrivals: int | None = None, like_clients: Any = None,
-                error: type = CheckpointError) -> tuple:
+                error: type = CheckpointError, fixed: tuple = ()) -> tuple:
     """``loaded`` (an asynchronous checkpoint's ``(snapshot, client state, jobs)``) if the
     server's bookkeeping and every job in flight are this run's kind: each state as
-    :func:`check_state`, the clients' state as :func:`check_clients` (``like_clients``: the
-    fresh one) and each job's rows as one client's of it, ``busy`` one flag per client, the
-    counters integers >= 0 consistent with one record per applied update (``arrivals``
-    rows, round <= arrivals), events and records of their fields' types, each job's client
-    and slot in range, busy, its θ version no newer than the server's, at most
-    ``max_arrivals`` applied updates; else ``error``."""
+    :func:`check_state` (with ``fixed``), the clients' state as :func:`check_clients`
+    (``like_clients``: the fresh one) and each job's rows as one client's of it, ``busy``
+    one flag per client, the counters integers >= 0 consistent with one record per applied
+    update (``arrivals`` rows, round <= arrivals), events and records of their fields'
+    types, each job's client and slot in range, busy, its θ version no newer than the
+    server's, at most ``max_arrivals`` applied updates; else ``error``."""
     snap, client_state, jobs = loaded
     bad = f"checkpoint {path}: the asynchronous server's bookkeeping"
     if not isinstance(snap, dict) or set(snap) != SNAPSHOT_KEYS:
         raise error(f"{bad} is malformed")
     check_clients(client_state, like_clients, path, error)
-    state = check_state(snap["state"], like, path, error)
+    state = check_state(snap["state"], like, path, error, fixed)
     busy = snap["busy"]
     if not hasattr(busy, "shape") or to_numpy(busy).shape != (num_clients,) or \
             to_numpy(busy).dtype != bool:
@@ -226,7 +251,7 @@ def check_async(loaded: tuple, like: Any, num_clients: int, concurrency: int, pa
                 and bool(flags[f["client"]])):
             raise error(f"checkpoint {path}: a job in flight is malformed")
         slots.add(f["slot"])
-        check_state(st, like, path, error)
+        check_state(st, like, path, error, fixed)
         one = (None if like_clients is None
                else {n: v[[0]] for n, v in like_clients.items()})
         check_clients(rows_sent, one, path, error, "a job's client state")

@@ -287,7 +287,8 @@ def run_sync(run: Run) -> RunResult:
     client_state = algorithm.init_client_state(problem)
     history, grad_evals = [], 0
     if loaded is not None:  # this run's kind of state (a fresh one's shapes), or one line
-        check_sync(loaded, state, client_state, rounds, ckpt)
+        check_sync(loaded, state, client_state, rounds, ckpt,
+                   fixed=getattr(algorithm, "fixed_extra", ()))
         state, client_state, history, grad_evals, saved_faults = loaded
         faults.restore(saved_faults)
         if ev.logger is not None:

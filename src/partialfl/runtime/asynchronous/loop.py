@@ -124,7 +124,8 @@ def drive(server: AsyncServer, transport: AsyncTransport, compute_time: ComputeT
         if loaded is not None:  # this run's kind of state (the fresh server's), or one line
             snap, client_state, jobs = check_async(
                 loaded, server.state, server.problem.num_clients, server.concurrency,
-                checkpoint.path, like_clients=server.client_state)
+                checkpoint.path, like_clients=server.client_state,
+                fixed=getattr(server.algorithm, "fixed_extra", ()))
             server.restore(snap, client_state)
             transport.resume(server.time)
             for job, state, cs in sorted(jobs, key=lambda j: j[0].job):
