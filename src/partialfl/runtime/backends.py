@@ -75,7 +75,8 @@ class ProcessOptions:
 
     workers: int | None = option(None, "worker processes (None: the usable CPU cores)")
     start_method: str | None = option(None, "fork, spawn or forkserver (None: fork unless "
-                                      "torch sees a GPU)")
+                                      "torch sees a GPU, then spawn, or a threads backend's "
+                                      "pool runs in this process, then forkserver)")
     task_timeout: float | None = option(None, "seconds after which a client's computation is "
                                         "killed and counted as a worker death (a hung "
                                         "client; None: no limit)")
