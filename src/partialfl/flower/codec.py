@@ -32,6 +32,9 @@ have exactly the records above; the θ leaves, shapes ``[k, *θ-shape]`` and dty
 (:func:`partialfl.runtime.faults.finite_mask`); names that pass the simulator's privacy check
 (:func:`partialfl.privacy.check_updates`); metrics as above with counts ≤ k.
 
+SecAgg+ replies (Flower's protocol records) are checked against their request by
+:func:`partialfl.flower.secagg.check_reply`, with this module's helpers.
+
 Evaluation replies (``content["eval"]``) are sums and counts over at least ``eval-min-clients``
 of the node's clients (:data:`EVAL_KEYS`), or nothing at all (an empty record: the node has
 fewer clients and withholds its evaluation). No per-client value, no histogram.

@@ -179,20 +179,119 @@ class _Manager:
         return self.n
 
 
+def check_reply(request, content, shapes: list[tuple[int, ...]]) -> None:
+    """A SecAgg+ reply against the request it answers, before Flower's workflow reads it
+    (which trusts every field: a missing record was a KeyError, an infinite ``grad-evals`` an
+    OverflowError in the ServerApp): the stage's entries of the right types and lengths, public
+    keys that load, destinations and share owners among the nodes the request named, masked
+    vectors of θ's shapes (after the weight's) in an integer dtype and, with them, the node's
+    counts (:data:`SECAGG_COUNTS`) and metric sums finite. Raises
+    :class:`~partialfl.flower.codec.WireFormatError` only."""
+    from flwr.common import bytes_to_ndarray
+    from flwr.supercore.primitives.asymmetric import bytes_to_public_key
+
+    from partialfl.flower.codec import _guard
+
+    _guard("SecAgg+ reply", _check_reply, request, content, shapes, bytes_to_public_key,
+           bytes_to_ndarray)
+
+
+#: the integer counts of a node's SecAgg+ contribution (:func:`node_contribution`)
+SECAGG_COUNTS = ("clients", "grad-evals")
+
+
+def _check_reply(request, content, shapes, bytes_to_public_key, bytes_to_ndarray) -> None:
+    from flwr.app import ConfigRecord
+    from flwr.common.secure_aggregation.secaggplus_constants import (
+        RECORD_KEY_CONFIGS,
+        Key,
+        Stage,
+    )
+
+    from partialfl.flower.codec import WireFormatError, _float, _int, _keys, _record
+
+    asked = request[RECORD_KEY_CONFIGS]
+    stage = asked[Key.STAGE]
+    keys = _keys(content)
+    got = _record(content, RECORD_KEY_CONFIGS, ConfigRecord, "SecAgg+")
+
+    def entry(key: str, kind: type, n: int | None = None) -> list:
+        v = got.get(key)
+        if not isinstance(v, list) or not all(isinstance(x, kind) and not isinstance(x, bool)
+                                              for x in v) or (n is not None and len(v) != n):
+            raise WireFormatError(f"SecAgg+ {stage} reply entry {key!r} must be a list of "
+                                  f"{'' if n is None else n} {kind.__name__}")
+        return v
+
+    def among(ids: list, allowed: set, what: str) -> None:
+        if not set(ids) <= allowed or len(set(ids)) != len(ids):
+            raise WireFormatError(f"SecAgg+ {stage} reply names {what} {sorted(ids)[:8]}, not "
+                                  f"distinct ones of {sorted(allowed)[:8]}")
+
+    if stage == Stage.SETUP:
+        for key in (Key.PUBLIC_KEY_1, Key.PUBLIC_KEY_2):
+            if not isinstance(got.get(key), bytes):
+                raise WireFormatError(f"SecAgg+ setup reply lacks its public key {key!r}")
+            bytes_to_public_key(got[key])  # a key that does not load: refused here
+    elif stage == Stage.SHARE_KEYS:
+        dsts = entry(Key.DESTINATION_LIST, int)
+        entry(Key.CIPHERTEXT_LIST, bytes, len(dsts))
+        among(dsts, {int(k) for k in asked.keys() if k != Key.STAGE}, "destinations")
+    elif stage == Stage.COLLECT_MASKED_VECTORS:
+        masked = entry(Key.MASKED_PARAMETERS, bytes, len(shapes) + 1)
+        for i, (b, want) in enumerate(zip(masked, [(1,), *shapes], strict=True)):
+            x = bytes_to_ndarray(b)  # np.load(allow_pickle=False)
+            if x.dtype.kind not in "iu" or tuple(x.shape) != tuple(want):
+                raise WireFormatError(f"SecAgg+ masked vector {i} is {x.dtype} {x.shape}, "
+                                      f"expected integers of shape {tuple(want)}")
+        metrics = _record(content, "fitres.metrics", ConfigRecord, "SecAgg+")
+        for k in SECAGG_COUNTS:
+            _int(metrics.get(k), f"SecAgg+ reply {k!r}")
+        for k, v in metrics.items():
+            if k not in SECAGG_COUNTS:
+                _float(v, f"SecAgg+ reply metric {k!r}")
+        if keys - {RECORD_KEY_CONFIGS, "fitres.metrics", "fitres.num_examples",
+                   "fitres.parameters", "fitres.status"}:
+            raise WireFormatError(f"SecAgg+ reply records {sorted(keys)[:8]} are not a FitRes")
+    elif stage == Stage.UNMASK:
+        nids = entry(Key.NODE_ID_LIST, int)
+        entry(Key.SHARE_LIST, bytes, len(nids))
+        among(nids, set(asked[Key.ACTIVE_NODE_ID_LIST]) | set(asked[Key.DEAD_NODE_ID_LIST]),
+              "share owners")
+
+
 class _LinkGrid:
     """``send_and_receive`` over the ServerApp's :class:`~partialfl.flower.federation.Link`
-    (its polling, its message hook, the run config on every message)."""
+    (its polling, its message hook, the run config on every message); a reply that
+    :func:`check_reply` refuses is kept from the workflow (to it, that node dropped out) and
+    its reason kept in ``refused`` (node → reason)."""
 
-    def __init__(self, link, timeout: float) -> None:
-        self.link, self.timeout = link, timeout
+    def __init__(self, link, timeout: float, shapes: list[tuple[int, ...]]) -> None:
+        self.link, self.timeout, self.shapes = link, timeout, shapes
+        self.refused: dict[int, str] = {}
 
     def send_and_receive(self, messages, *, timeout=None):
+        from partialfl.flower.codec import WireFormatError
+
         # every message its own copy of the content (the workflow shares one record between
         # messages, and a node's mod consumes entries of it in place)
         items = [(m.metadata.dst_node_id, m.metadata.message_type, copy.deepcopy(m.content),
                   m.metadata.group_id) for m in messages]
+        requests = [copy.deepcopy(m.content) for m in messages]
         ids, got = self.link.exchange(items, self.timeout if timeout is None else timeout)
-        return [got[i] for i in ids if i in got]
+        out = []
+        for (node, *_), request, i in zip(items, requests, ids):
+            reply = got.get(i)
+            if reply is None:
+                continue
+            if not reply.has_error():
+                try:
+                    check_reply(request, reply.content, self.shapes)
+                except WireFormatError as e:
+                    self.refused[int(node)] = str(e)
+                    continue
+            out.append(reply)
+        return out
 
 
 def secagg_round(link, cfg, fed, state, cohort: np.ndarray, round_: int, algorithm, report,
@@ -231,14 +330,29 @@ def secagg_round(link, cfg, fed, state, cohort: np.ndarray, round_: int, algorit
         {WorkflowKey.CURRENT_ROUND: int(round_)})
     legacy.state.array_records[MAIN_PARAMS_RECORD] = compat.parameters_to_arrayrecord(
         params, keep_input=True)
-    SecAggPlusWorkflow(cfg.secagg_shares, cfg.secagg_threshold, max_weight=max(total, 1.0),
-                       clipping_range=cfg.secagg_clip, quantization_range=2 ** cfg.secagg_bits,
-                       timeout=cfg.round_timeout)(_LinkGrid(link, cfg.round_timeout), legacy)
+    grid = _LinkGrid(link, cfg.round_timeout, [np.shape(v) for v in values])
+    try:
+        SecAggPlusWorkflow(cfg.secagg_shares, cfg.secagg_threshold,
+                           max_weight=max(total, 1.0), clipping_range=cfg.secagg_clip,
+                           quantization_range=2 ** cfg.secagg_bits,
+                           timeout=cfg.round_timeout)(grid, legacy)
+    except Exception as e:  # noqa: BLE001 - what check_reply cannot see (a key share that
+        # does not combine) fails inside Flower's workflow: the round, not the ServerApp
+        for n in fed.order:
+            if len(parts[n]):
+                record_failure(report, round_, "invalid", fed.partition(n), parts[n],
+                               f"the SecAgg+ round failed ({type(e).__name__}: {e})", faults)
+        return None, np.zeros(0, np.int64)
     done = strategy.result[1] if strategy.result is not None else {}
     for n in fed.order:
         if n not in done and len(parts[n]):
-            record_failure(report, round_, "timeout", fed.partition(n), parts[n],
-                           "dropped out of the SecAgg+ round", faults)
+            why = grid.refused.get(int(n))
+            record_failure(report, round_, "invalid" if why else "timeout", fed.partition(n),
+                           parts[n], why or "dropped out of the SecAgg+ round", faults)
+        elif int(n) in grid.refused:  # a refused key-share reply after its masked vector:
+            # the node's update is in the aggregate, the refusal is counted without clients
+            record_failure(report, round_, "invalid", fed.partition(n), [],
+                           grid.refused[int(n)])
     alive = np.sort(np.concatenate([parts[n] for n in done] or [np.zeros(0, np.int64)]))
     if strategy.result is None or not len(alive):
         return None, alive
