@@ -89,3 +89,54 @@ def test_an_honest_secagg_round_passes_the_reply_checks(loopback):  # noqa: F811
 
     rep = run_server(loopback(3), ls_run(2, 5, secagg=True, secagg_clip=64.0))
     assert not rep.failures and rep.server_steps == 2
+
+
+# ------------------------------------------------------------- local DP: the round budget
+def _local_dp_run(rounds: int = 1) -> dict:
+    return ls_run(rounds, 4, spec={"privacy": {
+        "name": "dp", "clip_norm": 1.0, "noise_multiplier": 2.0, "mode": "local",
+        "sampling": "fixed"}})
+
+
+def test_a_local_dp_node_refuses_rounds_past_the_budget(loopback):  # noqa: F811
+    """A SuperNode under local DP (even with its floor ``dp-min-noise``) answered a train
+    message for any round whose cohort the public sampling draws — round 1, 50 or 10⁶ of a
+    run whose budget covers one round — so a hostile server got as many noisy releases of a
+    client's update as it asked for and averaged the noise away, while ε was reported for
+    the budget's rounds. Only the server's own sampling checked the budget. Now every client
+    update checks it (:class:`~partialfl.algorithms.dp.PrivacyBudgetError`): the node
+    replies with an error naming the budget, and still answers the rounds it covers."""
+    from flwr.app import ConfigRecord, Message, RecordDict
+
+    from partialfl.flower.server import run_server
+    from partialfl.sampling import draw_cohort
+
+    grid = loopback(1, node_config={"dp-min-noise": 2.0})
+    run = _local_dp_run(rounds=1)
+    run_server(grid, run)  # round 0: answered (the honest run)
+    sent = next(m for m in grid.sent if m.metadata.message_type == "train")
+    for r in (1, 10**6):
+        content = RecordDict(dict(sent.content.items()))
+        task = dict(content["task"])
+        task.update(round=r, clients=[int(c) for c in draw_cohort("fixed", 3, r, 8, 4)])
+        content["task"] = ConfigRecord(task)
+        mid, = grid.push_messages([Message(content, dst_node_id=sent.metadata.dst_node_id,
+                                           message_type="train")])
+        reply, = grid.pull_messages([mid])
+        assert reply.has_error() and "DP budget covers rounds=1" in reply.error.reason
+
+
+def test_a_dp_client_update_past_the_budget_is_refused_in_process():
+    """The same check in process: a client update of round ``rounds`` raises."""
+    from partialfl.algorithms.base import RoundContext
+    from partialfl.algorithms.dp import PrivacyBudgetError
+    from partialfl.build import build
+    from partialfl.flower.config import parse_run_config
+
+    built = build(parse_run_config(_local_dp_run(rounds=2)).run)
+    alg, problem = built.algorithm, built.problem
+    state = alg.init(problem, problem.init_theta(np.random.default_rng(0)))
+    cohort = alg.sample_cohort(3, 1, problem.num_clients)
+    alg.client_update(state, problem, cohort, RoundContext(3, 1))  # round 1 of 2: fine
+    with pytest.raises(PrivacyBudgetError, match="budget covers rounds=2"):
+        alg.client_update(state, problem, cohort, RoundContext(3, 2))
