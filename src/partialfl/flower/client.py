@@ -69,8 +69,9 @@ class NodeRuntime:
     eval_min_clients: int = 2  # the run config's, raised by the node's own floor
     noise_key: int | None = None  # local DP's noise key (:mod:`partialfl.flower.node`)
     noise_secret: bool = False  # the key is the node's own (not the run seed the server holds)
+    ledger: Any = None  # the node's ReleaseLedger (:mod:`partialfl.flower.ledger`), or None
 
-    def context(self, round_: int) -> RoundContext:
+    def context(self, round_: int, cohort: np.ndarray = ()) -> RoundContext:
         """What the node's client updates know of round ``round_``: the run seed and the
         node's own noise key (never sent). A round asked again (a resend, or a server
         replaying round r at another θ to subtract the two replies: the same noise would
@@ -78,11 +79,16 @@ class NodeRuntime:
         fresh secret, so no noise is released twice; a key that is the run seed repeats the
         in-process run instead (the server could regenerate it anyway). What was answered is
         remembered per (key, round) for the process (:data:`_ANSWERED`), not per cached
-        runtime: a message under another run config rebuilt the runtime and emptied it."""
+        runtime: a message under another run config rebuilt the runtime and emptied it; with
+        the node's ledger, on its disk, across processes — where the ``cohort``'s releases
+        are also counted and capped (refused: ConfigError)."""
         import secrets
 
-        n = _ANSWERED.get((self.noise_key, round_), 0)
-        _ANSWERED[(self.noise_key, round_)] = n + 1
+        if self.ledger is not None:
+            n = self.ledger.request(self.noise_key, round_, [int(c) for c in cohort])
+        else:
+            n = _ANSWERED.get((self.noise_key, round_), 0)
+            _ANSWERED[(self.noise_key, round_)] = n + 1
         key = secrets.randbits(63) if n and self.noise_secret else self.noise_key
         return RoundContext(self.cfg.seed, round_, noise_key=key)
 
@@ -153,7 +159,8 @@ def node_runtime(context: Context, msg: Message | None = None,
                              theta_names=names,
                              eval_min_clients=max(cfg.eval_min_clients, opts.eval_min_clients),
                              noise_key=opts.local_noise_key(cfg.seed),
-                             noise_secret=opts.noise_key != "seed")
+                             noise_secret=opts.noise_key != "seed",
+                             ledger=opts.release_ledger())
             _CACHE.clear()  # one run per process at a time
             _CACHE[key] = rt
     return rt
@@ -188,7 +195,7 @@ def train(rt: NodeRuntime, msg: Message) -> Message:
     shared = {n: float(task[f"extra.{n}"]) for n in rt.algorithm.shared_extra
               if f"extra.{n}" in task}
     state = ServerState(theta=theta, round=r, extra=shared)
-    result = rt.algorithm.client_update(state, rt.problem, cohort, rt.context(r))
+    result = rt.algorithm.client_update(state, rt.problem, cohort, rt.context(r, cohort))
     content = encode_updates(result.updates, theta.keys(), metric_names(rt.algorithm))
     for f in parse_fault_injection(rt.cfg.fault_injection):
         if f.kind in REPLY_FAULTS and f.applies(rt.partition, r):

@@ -34,6 +34,13 @@ decides:
   privacy at all; with it the node refuses (one line, a counted failure of the node) every run
   whose clients would send updates with local noise below z — the floor is what makes local
   DP hold against the server.
+* ``dp-ledger`` (node config, or ``PARTIALFL_NODE_DP_LEDGER``): a file where the node counts,
+  on its own disk, the updates it released per client and the rounds it was asked
+  (:mod:`partialfl.flower.ledger`): a round asked again draws fresh noise even when every
+  message runs in a new process, as in a real deployment. ``dp-max-releases`` (node config,
+  or ``PARTIALFL_NODE_DP_MAX_RELEASES``; needs ``dp-ledger``): the most updates of one client
+  the node ever sends — with the floor, what bounds a client's ε whatever the server asks
+  (the run config's round budget is the server's to set).
 
 This module does not import ``flwr``.
 """
@@ -57,6 +64,8 @@ ALLOW_IMPORTS_ENV = "PARTIALFL_NODE_ALLOW_IMPORTS"
 NOISE_KEY_ENV = "PARTIALFL_NODE_DP_NOISE_KEY"
 #: the environment variable of a SuperNode's floor under local DP's noise (``dp-min-noise``)
 MIN_NOISE_ENV = "PARTIALFL_NODE_DP_MIN_NOISE"
+#: the environment variables of a SuperNode's release ledger and cap
+LEDGER_ENV, MAX_RELEASES_ENV = "PARTIALFL_NODE_DP_LEDGER", "PARTIALFL_NODE_DP_MAX_RELEASES"
 
 
 @dataclass(frozen=True)
@@ -70,6 +79,14 @@ class NodeOptions:
     data: str = ""
     noise_key: int | str | None = None  # an integer, "seed" (the run seed) or None (secret)
     min_noise: float | None = None  # the floor under local DP's noise multiplier
+    ledger: str = ""  # the file of the node's release ledger ("" none)
+    max_releases: int | None = None  # the most updates of one client the node sends
+
+    def release_ledger(self):
+        """The node's :class:`~partialfl.flower.ledger.ReleaseLedger`, or None."""
+        from partialfl.flower.ledger import ReleaseLedger
+
+        return ReleaseLedger(self.ledger, self.max_releases) if self.ledger else None
 
     def check_noise(self, algorithm, num_clients: int) -> None:
         """Refuse a run whose clients would add less local-DP noise than this node's floor."""
@@ -125,8 +142,27 @@ def node_options(node_config: Mapping[str, Any],
                           "client store")
     key = node_config.get("dp-noise-key", env.get(NOISE_KEY_ENV))
     z = node_config.get("dp-min-noise", env.get(MIN_NOISE_ENV))
+    ledger = node_config.get("dp-ledger", env.get(LEDGER_ENV, ""))
+    if not isinstance(ledger, str):
+        raise ConfigError(f"node-config 'dp-ledger': got {ledger!r}; expected the path of the "
+                          "node's release ledger")
+    cap = _max_releases(node_config.get("dp-max-releases", env.get(MAX_RELEASES_ENV)))
+    if cap is not None and not ledger.strip():
+        raise ConfigError("node-config 'dp-max-releases' needs 'dp-ledger' (a file where the "
+                          "node counts its releases: a count kept in memory is gone with the "
+                          "process, and a deployment runs each message in a new one)")
     return NodeOptions(part, nparts, allow, floor, data.strip(), _noise_key(key),
-                       _min_noise(z))
+                       _min_noise(z), ledger.strip(), cap)
+
+
+def _max_releases(v: Any) -> int | None:
+    if v is None or (isinstance(v, str) and not v.strip()):
+        return None
+    text = str(v).strip()
+    if isinstance(v, bool) or not (text.isascii() and text.isdigit()) or int(text) < 1:
+        raise ConfigError(f"node-config 'dp-max-releases' ({MAX_RELEASES_ENV}): got {v!r}; "
+                          "expected an integer >= 1 (updates of one client this node sends)")
+    return int(text)
 
 
 def _min_noise(v: Any) -> float | None:

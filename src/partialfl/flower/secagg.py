@@ -130,7 +130,7 @@ def node_contribution(rt, msg):
 
         inject_faults(rt.cfg.fault_injection, rt.partition, r)
         up = rt.algorithm.client_update(ServerState(theta=theta, round=r), rt.problem, cohort,
-                                        rt.context(r)).updates
+                                        rt.context(r, cohort)).updates
         a = (np.asarray(arrays.to_numpy(up.weights), dtype=np.float64)
              if rt.algorithm.aggregator.weighted else np.ones(len(cohort)))
         weight = float(a.sum())
