@@ -18,7 +18,7 @@ a per-client summary  ``metrics[name]``, ``name`` in :data:`CLIENT_METRICS` or t
                       dropped before the server (:func:`server_view`) unless listed in
                       ``server_metrics`` (what the server step reads), and then passed
                       as float64 with every NaN the canonical one (no payload bits)
-the client's weight   ``weights``: one finite number per client (its examples)
+the client's weight   ``weights``: one finite number ≥ 0 per client (its examples)
 work done             ``grad_evals``: one integer per message
 personal state        nowhere: ``ClientResult.client_state`` (w_m, c_m, Ditto's v_m)
 (w, control           stays with the runtime's client side, and is checkpointed only to
@@ -142,6 +142,12 @@ def screen(updates: ClientUpdates, theta: Mapping | Collection[str], algorithm=N
     if why is not None:  # a refusal of the message's structure: every client of it
         return np.zeros(k, dtype=bool), why
     ok = np.ones(k, dtype=bool)
+    neg = _float64(updates.weights).reshape(-1) < 0  # (NaN: a non-finite fault, not this)
+    if neg.any():  # a weight counts examples; one below 0 made a robust rule raise
+        who = int(updates.cohort[int(np.flatnonzero(neg)[0])])
+        why = (f"client message field weights: client {who} sent a negative weight (a "
+               "weight counts examples: >= 0)")
+        ok &= ~neg
     for name, v in updates.metrics.items():
         fin = ~np.isinf(_float64(v))  # NaN: "not computed" (canonicalised by server_view)
         if not fin.all():
