@@ -67,3 +67,47 @@ def test_a_negative_client_weight_is_one_counted_refusal(rule, w):
     ref = _run(agg)
     assert (res.faults.refused, res.faults.lost) == (3, 3)
     np.testing.assert_array_equal(res.state.theta["theta"], ref.state.theta["theta"])
+
+
+_TABLES = {
+    "not-results": '{"a": NaN}',
+    "a-list": "[1, 2]",
+    "rows-not-lists": '{"results": {"FFGG (input)": 3}}',
+    "acc-nan": '{"results": {"FFGG (input)": [{"test_acc": NaN}]}}',
+    "acc-text": '{"results": {"FFGG (input)": [{"test_acc": "0.5"}]}}',
+    "acc-huge": '{"results": {"FFGG (input)": [{"test_acc": 1e308}]}}',
+    "seed-text": '{"results": {"FFGG (input)": [{"test_acc": 0.5, "seed": "a"}], '
+                 '"FedAvg": [{"test_acc": 0.5, "seed": 1}]}}',
+    "run-not-table": '{"results": {"FFGG (input)": [0.5]}}',
+}
+
+
+@pytest.mark.parametrize("kind", [*_TABLES, "fifo-json", "fifo-md", "binary-md"])
+def test_advise_reads_a_received_measured_table_as_one_line_before_any_work(
+        tmp_path, capsys, kind):
+    """``partialfl advise TASK --table FILE`` read the measured table only after the advisor
+    (and its stage-1 pre-training) had run, with ``json.loads(path.read_text())["results"]``
+    unchecked: a results.json without ``results``, a list, rows that are not lists or runs
+    without a numeric ``test_acc`` ended in a KeyError/TypeError traceback, a NaN accuracy
+    went into the Spearman correlation, and a FIFO under the table's name hung the command
+    for good. Now the table is read first (a received file: regular files only) and checked:
+    one line naming the file, exit 2, before any data is loaded or anything is written."""
+    import os
+
+    from partialfl.cli import main
+
+    if kind == "fifo-json" or kind == "fifo-md":
+        table = tmp_path / ("t.json" if kind == "fifo-json" else "t.md")
+        os.mkfifo(table)
+    elif kind == "binary-md":
+        table = tmp_path / "t.md"
+        table.write_bytes(b"\xff\xfe| FFGG (input) | 1 |")
+    else:
+        table = tmp_path / "results.json"
+        table.write_text(_TABLES[kind])
+    out = tmp_path / "out"
+    rc = main(["advise", "har", "--pretrain-rounds", "0", "--table", str(table), "--out",
+               str(out), "--data-dir", str(tmp_path / "no-data"), "--no-progress"])
+    err = [ln for ln in capsys.readouterr().err.splitlines() if ln.strip()]
+    assert rc == 2 and len(err) == 1 and str(table) in err[0], err
+    assert not out.exists()

@@ -16,7 +16,8 @@ or a markdown file (``docs/results.md``, accuracies) whose section heading conta
 ``--section``. The FFGG rows (``FFGG (input…)``, …) are matched to the advisor's groups by
 split kind; for each measured quantity the Spearman correlation
 (:func:`partialfl.advisor.spearman`) with the advisor's drops is reported, with whether its
-top pick is within the seed spread of the best split.
+top pick is within the seed spread of the best split. The table is read (a regular file, its
+structure and accuracies checked: one line otherwise) before the advisor runs.
 """
 
 from __future__ import annotations
@@ -106,14 +107,17 @@ def measured_accuracies(path: str | Path, section: str | None = None
     path = Path(path)
     out: dict[str, tuple[float, float]] = {}
     if path.suffix == ".json":
-        res = json.loads(path.read_text())["results"]
-        for label, runs in res.items():
+        res = _table_results(path)
+        for label in res:
             m = re.match(r"FFGG \((\w+)", label)
-            if m and runs:
-                a = 100 * np.asarray([r["test_acc"] for r in runs], float)
+            a = _accuracies(path, res, label)
+            if m and a.size:
                 out[m.group(1)] = (float(a.mean()), float(a.std()))
         return out
-    text = path.read_text()
+    try:
+        text = pio.read_regular(path).decode("utf-8")
+    except UnicodeDecodeError:
+        raise pio.FileFormatError(f"{path} is not a text (markdown) file") from None
     if section is not None:
         idx = next((i for i, ln in enumerate(text.splitlines())
                     if ln.startswith("#") and section in ln), None)
@@ -132,6 +136,33 @@ def measured_accuracies(path: str | Path, section: str | None = None
     return out
 
 
+def _table_results(path: Path) -> dict[str, list]:
+    """The ``results`` table (row label → list of runs) of a table's ``results.json``, read
+    as a received file: a FIFO, a damaged file or another structure is a
+    :class:`~partialfl.io.FileFormatError` (one line), not a hang or a traceback."""
+    res = pio.read_json(path).get("results")
+    if not isinstance(res, dict) or not all(isinstance(v, list) for v in res.values()):
+        raise pio.FileFormatError(f"{path} has no 'results' table of row → runs: not a "
+                                  "table's results.json")
+    return res
+
+
+def _accuracies(path: Path, res: dict[str, list], label: str) -> np.ndarray:
+    """Row ``label``'s test accuracies in %, ordered by seed (none: empty); every run must be
+    a table with a finite ``test_acc`` in [0, 1] and an integer ``seed`` if it has one."""
+    runs = res.get(label) or []
+    for r in runs:
+        acc = r.get("test_acc") if isinstance(r, dict) else None
+        seed = r.get("seed", 0) if isinstance(r, dict) else None
+        if (isinstance(acc, bool) or not isinstance(acc, int | float)
+                or not 0 <= acc <= 1 or isinstance(seed, bool) or not isinstance(seed, int)):
+            raise pio.FileFormatError(
+                f"{path}: a run of row {label[:60]!r} has no test_acc in [0, 1] with an "
+                f"integer seed (got {str(r)[:80]}): not a table's results.json")
+    runs = sorted(runs, key=lambda r: r.get("seed", 0))
+    return 100 * np.asarray([r["test_acc"] for r in runs], float)
+
+
 #: what the advisor's drops are compared with: the FFGG rows' accuracy, their gain over their
 #: matched baseline (FedAvg + FT of the same part: does joint training add anything?) and
 #: over plain FedAvg (does personalizing that part pay?)
@@ -144,12 +175,11 @@ def measured_gains(path: str | Path) -> dict[str, dict[str, tuple[float, float]]
     table's ``results.json``: FFGG (kind)'s accuracy, its per-seed gain over FedAvg + FT
     (kind) and over FedAvg (paired by seed). A table without the matched rows gives the
     accuracy only."""
-    res = json.loads(Path(path).read_text())["results"]
+    res = _table_results(Path(path))
     out: dict[str, dict[str, tuple[float, float]]] = {t: {} for t in TARGETS}
 
     def acc(label):
-        runs = sorted(res.get(label) or [], key=lambda r: r.get("seed", 0))
-        return 100 * np.asarray([r["test_acc"] for r in runs], float)
+        return _accuracies(Path(path), res, label)
 
     for label in res:
         m = re.fullmatch(r"FFGG \((\w+)\)", label)
@@ -195,6 +225,10 @@ def run_advisor(name: str, out_dir: str | Path, *, theta: str | Path | None = No
     """Run the advisor on table ``name``; writes ``advice.md`` (returned) and ``advice.json``
     in ``out_dir``."""
     out_dir = Path(out_dir)
+    targets = None
+    if table is not None:  # read (and checked) before the advisor's hour of work
+        targets = (measured_gains(table) if Path(table).suffix == ".json"
+                   else {"accuracy": measured_accuracies(table, section)})
     out_dir.mkdir(parents=True, exist_ok=True)
     t0 = time.perf_counter()
     at = build_task(name, data_dir, pretrain_rounds)
@@ -216,9 +250,7 @@ def run_advisor(name: str, out_dir: str | Path, *, theta: str | Path | None = No
                  loss_fn=at.task.loss_fn, metric=at.task.metric, split_fn=at.task.split_fn,
                  layers=at.layers, groups=at.groups)
     cmp = None
-    if table is not None:
-        targets = (measured_gains(table) if Path(table).suffix == ".json"
-                   else {"accuracy": measured_accuracies(table, section)})
+    if targets is not None:
         cmp = {t: compare(adv, m) for t, m in targets.items()}
     total = time.perf_counter() - t0
     lines = [f"# Split advisor on {name}", "",
