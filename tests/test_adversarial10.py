@@ -111,3 +111,34 @@ def test_advise_reads_a_received_measured_table_as_one_line_before_any_work(
     err = [ln for ln in capsys.readouterr().err.splitlines() if ln.strip()]
     assert rc == 2 and len(err) == 1 and str(table) in err[0], err
     assert not out.exists()
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize("nodes", ["-1", "0", "100000000000"])
+def test_flower_credentials_refuses_a_bad_node_count(tmp_path, capsys, nodes):
+    """``partialfl flower credentials OUT --nodes -1`` (or 0) wrote the CA and the server
+    certificate, no SuperNode key, and exited 0 saying it wrote '-1 SuperNode key pairs';
+    ``--nodes 100000000000`` generated key pairs for days (32599 in 40 s, each a file).
+    Now one line naming --nodes and its range, exit 2, nothing written."""
+    from partialfl.cli import main
+
+    pytest.importorskip("cryptography")
+    out = tmp_path / "creds"
+    rc = main(["flower", "credentials", str(out), "--nodes", nodes])
+    err = [ln for ln in capsys.readouterr().err.splitlines() if ln.strip()]
+    assert rc == 2 and len(err) == 1 and "--nodes" in err[0], err
+    assert not out.exists()
+
+
+@pytest.mark.parametrize("nodes", [-1, 0, 10 ** 11])
+def test_node_stores_refuse_a_bad_node_count(tmp_path, nodes):
+    """``partialfl flower node-data CONFIG OUT --nodes 0`` wrote no store and exited 0 (the
+    loop over the nodes was empty). Now the node count is checked as for ``flower local``."""
+    from types import SimpleNamespace
+
+    from partialfl.config import ConfigError
+    from partialfl.flower.local import write_node_stores
+
+    with pytest.raises(ConfigError, match="--nodes must be an integer in"):
+        write_node_stores(SimpleNamespace(num_clients=4), nodes, tmp_path / "nodes")
+    assert not (tmp_path / "nodes").exists()

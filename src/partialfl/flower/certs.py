@@ -86,7 +86,9 @@ def generate(folder: str | Path, num_nodes: int,
     from cryptography.hazmat.primitives.asymmetric import ec
     from cryptography.x509.oid import ExtendedKeyUsageOID, NameOID
 
-    creds = Credentials(Path(folder), num_nodes)
+    from partialfl.flower.config import check_num_nodes
+
+    creds = Credentials(Path(folder), check_num_nodes(num_nodes))
     now = dt.datetime.now(dt.UTC)
     start, end = now - dt.timedelta(minutes=5), now + dt.timedelta(days=VALID_DAYS)
 

@@ -27,7 +27,7 @@ from typing import Any
 
 import numpy as np
 
-from partialfl.flower.config import partition_clients
+from partialfl.flower.config import check_num_nodes, partition_clients
 
 
 def node_view(run) -> Any:
@@ -46,6 +46,7 @@ def write_node_stores(data, num_nodes: int, folder: str | Path) -> list[Path]:
 
     folder = Path(folder)
     M = data.num_clients
+    check_num_nodes(num_nodes)
     paths = []
     for i in range(num_nodes):
         own = set(partition_clients(M, num_nodes, i).tolist())
@@ -88,10 +89,7 @@ def run_local(spec, out: str | Path, num_nodes: int, *, insecure: bool = False,
 
     require_flower()
     apply_flower_env()
-    if num_nodes < 1:
-        from partialfl.config import ConfigError
-
-        raise ConfigError(f"--nodes must be >= 1, got {num_nodes}")
+    check_num_nodes(num_nodes)
     run = build(spec)  # validates everything, loads the data
     extra = {"checkpoint-every": spec.checkpoint_every, **({"secagg": True} if secagg else {}),
              **dict(flower or {})}
