@@ -142,3 +142,28 @@ def test_node_stores_refuse_a_bad_node_count(tmp_path, nodes):
     with pytest.raises(ConfigError, match="--nodes must be an integer in"):
         write_node_stores(SimpleNamespace(num_clients=4), nodes, tmp_path / "nodes")
     assert not (tmp_path / "nodes").exists()
+
+
+def test_byzantine_clients_under_the_plain_mean_warn(tmp_path):
+    """An ``[attack]`` block without ``[aggregation]`` (or ``ByzantineRobust`` with
+    ``Mean()``): the mean states no δ, so the fraction check passed it and the run trained
+    with 20% sign-flipping clients averaged in, without a word (exit 0), while the README
+    says robust training never runs silently unprotected. The mean stays a baseline under
+    attack (``partialfl reproduce byzantine`` compares it), now with an
+    :class:`~partialfl.aggregation.UnprotectedWarning` naming it; a robust rule gets none."""
+    from partialfl.aggregation import UnprotectedWarning
+    from partialfl.cli import main
+
+    spec = tmp_path / "attack.toml"
+    spec.write_text('seed = 0\n[problem]\nname = "least-squares"\nnum_clients = 10\nn = 40\n'
+                    'd_theta = 3\nd_w = 2\nseed = 0\n[method]\nalgorithm = "ffgg"\n'
+                    'w_init = "zero"\n[personalize]\nrounds = 2\nclients_per_round = 10\n'
+                    'client = { name = "cg", tau = 2 }\nserver = { optimizer = "sgd", '
+                    'lr = 0.05 }\n[attack]\nname = "byzantine"\nfraction = 0.2\n'
+                    'attack = { name = "sign-flip" }\n')
+    with pytest.warns(UnprotectedWarning, match="plain mean"):
+        assert main(["run", str(spec), "--out", str(tmp_path / "a"), "--no-progress"]) == 0
+    spec.write_text(spec.read_text() + '[aggregation]\nname = "cm"\n')
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", UnprotectedWarning)
+        assert main(["run", str(spec), "--out", str(tmp_path / "b"), "--no-progress"]) == 0

@@ -37,7 +37,8 @@ arrived, before non-finite rows are dropped (a client sending NaN never makes th
 a cohort as large as planned (``clients_per_round``, else the first round's) that is not
 protected is refused; a smaller one (clients failed) is aggregated with a warning and counted,
 so a failing client cannot stop the run. ``allow_unprotected=True`` (here for the fraction, on
-the rule for the cohort) turns the refusals into warnings.
+the rule for the cohort) turns the refusals into warnings. Byzantine clients under the plain
+mean (a baseline: it tolerates none) run with a warning.
 """
 
 from __future__ import annotations
@@ -49,7 +50,7 @@ import numpy as np
 
 from partialfl import arrays
 from partialfl import rng as prng
-from partialfl.aggregation import bind, finite_rows, to_numpy
+from partialfl.aggregation import Mean, bind, finite_rows, to_numpy
 from partialfl.aggregation.common import chain_of, check_int
 from partialfl.aggregation.distance import at_row, trusted_client
 from partialfl.aggregation.protection import (
@@ -171,6 +172,10 @@ class ByzantineRobust(AlgorithmWrapper):
         if len(self._byz):
             check_fraction(self.aggregator, len(self._byz) / problem.num_clients,
                            self.allow_unprotected)
+            if isinstance(self.aggregator, Mean):  # a baseline: run it, but never silently
+                warn_once(f"{self.name}: {len(self._byz)} Byzantine clients under the plain "
+                          "mean, which tolerates none (one attacker moves θ anywhere); give "
+                          "[aggregation] a robust rule to defend", ("byz_mean", id(self)))
         state = self.base.init(problem, theta0)
         for key in ("byz_dropped", "byz_rejected", "byz_excess", "byz_unprotected",
                     "byz_no_reference"):
@@ -307,7 +312,6 @@ class ByzantineOptions:
 def _byzantine(opts: ByzantineOptions, ctx: WrapperContext) -> ByzantineRobust:
     """Byzantine-robust training (Algorithm 5): ⌊fraction·M⌋ clients send the attack; the
     server drops non-finite rows and aggregates with the run's (robust) aggregation rule."""
-    from partialfl.aggregation import Mean
     from partialfl.config import ConfigError
 
     if ctx.num_clients is None:
