@@ -28,6 +28,19 @@ from partialfl import io as pio
 
 #: how long the generated certificates are valid
 VALID_DAYS = 30
+#: the most SuperNodes one command makes credentials or node stores for (10^5 key pairs take
+#: minutes; a typo such as 10^11 would run for days)
+MAX_NODES = 10 ** 5
+
+
+def check_num_nodes(n, flag: str = "--nodes") -> int:
+    """``n`` if it is an integer in [1, :data:`MAX_NODES`], else a one-line ConfigError naming
+    ``flag`` (0 or a negative count wrote nothing and said it was done)."""
+    if isinstance(n, bool) or not isinstance(n, int) or not 1 <= n <= MAX_NODES:
+        from partialfl.config import ConfigError
+
+        raise ConfigError(f"{flag} must be an integer in [1, {MAX_NODES}], got {n!r}")
+    return n
 
 
 @dataclass(frozen=True)
@@ -85,8 +98,6 @@ def generate(folder: str | Path, num_nodes: int,
     from cryptography.hazmat.primitives import hashes, serialization
     from cryptography.hazmat.primitives.asymmetric import ec
     from cryptography.x509.oid import ExtendedKeyUsageOID, NameOID
-
-    from partialfl.flower.config import check_num_nodes
 
     creds = Credentials(Path(folder), check_num_nodes(num_nodes))
     now = dt.datetime.now(dt.UTC)

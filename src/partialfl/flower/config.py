@@ -468,19 +468,6 @@ def parse_fault_injection(spec: str) -> tuple[Fault, ...]:
 
 
 # -- partitions: which clients each SuperNode holds ------------------------------------
-#: the most SuperNodes one command makes credentials or node stores for (10^5 key pairs take
-#: minutes; a typo such as 10^11 would run for days)
-MAX_NODES = 10 ** 5
-
-
-def check_num_nodes(n, flag: str = "--nodes") -> int:
-    """``n`` if it is an integer in [1, :data:`MAX_NODES`], else a one-line ConfigError naming
-    ``flag`` (0 or a negative count wrote nothing and said it was done)."""
-    if isinstance(n, bool) or not isinstance(n, int | np.integer) or not 1 <= n <= MAX_NODES:
-        raise ConfigError(f"{flag} must be an integer in [1, {MAX_NODES}], got {n!r}")
-    return int(n)
-
-
 def partition_clients(num_clients: int, num_partitions: int, partition_id: int) -> np.ndarray:
     """The client ids SuperNode ``partition_id`` holds: contiguous, near-equal blocks
     (``np.array_split`` of ``0..M-1``), so every client lives on exactly one node."""

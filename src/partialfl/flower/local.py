@@ -27,7 +27,8 @@ from typing import Any
 
 import numpy as np
 
-from partialfl.flower.config import check_num_nodes, partition_clients
+from partialfl.flower.certs import check_num_nodes
+from partialfl.flower.config import partition_clients
 
 
 def node_view(run) -> Any:
