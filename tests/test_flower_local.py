@@ -91,7 +91,8 @@ def test_generated_credentials_chain_to_the_ca_and_keys_are_private(tmp_path):
 
 
 @pytest.mark.parametrize("argv, message", [
-    (["flower", "local", str(QUICKSTART), "--nodes", "0"], "--nodes must be an integer in [1, 100000], got 0"),
+    (["flower", "local", str(QUICKSTART), "--nodes", "0"],
+     "--nodes must be an integer in [1, 100000], got 0"),
     (["flower", "local", str(QUICKSTART), "--set", "method.algorithm='nope'"],
      "method.algorithm: 'nope' is not allowed"),
     (["train", str(QUICKSTART), "--flower", "secagg=true"],
