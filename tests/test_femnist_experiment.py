@@ -163,3 +163,18 @@ def test_quick_kfold_every_writer_is_new_once_and_resumes(tmp_path, data_dir):
     # resumed: nothing recomputed, the same summary up to the measured times
     assert kfold_new_writers(FEMNIST, tmp_path, folds=2, quick=True, data_dir=data_dir,
                              progress=False).read_text().split("Cost")[0] == text.split("Cost")[0]
+
+
+def test_a_fold_count_the_writers_cannot_fill_is_refused_before_training(tmp_path, data_dir,
+                                                                        monkeypatch):
+    """``reproduce femnist-table --folds 10^20`` exited with the right line only after stage 1
+    had trained (adversarial round 10); the folds are now checked before the table runs."""
+    from partialfl.reproductions import femnist
+
+    def trained(*a, **k):
+        raise AssertionError("the table ran before the folds were checked")
+
+    monkeypatch.setattr(femnist.FEMNIST, "reproduce", trained)
+    with pytest.raises(ValueError, match="folds must be an integer in 2.."):
+        femnist.reproduce_table(tmp_path, quick=True, data_dir=data_dir, progress=False,
+                                folds=10**20)

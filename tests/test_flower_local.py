@@ -130,3 +130,35 @@ def test_credentials_command_writes_a_ca_a_server_certificate_and_node_keys(tmp_
     names = sorted(p.name for p in (tmp_path / "c").iterdir())
     assert names == ["ca.crt", "server.key", "server.pem", *sorted(
         f"supernode-{i}.{e}" for i in range(3) for e in ("key", "pub"))]
+
+
+def test_private_keys_are_owner_only_from_their_first_byte_and_stale_temps_go(tmp_path,
+                                                                             monkeypatch):
+    """A private key was written 0666 less the umask (0644) and chmod-ed to 0600 only after
+    it had its name: a kill in between left a world-readable key, and a credentials run
+    killed mid-write left its temp files for good (adversarial round 10). Now a key's
+    temp file is 0600 until it is renamed, and the next run removes the temps a killed one
+    left in the folder (not in its sub-folders)."""
+    pytest.importorskip("cryptography")
+    import os
+
+    from partialfl.flower.certs import generate
+
+    folder = tmp_path / "creds"
+    (folder / "sub").mkdir(parents=True)
+    stale = folder / ".supernode-0.key.abcd1234.tmp"
+    stale.write_bytes(b"half a key")
+    kept = folder / "sub" / ".notes.txt.abcd1234.tmp"
+    kept.write_bytes(b"not ours")
+    modes: dict[str, int] = {}
+    real = os.replace
+
+    def replace(src, dst, *a, **k):
+        modes[os.path.basename(dst)] = os.stat(src).st_mode & 0o777
+        return real(src, dst, *a, **k)
+
+    monkeypatch.setattr(os, "replace", replace)
+    generate(folder, 2, hosts=("127.0.0.1",))
+    assert {n: m for n, m in modes.items() if n.endswith(".key")} == {
+        "server.key": 0o600, "supernode-0.key": 0o600, "supernode-1.key": 0o600}
+    assert not stale.exists() and kept.exists()

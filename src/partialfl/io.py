@@ -68,11 +68,13 @@ def fsync_dir(path: str | Path) -> None:
 
 
 @contextlib.contextmanager
-def atomic_write(path: str | Path, mode: str = "w", **kw: Any) -> Iterator[IO]:
+def atomic_write(path: str | Path, mode: str = "w", *, private: bool = False,
+                 **kw: Any) -> Iterator[IO]:
     """Open a temporary file in ``path``'s folder for writing; on success it replaces
     ``path`` atomically (``os.replace``, after fsync), on an exception it is removed and
     ``path`` is left as it was. The parent folder is created; the file gets the mode a new
-    file gets (0o666 less the umask), not the temporary file's 0600."""
+    file gets (0o666 less the umask), not the temporary file's 0600 — or, ``private``, keeps
+    0600 (owner-only from its first byte to its final name: a private key)."""
     if mode not in ("w", "wb"):
         raise ValueError(f"atomic_write mode must be 'w' or 'wb', got {mode!r}")
     path = Path(path)
@@ -82,7 +84,7 @@ def atomic_write(path: str | Path, mode: str = "w", **kw: Any) -> Iterator[IO]:
         with os.fdopen(fd, mode, **kw) as f:
             yield f
             f.flush()
-            os.fchmod(f.fileno(), 0o666 & ~_umask())
+            os.fchmod(f.fileno(), 0o600 if private else 0o666 & ~_umask())
             os.fsync(f.fileno())
         os.replace(tmp, path)
     except BaseException:
@@ -95,12 +97,13 @@ def atomic_write(path: str | Path, mode: str = "w", **kw: Any) -> Iterator[IO]:
 _STALE = re.compile(r"^\..+\.[a-z0-9_]{8}\.tmp$")
 
 
-def clean_stale_writes(folder: str | Path) -> list[Path]:
-    """Remove the temporary files that killed :func:`atomic_write` s left in ``folder`` and
-    its sub-folders (no process may be writing there); returns them. Symbolic links are
-    neither followed nor removed."""
+def clean_stale_writes(folder: str | Path, recursive: bool = True) -> list[Path]:
+    """Remove the temporary files that killed :func:`atomic_write` s left in ``folder`` (and,
+    ``recursive``, its sub-folders; no process may be writing there); returns them. Symbolic
+    links are neither followed nor removed."""
     gone = []
-    for root, _, files in os.walk(folder):
+    for root, _, files in (os.walk(folder) if recursive
+                           else [(folder, None, os.listdir(folder))]):
         for name in files:
             f = Path(root) / name
             if _STALE.match(name) and not f.is_symlink() and f.is_file():
@@ -144,9 +147,10 @@ def write_text(path: str | Path, text: str) -> None:
         f.write(text)
 
 
-def write_bytes(path: str | Path, data: bytes) -> str:
-    """Write ``data`` atomically; returns its SHA-256 (hex)."""
-    with atomic_write(path, "wb") as f:
+def write_bytes(path: str | Path, data: bytes, *, private: bool = False) -> str:
+    """Write ``data`` atomically (``private``: owner-only, see :func:`atomic_write`); returns
+    its SHA-256 (hex)."""
+    with atomic_write(path, "wb", private=private) as f:
         f.write(data)
     return hashlib.sha256(data).hexdigest()
 

@@ -19,7 +19,6 @@ from __future__ import annotations
 
 import datetime as dt
 import ipaddress
-import os
 from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -73,9 +72,7 @@ class Credentials:
 
 
 def _write_private(path: Path, data: bytes) -> None:
-    path.parent.mkdir(parents=True, exist_ok=True)
-    pio.write_bytes(path, data)
-    os.chmod(path, 0o600)
+    pio.write_bytes(path, data, private=True)  # 0600 before the key has its name
 
 
 def _names(hosts: Sequence[str]):
@@ -100,6 +97,8 @@ def generate(folder: str | Path, num_nodes: int,
     from cryptography.x509.oid import ExtendedKeyUsageOID, NameOID
 
     creds = Credentials(Path(folder), check_num_nodes(num_nodes))
+    if creds.folder.is_dir():  # what a killed run of this command left (not sub-folders)
+        pio.clean_stale_writes(creds.folder, recursive=False)
     now = dt.datetime.now(dt.UTC)
     start, end = now - dt.timedelta(minutes=5), now + dt.timedelta(days=VALID_DAYS)
 

@@ -266,6 +266,10 @@ def reproduce_table(out_dir: Path, *, quick: bool = False, seeds: list[int] | No
     k-fold new-writer evaluation (:func:`partialfl.reproductions.femnist_kfold.
     kfold_new_writers`, in ``kfoldK/``), whose summary is appended to the table's."""
     opts = {"store": store} if store is not None else {}
+    if folds:  # a K the writers cannot fill is refused before anything trains
+        from partialfl.reproductions.femnist_kfold import writer_folds
+
+        writer_folds(data_dir, folds, FEMNIST.size_of(quick, plateau, size, seeds).num_writers)
     path = FEMNIST.reproduce(out_dir, quick=quick, seeds=seeds, data_dir=data_dir,
                              progress=progress, size=size, plateau=plateau, backend=backend,
                              device=device, workers=workers,
