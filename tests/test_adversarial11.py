@@ -66,3 +66,77 @@ def test_overwrite_never_deletes_a_folder_that_is_not_a_store(tmp_path):
                         str(leaf), str(store), "--overwrite", "--no-progress"],
                        capture_output=True, text=True, timeout=120)
     assert r.returncode == 0 and open_store(store).num_clients == 3, r.stderr
+
+
+def _saved_models(d: Path):
+    import torch
+    from torch import nn
+
+    from partialfl.pipeline.deploy import PersonalizedModels
+    from partialfl.split import build_split
+
+    def net():
+        return nn.Sequential(nn.Linear(3, 4), nn.Linear(4, 2))
+
+    split = build_split(net(), "output", {})
+    ps = dict(split.model.named_parameters())
+    theta = {n: ps[n].detach() for n in split.global_names}
+    w = {n: torch.stack([ps[n].detach()] * 2) for n in split.personal_names}
+    PersonalizedModels(split, theta, w, ["a", "b"]).save(d)
+    return net
+
+
+def test_a_saved_model_finite_only_in_float64_is_refused(tmp_path):
+    """``load_personalized`` checked the saved values' finiteness in their own dtype: a θ
+    saved as float64 ``1e300`` passed and became ``inf`` in the float32 module, returned as
+    a model to deploy. Now values are checked in the module's dtype."""
+    from partialfl import io as pio
+    from partialfl.pipeline.deploy import load_personalized
+
+    net = _saved_models(tmp_path)
+    theta, _ = pio.load_tensors(tmp_path / "theta.safetensors")
+    pio.save_tensors(tmp_path / "theta.safetensors",
+                     {n: v.double() * 1e300 for n, v in theta.items()})
+    with pytest.raises(ValueError, match="not all finite in the module's dtype"):
+        load_personalized(tmp_path, net(), "a")
+
+
+@pytest.mark.parametrize("edit", [
+    lambda i: i.__setitem__("clients", 5),
+    lambda i: i.__setitem__("clients", [5]),
+    lambda i: i["clients"][0].__setitem__("file", 7),
+    lambda i: i.pop("theta_file"),
+    lambda i: i.__setitem__("adapters", [1]),
+    lambda i: i.__setitem__("global_names", "0.weight"),
+])
+def test_a_crafted_personalized_index_is_a_file_format_error(tmp_path, edit):
+    """A crafted ``index.json`` of saved personalized models (a list, a number or a missing
+    entry where the loader expects a name) gave a TypeError/KeyError traceback from
+    ``load_personalized`` and ``PersonalizedModels.load``; now a FileFormatError naming it."""
+    from partialfl import io as pio
+    from partialfl.pipeline.deploy import PersonalizedModels, load_personalized
+
+    net = _saved_models(tmp_path)
+    index = json.loads((tmp_path / "index.json").read_text())
+    edit(index)
+    (tmp_path / "index.json").write_text(json.dumps(index))
+    with pytest.raises(pio.FileFormatError, match="index.json"):
+        load_personalized(tmp_path, net(), "a")
+    with pytest.raises(pio.FileFormatError, match="index.json"):
+        PersonalizedModels.load(tmp_path, net())
+
+
+def test_client_files_that_do_not_fit_together_are_a_file_format_error(tmp_path):
+    """``PersonalizedModels.load`` stacked the clients' files unchecked: one client file
+    lacking a name gave a KeyError, one of another shape a torch RuntimeError."""
+    from partialfl import io as pio
+    from partialfl.pipeline.deploy import PersonalizedModels
+
+    net = _saved_models(tmp_path)
+    f = tmp_path / "clients" / "000001.safetensors"
+    t, _ = pio.load_tensors(f)
+    n = sorted(t)[0]
+    for bad in ({k: v for k, v in t.items() if k != n}, {**t, n: t[n][:1]}):
+        pio.save_tensors(f, bad)
+        with pytest.raises(pio.FileFormatError, match="do not fit together"):
+            PersonalizedModels.load(tmp_path, net())
