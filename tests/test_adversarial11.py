@@ -140,3 +140,60 @@ def test_client_files_that_do_not_fit_together_are_a_file_format_error(tmp_path)
         pio.save_tensors(f, bad)
         with pytest.raises(pio.FileFormatError, match="do not fit together"):
             PersonalizedModels.load(tmp_path, net())
+
+
+def _evaluate_run(tmp_path):
+    """A finished-looking femnist-table run folder (tests/test_security.py's) with a valid
+    ``deploy.safetensors``; returns ``(go, theta, split)``: ``go(theta=, meta=, metrics=)``
+    rewrites the files and runs ``partialfl evaluate`` (exit code, stderr lines)."""
+    import torch  # noqa: F401
+    from test_security import _payload_run
+
+    from partialfl import io as pio
+    from partialfl.build import Task
+    from partialfl.build.task import split_of
+    from partialfl.cli import main
+    from partialfl.pipeline.files import save_deploy, seeded_split
+    from partialfl.reproductions.femnist import femnist_model
+    from partialfl.spec import RunSpec
+
+    run, data, _ = _payload_run(tmp_path, "deploy.safetensors")
+    cfg = RunSpec.from_dict({k: v for k, v in json.loads((run / "config.json").read_text())
+                             .items() if k != "task"})
+    kind, opts = split_of(cfg.method)
+    split = seeded_split(Task(data=None, model_fn=femnist_model),
+                         femnist_model(cfg.stage1_seed), kind, opts, cfg.seed)
+    ps = dict(split.model.named_parameters())
+    theta = {n: ps[n].detach().clone() for n in split.global_names}
+
+    def go(th=theta, meta=None, metrics=None):
+        save_deploy(run, split, th, None, kind, opts)
+        if meta is not None:
+            t, _ = pio.load_tensors(run / "deploy.safetensors")
+            pio.save_tensors(run / "deploy.safetensors", t, meta)
+        if metrics is not None:
+            (run / "metrics.json").write_text(json.dumps(metrics))
+        code = main(["evaluate", str(run), "--data-dir", str(data)])
+        return code
+
+    return go, theta
+
+
+def test_evaluate_checks_what_deploy_safetensors_holds(tmp_path, capsys):
+    """``partialfl evaluate`` of a received run folder trusted ``deploy.safetensors`` beyond
+    its tensor format: metadata without ``kind`` ended in a KeyError traceback, θ lacking a
+    global parameter in a KeyError traceback, an integer θ in a torch RuntimeError, and a NaN
+    θ was scored (exit 0) as if it were a model; a ``metrics.json`` whose ``finetune_choice``
+    is not an object gave a TypeError. Each is now one line naming the file, exit 2."""
+    go, theta = _evaluate_run(tmp_path)
+    assert go() == 0  # the untouched folder evaluates
+    capsys.readouterr()
+    n0 = sorted(theta)[0]
+    cases = [dict(meta={}), dict(th={k: v for k, v in theta.items() if k != n0}),
+             dict(th={**theta, n0: theta[n0].long()}),
+             dict(th={**theta, n0: theta[n0] * float("nan")}),
+             dict(metrics={"finetune_choice": "x"})]
+    for case in cases:
+        assert go(**case) == 2, case
+        err = capsys.readouterr().err.strip().splitlines()
+        assert len(err) == 1 and ("deploy.safetensors" in err[0] or "metrics.json" in err[0])
