@@ -6,6 +6,7 @@ reads and writes.
 from __future__ import annotations
 
 import json
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -197,3 +198,19 @@ def test_evaluate_checks_what_deploy_safetensors_holds(tmp_path, capsys):
         assert go(**case) == 2, case
         err = capsys.readouterr().err.strip().splitlines()
         assert len(err) == 1 and ("deploy.safetensors" in err[0] or "metrics.json" in err[0])
+
+
+@pytest.mark.parametrize("kind", ["fifo", "folder"])
+def test_a_tensor_or_json_path_that_is_not_a_file_is_not_called_missing(tmp_path, kind):
+    """``load_tensors`` and ``read_json`` answered a FIFO or a folder planted under a file's
+    name with FileNotFoundError "… not found" (so the CLI told the user a file that is there
+    was missing); now FileFormatError "not a regular file", read without blocking."""
+    from partialfl import io as pio
+
+    p = tmp_path / "theta.safetensors"
+    os.mkfifo(p) if kind == "fifo" else p.mkdir()
+    for read in (pio.load_tensors, pio.read_json):
+        with pytest.raises(pio.FileFormatError, match="not a regular file"):
+            read(p)
+    with pytest.raises(FileNotFoundError, match="not found"):
+        pio.load_tensors(tmp_path / "missing.safetensors")
