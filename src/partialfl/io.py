@@ -127,11 +127,10 @@ def open_regular(path: str | Path, *, follow: bool = True) -> IO[bytes]:
         raise
     except OSError as e:  # O_NOFOLLOW on a symlink: ELOOP; a folder (on some systems)
         raise FileFormatError(f"{path} cannot be read as a file ({e.strerror})") from None
-    f = os.fdopen(fd, "rb")
-    if not stat.S_ISREG(os.fstat(fd).st_mode):
-        f.close()
+    if not stat.S_ISREG(os.fstat(fd).st_mode):  # (before fdopen: a folder raised there)
+        os.close(fd)
         raise FileFormatError(f"{path} is not a regular file (a folder, FIFO or device)")
-    return f
+    return os.fdopen(fd, "rb")
 
 
 def read_regular(path: str | Path) -> bytes:
@@ -140,6 +139,17 @@ def read_regular(path: str | Path) -> bytes:
     good)."""
     with open_regular(path) as f:
         return f.read()
+
+
+def _read(path: Path, what: str) -> bytes:
+    """:func:`read_regular` with the messages of the readers: missing is FileNotFoundError,
+    a folder, FIFO or device FileFormatError naming it (it was "not found")."""
+    try:
+        return read_regular(path)
+    except FileNotFoundError:
+        raise FileNotFoundError(f"{what}{path} not found") from None
+    except FileFormatError as e:
+        raise FileFormatError(f"{what}{e}") from None
 
 
 def write_text(path: str | Path, text: str) -> None:
@@ -164,10 +174,9 @@ def read_json(path: str | Path) -> dict[str, Any]:
     gives FileNotFoundError, a bad one — not JSON, or JSON that is not an object (a list or a
     string crashed the readers with AttributeError) — FileFormatError."""
     path = Path(path)
-    if not path.is_file():
-        raise FileNotFoundError(f"{path} not found")
+    data = _read(path, "")
     try:
-        obj = json.loads(path.read_text(encoding="utf-8"))
+        obj = json.loads(data.decode("utf-8"))
     except ValueError as e:  # JSONDecodeError, UnicodeDecodeError, an integer of > 4300 digits
         raise FileFormatError(f"{path} is not valid JSON (truncated or corrupt?): "
                               f"{str(e)[:200]}") from None
@@ -278,9 +287,7 @@ def load_tensors(path: str | Path, what: str = "tensor file", *, sha256: str | N
     from safetensors.torch import load
 
     path = Path(path)
-    if not path.is_file():
-        raise FileNotFoundError(f"{what} {path} not found")
-    data = path.read_bytes()
+    data = _read(path, f"{what} ")
     if sha256 is not None and hashlib.sha256(data).hexdigest() != sha256:
         raise FileFormatError(f"{what} {path} does not match its SHA-256 (damaged or "
                               "replaced)")

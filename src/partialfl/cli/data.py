@@ -23,6 +23,8 @@ def _cmd_data_convert(args) -> int:
                             max_clients=args.max_clients, options=options,
                             overwrite=args.overwrite, progress=not args.no_progress)
     except FileExistsError:
+        if args.overwrite:  # not a store: the writer's own message says so
+            raise
         raise FileExistsError(f"{args.out} exists; pass --overwrite to replace it") from None
     print(f"wrote {open_store(path)!r}")
     return 0
@@ -41,6 +43,7 @@ def add_commands(sub) -> None:
     s.add_argument("--max-clients", type=int, help="keep at most this many clients")
     s.add_argument("--option", action="append", metavar="KEY=VALUE",
                    help="a loader keyword argument, e.g. --option seq_len=20 (repeatable)")
-    s.add_argument("--overwrite", action="store_true", help="replace an existing store")
+    s.add_argument("--overwrite", action="store_true",
+                   help="replace an existing client store (never another folder)")
     s.add_argument("--no-progress", action="store_true")
     s.set_defaults(fn=_cmd_data_convert)

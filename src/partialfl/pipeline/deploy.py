@@ -167,7 +167,13 @@ class PersonalizedModels:
         index = read_index(d)
         module = _with_adapters(module, index)
         rows = [_load(d, e["file"]) for e in index["clients"]]
-        w = {n: torch.stack([r[n] for r in rows]) for n in rows[0]} if rows else {}
+        try:
+            if any(r.keys() != rows[0].keys() for r in rows):
+                raise ValueError("the client files hold other names")
+            w = {n: torch.stack([r[n] for r in rows]) for n in rows[0]} if rows else {}
+        except (ValueError, RuntimeError) as e:  # RuntimeError: shapes or dtypes differ
+            raise pio.FileFormatError(f"{d}: the clients' files do not fit together "
+                                      f"({str(e)[:120]})") from None
         split = Split(module, index["split"], tuple(index["global_names"]),
                       tuple(index["personal_names"]))
         return cls(split, _load(d, index["theta_file"]), w,
@@ -261,10 +267,36 @@ def read_index(directory: str | Path) -> dict[str, Any]:
         raise FileNotFoundError(f"{f} not found: not a folder written by "
                                 "PersonalizedModels.save (or the save did not finish)")
     index = pio.read_json(f)
-    if not isinstance(index, dict) or index.get("format") != FORMAT:
-        got = index.get("format") if isinstance(index, dict) else None
-        raise ValueError(f"{f} has format {got!r}, expected {FORMAT!r}")
+    if index.get("format") != FORMAT:
+        raise ValueError(f"{f} has format {repr(index.get('format'))[:40]}, expected {FORMAT!r}")
+    _check_index(f, index)
     return index
+
+
+def _check_index(f: Path, index: Mapping[str, Any]) -> None:
+    """The entries the loaders use have their types (a crafted ``index.json`` once gave a
+    TypeError or KeyError traceback); else :class:`~partialfl.io.FileFormatError`."""
+    def names(v: Any) -> bool:
+        return isinstance(v, list) and all(isinstance(x, str) for x in v)
+
+    clients, ad = index.get("clients"), index.get("adapters")
+    checks = {
+        "split": isinstance(index.get("split"), str),
+        "theta_file": isinstance(index.get("theta_file"), str),
+        "global_names": names(index.get("global_names")),
+        "personal_names": names(index.get("personal_names")),
+        "clients": isinstance(clients, list) and all(
+            isinstance(e, dict) and isinstance(e.get("id"), str | int)
+            and not isinstance(e.get("id"), bool) and isinstance(e.get("file"), str)
+            for e in clients),
+        "adapters": ad is None or (isinstance(ad, dict) and names(ad.get("modules"))
+                                   and type(ad.get("rank")) is int and ad["rank"] >= 1),
+        "metadata": isinstance(index.get("metadata", {}), dict | None),
+    }
+    bad = [k for k, ok in checks.items() if not ok]
+    if bad:
+        raise pio.FileFormatError(f"{f}: corrupt or not written by PersonalizedModels.save "
+                                  f"(bad or missing {', '.join(bad)})")
 
 
 def load_personalized(directory: str | Path, module: nn.Module, client_id: str | int
@@ -303,15 +335,20 @@ def _load_into(module: nn.Module, values: Mapping[str, Tensor]) -> nn.Module:
     if unknown or missing:
         raise KeyError(f"the saved model does not fit this module: names the module lacks "
                        f"{unknown[:5]}, module names not saved {missing[:5]}")
+    cast = {}
     for n, v in values.items():
         if tuple(own[n].shape) != tuple(v.shape):
             raise ValueError(f"{n!r}: saved shape {tuple(v.shape)} does not fit the "
                              f"module's {tuple(own[n].shape)}")
-        if v.is_floating_point() and not bool(torch.isfinite(v).all()):
-            raise ValueError(f"{n!r}: the saved values are not all finite")
+        # checked in the module's dtype: a finite float64 1e300 is inf in a float32 module
+        cast[n] = c = v.to(own[n].dtype)
+        if (v.is_floating_point() and not bool(torch.isfinite(v).all())) or (
+                c.is_floating_point() and not bool(torch.isfinite(c).all())):
+            raise ValueError(f"{n!r}: the saved values are not all finite in the module's "
+                             f"dtype {own[n].dtype}")
     with torch.no_grad():
-        for n, v in values.items():
-            own[n].copy_(v)
+        for n, c in cast.items():
+            own[n].copy_(c)
     return module.eval()
 
 

@@ -208,7 +208,10 @@ def evaluate_run(run_dir: str | Path, data, *, model_fn: Callable[[int], nn.Modu
                                            batch_size, seed, loss_fn, metric, vectorize, device)
     mfile = run_dir / "metrics.json"
     choice = pio.read_json(mfile).get("finetune_choice") if mfile.exists() else None
-    if choice:  # stage 3's setting chosen on validation data
+    if choice:  # stage 3's setting chosen on validation data (values checked by ``ft``)
+        if not (isinstance(choice, dict) and {"epochs", "lr"} <= choice.keys()):
+            raise pio.FileFormatError(f"{mfile}: finetune_choice must be an object with "
+                                      f"epochs and lr, got {repr(choice)[:60]}")
         ft = replace(ft, epochs=choice["epochs"], lr=choice["lr"])
     lr = ft.lr if lr is None else lr
     if not (isinstance(lr, int | float) and math.isfinite(lr) and lr > 0):

@@ -158,7 +158,25 @@ def read_deploy(run_dir: str | Path) -> tuple[dict[str, dict[str, torch.Tensor]]
         if group not in groups:
             raise pio.FileFormatError(f"{path}: unexpected tensor {key!r}")
         groups[group][name] = v
+    _check_deploy_meta(path, meta)
     return groups, meta
+
+
+def _check_deploy_meta(path: Path, meta: Mapping[str, Any]) -> None:
+    """The split description :func:`save_deploy` writes, with its types (a crafted file
+    without ``kind`` once ended ``partialfl evaluate`` in a KeyError traceback)."""
+    def names(v: Any) -> bool:
+        return isinstance(v, list) and all(isinstance(x, str) for x in v)
+
+    ok = {"kind": isinstance(meta.get("kind"), str),
+          "built_as": isinstance(meta.get("built_as", ""), str),
+          "split_options": isinstance(meta.get("split_options", {}), dict),
+          "global_names": names(meta.get("global_names")),
+          "personal_names": names(meta.get("personal_names"))}
+    bad = [k for k, v in ok.items() if not v]
+    if bad:
+        raise pio.FileFormatError(f"{path}: corrupt split description (bad or missing "
+                                  f"{', '.join(bad)})")
 
 
 def deployed_split(run_dir: Path, cfg: RunSpec, model_fn, split_fn) -> tuple:
@@ -177,7 +195,34 @@ def deployed_split(run_dir: Path, cfg: RunSpec, model_fn, split_fn) -> tuple:
         split.model.load_state_dict(groups["model"], strict=True)
     except RuntimeError as e:
         raise pio.FileFormatError(f"{run_dir / DEPLOY} does not fit the model: {e}") from None
+    own = dict(split.model.named_parameters())
+    _check_group(run_dir / DEPLOY, "model", groups["model"], split.model.state_dict())
+    _check_group(run_dir / DEPLOY, "theta", groups["theta"],
+                 {n: own[n] for n in split.global_names})
+    if groups["w_pretrained"]:
+        _check_group(run_dir / DEPLOY, "w_pretrained", groups["w_pretrained"],
+                     {n: own[n] for n in split.personal_names})
     return split, groups["theta"], groups["w_pretrained"] or None
+
+
+def _check_group(path: Path, group: str, got: Mapping[str, Any], want: Mapping[str, Any]
+                 ) -> None:
+    """``got`` has exactly ``want``'s names and shapes, and finite values in their dtypes (a
+    θ lacking a name once ended ``partialfl evaluate`` in a KeyError traceback; a NaN θ
+    scored as a model)."""
+    if got.keys() != want.keys():
+        diff = sorted(set(got) ^ set(want))[:3]
+        raise pio.FileFormatError(f"{path}: {group}/ does not fit the model's split ({diff})")
+    for n, v in got.items():
+        if tuple(v.shape) != tuple(want[n].shape):
+            raise pio.FileFormatError(f"{path}: {group}/{n} has shape {tuple(v.shape)}, the "
+                                      f"model {tuple(want[n].shape)}")
+        if v.is_floating_point() != want[n].is_floating_point():
+            raise pio.FileFormatError(f"{path}: {group}/{n} is {v.dtype}, the model "
+                                      f"{want[n].dtype}")
+        c = v.to(want[n].dtype)
+        if c.is_floating_point() and not bool(c.isfinite().all()):
+            raise pio.FileFormatError(f"{path}: {group}/{n} is not all finite")
 
 
 __all__ = ["CLIENT_STATE", "DEPLOY", "THETA1", "THETA2", "check_or_write_json",

@@ -38,6 +38,7 @@ from partialfl.data.store.layout import (
     header_crc,
     split_meta,
 )
+from partialfl.io import open_regular
 
 try:
     import fcntl
@@ -104,6 +105,27 @@ def clean_stale(path: str | Path) -> list[Path]:
     return done
 
 
+def check_replaceable(path: Path) -> None:
+    """Raise FileExistsError unless ``path`` (which exists) may be replaced by a new store: a
+    real folder (not a symlink) that is empty or holds a client store (its ``header.json``
+    names the store format). ``overwrite`` once removed whatever folder ``--out`` named, a
+    user's files included."""
+    why = None
+    if path.is_symlink() or not path.is_dir():
+        why = "a symlink" if path.is_symlink() else "not a folder"
+    elif any(path.iterdir()):
+        try:
+            with open_regular(path / HEADER, follow=False) as f:
+                fmt = json.loads(f.read(1 << 20)).get("format")
+        except (OSError, ValueError, RecursionError, AttributeError):
+            fmt = None
+        if fmt != STORE_FORMAT:
+            why = "a folder that is not a client store"
+    if why:
+        raise FileExistsError(f"{path} is {why}; overwrite only replaces a client store (or "
+                              "an empty folder): remove it yourself or choose another folder")
+
+
 # ----------------------------------------------------------------------------- the writer
 def _check_pair(cid: str, split: str, x: np.ndarray, y: np.ndarray) -> None:
     if x.ndim == 0 or y.ndim == 0 or x.shape[0] != y.shape[0]:
@@ -123,8 +145,9 @@ class StoreWriter:
         num_classes: labels are in ``0..num_classes-1``.
         x_scale: if set, readers return ``x`` as float32 ``x · x_scale`` (e.g. uint8 pixels
             with ``1/255``); None returns ``x`` in its stored dtype.
-        overwrite: replace an existing store at ``path`` (the old one is removed only after
-            the new one is complete).
+        overwrite: replace an existing store (or empty folder) at ``path`` (the old one is
+            removed only after the new one is complete); any other file or folder there is
+            refused (:func:`check_replaceable`), never deleted.
     """
 
     def __init__(self, path: str | Path, *, num_classes: int, description: str = "",
@@ -143,8 +166,10 @@ class StoreWriter:
         self.x_scale = None if x_scale is None else float(x_scale)
         self.overwrite = overwrite
         clean_stale(self.path)
-        if self.path.exists() and not overwrite:
-            raise FileExistsError(f"{self.path} exists; pass overwrite=True to replace it")
+        if self.path.exists() or self.path.is_symlink():
+            if not overwrite:
+                raise FileExistsError(f"{self.path} exists; pass overwrite=True to replace it")
+            check_replaceable(self.path)
         self.path.parent.mkdir(parents=True, exist_ok=True)
         self.tmp = self.path.parent / f".{self.path.name}.tmp-{os.getpid()}-{uuid.uuid4().hex[:12]}"
         self.tmp.mkdir()
@@ -293,9 +318,10 @@ class StoreWriter:
             os.unlink(self.tmp / LOCK)
         fsync_dir(self.tmp)
         old = None
-        if self.path.exists():
+        if self.path.exists() or self.path.is_symlink():
             if not self.overwrite:
                 raise FileExistsError(f"{self.path} appeared while writing; not replacing it")
+            check_replaceable(self.path)
             old = self.path.parent / (f".{self.path.name}.old-{os.getpid()}-"
                                       f"{uuid.uuid4().hex[:12]}")
             os.replace(self.path, old)
