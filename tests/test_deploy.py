@@ -134,6 +134,19 @@ def test_adapter_models_load_into_the_plain_architecture(tmp_path):
         assert _plain_accuracy(net, data, m) == (table[cid]["correct"], table[cid]["total"])
     back = PersonalizedModels.load(tmp_path, toy_model(9)).evaluate(data=data)
     np.testing.assert_array_equal(back.correct, table.correct)
+    # a received index naming another rank (10^9 would allocate first) is refused in a line
+    import json
+
+    from partialfl import io as pio
+
+    f = next(tmp_path.rglob("index.json"))
+    index = json.loads(f.read_text())
+    index["adapters"]["rank"] = 10**9
+    f.write_text(json.dumps(index))
+    for load in (lambda: load_personalized(tmp_path, toy_model(9), 0),
+                 lambda: PersonalizedModels.load(tmp_path, toy_model(9))):
+        with pytest.raises(pio.FileFormatError, match="adapter rank 1000000000 of the index"):
+            load()
 
 
 def test_errors(tmp_path):

@@ -32,7 +32,10 @@ def test_the_ledger_counts_releases_across_processes_and_caps_them(tmp_path):
 
 @pytest.mark.parametrize("content", ["not json", '{"format": "x"}',
                                      '{"format": "partialfl-node-ledger-1", "releases": '
-                                     '{"1": -3}, "answered": {}}'])
+                                     '{"1": -3}, "answered": {}}',
+                                     '{"format": "partialfl-node-ledger-1", "releases": '
+                                     '{"abc": 1}, "answered": {}}',
+                                     '[' * 100000 + ']' * 100000])
 def test_a_damaged_ledger_stops_releases_in_one_line(tmp_path, content):
     path = tmp_path / "ledger.json"
     path.write_text(content)

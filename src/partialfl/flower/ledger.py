@@ -29,6 +29,7 @@ import fcntl
 import hashlib
 import json
 import os
+import re
 from collections.abc import Iterator, Sequence
 from pathlib import Path
 from typing import Any
@@ -37,6 +38,9 @@ from partialfl import io as pio
 from partialfl.flower.config import ConfigError
 
 FORMAT = "partialfl-node-ledger-1"
+#: the keys of the ledger's tables: client ids; a noise key digest and a round
+_KEY = {"releases": re.compile(r"[0-9]{1,19}"),
+        "answered": re.compile(r"[0-9a-f]{16}:-?[0-9]{1,19}")}
 
 
 class ReleaseLedger:
@@ -64,14 +68,14 @@ class ReleaseLedger:
             return {"format": FORMAT, "releases": {}, "answered": {}}
         try:
             book = json.loads(pio.read_regular(self.path))
-        except (OSError, ValueError) as e:
+        except (OSError, ValueError, RecursionError) as e:
             raise ConfigError(f"node-config 'dp-ledger': {self.path} is not readable "
                               f"({type(e).__name__}); the node refuses to release updates "
                               "it cannot count") from None
         ok = (isinstance(book, dict) and book.get("format") == FORMAT
               and all(isinstance(book.get(k), dict) and all(
-                  isinstance(n, str) and type(v) is int and v >= 0 for n, v in book[k].items())
-                  for k in ("releases", "answered")))
+                  _KEY[k].fullmatch(n) and type(v) is int and v >= 0
+                  for n, v in book[k].items()) for k in ("releases", "answered")))
         if not ok:
             raise ConfigError(f"node-config 'dp-ledger': {self.path} is not a partialfl node "
                               "ledger (damaged?); the node refuses to release updates it "

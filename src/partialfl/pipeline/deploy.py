@@ -165,8 +165,9 @@ class PersonalizedModels:
         ``.evaluate(data=...)``."""
         d = models_folder(directory)
         index = read_index(d)
-        module = _with_adapters(module, index)
         rows = [_load(d, e["file"]) for e in index["clients"]]
+        module = _with_adapters(module, index, {**_load(d, index["theta_file"]),
+                                                **(rows[0] if rows else {})})
         try:
             if any(r.keys() != rows[0].keys() for r in rows):
                 raise ValueError("the client files hold other names")
@@ -314,12 +315,21 @@ def load_personalized(directory: str | Path, module: nn.Module, client_id: str |
     ids = tuple(str(e["id"]) for e in index["clients"])
     i, _ = _client_position(ids, client_id)
     values = {**_load(d, index["theta_file"]), **_load(d, index["clients"][i]["file"])}
-    return _load_into(_with_adapters(module, index), values)
+    return _load_into(_with_adapters(module, index, values), values)
 
 
-def _with_adapters(module: nn.Module, index: Mapping[str, Any]) -> nn.Module:
-    """``module``, or for an adapter split a copy with the saved adapters inserted."""
+def _with_adapters(module: nn.Module, index: Mapping[str, Any],
+                   values: Mapping[str, Tensor]) -> nn.Module:
+    """``module``, or for an adapter split a copy with the saved adapters inserted, of the
+    rank the saved adapter weights ``values`` have (an index's rank alone, e.g. 10^9 in a
+    received folder, would allocate before any shape check)."""
     ad = index.get("adapters")
+    if ad:
+        ranks = {int(v.shape[0]) for n, v in values.items()
+                 if n.endswith(f"{ADAPTER_CHILD}.down.weight") and v.dim() == 2}
+        if not ranks or ad["rank"] != max(ranks):
+            raise pio.FileFormatError(f"adapter rank {ad['rank']} of the index does not match "
+                                      f"the saved adapter weights (ranks {sorted(ranks)[:5]})")
     if ad and not any(ADAPTER_CHILD in n.split(".") for n, _ in module.named_parameters()):
         module, _ = insert_adapters(module, [re.escape(m) for m in ad["modules"]], ad["rank"])
     return module
