@@ -9,7 +9,9 @@ clients and, when ``holdout`` > 0, a disjoint one of *new* clients (never traine
   the training writers only (as the FEMNIST table does);
 * ``shakespeare`` — the Shakespeare-by-role next-word federation (options: the loader's);
 * ``folder`` — one ``CLIENT.npz`` per client (client id = file name) holding
-  ``train_x, train_y, test_x, test_y``, or ``x, y`` split per client with ``test_fraction``;
+  ``train_x, train_y, test_x, test_y``, or ``x, y`` split per client with ``test_fraction``
+  (inputs real numbers, labels whole numbers, one per input row; a damaged file, a FIFO or
+  anything else is a DataFormatError naming the file);
 * ``hf-disk`` — a Hugging Face ``datasets`` dataset written by ``save_to_disk`` (a
   ``Dataset`` or a ``DatasetDict``, whose splits are concatenated), grouped by its
   ``client_key`` column or partitioned by a flwr-datasets partitioner (``[data.partition]``);
