@@ -212,6 +212,8 @@ def _parse_scalar(text: str) -> Any:
         return tomllib.loads(f"v = {text}")["v"]
     except tomllib.TOMLDecodeError:
         return text  # a bare string
+    except RecursionError:  # (a traceback before, as in load_toml)
+        raise ConfigError(f"override value {text[:40]!r}... is nested too deeply") from None
 
 
 def apply_overrides(data: dict[str, Any], overrides: list[str]) -> dict[str, Any]:

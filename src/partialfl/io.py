@@ -189,6 +189,28 @@ def read_json(path: str | Path) -> dict[str, Any]:
     return obj
 
 
+def read_npz(path: str | Path) -> dict[str, np.ndarray]:
+    """Every array of the numpy ``.npz`` archive ``path`` (read through :func:`open_regular`,
+    never unpickled); missing is FileNotFoundError, anything else unreadable — a folder or
+    FIFO, a truncated or corrupt archive, an object array — a :class:`FileFormatError`
+    naming the file (a damaged archive raised ``BadZipFile`` or ``EOFError``, tracebacks,
+    and a FIFO hung the reader)."""
+    import zipfile
+
+    try:
+        with open_regular(path) as fh:
+            z = np.load(fh, allow_pickle=False)
+            if not isinstance(z, np.lib.npyio.NpzFile):  # a plain .npy array
+                raise FileFormatError(f"{path} is a single .npy array, not an .npz archive")
+            with z:
+                return {k: z[k] for k in z.files}
+    except (FileNotFoundError, FileFormatError):
+        raise
+    except (zipfile.BadZipFile, EOFError, OSError, ValueError) as e:
+        raise FileFormatError(f"{path} is not a readable npz file (truncated or corrupt?): "
+                              f"{str(e)[:200]}") from None
+
+
 def savefig(fig, path: str | Path, **kw: Any) -> None:
     """``fig.savefig`` through :func:`atomic_write` (format from the suffix)."""
     path = Path(path)

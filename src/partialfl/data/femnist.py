@@ -32,7 +32,6 @@ pre-training learning rate.
 
 from __future__ import annotations
 
-import zipfile
 from pathlib import Path
 from typing import Literal
 
@@ -40,6 +39,7 @@ import numpy as np
 
 from partialfl.data.federated import DataFormatError, FederatedDataset
 from partialfl.data.paths import resolve_data_file
+from partialfl.io import FileFormatError, read_npz
 
 FEMNIST_NPZ = "femnist_leaf_subset.npz"
 FEMNIST_NUM_CLASSES = 62
@@ -127,18 +127,14 @@ def images_to_dataset(
 
 def _read_npz(path: Path) -> dict[str, np.ndarray]:
     try:
-        with np.load(path, allow_pickle=False) as f:
-            missing = [k for k in _NPZ_KEYS if k not in f.files]
-            if missing:
-                raise DataFormatError(
-                    f"{path} is missing key(s) {missing}; a FEMNIST npz needs {list(_NPZ_KEYS)} "
-                    f"(found {sorted(f.files)})"
-                )
-            return {k: f[k] for k in _NPZ_KEYS}
-    except DataFormatError:
-        raise
-    except (zipfile.BadZipFile, OSError, ValueError, EOFError) as e:
-        raise DataFormatError(f"{path} is not a readable npz file (corrupt?): {e}") from e
+        a = read_npz(path)
+    except FileFormatError as e:
+        raise DataFormatError(str(e)) from None
+    missing = [k for k in _NPZ_KEYS if k not in a]
+    if missing:
+        raise DataFormatError(f"{path} is missing key(s) {missing}; a FEMNIST npz needs "
+                              f"{list(_NPZ_KEYS)} (found {sorted(a)})")
+    return {k: a[k] for k in _NPZ_KEYS}
 
 
 def _check_femnist_arrays(path: Path, a: dict[str, np.ndarray]) -> None:

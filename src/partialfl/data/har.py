@@ -107,7 +107,7 @@ def read_labels(path: Path) -> np.ndarray:
             row = [int(p) for p in parts]
         except ValueError:
             row = []
-        if len(row) != 5:
+        if len(row) != 5 or any(abs(v) >= 2 ** 62 for v in row):  # (int64: an overflow)
             raise DataFormatError(f"{path}, line {i}: expected five integers 'experiment "
                                   f"subject activity start end', got {ln.strip()[:60]!r}")
         if row[3] < 0 or row[3] > row[4]:

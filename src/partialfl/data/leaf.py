@@ -29,7 +29,6 @@ FEMNIST pixels are LEAF floats in [0, 1] (1 = white background), 784 per image i
 
 from __future__ import annotations
 
-import json
 from collections.abc import Sequence
 from pathlib import Path
 
@@ -43,6 +42,7 @@ from partialfl.data.femnist import (
     images_to_dataset,
 )
 from partialfl.data.paths import DataNotFoundError
+from partialfl.io import FileFormatError, read_json
 from partialfl.rng import generator
 
 _LEAF_KEYS = ("users", "num_samples", "user_data")
@@ -57,13 +57,11 @@ def read_leaf_json(files: Sequence[str | Path]) -> dict[str, tuple[list, list]]:
     out: dict[str, tuple[list, list]] = {}
     for f in files:
         f = Path(f)
-        try:
-            with open(f, encoding="utf-8") as fh:
-                data = json.load(fh)
-        except (json.JSONDecodeError, UnicodeDecodeError) as e:
-            raise DataFormatError(f"{f} is not valid json (corrupt or truncated?): {e}") from e
-        if not isinstance(data, dict):
-            raise DataFormatError(f"{f}: expected a json object with keys {list(_LEAF_KEYS)}")
+        try:  # (a FIFO hung, deep nesting ended in a RecursionError traceback)
+            data = read_json(f)
+        except FileFormatError as e:
+            raise DataFormatError(f"{e}; a LEAF json file is an object with keys "
+                                  f"{list(_LEAF_KEYS)}") from None
         missing = [k for k in _LEAF_KEYS if k not in data]
         if missing:
             raise DataFormatError(
@@ -107,10 +105,14 @@ def _json_files(folder: Path) -> list[Path]:
 def _images(u: str, xs: list, where: str) -> np.ndarray:
     if len(xs) == 0:
         return np.zeros((0, 28, 28), np.float32)
-    try:
-        a = np.asarray(xs, dtype=np.float32)
+    try:  # (dtype=float32 here parsed strings such as "0.5" as pixels)
+        a = np.asarray(xs)
     except (ValueError, TypeError) as e:
         raise DataFormatError(f"{where}: user {u!r} has non-numeric or ragged 'x': {e}") from e
+    if a.dtype.kind not in "iuf":
+        raise DataFormatError(f"{where}: user {u!r} has non-numeric or ragged 'x' (numbers "
+                              f"expected, got {a.dtype})")
+    a = a.astype(np.float32)
     if a.ndim != 2 or a.shape[1] != 784:
         raise DataFormatError(
             f"{where}: user {u!r} 'x' must be a list of 784-float images, got shape {a.shape}"

@@ -9,7 +9,9 @@ clients and, when ``holdout`` > 0, a disjoint one of *new* clients (never traine
   the training writers only (as the FEMNIST table does);
 * ``shakespeare`` — the Shakespeare-by-role next-word federation (options: the loader's);
 * ``folder`` — one ``CLIENT.npz`` per client (client id = file name) holding
-  ``train_x, train_y, test_x, test_y``, or ``x, y`` split per client with ``test_fraction``;
+  ``train_x, train_y, test_x, test_y``, or ``x, y`` split per client with ``test_fraction``
+  (inputs real numbers, labels whole numbers, one per input row; a damaged file, a FIFO or
+  anything else is a DataFormatError naming the file);
 * ``hf-disk`` — a Hugging Face ``datasets`` dataset written by ``save_to_disk`` (a
   ``Dataset`` or a ``DatasetDict``, whose splits are concatenated), grouped by its
   ``client_key`` column or partitioned by a flwr-datasets partitioner (``[data.partition]``);
@@ -33,7 +35,7 @@ import torch
 
 from partialfl.config import ConfigError
 from partialfl.data.federated import DataFormatError, FederatedDataset
-from partialfl.io import open_regular
+from partialfl.io import FileFormatError, read_npz
 from partialfl.registry import option, register
 from partialfl.rng import generator
 
@@ -137,6 +139,30 @@ def _inputs(x: np.ndarray) -> torch.Tensor:
     return torch.from_numpy(np.ascontiguousarray(x))
 
 
+def _client_arrays(f: Path, x: np.ndarray, y: np.ndarray, xk: str, yk: str
+                   ) -> tuple[np.ndarray, np.ndarray]:
+    """A received client file's inputs and labels, checked: ``x`` real numbers (bool,
+    integer or float) with a first (example) axis, ``y`` integer labels ``[n]`` (or ``[n, T]``
+    token targets; floats only if every one is a whole number), as many as ``x`` has rows —
+    else a DataFormatError naming the file (a text or structured array crashed the loader,
+    float labels were truncated silently, complex or datetime inputs were cast, and extra
+    rows of ``x`` dropped)."""
+    if x.dtype.kind not in "biuf" or x.ndim < 1:
+        raise DataFormatError(f"{f}: {xk!r} must be an array of real numbers with one row per "
+                              f"example, got dtype {x.dtype} shape {x.shape}")
+    if y.dtype.kind == "f" and y.size and not (np.isfinite(y).all() and (y == np.round(y)).all()
+                                               and np.abs(y).max() < 2.0 ** 62):
+        raise DataFormatError(f"{f}: {yk!r} holds labels that are not whole numbers")
+    if y.dtype.kind not in "biuf" or y.ndim < 1 or (y.dtype.kind == "u" and y.size
+                                                      and int(y.max()) >= 2 ** 62):
+        raise DataFormatError(f"{f}: {yk!r} must be integer labels, one per example, got dtype "
+                              f"{y.dtype} shape {y.shape}")
+    if x.shape[0] != y.shape[0]:
+        raise DataFormatError(f"{f}: {xk!r} has {x.shape[0]} rows but {yk!r} has "
+                              f"{y.shape[0]} labels")
+    return x, y
+
+
 def _train_test(x: np.ndarray, y: np.ndarray, frac: float, seed: int, client: int):
     """A seeded per-client split: round(frac·n) test examples (at least 1 when n ≥ 2)."""
     n = len(y)
@@ -170,17 +196,18 @@ def folder(opts: ArrayOptions, ctx: DataContext):
     parts = []
     for i, f in enumerate(files):
         try:
-            with open_regular(f) as fh, np.load(fh, allow_pickle=False) as z:
-                keys = set(z.files)
-                if {"train_x", "train_y", "test_x", "test_y"} <= keys:
-                    parts.append(tuple(z[k] for k in ("train_x", "train_y", "test_x", "test_y")))
-                elif {"x", "y"} <= keys:
-                    parts.append(_train_test(z["x"], z["y"], spec.test_fraction, spec.seed, i))
-                else:
-                    raise DataFormatError(f"{f} has arrays {sorted(keys)}; need train_x, "
-                                          "train_y, test_x, test_y (or x, y)")
-        except (OSError, ValueError) as e:
-            raise DataFormatError(f"{f}: {e}") from None
+            z = read_npz(f)
+        except FileFormatError as e:
+            raise DataFormatError(str(e)) from None
+        if {"train_x", "train_y", "test_x", "test_y"} <= set(z):
+            parts.append(tuple(_client_arrays(f, z[x], z[y], x, y)[k] for x, y in
+                               (("train_x", "train_y"), ("test_x", "test_y")) for k in (0, 1)))
+        elif {"x", "y"} <= set(z):
+            x, y = _client_arrays(f, z["x"], z["y"], "x", "y")
+            parts.append(_train_test(x, y, spec.test_fraction, spec.seed, i))
+        else:
+            raise DataFormatError(f"{f} has arrays {sorted(z)}; need train_x, train_y, "
+                                  "test_x, test_y (or x, y)")
     ds = _from_clients([f.stem for f in files], parts, opts.num_classes,
                        f"per-client files in {root}")
     return _subset_holdout(ds, spec)

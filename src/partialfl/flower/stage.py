@@ -80,10 +80,9 @@ def _stage1_params(cfg: FlowerConfig, task) -> dict[str, Any]:
     """Stage 1's parameters: ``init-from`` (every parameter of the model), or the seeded
     initialisation (a run without pre-training, or a method whose trait ``fresh_model``
     starts every seed from a fresh model, as the pipeline does)."""
-    import numpy as np
     import torch
 
-    from partialfl.io import open_regular
+    from partialfl.io import read_npz
 
     run = cfg.run
     if run.method.entry.trait("fresh_model"):
@@ -92,8 +91,7 @@ def _stage1_params(cfg: FlowerConfig, task) -> dict[str, Any]:
         return {n: p.detach().clone() for n, p in
                 task.model_fn(run.stage1_seed).named_parameters()}
     try:
-        with open_regular(cfg.init_from) as fh, np.load(fh, allow_pickle=False) as z:
-            params = {n: torch.from_numpy(z[n]) for n in z.files}
+        params = {n: torch.from_numpy(a) for n, a in read_npz(cfg.init_from).items()}
     except (OSError, ValueError) as e:
         raise ConfigError(f"run-config key 'init-from': cannot read {cfg.init_from}: {e}"
                           ) from None
