@@ -141,6 +141,15 @@ def read_regular(path: str | Path) -> bytes:
         return f.read()
 
 
+def read_utf8(path: str | Path) -> str:
+    """The text of ``path`` (:func:`read_regular`), UTF-8; text in another encoding is a
+    :class:`FileFormatError` naming the file and the byte offset."""
+    try:
+        return read_regular(path).decode("utf-8")
+    except UnicodeDecodeError as e:
+        raise FileFormatError(f"{path} is not UTF-8 text (byte {e.start})") from None
+
+
 def _read(path: Path, what: str) -> bytes:
     """:func:`read_regular` with the messages of the readers: missing is FileNotFoundError,
     a folder, FIFO or device FileFormatError naming it (it was "not found")."""

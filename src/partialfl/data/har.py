@@ -48,7 +48,7 @@ import torch
 
 from partialfl.data.federated import DataFormatError, FederatedDataset
 from partialfl.data.paths import resolve_data_file
-from partialfl.io import read_regular
+from partialfl.io import read_utf8
 
 HAPT_DIR = "hapt"
 ACTIVITY_SETS = {"basic": 6, "all": 12}
@@ -73,7 +73,7 @@ def _raw_dir(data_dir) -> Path:
 
 def read_signal(path: Path) -> np.ndarray:
     """``[n, 3]`` float32 samples of one acc/gyro file; a clear error for a malformed row."""
-    text = read_regular(path).decode()
+    text = read_utf8(path)
     lines = text.splitlines()
     rows = [ln for ln in lines if ln.strip()]
     try:
@@ -99,7 +99,7 @@ def read_signal(path: Path) -> np.ndarray:
 def read_labels(path: Path) -> np.ndarray:
     """``[k, 5]`` int64 rows (experiment, subject, activity, start, end)."""
     out = []
-    for i, ln in enumerate(read_regular(path).decode().splitlines(), 1):
+    for i, ln in enumerate(read_utf8(path).splitlines(), 1):
         if not ln.strip():
             continue
         parts = ln.split()

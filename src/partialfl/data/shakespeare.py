@@ -48,6 +48,7 @@ import torch
 from partialfl.data.federated import DataFormatError, FederatedDataset
 from partialfl.data.paths import resolve_data_file
 from partialfl.data.text import Vocabulary, encode_sequences, next_word_pairs, tokenize
+from partialfl.io import FileFormatError, read_utf8
 from partialfl.rng import generator
 
 FILE_NAME = "tinyshakespeare_federation.txt"
@@ -188,12 +189,12 @@ def load_shakespeare(
         raise ValueError(f"corpus must be 'tiny' or 'complete', got {corpus!r}")
     else:
         file = Path(path) if path is not None else resolve_data_file(FILE_NAME, data_dir)
-        if not file.is_file():
+        if not file.exists():
             raise FileNotFoundError(f"Shakespeare federation file {file} does not exist")
-        try:
-            text = file.read_text(encoding="utf-8")
-        except UnicodeDecodeError as e:
-            raise ShakespeareFormatError(f"{file} is not UTF-8 text ({e})") from e
+        try:  # a folder or FIFO under its name is named as what it is (it "did not exist")
+            text = read_utf8(file)
+        except FileFormatError as e:
+            raise ShakespeareFormatError(f"Shakespeare federation file: {e}") from None
         roles = parse_roles(text, tokenizer)
 
     splits: dict[str, tuple[list[list[str]], list[list[str]]]] = {}

@@ -26,7 +26,7 @@ from collections.abc import Callable
 from pathlib import Path
 
 from partialfl.data.text import tokenize
-from partialfl.io import read_regular
+from partialfl.io import read_utf8
 
 _SPEAKER = re.compile(r"\*\*(.+?)\*\*")
 
@@ -82,7 +82,7 @@ def complete_roles(plays_dir: str | Path | None = None,
         raise FileNotFoundError(f"no play (*.md) under {root}")
     out: dict[str, list[list[str]]] = {}
     for f in files:
-        for role, lines in parse_play(read_regular(f).decode("utf-8")).items():
+        for role, lines in parse_play(read_utf8(f)).items():
             toks = [t for t in (tokenizer(x) for x in lines) if t]
             if toks:
                 out[f"{f.stem}/{role}"] = toks
