@@ -20,6 +20,12 @@ Found, before, now:
 * ``report`` and ``compare`` followed a ``metrics.json`` / log that is a symbolic link out
   of the run folder and tabled another run's numbers as this one's (``evaluate`` already
   refused a linked ``deploy.safetensors``). Now refused by name.
+* A ``folder`` data source with one label 10^15 (or ``num_classes = 10^12``) made the model
+  builder allocate an output layer of that many rows: torch's allocator RuntimeError
+  traceback (a label of 10^7 allocated 40 GB); a re-signed store header with
+  ``num_classes = 10^15`` opened. Now the dataset and the store refuse more than
+  ``MAX_CLASSES`` classes in one line; a ``model.options`` width the allocator refuses is a
+  one-line MemoryError naming the model.
 """
 
 from __future__ import annotations
@@ -59,13 +65,13 @@ def test_report_never_writes_a_plot_through_a_planted_symlink(tmp_path, capsys):
 @pytest.mark.parametrize("name,text,says", [
     ("stage2.jsonl", '{"round": "x", "test_acc": 0.5}\n', "record 1: round is 'x'"),
     ("stage2.jsonl", '{"test_acc": 0.5}\n', "record 1: round is 'None'"),
-    ("stage2.jsonl", '{"round": %d, "test_acc": 0.5}\n' % 10 ** 400, "record 1: round is"),
+    ("stage2.jsonl", '{"round": ' + '9' * 400 + ', "test_acc": 0.5}\n', "record 1: round is"),
     ("stage2.jsonl", '{"round": 0, "test_acc": 0.5, "dp_epsilon": 1.0}\n', "DP record needs"),
     ("stage2.jsonl", '{"round": 0, "test_acc": 0.5, "dp_epsilon": [1], "dp_delta": 0, '
      '"dp_noise_multiplier": 1, "dp_clip_norm": 1}\n', "dp_epsilon is '[1]', not a number"),
     ("stage2_train.jsonl", '{"train_loss": 1.0}\n', "record 1: round is 'None'"),
     ("metrics.json", '{"test_acc": [1]}', "test_acc is '[1]', not a number"),
-    ("metrics.json", '{"test_acc": %d}' % 10 ** 400, "test_acc is"),
+    ("metrics.json", '{"test_acc": ' + '9' * 400 + '}', "test_acc is"),
     ("metrics.json", '{"per_client_test_acc": {"a": 1}}', "per_client_test_acc is"),
     ("new_clients.json", '{"client_ids": 5}', "client_ids is '5', not a list"),
     ("spec.json", '{"method": "ffgg"}', "method is 'ffgg', not a table"),
@@ -130,3 +136,56 @@ def test_a_metrics_file_linked_from_another_run_is_refused(tmp_path, capsys, com
     (run / "metrics.json").symlink_to(other / "metrics.json")
     rc, err = _run([command, run], capsys)
     assert rc == 2 and len(err) == 1 and "metrics.json is a symbolic link" in err[0], err
+
+
+def _folder_toml(tmp_path, label):
+    import numpy as np
+
+    d = tmp_path / "clients"
+    d.mkdir()
+    rng = np.random.default_rng(0)
+    for m in range(5):
+        y = rng.integers(0, 3, 14)
+        y[0] = label if m == 0 else y[0]
+        np.savez(d / f"u{m}.npz", x=rng.integers(0, 255, (14, 28, 28)).astype(np.uint8), y=y)
+    cfg = tmp_path / "t.toml"
+    cfg.write_text(f'name = "t"\nstages = ["pretrain"]\n[model]\nname = "emnist_cnn"\n'
+                   f'[data]\nsource = "folder"\npath = "{d}"\n[method]\nalgorithm = "fedavg"\n'
+                   '[pretrain]\nrounds = 1\n')
+    return cfg
+
+
+def test_a_folder_label_of_ten_to_the_fifteen_is_one_line_before_any_allocation(tmp_path,
+                                                                                   capsys):
+    """A client file with one label 10^15 made the model builder allocate an output layer
+    of 10^15 rows (torch's allocator RuntimeError traceback; a label of 10^7 allocated
+    40 GB). The dataset now refuses more than MAX_CLASSES classes by name."""
+    cfg = _folder_toml(tmp_path, 10 ** 15)
+    rc, err = _run(["train", cfg, "--dry-run"], capsys)
+    assert rc == 2 and len(err) == 1, err
+    from partialfl.data.federated import MAX_CLASSES
+
+    assert f"num_classes must be at most {MAX_CLASSES:,}, got {10 ** 15 + 1}" in err[0], err
+
+
+def test_a_model_option_too_large_to_allocate_is_one_line(tmp_path, capsys):
+    """``model.options.hidden = 10^12`` (12.5 PB of parameters) ended in torch's allocator
+    RuntimeError traceback; now a MemoryError line naming the model and model.options."""
+    cfg = _folder_toml(tmp_path, 2)
+    rc, err = _run(["train", cfg, "--dry-run", "--set", 'model.name="leaf_cnn"', "--set",
+                    "model.options.hidden=1000000000000"], capsys)
+    assert rc == 2 and len(err) == 1, err
+    assert "model 'leaf_cnn': its parameters do not fit in memory" in err[0], err
+
+
+def test_a_store_header_with_ten_to_the_fifteen_classes_is_refused_at_open(tmp_path):
+    """A consistent (re-signed) store header with ``num_classes = 10^15`` opened, and the
+    model built on it tried to allocate an output layer of 10^15 rows."""
+    from test_store_integrity import _rewrite_header, _store
+
+    from partialfl.data.store import StoreError, open_store
+
+    path = _store(tmp_path)
+    _rewrite_header(path, lambda h: h.update(num_classes=10 ** 15))
+    with pytest.raises(StoreError, match="num_classes must be an integer in 1..1048576"):
+        open_store(path)
