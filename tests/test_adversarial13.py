@@ -26,6 +26,10 @@ Found, before, now:
   ``num_classes = 10^15`` opened. Now the dataset and the store refuse more than
   ``MAX_CLASSES`` classes in one line; a ``model.options`` width the allocator refuses is a
   one-line MemoryError naming the model.
+* ``evaluate`` rebuilt a train run's held-out clients from ``spec.json`` alone: a spec with
+  another ``data.seed`` held out training clients and scored them as new ones (exit 0). Now
+  the rebuilt clients must be the run's (none in ``metrics.json``, those of
+  ``new_clients.json``).
 """
 
 from __future__ import annotations
@@ -189,3 +193,34 @@ def test_a_store_header_with_ten_to_the_fifteen_classes_is_refused_at_open(tmp_p
     _rewrite_header(path, lambda h: h.update(num_classes=10 ** 15))
     with pytest.raises(StoreError, match="num_classes must be an integer in 1..1048576"):
         open_store(path)
+
+
+def test_evaluate_refuses_a_spec_that_holds_out_training_clients(tmp_path, capsys):
+    """`partialfl evaluate` rebuilds the held-out clients from ``spec.json``; one whose
+    ``data.seed`` differs from the run's (edited, or copied from another run) held out other
+    clients, training clients among them, and their scores were reported as those of clients
+    "never seen in training" (exit 0). Now refused by name; the untouched run still
+    evaluates."""
+    cfg = _folder_toml(tmp_path, 2)
+    cfg.write_text(cfg.read_text().replace('stages = ["pretrain"]\n', "").replace(
+        'algorithm = "fedavg"', 'algorithm = "ffgg"\nsplit = "output"').replace(
+        '[pretrain]', '[personalize]\nrounds = 1\n[finetune]\nepochs = 1\n'
+        '[logging]\nprogress = false\n[pretrain]').replace(
+        '[data]\n', '[data]\nholdout = 2\n'))
+    run = tmp_path / "run"
+    assert _run(["train", cfg, "--out", run], capsys)[0] == 0
+    assert _run(["evaluate", run, "--no-progress"], capsys)[0] == 0
+    trained = json.loads((run / "metrics.json").read_text())["client_ids"]
+    spec = json.loads((run / "spec.json").read_text())
+    for seed in range(1, 20):  # a data seed that holds out a training client
+        from partialfl.build import build
+        from partialfl.pipeline.train import load_run_spec
+
+        spec["data"]["seed"] = seed
+        if set(build(load_run_spec(data=spec)).new_clients.client_ids) & set(trained):
+            break
+    else:
+        pytest.fail("no data seed in 1..19 holds out a training client")
+    (run / "spec.json").write_text(json.dumps(spec))
+    rc, err = _run(["evaluate", run, "--no-progress"], capsys)
+    assert rc == 2 and len(err) == 1 and "does not describe this run" in err[0], err
