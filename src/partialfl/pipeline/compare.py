@@ -69,8 +69,8 @@ def load_runs(paths: Sequence[str | Path]) -> list[dict[str, Any]]:
 def _checked(path: Path) -> dict[str, Any]:
     """A run's JSON file, checked for what the comparison reads (a crafted one crashed it
     or was tabled as a wrong accuracy): a config's ``seed`` an integer >= 0, a metrics file's
-    per-client counts (:func:`~partialfl.pipeline.report.check_counts`)."""
-    from partialfl.pipeline.report import check_counts
+    per-client counts (:func:`~partialfl.stats.check_counts`)."""
+    from partialfl.stats import check_counts
 
     d = pio.read_json(path)
     seed = d.get("seed", 0) if path.name == "config.json" else 0

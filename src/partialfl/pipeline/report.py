@@ -308,33 +308,6 @@ def pipeline_plots(out_dir: Path, methods: Sequence[tuple[str, Any]], seeds: Seq
 
 
 # ----------------------------------------------------------------------------- uncertainty
-#: the largest count of test examples of one client taken as a count (floats hold it exactly)
-MAX_COUNT = 2 ** 53
-
-
-def check_counts(m: dict, prefix: str = "per_client_test") -> None:
-    """Raise ValueError, naming the key, unless the metrics dict ``m`` holds per-client counts
-    the intervals can rest on: ``client_ids`` a list of distinct ids (strings or integers),
-    ``{prefix}_correct`` and ``{prefix}_total`` lists of integers, one per client, with
-    0 <= correct <= total < :data:`MAX_COUNT` (a crafted metrics.json was read as counts of
-    another shape — nested lists, ``null``, 1e308 examples — and tabled as an accuracy)."""
-    ids = m.get("client_ids")
-    if (not isinstance(ids, list) or not all(isinstance(i, str | int) and not isinstance(
-            i, bool) for i in ids) or len(set(ids)) != len(ids)):
-        raise ValueError(f"client_ids is {str(ids)[:60]!r}, not a list of distinct client ids")
-    cols = []
-    for k in (f"{prefix}_correct", f"{prefix}_total"):
-        v = m.get(k)
-        if (not isinstance(v, list) or len(v) != len(ids) or not all(
-                isinstance(x, int | float) and not isinstance(x, bool) and x == x
-                and 0 <= x < MAX_COUNT and float(x).is_integer() for x in v)):
-            raise ValueError(f"{k} is {str(v)[:60]!r}, not {len(ids)} counts (integers >= 0, "
-                             "one per client id)")
-        cols.append(v)
-    if any(c > t for c, t in zip(*cols)):
-        raise ValueError(f"{prefix}_correct exceeds {prefix}_total for a client")
-
-
 def counts_from_runs(runs: Sequence[dict], prefix: str = "per_client_test"
                      ) -> tuple[Any, Any, list[str]] | None:
     """``(correct [S, M], total [S, M], client_ids)`` of one method's runs (one metrics dict
@@ -345,8 +318,6 @@ def counts_from_runs(runs: Sequence[dict], prefix: str = "per_client_test"
 
     if not runs or any(f"{prefix}_correct" not in m for m in runs):
         return None
-    for m in runs:
-        check_counts(m, prefix)
     runs = sorted(runs, key=lambda m: m.get("seed", 0))
     ids = [list(m.get("client_ids", [])) for m in runs]
     if any(i != ids[0] for i in ids):
