@@ -124,6 +124,33 @@ def _counts(correct, total, what: str) -> tuple[np.ndarray, np.ndarray]:
     return c, t
 
 
+#: the largest count of test examples of one client taken as a count (floats hold it exactly)
+MAX_COUNT = 2 ** 53
+
+
+def check_counts(m: dict, prefix: str = "per_client_test") -> None:
+    """Raise ValueError, naming the key, unless the metrics dict ``m`` holds per-client counts
+    the intervals can rest on: ``client_ids`` a list of distinct ids (strings or integers),
+    ``{prefix}_correct`` and ``{prefix}_total`` lists of integers, one per client, with
+    0 <= correct <= total < :data:`MAX_COUNT` (a crafted metrics.json was read as counts of
+    another shape — nested lists, ``null``, 1e308 examples — and tabled as an accuracy)."""
+    ids = m.get("client_ids")
+    if (not isinstance(ids, list) or not all(isinstance(i, str | int) and not isinstance(
+            i, bool) for i in ids) or len(set(ids)) != len(ids)):
+        raise ValueError(f"client_ids is {str(ids)[:60]!r}, not a list of distinct client ids")
+    cols = []
+    for k in (f"{prefix}_correct", f"{prefix}_total"):
+        v = m.get(k)
+        if (not isinstance(v, list) or len(v) != len(ids) or not all(
+                isinstance(x, int | float) and not isinstance(x, bool) and x == x
+                and 0 <= x < MAX_COUNT and float(x).is_integer() for x in v)):
+            raise ValueError(f"{k} is {str(v)[:60]!r}, not {len(ids)} counts (integers >= 0, "
+                             "one per client id)")
+        cols.append(v)
+    if any(c > t for c, t in zip(*cols)):
+        raise ValueError(f"{prefix}_correct exceeds {prefix}_total for a client")
+
+
 def pooled_accuracy(correct, total) -> np.ndarray | float:
     """A = mean over seeds of Σ_m c / Σ_m t (arrays ``[..., seeds, clients]``)."""
     c, t = _counts(correct, total, "pooled_accuracy")

@@ -63,6 +63,8 @@ def build_model(model_spec, num_classes: int, seed: int, data=None):
                 model = fn(**opts)
             except TypeError as e:
                 raise ConfigError(f"model.options: {model_spec.name}: {e}") from None
+            except RuntimeError as e:
+                raise _no_memory(model_spec.name, e) from None
         if not isinstance(model, nn.Module):
             raise ConfigError(f"model.name: {model_spec.name!r} returned "
                               f"{type(model).__name__}, not a torch.nn.Module")
@@ -72,6 +74,20 @@ def build_model(model_spec, num_classes: int, seed: int, data=None):
         return c.build(ModelContext(int(num_classes), seed, data))
     except (TypeError, ValueError) as e:
         raise ConfigError(f"model.options: {e}") from None
+    except RuntimeError as e:
+        raise _no_memory(model_spec.name, e) from None
+
+
+def _no_memory(name: str, e: RuntimeError) -> Exception:
+    """A model whose parameters the allocator refused (``model.options`` with a width of
+    10^12 ended in torch's RuntimeError traceback) as a one-line MemoryError; any other
+    RuntimeError as it was."""
+    import torch
+
+    if not (isinstance(e, torch.OutOfMemoryError) or "allocate" in str(e)):
+        return e
+    return MemoryError(f"model {name!r}: its parameters do not fit in memory "
+                       f"({str(e).splitlines()[0][:160]}); check model.options")
 
 
 def make_model(name: str, num_classes: int, *, seed: int | None = None, **options: Any):

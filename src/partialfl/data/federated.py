@@ -46,6 +46,12 @@ def _as_tensor(a: Tensor | np.ndarray) -> Tensor:
     return a if isinstance(a, Tensor) else torch.from_numpy(np.ascontiguousarray(a))
 
 
+#: the most classes a dataset may have: the labels are 0 … num_classes − 1 and every model
+#: has an output per class (a folder label of 10^15 made the model builder try to allocate
+#: petabytes; the largest real tasks here have tens of thousands)
+MAX_CLASSES = 2 ** 20
+
+
 @dataclass(frozen=True, eq=False)
 class FederatedDataset:
     """Per-client train and test tensors of a federated data set.
@@ -85,6 +91,11 @@ class FederatedDataset:
             raise ValueError(f"client_ids must be unique; duplicated: {dup[:5]}")
         if int(self.num_classes) < 1:
             raise ValueError(f"num_classes must be >= 1, got {self.num_classes}")
+        if int(self.num_classes) > MAX_CLASSES:
+            raise ValueError(
+                f"num_classes must be at most {MAX_CLASSES:,}, got {self.num_classes} (labels "
+                "that large are damaged data: a model's output layer for them would not fit "
+                "in memory)")
         ref_shape, ref_dtype = None, None
         for split in ("train", "test"):
             xs, ys = getattr(self, f"{split}_x"), getattr(self, f"{split}_y")

@@ -39,7 +39,7 @@ def _flat(d: Any, prefix: str = "") -> dict[str, Any]:
 def load_runs(paths: Sequence[str | Path]) -> list[dict[str, Any]]:
     """Every finished run under ``paths`` (run, study or table folders): its folder,
     ``config.json``, ``metrics.json`` and ``new_clients.json`` (or None)."""
-    from partialfl.pipeline.runs import find_runs
+    from partialfl.pipeline.runs import confined, find_runs
     from partialfl.pipeline.study import read_index
 
     runs, seen = [], set()
@@ -58,10 +58,30 @@ def load_runs(paths: Sequence[str | Path]) -> list[dict[str, Any]]:
                 raise FileNotFoundError(f"{run}: no metrics.json / config.json (not a finished "
                                         "pipeline run)")
             new = run / "new_clients.json"
-            runs.append({"folder": run, "config": pio.read_json(run / "config.json"),
-                         "metrics": pio.read_json(run / "metrics.json"),
-                         "new": pio.read_json(new) if new.is_file() else None})
+            confined(run, [run / n for n in ("config.json", "metrics.json",
+                                               "new_clients.json")])
+            runs.append({"folder": run, "config": _checked(run / "config.json"),
+                         "metrics": _checked(run / "metrics.json"),
+                         "new": _checked(new) if new.is_file() else None})
     return runs
+
+
+def _checked(path: Path) -> dict[str, Any]:
+    """A run's JSON file, checked for what the comparison reads (a crafted one crashed it
+    or was tabled as a wrong accuracy): a config's ``seed`` an integer >= 0, a metrics file's
+    per-client counts (:func:`~partialfl.stats.check_counts`)."""
+    from partialfl.stats import check_counts
+
+    d = pio.read_json(path)
+    seed = d.get("seed", 0) if path.name == "config.json" else 0
+    if isinstance(seed, bool) or not isinstance(seed, int) or seed < 0:
+        raise pio.FileFormatError(f"{path}: seed is {str(seed)[:60]!r}, not an integer >= 0")
+    if "per_client_test_correct" in d:
+        try:
+            check_counts(d)
+        except ValueError as e:
+            raise pio.FileFormatError(f"{path}: {e} (damaged?)") from None
+    return d
 
 
 def group_runs(runs: list[dict[str, Any]]) -> dict[str, list[dict[str, Any]]]:
@@ -149,8 +169,9 @@ def compare(paths: Sequence[str | Path], out: str | Path, *, baseline: str | Non
         if counts[baseline] is None:
             continue
         _check_paired(groups, baseline, which)
-        if counts[baseline][0].shape[-1] < 2:
-            lines += [f"## {title}", "", "(One client: no interval over clients.)", ""]
+        if (n := counts[baseline][0].shape[-1]) < 2:
+            lines += [f"## {title}", "", f"({n} client{'' if n == 1 else 's'}: no interval "
+                      "over clients.)", ""]
             continue
         lines += [f"## {title}", "",
                   *paired_section(counts, baseline, unit="examples", clients=clients,

@@ -39,11 +39,11 @@ def find_runs(path: str | Path) -> list[Path]:
         raise FileNotFoundError(f"{path} is not a folder: pass a run folder (e.g. "
                                 "runs/femnist-table/seed0/ffgg-output) or a table folder")
     if any((path / name).is_file() for name in DEPLOY_NAMES):
-        _confined(path, [path / n for n in DEPLOY_NAMES if (path / n).is_file()])
+        confined(path, [path / n for n in DEPLOY_NAMES if (path / n).is_file()])
         return [path]
     found = [p for name in DEPLOY_NAMES for pattern in (f"*/{name}", f"*/*/{name}")
              for p in path.glob(pattern) if p.is_file()]
-    _confined(path, found)
+    confined(path, found)
     runs = sorted({p.parent for p in found})
     if runs:
         return runs
@@ -58,9 +58,10 @@ def find_runs(path: str | Path) -> list[Path]:
         + (f" (sub-folders here: {', '.join(subs[:12])})" if subs else ""))
 
 
-def _confined(root: Path, files: list[Path]) -> None:
-    """Refuse a deployed-model file, or a run folder on its way, that is a symbolic link: it
-    could lead outside the folder being evaluated (``evaluate`` would score another run)."""
+def confined(root: Path, files: list[Path]) -> None:
+    """Refuse a file a command reads from a run folder (the deployed model, metrics, logs),
+    or a folder on its way, that is a symbolic link: it could lead outside the folder
+    (``evaluate`` would score, ``compare`` and ``report`` table, another run)."""
     for f in files:
         for p in (f, *[q for q in f.relative_to(root).parents if q != Path(".")]):
             link = p if p == f else root / p

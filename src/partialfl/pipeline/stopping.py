@@ -25,6 +25,7 @@ from typing import Any
 
 import numpy as np
 
+from partialfl import io as pio
 from partialfl.config import ConfigError
 from partialfl.spec import FinetuneGrid, StopConfig, ValidationConfig
 
@@ -159,7 +160,7 @@ def budget_plot(out_dir: Path, methods: Sequence[tuple[str, Any]], seeds: Sequen
     ax.legend(fontsize=7, loc="lower right")
     fig.tight_layout()
     path = Path(path) if path else out_dir / "budget_curves.png"
-    fig.savefig(path, dpi=120)
+    pio.savefig(fig, path, dpi=120)
     plt.close(fig)
     return path
 

@@ -211,13 +211,20 @@ def _summary(folder: str, run_dir: Path) -> dict[str, Any]:
 
 
 def read_index(path: str | Path) -> dict[str, Any] | None:
-    """A study folder's ``study.json`` (None if ``path`` is not a study folder)."""
+    """A study folder's ``study.json`` (None if ``path`` is not a study folder), checked for
+    what its readers take from it: ``runs`` a list of tables each naming its ``folder`` (a
+    crafted index crashed ``partialfl compare`` with KeyError / TypeError tracebacks)."""
     f = Path(path) / INDEX
     if not f.is_file():
         return None
     index = pio.read_json(f)
     if not isinstance(index, dict) or index.get("format") != FORMAT:
         raise pio.FileFormatError(f"{f}: not a study index (format {FORMAT!r})")
+    runs = index.get("runs")
+    if not isinstance(runs, list) or not all(
+            isinstance(r, dict) and isinstance(r.get("folder"), str) for r in runs):
+        raise pio.FileFormatError(f"{f}: runs is not a list of runs each naming its folder "
+                                  "(damaged?)")
     return index
 
 

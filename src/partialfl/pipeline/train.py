@@ -179,11 +179,30 @@ def evaluate_train_run(run_dir: str | Path, data: str | Path | None = None, *,
                          "PATH with the new clients' data")
     else:
         new = run.new_clients
+        _check_held_out(run_dir, list(new.client_ids))
     task = run.task
     ev = evaluate_run(run_dir, new, model_fn=task.model_fn, split_fn=task.split_fn,
                       finetune_epochs=finetune_epochs, lr=lr, loss_fn=task.loss_fn,
                       metric=task.metric, device=_device(spec))
     return {**ev, "client_ids": list(new.client_ids)}
+
+
+def _check_held_out(run_dir: Path, ids: list[str]) -> None:
+    """Refuse held-out clients rebuilt from ``spec.json`` that are not those the run held
+    out: none of its training clients (``metrics.json``), the same as ``new_clients.json``
+    (a ``spec.json`` edited or from another run — another ``data.seed`` — scored training
+    clients as "never seen in training")."""
+    m = pio.read_json(run_dir / "metrics.json") if (run_dir / "metrics.json").is_file() else {}
+    seen = set(map(str, m.get("client_ids") or [])) & set(ids)
+    f = run_dir / "new_clients.json"
+    held = pio.read_json(f).get("client_ids") if f.is_file() else None
+    if seen or (held is not None and list(map(str, held)) != ids):
+        why = (f"{len(seen)} of them trained in this run ({', '.join(sorted(seen)[:3])})"
+               if seen else f"{f.name} lists others")
+        raise pio.FileFormatError(
+            f"{run_dir / 'spec.json'} does not describe this run: the clients it holds out "
+            f"are not the run's new clients ({why}); restore the run's spec.json or pass "
+            "--data PATH")
 
 
 def finished(out: str | Path) -> bool:

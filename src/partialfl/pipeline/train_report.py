@@ -18,15 +18,91 @@ from typing import Any
 from partialfl import io as pio
 from partialfl.pipeline.report import markdown_table, plot_curves
 
+#: the numbers a report reads from a log record, a ``metrics.json`` and a ``spec.json``
+RECORD_NUMBERS = ("test_acc", "train_loss", "examples_per_s", "rounds_per_s", "dp_epsilon",
+                  "dp_delta", "dp_noise_multiplier", "dp_clip_norm")
+METRIC_NUMBERS = ("test_acc", "test_acc_before_ft", "test_acc_p10", "test_acc_p50",
+                  "test_acc_p90", "train_acc")
+#: the files of a run folder a report reads
+READS = ("stage1/stage1.jsonl", "stage2.jsonl", "stage1/stage1_train.jsonl",
+         "stage2_train.jsonl", "metrics.json", "new_clients.json", "spec.json")
+#: a DP record gives all of these or none (the report's privacy line reads them together)
+DP_KEYS = ("dp_epsilon", "dp_delta", "dp_noise_multiplier", "dp_clip_norm")
+
+
+def _is_number(v: Any) -> bool:
+    """A JSON number a float holds (NaN and ±inf allowed; not a bool, not an integer past the
+    float range)."""
+    if isinstance(v, bool) or not isinstance(v, int | float):
+        return False
+    try:
+        float(v)
+    except OverflowError:
+        return False
+    return True
+
+
+def _bad(path: Path, where: str, key: str, v: Any, want: str) -> pio.FileFormatError:
+    return pio.FileFormatError(f"{path}{where}: {key} is {str(v)[:60]!r}, not {want} "
+                               "(damaged, or not a run folder of this version?)")
+
 
 def _hist(path: Path) -> list[dict[str, Any]]:
+    """The records of a run's JSONL log, checked for what the report reads (a wrong type
+    or a missing round ended ``partialfl report`` in a traceback): every record has an
+    integer ``round`` >= 0, the :data:`RECORD_NUMBERS` it has are numbers, and its DP keys
+    are all there or none."""
     from partialfl.runtime import read_jsonl
 
-    return read_jsonl(path) if path.exists() else []
+    recs = read_jsonl(path) if path.exists() else []
+    for i, r in enumerate(recs, 1):
+        where = f", record {i}"
+        rnd = r.get("round")
+        if isinstance(rnd, bool) or not isinstance(rnd, int) or not 0 <= rnd < 2 ** 53:
+            raise _bad(path, where, "round", rnd, "a round number (an integer >= 0)")
+        for k in RECORD_NUMBERS:
+            if k in r and not _is_number(r[k]):
+                raise _bad(path, where, k, r[k], "a number")
+        if any(k in r for k in DP_KEYS) and not all(k in r for k in DP_KEYS):
+            raise pio.FileFormatError(f"{path}{where}: a DP record needs all of "
+                                      f"{', '.join(DP_KEYS)} (damaged?)")
+    return recs
 
 
 def _json(path: Path) -> dict[str, Any] | None:
     return pio.read_json(path) if path.exists() else None
+
+
+def _metrics(path: Path) -> dict[str, Any] | None:
+    """A run's ``metrics.json`` / ``new_clients.json`` (None when absent), checked for what
+    the report reads: :data:`METRIC_NUMBERS` numbers or null, ``client_ids`` a list,
+    ``per_client_test_acc`` a list of numbers or nulls."""
+    m = _json(path)
+    if m is None:
+        return None
+    for k in METRIC_NUMBERS:
+        if m.get(k) is not None and not _is_number(m[k]):
+            raise _bad(path, "", k, m[k], "a number")
+    if not isinstance(m.get("client_ids", []), list):
+        raise _bad(path, "", "client_ids", m["client_ids"], "a list")
+    pc = m.get("per_client_test_acc", [])
+    if not isinstance(pc, list) or not all(v is None or _is_number(v) for v in pc):
+        raise _bad(path, "", "per_client_test_acc", pc, "a list of numbers")
+    return m
+
+
+def _spec(path: Path) -> dict[str, Any]:
+    """The run's ``spec.json`` ({} when absent), checked for what the report reads: its
+    ``name`` and ``method.algorithm`` are strings."""
+    spec = _json(path) or {}
+    method = spec.get("method", {})
+    if not isinstance(method, dict):
+        raise _bad(path, "", "method", method, "a table")
+    for k, v in (("name", spec.get("name", "")), ("method.algorithm",
+                                                  method.get("algorithm", ""))):
+        if not isinstance(v, str):
+            raise _bad(path, "", k, v, "a string")
+    return spec
 
 
 def stage_histories(run_dir: str | Path) -> dict[str, list[dict[str, Any]]]:
@@ -58,7 +134,7 @@ def _pct(v) -> str:
 
 
 def report_table(run_dir: Path) -> str:
-    m = _json(run_dir / "metrics.json")
+    m = _metrics(run_dir / "metrics.json")
     if m is None:
         raise FileNotFoundError(f"{run_dir / 'metrics.json'} not found: is {run_dir} a "
                                 "finished `partialfl train` run folder?")
@@ -66,7 +142,7 @@ def report_table(run_dir: Path) -> str:
              _pct(m.get("test_acc")),
              " / ".join(_pct(m.get(f"test_acc_p{q}")) for q in (10, 50, 90)),
              _pct(m.get("train_acc"))]]
-    new = _json(run_dir / "new_clients.json")
+    new = _metrics(run_dir / "new_clients.json")
     if new is not None:
         rows.append(["new clients (held out)", len(new.get("client_ids", [])),
                      _pct(new.get("test_acc_before_ft")), _pct(new.get("test_acc")),
@@ -134,7 +210,7 @@ def _per_client_plot(run_dir: Path) -> None:
 
     fig, ax = plt.subplots(figsize=(5.5, 3.8))
     for label, f in (("training clients", "metrics.json"), ("new clients", "new_clients.json")):
-        m = _json(run_dir / f)
+        m = _metrics(run_dir / f)
         if m is None:
             continue
         a = np.sort(np.asarray(m.get("per_client_test_acc", []), float))
@@ -147,15 +223,18 @@ def _per_client_plot(run_dir: Path) -> None:
     ax.grid(alpha=0.3)
     ax.legend(fontsize=8)
     fig.tight_layout()
-    fig.savefig(run_dir / "per_client_accuracy.png", dpi=120)
+    pio.savefig(fig, run_dir / "per_client_accuracy.png", dpi=120)
     plt.close(fig)
 
 
 def write_report(run_dir: str | Path, *, tensorboard: bool = False) -> Path:
     """(Re)build ``report.md`` and the plots of a run folder from its logs."""
+    from partialfl.pipeline.runs import confined
+
     run_dir = Path(run_dir)
+    confined(run_dir, [run_dir / f for f in READS])  # a link would report another run
     hists = stage_histories(run_dir)
-    spec = _json(run_dir / "spec.json") or {}
+    spec = _spec(run_dir / "spec.json")
     table = report_table(run_dir)
 
     def pct(recs):

@@ -19,7 +19,7 @@ from typing import Any
 import numpy as np
 
 from partialfl.arrays import is_array, to_numpy
-from partialfl.data.federated import DataFormatError
+from partialfl.data.federated import MAX_CLASSES, DataFormatError
 
 STORE_FORMAT = "partialfl-client-store"
 STORE_VERSION = 1
@@ -239,7 +239,7 @@ def read_header(root: Path) -> Header:
         if not ok:
             raise StoreError(f"{hp}: header CRC-32 mismatch (corrupt header)")
     M = _int(hp, h, "num_clients", 1)
-    C = _int(hp, h, "num_classes", 1)
+    C = _int(hp, h, "num_classes", 1, MAX_CLASSES)  # (10^15 made a model of that size)
     files = {}
     for name, info in _dict(hp, h.get("files"), "files").items():
         safe_file(root, name, "files")
