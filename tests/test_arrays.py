@@ -106,3 +106,43 @@ def test_algorithms_and_local_trainers_use_no_parameter_key_literal():
                 if isinstance(k, ast.Constant) and k.value in ("theta", "w"):
                     offenders.append(f"{p.relative_to(SRC)}:{node.lineno}")
     assert not offenders, offenders
+
+
+@pytest.mark.parametrize("kind", ["numpy", "torch"])
+@pytest.mark.parametrize("dtype", ["float32", "float16", "float64"])
+def test_rows_finite_is_exact_where_a_row_sum_overflows(kind, dtype):
+    """The one-pass check (a row's sum) falls back to the elementwise check on the rows whose
+    sum is not finite: a finite row that overflows its sum stays finite; NaN, ±inf and
+    inf - inf rows are caught; rows of length 0 and integer arrays are finite."""
+    big = float(np.finfo(dtype).max) / 2
+    rows = [[1.0, 2.0, 3.0], [big, big, big], [-big, -big, 1.0], [np.nan, 0.0, 0.0],
+            [np.inf, -np.inf, 0.0], [0.0, -np.inf, 1.0], [big, big, np.nan]]
+    a = np.array(rows, dtype=dtype)
+    x = a if kind == "numpy" else __import__("torch").from_numpy(a)
+    assert arrays.rows_finite(x).tolist() == [True, True, True, False, False, False, False]
+    assert arrays.rows_finite(x[:, :0]).tolist() == [True] * 7
+    ints = np.arange(6).reshape(3, 2)
+    ints = ints if kind == "numpy" else __import__("torch").from_numpy(ints)
+    assert arrays.rows_finite(ints).tolist() == [True] * 3
+
+
+def test_finite_rows_of_a_tensor_never_copies_it_to_the_host(monkeypatch):
+    """The server's finite-row check of a cohort's stacked updates runs where the tensor lives:
+    on an accelerator a host copy of [k, d] cost 2 s per round at k = 100 (LEAF CNN, H200)."""
+    import torch
+
+    from partialfl.aggregation import common
+    from partialfl.aggregation.basic import Mean, aggregate_tree
+
+    def refuse(x):
+        if arrays.is_torch(x) and x.numel() > 4:
+            raise AssertionError("a [k, d] tensor was copied to numpy")
+        return np.asarray(x.detach()) if arrays.is_torch(x) else np.asarray(x)
+
+    monkeypatch.setattr(arrays, "to_numpy", refuse)
+    x = torch.arange(12.0).reshape(3, 4)
+    x[1, 2] = float("nan")
+    assert common.finite_rows(x).tolist() == [True, False, True]
+    with pytest.warns(RuntimeWarning, match="skipped 1 of 3"):
+        out = aggregate_tree(Mean(weighted=True), {"a": x}, torch.ones(3))
+    assert torch.equal(out["a"], (x[0] + x[2]) / 2)

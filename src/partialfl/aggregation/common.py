@@ -44,16 +44,9 @@ def to_numpy(x) -> tuple[np.ndarray, Any]:
 
 
 def finite_rows(vectors) -> np.ndarray:
-    """``[k]`` bool: the rows of ``vectors`` without NaN or ±inf."""
-    arr, _ = to_numpy(vectors)
-    arr = arr.reshape(len(arr), -1)
-    if not np.issubdtype(arr.dtype, np.floating):
-        return np.isfinite(arr).all(1)
-    with np.errstate(over="ignore", invalid="ignore"):
-        ok = np.isfinite(arr.sum(1))  # NaN and ±inf propagate; one pass, no [k, d] mask
-    for i in np.flatnonzero(~ok):  # a finite row whose sum overflowed is still finite
-        ok[i] = bool(np.isfinite(arr[i]).all())
-    return ok
+    """``[k]`` bool: the rows of ``vectors`` without NaN or ±inf (where they live: a tensor
+    on an accelerator is not copied to the host)."""
+    return arrays.rows_finite(vectors)
 
 
 def drop_nonfinite(vectors, weights=None):
