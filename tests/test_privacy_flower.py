@@ -159,3 +159,44 @@ def test_a_node_with_fewer_than_eval_min_clients_sends_nothing(loopback):
     # and eval-min-clients = 1 restores per-node sums over a single client
     rep = run_server(loopback(4), {**run, "eval-min-clients": 1})
     assert rep.history[-1]["eval_clients"] == 4 and rep.eval_withheld == 0
+
+
+def test_evaluation_sums_that_overflow_when_pooled_give_the_finite_mean():
+    """Two nodes' finite loss sums of 1.7e308 (over 2 and 3 clients) pooled to inf; the
+    server's mean is taken from scaled sums: (1.7e308 + 1.7e308) / 5, finite. The same for a
+    model's loss and weight sums."""
+    from partialfl.flower.evaluate import ratio_of_sums
+    from partialfl.flower.models import summarize_sums
+
+    assert ratio_of_sums([1.7e308, 1.7e308], [2.0, 3.0], floor=1.0) == pytest.approx(6.8e307)
+    assert ratio_of_sums([3.0, 5.0], [2.0, 2.0]) == 2.0
+    assert ratio_of_sums([0.0], [0.0], floor=1.0) == 0.0
+    got = summarize_sums({"correct.sum": [3.0, 4.0], "total.sum": [10.0, 10.0],
+                          "loss_sum.sum": [1.7e308, 1.7e308], "loss_weight.sum": [1.0, 3.0]})
+    assert got["eval_acc"] == pytest.approx(0.35)
+    assert got["eval_loss"] == pytest.approx(8.5e307)
+
+
+@pytest.mark.parametrize(("kind", "entries", "match"), [
+    ("least-squares", {"clients": 2, "loss.sum": -1.0, "loss-gap.sum": 0.0}, "loss.sum"),
+    ("least-squares", {"clients": 2, "loss.sum": 1.0, "loss-gap.sum": -0.5}, "loss-gap"),
+    ("least-squares", {"clients": 2, "loss.sum": 1.0, "loss-gap.sum": 2.0}, "loss-gap"),
+    ("model", {"clients": 2, "correct.sum": 1, "total.sum": 2, "loss_sum.sum": 1.0,
+               "loss_weight.sum": -2.0, "acc.count": 2}, "loss_weight"),
+])
+def test_evaluation_reply_with_impossible_signs_is_refused(kind, entries, match):
+    """A node's sums of squares (least squares), of f_m − min f_m (in [0, f_m]) and of loss
+    weights cannot be negative: a reply saying so is refused (a counted eval-invalid)."""
+    from partialfl.flower.codec import WireFormatError, decode_eval
+
+    rec = RecordDict({"eval": MetricRecord({k: (int(v) if k in ("clients", "correct.sum",
+                                            "total.sum", "acc.count") else float(v))
+                                            for k, v in entries.items()})})
+    with pytest.raises(WireFormatError, match=match):
+        decode_eval(rec, kind=kind, min_clients=2, max_clients=2)
+    ok = dict(entries, **({"loss.sum": 1.0, "loss-gap.sum": 0.5} if kind == "least-squares"
+                          else {"loss_weight.sum": 2.0}))
+    rec = RecordDict({"eval": MetricRecord({k: (int(v) if k in ("clients", "correct.sum",
+                                            "total.sum", "acc.count") else float(v))
+                                            for k, v in ok.items()})})
+    assert decode_eval(rec, kind=kind, min_clients=2, max_clients=2) is not None

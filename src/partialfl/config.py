@@ -75,6 +75,9 @@ def _coerce(value: Any, tp, where: str):
                 return _coerce(value, a, where)
             except ConfigError as e:
                 errors.append(str(e))
+                if a in (int, float) and isinstance(value, int | float) \
+                        and not isinstance(value, bool):
+                    raise  # a number for a numeric type: its reason (NaN, range) is clearest
         if len(errors) == 1:  # one candidate type (X | None): its own reason is clearest
             raise ConfigError(errors[0])
         allowed = " or ".join(_type_name(a) for a in args)
@@ -107,6 +110,9 @@ def _coerce(value: Any, tp, where: str):
     if tp is int:
         if isinstance(value, bool) or not isinstance(value, int):
             raise ConfigError(f"{where}: expected an integer, got {value!r}")
+        if not -(2 ** 63) <= value < 2 ** 63:
+            raise ConfigError(f"{where}: {value} is out of range (integers must lie in "
+                              "[-2^63, 2^63))")
         return value
     if tp is bool:
         if not isinstance(value, bool):

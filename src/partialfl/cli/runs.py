@@ -64,6 +64,9 @@ def _cmd_report(args) -> int:
 
     run = Path(args.run)
     if not run.is_dir():
+        if run.exists():
+            raise NotADirectoryError(f"{run} is not a folder: pass a run folder (the --out of "
+                                     "partialfl train/run)")
         raise FileNotFoundError(f"run folder {run} does not exist")
     path = write_report(run, tensorboard=args.tensorboard)
     print(path.read_text())

@@ -80,6 +80,9 @@ EVAL_KEYS: dict[str, frozenset[str]] = {
 }
 #: evaluation entries that count something (integers >= 0)
 _EVAL_COUNTS = frozenset({"clients", "correct.sum", "total.sum", "acc.count"})
+#: evaluation entries that sum non-negative values (a least-squares loss is a sum of squares;
+#: a model's per-example loss weights are >= 0; a model's loss may be any registered loss)
+_EVAL_NONNEGATIVE = {"least-squares": ("loss.sum",), "model": ("loss_weight.sum",)}
 
 
 def aggregate_metrics(metrics, allowed=ALLOWED_METRICS) -> dict[str, float]:
@@ -394,6 +397,16 @@ def _decode_eval(content, kind: str, min_clients: int, max_clients: int
                               f"eval-min-clients = {min_clients}")
     if kind == "model" and not out["correct.sum"] <= out["total.sum"]:
         raise WireFormatError("evaluation reply has correct > total")
+    for k in _EVAL_NONNEGATIVE[kind]:  # sums of squares / of weights
+        if out[k] < 0:
+            raise WireFormatError(f"evaluation entry {k!r} = {out[k]:g} is negative: it sums "
+                                  "values that are >= 0")
+    if kind == "least-squares":
+        # 0 <= f_m - min f_m <= f_m for every client, up to the rounding of the difference
+        tol = 1e-9 * (1.0 + out["loss.sum"])
+        if not -tol <= out["loss-gap.sum"] <= out["loss.sum"] + tol:
+            raise WireFormatError(f"evaluation entry 'loss-gap.sum' = {out['loss-gap.sum']:g} "
+                                  f"is outside [0, loss.sum = {out['loss.sum']:g}]")
     return out
 
 

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 from typing import Any
 
+import numpy as np
 from flwr.app import ConfigRecord, RecordDict
 
 from partialfl.flower.codec import WireFormatError, decode_eval, params_to_record
@@ -42,7 +43,7 @@ def eval_reduce(cfg: FlowerConfig, fed: Federation, ids, got, round_: int,
     """Add up the nodes' evaluation sums (each checked by
     :func:`~partialfl.flower.codec.decode_eval`; a refused reply is counted as
     ``eval-invalid``, a withheld one in ``eval_withheld_nodes``) into the round's metrics."""
-    pooled: dict[str, float] = {}
+    pooled: dict[str, list[float]] = {}
     withheld = 0
     kind = "model" if fed.torch else "least-squares"
     for node, mid in zip(fed.order, ids):
@@ -65,22 +66,32 @@ def eval_reduce(cfg: FlowerConfig, fed: Federation, ids, got, round_: int,
             withheld += 1
             continue
         for k, v in sums.items():
-            pooled[k] = pooled.get(k, 0.0) + v
+            pooled.setdefault(k, []).append(v)
     report.eval_withheld += withheld
     out: dict[str, Any] = {"eval_withheld_nodes": withheld}
     if not pooled:
         return out
-    out["eval_clients"] = int(pooled["clients"])
+    out["eval_clients"] = int(sum(pooled["clients"]))
     if kind == "model":
         from partialfl.flower.models import summarize_sums
 
         out.update(summarize_sums(pooled))
         return out
-    n = max(pooled["clients"], 1.0)
     for k, v in pooled.items():
         if k.endswith(".sum"):
-            out["eval_" + k[: -len(".sum")].replace("-", "_")] = float(v) / n
+            out["eval_" + k[: -len(".sum")].replace("-", "_")] = ratio_of_sums(
+                v, pooled["clients"], floor=1.0)
     return out
+
+
+def ratio_of_sums(num, den, floor: float = 1e-12) -> float:
+    """Σ num / max(Σ den, floor), both sums taken after dividing by the largest |value|: the
+    nodes' finite sums give a finite ratio even where Σ num itself overflows float64 (two
+    nodes' loss sums of 1.7e308 each over 2 clients: mean 1.7e308, not inf)."""
+    a = np.atleast_1d(np.asarray(num, dtype=np.float64))
+    b = np.atleast_1d(np.asarray(den, dtype=np.float64))
+    s = float(max(np.abs(a).max(initial=0.0), np.abs(b).max(initial=0.0))) or 1.0
+    return float((a / s).sum() / max((b / s).sum(), floor / s))
 
 
 def evaluate_now(link: Link, cfg: FlowerConfig, fed: Federation, state, round_: int,

@@ -44,8 +44,11 @@ def count_sums(per_client: dict[str, Any], min_clients: int = 1) -> dict[str, An
 
 
 def summarize_sums(sums: dict[str, Any]) -> dict[str, float]:
-    """The server's evaluation metrics from the nodes' summed counts: pooled accuracy and
-    loss. No mean or percentiles over clients: they need per-client values (see
-    :func:`count_sums`), which the SuperNodes do not send."""
-    return {"eval_acc": sums["correct.sum"] / max(sums["total.sum"], 1e-12),
-            "eval_loss": sums["loss_sum.sum"] / max(sums["loss_weight.sum"], 1e-12)}
+    """The server's evaluation metrics from the nodes' summed counts (each entry a sum, or
+    the list of the nodes' sums): pooled accuracy and loss. No mean or percentiles over
+    clients: they need per-client values (see :func:`count_sums`), which the SuperNodes do
+    not send."""
+    from partialfl.flower.evaluate import ratio_of_sums
+
+    return {"eval_acc": ratio_of_sums(sums["correct.sum"], sums["total.sum"]),
+            "eval_loss": ratio_of_sums(sums["loss_sum.sum"], sums["loss_weight.sum"])}
