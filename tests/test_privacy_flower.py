@@ -165,8 +165,8 @@ def test_evaluation_sums_that_overflow_when_pooled_give_the_finite_mean():
     """Two nodes' finite loss sums of 1.7e308 (over 2 and 3 clients) pooled to inf; the
     server's mean is taken from scaled sums: (1.7e308 + 1.7e308) / 5, finite. The same for a
     model's loss and weight sums."""
-    from partialfl.flower.evaluate import ratio_of_sums
     from partialfl.flower.models import summarize_sums
+    from partialfl.stats import ratio_of_sums
 
     assert ratio_of_sums([1.7e308, 1.7e308], [2.0, 3.0], floor=1.0) == pytest.approx(6.8e307)
     assert ratio_of_sums([3.0, 5.0], [2.0, 2.0]) == 2.0

@@ -325,3 +325,13 @@ def log_error_ratio(errors, base_errors, *, level: float = 0.95, floor: float = 
                          "must be arrays of the same shape [seeds, ...]")
     d = clipped_log10(b, floor, ceiling) - clipped_log10(e, floor, ceiling)
     return seed_mean_interval(d.reshape(d.shape[0], -1).mean(1), level=level)
+
+
+def ratio_of_sums(num, den, floor: float = 1e-12) -> float:
+    """Σ num / max(Σ den, floor), both sums taken after dividing by the largest |value|: the
+    nodes' finite sums give a finite ratio even where Σ num itself overflows float64 (two
+    nodes' loss sums of 1.7e308 each over 2 clients: mean 1.7e308, not inf)."""
+    a = np.atleast_1d(np.asarray(num, dtype=np.float64))
+    b = np.atleast_1d(np.asarray(den, dtype=np.float64))
+    s = float(max(np.abs(a).max(initial=0.0), np.abs(b).max(initial=0.0))) or 1.0
+    return float((a / s).sum() / max((b / s).sum(), floor / s))

@@ -14,13 +14,13 @@ from __future__ import annotations
 
 from typing import Any
 
-import numpy as np
 from flwr.app import ConfigRecord, RecordDict
 
 from partialfl.flower.codec import WireFormatError, decode_eval, params_to_record
 from partialfl.flower.config import FlowerConfig
 from partialfl.flower.federation import Federation, Link
 from partialfl.flower.report import Failure, FlowerRunReport, log, short
+from partialfl.stats import ratio_of_sums
 from partialfl.types import Params
 
 
@@ -83,15 +83,6 @@ def eval_reduce(cfg: FlowerConfig, fed: Federation, ids, got, round_: int,
                 v, pooled["clients"], floor=1.0)
     return out
 
-
-def ratio_of_sums(num, den, floor: float = 1e-12) -> float:
-    """Σ num / max(Σ den, floor), both sums taken after dividing by the largest |value|: the
-    nodes' finite sums give a finite ratio even where Σ num itself overflows float64 (two
-    nodes' loss sums of 1.7e308 each over 2 clients: mean 1.7e308, not inf)."""
-    a = np.atleast_1d(np.asarray(num, dtype=np.float64))
-    b = np.atleast_1d(np.asarray(den, dtype=np.float64))
-    s = float(max(np.abs(a).max(initial=0.0), np.abs(b).max(initial=0.0))) or 1.0
-    return float((a / s).sum() / max((b / s).sum(), floor / s))
 
 
 def evaluate_now(link: Link, cfg: FlowerConfig, fed: Federation, state, round_: int,

@@ -10,6 +10,7 @@ from typing import Any
 import numpy as np
 
 from partialfl.algorithms.base import RoundContext, ServerState
+from partialfl.stats import ratio_of_sums
 
 
 def evaluate_model_clients(rt, theta, round_: int) -> dict[str, Any]:
@@ -48,7 +49,5 @@ def summarize_sums(sums: dict[str, Any]) -> dict[str, float]:
     the list of the nodes' sums): pooled accuracy and loss. No mean or percentiles over
     clients: they need per-client values (see :func:`count_sums`), which the SuperNodes do
     not send."""
-    from partialfl.flower.evaluate import ratio_of_sums
-
     return {"eval_acc": ratio_of_sums(sums["correct.sum"], sums["total.sum"]),
             "eval_loss": ratio_of_sums(sums["loss_sum.sum"], sums["loss_weight.sum"])}
