@@ -1,0 +1,165 @@
+"""Adversarial round 14 (issue 21): regression tests for what the fourteenth independent round
+found, in the GLDv2, TFF-EMNIST and StackOverflow readers behind ``partialfl data convert``.
+
+Found, before, now:
+
+* A GLDv2 CSV with ``image_id`` ``../../elsewhere/x`` or ``/abs/path/x`` read images outside the
+  image folder into the store (exit 0). Now an image id must be a plain file name.
+* A GLDv2 CSV field over the csv module's limit and a decompression-bomb image (a small file
+  declaring 400 M pixels) were ``_csv.Error`` / ``DecompressionBombError`` tracebacks. Now one
+  line naming the file.
+* An explicit client id that the input does not hold (``--option clients='["x"]'``) was a
+  KeyError traceback from every loader. Now one line, exit 2.
+* TFF h5 files: an *external link* (or a virtual dataset / external raw storage) made the
+  loader read another file on the machine into the store (exit 0); a ``pixels`` group was a
+  TypeError traceback; complex pixels lost their imaginary part silently. Now refused by name
+  (:mod:`partialfl.data.hdf5`).
+* StackOverflow: ``max_test = -1`` silently dropped each client's last test sentence (a
+  negative slice); a word count ``²`` (``str.isdigit`` but not ``int``) gave a message not
+  naming the file. Now one line naming the option / file and line.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+from test_adversarial import _run
+
+h5py = pytest.importorskip("h5py")
+
+
+def _gldv2(tmp_path, rows: str):
+    Image = pytest.importorskip("PIL.Image")
+    img = tmp_path / "img"
+    img.mkdir()
+    for i in range(4):
+        Image.new("RGB", (4, 4), (i * 40, 0, 0)).save(img / f"im{i}.jpg")
+    csv = tmp_path / "split.csv"
+    csv.write_text("user_id,image_id,class\n" + rows)
+    return csv, img
+
+
+@pytest.mark.parametrize("image", ["../outside/secret", "/tmp/outside/secret", "..", "a\\b"])
+def test_gldv2_image_id_must_stay_in_the_image_folder(tmp_path, capsys, image):
+    Image = pytest.importorskip("PIL.Image")
+    (tmp_path / "outside").mkdir()
+    Image.new("RGB", (4, 4)).save(tmp_path / "outside" / "secret.jpg")
+    csv, img = _gldv2(tmp_path, f"u1,im0,0\nu1,{image},1\nu2,im2,0\n")
+    rc, err = _run(["data", "convert", "gldv2", csv, tmp_path / "s", "--images", img,
+                    "--no-progress", "--option", "missing_images=skip"], capsys)
+    assert rc == 2 and len(err) == 1 and "plain file name" in err[0], err
+    assert not (tmp_path / "s").exists()
+
+
+def test_gldv2_oversized_csv_field_and_image_bomb_are_one_line(tmp_path, capsys):
+    Image = pytest.importorskip("PIL.Image")
+    csv, img = _gldv2(tmp_path, "u1,im0,0\nu1," + "a" * 200_000 + ",1\n")
+    rc, err = _run(["data", "convert", "gldv2", csv, tmp_path / "s", "--images", img,
+                    "--no-progress"], capsys)
+    assert rc == 2 and len(err) == 1 and "split.csv" in err[0], err
+    csv.write_text("user_id,image_id,class\nu1,im0,0\nu1,im1,1\n")
+    Image.new("1", (20_000, 20_000)).save(img / "im1.jpg", format="PNG")  # 400 M pixels
+    rc, err = _run(["data", "convert", "gldv2", csv, tmp_path / "s", "--images", img,
+                    "--no-progress"], capsys)
+    assert rc == 2 and len(err) == 1 and "im1.jpg" in err[0], err
+
+
+def test_unknown_explicit_client_is_one_line(tmp_path, capsys):
+    csv, img = _gldv2(tmp_path, "u1,im0,0\nu1,im1,1\n")
+    rc, err = _run(["data", "convert", "gldv2", csv, tmp_path / "s", "--images", img,
+                    "--no-progress", "--option", 'clients=["nope"]'], capsys)
+    assert rc == 2 and len(err) == 1 and "nope" in err[0], err
+
+
+def _emnist(folder, make):
+    folder.mkdir(exist_ok=True)
+    for name in ("fed_emnist_train.h5", "fed_emnist_test.h5"):
+        with h5py.File(folder / name, "w") as f:
+            make(f.create_group("examples"))
+    return folder
+
+
+def _good_client(g, cid="a"):
+    c = g.create_group(cid)
+    c["pixels"] = np.random.default_rng(0).random((3, 28, 28)).astype(np.float32)
+    c["label"] = np.arange(3)
+
+
+@pytest.mark.parametrize("kind", ["link_group", "link_dataset", "external_storage"])
+def test_tff_h5_never_reads_another_file(tmp_path, capsys, kind):
+    other = _emnist(tmp_path / "other", _good_client)
+    src = other / "fed_emnist_train.h5"
+    secret = tmp_path / "secret.bin"
+    secret.write_bytes(bytes(range(10)) * 400)
+
+    def hostile(g):
+        if kind == "link_group":
+            g["a"] = h5py.ExternalLink(str(src), "/examples/a")
+            return
+        c = g.create_group("a")
+        c["pixels"] = np.zeros((1, 28, 28), np.float32)
+        if kind == "link_dataset":
+            c["label"] = h5py.ExternalLink(str(src), "/examples/a/label")
+        else:  # raw bytes of any file, read as labels
+            c.create_dataset("label", shape=(1,), dtype="u1", external=[(str(secret), 0, 1)])
+
+    d = _emnist(tmp_path / "in", hostile)
+    rc, err = _run(["data", "convert", "tff-emnist", d, tmp_path / "s", "--no-progress"], capsys)
+    assert rc == 2 and len(err) == 1 and "examples/a" in err[0], err
+    assert "other file" in err[0] or "another file" in err[0], err
+
+
+@pytest.mark.parametrize("pixels", ["group", "complex", "bytes"])
+def test_tff_h5_pixels_must_be_real_numbers(tmp_path, capsys, pixels):
+    def hostile(g):
+        c = g.create_group("a")
+        if pixels == "group":
+            c.create_group("pixels")
+        elif pixels == "complex":
+            c["pixels"] = np.full((1, 28, 28), 0.5 + 1j)
+        else:
+            c["pixels"] = np.array([b"x"])
+        c["label"] = np.arange(1)
+
+    d = _emnist(tmp_path / "in", hostile)
+    rc, err = _run(["data", "convert", "tff-emnist", d, tmp_path / "s", "--no-progress"], capsys)
+    assert rc == 2 and len(err) == 1 and "examples/a/pixels" in err[0], err
+
+
+def _stackoverflow(folder, word_count=None, link_to=None):
+    folder.mkdir()
+    for name in ("stackoverflow_train.h5", "stackoverflow_test.h5"):
+        with h5py.File(folder / name, "w") as f:
+            g = f.create_group("examples")
+            if link_to is not None:
+                g["1"] = h5py.ExternalLink(str(link_to / name), "/examples/1")
+                continue
+            for cid in ("1", "2"):
+                g.create_group(cid).create_dataset(
+                    "tokens", data=["hello world", "a b c"], dtype=h5py.string_dtype())
+    if word_count is not None:
+        (folder / "stackoverflow.word_count").write_text(word_count, encoding="utf-8")
+    return folder
+
+
+def _so(folder, tmp_path, capsys, *options):
+    argv = ["data", "convert", "stackoverflow", folder, tmp_path / "s", "--no-progress",
+            "--option", "min_train=1", "--option", "min_test=1"]
+    for o in options:
+        argv += ["--option", o]
+    return _run(argv, capsys)
+
+
+def test_stackoverflow_hostile_inputs_are_one_line(tmp_path, capsys):
+    good = _stackoverflow(tmp_path / "good")
+    rc, err = _so(good, tmp_path, capsys, "max_test=-1")
+    assert rc == 2 and err == ["partialfl: error: max_test must be >= 1 or None, got -1"]
+    rc, err = _so(good, tmp_path, capsys, 'clients=["9"]')
+    assert rc == 2 and len(err) == 1 and "'9'" in err[0], err
+    linked = _stackoverflow(tmp_path / "linked", link_to=good)
+    rc, err = _so(linked, tmp_path, capsys)
+    assert rc == 2 and len(err) == 1 and "another file" in err[0], err
+    sup = _stackoverflow(tmp_path / "sup", word_count="hello 5\nworld \u00b2\n")
+    rc, err = _so(sup, tmp_path, capsys)
+    assert rc == 2 and len(err) == 1 and "word_count:2" in err[0], err
+    assert not (tmp_path / "s").exists()
