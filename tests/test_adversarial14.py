@@ -21,6 +21,8 @@ Found, before, now:
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import numpy as np
 import pytest
 from test_adversarial import _run
@@ -163,3 +165,49 @@ def test_stackoverflow_hostile_inputs_are_one_line(tmp_path, capsys):
     rc, err = _so(sup, tmp_path, capsys)
     assert rc == 2 and len(err) == 1 and "word_count:2" in err[0], err
     assert not (tmp_path / "s").exists()
+
+
+def test_flower_local_with_a_checkpointing_spec_gets_past_its_checks(tmp_path):
+    """``flower local`` passes the spec's ``checkpoint_every`` (default 10) to Flower, and every
+    engine gives the ServerApp an out-dir; the pre-start check validated without one, so every
+    ``partialfl flower local`` of a model run stopped at once ("'checkpoint-every' / 'resume'
+    need 'out-dir'", exit 2)."""
+    pytest.importorskip("flwr")
+    from _flower_sims import ls_spec
+
+    from partialfl.build import build
+    from partialfl.flower.train import check_flower_run
+    from partialfl.spec import RunSpec
+
+    spec = RunSpec.from_dict(ls_spec(2))
+    run = build(spec)
+    check_flower_run(run, {"checkpoint-every": spec.checkpoint_every}, 2)  # raised before
+
+
+def test_an_aborted_flower_run_is_never_a_finished_stage(tmp_path, monkeypatch):
+    """A ServerApp that aborts (past max-failure-fraction, e.g. one of two SuperNodes killed)
+    still writes result.json and theta.npz and ``flwr run`` exits 0: the report (θ where the
+    abort left it, ``aborted: true``) was taken as the finished stage, written as
+    ``theta_stage2.safetensors`` and ``flower local`` printed "after 3 + 3 rounds", exit 0."""
+    pytest.importorskip("flwr")
+    import json
+    import subprocess
+
+    from _flower_sims import ls_run
+
+    from partialfl.flower import deployment
+    from partialfl.flower.env import FlowerRunError
+
+    def fake_flwr(args, **kw):
+        out = Path(next(a.split("=", 1)[1] for a in args if a.startswith("out-dir=")).strip('"'))
+        out.mkdir(parents=True, exist_ok=True)
+        (out / "result.json").write_text(json.dumps({"summary": {
+            "aborted": True, "server_steps": 0,
+            "stopped_early": "2 of 3 requested client updates failed"}, "history": []}))
+        np.savez(out / "theta.npz", theta=np.zeros(2))
+        return subprocess.CompletedProcess(args, 0, "", "")
+
+    monkeypatch.setattr(deployment.subprocess, "run", fake_flwr)
+    fed = deployment.LocalFederation(1, simulation=True, work_dir=tmp_path / "w")
+    with pytest.raises(FlowerRunError, match="aborted: 2 of 3 requested client updates"):
+        fed.run(ls_run(2), out_dir=tmp_path / "o")

@@ -347,6 +347,11 @@ class LocalFederation:
                 continue
             raise self._failed(args, proc, result)
         rep = json.loads(result.read_text())
+        summary = rep.get("summary") or {}
+        if summary.get("aborted"):  # its θ is where the abort left it: never a finished stage
+            raise FlowerRunError(f"the Flower run aborted: "
+                                 f"{summary.get('stopped_early') or 'no reason given'} "
+                                 f"(its report: {result})")
         with np.load(out / "theta.npz") as z:
             rep["theta"] = {n: z[n] for n in z.files}
         rep["flwr_output"] = proc.stdout
