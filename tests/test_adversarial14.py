@@ -211,3 +211,53 @@ def test_an_aborted_flower_run_is_never_a_finished_stage(tmp_path, monkeypatch):
     fed = deployment.LocalFederation(1, simulation=True, work_dir=tmp_path / "w")
     with pytest.raises(FlowerRunError, match="aborted: 2 of 3 requested client updates"):
         fed.run(ls_run(2), out_dir=tmp_path / "o")
+
+
+def _tiny_train(tmp_path):
+    d = tmp_path / "clients"
+    d.mkdir()
+    rng = np.random.default_rng(0)
+    for m in range(4):
+        np.savez(d / f"u{m}.npz", x=rng.integers(0, 255, (8, 28, 28)).astype(np.uint8),
+                 y=rng.integers(0, 3, 8))
+    cfg = tmp_path / "t.toml"
+    cfg.write_text(f'name = "t"\n[model]\nname = "emnist_cnn"\n[data]\nsource = "folder"\n'
+                   f'path = "{d}"\n[method]\nalgorithm = "ffgg"\n[pretrain]\nrounds = 1\n'
+                   '[personalize]\nrounds = 1\n')
+    return cfg
+
+
+@pytest.mark.parametrize("damage", ["extra", "missing", "int", "nan"])
+@pytest.mark.parametrize("stage_file", ["stage1/theta.safetensors", "theta_stage2.safetensors"])
+def test_a_damaged_stage_file_is_refused_on_resume(tmp_path, capsys, damage, stage_file):
+    """A resumed run read ``stage1/theta.safetensors`` / ``theta_stage2.safetensors`` as they
+    were: an extra tensor was a KeyError traceback, a missing leaf of θ1 (or an empty file)
+    silently started stage 2 from the fresh model's values, an integer θ1 was cast (stage 2
+    from zeros), a float64 / int θ2 was a RuntimeError traceback, a NaN θ ran stage 3 and
+    failed naming deploy.safetensors. Now the file must hold this run's names, shapes and
+    dtypes, finite, or it is refused in one line naming it."""
+    import torch
+
+    from partialfl import io as pio
+
+    cfg, out = _tiny_train(tmp_path), tmp_path / "run"
+    rc, err = _run(["train", cfg, "--out", out, "--no-progress"], capsys)
+    assert rc == 0, err
+    for name in ("report.md", "metrics.json", "deploy.safetensors"):  # an unfinished run
+        (out / name).unlink()
+    if stage_file.startswith("stage1"):
+        (out / "theta_stage2.safetensors").unlink()
+    path = out / stage_file
+    t = pio.load_tensors(path, "θ")[0]
+    first = sorted(t)[0]
+    if damage == "extra":
+        t["evil"] = torch.zeros(2)
+    elif damage == "missing":
+        del t[first]
+    elif damage == "int":
+        t[first] = t[first].to(torch.int32)
+    else:
+        t[first] = torch.full_like(t[first], float("nan"))
+    pio.save_tensors(path, t)
+    rc, err = _run(["train", cfg, "--out", out, "--no-progress"], capsys)
+    assert rc == 2 and len(err) == 1 and stage_file in err[0], err

@@ -200,7 +200,8 @@ def pretrain(cfg: RunSpec, task: Task, stage1_dir: Path, progress: bool | str = 
                         {"pretrain": _drop_unset(to_dict(cfg.pretrain)),
                          "seed": cfg.stage1_seed, "task": task.name, **val},
                         "stage-1 pre-training")
-    done = read_params(stage1_dir, THETA1)
+    done = read_params(stage1_dir, THETA1, like=dict(task.model_fn(cfg.stage1_seed)
+                                                     .named_parameters()))
     if done is not None:
         return done
     problem, alg = stage1_setup(cfg, task)
@@ -241,7 +242,7 @@ def personalize(cfg: RunSpec, task: Task, theta1: Params, run_dir: Path,
     if cfg.method.entry.trait("fresh_model"):  # nothing shared: a fresh model per seed
         theta1 = {n: p.detach().clone() for n, p in task.model_fn(cfg.seed).named_parameters()}
     split, problem, alg, theta_start = stage2_setup(cfg, task, theta1)
-    theta = read_params(run_dir, THETA2)
+    theta = read_params(run_dir, THETA2, like=theta_start)
     if theta is not None:
         theta = _on(theta, problem)
         cs = read_params(run_dir, CLIENT_STATE)
