@@ -261,3 +261,19 @@ def test_a_damaged_stage_file_is_refused_on_resume(tmp_path, capsys, damage, sta
     pio.save_tensors(path, t)
     rc, err = _run(["train", cfg, "--out", out, "--no-progress"], capsys)
     assert rc == 2 and len(err) == 1 and stage_file in err[0], err
+
+
+def test_report_tensorboard_never_deletes_files_through_a_linked_folder(tmp_path, capsys):
+    """``report RUN --tensorboard`` deleted ``events.out.tfevents.*`` in RUN/tensorboard and
+    wrote new ones there: a received run whose ``tensorboard`` is a symbolic link to another
+    folder had that folder's files deleted (exit 0). Now refused in one line."""
+    pytest.importorskip("tensorboard")
+    cfg, run = _tiny_train(tmp_path), tmp_path / "run"
+    assert _run(["train", cfg, "--out", run, "--no-progress"], capsys)[0] == 0
+    victim = tmp_path / "victim"
+    victim.mkdir()
+    (victim / "events.out.tfevents.precious").write_text("x")
+    (run / "tensorboard").symlink_to(victim)
+    rc, err = _run(["report", run, "--tensorboard"], capsys)
+    assert rc == 2 and len(err) == 1 and "symbolic link" in err[0], err
+    assert [p.name for p in victim.iterdir()] == ["events.out.tfevents.precious"]
