@@ -277,3 +277,19 @@ def test_report_tensorboard_never_deletes_files_through_a_linked_folder(tmp_path
     rc, err = _run(["report", run, "--tensorboard"], capsys)
     assert rc == 2 and len(err) == 1 and "symbolic link" in err[0], err
     assert [p.name for p in victim.iterdir()] == ["events.out.tfevents.precious"]
+
+
+def test_secagg_on_one_supernode_is_refused_before_anything_starts():
+    """``flower local --secagg --nodes 1`` started a SuperLink and a SuperNode and ran stage 1
+    before the ServerApp refused SecAgg+ on one node. Now the pre-start check refuses it."""
+    pytest.importorskip("flwr")
+    from _flower_sims import ls_spec
+
+    from partialfl.build import build
+    from partialfl.config import ConfigError
+    from partialfl.flower.train import check_flower_run
+    from partialfl.spec import RunSpec
+
+    run = build(RunSpec.from_dict(ls_spec(2)))
+    with pytest.raises(ConfigError, match="at least 2 SuperNodes"):
+        check_flower_run(run, {"secagg": True}, 1)
