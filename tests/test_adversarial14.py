@@ -293,3 +293,39 @@ def test_secagg_on_one_supernode_is_refused_before_anything_starts():
     run = build(RunSpec.from_dict(ls_spec(2)))
     with pytest.raises(ConfigError, match="at least 2 SuperNodes"):
         check_flower_run(run, {"secagg": True}, 1)
+
+
+@pytest.mark.skipif(not __import__("sys").platform.startswith("linux"), reason="prctl: Linux")
+def test_a_killed_flower_local_leaves_no_federation_process(tmp_path):
+    """``kill -9`` of ``partialfl flower local`` left its SuperLink and SuperNodes (each in a
+    session of its own) running for ever, and the ServerApp went on writing the run folder
+    that a rerun uses. Now every process it starts gets SIGTERM when it dies."""
+    import os
+    import signal
+    import subprocess
+    import sys
+    import time
+
+    pytest.importorskip("flwr")
+    parent = subprocess.Popen([sys.executable, "-c", (
+        "import sys, time\n"
+        "from partialfl.flower.deployment import LocalFederation\n"
+        f"fed = LocalFederation(1, simulation=True, work_dir={str(tmp_path)!r})\n"
+        "p = fed._start('node', [sys.executable, '-c', 'import time; time.sleep(60)'])\n"
+        "print(p.pid, flush=True)\n"
+        "time.sleep(60)\n")], stdout=subprocess.PIPE, text=True)
+    child = int(parent.stdout.readline())
+    parent.kill()
+    parent.wait()
+    deadline = time.monotonic() + 5
+    while time.monotonic() < deadline:
+        try:
+            os.kill(child, 0)
+        except ProcessLookupError:
+            break
+        if open(f"/proc/{child}/stat").read().split(") ", 1)[1].startswith("Z"):
+            break  # a zombie: it has exited
+        time.sleep(0.05)
+    else:
+        os.kill(child, signal.SIGKILL)
+        pytest.fail("the started process outlived its killed parent")
