@@ -213,7 +213,7 @@ def test_an_aborted_flower_run_is_never_a_finished_stage(tmp_path, monkeypatch):
         fed.run(ls_run(2), out_dir=tmp_path / "o")
 
 
-def _tiny_train(tmp_path):
+def _tiny_train(tmp_path, algorithm="ffgg"):
     d = tmp_path / "clients"
     d.mkdir()
     rng = np.random.default_rng(0)
@@ -222,7 +222,7 @@ def _tiny_train(tmp_path):
                  y=rng.integers(0, 3, 8))
     cfg = tmp_path / "t.toml"
     cfg.write_text(f'name = "t"\n[model]\nname = "emnist_cnn"\n[data]\nsource = "folder"\n'
-                   f'path = "{d}"\n[method]\nalgorithm = "ffgg"\n[pretrain]\nrounds = 1\n'
+                   f'path = "{d}"\n[method]\nalgorithm = "{algorithm}"\n[pretrain]\nrounds = 1\n'
                    '[personalize]\nrounds = 1\n')
     return cfg
 
@@ -329,3 +329,31 @@ def test_a_killed_flower_local_leaves_no_federation_process(tmp_path):
     else:
         os.kill(child, signal.SIGKILL)
         pytest.fail("the started process outlived its killed parent")
+
+
+@pytest.mark.parametrize("damage", ["extra", "nan", "int"])
+def test_a_damaged_client_state_file_is_refused_on_resume(tmp_path, capsys, damage):
+    """FedAlt's ``client_state_stage2.client-side.safetensors`` (every client's w_m) was read
+    unchecked on resume: NaN w_m were fine-tuned and evaluated (exit 0), an extra leaf was an
+    IndexError traceback, an integer leaf a RuntimeError traceback. Now checked like a
+    checkpoint's client state (``check_clients``): one line naming the file."""
+    import torch
+
+    from partialfl import io as pio
+
+    cfg, out = _tiny_train(tmp_path, "fedalt"), tmp_path / "run"
+    assert _run(["train", cfg, "--out", out, "--no-progress"], capsys)[0] == 0
+    for name in ("report.md", "metrics.json", "deploy.safetensors"):
+        (out / name).unlink()
+    path = out / "client_state_stage2.client-side.safetensors"
+    t, meta = pio.load_tensors(path, "w")
+    first = sorted(t)[0]
+    if damage == "extra":
+        t["evil"] = torch.zeros(2)
+    elif damage == "int":
+        t[first] = t[first].to(torch.int32)
+    else:
+        t[first] = torch.full_like(t[first], float("nan"))
+    pio.save_tensors(path, t, meta)
+    rc, err = _run(["train", cfg, "--out", out, "--no-progress"], capsys)
+    assert rc == 2 and len(err) == 1 and path.name in err[0], err

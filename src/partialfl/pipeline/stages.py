@@ -87,6 +87,7 @@ from partialfl.pipeline.stopping import choose_finetune, plateaued
 from partialfl.problems.model import ModelProblem
 from partialfl.registry import Component
 from partialfl.runtime import JsonlLogger, run_rounds
+from partialfl.runtime.resume_check import check_clients
 from partialfl.spec import MethodConfig, RunSpec, StageConfig
 from partialfl.spec import drop_unset as _drop_unset
 from partialfl.split import Split
@@ -246,6 +247,9 @@ def personalize(cfg: RunSpec, task: Task, theta1: Params, run_dir: Path,
     if theta is not None:
         theta = _on(theta, problem)
         cs = read_params(run_dir, CLIENT_STATE)
+        like = alg.init_client_state(problem) if cs is not None else None
+        if like is not None:  # names, shapes, dtypes of this run's, finite (as a checkpoint)
+            check_clients(cs, like, run_dir / CLIENT_STATE, pio.FileFormatError)
         cs = None if cs is None else _on(cs, problem)
         return Stage2(split, problem, alg, theta, cs, float("nan"), run_dir)
     t0 = time.perf_counter()
