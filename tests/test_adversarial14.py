@@ -357,3 +357,13 @@ def test_a_damaged_client_state_file_is_refused_on_resume(tmp_path, capsys, dama
     pio.save_tensors(path, t, meta)
     rc, err = _run(["train", cfg, "--out", out, "--no-progress"], capsys)
     assert rc == 2 and len(err) == 1 and path.name in err[0], err
+
+
+def test_gldv2_csv_saved_with_a_byte_order_mark_reads(tmp_path, capsys):
+    """A split CSV saved by a spreadsheet starts with a UTF-8 byte-order mark: its first
+    column was read as '\\ufeffuser_id' and the file refused as missing ``user_id``."""
+    csv, img = _gldv2(tmp_path, "u1,im0,0\r\nu1,im1,1\r\nu2,im2,0\r\n")
+    csv.write_bytes(b"\xef\xbb\xbf" + csv.read_bytes())
+    rc, err = _run(["data", "convert", "gldv2", csv, tmp_path / "s", "--images", img,
+                    "--no-progress", "--option", "image_size=8"], capsys)
+    assert rc == 0, err

@@ -48,7 +48,7 @@ def read_gldv2_csv(csv_path: str | Path) -> list[tuple[str, str, int]]:
     if not path.is_file():
         raise DataNotFoundError(f"GLDv2 split file {path} does not exist")
     try:
-        with open(path, newline="", encoding="utf-8") as fh:
+        with open(path, newline="", encoding="utf-8-sig") as fh:  # a BOM (Excel) is not a name
             reader = csv.DictReader(fh)
             header = reader.fieldnames
             if not header:
