@@ -87,7 +87,8 @@ def _good_client(g, cid="a"):
     c["label"] = np.arange(3)
 
 
-@pytest.mark.parametrize("kind", ["link_group", "link_dataset", "external_storage"])
+@pytest.mark.parametrize("kind", ["link_group", "link_dataset", "soft_to_external",
+                                  "external_storage"])
 def test_tff_h5_never_reads_another_file(tmp_path, capsys, kind):
     other = _emnist(tmp_path / "other", _good_client)
     src = other / "fed_emnist_train.h5"
@@ -97,6 +98,10 @@ def test_tff_h5_never_reads_another_file(tmp_path, capsys, kind):
     def hostile(g):
         if kind == "link_group":
             g["a"] = h5py.ExternalLink(str(src), "/examples/a")
+            return
+        if kind == "soft_to_external":  # a soft link in the file whose target is external
+            g.file["ext"] = h5py.ExternalLink(str(src), "/examples/a")
+            g["a"] = h5py.SoftLink("/ext")
             return
         c = g.create_group("a")
         c["pixels"] = np.zeros((1, 28, 28), np.float32)

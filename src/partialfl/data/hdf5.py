@@ -25,17 +25,18 @@ def h5py_module(what: str) -> Any:
 
 
 def member(group: Any, name: str, path: Path, where: str) -> Any:
-    """``group[name]`` if it is stored in this file (a hard link, not virtual, no external
-    storage); :class:`DataFormatError` naming ``where`` (e.g. ``examples/u1``) otherwise."""
+    """``group[name]`` if it is stored in this file (a hard or soft link whose target is in
+    this file, not virtual, no external storage); :class:`DataFormatError` naming ``where``
+    (e.g. ``examples/u1``) otherwise."""
     import h5py
 
     link = group.get(name, getlink=True)
     if link is None:
         raise KeyError(name)
-    if not isinstance(link, h5py.HardLink | h5py.SoftLink):
-        raise DataFormatError(f"{path}: {where} is a link to another file "
-                              f"({type(link).__name__}); only data stored in the file is read")
-    obj = group[name]
+    obj = group[name] if isinstance(link, h5py.HardLink | h5py.SoftLink) else None
+    if obj is None or obj.file.filename != group.file.filename:  # a soft link can lead
+        raise DataFormatError(f"{path}: {where} is a link to another file; only data stored "
+                              "in the file is read")  # to an external one: check the target
     if isinstance(obj, h5py.Dataset) and (obj.is_virtual or obj.external):
         raise DataFormatError(f"{path}: {where} takes its data from other files (a virtual "
                               "dataset or external storage); only data stored in the file is read")
