@@ -149,6 +149,8 @@ def convert(fmt: str, inp: str | Path, out: str | Path, *,
     try:
         ds = load.create(None, ConvertContext(Path(inp), max_clients, images,
                                               dict(options or {})))
+    except KeyError as e:  # an explicit client id the input does not hold
+        raise ValueError(f"format {fmt!r}: {e.args[0] if e.args else e}") from None
     except (TypeError, OverflowError) as e:
         if "unexpected keyword" in str(e) or "multiple values" in str(e):
             raise ValueError(f"format {fmt!r}: bad loader option ({e})") from None

@@ -48,7 +48,7 @@ def read_gldv2_csv(csv_path: str | Path) -> list[tuple[str, str, int]]:
     if not path.is_file():
         raise DataNotFoundError(f"GLDv2 split file {path} does not exist")
     try:
-        with open(path, newline="", encoding="utf-8") as fh:
+        with open(path, newline="", encoding="utf-8-sig") as fh:  # a BOM (Excel) is not a name
             reader = csv.DictReader(fh)
             header = reader.fieldnames
             if not header:
@@ -68,6 +68,9 @@ def read_gldv2_csv(csv_path: str | Path) -> list[tuple[str, str, int]]:
                 if any(v is None or v.strip() == "" for v in vals):
                     raise DataFormatError(f"{path}:{line}: empty or missing field in {r}")
                 user, image, cls = (v.strip() for v in vals)
+                if image in (".", "..") or any(ch in image for ch in "/\\\0"):
+                    raise DataFormatError(f"{path}:{line}: image_id {image!r} must be a plain "
+                                          "file name (no folder part), read from the image folder")
                 try:
                     label = int(cls)
                 except ValueError:
@@ -79,6 +82,8 @@ def read_gldv2_csv(csv_path: str | Path) -> list[tuple[str, str, int]]:
                 rows.append((user, image, label))
     except UnicodeDecodeError as e:
         raise DataFormatError(f"{path} is not a UTF-8 text CSV (corrupt?): {e}") from e
+    except csv.Error as e:  # e.g. a field over the csv module's size limit
+        raise DataFormatError(f"{path} is not a valid CSV (corrupt?): {e}") from e
     if not rows:
         raise DataFormatError(f"{path} has a header but no rows")
     return rows
@@ -94,7 +99,8 @@ def load_image(path: Path, image_size: int) -> np.ndarray:
         with Image.open(path) as im:
             im = im.convert("RGB").resize((image_size, image_size), Image.Resampling.BILINEAR)
             a = np.asarray(im, dtype=np.float32) / 255.0
-    except (UnidentifiedImageError, OSError, SyntaxError) as e:
+    except (UnidentifiedImageError, Image.DecompressionBombError, OSError, SyntaxError,
+            ValueError) as e:
         raise DataFormatError(f"image {path} cannot be decoded (corrupt?): {e}") from e
     return a.transpose(2, 0, 1)
 

@@ -34,6 +34,7 @@ import numpy as np
 import torch
 
 from partialfl.data.federated import DataFormatError, FederatedDataset
+from partialfl.data.hdf5 import h5py_module, member
 from partialfl.data.paths import resolve_data_file
 from partialfl.data.shakespeare import TextFederation
 from partialfl.data.text import Vocabulary, encode_sequences, next_word_pairs
@@ -56,20 +57,11 @@ PAPER_MAX_TRAIN = 1000
 PAPER_VOCAB_SIZE = 10_000
 
 
-def _h5py():
-    try:
-        import h5py
-    except ImportError as e:  # pragma: no cover - h5py is a declared optional dependency
-        raise ImportError("reading TFF StackOverflow needs h5py: pip install 'partialfl[data]'"
-                          ) from e
-    return h5py
-
-
 class _H5:
     """An open TFF h5 file with schema checks and clear errors."""
 
     def __init__(self, path: Path) -> None:
-        h5py = _h5py()
+        h5py = h5py_module("TFF StackOverflow")
         self.path = path
         if not path.is_file():
             raise FileNotFoundError(f"StackOverflow file {path} does not exist")
@@ -85,7 +77,11 @@ class _H5:
                 f"{path} has no top-level group {EXAMPLES_GROUP!r} (found {keys}); TFF's "
                 f"StackOverflow h5 stores examples/<client_id>/{{{', '.join(FEATURES)}}}"
             )
-        self.group = self.file[EXAMPLES_GROUP]
+        try:
+            self.group = member(self.file, EXAMPLES_GROUP, path, EXAMPLES_GROUP)
+        except DataFormatError:
+            self.file.close()
+            raise
         self._h5py = h5py
 
     def __enter__(self) -> _H5:
@@ -98,9 +94,9 @@ class _H5:
         return sorted(self.group.keys())
 
     def _tokens_ds(self, cid: str):
-        g = self.group.get(cid)
-        if g is None:
+        if cid not in self.group:
             raise KeyError(f"client {cid!r} is not in {self.path}")
+        g = member(self.group, cid, self.path, f"{EXAMPLES_GROUP}/{cid}")
         if not isinstance(g, self._h5py.Group):
             raise DataFormatError(f"{self.path}: {EXAMPLES_GROUP}/{cid} must be a group")
         if TOKENS not in g:
@@ -108,7 +104,7 @@ class _H5:
                 f"{self.path}: client {cid!r} has no {TOKENS!r} dataset (found "
                 f"{sorted(g.keys())}; expected {list(FEATURES)})"
             )
-        ds = g[TOKENS]
+        ds = member(g, TOKENS, self.path, f"{EXAMPLES_GROUP}/{cid}/{TOKENS}")
         if not isinstance(ds, self._h5py.Dataset) or ds.ndim != 1:
             raise DataFormatError(f"{self.path}: {EXAMPLES_GROUP}/{cid}/{TOKENS} must be a 1-D "
                                   f"dataset of strings")
@@ -156,7 +152,7 @@ def load_word_counts(path: str | Path) -> dict[str, int]:
             if not line.strip():
                 continue
             parts = line.split()
-            if len(parts) != 2 or not parts[1].isdigit():
+            if len(parts) != 2 or not (parts[1].isascii() and parts[1].isdigit()):
                 raise DataFormatError(f"{path}:{i}: expected 'word count', got {line.strip()!r}")
             counts[parts[0]] = int(parts[1])
     if not counts:
@@ -221,8 +217,9 @@ def load_stackoverflow(
     """
     if num_clients is not None and num_clients < 1:
         raise ValueError(f"num_clients must be >= 1 or None, got {num_clients}")
-    if max_train is not None and max_train < 1:
-        raise ValueError(f"max_train must be >= 1 or None, got {max_train}")
+    for name, cap in (("max_train", max_train), ("max_test", max_test)):
+        if cap is not None and cap < 1:  # a negative cap would slice from the end
+            raise ValueError(f"{name} must be >= 1 or None, got {cap}")
     tr_path = Path(train_path) if train_path else resolve_data_file(TRAIN_FILE, data_dir)
     te_path = Path(test_path) if test_path else resolve_data_file(TEST_FILE, data_dir)
     with _H5(tr_path) as tr, _H5(te_path) as te:
@@ -290,12 +287,12 @@ def load_stackoverflow_held_out(
             n = h.size(c)
             if n < min_train + min_test:
                 continue
-            g = h.group[c]
+            g = member(h.group, c, p, f"{EXAMPLES_GROUP}/{c}")
             if "creation_date" not in g:
                 raise DataFormatError(f"{p}: client {c!r} has no 'creation_date' dataset, "
                                       f"needed to split held-out users into train and test")
-            dates = [d.decode() if isinstance(d, bytes | np.bytes_) else str(d)
-                     for d in g["creation_date"][()]]
+            raw = member(g, "creation_date", p, f"{EXAMPLES_GROUP}/{c}/creation_date")[()]
+            dates = [d.decode() if isinstance(d, bytes | np.bytes_) else str(d) for d in raw]
             if len(dates) != n:
                 raise DataFormatError(f"{p}: client {c!r} has {n} tokens but {len(dates)} "
                                       f"creation dates")

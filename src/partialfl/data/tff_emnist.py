@@ -28,18 +28,11 @@ import numpy as np
 
 from partialfl.data.federated import DataFormatError, FederatedDataset
 from partialfl.data.femnist import DEFAULT_MIN_STD, Normalization, images_to_dataset
+from partialfl.data.hdf5 import h5py_module, member
 from partialfl.data.paths import resolve_data_file
 
 EXAMPLES_GROUP = "examples"
 PIXELS, LABEL = "pixels", "label"
-
-
-def _h5py():
-    try:
-        import h5py
-    except ImportError as e:  # pragma: no cover - h5py is a declared optional dependency
-        raise ImportError("reading TFF EMNIST needs h5py: pip install 'partialfl[data]'") from e
-    return h5py
 
 
 def _read_clients(
@@ -49,7 +42,7 @@ def _read_clients(
 
     With ``wanted=None``: the first ``limit`` clients in sorted order (all if ``limit`` is None).
     """
-    h5py = _h5py()
+    h5py = h5py_module("TFF EMNIST")
     try:
         f = h5py.File(path, "r")
     except OSError as e:
@@ -60,14 +53,14 @@ def _read_clients(
                 f"{path} has no top-level group {EXAMPLES_GROUP!r} (found {sorted(f.keys())}); "
                 "TFF's EMNIST h5 stores examples/<client_id>/{pixels,label}"
             )
-        group = f[EXAMPLES_GROUP]
+        group = member(f, EXAMPLES_GROUP, path, EXAMPLES_GROUP)
         if wanted is None:
             ids = sorted(group.keys())[:limit]
         else:
             ids = [c for c in wanted if c in group]
         out = {}
         for cid in ids:
-            g = group[cid]
+            g = member(group, cid, path, f"{EXAMPLES_GROUP}/{cid}")
             if not isinstance(g, h5py.Group):
                 raise DataFormatError(f"{path}: {EXAMPLES_GROUP}/{cid} must be a group")
             missing = [k for k in (PIXELS, LABEL) if k not in g]
@@ -76,9 +69,14 @@ def _read_clients(
                     f"{path}: client {cid!r} is missing dataset(s) {missing} "
                     f"(needs {PIXELS!r} and {LABEL!r})"
                 )
+            dsets = [member(g, k, path, f"{EXAMPLES_GROUP}/{cid}/{k}") for k in (PIXELS, LABEL)]
+            for k, d in zip((PIXELS, LABEL), dsets):
+                if not isinstance(d, h5py.Dataset) or d.dtype.kind not in "fiub":
+                    raise DataFormatError(f"{path}: {EXAMPLES_GROUP}/{cid}/{k} must be a dataset "
+                                          f"of real numbers, got {getattr(d, 'dtype', 'a group')}")
             try:
-                x = np.asarray(g[PIXELS][()], dtype=np.float32)
-                y = np.asarray(g[LABEL][()])
+                x = np.asarray(dsets[0][()], dtype=np.float32)
+                y = np.asarray(dsets[1][()])
             except OSError as e:
                 raise DataFormatError(f"{path}: cannot read client {cid!r} (corrupt?): {e}") from e
             if x.ndim != 3 or x.shape[1:] != (28, 28):

@@ -31,7 +31,7 @@ from pathlib import Path
 from typing import Any
 
 from partialfl.flower.config import parse_run_config
-from partialfl.flower.env import FlowerRunError, flower_env
+from partialfl.flower.env import FlowerRunError, die_with_parent, flower_env
 from partialfl.flower.node import ALLOW_IMPORTS_ENV, NOISE_KEY_ENV
 from partialfl.flower.project import _toml_value, write_app
 
@@ -140,7 +140,8 @@ class LocalFederation:
         self.logs.mkdir(parents=True, exist_ok=True)
         out = open(self.logs / f"{name}.log", "ab")  # noqa: SIM115 (closed with the process)
         p = subprocess.Popen(args, stdout=out, stderr=subprocess.STDOUT, env=self.env,
-                             cwd=self.work_dir, start_new_session=True)
+                             cwd=self.work_dir, start_new_session=True,
+                             preexec_fn=die_with_parent())
         p._partialfl_log = out  # type: ignore[attr-defined]
         self.procs.append(p)
         self.named[name] = p
@@ -334,7 +335,8 @@ class LocalFederation:
                 proc = _run_echoing(args, self.env, self.work_dir, timeout, progress)
             else:
                 proc = subprocess.run(args, env=self.env, cwd=self.work_dir,
-                                      capture_output=True, text=True, timeout=timeout)
+                                      capture_output=True, text=True, timeout=timeout,
+                                      preexec_fn=die_with_parent())
             result = out / "result.json"
             if proc.returncode == 0 and result.exists():
                 break
@@ -347,6 +349,11 @@ class LocalFederation:
                 continue
             raise self._failed(args, proc, result)
         rep = json.loads(result.read_text())
+        summary = rep.get("summary") or {}
+        if summary.get("aborted"):  # its θ is where the abort left it: never a finished stage
+            raise FlowerRunError(f"the Flower run aborted: "
+                                 f"{summary.get('stopped_early') or 'no reason given'} "
+                                 f"(its report: {result})")
         with np.load(out / "theta.npz") as z:
             rep["theta"] = {n: z[n] for n in z.files}
         rep["flwr_output"] = proc.stdout
@@ -429,7 +436,7 @@ def _run_echoing(args: list[str], env, cwd, timeout: float, label: str
     import threading
 
     proc = subprocess.Popen(args, env=env, cwd=cwd, stdout=subprocess.PIPE,
-                            stderr=subprocess.STDOUT, text=True)
+                            stderr=subprocess.STDOUT, text=True, preexec_fn=die_with_parent())
     lines: list[str] = []
 
     def pump() -> None:

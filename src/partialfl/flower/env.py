@@ -104,3 +104,29 @@ def require_flower(simulation: bool = False) -> None:
     if simulation and missing("ray"):
         raise ConfigError("--engine flower-sim needs Flower's simulation engine (Ray): pip "
                           "install 'partialfl[flower]' (flwr[simulation] >= 1.42)")
+
+
+def die_with_parent():
+    """A ``preexec_fn`` for the processes partialfl starts (SuperLink, SuperNodes, ``flwr
+    run``): on Linux they get SIGTERM when the process that started them dies, even by
+    ``kill -9`` (``prctl(PR_SET_PDEATHSIG)``), so a killed ``partialfl flower local`` leaves no
+    SuperLink, SuperNode or ServerApp running (writing into the run folder a rerun uses).
+    None elsewhere (no such call: a kill -9 there can leave them running)."""
+    import ctypes
+    import signal
+    import sys
+
+    if not sys.platform.startswith("linux"):
+        return None
+    try:
+        prctl = ctypes.CDLL(None, use_errno=True).prctl  # loaded here: the child only calls it
+    except (OSError, AttributeError):
+        return None
+    parent = os.getpid()
+
+    def preexec() -> None:
+        prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG
+        if os.getppid() != parent:  # the parent died before the call: nobody would signal
+            os.kill(os.getpid(), signal.SIGTERM)
+
+    return preexec

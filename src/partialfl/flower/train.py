@@ -109,8 +109,13 @@ def check_flower_run(run, flower: dict[str, Any], num_supernodes: int | None = N
     from partialfl.flower.config import STATEFUL, parse_run_config
     from partialfl.flower.secagg import check_algorithm
 
-    parse_run_config(stage_run_config(run.spec, **flower))  # Flower's own keys (--flower)
+    # Flower's own keys (--flower), with the out-dir every engine's run gives the ServerApp
+    # (LocalFederation.run sets it), so checkpoint-every / resume validate as they will run
+    parse_run_config(stage_run_config(run.spec, **{**flower, "out-dir": "out"}))
     n = run.problem.num_clients if run.problem is not None else run.task.data.num_clients
+    if flower.get("secagg") and num_supernodes is not None and num_supernodes < 2:
+        raise ConfigError("secagg: SecAgg+ needs at least 2 SuperNodes (the sum of one node's "
+                          "updates is that node's)")
     if num_supernodes is not None and num_supernodes > n:
         raise ConfigError(f"{num_supernodes} SuperNodes for {n} clients: each SuperNode "
                           f"holds at least one client; use at most {n}")

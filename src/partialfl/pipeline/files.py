@@ -88,10 +88,37 @@ def tensor_file(folder: Path, name: str) -> Path | None:
     return None
 
 
-def read_params(folder: Path, name: str) -> Params | None:
-    """The tensors of ``folder/name`` (one of the pipeline's tensor files), or None."""
+def read_params(folder: Path, name: str, like: Mapping[str, Any] | None = None
+                ) -> Params | None:
+    """The tensors of ``folder/name`` (one of the pipeline's tensor files), or None. With
+    ``like`` (the tensors a fresh stage would produce), the file must hold exactly its names,
+    shapes and dtypes, all finite: a stage file replaced, cut down or from another model is
+    refused in one line (:class:`partialfl.io.FileFormatError`), never resumed from."""
     path = tensor_file(folder, name)
-    return None if path is None else pio.load_tensors(path, name)[0]
+    if path is None:
+        return None
+    params = pio.load_tensors(path, name)[0]
+    if like is not None:
+        _check_like(path, params, like)
+    return params
+
+
+def _check_like(path: Path, params: Mapping[str, Any], like: Mapping[str, Any]) -> None:
+    import torch
+
+    names, want = set(params), set(like)
+    if names != want:
+        raise pio.FileFormatError(
+            f"{path} does not hold this run's parameters (missing {sorted(want - names)[:3]}, "
+            f"unexpected {sorted(names - want)[:3]}); delete it to re-run its stage")
+    for n, v in params.items():
+        if tuple(v.shape) != tuple(like[n].shape) or v.dtype != like[n].dtype:
+            raise pio.FileFormatError(
+                f"{path}: {n!r} is {v.dtype} {tuple(v.shape)}, this run's is {like[n].dtype} "
+                f"{tuple(like[n].shape)}; delete it to re-run its stage")
+        if v.is_floating_point() and not bool(torch.isfinite(v).all()):
+            raise pio.FileFormatError(f"{path}: {n!r} is not finite (a diverged or damaged "
+                                      "stage); delete it to re-run its stage")
 
 
 def json_default(o):

@@ -87,6 +87,7 @@ from partialfl.pipeline.stopping import choose_finetune, plateaued
 from partialfl.problems.model import ModelProblem
 from partialfl.registry import Component
 from partialfl.runtime import JsonlLogger, run_rounds
+from partialfl.runtime.resume_check import check_clients
 from partialfl.spec import MethodConfig, RunSpec, StageConfig
 from partialfl.spec import drop_unset as _drop_unset
 from partialfl.split import Split
@@ -200,7 +201,8 @@ def pretrain(cfg: RunSpec, task: Task, stage1_dir: Path, progress: bool | str = 
                         {"pretrain": _drop_unset(to_dict(cfg.pretrain)),
                          "seed": cfg.stage1_seed, "task": task.name, **val},
                         "stage-1 pre-training")
-    done = read_params(stage1_dir, THETA1)
+    done = read_params(stage1_dir, THETA1, like=dict(task.model_fn(cfg.stage1_seed)
+                                                     .named_parameters()))
     if done is not None:
         return done
     problem, alg = stage1_setup(cfg, task)
@@ -241,10 +243,13 @@ def personalize(cfg: RunSpec, task: Task, theta1: Params, run_dir: Path,
     if cfg.method.entry.trait("fresh_model"):  # nothing shared: a fresh model per seed
         theta1 = {n: p.detach().clone() for n, p in task.model_fn(cfg.seed).named_parameters()}
     split, problem, alg, theta_start = stage2_setup(cfg, task, theta1)
-    theta = read_params(run_dir, THETA2)
+    theta = read_params(run_dir, THETA2, like=theta_start)
     if theta is not None:
         theta = _on(theta, problem)
         cs = read_params(run_dir, CLIENT_STATE)
+        like = alg.init_client_state(problem) if cs is not None else None
+        if like is not None:  # names, shapes, dtypes of this run's, finite (as a checkpoint)
+            check_clients(cs, like, run_dir / CLIENT_STATE, pio.FileFormatError)
         cs = None if cs is None else _on(cs, problem)
         return Stage2(split, problem, alg, theta, cs, float("nan"), run_dir)
     t0 = time.perf_counter()

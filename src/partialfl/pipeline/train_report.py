@@ -180,7 +180,10 @@ def write_tensorboard(run_dir: Path, hists: dict[str, list[dict]],
 
         raise ConfigError("logging.tensorboard needs the tensorboard package: pip install "
                           "'partialfl[tensorboard]'") from None
+    from partialfl.pipeline.runs import confined
+
     tb = run_dir / "tensorboard"
+    confined(run_dir, [tb])  # a linked folder: its files (outside the run) would be deleted
     tb.mkdir(parents=True, exist_ok=True)
     for f in tb.glob("events.out.tfevents.*"):
         f.unlink()  # ours only: derived from the JSONL, rebuilt every time
