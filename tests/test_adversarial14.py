@@ -253,7 +253,7 @@ def test_a_damaged_stage_file_is_refused_on_resume(tmp_path, capsys, damage, sta
     if stage_file.startswith("stage1"):
         (out / "theta_stage2.safetensors").unlink()
     path = out / stage_file
-    t = pio.load_tensors(path, "θ")[0]
+    t, meta = pio.load_tensors(path, "θ")  # (the stage's stamp kept: the content is damaged)
     first = sorted(t)[0]
     if damage == "extra":
         t["evil"] = torch.zeros(2)
@@ -263,9 +263,10 @@ def test_a_damaged_stage_file_is_refused_on_resume(tmp_path, capsys, damage, sta
         t[first] = t[first].to(torch.int32)
     else:
         t[first] = torch.full_like(t[first], float("nan"))
-    pio.save_tensors(path, t)
+    pio.save_tensors(path, t, meta)
     rc, err = _run(["train", cfg, "--out", out, "--no-progress"], capsys)
     assert rc == 2 and len(err) == 1 and stage_file in err[0], err
+    assert "not written by this configuration" not in err[0]  # the content check refused it
 
 
 def test_report_tensorboard_never_deletes_files_through_a_linked_folder(tmp_path, capsys):

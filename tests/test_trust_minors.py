@@ -51,3 +51,56 @@ def test_report_on_a_plain_file_says_it_is_not_a_folder(tmp_path, capsys):
     assert "is not a folder" in err and "does not exist" not in err
     assert main(["report", str(tmp_path / "missing")]) == 2
     assert "does not exist" in capsys.readouterr().err
+
+
+def _train_config(tmp_path, rounds: int, algorithm: str = "fedalt"):
+    import numpy as np
+
+    d = tmp_path / "clients"
+    if not d.exists():
+        d.mkdir()
+        rng = np.random.default_rng(0)
+        for m in range(4):
+            np.savez(d / f"u{m}.npz", x=rng.integers(0, 255, (8, 28, 28)).astype(np.uint8),
+                     y=rng.integers(0, 3, 8))
+    cfg = tmp_path / f"t{rounds}.toml"
+    cfg.write_text(f'name = "t"\n[model]\nname = "emnist_cnn"\n[data]\nsource = "folder"\n'
+                   f'path = "{d}"\n[method]\nalgorithm = "{algorithm}"\n[pretrain]\nrounds = 1\n'
+                   f'[personalize]\nrounds = {rounds}\n')
+    return cfg
+
+
+@pytest.mark.parametrize("name", ["theta_stage2.safetensors",
+                                  "client_state_stage2.client-side.safetensors",
+                                  "stage1/theta.safetensors"])
+def test_a_stage_file_of_another_configuration_is_never_resumed(tmp_path, capsys, name):
+    """θ₂ (or the clients' state, or θ₁ of another pre-training seed) of a 2-round run copied
+    into the folder of a 1-round run of the same model was resumed as that run's stage (its
+    report said 1 round).
+    Every stage file now carries the SHA-256 of the configuration its stage depends on, and
+    a file without this run's is refused in one line naming it; the run's own files still
+    resume (same metrics)."""
+    import json
+    import shutil
+
+    a, b = tmp_path / "a", tmp_path / "b"
+    assert main(["train", str(_train_config(tmp_path, 2)), "--out", str(a),
+                 "--no-progress"]) == 0
+    cfg_b = _train_config(tmp_path, 1)
+    if name.startswith("stage1"):  # another stage 1: another pre-training seed
+        cfg_b.write_text(cfg_b.read_text().replace('name = "t"',
+                                                   'name = "t"\npretrain_seed = 7'))
+    assert main(["train", str(cfg_b), "--out", str(b), "--no-progress"]) == 0
+    first = json.loads((b / "metrics.json").read_text())
+    own = (b / name).read_bytes()
+    for f in ("report.md", "metrics.json", "deploy.safetensors"):  # resume from stage files
+        (b / f).unlink()
+    shutil.copy(a / name, b / name)
+    capsys.readouterr()
+    assert main(["train", str(cfg_b), "--out", str(b), "--no-progress"]) == 2
+    err = [ln for ln in capsys.readouterr().err.splitlines() if ln.startswith("partialfl:")]
+    assert len(err) == 1 and name in err[0] and "not written by this configuration" in err[0]
+    (b / name).write_bytes(own)
+    assert main(["train", str(cfg_b), "--out", str(b), "--no-progress"]) == 0
+    again = json.loads((b / "metrics.json").read_text())
+    assert again["test_acc"] == first["test_acc"] and again["test_loss"] == first["test_loss"]

@@ -148,7 +148,7 @@ def run_flower_train(spec, out: str | Path, *, engine: str = "flower-sim",
     (instead of ``engine``'s);
     ``flower``: more of Flower's own run-config keys (e.g. ``{"secagg": True}``)."""
     from partialfl.build import build
-    from partialfl.pipeline.files import THETA1, THETA2
+    from partialfl.pipeline.files import THETA1, THETA2, stage1_identity, stage2_identity
     from partialfl.pipeline.train import format_plan, run_built
 
     if federation is None:
@@ -176,7 +176,7 @@ def run_flower_train(spec, out: str | Path, *, engine: str = "flower-sim",
             rep = fed.run(stage_run_config(spec, "pretrain", **_audit(extra, "stage1")),
                           timeout=timeout,
                           out_dir=s1 / "flower", progress="pretrain" if progress else None)
-            _stage_files(s1, "stage1", THETA1, rep)
+            _stage_files(s1, "stage1", THETA1, rep, stage1_identity(eff, run.task.name))
         theta1 = s1 / "theta.npz"
         if eff.pretrain.rounds > 0:
             _npz(theta1, pio.load_tensors(s1 / THETA1, "θ1")[0])
@@ -186,7 +186,8 @@ def run_flower_train(spec, out: str | Path, *, engine: str = "flower-sim",
                                            **_audit(extra, "stage2")),
                           timeout=timeout, out_dir=out / "flower",
                           progress="personalize" if progress else None)
-            _stage_files(out, "stage2", THETA2, rep)
+            _stage_files(out, "stage2", THETA2, rep,
+                         stage2_identity({**eff.identity(), "task": run.task.name}))
     metrics = run_built(run, out, progress=False, config=config)  # stage 3: 1 and 2 are done
     where = (f" of the SuperLink at {superlink}" if superlink else
              f" ({getattr(fed, 'description', '')})" if federation is not None else "")
@@ -235,9 +236,12 @@ def _npz(path: Path, params) -> None:
         np.savez(f, **{n: to_numpy(v) for n, v in params.items()})
 
 
-def _stage_files(folder: Path, tag: str, theta_name: str, rep: dict) -> None:
-    """Where the pipeline keeps a finished stage: θ, its records and its budget."""
+def _stage_files(folder: Path, tag: str, theta_name: str, rep: dict, identity: dict) -> None:
+    """Where the pipeline keeps a finished stage: θ (stamped with the stage's ``identity``,
+    as the in-process stage writes it), its records and its budget."""
     import torch
+
+    from partialfl.pipeline.files import save_stage
 
     theta = {n: torch.from_numpy(v.copy()) for n, v in rep["theta"].items()}
     _records(folder / f"{tag}.jsonl", {"stage": tag}, rep["history"])
@@ -247,7 +251,7 @@ def _stage_files(folder: Path, tag: str, theta_name: str, rep: dict) -> None:
     for name in (f"{tag}_timing.json", "timing.json") if tag == "stage1" else (
             f"{tag}_timing.json",):
         pio.write_json(folder / name, timing, indent=1)
-    pio.save_tensors(folder / theta_name, theta)
+    save_stage(folder / theta_name, theta, identity)
 
 
 # ----------------------------------------------------------------------------- closed forms

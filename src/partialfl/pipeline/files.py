@@ -11,6 +11,7 @@ from a run folder).
 
 from __future__ import annotations
 
+import hashlib
 import json
 from collections.abc import Mapping
 from pathlib import Path
@@ -20,9 +21,9 @@ import numpy as np
 
 from partialfl import io as pio
 from partialfl.build import Task
-from partialfl.config import ConfigError
+from partialfl.config import ConfigError, to_dict
 from partialfl.rng import torch_seed
-from partialfl.spec import RunSpec
+from partialfl.spec import RunSpec, drop_unset
 
 if TYPE_CHECKING:  # torch is imported where a tensor is touched: writing JSON stays cheap
     import torch
@@ -88,16 +89,53 @@ def tensor_file(folder: Path, name: str) -> Path | None:
     return None
 
 
-def read_params(folder: Path, name: str, like: Mapping[str, Any] | None = None
-                ) -> Params | None:
+def stage1_identity(cfg: RunSpec, task_name: str) -> dict[str, Any]:
+    """What stage 1's result depends on (its folder's ``config.json``): the pre-training
+    stage, its seed, the task and the validation carve-out."""
+    val = {"validation": to_dict(cfg.validation)} if cfg.validation is not None else {}
+    return {"pretrain": drop_unset(to_dict(cfg.pretrain)), "seed": cfg.stage1_seed,
+            "task": task_name, **val}
+
+
+def stage2_identity(identity: dict[str, Any]) -> dict[str, Any]:
+    """The part of a run's identity (:meth:`RunSpec.identity`, or a ``config.json``) that
+    stage 2 depends on: everything but stage 3 (``finetune``, ``finetune_grid``) and the
+    method's ``finetune_split`` and ``label``."""
+    out = {k: v for k, v in identity.items() if k not in ("finetune", "finetune_grid")}
+    out["method"] = {k: v for k, v in identity.get("method", {}).items()
+                     if k not in ("finetune_split", "label")}
+    return out
+
+
+def stamp(identity: Mapping[str, Any]) -> str:
+    """SHA-256 of ``identity`` as canonical JSON: written into every stage file, so a file
+    is resumed only by the configuration whose stage wrote it."""
+    text = json.dumps(identity, sort_keys=True, default=json_default, separators=(",", ":"))
+    return hashlib.sha256(text.encode()).hexdigest()
+
+
+def save_stage(path: Path, tensors: Mapping[str, Any], identity: Mapping[str, Any],
+               metadata: Mapping[str, Any] | None = None) -> None:
+    """A stage's tensor file (atomic safetensors) stamped with its :func:`stamp`."""
+    pio.save_tensors(path, tensors, {**dict(metadata or {}), "identity": stamp(identity)})
+
+
+def read_params(folder: Path, name: str, like: Mapping[str, Any] | None = None,
+                identity: Mapping[str, Any] | None = None) -> Params | None:
     """The tensors of ``folder/name`` (one of the pipeline's tensor files), or None. With
     ``like`` (the tensors a fresh stage would produce), the file must hold exactly its names,
-    shapes and dtypes, all finite: a stage file replaced, cut down or from another model is
-    refused in one line (:class:`partialfl.io.FileFormatError`), never resumed from."""
+    shapes and dtypes, all finite; with ``identity``, it must carry that identity's
+    :func:`stamp` (:func:`save_stage`): a stage file replaced, cut down, from another model
+    or from another configuration's run is refused in one line
+    (:class:`partialfl.io.FileFormatError`), never resumed from."""
     path = tensor_file(folder, name)
     if path is None:
         return None
-    params = pio.load_tensors(path, name)[0]
+    params, meta = pio.load_tensors(path, name)
+    if identity is not None and meta.get("identity") != stamp(identity):
+        raise pio.FileFormatError(
+            f"{path} was not written by this configuration's stage (another run's file, or "
+            "one of an older partialfl); delete it to re-run its stage")
     if like is not None:
         _check_like(path, params, like)
     return params
@@ -254,5 +292,5 @@ def _check_group(path: Path, group: str, got: Mapping[str, Any], want: Mapping[s
 
 __all__ = ["CLIENT_STATE", "DEPLOY", "THETA1", "THETA2", "check_or_write_json",
            "config_differences", "deployed_split", "json_default", "load_params",
-           "read_deploy", "read_params", "save_deploy", "seeded_split", "tensor_file",
-           "write_json"]
+           "read_deploy", "read_params", "save_deploy", "save_stage", "seeded_split",
+           "stage1_identity", "stage2_identity", "stamp", "tensor_file", "write_json"]

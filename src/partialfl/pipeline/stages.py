@@ -32,7 +32,9 @@ and w_pre, for :func:`~partialfl.pipeline.evaluation.evaluate_run` on new client
 it between methods and seeds with the same pre-training): ``stage1.jsonl``,
 ``stage1_train.jsonl``, ``stage1.ckpt``,
 ``theta.safetensors``; with ``save_personalized``, ``personalized/`` (every client's deployed
-model, :mod:`partialfl.pipeline.deploy`). A stage whose final file exists is skipped; an
+model, :mod:`partialfl.pipeline.deploy`). A stage whose final file exists is skipped (the
+file must carry the stamp of this configuration's stage, :func:`~partialfl.pipeline.files.stamp`,
+and hold this run's names, shapes and dtypes, finite); an
 interrupted stage resumes from its last checkpoint (``checkpoint_every`` rounds) with
 bit-identical results, because all randomness derives from (seed, round, client). Every file is
 written atomically and holds tensors (safetensors) or plain JSON, never a pickle
@@ -65,7 +67,7 @@ import torch
 from partialfl import io as pio
 from partialfl.algorithms.base import Algorithm, RoundContext, ServerState
 from partialfl.build import Task, build_algorithm, split_of
-from partialfl.config import ConfigError, to_dict
+from partialfl.config import ConfigError
 from partialfl.data.federated import FederatedDataset
 from partialfl.data.validation import carve_validation
 from partialfl.pipeline.evaluation import evaluate_model, finetune_personal, round_evaluator
@@ -79,7 +81,10 @@ from partialfl.pipeline.files import (
     load_params,
     read_params,
     save_deploy,
+    save_stage,
     seeded_split,
+    stage1_identity,
+    stage2_identity,
     tensor_file,
     write_json,
 )
@@ -89,7 +94,6 @@ from partialfl.registry import Component
 from partialfl.runtime import JsonlLogger, run_rounds
 from partialfl.runtime.resume_check import check_clients
 from partialfl.spec import MethodConfig, RunSpec, StageConfig
-from partialfl.spec import drop_unset as _drop_unset
 from partialfl.split import Split
 from partialfl.types import Params
 
@@ -196,13 +200,10 @@ def pretrain(cfg: RunSpec, task: Task, stage1_dir: Path, progress: bool | str = 
     ``stage1_dir/theta.safetensors``; resumable."""
     stage1_dir = Path(stage1_dir)
     stage1_dir.mkdir(parents=True, exist_ok=True)
-    val = ({"validation": to_dict(cfg.validation)} if cfg.validation is not None else {})
-    check_or_write_json(stage1_dir / "config.json",
-                        {"pretrain": _drop_unset(to_dict(cfg.pretrain)),
-                         "seed": cfg.stage1_seed, "task": task.name, **val},
-                        "stage-1 pre-training")
+    ident = stage1_identity(cfg, task.name)
+    check_or_write_json(stage1_dir / "config.json", ident, "stage-1 pre-training")
     done = read_params(stage1_dir, THETA1, like=dict(task.model_fn(cfg.stage1_seed)
-                                                     .named_parameters()))
+                                                     .named_parameters()), identity=ident)
     if done is not None:
         return done
     problem, alg = stage1_setup(cfg, task)
@@ -213,7 +214,7 @@ def pretrain(cfg: RunSpec, task: Task, stage1_dir: Path, progress: bool | str = 
                      max_failure_fraction=cfg.max_failure_fraction)
     theta = _host(res.state.theta)
     _check_finite(theta, "stage 1")
-    pio.save_tensors(stage1_dir / THETA1, theta)
+    save_stage(stage1_dir / THETA1, theta, ident)
     write_json(stage1_dir / "timing.json", {"seconds": time.perf_counter() - t0,
                                              "rounds": int(res.state.round),
                                              "cap": cfg.pretrain.rounds,
@@ -243,10 +244,11 @@ def personalize(cfg: RunSpec, task: Task, theta1: Params, run_dir: Path,
     if cfg.method.entry.trait("fresh_model"):  # nothing shared: a fresh model per seed
         theta1 = {n: p.detach().clone() for n, p in task.model_fn(cfg.seed).named_parameters()}
     split, problem, alg, theta_start = stage2_setup(cfg, task, theta1)
-    theta = read_params(run_dir, THETA2, like=theta_start)
+    ident = stage2_identity({**cfg.identity(), "task": task.name})
+    theta = read_params(run_dir, THETA2, like=theta_start, identity=ident)
     if theta is not None:
         theta = _on(theta, problem)
-        cs = read_params(run_dir, CLIENT_STATE)
+        cs = read_params(run_dir, CLIENT_STATE, identity=ident)
         like = alg.init_client_state(problem) if cs is not None else None
         if like is not None:  # names, shapes, dtypes of this run's, finite (as a checkpoint)
             check_clients(cs, like, run_dir / CLIENT_STATE, pio.FileFormatError)
@@ -261,9 +263,9 @@ def personalize(cfg: RunSpec, task: Task, theta1: Params, run_dir: Path,
     theta = {n: v.detach().clone() for n, v in res.state.theta.items()}
     _check_finite(theta, "stage 2")
     if res.client_state is not None:
-        pio.save_tensors(run_dir / CLIENT_STATE, _host(res.client_state),
-                         {"side": "client", "note": "client-side state: stays on the clients"})
-    pio.save_tensors(run_dir / THETA2, _host(theta))
+        save_stage(run_dir / CLIENT_STATE, _host(res.client_state), ident,
+                   {"side": "client", "note": "client-side state: stays on the clients"})
+    save_stage(run_dir / THETA2, _host(theta), ident)
     return Stage2(split, problem, alg, theta, res.client_state, time.perf_counter() - t0,
                   run_dir)
 
@@ -433,16 +435,6 @@ def run_pipeline(cfg: RunSpec, task: Task, run_dir: str | Path, *,
     # the same plain-JSON values whether computed now or read back from a finished run
     metrics = json.loads(json.dumps(metrics, default=json_default))
     return PipelineResult(metrics, run_dir, theta, split)
-
-
-def stage2_identity(identity: dict[str, Any]) -> dict[str, Any]:
-    """The part of a run's identity (:meth:`RunSpec.identity`, or a ``config.json``) that
-    stage 2 depends on: everything but stage 3 (``finetune``, ``finetune_grid``) and the
-    method's ``finetune_split`` and ``label``."""
-    out = {k: v for k, v in identity.items() if k not in ("finetune", "finetune_grid")}
-    out["method"] = {k: v for k, v in identity.get("method", {}).items()
-                     if k not in ("finetune_split", "label")}
-    return out
 
 
 def _check_stage2_folder(cfg: RunSpec, task: Task, run_dir: Path, s2dir: Path) -> None:
