@@ -8,9 +8,16 @@ Found, before, now:
   frozen dataclass, was a traceback; a relative or path-like name (``../x``) was a TypeError
   traceback. An installed entry-point plugin that fails to load was a traceback from every
   command. Now one line naming the module (:func:`partialfl.registry.import_module`).
+* DP accounting with a tiny noise multiplier: RDP reported ε = 0 (perfect privacy) at
+  z = 1e-155, a ZeroDivisionError traceback at z = 1e-200; PLD raised or tried to allocate
+  38 GiB at z = 1e-3. Now ε = ∞ below ``Z_MIN`` (no meaningful guarantee), and a solved z is
+  checked to meet its target.
+* ``run --sweep … --jobs 0 --dry-run`` said the plan was fine (exit 0; the run then refused it).
 """
 
 from __future__ import annotations
+
+import json
 
 import pytest
 from test_adversarial import _run
@@ -77,3 +84,30 @@ def test_an_installed_plugin_failing_to_load_is_one_line(monkeypatch):
     monkeypatch.setattr(registry, "_PLUGINS_LOADED", False)
     with pytest.raises(ConfigError, match="installed plugin 'broken'.*failed to load"):
         registry.names("algorithm")
+
+
+@pytest.mark.parametrize("z", [1e-300, 1e-200, 1e-155, 1e-3])
+@pytest.mark.parametrize("accountant", ["rdp", "pld"])
+def test_a_tiny_noise_multiplier_is_never_accounted_as_private(z, accountant):
+    pytest.importorskip("dp_accounting")
+    from partialfl.dp_accounting import Mechanism, epsilon
+
+    assert epsilon(Mechanism(z, 32, 8), 6, 1 / 32, accountant) == float("inf")
+
+
+def test_a_tiny_noise_multiplier_run_reports_infinite_epsilon(tmp_path, capsys):
+    pytest.importorskip("dp_accounting")
+    cfg = tmp_path / "c.toml"
+    cfg.write_text(LS.format(plugins="") + '[privacy]\nname = "dp"\nnoise_multiplier = 1e-155\n')
+    rc, err = _run(["run", cfg, "--out", tmp_path / "o", "--no-progress"], capsys)
+    assert rc == 0, err
+    last = [json.loads(ln) for ln in (tmp_path / "o" / "c.jsonl").read_text().splitlines()][-1]
+    assert float(last["dp_epsilon"]) == float("inf"), last
+
+
+def test_a_dry_run_refuses_a_bad_job_count(tmp_path, capsys):
+    cfg = tmp_path / "c.toml"
+    cfg.write_text('[model]\nname = "emnist_cnn"\n[method]\nalgorithm = "ffgg"\n')
+    rc, err = _run(["train", cfg, "--out", tmp_path / "o", "--seeds", "0", "1", "--jobs", "0",
+                    "--dry-run"], capsys)
+    assert rc == 2 and len(err) == 1 and "--jobs must be >= 1, got 0" in err[0], err

@@ -32,6 +32,8 @@ def _cmd_run(args) -> int:
     study = args.seeds is not None or args.sweep
     if args.jobs is not None and not study:
         raise ConfigError("--jobs applies to a study (--seeds / --sweep)")
+    if args.jobs is not None and args.jobs < 1:  # before a dry run says the plan is fine
+        raise ConfigError(f"--jobs must be >= 1, got {args.jobs}")
     if study and (spec.closed_form or args.engine != "local"):
         raise ConfigError("--seeds / --sweep run a model config in-process (not a closed-form "
                           "problem or --engine flower*)")
