@@ -12,6 +12,10 @@ Found, before, now:
   z = 1e-155, a ZeroDivisionError traceback at z = 1e-200; PLD raised or tried to allocate
   38 GiB at z = 1e-3. Now ε = ∞ below ``Z_MIN`` (no meaningful guarantee), and a solved z is
   checked to meet its target.
+* ``[asynchronous]``: a duration distribution drawing inf or 1e308 made the simulated clock
+  inf and the run stopped with "the run diverged … lower the step sizes" (exit 1, the wrong
+  cause); FedBuff with a buffer larger than the stage's rounds never stepped and wrote θ⁰ as
+  the result (exit 0). Now both one line, exit 2 (the buffer at ``--dry-run``).
 * ``run --sweep … --jobs 0 --dry-run`` said the plan was fine (exit 0; the run then refused it).
 """
 
@@ -111,3 +115,26 @@ def test_a_dry_run_refuses_a_bad_job_count(tmp_path, capsys):
     rc, err = _run(["train", cfg, "--out", tmp_path / "o", "--seeds", "0", "1", "--jobs", "0",
                     "--dry-run"], capsys)
     assert rc == 2 and len(err) == 1 and "--jobs must be >= 1, got 0" in err[0], err
+
+
+ASYNC = '[asynchronous]\nconcurrency = 2\n'
+
+
+@pytest.mark.parametrize("duration", ['{ name = "constant", scale = 1e308 }',
+                                      '{ name = "pareto", scale = 1.0, shape = 1e-300 }'])
+def test_an_infinite_simulated_duration_is_one_line_not_a_divergence(tmp_path, capsys,
+                                                                     duration):
+    cfg = tmp_path / "c.toml"
+    cfg.write_text(LS.format(plugins="") + ASYNC + f"duration = {duration}\n")
+    rc, err = _run(["run", cfg, "--out", tmp_path / "o", "--no-progress"], capsys)
+    assert rc == 2 and len(err) == 1 and "asynchronous.duration" in err[0], err
+
+
+def test_a_fedbuff_buffer_past_the_rounds_is_refused_at_the_dry_run(tmp_path, capsys):
+    cfg = tmp_path / "c.toml"
+    cfg.write_text(LS.format(plugins="") + ASYNC + 'rule = { name = "fedbuff", buffer = 3 }\n')
+    rc, err = _run(["run", cfg, "--out", tmp_path / "o", "--no-progress", "--dry-run"], capsys)
+    assert rc == 2 and len(err) == 1 and "buffer 3 is more than the stage's 2 rounds" in err[0]
+    rc, err = _run(["run", cfg, "--out", tmp_path / "o", "--no-progress", "--dry-run",
+                    "--set", "asynchronous.rule.buffer=2"], capsys)
+    assert rc == 0, err
