@@ -143,8 +143,8 @@ def test_a_fedbuff_buffer_past_the_rounds_is_refused_at_the_dry_run(tmp_path, ca
 def test_advise_refuses_pretrain_rounds_beyond_int64(tmp_path, capsys, data_dir):
     """``advise har --pretrain-rounds 99999999999999999999`` started a 10^20-round stage 1
     (the int64 range check of round 14 lives in the config parser; a table builds its stage
-    in code). Now the stage itself refuses it, before anything is written."""
+    in code). Now the stage itself refuses it, before stage 1 starts."""
     rc, err = _run(["advise", "har", "--pretrain-rounds", "99999999999999999999", "--out",
                     tmp_path / "o", "--no-progress", "--data-dir", data_dir], capsys)
     assert rc == 2 and len(err) == 1 and "below 2^63" in err[0], err
-    assert not (tmp_path / "o").exists()
+    assert not (tmp_path / "o" / "stage1").exists()
