@@ -16,6 +16,9 @@ Found, before, now:
   inf and the run stopped with "the run diverged … lower the step sizes" (exit 1, the wrong
   cause); FedBuff with a buffer larger than the stage's rounds never stepped and wrote θ⁰ as
   the result (exit 0). Now both one line, exit 2 (the buffer at ``--dry-run``).
+* ``data convert … OUT --overwrite`` where OUT is a client store that also holds a user's
+  file or folder (another store put inside it) deleted them with the old store. Now refused
+  naming the first foreign entry (the store's own files and its ``.verified.json`` go).
 * ``run --sweep … --jobs 0 --dry-run`` said the plan was fine (exit 0; the run then refused it).
 """
 
@@ -148,3 +151,18 @@ def test_advise_refuses_pretrain_rounds_beyond_int64(tmp_path, capsys, data_dir)
                     tmp_path / "o", "--no-progress", "--data-dir", data_dir], capsys)
     assert rc == 2 and len(err) == 1 and "below 2^63" in err[0], err
     assert not (tmp_path / "o" / "stage1").exists()
+
+
+def test_overwrite_never_deletes_what_a_user_put_inside_a_store(tmp_path):
+    from _nn_toy import toy_data
+
+    from partialfl.data.store import ClientStore, write_store
+
+    path = write_store(tmp_path / "s", toy_data(num_clients=3, seed=1))
+    ClientStore(path).verify()  # leaves the .verified.json sidecar: still replaceable
+    write_store(path, toy_data(num_clients=3, seed=2), overwrite=True)
+    (path / "inner").mkdir()
+    (path / "inner" / "mine.txt").write_text("keep me")
+    with pytest.raises(FileExistsError, match="also holds 'inner'"):
+        write_store(path, toy_data(num_clients=3, seed=3), overwrite=True)
+    assert (path / "inner" / "mine.txt").read_text() == "keep me"
