@@ -19,6 +19,11 @@ Found, before, now:
 * ``data convert … OUT --overwrite`` where OUT is a client store that also holds a user's
   file or folder (another store put inside it) deleted them with the old store. Now refused
   naming the first foreign entry (the store's own files and its ``.verified.json`` go).
+* Ditto with ``lam = 1e308``: the proximal map (v + ηλc)/(1 + ηλ) overflowed float32 to
+  inf/inf, every personal model v_m became NaN, and the run evaluated and fine-tuned them
+  (test_loss NaN, exit 0, nothing counted): the runtime checked a client's update but not
+  its new client state. Now the map is computed as c + (v − c)/(1 + ηλ) when ηλ is huge, and
+  a client whose new state holds NaN/inf is a counted non-finite result (state not kept).
 * ``run --sweep … --jobs 0 --dry-run`` said the plan was fine (exit 0; the run then refused it).
 """
 
@@ -26,8 +31,12 @@ from __future__ import annotations
 
 import json
 
+import numpy as np
 import pytest
 from test_adversarial import _run
+
+from partialfl.algorithms.base import ClientResult
+from partialfl.algorithms.wrapper import AlgorithmWrapper
 
 LS = """plugins = [{plugins}]
 [problem]
@@ -166,3 +175,53 @@ def test_overwrite_never_deletes_what_a_user_put_inside_a_store(tmp_path):
     with pytest.raises(FileExistsError, match="also holds 'inner'"):
         write_store(path, toy_data(num_clients=3, seed=3), overwrite=True)
     assert (path / "inner" / "mine.txt").read_text() == "keep me"
+
+
+def test_ditto_with_a_huge_lambda_keeps_finite_personal_models():
+    import torch
+
+    from partialfl.local.sgd import _prox_step
+
+    v = {"a": torch.tensor([[1.0, -2.0], [3.0, 4.0]])}
+    c = {"a": torch.tensor([0.5, 0.25])}
+    out = _prox_step(v, (1e308, c), 0.05, np.array([True, False]))["a"]
+    assert torch.isfinite(out).all()
+    torch.testing.assert_close(out[0], c["a"])
+    torch.testing.assert_close(out[1], v["a"][1])
+
+
+class _NaNState(AlgorithmWrapper):
+    """Client ``target``'s new client state (w_m) comes back NaN; its update is finite."""
+
+    def __init__(self, base, target: int) -> None:
+        super().__init__(base)
+        self.target, self.name = target, base.name
+
+    def client_update(self, state, problem, cohort, ctx, client_state=None):
+        res = self.base.client_update(state, problem, cohort, ctx, client_state)
+        if list(np.asarray(cohort)) != [self.target]:
+            return res
+        return ClientResult(res.updates, {n: v * np.nan for n, v in res.client_state.items()})
+
+
+def test_a_client_whose_new_state_is_nan_is_one_counted_non_finite_result():
+    from partialfl.algorithms import FedAlt
+    from partialfl.local import GDConfig
+    from partialfl.problems.least_squares import LeastSquaresProblem, LeastSquaresSpec
+    from partialfl.runtime import run_rounds
+    from partialfl.runtime.backends import SequentialBackend
+    from partialfl.runtime.faults import FaultInjector
+
+    def run(alg):
+        pb = LeastSquaresProblem(LeastSquaresSpec(num_clients=4, n=40, d_theta=3, d_w=2,
+                                                  seed=0))
+        return run_rounds(pb, alg, 3, seed=1, backend=SequentialBackend(),
+                          clients_per_round=4, max_failure_fraction=0.9)
+
+    alg = FedAlt(GDConfig(2, 0.05), w_init="zero")
+    ref = run(FaultInjector(alg, at={(r, 2): "nan" for r in range(3)}))
+    res = run(_NaNState(FedAlt(GDConfig(2, 0.05), w_init="zero"), 2))
+    assert (res.faults.nonfinite, res.faults.lost) == (3, 3)
+    assert np.isfinite(res.client_state["w"]).all()
+    np.testing.assert_array_equal(res.state.theta["theta"], ref.state.theta["theta"])
+    np.testing.assert_array_equal(res.client_state["w"], ref.client_state["w"])
