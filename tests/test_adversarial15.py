@@ -8,6 +8,9 @@ Found, before, now:
   frozen dataclass, was a traceback; a relative or path-like name (``../x``) was a TypeError
   traceback. An installed entry-point plugin that fails to load was a traceback from every
   command. Now one line naming the module (:func:`partialfl.registry.import_module`).
+* A plugin could take over a built-in component by registering an *alias* of it (or a
+  name equal to one): ``aliases=["median"]`` made ``aggregation = "median"`` run the plugin's
+  code; only equal names were refused. Now every name and alias of another module's entry is.
 * DP accounting with a tiny noise multiplier: RDP reported ε = 0 (perfect privacy) at
   z = 1e-155, a ZeroDivisionError traceback at z = 1e-200; PLD raised or tried to allocate
   38 GiB at z = 1e-3. Now ε = ∞ below ``Z_MIN`` (no meaningful guarantee), and a solved z is
@@ -225,3 +228,16 @@ def test_a_client_whose_new_state_is_nan_is_one_counted_non_finite_result():
     assert np.isfinite(res.client_state["w"]).all()
     np.testing.assert_array_equal(res.state.theta["theta"], ref.state.theta["theta"])
     np.testing.assert_array_equal(res.client_state["w"], ref.client_state["w"])
+
+
+@pytest.mark.parametrize("name, aliases", [("adv15-agg", ["median"]), ("rfa", []),
+                                           ("adv15-agg2", ["tm"])])
+def test_a_plugin_cannot_take_over_a_builtin_name_or_alias(name, aliases):
+    from partialfl import registry
+
+    before = registry.entry("aggregator", "median").module
+    with pytest.raises(ValueError, match="is registered twice"):
+        registry.register("aggregator", name, aliases=aliases)(lambda o, c: None)
+    assert registry.entry("aggregator", "median").module == before
+    assert registry.canonical("aggregator", "rfa") == "gm"
+    assert name not in registry.names("aggregator")

@@ -185,10 +185,12 @@ def register(kind: str, name: str, *, options: type | None = None,
             options.__doc__ if options is not None else ""))
         e = Entry(kind, name, build, options, text, tuple(aliases), dict(traits),
                   getattr(build, "__module__", ""))
-        old = _ENTRIES[kind].get(name)
-        if old is not None and old.module != e.module:
-            raise ValueError(f"{kind} {name!r} is registered twice: by {old.module} and by "
-                             f"{e.module}")
+        for n in (name, *e.aliases):  # a name or alias of another module's entry: refused
+            real = n if n in _ENTRIES[kind] else _ALIASES[kind].get(n)
+            old = _ENTRIES[kind].get(real) if real is not None else None
+            if old is not None and old.module != e.module:
+                raise ValueError(f"{kind} {n!r} is registered twice: by {old.module} "
+                                 f"({old.name}) and by {e.module} ({name})")
         _ENTRIES[kind][name] = e
         for a in e.aliases:
             _ALIASES[kind][a] = name
