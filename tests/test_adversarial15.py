@@ -27,6 +27,8 @@ Found, before, now:
   (test_loss NaN, exit 0, nothing counted): the runtime checked a client's update but not
   its new client state. Now the map is computed as c + (v − c)/(1 + ηλ) when ηλ is huge, and
   a client whose new state holds NaN/inf is a counted non-finite result (state not kept).
+* ``reproduce faults --seeds -1`` said only "expected non-negative integer" (numpy's
+  message, naming neither flag nor value). Now it names both.
 * ``run --sweep … --jobs 0 --dry-run`` said the plan was fine (exit 0; the run then refused it).
 """
 
@@ -241,3 +243,9 @@ def test_a_plugin_cannot_take_over_a_builtin_name_or_alias(name, aliases):
     assert registry.entry("aggregator", "median").module == before
     assert registry.canonical("aggregator", "rfa") == "gm"
     assert name not in registry.names("aggregator")
+
+
+def test_reproduce_names_a_bad_seed(tmp_path, capsys):
+    rc, err = _run(["reproduce", "faults", "--quick", "--seeds", "0", "-1", "--out",
+                    tmp_path / "o", "--no-progress"], capsys)
+    assert rc == 2 and len(err) == 1 and "--seeds: -1" in err[0], err
