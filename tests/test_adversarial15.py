@@ -29,6 +29,9 @@ Found, before, now:
   a client whose new state holds NaN/inf is a counted non-finite result (state not kept).
 * ``reproduce faults --seeds -1`` said only "expected non-negative integer" (numpy's
   message, naming neither flag nor value). Now it names both.
+* ``run --sweep a=1,…,3000 --sweep b=…(2999 values) --dry-run`` validated 9 M specs one by
+  one (still running after minutes: a hang for a typo). Now a study has at most
+  ``MAX_RUNS`` = 10,000 runs, refused in one line before any is built.
 * ``run --sweep … --jobs 0 --dry-run`` said the plan was fine (exit 0; the run then refused it).
 """
 
@@ -249,3 +252,17 @@ def test_reproduce_names_a_bad_seed(tmp_path, capsys):
     rc, err = _run(["reproduce", "faults", "--quick", "--seeds", "0", "-1", "--out",
                     tmp_path / "o", "--no-progress"], capsys)
     assert rc == 2 and len(err) == 1 and "--seeds: -1" in err[0], err
+
+
+@pytest.mark.timeout(20)
+def test_a_huge_sweep_grid_is_refused_at_once(tmp_path, capsys):
+    import time
+
+    cfg = tmp_path / "c.toml"
+    cfg.write_text('[model]\nname = "emnist_cnn"\n[method]\nalgorithm = "ffgg"\n')
+    many = ",".join(str(i) for i in range(1, 3001))
+    t0 = time.perf_counter()
+    rc, err = _run(["train", cfg, "--out", tmp_path / "o", "--sweep", f"personalize.rounds={many}",
+                    "--sweep", f"pretrain.rounds={many}", "--dry-run"], capsys)
+    assert rc == 2 and len(err) == 1 and "make 9000000 runs" in err[0], err
+    assert time.perf_counter() - t0 < 10
