@@ -32,6 +32,8 @@ Found, before, now:
 * ``run --sweep a=1,…,3000 --sweep b=…(2999 values) --dry-run`` validated 9 M specs one by
   one (still running after minutes: a hang for a typo). Now a study has at most
   ``MAX_RUNS`` = 10,000 runs, refused in one line before any is built.
+* ``run --engine flower-sim --flower spec=x`` (or ``stage=…``) was a TypeError traceback.
+  Now one line: partialfl sets those keys itself.
 * ``run --sweep … --jobs 0 --dry-run`` said the plan was fine (exit 0; the run then refused it).
 """
 
@@ -266,3 +268,12 @@ def test_a_huge_sweep_grid_is_refused_at_once(tmp_path, capsys):
                     "--sweep", f"pretrain.rounds={many}", "--dry-run"], capsys)
     assert rc == 2 and len(err) == 1 and "make 9000000 runs" in err[0], err
     assert time.perf_counter() - t0 < 10
+
+
+@pytest.mark.parametrize("key", ["spec=x", "stage=pretrain", "init_from=/etc/hostname"])
+def test_a_flower_option_partialfl_sets_itself_is_one_line(tmp_path, capsys, key):
+    cfg = tmp_path / "c.toml"
+    cfg.write_text(LS.format(plugins=""))
+    rc, err = _run(["run", cfg, "--out", tmp_path / "o", "--no-progress", "--dry-run",
+                    "--engine", "flower-sim", "--flower", key], capsys)
+    assert rc == 2 and len(err) == 1 and "partialfl sets this key itself" in err[0], err
