@@ -233,7 +233,7 @@ seed = 0
 algorithm = "ffgg"
 w_init = "zero"
 [personalize]
-rounds = 3
+rounds = 4  # >= the FedBuff buffer below (a larger buffer never steps)
 clients_per_round = 4
 client = { name = "cg", tau = 2 }
 server = { optimizer = "sgd", lr = 0.05 }

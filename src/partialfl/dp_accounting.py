@@ -35,7 +35,10 @@ from functools import lru_cache
 from partialfl.sampling import SAMPLINGS
 
 ACCOUNTANTS = ("rdp", "pld")
-#: the smallest noise multiplier :func:`solve_noise_multiplier` searches from
+#: the smallest noise multiplier :func:`solve_noise_multiplier` searches from, and the smallest
+#: one accounted: below it ε is reported ∞ (no meaningful guarantee; the accountants leave
+#: their domain there: RDP said ε = 0 at z = 1e-155 and divided by zero at 1e-200, PLD tried
+#: to allocate 38 GiB at z = 1e-3)
 Z_MIN = 0.05
 #: the largest noise multiplier accounted (ε is already 0 to double precision there; the
 #: accountants overflow or leave their domain far above it)
@@ -143,7 +146,8 @@ class Mechanism:
 
 
 def epsilon(mech: Mechanism, rounds: int, delta: float, accountant: str = "rdp") -> float:
-    """ε of ``rounds`` rounds of ``mech`` at δ = ``delta`` (0 for no round, ∞ for z = 0)."""
+    """ε of ``rounds`` rounds of ``mech`` at δ = ``delta`` (0 for no round, ∞ for
+    z < :data:`Z_MIN`)."""
     return _epsilon(mech, int(rounds), float(delta), accountant)
 
 
@@ -155,7 +159,7 @@ def _epsilon(mech: Mechanism, rounds: int, delta: float, accountant: str) -> flo
         raise ValueError(f"rounds must be >= 0, got {rounds!r}")
     if rounds == 0:
         return 0.0
-    if mech.noise_multiplier == 0:
+    if mech.noise_multiplier < Z_MIN:
         return math.inf
     with _quiet():
         return float(mech.accountant(accountant).compose(mech.event(rounds))
@@ -184,4 +188,8 @@ def solve_noise_multiplier(mech: Mechanism, target_epsilon: float, rounds: int,
             lambda: at(1.0).accountant(accountant), lambda z: at(z).event(rounds),
             float(target_epsilon), float(delta),
             bracket_interval=dpa.LowerEndpointAndGuess(Z_MIN, max(2 * Z_MIN, 1.0)), tol=tol)
+    if not epsilon(at(z), rounds, delta, accountant) <= target_epsilon:  # a target too small
+        raise ValueError(f"target epsilon {target_epsilon!r} is out of reach: the accountant "
+                         f"gives ε = {epsilon(at(z), rounds, delta, accountant):.3g} at the "
+                         f"noise multiplier it settles on (z = {z:.6g})")
     return float(z)

@@ -34,6 +34,7 @@ from __future__ import annotations
 import dataclasses
 import importlib
 import importlib.metadata
+import re
 import typing
 from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass, field
@@ -184,10 +185,12 @@ def register(kind: str, name: str, *, options: type | None = None,
             options.__doc__ if options is not None else ""))
         e = Entry(kind, name, build, options, text, tuple(aliases), dict(traits),
                   getattr(build, "__module__", ""))
-        old = _ENTRIES[kind].get(name)
-        if old is not None and old.module != e.module:
-            raise ValueError(f"{kind} {name!r} is registered twice: by {old.module} and by "
-                             f"{e.module}")
+        for n in (name, *e.aliases):  # a name or alias of another module's entry: refused
+            real = n if n in _ENTRIES[kind] else _ALIASES[kind].get(n)
+            old = _ENTRIES[kind].get(real) if real is not None else None
+            if old is not None and old.module != e.module:
+                raise ValueError(f"{kind} {n!r} is registered twice: by {old.module} "
+                                 f"({old.name}) and by {e.module} ({name})")
         _ENTRIES[kind][name] = e
         for a in e.aliases:
             _ALIASES[kind][a] = name
@@ -211,16 +214,37 @@ def _load(kind: str) -> None:
     if not _PLUGINS_LOADED:
         _PLUGINS_LOADED = True
         for ep in importlib.metadata.entry_points(group=PLUGIN_GROUP):
-            ep.load()
+            try:
+                ep.load()
+            except Exception as e:  # a broken installed plugin: one line naming it
+                raise ConfigError(f"installed plugin {ep.name!r} ({ep.value}, entry point "
+                                  f"group {PLUGIN_GROUP}) failed to load: "
+                                  f"{type(e).__name__}: {e}") from None
+
+
+_MODULE_NAME = re.compile(r"[A-Za-z_]\w*(\.[A-Za-z_]\w*)*")
+
+
+def import_module(mod: Any, key: str = "plugins", what: str = "plugin module"):
+    """Import a module a user's config names (``key``): a dotted name of identifiers (no
+    relative or path-like name), and whatever its import raises (a missing module, an error
+    in its code, a component registered wrongly) is one :class:`ConfigError` naming it."""
+    if not isinstance(mod, str) or not _MODULE_NAME.fullmatch(mod):
+        raise ConfigError(f"{key}: {mod!r} is not a module name (dotted identifiers, "
+                          f"e.g. my_package.my_module)")
+    try:
+        return importlib.import_module(mod)
+    except ImportError as e:
+        raise ConfigError(f"{key}: cannot import {what} {mod!r}: {e}") from None
+    except Exception as e:
+        raise ConfigError(f"{key}: {what} {mod!r} failed at import: "
+                          f"{type(e).__name__}: {e}") from None
 
 
 def load_plugins(modules: Iterable[str], key: str = "plugins") -> None:
     """Import a user's modules that register components (a config's ``plugins``)."""
     for mod in modules:
-        try:
-            importlib.import_module(mod)
-        except ImportError as e:
-            raise ConfigError(f"{key}: cannot import plugin module {mod!r}: {e}") from None
+        import_module(mod, key)
 
 
 def names(kind: str, builtin: bool = False) -> tuple[str, ...]:
@@ -375,6 +399,5 @@ def _type_text(tp: Any) -> str:
 
 
 __all__ = ["KINDS", "PLUGIN_GROUP", "Component", "Entry", "Kind", "canonical", "component",
-           "component_field",
-           "create", "describe_options", "entries", "entry", "load_plugins", "names", "option",
-           "register", "with_trait"]
+           "component_field", "create", "describe_options", "entries", "entry", "import_module",
+           "load_plugins", "names", "option", "register", "with_trait"]

@@ -174,4 +174,7 @@ class FedBuffOptions:
 def _fedbuff(opts: FedBuffOptions, ctx: WrapperContext) -> FedBuff:
     """FedBuff (Nguyen et al. 2022): K arriving (s(τ)-scaled) updates are buffered, then the
     server steps once on all of them."""
+    if ctx.rounds is not None and opts.buffer > ctx.rounds:  # θ would never move
+        raise ValueError(f"buffer {opts.buffer} is more than the stage's {ctx.rounds} rounds "
+                         "(applied updates): the server would never step")
     return FedBuff(ctx.base, opts.buffer, opts.staleness, opts.a, opts.b)

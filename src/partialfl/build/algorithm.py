@@ -140,4 +140,10 @@ def async_rule(spec: RunSpec, alg):
     """``alg`` inside the asynchronous rule of ``spec.asynchronous`` (FedAsync, FedBuff)."""
     from partialfl.algorithms.context import WrapperContext
 
-    return spec.asynchronous.rule.build(WrapperContext(alg, spec.seed))
+    ctx = WrapperContext(alg, spec.seed, rounds=spec.personalize.rounds)
+    try:
+        return spec.asynchronous.rule.build(ctx)
+    except ValueError as err:
+        if isinstance(err, ConfigError):
+            raise
+        raise ConfigError(f"asynchronous.rule: {err}") from None

@@ -5,7 +5,6 @@ loss and metric, the data, and the :class:`Task` the pipeline trains on."""
 from __future__ import annotations
 
 import dataclasses
-import importlib
 import inspect
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
@@ -14,7 +13,7 @@ from typing import Any
 
 from partialfl.build.code import _check_code
 from partialfl.config import ConfigError
-from partialfl.registry import Component, component, entry
+from partialfl.registry import Component, component, entry, import_module
 from partialfl.spec import RunSpec
 
 
@@ -24,11 +23,7 @@ def import_callable(ref: str, key: str = "model.name") -> Callable:
     where code from configs is allowed (:func:`allow_code`)."""
     _check_code(key, ref)
     mod_name, _, attr = ref.partition(":")
-    try:
-        mod = importlib.import_module(mod_name)
-    except ImportError as e:
-        raise ConfigError(f"{key}: cannot import module {mod_name!r} of {ref!r}: {e} (the "
-                          f"config's folder and the working folder are searched)") from None
+    mod = import_module(mod_name, key, "model module")  # config's and working folder searched
     obj = mod
     for part in attr.split("."):
         if not hasattr(obj, part):

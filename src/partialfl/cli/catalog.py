@@ -57,6 +57,9 @@ def _cmd_reproduce(args) -> int:
         if args.folds < 2:
             raise ValueError(f"--folds must be >= 2, got {args.folds}")
         extra["folds"] = args.folds
+    bad = [s for s in args.seeds or () if not 0 <= s < 2 ** 63]  # numpy's message named none
+    if bad:
+        raise ValueError(f"--seeds: {bad[0]} is not allowed; seeds are integers in [0, 2^63)")
     summary = fn(out, quick=args.quick, seeds=args.seeds, data_dir=args.data_dir,
                  progress=not args.no_progress, **extra)
     print(Path(summary).read_text())

@@ -32,6 +32,8 @@ def _cmd_run(args) -> int:
     study = args.seeds is not None or args.sweep
     if args.jobs is not None and not study:
         raise ConfigError("--jobs applies to a study (--seeds / --sweep)")
+    if args.jobs is not None and args.jobs < 1:  # before a dry run says the plan is fine
+        raise ConfigError(f"--jobs must be >= 1, got {args.jobs}")
     if study and (spec.closed_form or args.engine != "local"):
         raise ConfigError("--seeds / --sweep run a model config in-process (not a closed-form "
                           "problem or --engine flower*)")
@@ -95,6 +97,10 @@ def _flower_options(args) -> dict:
     if bad:
         raise ConfigError(f"--flower {bad[0]}: Flower's own keys are not tables (spec keys "
                           "go in --set)")
+    ours = [k for k in flower if k.replace("_", "-") in ("spec", "stage", "init-from", "set")]
+    if ours:  # --flower spec=… was a TypeError traceback
+        raise ConfigError(f"--flower {ours[0]}: partialfl sets this key itself from the config "
+                          "and its stages (spec keys go in --set)")
     return {"engine": args.engine, "num_supernodes": args.supernodes,
             "superlink": args.superlink, "root_certificates": args.root_certificates,
             "progress": not args.no_progress, "flower": flower}

@@ -212,7 +212,12 @@ def _prox_step(x: Params, prox: tuple[float, Params], lr: float, active: np.ndar
     for n, v in x.items():
         a = torch.as_tensor(active, device=v.device)
         c = centre[n].to(v.device)
-        new = c.expand_as(v).clone() if math.isinf(lam) else (v + lr * lam * c) / (1 + lr * lam)
+        if math.isinf(lam):
+            new = c.expand_as(v).clone()
+        elif lr * lam > 1e20:  # ηλc overflowed float32 (λ = 1e308: inf/inf, NaN models)
+            new = c + (v - c) * (1.0 / (1 + lr * lam))
+        else:
+            new = (v + lr * lam * c) / (1 + lr * lam)
         mask = a.reshape((-1,) + (1,) * (v.dim() - 1))
         out[n] = torch.where(mask, new.to(v.dtype), v)
     return out

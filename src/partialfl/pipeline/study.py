@@ -22,6 +22,7 @@ the others.
 from __future__ import annotations
 
 import itertools
+import math
 import os
 import re
 import sys
@@ -59,6 +60,10 @@ def _split_values(text: str) -> list[str]:
     return out
 
 
+#: the most runs one study may have
+MAX_RUNS = 10_000
+
+
 def parse_sweep(items: Sequence[str]) -> dict[str, list[str]]:
     """``["key=v1,v2", …]`` as ``{key: [v1, v2]}`` (values as ``--set`` reads them)."""
     sweep: dict[str, list[str]] = {}
@@ -85,8 +90,13 @@ def folder_name(settings: dict[str, str], seed: int) -> str:
 
 
 def study_runs(seeds: Sequence[int], sweep: dict[str, list[str]]) -> list[dict[str, Any]]:
-    """The runs of a study, sweep values outermost, seeds innermost."""
+    """The runs of a study, sweep values outermost, seeds innermost (at most
+    :data:`MAX_RUNS`: a typo'd grid of millions was validated run by run, for hours)."""
     keys = list(sweep)
+    n = math.prod(len(v) for v in sweep.values()) * len(seeds)
+    if n > MAX_RUNS:
+        raise ConfigError(f"--seeds / --sweep make {n} runs; a study has at most {MAX_RUNS} "
+                          "(split it into several studies)")
     runs = []
     for combo in itertools.product(*(sweep[k] for k in keys)):
         settings = dict(zip(keys, combo))

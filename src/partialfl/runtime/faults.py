@@ -8,8 +8,8 @@ client the same way (the simulator's *message path*, :func:`receive`):
   the run: the data are the run's, not the client's;
 * a client whose message is refused for privacy (:func:`partialfl.privacy.screen`: a name,
   shape or dtype outside the one channel of each value, a non-finite metric) is skipped;
-* a client whose update, weight or extra payload holds a **non-finite** value is skipped —
-  it is never averaged into θ;
+* a client whose update, weight, extra payload or new client state (w_m, v_m, α_m) holds a
+  **non-finite** value is skipped — it is never averaged into θ, its state never kept;
 * the server sees only :func:`partialfl.privacy.server_view`.
 
 Skipped clients are counted in a :class:`FaultLog` (written into every JSONL record:
@@ -308,6 +308,10 @@ def receive(result: ClientResult, state, algorithm, faults: FaultLog, where: str
         faults.raise_if_systematic(k if systematic is None else systematic)
         up = up.select(np.flatnonzero(ok)) if ok.any() else up
     fin = finite_mask(up) if ok.any() else np.zeros(0, dtype=bool)
+    if result.client_state is not None and fin.size:  # a NaN personal state is never kept
+        rows = np.flatnonzero(ok)
+        for v in result.client_state.values():
+            fin &= _rows_finite(arrays.take_rows(v, rows))
     if not fin.all():
         faults.rejected(where, int((~fin).sum()), np.asarray(up.cohort)[~fin])
     keep = np.flatnonzero(ok)[fin]

@@ -139,8 +139,9 @@ class StageConfig(_Spec):
 
     def __post_init__(self) -> None:
         self._components("")
-        if not isinstance(self.rounds, int) or self.rounds < 0:
-            raise ConfigError(f"rounds must be a non-negative integer, got {self.rounds!r}")
+        if not isinstance(self.rounds, int) or not 0 <= self.rounds < 2 ** 63:  # built in code
+            raise ConfigError(f"rounds must be a non-negative integer below 2^63, got "
+                              f"{self.rounds!r}")
         if self.clients_per_round is not None and self.clients_per_round < 0:
             raise ConfigError(f"clients_per_round must be >= 0 (0: all), got "
                               f"{self.clients_per_round}")

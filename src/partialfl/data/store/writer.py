@@ -38,6 +38,7 @@ from partialfl.data.store.layout import (
     header_crc,
     split_meta,
 )
+from partialfl.data.store.verify import SIDECAR
 from partialfl.io import open_regular
 
 try:
@@ -116,11 +117,18 @@ def check_replaceable(path: Path) -> None:
     elif any(path.iterdir()):
         try:
             with open_regular(path / HEADER, follow=False) as f:
-                fmt = json.loads(f.read(1 << 20)).get("format")
-        except (OSError, ValueError, RecursionError, AttributeError):
-            fmt = None
+                head = json.loads(f.read(1 << 20))
+            fmt, files = head.get("format"), {HEADER, *head.get("files", {})}
+        except (OSError, ValueError, RecursionError, AttributeError, TypeError):
+            fmt, files = None, set()
         if fmt != STORE_FORMAT:
             why = "a folder that is not a client store"
+        else:  # a user's file or folder put beside the store's own files is never deleted
+            own = (SIDECAR, f".{SIDECAR}.")  # the remembered CRC checks, their killed writes
+            extra = sorted(p.name for p in path.iterdir()
+                           if p.name not in files and not p.name.startswith(own))
+            if extra:
+                why = f"a client store that also holds {extra[0]!r}, not one of its files"
     if why:
         raise FileExistsError(f"{path} is {why}; overwrite only replaces a client store (or "
                               "an empty folder): remove it yourself or choose another folder")

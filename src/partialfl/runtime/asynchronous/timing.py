@@ -157,6 +157,10 @@ def Distribution(kind: str = "constant", scale: float = 1.0,  # noqa: N802 - a c
     return cls(**{k: v for k, v in (("scale", scale), ("shape", shape)) if k in has})
 
 
+#: the longest simulated computation: a clock summing such durations stays finite
+MAX_DURATION = 1e15
+
+
 def device_speeds(num_clients: int, dist: Duration, seed: int) -> np.ndarray:
     """Per-client device speeds drawn from ``dist`` (``generator(seed, "device-speed")``)."""
     v = np.asarray(dist.sample(prng.generator(seed, "device-speed"), num_clients), dtype=float)
@@ -205,7 +209,12 @@ class ComputeTimeModel:
         work = float(d.sample(rng))
         if self.per_example is not None:
             work += float(np.sum(self.per_example.sample(rng, int(num_examples))))
-        return work / (self.speed[client] if self.speed is not None else 1.0)
+        v = work / (self.speed[client] if self.speed is not None else 1.0)
+        if not 0 <= v <= MAX_DURATION:  # an inf/huge draw made the clock inf: "diverged"
+            raise ValueError(f"asynchronous.duration: a computation of client {client} lasts "
+                             f"{v:g} simulated seconds ({d}); a duration must be finite and "
+                             f"at most {MAX_DURATION:g} (lower the scale or raise the shape)")
+        return v
 
     def is_deterministic(self) -> bool:
         """Whether every distribution of the model is constant (no randomness in durations)."""
