@@ -104,3 +104,42 @@ def test_a_stage_file_of_another_configuration_is_never_resumed(tmp_path, capsys
     assert main(["train", str(cfg_b), "--out", str(b), "--no-progress"]) == 0
     again = json.loads((b / "metrics.json").read_text())
     assert again["test_acc"] == first["test_acc"] and again["test_loss"] == first["test_loss"]
+
+
+@pytest.mark.parametrize("loop", ["sync", "async"])
+def test_a_run_whose_every_client_computation_was_lost_is_not_finished(loop):
+    """Fewer than ``min_attempts`` (20) client computations, all lost (FedProx with μ = 1e308
+    made every update non-finite): the run ended with θ⁰ and exit 0, the losses only
+    counted. Now the end of a run with no successful client computation raises
+    ClientFaultError naming the losses — unless max_failure_fraction = 1 tolerates them; the
+    asynchronous loop, which counts server steps, then drew jobs forever (a hang): it stops
+    after min_attempts computations of which none succeeded."""
+    from conftest import SMALL
+
+    from partialfl.algorithms import FFGG
+    from partialfl.local import GradientDescent
+    from partialfl.problems.least_squares import LeastSquaresProblem
+    from partialfl.runtime import run_rounds
+    from partialfl.runtime.asynchronous import run_async
+    from partialfl.runtime.faults import ClientFaultError, FaultInjector
+    from partialfl.server import SGD
+
+    p = LeastSquaresProblem(SMALL, basis="eigen")
+    alg = FaultInjector(FFGG(GradientDescent(3), SGD(0.5 / p.L)), rate=1.0, kinds=("nan",))
+
+    def go(**kw):
+        if loop == "sync":
+            return run_rounds(p, alg, 3, clients_per_round=2, seed=0, **kw)
+        return run_async(p, alg, steps=4, concurrency=2, seed=0, **kw)
+
+    # (the asynchronous loop keeps drawing jobs until a step succeeds: its abort rule fires)
+    want = ("none of the 6 client computations succeeded .* 6 non-finite" if loop == "sync"
+            else "20 of 20 client computations were lost .* 20 non-finite")
+    with pytest.raises(ClientFaultError, match=want):
+        go()
+    if loop == "sync":  # every loss tolerated: the rounds end, the losses counted
+        res = go(max_failure_fraction=1.0)
+        assert res.faults.succeeded == 0 and res.faults.nonfinite == 6
+    else:  # the asynchronous loop would draw jobs forever (it counts server steps): it stops
+        with pytest.raises(ClientFaultError, match="none of the 20 client computations"):
+            go(max_failure_fraction=1.0)

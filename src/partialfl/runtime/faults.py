@@ -16,7 +16,8 @@ Skipped clients are counted in a :class:`FaultLog` (written into every JSONL rec
 ``clients_failed``, ``updates_nonfinite``, ``updates_refused``, ``worker_deaths``) and
 logged with the ``partialfl`` logger. The run aborts with :class:`ClientFaultError` only
 when the lost fraction exceeds ``max_failure_fraction`` (after ``min_attempts`` client
-computations). If no client computation succeeded yet and a whole cohort (every slot,
+computations), or at its end when no client computation succeeded (:func:`check_end`).
+If no client computation succeeded yet and a whole cohort (every slot,
 asynchronously) raised or was refused, the first client error (or privacy refusal) is
 re-raised as is: a bug or a bad configuration, not a fault.
 
@@ -288,6 +289,34 @@ class FaultLog:
             f"({self.failed} raised, {self.nonfinite} non-finite, {self.refused} refused, "
             f"{self.worker_deaths} worker deaths), more than "
             f"max_failure_fraction={self.max_failure_fraction}; first: {self.cause()}")
+
+
+def check_end(faults: FaultLog) -> None:
+    """At the end of a run: one whose every client computation was lost (fewer than
+    ``min_attempts``, so :meth:`FaultLog.check` never judged it) trained nothing, and is not
+    reported as finished: the first client error is re-raised, else :class:`ClientFaultError`
+    (unless ``max_failure_fraction`` is 1: every loss tolerated, as :meth:`FaultLog.check`)."""
+    if faults.attempted == 0 or faults.succeeded > 0 or faults.max_failure_fraction >= 1.0:
+        return
+    _none_succeeded(faults)
+
+
+def check_stalled(faults: FaultLog) -> None:
+    """The asynchronous loop counts server steps, so a run whose every job is lost would draw
+    jobs forever (even where ``max_failure_fraction = 1`` tolerates every loss): after
+    ``min_attempts`` client computations of which none succeeded, it ends as
+    :func:`check_end` does."""
+    if faults.succeeded == 0 and faults.attempted >= faults.min_attempts:
+        _none_succeeded(faults)
+
+
+def _none_succeeded(faults: FaultLog) -> None:
+    if faults.first_error is not None:
+        raise faults.first_error
+    raise ClientFaultError(
+        f"none of the {faults.attempted} client computations succeeded ({faults.failed} "
+        f"raised, {faults.nonfinite} non-finite, {faults.refused} refused, "
+        f"{faults.worker_deaths} worker deaths): θ never moved; first: {faults.cause()}")
 
 
 def receive(result: ClientResult, state, algorithm, faults: FaultLog, where: str,

@@ -46,7 +46,7 @@ from partialfl.runtime.checkpoint import (  # noqa: F401 - ResumeError: part of 
 )
 from partialfl.runtime.clients import MalformedResult, odd_results, run_clients
 from partialfl.runtime.cohort_pool import ClientsFailed, WorkerError
-from partialfl.runtime.faults import FaultLog, receive
+from partialfl.runtime.faults import FaultLog, check_end, receive
 from partialfl.runtime.logging import base_record, train_record
 from partialfl.runtime.resume_check import CheckpointError, check_sync
 from partialfl.runtime.run import Checkpointing, Evaluation, Evaluator, Rounds, Run
@@ -370,6 +370,7 @@ def run_sync(run: Run) -> RunResult:
             ckpt.save(state, client_state, history, grad_evals, faults.state())
         if stopped:
             break
+    check_end(faults)
     return RunResult(state, client_state, history, time.perf_counter() - t0, faults,
                      stopped or bool(diverged), diverged)
 

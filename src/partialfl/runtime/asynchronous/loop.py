@@ -20,7 +20,7 @@ from partialfl.runtime.asynchronous.server import AsyncCheckpoint, AsyncRunResul
 from partialfl.runtime.asynchronous.timing import ComputeTimeModel
 from partialfl.runtime.checkpoint import run_fingerprint
 from partialfl.runtime.clients import checked
-from partialfl.runtime.faults import ClientFaultError
+from partialfl.runtime.faults import ClientFaultError, check_end, check_stalled
 from partialfl.runtime.resume_check import check_async
 from partialfl.runtime.run import Arrivals, Checkpointing, Evaluation, Run, check_budget
 from partialfl.types import Params
@@ -140,6 +140,7 @@ def drive(server: AsyncServer, transport: AsyncTransport, compute_time: ComputeT
             if slot not in busy_slots and (steps is None or server.arrivals < steps):
                 launch(slot)  # (a resumed run that had finished launches nothing)
         while steps is None or server.arrivals < steps:
+            check_stalled(server.faults)
             ev = transport.next(max_time)
             if ev is None:
                 break
@@ -179,6 +180,7 @@ def drive(server: AsyncServer, transport: AsyncTransport, compute_time: ComputeT
             launch(ev.job.slot)
         if checkpoint is not None and checkpoint_every and not server.diverged:
             checkpoint.save(server, inflight)
+        check_end(server.faults)
     finally:
         if bar is not None:
             bar.close()
