@@ -143,3 +143,14 @@ def test_a_run_whose_every_client_computation_was_lost_is_not_finished(loop):
     else:  # the asynchronous loop would draw jobs forever (it counts server steps): it stops
         with pytest.raises(ClientFaultError, match="none of the 20 client computations"):
             go(max_failure_fraction=1.0)
+
+
+def test_dp_noise_that_would_overflow_float32_is_refused_before_training():
+    """clip_norm = 1e308 with noise: the server's noise was inf and every round's update was
+    blamed on the clients (counted non-finite). The plan now refuses a noise std z·C beyond
+    1e30, naming both values."""
+    from partialfl.algorithms.dp import DPOptions, make_plan
+
+    with pytest.raises(ValueError, match=r"noise std z·C = 1 × 1e\+308 exceeds 1e\+30"):
+        make_plan(DPOptions(noise_multiplier=1.0, clip_norm=1e308), 10)
+    assert make_plan(DPOptions(noise_multiplier=1.0, clip_norm=1e6), 10).delta == 0.1

@@ -156,11 +156,12 @@ def local_only(personal: SGDConfig) -> Ditto:
 class DittoOptions:
     """Ditto's proximal strength."""
 
-    lam: float | None = option(None, "λ >= 0 pulling each personal model to θ (inf allowed)")
+    lam: float | None = option(None, "λ >= 0 pulling each personal model to θ (finite here; "
+                               "the Python class Ditto also takes inf: v_m = θ)")
 
     def __post_init__(self) -> None:
         if self.lam is None or not float(self.lam) >= 0:
-            raise ValueError(f"Ditto needs lam >= 0 (inf allowed), got {self.lam!r}")
+            raise ValueError(f"Ditto needs lam >= 0, got {self.lam!r}")
 
 
 @register("algorithm", "ditto", options=DittoOptions, split="full", problems=("model",))

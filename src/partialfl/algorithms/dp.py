@@ -60,6 +60,8 @@ MODES = ("central", "local")
 UNCLIPPED = "dp_unclipped"
 #: state.extra keys: the number of clients M and the current clip norm C (adaptive)
 NUM_CLIENTS, CLIP = "dp_num_clients", "dp_clip_norm"
+#: the largest noise std z·C: float32 Gaussian noise beyond it overflows (inf in θ)
+MAX_NOISE_STD = 1e30
 
 
 class PrivacyBudgetError(ValueError):
@@ -215,6 +217,9 @@ def make_plan(opts: DPOptions, num_clients: int) -> DPPlan:
             f"epsilon={eps:.4g} after rounds={opts.rounds} at delta={delta:.3g}; raise "
             "noise_multiplier (or leave it unset to have it solved)")
     z, z_upd, sb = mech.noise_multiplier, mech.noise_multiplier, 0.0
+    if opts.clip_norm is not None and z * opts.clip_norm > MAX_NOISE_STD:
+        raise ValueError(f"DP noise std z·C = {z:.4g} × {opts.clip_norm:.4g} exceeds "
+                         f"{MAX_NOISE_STD:g}: float32 noise would overflow; lower clip_norm")
     if opts.adaptive_clipping and z > 0:
         sb = opts.clip_count_std if opts.clip_count_std is not None else k / 20
         if z >= 2 * sb:
