@@ -352,3 +352,31 @@ def test_readme_privacy_block_runs_and_the_report_states_epsilon(tmp_path, user_
     cfg2 = _tiny_toml(tmp_path / "p.toml", user_module, data)
     assert main(["train", str(cfg2), "--out", str(plain), "--no-progress"]) == 0
     assert "Privacy" not in (plain / "report.md").read_text()
+
+
+def test_a_model_factory_that_ignores_its_seed_still_initialises_the_same_weights():
+    """The README's ``my_net(seed)`` ignores its seed: its weights came from the global torch
+    RNG, whose state differs from process to process (the README run's test accuracy was
+    0.65, 0.7 or 0.8 from one run to the next). A Task calls its factory with the global RNG
+    seeded from (seed, "model_init") and restored after; a factory that seeds itself is
+    unchanged."""
+    import torch
+    from torch import nn
+
+    from partialfl.build import Task, make_model
+
+    task = Task(data=None, model_fn=lambda seed: nn.Linear(3, 2))
+    torch.manual_seed(1)
+    a = task.model_fn(0).weight.detach().clone()
+    state = torch.random.get_rng_state()
+    torch.manual_seed(2)
+    torch.randn(5)
+    b = task.model_fn(0).weight.detach().clone()
+    assert torch.equal(a, b) and not torch.equal(a, task.model_fn(1).weight.detach())
+    torch.manual_seed(1)
+    task.model_fn(0)
+    assert torch.equal(torch.random.get_rng_state(), state)  # the global RNG is restored
+    own = Task(data=None, model_fn=lambda seed: make_model("emnist_cnn", 3, seed=seed))
+    ref = make_model("emnist_cnn", 3, seed=5).state_dict()
+    assert all(torch.equal(v, ref[n]) for n, v in own.model_fn(5).state_dict().items())
+    assert isinstance(type(own)(data=None, model_fn=own.model_fn).model_fn.fn, type(lambda: 0))

@@ -155,11 +155,31 @@ def build_data(spec: RunSpec, base: Path | None = None):
         raise ConfigError(f"data: {e}") from None
 
 
+class SeededModelFn:
+    """``model_fn(seed)`` run with the global torch RNG seeded from ``torch_seed(seed,
+    "model_init")`` (and restored after): a user's factory that ignores its seed (the
+    README's ``my_net(seed)``) still initialises the same weights in every process; one that
+    seeds itself is unchanged. Picklable when ``fn`` is (worker processes)."""
+
+    def __init__(self, fn: Callable[[int], Any]) -> None:
+        self.fn = fn
+
+    def __call__(self, seed: int):
+        import torch
+
+        from partialfl.rng import torch_seed
+
+        with torch.random.fork_rng(devices=[]):
+            torch.manual_seed(torch_seed(int(seed), "model_init"))
+            return self.fn(seed)
+
+
 @dataclass(frozen=True)
 class Task:
     """What the pipeline trains on: model factory, data, loss, metric and split builder.
 
-    ``model_fn(seed)`` returns a freshly initialised model; ``split_fn(model, kind,
+    ``model_fn(seed)`` returns a freshly initialised model (called with the global torch RNG
+    seeded from ``seed``: :class:`SeededModelFn`); ``split_fn(model, kind,
     options)`` builds a :class:`~partialfl.split.Split` (default :func:`build_split`).
     """
 
@@ -171,6 +191,8 @@ class Task:
     name: str = "task"
 
     def __post_init__(self) -> None:
+        if not isinstance(self.model_fn, SeededModelFn):
+            object.__setattr__(self, "model_fn", SeededModelFn(self.model_fn))
         if self.loss_fn is None or self.metric is None:
             from partialfl.problems.model import accuracy, cross_entropy
 
