@@ -288,3 +288,26 @@ def test_a_legend_never_covers_many_curves(curves, outside):
     if not outside:
         assert box.x0 <= leg.x0 and leg.x1 <= box.x1
     plt.close(fig)
+
+
+def test_a_curve_of_one_round_gets_integer_round_ticks(tmp_path, monkeypatch):
+    """A stage of 0 rounds has one evaluation (round 0): its panel's round axis showed ticks
+    −0.04 … 0.04; it now spans [−0.5, 1] with integer ticks."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    from partialfl.pipeline import report
+
+    seen = []
+    monkeypatch.setattr(report.pio, "savefig",
+                        lambda fig, path, **kw: seen.extend(fig.axes) or path)
+    report.plot_curves(tmp_path / "c.png", [{"a": [{"round": 0, "acc": 0.3}]},
+                                            {"a": [{"round": r, "acc": 0.3} for r in (0, 20)]}],
+                       ["one", "two"], x="round", y="acc", ylabel="acc", logy=False)
+    ticks = [t for t in seen[0].get_xticks() if seen[0].get_xlim()[0] <= t
+             <= seen[0].get_xlim()[1]]
+    assert ticks == [0.0, 1.0]
+    assert all(float(t).is_integer() for t in seen[1].get_xticks())
+    plt.close("all")

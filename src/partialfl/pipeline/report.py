@@ -206,6 +206,9 @@ def plot_curves(path: Path, panels: list[dict[str, list[dict]]], titles: Sequenc
         if x in ("round", "step", "grad_evals"):
             ax.xaxis.set_major_locator(MaxNLocator(nbins=6, integer=True))
             ax.ticklabel_format(axis="x", style="sci", scilimits=(-4, 4))
+            lo, hi = ax.get_xlim()
+            if hi - lo < 2:  # one evaluated round (a stage of 0 rounds): integer ticks too
+                ax.set_xlim((lo + hi) / 2 - 0.5, (lo + hi) / 2 + 1)
         ax.grid(alpha=0.3, which="both")
     axes[0][0].set_ylabel(ylabel)
     legend_beside(axes[0][-1])
