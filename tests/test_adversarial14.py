@@ -232,28 +232,14 @@ def _tiny_train(tmp_path, algorithm="ffgg"):
     return cfg
 
 
-@pytest.mark.parametrize("damage", ["extra", "missing", "int", "nan"])
-@pytest.mark.parametrize("stage_file", ["stage1/theta.safetensors", "theta_stage2.safetensors"])
-def test_a_damaged_stage_file_is_refused_on_resume(tmp_path, capsys, damage, stage_file):
-    """A resumed run read ``stage1/theta.safetensors`` / ``theta_stage2.safetensors`` as they
-    were: an extra tensor was a KeyError traceback, a missing leaf of θ1 (or an empty file)
-    silently started stage 2 from the fresh model's values, an integer θ1 was cast (stage 2
-    from zeros), a float64 / int θ2 was a RuntimeError traceback, a NaN θ ran stage 3 and
-    failed naming deploy.safetensors. Now the file must hold this run's names, shapes and
-    dtypes, finite, or it is refused in one line naming it."""
+def _damage(path, damage: str) -> None:
+    """Rewrite a stage's tensor file with one damage (its metadata, the stage's stamp, kept:
+    the content is what is damaged): an extra tensor, a missing one, an int or a NaN leaf."""
     import torch
 
     from partialfl import io as pio
 
-    cfg, out = _tiny_train(tmp_path), tmp_path / "run"
-    rc, err = _run(["train", cfg, "--out", out, "--no-progress"], capsys)
-    assert rc == 0, err
-    for name in ("report.md", "metrics.json", "deploy.safetensors"):  # an unfinished run
-        (out / name).unlink()
-    if stage_file.startswith("stage1"):
-        (out / "theta_stage2.safetensors").unlink()
-    path = out / stage_file
-    t, meta = pio.load_tensors(path, "θ")  # (the stage's stamp kept: the content is damaged)
+    t, meta = pio.load_tensors(path, "tensors")
     first = sorted(t)[0]
     if damage == "extra":
         t["evil"] = torch.zeros(2)
@@ -264,6 +250,28 @@ def test_a_damaged_stage_file_is_refused_on_resume(tmp_path, capsys, damage, sta
     else:
         t[first] = torch.full_like(t[first], float("nan"))
     pio.save_tensors(path, t, meta)
+
+
+@pytest.mark.parametrize("damage", ["extra", "missing", "int", "nan"])
+@pytest.mark.parametrize("stage_file", ["stage1/theta.safetensors", "theta_stage2.safetensors"])
+def test_a_damaged_stage_file_is_refused_on_resume(tmp_path, capsys, damage, stage_file):
+    """A resumed run read ``stage1/theta.safetensors`` / ``theta_stage2.safetensors`` as they
+    were: an extra tensor was a KeyError traceback, a missing leaf of θ1 (or an empty file)
+    silently started stage 2 from the fresh model's values, an integer θ1 was cast (stage 2
+    from zeros), a float64 / int θ2 was a RuntimeError traceback, a NaN θ ran stage 3 and
+    failed naming deploy.safetensors. Now the file must hold this run's names, shapes and
+    dtypes, finite, or it is refused in one line naming it."""
+
+
+    cfg, out = _tiny_train(tmp_path), tmp_path / "run"
+    rc, err = _run(["train", cfg, "--out", out, "--no-progress"], capsys)
+    assert rc == 0, err
+    for name in ("report.md", "metrics.json", "deploy.safetensors"):  # an unfinished run
+        (out / name).unlink()
+    if stage_file.startswith("stage1"):
+        (out / "theta_stage2.safetensors").unlink()
+    path = out / stage_file
+    _damage(path, damage)
     rc, err = _run(["train", cfg, "--out", out, "--no-progress"], capsys)
     assert rc == 2 and len(err) == 1 and stage_file in err[0], err
     assert "not written by this configuration" not in err[0]  # the content check refused it
@@ -343,24 +351,14 @@ def test_a_damaged_client_state_file_is_refused_on_resume(tmp_path, capsys, dama
     unchecked on resume: NaN w_m were fine-tuned and evaluated (exit 0), an extra leaf was an
     IndexError traceback, an integer leaf a RuntimeError traceback. Now checked like a
     checkpoint's client state (``check_clients``): one line naming the file."""
-    import torch
 
-    from partialfl import io as pio
 
     cfg, out = _tiny_train(tmp_path, "fedalt"), tmp_path / "run"
     assert _run(["train", cfg, "--out", out, "--no-progress"], capsys)[0] == 0
     for name in ("report.md", "metrics.json", "deploy.safetensors"):
         (out / name).unlink()
     path = out / "client_state_stage2.client-side.safetensors"
-    t, meta = pio.load_tensors(path, "w")
-    first = sorted(t)[0]
-    if damage == "extra":
-        t["evil"] = torch.zeros(2)
-    elif damage == "int":
-        t[first] = t[first].to(torch.int32)
-    else:
-        t[first] = torch.full_like(t[first], float("nan"))
-    pio.save_tensors(path, t, meta)
+    _damage(path, damage)
     rc, err = _run(["train", cfg, "--out", out, "--no-progress"], capsys)
     assert rc == 2 and len(err) == 1 and path.name in err[0], err
 
