@@ -151,3 +151,50 @@ def test_nodes_disagreeing_on_the_problem_are_named_each(loopback):
                                           r"clients, a model"):
         run_server(loopback(2, tamper=tamper), ls_run(1))
 
+
+
+def test_a_superlink_restart_restarts_every_supernode_after_it_signs_off(tmp_path,
+                                                                         monkeypatch):
+    """CI saw a SuperNode that held a message of the run the dead SuperLink served stay
+    blocked on it for minutes, so the resumed run found no node for its partition: a
+    SuperLink restart restarts every SuperNode, each first with SIGTERM (a SuperNode then
+    deactivates itself; a SIGKILLed one keeps its key 'online' and cannot sign on again)."""
+    import subprocess
+    import sys
+
+    from partialfl.flower.deployment import LocalFederation
+
+    fed = LocalFederation(2, work_dir=tmp_path / "fed")
+    node = ("import signal, sys, time, pathlib\n"
+            "def bye(*_):\n"
+            "    pathlib.Path(sys.argv[1]).write_text('signed off'); sys.exit(0)\n"
+            "signal.signal(signal.SIGTERM, bye)\n"
+            "print('up', flush=True)\n"
+            "time.sleep(120)\n")
+
+    def fake_node(i: int) -> subprocess.Popen:
+        return fed._start(f"supernode-{i}", [sys.executable, "-c", node,
+                                             str(tmp_path / f"bye-{i}-{len(fed.procs)}")])
+
+    monkeypatch.setattr(fed, "_start_superlink",
+                        lambda: fed._start("superlink", [sys.executable, "-c",
+                                                         "import time; time.sleep(120)"]))
+    monkeypatch.setattr(fed, "start_node", fake_node)
+    try:
+        fed._start_superlink()
+        first = [fed.start_node(i) for i in range(2)]
+        fed.started = True
+        deadline = time.monotonic() + 30  # the nodes installed their SIGTERM handler
+        while time.monotonic() < deadline and any(
+                "up" not in fed.log_tail(f"supernode-{i}") for i in range(2)):
+            time.sleep(0.05)
+        assert not fed.revive()  # everything alive: nothing restarted
+        fed.kill("superlink")
+        assert fed.revive() and fed.restarts == 1
+        assert all(p.poll() is not None for p in first)  # the old nodes are gone ...
+        assert sorted(f.name for f in tmp_path.glob("bye-*")) == ["bye-0-1", "bye-1-2"]
+        assert all(fed.alive(f"supernode-{i}") for i in range(2))  # ... and new ones run
+        assert fed.named["supernode-0"] is not first[0]
+    finally:
+        fed.close()
+    assert fed.alive_groups() == []

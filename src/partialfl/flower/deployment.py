@@ -215,10 +215,17 @@ class LocalFederation:
             conf += f" data={json.dumps(self.node_data[i])}"
         return self._start(f"supernode-{i}", [*args, "--node-config", conf])
 
-    def kill(self, name: str) -> None:
-        """Kill process ``name`` (``superlink``, ``supernode-i``) and all it spawned, as a
-        crash would (SIGKILL), and reap it."""
+    def kill(self, name: str, grace: float = 0.0) -> None:
+        """Kill process ``name`` (``superlink``, ``supernode-i``) and all it spawned, and reap
+        it: as a crash would (SIGKILL), or, given ``grace`` seconds, SIGTERM first (a
+        SuperNode then signs off at the SuperLink, so its key can sign on again at once)."""
         p = self.named[name]
+        if grace > 0:
+            _signal_group(p, signal.SIGTERM)
+            try:
+                p.wait(grace)
+            except subprocess.TimeoutExpired:
+                pass
         _signal_group(p, signal.SIGKILL)
         try:
             p.wait(10)
@@ -236,12 +243,16 @@ class LocalFederation:
 
     def revive(self) -> bool:
         """Restart the SuperLink (same port and state) and the SuperNodes that died; whether
-        anything was restarted."""
+        anything was restarted. A SuperLink restart restarts every SuperNode too: a node that
+        held a message of the dead run can stay blocked on it for minutes (a SuperNode pushes
+        that message's reply before it pulls the next), so it missed the resumed run."""
         did = False
         if not self.alive("superlink"):
             self._start_superlink()
             self.restarts += 1
             did = True
+            for i in range(0 if self.simulation else self.num_supernodes):
+                self.kill(f"supernode-{i}", grace=15.0)
         if not self.simulation:
             for i in range(self.num_supernodes):
                 if not self.alive(f"supernode-{i}"):
@@ -371,7 +382,8 @@ class LocalFederation:
             f"the Flower run failed: {cause or 'see the output below'}\n`{' '.join(args)[:300]}"
             f" ...` exited with {proc.returncode} and {'no' if not result.exists() else 'a'} "
             f"{result}:\n{proc.stdout[-3000:]}\n{proc.stderr[-3000:]}\n--- superlink log "
-            f"---\n{self.log_tail('superlink')}")
+            f"---\n{self.log_tail('superlink')}" + "".join(
+                f"\n--- supernode-{i} log (end) ---\n{t[-1500:]}" for i, t in enumerate(nodes)))
 
 
 class SuperLinkConnection(LocalFederation):
