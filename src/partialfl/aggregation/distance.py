@@ -40,7 +40,6 @@ from partialfl.aggregation.protection import (
     UnprotectedError,
     check,
     check_flag,
-    in_checked_cohort,
     warn_once,
 )
 from partialfl.registry import option
@@ -78,7 +77,7 @@ class Krum:
         capped = max(0, (k - 3) // 2)
         problem = (f"krum: f = ⌊δk⌋ = {f} Byzantine inputs among k = {k} needs k ≥ 2f + 3 = "
                    f"{2 * f + 3}")
-        if self.cap or in_checked_cohort():
+        if self.cap:
             return capped
         if self.allow_unprotected:
             warn_once(f"{problem}; tolerating only f = {capped} (allow_unprotected=True)",

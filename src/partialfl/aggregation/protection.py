@@ -13,11 +13,12 @@ wrappers) how many Byzantine *clients* it tolerates among k without running it, 
 refuse a cohort before it aggregates. :func:`check_fraction` compares a configured Byzantine
 fraction with the aggregator's δ.
 
-Inside :func:`cohort_checked` the per-call check is skipped: a server that checked the cohort
-as it was sent (k_c inputs, f_c = ⌊δk_c⌋ ≥ 1) and then dropped d non-finite rows may hand the
-rule fewer inputs than ⌈1/δ⌉. That is still protected when the dropped rows came from the
-Byzantine clients, since ⌊δ(k_c − d)⌋ ≥ f_c − d; so a client sending NaN cannot make the server
-refuse to aggregate (Krum then caps its f at ⌊(k − 3)/2⌋ ≥ f_c − d).
+Inside :func:`cohort_checked` (f) every rule tolerates at least f Byzantine inputs, whatever
+⌊δk⌋ is: a server that planned a cohort the rule protects (f = its tolerance there) and then
+lost d clients (failed, or non-finite rows dropped) hands the rule k − d inputs, possibly fewer
+than ⌈1/δ⌉. Keeping f protects those inputs whichever clients were lost (honest or Byzantine);
+where the rule's own bound (k ≥ 2f + 1, Krum k ≥ 2f + 3) no longer holds it is refused, and the
+server skips the step.
 """
 
 from __future__ import annotations
@@ -29,7 +30,7 @@ from contextvars import ContextVar
 
 from partialfl.aggregation.common import count, inner_delta
 
-_CHECKED: ContextVar[bool] = ContextVar("partialfl_cohort_checked", default=False)
+_CHECKED: ContextVar[int | None] = ContextVar("partialfl_cohort_checked", default=None)
 _WARNED: set[tuple] = set()
 
 
@@ -42,18 +43,14 @@ class UnprotectedWarning(UserWarning):
 
 
 @contextlib.contextmanager
-def cohort_checked():
-    """Rules called inside skip their per-call check (see the module docstring)."""
-    token = _CHECKED.set(True)
+def cohort_checked(f: int):
+    """Rules with δ > 0 called inside tolerate at least ``f`` Byzantine inputs (the planned
+    cohort's f; see the module docstring)."""
+    token = _CHECKED.set(int(f))
     try:
         yield
     finally:
         _CHECKED.reset(token)
-
-
-def in_checked_cohort() -> bool:
-    """True inside :func:`cohort_checked`."""
-    return _CHECKED.get()
 
 
 def min_inputs(delta: float) -> int | float:
@@ -67,12 +64,14 @@ def min_inputs(delta: float) -> int | float:
 
 
 def check(name: str, delta: float, k: int, allow_unprotected: bool, extra: int = 1) -> int:
-    """f = ⌊δk⌋ after checking that the rule ``name`` protects anything at k: refuses δ > 0
-    with f = 0, and k < 2f + ``extra`` (the rule's own bound), with an
+    """f = ⌊δk⌋ (at least the planned f inside :func:`cohort_checked`) after checking that the
+    rule ``name`` protects anything at k: refuses δ > 0 with f = 0, and k < 2f + ``extra``
+    (the rule's own bound), with an
     :class:`UnprotectedError` (a warning, once, when ``allow_unprotected``)."""
     f = count(delta, k)
-    if _CHECKED.get():
-        return f
+    planned = _CHECKED.get()
+    if planned is not None and delta > 0:
+        f = max(f, planned)
     if delta > 0 and f == 0:
         problem = (f"{name}: with delta = {delta:g} and k = {k} inputs, f = ⌊δk⌋ = 0: the rule "
                    f"tolerates no Byzantine input (one huge input passes through); it needs "

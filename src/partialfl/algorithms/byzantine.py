@@ -33,10 +33,12 @@ Protection (:mod:`partialfl.aggregation.protection`) is checked where it can fai
 ``init`` refuses a Byzantine fraction (of all clients) above the aggregator's δ and, given
 ``clients_per_round``, a cohort size in which the aggregator tolerates no Byzantine client
 (e.g. 5 clients per round with δ = 0.1: ⌊0.5⌋ = 0). Each round checks the cohort as it
-arrived, before non-finite rows are dropped (a client sending NaN never makes the rule refuse):
-a cohort as large as planned (``clients_per_round``, else the first round's) that is not
-protected is refused; a smaller one (clients failed) is aggregated with a warning and counted,
-so a failing client cannot stop the run. ``allow_unprotected=True`` (here for the fraction, on
+arrived, after non-finite rows are dropped: a cohort as large as planned
+(``clients_per_round``, else the first round's) that is not protected is refused; with fewer
+usable updates (clients failed or sent non-finite rows) the rule keeps the planned cohort's f
+(:func:`~partialfl.aggregation.protection.cohort_checked`), so a failing client neither stops
+the run nor lets an attacker within δ through; where the rule's own bound no longer holds for
+that f, the round's step is skipped (θ kept), warned and counted. ``allow_unprotected=True`` (here for the fraction, on
 the rule for the cohort) turns the refusals into warnings. Byzantine clients under the plain
 mean (a baseline: it tolerates none) run with a warning.
 """
@@ -215,7 +217,6 @@ class ByzantineRobust(AlgorithmWrapper):
         updates = self.corrupt(updates, ctx)
         cohort = np.asarray(updates.cohort)
         extra = dict(state.extra)
-        f = self._protection(len(cohort), extra, ctx.round)
         byz = int(np.isin(cohort, self._byz).sum())
         mat, _ = flatten_stacked(updates.vectors)
         ok = finite_rows(mat)
@@ -224,6 +225,9 @@ class ByzantineRobust(AlgorithmWrapper):
                 ok &= finite_rows(flatten_stacked(tree)[0])
         dropped = int((~ok).sum())
         extra["byz_dropped"] = extra.get("byz_dropped", 0) + dropped
+        run, f = self._protection(int(ok.sum()), len(cohort), extra, ctx.round)
+        if not run:  # too few usable updates left for the planned f: θ kept
+            return ServerState(state.theta, state.opt_state, state.round + 1, extra)
         if f is not None and byz > f:
             extra["byz_excess"] = extra.get("byz_excess", 0) + 1
             warn_once(f"{self.name}: round {ctx.round}: {byz} Byzantine clients among the "
@@ -247,7 +251,7 @@ class ByzantineRobust(AlgorithmWrapper):
                 return ServerState(state.theta, state.opt_state, state.round + 1, extra)
             rule = at_row(rule, int(rows[0]))
         server = with_aggregator(self.base, rule)
-        with cohort_checked():  # checked as sent; the rows dropped above never refuse
+        with cohort_checked(f or 0):  # the planned f, whichever clients were lost
             new = server.server_update(ServerState(state.theta, state.opt_state, state.round,
                                                    extra), kept, ctx)
         if not _all_finite(new.theta):
@@ -256,22 +260,31 @@ class ByzantineRobust(AlgorithmWrapper):
         return new
 
 
-    def _protection(self, k: int, extra: dict, round_: int) -> int | None:
-        """What the aggregator tolerates among the k clients that replied: refused when k is
-        the planned size (the configuration cannot be protected), counted and warned about
-        when fewer clients replied than planned."""
-        planned = extra.setdefault("byz_cohort", k)
+    def _protection(self, k: int, replied: int, extra: dict, round_: int
+                    ) -> tuple[bool, int | None]:
+        """``(aggregate?, f)`` for the k usable (finite) updates of the ``replied`` clients. A
+        cohort as planned (``clients_per_round``, else the first round's) that the rule cannot
+        protect is refused. With fewer usable updates (clients failed, rows dropped) the rule
+        keeps the planned f, so it protects the k left whichever clients were lost (⌊δk⌋
+        alone could be 0: one attacker within δ would move θ anywhere); where the rule cannot
+        tolerate f among k the round's step is skipped (θ kept), warned and counted."""
+        planned = extra.setdefault("byz_cohort", replied)
+        if k >= planned:
+            return True, tolerated(self.aggregator, k)
+        f_plan = tolerated(self.aggregator, planned)
+        if f_plan is None:  # a rule without δ (mean, CM, GM, CC): nothing planned to keep
+            return True, None
         try:
-            return tolerated(self.aggregator, k)
+            with cohort_checked(f_plan):
+                return True, tolerated(self.aggregator, k)
         except UnprotectedError as e:
-            if k >= planned:
-                raise
             extra["byz_unprotected"] = extra.get("byz_unprotected", 0) + 1
             warn_once(f"{self.name}: round {round_}: only {k} of the {planned} clients of the "
-                      f"cohort replied, running unprotected (counted in state.extra"
-                      f"['byz_unprotected']): {e}", ("byz_unprotected", id(self)))
-            with cohort_checked():
-                return tolerated(self.aggregator, k)
+                      f"cohort sent a usable update, too few for the robust rule to tolerate "
+                      f"the planned f = {f_plan}, so the round's step is skipped and θ kept "
+                      f"(counted in state.extra['byz_unprotected']; plan a larger cohort for "
+                      f"slack): {e}", ("byz_unprotected", id(self)))
+            return False, f_plan
 
 
 def _all_finite(tree: Params) -> bool:
