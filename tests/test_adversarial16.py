@@ -122,3 +122,63 @@ def test_a_reply_with_a_long_message_type_never_breaks_the_audit(loopback, tmp_p
     report = run_server(Grid(2), ls_run(2, eval_every=1, audit_dir=str(audit)))
     assert report.server_steps == 2 and not report.aborted
     assert len(list(audit.glob("*.bin"))) == 2 + 2 * 2 + 2 * 3  # describe, train, evaluate
+
+
+# -- area 2: a SecAgg+ masked-vector reply missing Flower's FitRes records -------------------
+def _drop(key):
+    def fn(content):
+        del content[key]
+    return fn
+
+
+def _masked_as_floats(content):
+    from flwr.common import bytes_to_ndarray, ndarray_to_bytes
+    from flwr.common.secure_aggregation.secaggplus_constants import RECORD_KEY_CONFIGS, Key
+
+    cfg = content[RECORD_KEY_CONFIGS]
+    cfg[Key.MASKED_PARAMETERS] = [ndarray_to_bytes(bytes_to_ndarray(b).astype(np.float64))
+                                  for b in cfg[Key.MASKED_PARAMETERS]]
+
+
+def _status_code(content):
+    from flwr.app import ConfigRecord
+
+    content["fitres.status"] = ConfigRecord({"code": "zz", "message": ""})
+
+
+_SECAGG_XFAIL = pytest.mark.xfail(
+    strict=True, reason="adv16: check_reply checks that a masked-vector reply has no record "
+    "beyond a FitRes's, not that fitres.num_examples / fitres.status / fitres.parameters are "
+    "there and well-formed: Flower's workflow then raises, every SecAgg+ round fails and "
+    "every partition is recorded invalid (the run aborts)")
+
+
+@pytest.mark.parametrize("tamper", [
+    pytest.param(_drop("fitres.num_examples"), id="no-num-examples", marks=_SECAGG_XFAIL),
+    pytest.param(_drop("fitres.status"), id="no-status", marks=_SECAGG_XFAIL),
+    pytest.param(_drop("fitres.parameters"), id="no-parameters", marks=_SECAGG_XFAIL),
+    pytest.param(_status_code, id="bad-status-code", marks=_SECAGG_XFAIL),
+    pytest.param(_masked_as_floats, id="float-masked-vectors"),  # refused by check_reply: held
+])
+def test_one_node_with_a_malformed_secagg_reply_is_its_own_failure(loopback, tamper):
+    """SecAgg+ over 3 SuperNodes: partition 1's masked-vector reply without
+    ``fitres.num_examples`` (or ``fitres.status`` / ``fitres.parameters``, or with a status
+    code that is not a Code) passed :func:`partialfl.flower.secagg.check_reply` — it checks
+    only that no other record is there — and Flower's workflow raised KeyError / ValueError
+    on it: ``secagg_round`` then records the failed round against *every* partition, every
+    round, and the run aborts. A reply the check refuses (here: masked vectors as floats) is
+    that node's dropout, and the other two nodes' round goes on. Expected for all: only
+    partition 1 is counted, the run finishes."""
+    from flwr.common.secure_aggregation.secaggplus_constants import RECORD_KEY_CONFIGS, Key
+
+    from partialfl.flower.server import run_server
+
+    def hostile(partition, mtype, content):
+        if (partition == 1 and RECORD_KEY_CONFIGS in content.keys()
+                and Key.MASKED_PARAMETERS in content[RECORD_KEY_CONFIGS].keys()):
+            tamper(content)
+
+    run = ls_run(2, 5, secagg=True, secagg_clip=64.0, spec={"max_failure_fraction": 0.9})
+    report = run_server(loopback(3, tamper=hostile), run)
+    assert report.server_steps == 2 and not report.aborted
+    assert report.failures and {f.partition for f in report.failures} == {1}
