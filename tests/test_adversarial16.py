@@ -17,21 +17,26 @@ def _theta0(kind):
         return {"zzz": np.zeros(10)}
     if kind == "shape":
         return {"theta": np.zeros(3)}
+    if kind == "values":
+        return {"theta": np.full(10, 1e300)}  # finite
     return {"theta": np.zeros(10, dtype=np.float16)}  # θ of the spec's problem is float64
 
 
 @pytest.mark.xfail(strict=True, reason="adv16: θ⁰ sent by partition 0 is not checked against "
-                   "the server's own closed-form problem (names, shapes, dtype): KeyError / "
-                   "ValueError traceback in the ServerApp, or every honest node refused")
-@pytest.mark.parametrize("kind", ["names", "shape", "dtype"])
-def test_an_initial_model_unlike_the_servers_problem_is_one_line_naming_it(loopback, kind):
+                   "the server's own closed-form problem (names, shapes, dtype, values): "
+                   "KeyError / ValueError traceback in the ServerApp, or every honest node "
+                   "refused and the run aborted blaming all partitions")
+@pytest.mark.parametrize("kind", ["names", "shape", "dtype", "values"])
+def test_an_initial_model_unlike_the_servers_problem_is_refused_or_ignored(loopback, kind):
     """A closed-form run: the ServerApp rebuilds the problem (``server_parts``), so it knows
-    θ's leaves, shapes and dtype; yet the θ⁰ that the node claiming partition 0 sends is only
-    checked to be finite floats. Other leaf names crashed the ServerApp with ``KeyError:
-    'theta'`` (closed_form_metrics), another shape with a numpy broadcast ValueError, a float16
-    θ⁰ made θ float16 so every honest node's reply was refused and the run aborted blaming
-    all partitions. Expected: the description refused with one line naming the initial model
-    (or the run refused before its first round), never a traceback of another kind."""
+    θ's leaves, shapes and dtype — and θ⁰ itself (``problem.init_theta(generator(seed,
+    "init"))``, what every node computes) — yet it takes the θ⁰ that the node claiming
+    partition 0 sends, checked only to be finite floats. Other leaf names crashed the
+    ServerApp with ``KeyError: 'theta'`` (closed_form_metrics), another shape with a numpy
+    broadcast ValueError; a float16 θ⁰ made θ float16 and a 1e300 θ⁰ made every update
+    non-finite, so every honest node's reply was refused and the run aborted blaming all
+    partitions. Expected: either the description is refused with one line naming the initial
+    model, or the server's own θ⁰ is used (the run equals the clean one)."""
     from flwr.app import RecordDict
 
     from partialfl.flower.codec import params_to_record
@@ -41,10 +46,15 @@ def test_an_initial_model_unlike_the_servers_problem_is_one_line_naming_it(loopb
         if partition == 0 and mtype == "query.describe":
             content["theta0"] = params_to_record(_theta0(kind))
 
-    with pytest.raises((RuntimeError, ValueError)) as e:
-        run_server(loopback(2, tamper=tamper), ls_run(2, eval_every=1))
-    assert not isinstance(e.value, KeyError)
-    assert "initial model" in str(e.value) and "\n" not in str(e.value)
+    run = ls_run(2, eval_every=1)
+    clean = run_server(loopback(2), run)
+    try:
+        report = run_server(loopback(2, tamper=tamper), run)
+    except (RuntimeError, ValueError) as e:  # (a KeyError is neither)
+        assert "initial model" in str(e) and "\n" not in str(e), str(e)
+        return
+    assert not report.aborted and not report.failures
+    np.testing.assert_array_equal(report.theta["theta"], clean.theta["theta"])
 
 
 # -- area 3: BR-FFGG after an honest client fails --------------------------------------------
