@@ -65,10 +65,6 @@ class _Send:
         return np.full_like(own, 1e30)
 
 
-@pytest.mark.xfail(strict=True, reason="adv16: ByzantineRobust runs the rule unprotected "
-                   "(f = 0, a warning only) when one honest client of a planned k = ⌈1/δ⌉ "
-                   "cohort fails, so one attacker within δ moves θ to ~1e28 without "
-                   "allow_unprotected; the plain path skips the step instead")
 @pytest.mark.parametrize("rule", ["tm", "meamed", "mda"])
 @pytest.mark.parametrize("how", ["raise", "nan"])
 def test_one_failing_honest_client_never_lets_an_attacker_within_delta_through(rule, how):
