@@ -1,6 +1,6 @@
 """Adversarial round 16 (issue 21, tried again from scratch): regression tests of what broke.
 
-Each test is marked ``xfail(strict=True)`` until the lead fixes it (see the reason)."""
+Each test failed on the code before its fix (checked with ``--runxfail``)."""
 
 from __future__ import annotations
 
@@ -22,10 +22,6 @@ def _theta0(kind):
     return {"theta": np.zeros(10, dtype=np.float16)}  # θ of the spec's problem is float64
 
 
-@pytest.mark.xfail(strict=True, reason="adv16: θ⁰ sent by partition 0 is not checked against "
-                   "the server's own closed-form problem (names, shapes, dtype, values): "
-                   "KeyError / ValueError traceback in the ServerApp, or every honest node "
-                   "refused and the run aborted blaming all partitions")
 @pytest.mark.parametrize("kind", ["names", "shape", "dtype", "values"])
 def test_an_initial_model_unlike_the_servers_problem_is_refused_or_ignored(loopback, kind):
     """A closed-form run: the ServerApp rebuilds the problem (``server_parts``), so it knows
@@ -97,14 +93,7 @@ def test_one_failing_honest_client_never_lets_an_attacker_within_delta_through(r
 
 
 # -- area 2: the message audit names its files by what a SuperNode claims ---------------------
-_AUDIT_XFAIL = pytest.mark.xfail(
-    strict=True, reason="adv16: MessageAudit names each file by the reply's own message_type "
-    "(set by the SuperNode, unbounded): a 300-character type is an OSError (File name too "
-    "long) that ends the ServerApp")
-
-
-@pytest.mark.parametrize("mtype", [pytest.param("x" * 300, marks=_AUDIT_XFAIL),
-                                   pytest.param("é" * 200, marks=_AUDIT_XFAIL), "train"])
+@pytest.mark.parametrize("mtype", ["x" * 300, "é" * 200, "train"])
 def test_a_reply_with_a_long_message_type_never_breaks_the_audit(loopback, tmp_path, mtype):
     """With run-config ``audit-dir`` every received message is written to
     ``NNNNNN-TYPE-NODE.bin``, TYPE the reply's ``metadata.message_type`` with non-alphanumeric
@@ -152,18 +141,11 @@ def _status_code(content):
     content["fitres.status"] = ConfigRecord({"code": "zz", "message": ""})
 
 
-_SECAGG_XFAIL = pytest.mark.xfail(
-    strict=True, reason="adv16: check_reply checks that a masked-vector reply has no record "
-    "beyond a FitRes's, not that fitres.num_examples / fitres.status / fitres.parameters are "
-    "there and well-formed: Flower's workflow then raises, every SecAgg+ round fails and "
-    "every partition is recorded invalid (the run aborts)")
-
-
 @pytest.mark.parametrize("tamper", [
-    pytest.param(_drop("fitres.num_examples"), id="no-num-examples", marks=_SECAGG_XFAIL),
-    pytest.param(_drop("fitres.status"), id="no-status", marks=_SECAGG_XFAIL),
-    pytest.param(_drop("fitres.parameters"), id="no-parameters", marks=_SECAGG_XFAIL),
-    pytest.param(_status_code, id="bad-status-code", marks=_SECAGG_XFAIL),
+    pytest.param(_drop("fitres.num_examples"), id="no-num-examples"),
+    pytest.param(_drop("fitres.status"), id="no-status"),
+    pytest.param(_drop("fitres.parameters"), id="no-parameters"),
+    pytest.param(_status_code, id="bad-status-code"),
     pytest.param(_masked_as_floats, id="float-masked-vectors"),  # refused by check_reply: held
 ])
 def test_one_node_with_a_malformed_secagg_reply_is_its_own_failure(loopback, tamper):

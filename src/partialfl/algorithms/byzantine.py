@@ -38,9 +38,9 @@ arrived, after non-finite rows are dropped: a cohort as large as planned
 usable updates (clients failed or sent non-finite rows) the rule keeps the planned cohort's f
 (:func:`~partialfl.aggregation.protection.cohort_checked`), so a failing client neither stops
 the run nor lets an attacker within δ through; where the rule's own bound no longer holds for
-that f, the round's step is skipped (θ kept), warned and counted. ``allow_unprotected=True`` (here for the fraction, on
-the rule for the cohort) turns the refusals into warnings. Byzantine clients under the plain
-mean (a baseline: it tolerates none) run with a warning.
+that f, the round's step is skipped (θ kept), warned and counted. ``allow_unprotected=True``
+(here for the fraction, on the rule for the cohort) turns the refusals into warnings.
+Byzantine clients under the plain mean (a baseline: it tolerates none) run with a warning.
 """
 
 from __future__ import annotations

@@ -243,9 +243,8 @@ class LocalFederation:
 
     def revive(self) -> bool:
         """Restart the SuperLink (same port and state) and the SuperNodes that died; whether
-        anything was restarted. A SuperLink restart restarts every SuperNode too: a node that
-        held a message of the dead run can stay blocked on it for minutes (a SuperNode pushes
-        that message's reply before it pulls the next), so it missed the resumed run."""
+        anything was restarted. With the SuperLink every SuperNode restarts: one that held a
+        message of the dead run could stay blocked on it for minutes, missing the new run."""
         did = False
         if not self.alive("superlink"):
             self._start_superlink()

@@ -40,7 +40,9 @@ class MessageAudit:
         from partialfl import io as pio
 
         blob = b"".join(o.deflate() for o in get_all_nested_objects(m).values())
-        kind = "".join(c if c.isalnum() else "_" for c in m.metadata.message_type)
+        # the type is the node's to set (unchecked, unbounded): ASCII, 40 characters at most
+        kind = "".join(c if c.isascii() and c.isalnum() else "_"
+                       for c in str(m.metadata.message_type)[:40])
         pio.write_bytes(self.folder / f"{self.count:06d}-{kind}-{m.metadata.src_node_id}.bin",
                         blob)
         self.count += 1

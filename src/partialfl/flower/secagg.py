@@ -253,6 +253,11 @@ def _check_reply(request, content, shapes, bytes_to_public_key, bytes_to_ndarray
         if keys - {RECORD_KEY_CONFIGS, "fitres.metrics", "fitres.num_examples",
                    "fitres.parameters", "fitres.status"}:
             raise WireFormatError(f"SecAgg+ reply records {sorted(keys)[:8]} are not a FitRes")
+        # every FitRes record there and well-formed, as Flower's workflow reads them (else it
+        # raises inside the workflow, and the round fails for every node)
+        from flwr.compat.common.recorddict_compat import recorddict_to_fitres
+
+        recorddict_to_fitres(content, keep_input=True)
     elif stage == Stage.UNMASK:
         nids = entry(Key.NODE_ID_LIST, int)
         entry(Key.SHARE_LIST, bytes, len(nids))

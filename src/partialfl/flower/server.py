@@ -27,6 +27,7 @@ from flwr.app import Context
 from flwr.serverapp import Grid, ServerApp
 
 from partialfl import arrays
+from partialfl import rng as prng
 from partialfl.flower.config import ConfigError, parse_run_config
 from partialfl.flower.federation import Link, MessageHook, ServerProblem, describe, wait_for_nodes
 from partialfl.flower.jobs import ASYNC_CHECKPOINT, async_checkpoint, run_async
@@ -59,8 +60,12 @@ def run_server(grid: Grid, run_config: dict[str, Any], *,
         if len(fed.nodes) < 2:
             raise ConfigError("secagg: SecAgg+ needs at least 2 SuperNodes (the sum of one "
                               "node's updates is that node's)")
+    # θ⁰ of a closed form is the server's own (what every node computes from the public seed),
+    # never what the node claiming partition 0 sent; a model's comes from partition 0
+    theta0 = (fed.theta0 if ref is None else
+              ref.init_theta(prng.generator(cfg.seed, "init")))
     state = algorithm.init(ref if ref is not None else ServerProblem(
-        fed.num_clients, fed.examples, fed.theta0), fed.theta0)
+        fed.num_clients, fed.examples, theta0), theta0)
     report = FlowerRunReport({**cfg.to_run_config(), "spec": cfg.run.to_dict()}, state.theta,
                              failures=list(fed.failures),
                              nodes=[{"node": n, **i} for n, i in fed.nodes.items()],
