@@ -298,3 +298,39 @@ def test_too_few_usable_updates_for_the_planned_f_skip_the_step(problem):
     assert res.state.extra["byz_unprotected"] == 1 and res.state.round == 3
     assert np.isfinite(res.state.theta["theta"]).all()
     assert np.abs(res.state.theta["theta"]).max() < 1e3
+
+
+def test_the_sync_runtime_keeps_the_planned_f_when_clients_fail(problem):
+    """FFGG with a trimmed mean (δ = 0.1) and 10 clients per round (f = 1): a client failing
+    in round 1 leaves 9 (⌊0.9⌋ = 0). The runtime runs the rule with the planned f = 1 — the
+    round steps (it used to be skipped) and the rule still trims one input from each side."""
+    from partialfl.aggregation import TrimmedMean
+    from partialfl.aggregation.protection import tolerated
+    from partialfl.algorithms.ffgg import FFGG
+    from partialfl.runtime.faults import FaultInjector
+    from partialfl.runtime.sync import sample_cohort
+    from partialfl.server import SGD
+
+    seen: list[tuple[int, int]] = []
+
+    class Spy:
+        weighted = False
+
+        def __init__(self) -> None:
+            self.inner = TrimmedMean(delta=0.1)
+
+        def tolerated(self, k: int) -> int:
+            return self.inner.tolerated(k)
+
+        def __call__(self, vectors, weights=None):
+            seen.append((len(vectors), tolerated(self.inner, len(vectors))))
+            return self.inner(vectors, weights)
+
+    alg = FFGG(make_solver("exact"), SGD(lr=1 / problem.L), aggregator=Spy())
+    victim = int(sample_cohort(2, 1, 20, 10)[0])
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", UnprotectedWarning)
+        res = run_rounds(problem, FaultInjector(alg, at={(1, victim): "raise"}), 3,
+                         clients_per_round=10, seed=2)
+    assert res.state.round == 3 and "rounds_unprotected" not in res.state.extra
+    assert seen == [(10, 1), (9, 1), (10, 1)]

@@ -35,7 +35,12 @@ from typing import Any, Protocol, runtime_checkable
 import numpy as np
 
 from partialfl import rng as prng
-from partialfl.aggregation.protection import UnprotectedError, UnprotectedWarning
+from partialfl.aggregation.protection import (
+    UnprotectedError,
+    UnprotectedWarning,
+    cohort_checked,
+    tolerated,
+)
 from partialfl.algorithms.base import Algorithm, RoundContext, ServerState, concat_results
 from partialfl.batching import Executor
 from partialfl.runtime.checkpoint import (  # noqa: F401 - ResumeError: part of this API
@@ -376,12 +381,20 @@ def run_sync(run: Run) -> RunResult:
 
 
 def _step(algorithm, state: ServerState, updates, ctx, sampled: int, r: int) -> ServerState:
-    """The server step of round ``r``. When failed clients were dropped and the robust rule
-    no longer protects the k that remain, the round's step is skipped (θ stays), warned and
-    counted in ``state.extra['rounds_unprotected']``, as a round that lost every client: a
-    failing client is never fatal. With the whole cohort the rule's refusal stands."""
+    """The server step of round ``r``. When failed clients were dropped, a robust rule keeps
+    the f it tolerates among the ``sampled`` cohort (:func:`~partialfl.aggregation.protection.
+    cohort_checked`: protected whichever clients failed); where it cannot tolerate that f among
+    the k left, the round's step is skipped (θ stays), warned and counted in
+    ``state.extra['rounds_unprotected']``, as a round that lost every client: a failing client
+    is never fatal. With the whole cohort the rule's refusal stands."""
     try:
-        return algorithm.server_update(state, updates, ctx)
+        f = None
+        if len(updates.cohort) < sampled:
+            f = tolerated(getattr(algorithm, "aggregator", None), sampled)
+        if f is None:
+            return algorithm.server_update(state, updates, ctx)
+        with cohort_checked(f):
+            return algorithm.server_update(state, updates, ctx)
     except UnprotectedError as e:
         if len(updates.cohort) >= sampled:
             raise
