@@ -125,3 +125,45 @@ def test_a_reused_process_pool_never_runs_a_stale_copy_of_the_algorithm():
     want = run_rounds(p, alg, 1, clients_per_round=2, seed=0)
     np.testing.assert_allclose(got.state.theta["theta"], want.state.theta["theta"],
                                rtol=1e-12, atol=1e-12)
+
+
+# -- area 3 on Flower: an honest node's failure lowers f below the planned one -----------------
+def _hostile_and_crashed(partition, mtype, content):
+    from flwr.app import Array
+
+    if mtype != "train":
+        return
+    if partition == 0:  # hostile: two of its rows (2 of the 8 clients: the fraction δ) huge
+        a = content["vectors"]["theta"].numpy().copy()
+        a[:2] = 1e30
+        content["vectors"]["theta"] = Array(a)
+    if partition == 1:  # honest, but its reply is broken (a crash): a counted failure
+        del content["vectors"]
+
+
+@pytest.mark.xfail(strict=True, reason="adv17: the Flower ServerApp's robust rule (no "
+                   "ByzantineRobust) takes f = ⌊δk⌋ of the replies left after an honest node "
+                   "fails, not the planned f; runtime/sync.py _step skips only when the rule "
+                   "refuses, so a hostile node at δ moves θ to ~1e28")
+@pytest.mark.parametrize("rule", ["tm", "mda", "meamed"])
+def test_an_honest_nodes_failure_never_lets_a_hostile_node_within_delta_through(loopback, rule):
+    """3 SuperNodes, all 8 clients per round, ``aggregation = {name = rule, delta = 0.25}``:
+    the planned cohort tolerates f = ⌊0.25·8⌋ = 2 Byzantine rows, and partition 0 (hostile)
+    sends 2 rows of 1e30 — within δ; alone it is tolerated (θ ≈ 0.85 as clean). When the
+    honest partition 1 (3 clients) fails the same round, the server aggregates the k = 5 rows
+    left with f = ⌊1.25⌋ = 1, and the two huge rows pass: |θ| = 7e28 (tm), 1e29 (MDA),
+    5e28 (Meamed). Round 16 fixed this inside ``ByzantineRobust._protection`` (the planned f
+    under ``cohort_checked``), but the Flower ServerApp aggregates with the plain rule and
+    :func:`partialfl.runtime.sync._step` skips a step only when the rule *refuses* (f = 0).
+    Expected: the round's step skipped (θ kept) or the planned f kept — θ stays bounded."""
+    from _flower_sims import ls_run
+
+    from partialfl.flower.server import run_server
+
+    run = ls_run(3, 8, eval_every=0, spec={"aggregation": {"name": rule, "delta": 0.25},
+                                           "max_failure_fraction": 0.9})
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        report = run_server(loopback(3, tamper=_hostile_and_crashed), run)
+    assert {f.partition for f in report.failures} == {1}
+    assert np.abs(report.theta["theta"]).max() < 1e3
