@@ -1,6 +1,6 @@
 """Adversarial round 17 (issue 21, tried again from scratch): regression tests of what broke.
 
-Each test fails on the code before its fix (xfail strict until the lead fixes it)."""
+Each test failed on the code before its fix (checked with ``--runxfail``)."""
 
 from __future__ import annotations
 
@@ -18,9 +18,6 @@ class _Send:
 
 
 # -- area 3: a Byzantine fraction above the δ of a rule inside a wrapper -----------------------
-@pytest.mark.xfail(strict=True, reason="adv17: check_fraction compares the Byzantine fraction "
-                   "with the outermost δ of a wrapper chain (inner_delta), not the δ the chain "
-                   "tolerates: NNM(δ=0.3) around TM(δ=0.05) passes a fraction of 0.25")
 def test_a_fraction_above_the_inner_rules_delta_is_refused_through_a_wrapper():
     """``NearestNeighborMixing(TrimmedMean(δ=0.05), delta=0.3)`` with 5 of 20 clients
     Byzantine (fraction 0.25 > 0.05) and full participation: the chain tolerates
@@ -65,9 +62,6 @@ def _scaled_rows(factor):
     return tamper
 
 
-@pytest.mark.xfail(strict=True, reason="adv17: the Flower server takes a node's DP-clipped rows "
-                   "without checking ‖ũ_m‖ ≤ C (central DP, plain transport): one node moves θ "
-                   "without bound, the guarantee 'one client moves ū by at most C/k' fails")
 def test_central_dp_rows_above_the_clip_norm_are_refused_or_clipped(loopback):
     """Central DP (``[privacy] clip_norm = 1, noise_multiplier = 0.5``) over 2 SuperNodes,
     no SecAgg: the server sends C and each node must clip every row to ‖ũ_m‖ ≤ C
@@ -93,9 +87,6 @@ def test_central_dp_rows_above_the_clip_norm_are_refused_or_clipped(loopback):
 
 
 # -- area 1: a processes backend reused after the algorithm changed ----------------------------
-@pytest.mark.xfail(strict=True, reason="adv17: ProcessBackend reuses its pool while the problem "
-                   "and algorithm are the same objects (id), so workers keep a stale copy of a "
-                   "mutated algorithm: the second run silently computes with the old solver")
 def test_a_reused_process_pool_never_runs_a_stale_copy_of_the_algorithm():
     """``backend = ProcessBackend(1)`` passed to two ``run_rounds`` calls (a user's sweep in
     Python), the algorithm's fine-tuner changed in between (``alg.solver = cg(tau=5)``, a
@@ -141,10 +132,6 @@ def _hostile_and_crashed(partition, mtype, content):
         del content["vectors"]
 
 
-@pytest.mark.xfail(strict=True, reason="adv17: the Flower ServerApp's robust rule (no "
-                   "ByzantineRobust) takes f = ⌊δk⌋ of the replies left after an honest node "
-                   "fails, not the planned f; runtime/sync.py _step skips only when the rule "
-                   "refuses, so a hostile node at δ moves θ to ~1e28")
 @pytest.mark.parametrize("rule", ["tm", "mda", "meamed"])
 def test_an_honest_nodes_failure_never_lets_a_hostile_node_within_delta_through(loopback, rule):
     """3 SuperNodes, all 8 clients per round, ``aggregation = {name = rule, delta = 0.25}``:

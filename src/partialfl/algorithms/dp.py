@@ -38,9 +38,8 @@ Accounting (ε for δ from z, q and the rounds) is :mod:`partialfl.dp_accounting
 from __future__ import annotations
 
 import copy
-import dataclasses
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import numpy as np
 
@@ -397,13 +396,19 @@ class DifferentiallyPrivate(AlgorithmWrapper):
 
     # -- server --------------------------------------------------------------------------
     def server_update(self, state: ServerState, updates: ClientUpdates, ctx) -> ServerState:
-        """ū = (Σ ũ_m + N(0, z_Δ²C²))/k, then the base server step with ū for the mean
+        """ū = (Σ clip_C(ũ_m) + N(0, z_Δ²C²))/k, then the base server step with ū for the mean
         (and, adaptive, the new clip norm)."""
         if "staleness" in updates.metrics:
             raise ValueError("DP needs synchronous rounds (a noisy sum per round); it got an "
                              "asynchronous runtime's update")
         plan = self.plan(state.extra[NUM_CLIENTS])
         clip, k, n = self._clip(state), plan.denominator, len(updates.cohort)
+        if n and clip is not None and self.options.mode == "central":
+            # the sensitivity C holds whatever a client sent: rows beyond C (and rounding)
+            # are clipped here too; honest rows (‖ũ_m‖ ≤ C) are left bit for bit
+            norms = row_norms(updates.vectors)
+            s = np.where(norms > clip * (1 + 1e-5), clip_factors(norms, clip), 1.0)
+            updates = replace(updates, vectors=_scale_rows(updates.vectors, s))
         if n:
             agg = self.base.aggregate(updates)  # the mean of the n received rows
             if n != k:
@@ -479,7 +484,7 @@ def _dp(opts: DPOptions, ctx: WrapperContext) -> DifferentiallyPrivate:
         fill["rounds"] = ctx.rounds
     if opts.clients_per_round is None and ctx.clients_per_round:
         fill["clients_per_round"] = ctx.clients_per_round
-    return DifferentiallyPrivate(ctx.base, dataclasses.replace(opts, **fill) if fill else opts)
+    return DifferentiallyPrivate(ctx.base, replace(opts, **fill) if fill else opts)
 
 
 def local_noise_multiplier(algorithm, num_clients: int) -> float:

@@ -23,6 +23,8 @@ next round starts a new one.
 
 from __future__ import annotations
 
+import hashlib
+import pickle
 import weakref
 
 import numpy as np
@@ -63,6 +65,17 @@ class ClientsFailed(WorkerError):
         super().__init__(head + more)
 
 
+def algorithm_digest(algorithm, limit: int = 1 << 20) -> str | None:
+    """SHA-256 of the pickled algorithm (its configuration: a few hundred bytes, ~10 µs), or
+    None when it does not pickle or exceeds ``limit`` bytes (a pool then matches by identity
+    alone)."""
+    try:
+        blob = pickle.dumps(algorithm, protocol=pickle.HIGHEST_PROTOCOL)
+    except Exception:  # noqa: BLE001 - an algorithm that does not pickle (fork start)
+        return None
+    return hashlib.sha256(blob).hexdigest() if len(blob) <= limit else None
+
+
 class ProcessBackend(CohortRunner):
     """Runs a round's clients on ``workers`` worker processes (see the module docstring): a
     pool mode of :func:`partialfl.batching.map_clients` that runs :class:`ClientCall` s.
@@ -93,11 +106,18 @@ class ProcessBackend(CohortRunner):
         self.task_timeout, self.poll, self.max_respawns = task_timeout, poll, max_respawns
         self.own_session = own_session
         self._pool: WorkerPool | None = None
+        self._digest: str | None = None  # of the algorithm the pool's workers hold
         self._finalizer = None
 
     def _pool_for(self, problem, algorithm) -> WorkerPool:
-        if self._pool is None or not self._pool.fits(problem, algorithm):
+        """The open pool running ``problem`` and ``algorithm`` — the same objects, and the
+        algorithm unchanged since the workers copied it (a user's ``alg.solver = …`` between
+        two runs on one backend made them run the stale copy) — else a new one."""
+        digest = algorithm_digest(algorithm)
+        if self._pool is None or not self._pool.fits(problem, algorithm) or \
+                digest != self._digest:
             self.close()
+            self._digest = digest
             # never more workers than clients: the rest could never run one (workers =
             # 100000 once tried to start that many processes)
             n = min(self.workers, max(1, int(getattr(problem, "num_clients", self.workers))))
