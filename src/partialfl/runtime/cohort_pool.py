@@ -113,9 +113,10 @@ class ProcessBackend(CohortRunner):
         """The open pool running ``problem`` and ``algorithm`` — the same objects, and the
         algorithm unchanged since the workers copied it (a user's ``alg.solver = …`` between
         two runs on one backend made them run the stale copy) — else a new one."""
-        digest = algorithm_digest(algorithm)
-        if self._pool is None or not self._pool.fits(problem, algorithm) or \
-                digest != self._digest:
+        fits = self._pool is not None and self._pool.fits(problem, algorithm)
+        # an algorithm too large to fingerprint cheaply (None) is matched by identity only
+        digest = None if fits and self._digest is None else algorithm_digest(algorithm)
+        if not fits or digest != self._digest:
             self.close()
             self._digest = digest
             # never more workers than clients: the rest could never run one (workers =
