@@ -52,3 +52,36 @@ def test_one_hostile_client_within_delta_never_moves_theta_under_fedbuff(loopbac
             assert "\n" not in str(e)
             return
     assert np.abs(report.theta["theta"]).max() < 1e3
+
+
+# -- area 8: evaluate follows a run's config.json / metrics.json linked from elsewhere ---------
+@pytest.mark.xfail(strict=True, reason="adv18: evaluate confines only deploy.safetensors; it "
+                   "reads config.json and metrics.json through a symbolic link")
+@pytest.mark.parametrize("name", ["config.json", "metrics.json"])
+def test_evaluate_refuses_a_run_file_linked_from_outside_the_run(tmp_path, user_module, capsys,
+                                                                 name):
+    """Issue 21 (8): a symlinked ``deploy.safetensors`` made ``evaluate`` score a run outside
+    the folder; the fix (:func:`partialfl.pipeline.runs.confined`: "refuse a file a command
+    reads from a run folder (the deployed model, metrics, logs) … that is a symbolic link")
+    is applied by ``report`` and ``compare`` to ``metrics.json`` (adv13), but ``evaluate``
+    confines only the deploy file: :func:`partialfl.pipeline.evaluation.evaluate_run` then
+    reads ``config.json`` (the architecture, split, fine-tuning settings, seed) and
+    ``metrics.json`` (``finetune_choice``: the epochs and lr of stage 3) with
+    ``pio.read_json``, which follows links — so the scores come from settings outside the
+    run, exit 0. Expected: exit 2 with one line naming the symbolic link."""
+    from _user_project import client_folder, tiny_toml
+
+    from partialfl.cli import main
+
+    data = client_folder(tmp_path / "clients")
+    cfg = tiny_toml(tmp_path / "t.toml", user_module, data)
+    run = tmp_path / "run"
+    assert main(["train", str(cfg), "--out", str(run), "--no-progress"]) == 0
+    outside = tmp_path / "elsewhere.json"
+    outside.write_bytes((run / name).read_bytes())
+    (run / name).unlink()
+    (run / name).symlink_to(outside)
+    capsys.readouterr()
+    rc = main(["evaluate", str(run), "--no-progress"])
+    err = capsys.readouterr().err.strip()
+    assert rc == 2 and len(err.splitlines()) == 1 and "symbolic link" in err, (rc, err)
