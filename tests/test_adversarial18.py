@@ -1,6 +1,6 @@
 """Adversarial round 18 (issue 21, tried again from scratch): regression tests of what broke.
 
-Each test fails on the code it was written against (xfail, strict) until the defect is fixed."""
+Each test failed on the code it was written against (checked with ``--runxfail``)."""
 
 from __future__ import annotations
 
@@ -23,8 +23,6 @@ def _client0_huge(partition, mtype, content):
         content["vectors"]["theta"] = Array(a)
 
 
-@pytest.mark.xfail(strict=True, reason="adv18: FedBuff's buffer may hold several updates of "
-                   "one Byzantine client; the robust rule's f counts rows, not clients")
 def test_one_hostile_client_within_delta_never_moves_theta_under_fedbuff(loopback):
     """2 SuperNodes, 8 clients, ``[asynchronous] rule = {name = "fedbuff", buffer = 4}``,
     concurrency 1, ``[aggregation] name = "tm", delta = 0.25``: the trimmed mean tolerates
@@ -55,8 +53,6 @@ def test_one_hostile_client_within_delta_never_moves_theta_under_fedbuff(loopbac
 
 
 # -- area 8: evaluate follows a run's config.json / metrics.json linked from elsewhere ---------
-@pytest.mark.xfail(strict=True, reason="adv18: evaluate confines only deploy.safetensors; it "
-                   "reads config.json and metrics.json through a symbolic link")
 @pytest.mark.parametrize("name", ["config.json", "metrics.json"])
 def test_evaluate_refuses_a_run_file_linked_from_outside_the_run(tmp_path, user_module, capsys,
                                                                  name):
@@ -113,8 +109,6 @@ def _br_multi_krum(m, fail=()):
         return run_rounds(p, alg, 3, clients_per_round=10, seed=0)
 
 
-@pytest.mark.xfail(strict=True, reason="adv18: multi-krum's m > k − f is never refused: the "
-                   "attacker's row is averaged")
 def test_multi_krum_averaging_more_than_k_minus_f_rows_is_refused():
     """``[aggregation] name = "multi-krum", delta = 0.1, m = 10`` with 10 clients per round:
     f = ⌊0.1·10⌋ = 1, and averaging m = 10 > k − f = 9 rows takes every row, the attacker's
@@ -132,8 +126,6 @@ def test_multi_krum_averaging_more_than_k_minus_f_rows_is_refused():
     assert np.abs(res.state.theta["theta"]).max() < 1e3
 
 
-@pytest.mark.xfail(strict=True, reason="adv18: after honest failures multi-krum's fixed m "
-                   "exceeds k − f (planned f kept) and averages the attacker's row")
 def test_honest_failures_never_make_multi_krum_average_the_attacker():
     """Same run with m = 8 (≤ k − f = 9: protected; θ stays 0.8 without failures). Two honest
     clients fail every round: 8 rows are left, the planned f = 1 is kept
@@ -145,8 +137,6 @@ def test_honest_failures_never_make_multi_krum_average_the_attacker():
     assert np.abs(res.state.theta["theta"]).max() < 1e3
 
 
-@pytest.mark.xfail(strict=True, reason="adv18: honest failures below multi-krum's m raise a "
-                   "ValueError that stops the run (a failing client is never fatal)")
 def test_honest_failures_below_multi_krums_m_never_stop_the_run():
     """Same run with m = 8 and three honest clients failing every round: k = 7 < m and
     ``Krum.__call__`` raises ``ValueError: krum: cannot average m=8 of only k=7 inputs``,

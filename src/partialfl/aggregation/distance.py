@@ -70,7 +70,19 @@ class Krum:
         check_flag(self.allow_unprotected, "krum: allow_unprotected")
 
     def tolerated(self, k: int) -> int:
-        """f = ⌊δk⌋ (refused where it is 0 for δ > 0); Krum's guarantee needs k ≥ 2f + 3."""
+        """f = ⌊δk⌋ (refused where it is 0 for δ > 0); Krum's guarantee needs k ≥ 2f + 3,
+        and multi-Krum's a given m ≤ k − f (else an attacker's row is among the m averaged)."""
+        f = self._f(k)
+        if self.m is not None and self.m > k - f:
+            problem = (f"multi-krum: averaging m = {self.m} of k = {k} inputs, f = {f} of them "
+                       f"Byzantine, needs m ≤ k − f = {k - f}")
+            if not self.allow_unprotected:
+                raise UnprotectedError(f"{problem}; lower m, or pass allow_unprotected=True")
+            warn_once(f"{problem}; running unprotected (allow_unprotected=True)",
+                      ("multi-krum", k, self.m))
+        return f
+
+    def _f(self, k: int) -> int:
         f = check("krum", self.delta, k, self.allow_unprotected, extra=0)
         if f == 0 or k >= 2 * f + 3:
             return f
@@ -100,8 +112,8 @@ class Krum:
         X, _, restore = prepare(vectors, weights, "krum")
         k = len(X)
         m = k - self.tolerated(k) if self.m is None else self.m
-        if m > k:
-            raise ValueError(f"krum: cannot average m={m} of only k={k} inputs")
+        if m > k:  # allow_unprotected (tolerated refuses m > k − f otherwise)
+            m = k
         if k == 1:
             return restore(X[0].copy())
         sel = np.sort(np.argsort(self.scores(X), kind="stable")[:m])

@@ -28,6 +28,12 @@ from dataclasses import dataclass
 import numpy as np
 
 from partialfl import arrays
+from partialfl.aggregation.protection import (
+    UnprotectedError,
+    cohort_checked,
+    tolerated,
+    warn_once,
+)
 from partialfl.algorithms.base import Algorithm, ClientResult, ServerState, concat_results
 from partialfl.algorithms.context import WrapperContext
 from partialfl.algorithms.fedavg import LocalGD
@@ -129,9 +135,52 @@ class FedBuff(AlgorithmWrapper):
             return ServerState(state.theta, state.opt_state, state.round,
                                {**state.extra, "buffer": buffer})
         merged = concat_results([ClientResult(u) for u in buffer]).updates
-        new = self.base.server_update(state, merged, ctx)
+        f = tolerated(getattr(self.base, "aggregator", None), self.K)
+        if f is None:  # no robust rule: every buffered update counts
+            new = self.base.server_update(state, merged, ctx)
+        else:  # a robust rule counts clients: a client's rows in one buffer become one row
+            merged = _one_row_per_client(merged)  # (jobs go to idle clients, so one client
+            try:  # can fill several slots), and the K-row plan's f is kept among them
+                with cohort_checked(f):
+                    new = self.base.server_update(state, merged, ctx)
+            except UnprotectedError as e:
+                warn_once(f"{self.name}: {len(merged.cohort)} distinct clients in a buffer of "
+                          f"{self.K}, too few for the robust rule to tolerate f = {f}; the "
+                          f"step is skipped (θ kept; state.extra['rounds_unprotected']): {e}",
+                          ("fedbuff-unprotected", id(self)))
+                n = state.extra.get("rounds_unprotected", 0) + 1
+                new = ServerState(state.theta, state.opt_state, state.round + 1,
+                                  {**state.extra, "rounds_unprotected": n})
         new.extra["buffer"] = ()
         return new
+
+
+def _one_row_per_client(u: ClientUpdates) -> ClientUpdates:
+    """The updates with every client's rows replaced by their mean (first-arrival order)."""
+    rows: dict[int, list[int]] = {}
+    for i, m in enumerate(np.asarray(u.cohort).tolist()):
+        rows.setdefault(int(m), []).append(i)
+    if all(len(r) == 1 for r in rows.values()):
+        return u
+
+    def mean(x, c: int):  # divide first: huge finite rows must not overflow the sum
+        return (x / c).sum(0, keepdims=True) if isinstance(x, np.ndarray) else \
+            (x / c).sum(0, keepdim=True)
+
+    parts = []
+    for idx in rows.values():
+        one = u.select(np.asarray(idx))
+        if len(idx) > 1:
+            c = len(idx)
+            one = ClientUpdates({n: mean(v, c) for n, v in one.vectors.items()},
+                                np.asarray(one.weights).sum(keepdims=True), one.cohort[:1],
+                                one.grad_evals,
+                                {n: np.asarray(v).mean(keepdims=True).reshape(1)
+                                 for n, v in one.metrics.items()},
+                                {e: {n: mean(v, c) for n, v in t.items()}
+                                 for e, t in one.extra.items()})
+        parts.append(ClientResult(one))
+    return concat_results(parts).updates
 
 
 @dataclass(frozen=True)

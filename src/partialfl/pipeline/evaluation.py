@@ -30,6 +30,7 @@ from partialfl.algorithms.base import Algorithm, RoundContext, ServerState
 from partialfl.algorithms.ditto import personal_models
 from partialfl.local.sgd import SGDConfig, run_sgd
 from partialfl.pipeline.files import deployed_split, read_deploy
+from partialfl.pipeline.runs import confined
 from partialfl.problems.model import ModelProblem, accuracy, cross_entropy
 from partialfl.spec import RunSpec
 from partialfl.split import Split, make_split
@@ -199,6 +200,8 @@ def evaluate_run(run_dir: str | Path, data, *, model_fn: Callable[[int], nn.Modu
     from ``deploy.safetensors`` (no code is loaded from the run folder)."""
     run_dir = Path(run_dir)
     read_deploy(run_dir)  # a clear error first if the run is unfinished or the file unsafe
+    # its spec and stage-3 choice are read too: from this run, not through a link out of it
+    confined(run_dir, [run_dir / "config.json", run_dir / "metrics.json"])
     cfg = RunSpec.from_dict(
         {k: v for k, v in pio.read_json(run_dir / "config.json").items() if k != "task"})
     split, theta, w_pre = deployed_split(run_dir, cfg, model_fn, split_fn)

@@ -110,7 +110,8 @@ class AsyncSpec(_Spec):
     {scale, shape}), device speeds log-normal with ``speed_sigma`` (0: all equal);
     ``rounds`` of the stage count applied updates. A robust aggregation rule is checked at
     the updates one step aggregates (1 under fedasync, K under fedbuff), so fedasync
-    refuses it unless ``allow_unprotected``."""
+    refuses it unless ``allow_unprotected``; under fedbuff it counts clients: a client's
+    updates in one buffer are averaged into one row, the K-update plan's f kept."""
 
     rule: Component = comp("wrapper", "fedasync", "fedasync {staleness, a, b} or fedbuff "
                            "{buffer, staleness, a, b}")
