@@ -18,9 +18,6 @@ def _zero_weights(partition, mtype, content):
     upd["weights"] = [0.0 for _ in upd["weights"]]  # its own clients' weights: 0 (allowed)
 
 
-@pytest.mark.xfail(strict=True, reason="adv19: central DP averages with weights a node "
-                   "chooses ([aggregation] mean weighted = true is accepted), so one node's "
-                   "zero weights raise the honest clients' coefficient above 1/k")
 def test_a_node_never_changes_an_honest_clients_share_of_the_dp_sum(loopback):
     """``[privacy] dp`` central (clip_norm = 1, noise 0 to see the sum), ``[aggregation]
     name = "mean", weighted = true`` — accepted: :class:`~partialfl.algorithms.dp.
@@ -60,9 +57,6 @@ class _Send:
         return np.full_like(own, 1e30)
 
 
-@pytest.mark.xfail(strict=True, reason="adv19: CM and GM ignore cohort_checked (their "
-                   "tolerated is (k-1)//2 of the rows left), so honest failures make them "
-                   "average an attacker the planned cohort tolerated")
 @pytest.mark.parametrize("rule", ["cm", "gm"])
 def test_honest_failures_never_make_a_median_average_the_attackers(rule):
     """BR-FFGG, 5 clients all per round, ``[aggregation] name = "cm"`` (or ``"gm"``),

@@ -293,7 +293,7 @@ def test_too_few_usable_updates_for_the_planned_f_skip_the_step(problem):
     lost = [int(m) for m in sample_cohort(2, 1, 20, 5) if int(m) != 0][:3]
     run = FaultInjector(alg, at={(1, m): "raise" for m in lost})
     with pytest.warns(UnprotectedWarning, match=r"round 1: only 2 of the 5 clients .* planned "
-                      r"f = 1, so the round's step is skipped"):
+                      r"f = 1: .* the round's step is skipped"):
         res = run_rounds(problem, run, 3, clients_per_round=5, seed=2)
     assert res.state.extra["byz_unprotected"] == 1 and res.state.round == 3
     assert np.isfinite(res.state.theta["theta"]).all()

@@ -22,7 +22,7 @@ import numpy as np
 
 from partialfl.aggregation.common import check_delta, mean_into, mean_rows, prepare
 from partialfl.aggregation.compose import register_rule
-from partialfl.aggregation.protection import check, check_flag
+from partialfl.aggregation.protection import check, check_flag, majority
 
 #: bytes of one block of columns (k rows × width float64) sorted or filtered at a time
 _BLOCK_BYTES = 1 << 21
@@ -169,7 +169,7 @@ class CoordinateMedian:
 
     def tolerated(self, k: int) -> int:
         """⌊(k − 1)/2⌋: the median stays between honest values while they are a majority."""
-        return (k - 1) // 2
+        return majority("coordinate-wise median", k)
 
     def __call__(self, vectors, weights=None):
         X, _, restore = prepare(vectors, weights, "coordinate-wise median")

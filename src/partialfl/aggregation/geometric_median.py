@@ -11,6 +11,7 @@ import numpy as np
 
 from partialfl.aggregation.common import gram, norms, prepare, sq_dists, to_numpy
 from partialfl.aggregation.compose import AggregatorOptions, register_rule
+from partialfl.aggregation.protection import majority
 from partialfl.registry import option
 
 
@@ -51,7 +52,7 @@ class GeometricMedian:
     def tolerated(self, k: int) -> int:
         """⌊(k − 1)/2⌋: the geometric median's breakdown point is 1/2; weighted, a Byzantine
         client may claim any weight, so none."""
-        return 0 if self.weighted else (k - 1) // 2
+        return 0 if self.weighted else majority("geometric median", k)
 
     def solve(self, vectors, weights=None) -> tuple[np.ndarray, int, float]:
         """``(z, iterations, residual)`` in numpy (for tests and diagnostics). The iteration

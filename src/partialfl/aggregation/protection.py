@@ -88,6 +88,17 @@ def check(name: str, delta: float, k: int, allow_unprotected: bool, extra: int =
     return f
 
 
+def majority(name: str, k: int) -> int:
+    """⌊(k − 1)/2⌋, the Byzantine inputs a median-type rule tolerates among k; refused inside
+    :func:`cohort_checked` when that is below the planned f."""
+    f = (k - 1) // 2
+    planned = _CHECKED.get()
+    if planned is not None and planned > f:
+        raise UnprotectedError(f"{name}: k = {k} inputs tolerate ⌊(k − 1)/2⌋ = {f} Byzantine "
+                               f"inputs, fewer than the planned f = {planned}")
+    return f
+
+
 def warn_once(message: str, key: tuple) -> None:
     """An :class:`UnprotectedWarning`, once per ``key`` (e.g. (rule, k, δ)) in this process."""
     if key not in _WARNED:

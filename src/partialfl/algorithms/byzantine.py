@@ -53,7 +53,7 @@ import numpy as np
 from partialfl import arrays
 from partialfl import rng as prng
 from partialfl.aggregation import Mean, bind, finite_rows, to_numpy
-from partialfl.aggregation.common import chain_of, check_int
+from partialfl.aggregation.common import chain_of, check_int, inner_delta
 from partialfl.aggregation.distance import at_row, trusted_client
 from partialfl.aggregation.protection import (
     UnprotectedError,
@@ -225,7 +225,8 @@ class ByzantineRobust(AlgorithmWrapper):
                 ok &= finite_rows(flatten_stacked(tree)[0])
         dropped = int((~ok).sum())
         extra["byz_dropped"] = extra.get("byz_dropped", 0) + dropped
-        run, f = self._protection(int(ok.sum()), len(cohort), extra, ctx.round)
+        run, f = self._protection(int(ok.sum()), len(cohort), extra, ctx.round,
+                                  int(np.isin(cohort[ok], self._byz).sum()))
         if not run:  # too few usable updates left for the planned f: θ kept
             return ServerState(state.theta, state.opt_state, state.round + 1, extra)
         if f is not None and byz > f:
@@ -260,31 +261,42 @@ class ByzantineRobust(AlgorithmWrapper):
         return new
 
 
-    def _protection(self, k: int, replied: int, extra: dict, round_: int
+    def _protection(self, k: int, replied: int, extra: dict, round_: int, byz_kept: int
                     ) -> tuple[bool, int | None]:
         """``(aggregate?, f)`` for the k usable (finite) updates of the ``replied`` clients. A
         cohort as planned (``clients_per_round``, else the first round's) that the rule cannot
-        protect is refused. With fewer usable updates (clients failed, rows dropped) the rule
-        keeps the planned f, so it protects the k left whichever clients were lost (⌊δk⌋
-        alone could be 0: one attacker within δ would move θ anywhere); where the rule cannot
-        tolerate f among k the round's step is skipped (θ kept), warned and counted."""
+        protect is refused. With fewer usable updates (clients failed, rows dropped) a rule
+        with δ keeps the planned f, so it protects the k left whichever clients were lost
+        (⌊δk⌋ alone could be 0: one attacker within δ would move θ anywhere); a rule without
+        δ (CM, GM: its tolerance is its breakdown point, no plan) must tolerate the
+        ``byz_kept`` Byzantine rows this simulation left among the k. Otherwise the round's
+        step is skipped (θ kept), warned and counted."""
         planned = extra.setdefault("byz_cohort", replied)
         if k >= planned:
             return True, tolerated(self.aggregator, k)
+        if inner_delta(self.aggregator) is None:
+            with cohort_checked(0):  # its own tolerance among k, not a plan's
+                f = tolerated(self.aggregator, k)
+            if f is None or byz_kept <= f:
+                return True, f
+            return self._skip(extra, round_, k, planned, f"{byz_kept} Byzantine updates among "
+                              f"them exceed the f = {f} the rule tolerates there"), f
         f_plan = tolerated(self.aggregator, planned)
-        if f_plan is None:  # a rule without δ (mean, CM, GM, CC): nothing planned to keep
-            return True, None
         try:
             with cohort_checked(f_plan):
                 return True, tolerated(self.aggregator, k)
         except UnprotectedError as e:
-            extra["byz_unprotected"] = extra.get("byz_unprotected", 0) + 1
-            warn_once(f"{self.name}: round {round_}: only {k} of the {planned} clients of the "
-                      f"cohort sent a usable update, too few for the robust rule to tolerate "
-                      f"the planned f = {f_plan}, so the round's step is skipped and θ kept "
-                      f"(counted in state.extra['byz_unprotected']; plan a larger cohort for "
-                      f"slack): {e}", ("byz_unprotected", id(self)))
-            return False, f_plan
+            return self._skip(extra, round_, k, planned, f"too few for the robust rule to "
+                              f"tolerate the planned f = {f_plan}: {e}"), f_plan
+
+    def _skip(self, extra: dict, round_: int, k: int, planned: int, why: str) -> bool:
+        """Count and warn about a round whose step is skipped for want of protection."""
+        extra["byz_unprotected"] = extra.get("byz_unprotected", 0) + 1
+        warn_once(f"{self.name}: round {round_}: only {k} of the {planned} clients of the "
+                  f"cohort sent a usable update, {why}; the round's step is skipped and θ kept "
+                  f"(counted in state.extra['byz_unprotected']; plan a larger cohort for "
+                  f"slack)", ("byz_unprotected", id(self)))
+        return False
 
 
 def _all_finite(tree: Params) -> bool:

@@ -410,7 +410,8 @@ class DifferentiallyPrivate(AlgorithmWrapper):
             s = np.where(norms > clip * (1 + 1e-5), clip_factors(norms, clip), 1.0)
             updates = replace(updates, vectors=_scale_rows(updates.vectors, s))
         if n:
-            agg = self.base.aggregate(updates)  # the mean of the n received rows
+            # the plain mean of the n received rows: uniform, never weights a node sends
+            agg = self.base.aggregate(replace(updates, weights=np.ones(n)))
             if n != k:
                 agg = {name: v * (n / k) for name, v in agg.items()}
         else:
