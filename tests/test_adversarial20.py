@@ -98,3 +98,45 @@ def test_honest_failures_never_make_centered_clipping_follow_the_attackers(tau):
             assert "\n" not in str(e)
             return
     assert np.abs(res.state.theta["theta"]).max() < 1e3
+
+
+# -- area 4 / 8: resume reads a stage checkpoint linked from outside the run folder ------------
+@pytest.mark.xfail(strict=True, reason="adv20: Checkpoint.load follows a symlinked pointer or "
+                   "generation file out of the run folder (resume continues another run)")
+@pytest.mark.parametrize("linked", ["pointer", "server"])
+def test_resume_never_reads_a_checkpoint_linked_from_outside_the_run(tmp_path, linked):
+    """A run folder whose ``stage2.ckpt`` (or ``stage2.g20.server.ckpt``) is a symbolic link
+    to a file outside it: ``partialfl train … --out r3`` resumed from it at round 20 and
+    exited 0 (then replaced the link by a file), while a linked ``stage2.jsonl``,
+    ``stage2_train.jsonl`` or ``stage1/`` is refused with one line (``a run's log is never
+    written through one``, :func:`partialfl.pipeline.runs.confined`) and a linked
+    ``config.json`` is refused — after the 20 remaining rounds were trained.
+    ``Checkpoint.load`` (runtime/checkpoint.py: ``_pointer`` → ``pio.load_tensors(self.path)``,
+    ``_read`` → ``pio.load_state(self.path.with_name(name))``) opens both through links
+    (``io.open_regular`` has ``follow=False``, unused here); the name check ("never follow a
+    name out of this checkpoint") confines the name, not the file. Expected: a one-line
+    refusal (FileFormatError / UnsafeFileError), as for the run's other files."""
+    from partialfl import io as pio
+    from partialfl.runtime.checkpoint import Checkpoint
+
+    run, outside = tmp_path / "run", tmp_path / "outside"
+    outside.mkdir()
+    ck = Checkpoint(outside / "stage2.ckpt", {"seed": 0})
+    ck.save({"theta": np.full(3, 7.0)}, progress={"round": 20})
+    run.mkdir()
+    Checkpoint(run / "stage2.ckpt", {"seed": 0}).save({"theta": np.zeros(3)},
+                                                       progress={"round": 1})
+    if linked == "pointer":  # the pointer and its generation's file, both linked
+        for f in run.iterdir():
+            f.unlink()
+        for f in outside.iterdir():
+            (run / f.name).symlink_to(f)
+    else:  # the run's own pointer names generation 1; its server file is a link
+        server = run / "stage2.g1.server.ckpt"
+        target = outside / "stage2.g1.server.ckpt"
+        target.write_bytes(server.read_bytes())  # the same bytes (the SHA-256 matches)
+        server.unlink()
+        server.symlink_to(target)
+    with pytest.raises((pio.FileFormatError, pio.UnsafeFileError)) as e:
+        Checkpoint(run / "stage2.ckpt", {"seed": 0}).load()
+    assert "\n" not in str(e.value)
