@@ -173,6 +173,7 @@ class CoordinateMedian:
 
     def __call__(self, vectors, weights=None):
         X, _, restore = prepare(vectors, weights, "coordinate-wise median")
+        self.tolerated(len(X))  # refused below a planned f (see protection.cohort_checked)
         return restore(column_median(X))
 
 

@@ -40,6 +40,7 @@ from partialfl.aggregation.protection import (
     UnprotectedError,
     check,
     check_flag,
+    majority,
     warn_once,
 )
 from partialfl.registry import option
@@ -145,8 +146,13 @@ class CenteredClipping:
             raise ValueError(f"centered clipping: unknown init {self.init!r}; allowed: "
                              "'median', 'zero'")
 
+    def tolerated(self, k: int) -> int:
+        """⌊(k − 1)/2⌋ at most: it starts from the median (refused below a planned f)."""
+        return majority("centered clipping", k)
+
     def __call__(self, vectors, weights=None):
         X, _, restore = prepare(vectors, weights, "centered clipping")
+        self.tolerated(len(X))
         v = column_median(X) if self.init == "median" else np.zeros(X.shape[1])
         tau = self.tau
         if tau is None:

@@ -125,7 +125,8 @@ class GeometricMedian:
         return geo.norm(v) <= a[on].sum()
 
     def __call__(self, vectors, weights=None):
-        _, restore = to_numpy(vectors)
+        arr, restore = to_numpy(vectors)
+        self.tolerated(len(arr))  # refused below a planned f (see protection.cohort_checked)
         return restore(self.solve(vectors, weights)[0])
 
 

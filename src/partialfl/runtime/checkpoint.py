@@ -219,6 +219,7 @@ class Checkpoint:
                      dict(ptr.get("progress", {})), int(ptr["generation"]))
 
     def _pointer(self) -> dict[str, Any]:
+        _no_link(self.path)
         _, meta = pio.load_tensors(self.path, "checkpoint")
         if meta.get("format") != FORMAT:
             raise pio.FileFormatError(f"checkpoint {self.path} has format "
@@ -253,6 +254,7 @@ class Checkpoint:
         sha = entry.get("sha256")
         if not isinstance(sha, str):
             raise pio.FileFormatError(f"checkpoint {self.path} gives no SHA-256 for {name}")
+        _no_link(self.path.with_name(name))
         obj, _ = pio.load_state(self.path.with_name(name), what, sha256=sha, device=device)
         if not isinstance(obj, dict):
             raise pio.FileFormatError(f"{what} {name} of checkpoint {self.path} is corrupt")
@@ -289,3 +291,10 @@ class Checkpoint:
                     os.unlink(f)
                     gone.append(f)
         return gone
+
+
+def _no_link(path: Path) -> None:
+    """Refuse a checkpoint file that is a symbolic link (it could lead out of the run)."""
+    if path.is_symlink():
+        raise pio.UnsafeFileError(f"{path} is a symbolic link (to {path.resolve()}): a "
+                                  "checkpoint is read only from its own run folder")
