@@ -114,8 +114,8 @@ def check_flag(value, name: str) -> None:
 
 def tolerated(agg, k: int) -> int | None:
     """How many Byzantine clients ``agg`` tolerates among k (checked as when it is called:
-    refused where unprotected), or None for a rule that states no δ (mean, CM, GM, CC, or a
-    plain callable)."""
+    refused where unprotected): ⌊δk⌋ for a rule with δ, the majority bound ⌊(k − 1)/2⌋ for
+    CM, GM and centered clipping, None for the mean or a plain callable."""
     fn = getattr(agg, "tolerated", None)
     return None if fn is None else fn(k)
 
