@@ -113,6 +113,14 @@ def clean_stale_writes(folder: str | Path, recursive: bool = True) -> list[Path]
     return gone
 
 
+def refuse_link(path: str | Path, why: str) -> None:
+    """:class:`UnsafeFileError` if ``path`` is a symbolic link (a file received in a folder
+    could lead out of it); ``why`` says where the file must lie."""
+    path = Path(path)
+    if path.is_symlink():
+        raise UnsafeFileError(f"{path} is a symbolic link (to {path.resolve()}): {why}")
+
+
 def open_regular(path: str | Path, *, follow: bool = True) -> IO[bytes]:
     """``path`` opened for reading in binary, if it is a regular file; else
     :class:`FileFormatError` (FileNotFoundError if it is missing). Opened without blocking, so

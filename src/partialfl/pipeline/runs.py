@@ -64,11 +64,8 @@ def confined(root: Path, files: list[Path]) -> None:
     (``evaluate`` would score, ``compare`` and ``report`` table, another run)."""
     for f in files:
         for p in (f, *[q for q in f.relative_to(root).parents if q != Path(".")]):
-            link = p if p == f else root / p
-            if link.is_symlink():
-                raise pio.UnsafeFileError(
-                    f"{link} is a symbolic link (to {link.resolve()}): a run folder's files "
-                    f"must lie inside {root}; copy the run there instead of linking it")
+            pio.refuse_link(p if p == f else root / p, f"a run folder's files must lie "
+                            f"inside {root}; copy the run there instead of linking it")
 
 
 def evaluate_runs(path: str | Path, evaluator: Callable[[Path], Callable[..., dict]],

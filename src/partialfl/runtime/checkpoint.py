@@ -132,6 +132,10 @@ class Saved:
     generation: int = 0
 
 
+#: why a checkpoint file may not be a symbolic link
+_OWN_FOLDER = "a checkpoint is read only from its own run folder"
+
+
 class Checkpoint:
     """The checkpoint at ``path`` (the pointer; see the module docstring) of a ``kind`` of
     loop (``"sync"``, ``"async"``, or a transport's own), validated against
@@ -219,7 +223,7 @@ class Checkpoint:
                      dict(ptr.get("progress", {})), int(ptr["generation"]))
 
     def _pointer(self) -> dict[str, Any]:
-        _no_link(self.path)
+        pio.refuse_link(self.path, _OWN_FOLDER)
         _, meta = pio.load_tensors(self.path, "checkpoint")
         if meta.get("format") != FORMAT:
             raise pio.FileFormatError(f"checkpoint {self.path} has format "
@@ -254,7 +258,7 @@ class Checkpoint:
         sha = entry.get("sha256")
         if not isinstance(sha, str):
             raise pio.FileFormatError(f"checkpoint {self.path} gives no SHA-256 for {name}")
-        _no_link(self.path.with_name(name))
+        pio.refuse_link(self.path.with_name(name), _OWN_FOLDER)
         obj, _ = pio.load_state(self.path.with_name(name), what, sha256=sha, device=device)
         if not isinstance(obj, dict):
             raise pio.FileFormatError(f"{what} {name} of checkpoint {self.path} is corrupt")
@@ -292,9 +296,3 @@ class Checkpoint:
                     gone.append(f)
         return gone
 
-
-def _no_link(path: Path) -> None:
-    """Refuse a checkpoint file that is a symbolic link (it could lead out of the run)."""
-    if path.is_symlink():
-        raise pio.UnsafeFileError(f"{path} is a symbolic link (to {path.resolve()}): a "
-                                  "checkpoint is read only from its own run folder")
