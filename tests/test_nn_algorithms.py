@@ -159,6 +159,14 @@ def _check_no_leak(make, kind: str, name: str) -> None:
             return orig(cohort, theta, w, batches, wrt, **kw)
 
         pb.minibatch_grads = spy
+        orig_plain = pb.plain_sgd
+
+        def spy_plain(client, theta, w, *a, orig=orig_plain, seen_w=seen_w):
+            out = orig(client, theta, w, *a)
+            seen_w.extend(v.detach().clone() for tree in (w, out[1]) for v in tree.values())
+            return out
+
+        pb.plain_sgd = spy_plain  # one client's steps in a loop (the sequential backend)
         alg = make()
         received = []
         server_update = alg.server_update

@@ -239,10 +239,27 @@ def _shifted(g: Params, shift: Params | None, active: np.ndarray) -> Params:
     return out
 
 
+def _plain(problem, cohort, theta, w, plans, train, cfg, prox, shift) -> bool:
+    """Whether the group takes the problem's one-client fast path
+    (:meth:`~partialfl.problems.model.ModelProblem.plain_sgd`, bit for bit this loop)."""
+    return (len(cohort) == 1 and train in ("w", "theta", "both") and cfg.clip_norm is None
+            and prox is None and shift is None and getattr(problem, "plain_sgd_ok", False))
+
+
 def _loop(problem, cohort, theta, w, plans, train, cfg, mode, prox=None, shift=None):
     import torch
 
     k = len(cohort)
+    if _plain(problem, cohort, theta, w, plans, train, cfg, prox, shift):
+        shared = {n for n, v in theta.items() if tuple(v.shape) == problem.theta_shapes[n]}
+        th1 = {n: (v if n in shared else v[0]) for n, v in theta.items()}
+        th1, w1, total = problem.plain_sgd(int(cohort[0]), th1, {n: v[0] for n, v in w.items()},
+                                           plans[0], train, cfg.lr)
+        th_out = {n: (v if n in shared and train == "w" else v.unsqueeze(0))
+                  for n, v in th1.items()}
+        mean = float(total) / len(plans[0]) if len(plans[0]) else np.nan
+        return th_out, {n: v.unsqueeze(0) for n, v in w1.items()}, len(plans[0]), \
+            np.array([mean])
     n_steps = max((len(p) for p in plans), default=0)
     # summed on the problem's device (no host sync per step); float64 where it exists
     dev = getattr(problem, "device", torch.device("cpu"))

@@ -16,7 +16,7 @@ from torch import Tensor
 from partialfl.batching import Loop, Vmap, in_process, map_clients
 from partialfl.problems.base import check_cohort
 from partialfl.problems.model.data import chunk_batches
-from partialfl.problems.model.kernels import row, rows
+from partialfl.problems.model.kernels import channels_last, row, rows
 from partialfl.types import Params
 
 
@@ -82,6 +82,52 @@ class CohortPasses:
 
         out = map_clients(many, k, mode, single=one)
         return out if with_state else out[:2]
+
+    @property
+    def plain_sgd_ok(self) -> bool:
+        """Whether :meth:`plain_sgd` applies: no running statistics (their update is a
+        per-step copy) and no fp16 loss scaling (a step may be retried)."""
+        return not self.state_names and self.scaler is None
+
+    def plain_sgd(self, client: int, theta: Params, w: Params, plan: Sequence[np.ndarray],
+                  wrt: str, lr: float) -> tuple[Params, Params, Tensor]:
+        """ONE client's local SGD on ``wrt`` ∈ {w, theta, both}: for each minibatch b of
+        ``plan`` (indices into its training examples), x ← x − η ∇_x mean_{i∈b} ℓ_i(θ, w)
+        (the inner loop of Alg. 1 / FedAvg's local steps). Returns ``(θ', w', Σ_b loss_b)``,
+        unstacked (θ' the input θ when not trained).
+
+        The fast twin of :func:`partialfl.local.sgd.run_sgd`'s loop for a group of one
+        client (mode ``Loop``): the trained leaves are made once, in the run's memory format,
+        and updated in place (η·g, then the subtraction: the reference's two roundings), so
+        a step dispatches no per-leaf views, copies or ``requires_grad_`` — bit for bit the
+        reference loop on the same leaves (``tests/test_plain_sgd.py``). The leaves are fresh
+        allocations, so a client's result does not depend on its row in a stacked cohort
+        (the reference trains views into the stack, and a BLAS kernel may round differently
+        on a row that is not aligned). Needs :attr:`plain_sgd_ok`."""
+        if not self.plain_sgd_ok:
+            raise ValueError("plain_sgd needs a problem without running statistics and "
+                             "without fp16 loss scaling (use minibatch_grads)")
+        store = self._store["train"]
+        train, frozen, _, _ = self._arrange(theta, w, None, wrt)
+        if self.memory_format == "channels_last":
+            train, frozen = channels_last(train), channels_last(frozen)
+        leaves = {n: v.detach().clone().requires_grad_(True) for n, v in train.items()}
+        params, xs = {**frozen, **leaves}, list(leaves.values())
+        total = torch.zeros((), dtype=torch.float64, device=self.device)
+        for b in plan:
+            x, y = store.gather(int(client), b)
+            with torch.enable_grad():
+                s, d, _ = self._batch_loss(dict(params), x, y, None, one=True)
+                val = s / torch.clamp(d, min=1e-12)
+                gs = torch.autograd.grad(val, xs, allow_unused=True)
+            with torch.no_grad():
+                for v, g in zip(xs, gs):
+                    if g is not None:  # an unused leaf's gradient is zero: v − η·0 = v
+                        v.sub_(lr * g)
+            total += val.detach().to(total.dtype)
+        out = {n: v.detach().contiguous() for n, v in leaves.items()}
+        return ({**theta, **{n: out[n] for n in theta if n in out}},
+                {**w, **{n: out[n] for n in w if n in out}}, total)
 
     def _minibatch_vmap(self, cohort, theta, w, state, batches, wrt):
         """The vmapped kernel of :meth:`minibatch_grads` (a group of k > 1 clients)."""
