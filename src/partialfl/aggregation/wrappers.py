@@ -50,10 +50,12 @@ from partialfl.aggregation.common import (
 from partialfl.aggregation.protection import UnprotectedError, check, check_flag, tolerated
 
 
-def _chain(f: int, inner, k: int) -> int:
-    """What a wrapper tolerating f, around ``inner``, tolerates among k inputs."""
+def _chain(f: int, inner, k: int) -> int | None:
+    """What a wrapper tolerating f, around ``inner``, tolerates among k inputs: min(f, what
+    ``inner`` tolerates); None when ``inner`` states no tolerance (the mean: NNM's mixed rows
+    still carry an attacker's share, and the mean averages them in)."""
     g = tolerated(inner, k)
-    return f if g is None else min(f, g)
+    return None if g is None else min(f, g)
 
 
 def _wrapper_delta(obj, name: str, zero_ok: bool) -> None:
@@ -179,7 +181,7 @@ class NearestNeighborMixing(_Pre):
     def _own(self, k: int) -> int:
         return check("nearest-neighbour mixing", self.delta, k, self.allow_unprotected)
 
-    def tolerated(self, k: int) -> int:
+    def tolerated(self, k: int) -> int | None:
         """Byzantine inputs tolerated among k by NNM and the rule it feeds."""
         return _chain(self._own(k), self.inner, k)
 
@@ -221,7 +223,7 @@ class ARC(_Pre):
     def _own(self, k: int) -> int:
         return check("arc", self.delta, k, self.allow_unprotected, extra=0)
 
-    def tolerated(self, k: int) -> int:
+    def tolerated(self, k: int) -> int | None:
         """Byzantine inputs tolerated among k by ARC and the rule it feeds."""
         return _chain(self._own(k), self.inner, k)
 

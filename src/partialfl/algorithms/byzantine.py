@@ -40,7 +40,8 @@ usable updates (clients failed or sent non-finite rows) the rule keeps the plann
 the run nor lets an attacker within δ through; where the rule's own bound no longer holds for
 that f, the round's step is skipped (θ kept), warned and counted. ``allow_unprotected=True``
 (here for the fraction, on the rule for the cohort) turns the refusals into warnings.
-Byzantine clients under the plain mean (a baseline: it tolerates none) run with a warning.
+Byzantine clients under the plain mean (a baseline: it tolerates none), also inside wrappers
+(NNM, bucketing, clipping), or under a rule that states no tolerance, run with a warning.
 """
 
 from __future__ import annotations
@@ -174,10 +175,17 @@ class ByzantineRobust(AlgorithmWrapper):
         if len(self._byz):
             check_fraction(self.aggregator, len(self._byz) / problem.num_clients,
                            self.allow_unprotected)
-            if isinstance(self.aggregator, Mean):  # a baseline: run it, but never silently
-                warn_once(f"{self.name}: {len(self._byz)} Byzantine clients under the plain "
-                          "mean, which tolerates none (one attacker moves θ anywhere); give "
-                          "[aggregation] a robust rule to defend", ("byz_mean", id(self)))
+            rules = list(chain_of(self.aggregator))
+            if getattr(rules[-1], "tolerated", None) is None:  # the mean, however wrapped:
+                # a baseline, run but never silently
+                under = ("the plain mean" if isinstance(rules[-1], Mean)
+                         else f"{type(rules[-1]).__name__} (a rule that states no tolerance)")
+                wrapped = ("" if len(rules) == 1 else " wrapped in " + ", ".join(
+                    getattr(r, "name", type(r).__name__) for r in rules[:-1]))
+                warn_once(f"{self.name}: {len(self._byz)} Byzantine clients under {under}"
+                          f"{wrapped}, which tolerates none (one attacker moves θ anywhere; "
+                          "wrappers do not make the mean robust); give [aggregation] a robust "
+                          "rule to defend", ("byz_mean", id(self)))
         state = self.base.init(problem, theta0)
         for key in ("byz_dropped", "byz_rejected", "byz_excess", "byz_unprotected",
                     "byz_no_reference"):

@@ -93,7 +93,10 @@ def _describe(o: Any, depth: int = 0) -> Any:
                and not isinstance(v, _FUNCTIONS)}}
 
 
-def _digest(o: Any) -> str:
+def content_digest(o: Any) -> str:
+    """A short hash of :func:`_describe` (o): its settings and its arrays' bytes — what a run
+    fingerprint compares, and what a worker pool checks before reusing its copy of a
+    problem."""
     return hashlib.sha256(json.dumps(_describe(o), sort_keys=True, default=str)
                           .encode()).hexdigest()[:16]
 
@@ -103,10 +106,10 @@ def run_fingerprint(problem, algorithm, seed: int, clients_per_round: int | None
     """What a checkpoint must match to be resumed: the problem (its data and settings), the
     algorithm (its solver, optimizer, aggregator and hyper-parameters), the seed and the
     cohort size (plus ``extra``, e.g. a configuration dict)."""
-    return {"problem": f"{type(problem).__qualname__}:{_digest(problem)}",
-            "algorithm": f"{algorithm.name}:{_digest(algorithm)}", "seed": int(seed),
+    return {"problem": f"{type(problem).__qualname__}:{content_digest(problem)}",
+            "algorithm": f"{algorithm.name}:{content_digest(algorithm)}", "seed": int(seed),
             "clients_per_round": clients_per_round, "num_clients": int(problem.num_clients),
-            **({"config": _digest(extra)} if extra else {})}
+            **({"config": content_digest(extra)} if extra else {})}
 
 
 def check_fingerprint(path: Path, old: dict | None, fingerprint: dict | None) -> None:

@@ -31,6 +31,7 @@ import numpy as np
 
 from partialfl.algorithms.base import ClientResult
 from partialfl.batching import check_device
+from partialfl.runtime.checkpoint import content_digest
 from partialfl.runtime.clients import ClientCall, CohortRunner, checked, error_text
 from partialfl.runtime.faults import is_data_error
 from partialfl.runtime.pool import (
@@ -80,14 +81,16 @@ class ProcessBackend(CohortRunner):
     """Runs a round's clients on ``workers`` worker processes (see the module docstring): a
     pool mode of :func:`partialfl.batching.map_clients` that runs :class:`ClientCall` s.
 
-    The pool starts at the first round and is reused while it is open and the problem and
-    the algorithm stay the same objects (a new pair starts a new one); :meth:`close` (or the
-    end of the program) stops it. ``task_timeout``: seconds after which a client's
-    computation is killed and counted as a worker death (None: no limit; a dead worker is
-    always detected within ``poll`` seconds). ``own_session``: each worker in a process
+    The pool starts at the first round and is reused while it is open and the problem and the
+    algorithm stay the same objects, with the same contents (a new pair starts a new one; the
+    algorithm is fingerprinted every round, the problem when a run starts (:meth:`new_run`): a
+    problem changed in place between two runs gets a new pool, not the workers' stale copy);
+    :meth:`close` (or the end of the program) stops it. ``task_timeout``: seconds after which a
+    client's computation is killed and counted as a worker death (None: no limit; a dead worker
+    is always detected within ``poll`` seconds). ``own_session``: each worker in a process
     session of its own, dying with this process (a fair CPU share per worker on a busy Linux
-    machine, as torchrun's ranks have; :func:`partialfl.runtime.pool._detach`); an interrupt
-    of this process (Ctrl-C) then kills the workers at once.
+    machine, as torchrun's ranks have; :func:`partialfl.runtime.pool._detach`); an interrupt of
+    this process (Ctrl-C) then kills the workers at once.
     """
 
     name = "processes"
@@ -107,6 +110,8 @@ class ProcessBackend(CohortRunner):
         self.own_session = own_session
         self._pool: WorkerPool | None = None
         self._digest: str | None = None  # of the algorithm the pool's workers hold
+        self._problem_digest: str | None = None  # of the problem they hold
+        self._check_problem = False  # a run started: compare the problem before reusing
         self._finalizer = None
 
     def _pool_for(self, problem, algorithm) -> WorkerPool:
@@ -114,11 +119,14 @@ class ProcessBackend(CohortRunner):
         algorithm unchanged since the workers copied it (a user's ``alg.solver = …`` between
         two runs on one backend made them run the stale copy) — else a new one."""
         fits = self._pool is not None and self._pool.fits(problem, algorithm)
+        if fits and self._check_problem:  # a new run on the same object: changed in place?
+            fits = content_digest(problem) == self._problem_digest
+        self._check_problem = False
         # an algorithm too large to fingerprint cheaply (None) is matched by identity only
         digest = None if fits and self._digest is None else algorithm_digest(algorithm)
         if not fits or digest != self._digest:
             self.close()
-            self._digest = digest
+            self._digest, self._problem_digest = digest, content_digest(problem)
             # never more workers than clients: the rest could never run one (workers =
             # 100000 once tried to start that many processes)
             n = min(self.workers, max(1, int(getattr(problem, "num_clients", self.workers))))
@@ -130,6 +138,12 @@ class ProcessBackend(CohortRunner):
             self._finalizer = weakref.finalize(self, self._pool.close)
             self._pool.wait_ready()
         return self._pool
+
+    def new_run(self) -> None:
+        """A run starts (called by the loops): the next round compares the problem's
+        contents with the copy the workers hold (:func:`content_digest`, e.g. 8 ms for 10
+        FEMNIST writers) and starts a new pool if it changed."""
+        self._check_problem = True
 
     def map_groups(self, fn, groups: list[np.ndarray]) -> list[ClientResult]:
         """Each one-client group of ``fn`` (a :class:`ClientCall`) in a worker, cohort order;

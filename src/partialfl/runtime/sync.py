@@ -281,6 +281,7 @@ def run_sync(run: Run) -> RunResult:
     sample(seed, 0, M, k)  # validate early
     mode = run.executor.mode
     transport = mode if isinstance(mode, SyncTransport) else InProcess(mode)
+    getattr(mode, "new_run", lambda: None)()  # a reused worker pool checks its problem copy
     faults = FaultLog(run.max_failure_fraction)
     ckpt = _checkpointer(run)
     every = 0 if run.checkpoint is None else run.checkpoint.every

@@ -95,9 +95,9 @@ class ThreadBackend(CohortRunner):
     group).
 
     The threads start at the first round and are reused; the problem's thread replicas are
-    built once per problem object (a new problem replaces them) and, like the process
-    backend's workers, do not see later changes to that object's attributes. :meth:`close`
-    (or the end of the program) stops the threads.
+    built once per run (:meth:`new_run`) and problem object, so a problem changed between two
+    runs is seen (within a run they do not see changes to the object's attributes).
+    :meth:`close` (or the end of the program) stops the threads.
     """
 
     name = "threads"
@@ -131,6 +131,10 @@ class ThreadBackend(CohortRunner):
         while len(self._replicas) < n:
             self._replicas.append(make())
         return [replace(fn, problem=r) for r in self._replicas[:n]]
+
+    def new_run(self) -> None:
+        """A run starts (called by the loops): the problem's replicas are built anew."""
+        self._problem, self._replicas = None, []
 
     def map_groups(self, fn, groups: list[np.ndarray]) -> list:
         """``fn`` on each group, spread over the threads; the results in group order."""
