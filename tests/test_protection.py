@@ -273,7 +273,7 @@ def test_clients_that_fail_do_not_stop_a_protected_run(problem):
     with warnings.catch_warnings():
         warnings.simplefilter("error", UnprotectedWarning)
         res = run_rounds(problem, run, 5, clients_per_round=10, seed=2)
-    assert res.state.extra["byz_unprotected"] == 0 and res.state.round == 5
+    assert res.state.extra["rounds_unprotected"] == 0 and res.state.round == 5
     clean = run_rounds(problem, br_ffgg(make_solver("exact"), 1 / problem.L,
                                         make_aggregator("tm", delta=0.1)), 5,
                        clients_per_round=10, seed=2)
@@ -295,7 +295,7 @@ def test_too_few_usable_updates_for_the_planned_f_skip_the_step(problem):
     with pytest.warns(UnprotectedWarning, match=r"round 1: only 2 of the 5 clients .* planned "
                       r"f = 1: .* the round's step is skipped"):
         res = run_rounds(problem, run, 3, clients_per_round=5, seed=2)
-    assert res.state.extra["byz_unprotected"] == 1 and res.state.round == 3
+    assert res.state.extra["rounds_unprotected"] == 1 and res.state.round == 3
     assert np.isfinite(res.state.theta["theta"]).all()
     assert np.abs(res.state.theta["theta"]).max() < 1e3
 

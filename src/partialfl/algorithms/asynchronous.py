@@ -34,7 +34,13 @@ from partialfl.aggregation.protection import (
     tolerated,
     warn_once,
 )
-from partialfl.algorithms.base import Algorithm, ClientResult, ServerState, concat_results
+from partialfl.algorithms.base import (
+    Algorithm,
+    ClientResult,
+    ServerState,
+    concat_results,
+    skipped_step,
+)
 from partialfl.algorithms.context import WrapperContext
 from partialfl.algorithms.fedavg import LocalGD
 from partialfl.algorithms.wrapper import AlgorithmWrapper
@@ -148,9 +154,7 @@ class FedBuff(AlgorithmWrapper):
                           f"{self.K}, too few for the robust rule to tolerate f = {f}; the "
                           f"step is skipped (θ kept; state.extra['rounds_unprotected']): {e}",
                           ("fedbuff-unprotected", id(self)))
-                n = state.extra.get("rounds_unprotected", 0) + 1
-                new = ServerState(state.theta, state.opt_state, state.round + 1,
-                                  {**state.extra, "rounds_unprotected": n})
+                new = skipped_step(state)
         new.extra["buffer"] = ()
         return new
 

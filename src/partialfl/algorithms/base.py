@@ -33,6 +33,20 @@ class ServerState:
     extra: dict[str, Any] = field(default_factory=dict)
 
 
+#: ``state.extra`` key counting the rounds whose step was skipped for want of protection
+UNPROTECTED = "rounds_unprotected"
+
+
+def skipped_step(state: ServerState, extra: dict[str, Any] | None = None) -> ServerState:
+    """Round ``state.round`` ends without a step because a robust rule cannot tolerate the
+    planned f among the clients left (:func:`partialfl.aggregation.protection.cohort_checked`):
+    θ and the optimizer state kept, the round counted in ``extra[UNPROTECTED]`` (``extra``:
+    the state's extras, or the caller's updated copy of them), which the history logs."""
+    extra = dict(state.extra if extra is None else extra)
+    extra[UNPROTECTED] = extra.get(UNPROTECTED, 0) + 1
+    return ServerState(state.theta, state.opt_state, state.round + 1, extra)
+
+
 @dataclass(frozen=True)
 class RoundContext:
     """What a client update may know about the round besides θ: the seed and round (for

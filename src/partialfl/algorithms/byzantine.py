@@ -21,13 +21,13 @@ gradients ∇f_m(x).
 
 The set of Byzantine clients and their attack are part of the run's configuration
 (:class:`ByzantineConfig`). Counters in ``state.extra``: ``byz_dropped`` (non-finite updates
-dropped so far), ``byz_rejected`` (server steps rejected), ``byz_excess`` (rounds whose
-cohort held more Byzantine clients than the aggregator tolerates, e.g. by the chance of
-sampling), ``byz_unprotected`` (rounds in which so few clients replied that the aggregator
-tolerated none) and ``byz_no_reference`` (rounds skipped because the client a MoNNA trusts
-sent no usable update); a warning the first time of each. A rule that trusts a client
-(MoNNA's ``trusted``) has it in every cohort (:meth:`ByzantineRobust.sample_cohort`), never
-Byzantine, and its row found by id each round.
+dropped so far), ``byz_rejected`` (server steps rejected), ``byz_excess`` (rounds whose cohort
+held more Byzantine clients than the aggregator tolerates, e.g. by the chance of sampling),
+``rounds_unprotected`` (rounds skipped because so few clients replied that the aggregator could
+not tolerate the planned f; the runtimes' name for such rounds) and ``byz_no_reference`` (rounds
+skipped because the client a MoNNA trusts sent no usable update); a warning the first time of
+each. A rule that trusts a client (MoNNA's ``trusted``) has it in every cohort
+(:meth:`ByzantineRobust.sample_cohort`), never Byzantine, and its row found by id each round.
 
 Protection (:mod:`partialfl.aggregation.protection`) is checked where it can fail silently:
 ``init`` refuses a Byzantine fraction (of all clients) above the aggregator's δ and, given
@@ -64,7 +64,7 @@ from partialfl.aggregation.protection import (
     tolerated,
     warn_once,
 )
-from partialfl.algorithms.base import Algorithm, ServerState
+from partialfl.algorithms.base import UNPROTECTED, Algorithm, ServerState, skipped_step
 from partialfl.algorithms.context import WrapperContext
 from partialfl.algorithms.wrapper import AlgorithmWrapper, with_aggregator
 from partialfl.attacks import Attack, NoAttack
@@ -187,7 +187,7 @@ class ByzantineRobust(AlgorithmWrapper):
                           "wrappers do not make the mean robust); give [aggregation] a robust "
                           "rule to defend", ("byz_mean", id(self)))
         state = self.base.init(problem, theta0)
-        for key in ("byz_dropped", "byz_rejected", "byz_excess", "byz_unprotected",
+        for key in ("byz_dropped", "byz_rejected", "byz_excess", UNPROTECTED,
                     "byz_no_reference"):
             state.extra.setdefault(key, 0)
         if self.clients_per_round is not None:
@@ -236,7 +236,7 @@ class ByzantineRobust(AlgorithmWrapper):
         run, f = self._protection(int(ok.sum()), len(cohort), extra, ctx.round,
                                   int(np.isin(cohort[ok], self._byz).sum()))
         if not run:  # too few usable updates left for the planned f: θ kept
-            return ServerState(state.theta, state.opt_state, state.round + 1, extra)
+            return skipped_step(state, extra)
         if f is not None and byz > f:
             extra["byz_excess"] = extra.get("byz_excess", 0) + 1
             warn_once(f"{self.name}: round {ctx.round}: {byz} Byzantine clients among the "
@@ -298,12 +298,12 @@ class ByzantineRobust(AlgorithmWrapper):
                               f"tolerate the planned f = {f_plan}: {e}"), f_plan
 
     def _skip(self, extra: dict, round_: int, k: int, planned: int, why: str) -> bool:
-        """Count and warn about a round whose step is skipped for want of protection."""
-        extra["byz_unprotected"] = extra.get("byz_unprotected", 0) + 1
+        """Warn about a round whose step is skipped for want of protection (the caller
+        counts it: :func:`~partialfl.algorithms.base.skipped_step`)."""
         warn_once(f"{self.name}: round {round_}: only {k} of the {planned} clients of the "
                   f"cohort sent a usable update, {why}; the round's step is skipped and θ kept "
-                  f"(counted in state.extra['byz_unprotected']; plan a larger cohort for "
-                  f"slack)", ("byz_unprotected", id(self)))
+                  f"(counted in state.extra['{UNPROTECTED}']; plan a larger cohort for "
+                  f"slack)", (UNPROTECTED, id(self)))
         return False
 
 

@@ -41,7 +41,14 @@ from partialfl.aggregation.protection import (
     cohort_checked,
     tolerated,
 )
-from partialfl.algorithms.base import Algorithm, RoundContext, ServerState, concat_results
+from partialfl.algorithms.base import (
+    UNPROTECTED,
+    Algorithm,
+    RoundContext,
+    ServerState,
+    concat_results,
+    skipped_step,
+)
 from partialfl.batching import Executor
 from partialfl.runtime.checkpoint import (  # noqa: F401 - ResumeError: part of this API
     Checkpoint,
@@ -307,8 +314,8 @@ def run_sync(run: Run) -> RunResult:
             rec.update(ev.fn(algorithm, st, problem, client_state, run.context(st.round)))
         if hasattr(algorithm, "round_metrics"):  # e.g. DP's ε spent so far
             rec.update(algorithm.round_metrics(st))
-        if st.extra.get("rounds_unprotected"):  # steps skipped by _step
-            rec["rounds_unprotected"] = int(st.extra["rounds_unprotected"])
+        if st.extra.get(UNPROTECTED):  # steps skipped for want of protection
+            rec[UNPROTECTED] = int(st.extra[UNPROTECTED])
         history.append(rec)
         if ev.logger is not None:
             ev.logger.log(rec)
@@ -402,9 +409,7 @@ def _step(algorithm, state: ServerState, updates, ctx, sampled: int, r: int) -> 
         warnings.warn(f"round {r}: {len(updates.cohort)} of {sampled} clients left after the "
                       f"failed ones were dropped, too few for the robust rule ({e}); the "
                       "round's step is skipped (θ stays)", UnprotectedWarning, stacklevel=2)
-        extra = {**state.extra, "rounds_unprotected": state.extra.get("rounds_unprotected", 0)
-                 + 1}
-        return ServerState(state.theta, state.opt_state, state.round + 1, extra)
+        return skipped_step(state)
 
 
 def _postfix(rec: dict) -> dict[str, str]:
