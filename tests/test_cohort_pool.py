@@ -424,3 +424,29 @@ def test_workers_started_beside_a_running_thread_pool_are_not_forked():
             assert be._pool is not None and be._pool.ctx.get_start_method() == "forkserver"
     assert max_diff(seq.state.theta, par.state.theta) == 0
     assert not LIVE_THREAD_POOLS and default_start_method() == "fork"
+
+
+def test_a_forkserver_worker_idle_between_rounds_stays_alive():
+    """A worker started from the forkserver (a thread pool runs, or start_method =
+    "forkserver") is the forkserver's child: it took ``os.getppid() != parent`` for its
+    parent's death and quit after one idle second, so the next round counted its client as
+    failed (skipped: θ differed from the sequential run) and respawned the worker. Now it
+    stays: no failure, no respawn, the sequential θ bit for bit."""
+    import torch
+
+    if torch.cuda.is_available():
+        pytest.skip("with a GPU the workers are spawned anyway")
+    make, kind = ALGOS["ffgg"]
+    data = toy_data()
+    seq = run_rounds(_problem(kind, False, data), make(), 2, clients_per_round=4, seed=3,
+                     backend=SequentialBackend())
+    prob, alg = _problem(kind, False, data), make()
+    with ProcessBackend(workers=2, start_method="forkserver", poll=0.05) as be:
+        run_rounds(prob, alg, 1, clients_per_round=4, seed=3, backend=be)
+        pids = [p.pid for p in be._pool.procs]
+        time.sleep(1.6)  # idle past the workers' one-second check
+        par = run_rounds(prob, alg, 2, clients_per_round=4, seed=3, backend=be)
+        assert [p.pid for p in be._pool.procs] == pids and all(p.is_alive()
+                                                               for p in be._pool.procs)
+    assert par.faults.lost == 0
+    assert max_diff(seq.state.theta, par.state.theta) == 0

@@ -168,6 +168,17 @@ def _detach() -> None:
             ctypes.CDLL(None, use_errno=True).prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
 
 
+def _parent_alive(parent: int) -> bool:
+    """Whether the process that started this worker still runs. Not ``os.getppid()``: a
+    worker started from the forkserver is the forkserver's child (an idle worker took that
+    for its parent's death and quit after a second: its next client was counted failed);
+    multiprocessing's parent sentinel names the process that asked for the worker."""
+    p = mp.parent_process()
+    if p is not None:
+        return p.is_alive()
+    return os.getppid() == parent
+
+
 def _work(problem, algorithm, tasks, out, parent: int, own_session: bool = True) -> None:
     """A worker's loop (see the module docstring): quits on None or when the parent is gone."""
     if own_session:
@@ -181,7 +192,7 @@ def _work(problem, algorithm, tasks, out, parent: int, own_session: bool = True)
         try:
             task = tasks.get(timeout=1.0)
         except queue.Empty:
-            if os.getppid() != parent:
+            if not _parent_alive(parent):
                 return
             continue
         if task is None:
