@@ -9,8 +9,6 @@ import os
 import subprocess
 import sys
 
-import pytest
-
 _TINY = ('name = "t"\nstages = ["personalize"]\nbackend = "sequential"\n'
          '[model]\nname = "emnist_cnn"\n[data]\nsource = "femnist"\nnum_clients = 2\n'
          'holdout = 0\n[method]\nalgorithm = "ffgg"\nsplit = "output"\n'
@@ -34,8 +32,6 @@ sys.exit(main(sys.argv[2:]))
 
 
 # -- area 4: a kill during the first write of a run leaves a temp file for good -------------
-@pytest.mark.xfail(strict=True, reason="cli/run.py _clean_interrupted skips a folder whose "
-                   "first write (spec.json) was killed: its temp file survives the run")
 def test_a_run_killed_during_its_first_write_leaves_no_temp_file_after_resuming(tmp_path,
                                                                                  data_dir):
     """``partialfl train`` killed (``os._exit`` at its first ``os.replace``, i.e. during the

@@ -49,11 +49,15 @@ def _cmd_run(args) -> int:
 
 def _clean_interrupted(out: Path, name: str) -> None:
     """Before a run resumes in ``out`` (a folder holding a run of ``name``: its spec, log or
-    study), remove the temporary files its killed writes left there (a kill -9 during a
-    plot or report write once left them for good; checkpoints clean their own)."""
+    study — or only a killed write of the first of them), remove the temporary files its
+    killed writes left there (a kill -9 during a plot or report write once left them for
+    good; checkpoints clean their own)."""
     from partialfl import io as pio
 
-    if any((out / f).is_file() for f in ("spec.json", f"{name}.jsonl", "study.json")):
+    if not out.is_dir():
+        return
+    marks = ("spec.json", f"{name}.jsonl", "study.json")
+    if any((out / f).is_file() or any(out.glob(f".{f}.*.tmp")) for f in marks):
         pio.clean_stale_writes(out)
 
 
