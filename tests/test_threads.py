@@ -113,7 +113,7 @@ def test_a_failing_client_raises_and_is_isolated_as_in_sequential():
     be.close()
 
 
-def test_replicas_share_the_data_own_the_module_and_are_reused():
+def test_replicas_share_the_data_own_the_module_and_are_reused_within_a_run():
     pb = _problem("output", False, toy_data())
     r = pb.thread_replica()
     assert r.module is not pb.module and r._store is pb._store and r.data is pb.data
@@ -121,10 +121,14 @@ def test_replicas_share_the_data_own_the_module_and_are_reused():
                for a, b in zip(r.module.parameters(), pb.module.parameters()))
     alg = ALGOS["ffgg"][0]()
     with ThreadBackend(workers=2) as be:
-        run_rounds(pb, alg, 1, clients_per_round=4, backend=be)
+        made = []
+        orig = pb.thread_replica
+        pb.thread_replica = lambda: made.append(1) or orig()
+        run_rounds(pb, alg, 3, clients_per_round=4, backend=be)
+        assert len(made) == 2 and len(be._replicas) == 2  # once per thread for the run
         reps = list(be._replicas)
-        run_rounds(pb, alg, 1, clients_per_round=4, backend=be)
-        assert be._replicas == reps and len(reps) == 2
+        run_rounds(pb, alg, 1, clients_per_round=4, backend=be)  # a new run: built anew
+        assert len(made) == 4 and all(x not in reps for x in be._replicas)
         pb2 = _problem("output", False, toy_data())
         run_rounds(pb2, alg, 1, clients_per_round=4, backend=be)
         assert be._problem is pb2 and all(x not in reps for x in be._replicas)

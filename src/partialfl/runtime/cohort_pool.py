@@ -89,7 +89,7 @@ class ProcessBackend(CohortRunner):
     client's computation is killed and counted as a worker death (None: no limit; a dead worker
     is always detected within ``poll`` seconds). ``own_session``: each worker in a process
     session of its own, dying with this process (a fair CPU share per worker on a busy Linux
-    machine, as torchrun's ranks have; :func:`partialfl.runtime.pool._detach`); an interrupt of
+    machine, as torchrun's ranks have; :func:`partialfl.runtime.worker._detach`); an interrupt of
     this process (Ctrl-C) then kills the workers at once.
     """
 
