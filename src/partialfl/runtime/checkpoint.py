@@ -37,6 +37,7 @@ import json
 import os
 import re
 import types
+import zlib
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -62,9 +63,17 @@ _FUNCTIONS = (types.FunctionType, types.MethodType, types.BuiltinFunctionType)
 _NOT_IDENTITY = frozenset({"device", "scaler"})
 
 
-def _describe(o: Any, depth: int = 0) -> Any:
+def _sha256(buf: memoryview) -> str:
+    return hashlib.sha256(buf).hexdigest()[:16]
+
+
+def _crc32(buf: memoryview) -> str:
+    return f"{zlib.crc32(buf):08x}"
+
+
+def _describe(o: Any, depth: int = 0, hasher=_sha256) -> Any:
     """A stable, JSON-able description of a configuration object: public attributes,
-    recursively; arrays by shape, dtype and a hash of their bytes."""
+    recursively; arrays by shape, dtype and ``hasher`` of their bytes."""
     if o is None or isinstance(o, bool | int | str):
         return o
     if isinstance(o, float):
@@ -73,13 +82,17 @@ def _describe(o: Any, depth: int = 0) -> Any:
         return repr(o.item())
     if arrays.is_array(o):
         a = np.ascontiguousarray(arrays.to_numpy(o))
-        return [list(a.shape), str(a.dtype), hashlib.sha256(a.tobytes()).hexdigest()[:16]]
+        try:  # the bytes in place (no copy)
+            buf = memoryview(a.reshape(-1)).cast("B")
+        except (ValueError, TypeError):  # a dtype without a buffer format (datetime64)
+            buf = memoryview(a.tobytes())
+        return [list(a.shape), str(a.dtype), hasher(buf)]
     if depth > 4:
         return type(o).__qualname__
     if isinstance(o, dict):
-        return {str(k): _describe(v, depth + 1) for k, v in sorted(o.items(), key=str)}
+        return {str(k): _describe(v, depth + 1, hasher) for k, v in sorted(o.items(), key=str)}
     if isinstance(o, list | tuple):
-        return [_describe(v, depth + 1) for v in o]
+        return [_describe(v, depth + 1, hasher) for v in o]
     if isinstance(o, _FUNCTIONS) or isinstance(o, type):
         return getattr(o, "__qualname__", type(o).__qualname__)
     if hasattr(o, "named_parameters"):  # a torch module: its architecture, not its values
@@ -88,16 +101,17 @@ def _describe(o: Any, depth: int = 0) -> Any:
     if attrs is None:
         return type(o).__qualname__
     return {"class": type(o).__qualname__,
-            **{k: _describe(v, depth + 1) for k, v in sorted(attrs.items())
+            **{k: _describe(v, depth + 1, hasher) for k, v in sorted(attrs.items())
                if not k.startswith("_") and k not in _NOT_IDENTITY
                and not isinstance(v, _FUNCTIONS)}}
 
 
-def content_digest(o: Any) -> str:
+def content_digest(o: Any, fast: bool = False) -> str:
     """A short hash of :func:`_describe` (o): its settings and its arrays' bytes — what a run
-    fingerprint compares, and what a worker pool checks before reusing its copy of a
-    problem."""
-    return hashlib.sha256(json.dumps(_describe(o), sort_keys=True, default=str)
+    fingerprint compares (SHA-256), and, ``fast`` (arrays by CRC-32: a change check, not a
+    tamper check), what a worker pool compares before reusing its copy of a problem."""
+    desc = _describe(o, hasher=_crc32 if fast else _sha256)
+    return hashlib.sha256(json.dumps(desc, sort_keys=True, default=str)
                           .encode()).hexdigest()[:16]
 
 

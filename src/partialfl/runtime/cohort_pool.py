@@ -120,13 +120,13 @@ class ProcessBackend(CohortRunner):
         two runs on one backend made them run the stale copy) — else a new one."""
         fits = self._pool is not None and self._pool.fits(problem, algorithm)
         if fits and self._check_problem:  # a new run on the same object: changed in place?
-            fits = content_digest(problem) == self._problem_digest
+            fits = content_digest(problem, fast=True) == self._problem_digest
         self._check_problem = False
         # an algorithm too large to fingerprint cheaply (None) is matched by identity only
         digest = None if fits and self._digest is None else algorithm_digest(algorithm)
         if not fits or digest != self._digest:
             self.close()
-            self._digest, self._problem_digest = digest, content_digest(problem)
+            self._digest, self._problem_digest = digest, content_digest(problem, fast=True)
             # never more workers than clients: the rest could never run one (workers =
             # 100000 once tried to start that many processes)
             n = min(self.workers, max(1, int(getattr(problem, "num_clients", self.workers))))
@@ -141,8 +141,8 @@ class ProcessBackend(CohortRunner):
 
     def new_run(self) -> None:
         """A run starts (called by the loops): the next round compares the problem's
-        contents with the copy the workers hold (:func:`content_digest`, e.g. 8 ms for 10
-        FEMNIST writers) and starts a new pool if it changed."""
+        contents with the copy the workers hold (:func:`content_digest`) and starts a new
+        pool if it changed."""
         self._check_problem = True
 
     def map_groups(self, fn, groups: list[np.ndarray]) -> list[ClientResult]:
