@@ -101,7 +101,7 @@ def test_a_reused_thread_pool_sees_a_problem_changed_between_runs():
     problem whose pretrained personal values were changed between two runs on one
     ``ThreadBackend`` gives the sequential backend's θ (the replicas held a copy of them)."""
     import torch
-    from _nn_toy import toy_data, toy_model
+    from _nn_toy import one_thread, toy_data, toy_model
 
     from partialfl.algorithms.model import model_ffgg
     from partialfl.local.sgd import SGDConfig
@@ -114,12 +114,14 @@ def test_a_reused_thread_pool_sees_a_problem_changed_between_runs():
         return ModelProblem(make_split(toy_model(0), "output"), toy_data(4), vectorize=False)
 
     alg = model_ffgg(SGDConfig(lr=0.3, epochs=1, batch_size=4))
-    with ThreadBackend(2) as tb:
+    with one_thread(), ThreadBackend(2) as tb:  # the sequential θ bit for bit at one thread
         p = problem()
         run_rounds(p, alg, 1, clients_per_round=4, seed=0, backend=tb)
         p.w_pretrained = {n: v + 0.5 for n, v in p.w_pretrained.items()}
         got = run_rounds(p, alg, 1, clients_per_round=4, seed=0, backend=tb)
     ref = problem()
     ref.w_pretrained = {n: v + 0.5 for n, v in ref.w_pretrained.items()}
-    want = run_rounds(ref, alg, 1, clients_per_round=4, seed=0, backend=SequentialBackend())
+    with one_thread():
+        want = run_rounds(ref, alg, 1, clients_per_round=4, seed=0,
+                          backend=SequentialBackend())
     assert all(torch.equal(got.state.theta[n], want.state.theta[n]) for n in want.state.theta)

@@ -111,6 +111,7 @@ class ThreadBackend(CohortRunner):
         self._finalizer = None
         self._problem = None  # the problem whose replicas are held (kept alive: keyed by id)
         self._replicas: list = []
+        self._new_run = False  # a run started: make the replicas anew at its first round
 
     def __repr__(self) -> str:
         return f"ThreadBackend(workers={self.workers})"
@@ -126,15 +127,21 @@ class ThreadBackend(CohortRunner):
         make = getattr(fn.problem, "thread_replica", None)
         if make is None:
             return [fn] * n
-        if self._problem is not fn.problem:
-            self._problem, self._replicas = fn.problem, []
+        old: list = []
+        if self._problem is not fn.problem or self._new_run:
+            # made anew (a new problem, or a run started), reusing the old ones' module
+            # copies where the problem's module is the same object (thread_replica(reuse))
+            old, self._problem, self._replicas = self._replicas, fn.problem, []
+            self._new_run = False
         while len(self._replicas) < n:
-            self._replicas.append(make())
+            i = len(self._replicas)
+            self._replicas.append(make(old[i]) if i < len(old) else make())
         return [replace(fn, problem=r) for r in self._replicas[:n]]
 
     def new_run(self) -> None:
-        """A run starts (called by the loops): the problem's replicas are built anew."""
-        self._problem, self._replicas = None, []
+        """A run starts (called by the loops): the problem's replicas are made anew at its
+        first round (their module copies reused), so they see the problem's settings now."""
+        self._new_run = True
 
     def map_groups(self, fn, groups: list[np.ndarray]) -> list:
         """``fn`` on each group, spread over the threads; the results in group order."""
