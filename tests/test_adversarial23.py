@@ -6,12 +6,9 @@ and passes once the defect is fixed."""
 from __future__ import annotations
 
 import numpy as np
-import pytest
 
 
 # -- area 1: a process pool reused by a direct cohort call runs a stale copy of the problem --
-@pytest.mark.xfail(strict=True, reason="ProcessBackend.run reuses the workers' stale problem "
-                   "copy: only run_rounds (sync.py) calls new_run")
 def test_a_direct_cohort_call_on_a_reused_process_pool_sees_the_changed_problem():
     """``ProcessBackend(1).run(alg, state, problem, cohort, ctx)`` (the public
     ``CohortRunner.run``) called twice on the same problem object, changed in place in between

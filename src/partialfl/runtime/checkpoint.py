@@ -63,6 +63,12 @@ _FUNCTIONS = (types.FunctionType, types.MethodType, types.BuiltinFunctionType)
 _NOT_IDENTITY = frozenset({"device", "scaler"})
 
 
+def _key(item: tuple) -> str:
+    """A dict item's sort key: its key as text (not the item: ``str`` of an array value
+    prints the array, the larger part of a problem's description time)."""
+    return str(item[0])
+
+
 def _sha256(buf: memoryview) -> str:
     return hashlib.sha256(buf).hexdigest()[:16]
 
@@ -90,7 +96,7 @@ def _describe(o: Any, depth: int = 0, hasher=_sha256) -> Any:
     if depth > 4:
         return type(o).__qualname__
     if isinstance(o, dict):
-        return {str(k): _describe(v, depth + 1, hasher) for k, v in sorted(o.items(), key=str)}
+        return {str(k): _describe(v, depth + 1, hasher) for k, v in sorted(o.items(), key=_key)}
     if isinstance(o, list | tuple):
         return [_describe(v, depth + 1, hasher) for v in o]
     if isinstance(o, _FUNCTIONS) or isinstance(o, type):

@@ -176,6 +176,9 @@ class CohortRunner:
     """Mixin of the runtime's modes: ``run`` = :func:`run_clients` with this mode."""
 
     def run(self, algorithm, state, problem, cohort, ctx, client_state=None) -> ClientResult:
-        """The cohort's client update, its clients mapped as this mode says."""
+        """The cohort's client update, its clients mapped as this mode says. A direct call
+        is a run of its own: a mode that holds copies of the problem (worker processes,
+        thread replicas) first checks them (``new_run``), as a run loop does at its start."""
+        getattr(self, "new_run", lambda: None)()
         return run_clients(algorithm, state, problem, cohort, ctx, client_state, self)
 
