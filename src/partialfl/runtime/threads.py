@@ -127,20 +127,15 @@ class ThreadBackend(CohortRunner):
         make = getattr(fn.problem, "thread_replica", None)
         if make is None:
             return [fn] * n
-        old: list = []
-        if self._problem is not fn.problem or self._new_run:
-            # made anew (a new problem, or a run started), reusing the old ones' module
-            # copies where the problem's module is the same object (thread_replica(reuse))
-            old, self._problem, self._replicas = self._replicas, fn.problem, []
-            self._new_run = False
+        if self._problem is not fn.problem or self._new_run:  # a new problem, or a new run
+            self._problem, self._replicas, self._new_run = fn.problem, [], False
         while len(self._replicas) < n:
-            i = len(self._replicas)
-            self._replicas.append(make(old[i]) if i < len(old) else make())
+            self._replicas.append(make())  # 0.3 ms for the EMNIST CNN
         return [replace(fn, problem=r) for r in self._replicas[:n]]
 
     def new_run(self) -> None:
-        """A run starts (called by the loops): the problem's replicas are made anew at its
-        first round (their module copies reused), so they see the problem's settings now."""
+        """A run starts (called by the loops and by a direct :meth:`run`): the problem's
+        replicas are made anew at its first round, so they see the problem as it is now."""
         self._new_run = True
 
     def map_groups(self, fn, groups: list[np.ndarray]) -> list:

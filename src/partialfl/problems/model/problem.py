@@ -196,24 +196,17 @@ class ModelProblem(CohortPasses, Kernels):
                        for n in self.w_names}, **state}
         raise ValueError(f"unknown personal initialisation {how!r}; allowed: {', '.join(W_INITS)}")
 
-    def thread_replica(self, reuse: ModelProblem | None = None) -> ModelProblem:
+    def thread_replica(self) -> ModelProblem:
         """A copy to run clients in another thread at the same time as this problem
         (:mod:`partialfl.runtime.threads`): the same data, settings and θ⁰ (shared, read
         only), its own module — ``functional_call`` swaps the module's parameters while it
         runs and normalization layers switch between train and eval mode — with its own
-        functorch transforms and fp16 loss scaler. ``reuse``: an earlier replica whose
-        module copy is taken over when it was copied from this problem's module (copying a
-        6.6M-parameter CNN takes 16 ms; the module's values are swapped for θ and w at every
-        call), so a replica made anew for each run sees the problem's current settings."""
+        functorch transforms and fp16 loss scaler."""
         new = copy.copy(self)
-        if reuse is not None and reuse._replica_of is self.module:
-            new.module, new._norm_modules = reuse.module, reuse._norm_modules
-        else:
-            new.module = copy.deepcopy(self.module)
-            names = {id(m): n for n, m in self.module.named_modules()}
-            mods = dict(new.module.named_modules())
-            new._norm_modules = tuple(mods[names[id(m)]] for m in self._norm_modules)
-        new._replica_of = self.module
+        new.module = copy.deepcopy(self.module)
+        names = {id(m): n for n, m in self.module.named_modules()}
+        mods = dict(new.module.named_modules())
+        new._norm_modules = tuple(mods[names[id(m)]] for m in self._norm_modules)
         new.scaler = copy.deepcopy(self.scaler)
         new._build_fns()
         return new
