@@ -18,7 +18,6 @@ def _loss3(out, y):
     return 3.0 * F.cross_entropy(out, y, reduction="none")
 
 
-@pytest.mark.xfail(strict=True, reason="the pool's problem digest skips function attributes")
 def test_a_reused_process_pool_sees_a_loss_function_changed_between_runs():
     """``ProcessBackend(1)`` passed to two ``run_rounds`` on one :class:`ModelProblem`,
     ``p.loss_fn`` replaced between them (cross-entropy → 3 × cross-entropy, a public

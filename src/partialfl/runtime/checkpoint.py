@@ -77,9 +77,12 @@ def _crc32(buf: memoryview) -> str:
     return f"{zlib.crc32(buf):08x}"
 
 
-def _describe(o: Any, depth: int = 0, hasher=_sha256) -> Any:
+def _describe(o: Any, depth: int = 0, fast: bool = False) -> Any:
     """A stable, JSON-able description of a configuration object: public attributes,
-    recursively; arrays by shape, dtype and ``hasher`` of their bytes."""
+    recursively; arrays by shape, dtype and a hash of their bytes (SHA-256; ``fast``: CRC-32);
+    functions by name. ``fast`` describes one process's objects for a change check, so
+    functions and modules also by identity and function-valued attributes too (a swapped
+    ``loss_fn`` is a change); otherwise what is stable across processes only."""
     if o is None or isinstance(o, bool | int | str):
         return o
     if isinstance(o, float):
@@ -92,31 +95,34 @@ def _describe(o: Any, depth: int = 0, hasher=_sha256) -> Any:
             buf = memoryview(a.reshape(-1)).cast("B")
         except (ValueError, TypeError):  # a dtype without a buffer format (datetime64)
             buf = memoryview(a.tobytes())
-        return [list(a.shape), str(a.dtype), hasher(buf)]
+        return [list(a.shape), str(a.dtype), (_crc32 if fast else _sha256)(buf)]
+    here = f"@{id(o):x}" if fast else ""
     if depth > 4:
-        return type(o).__qualname__
+        return type(o).__qualname__ + here
     if isinstance(o, dict):
-        return {str(k): _describe(v, depth + 1, hasher) for k, v in sorted(o.items(), key=_key)}
+        return {str(k): _describe(v, depth + 1, fast) for k, v in sorted(o.items(), key=_key)}
     if isinstance(o, list | tuple):
-        return [_describe(v, depth + 1, hasher) for v in o]
+        return [_describe(v, depth + 1, fast) for v in o]
     if isinstance(o, _FUNCTIONS) or isinstance(o, type):
-        return getattr(o, "__qualname__", type(o).__qualname__)
+        return getattr(o, "__qualname__", type(o).__qualname__) + here
     if hasattr(o, "named_parameters"):  # a torch module: its architecture, not its values
-        return [type(o).__qualname__, [(n, list(p.shape)) for n, p in o.named_parameters()]]
+        return [type(o).__qualname__ + here,
+                [(n, list(p.shape)) for n, p in o.named_parameters()]]
     attrs = getattr(o, "__dict__", None)
     if attrs is None:
-        return type(o).__qualname__
+        return type(o).__qualname__ + here
     return {"class": type(o).__qualname__,
-            **{k: _describe(v, depth + 1, hasher) for k, v in sorted(attrs.items())
+            **{k: _describe(v, depth + 1, fast) for k, v in sorted(attrs.items())
                if not k.startswith("_") and k not in _NOT_IDENTITY
-               and not isinstance(v, _FUNCTIONS)}}
+               and (fast or not isinstance(v, _FUNCTIONS))}}
 
 
 def content_digest(o: Any, fast: bool = False) -> str:
     """A short hash of :func:`_describe` (o): its settings and its arrays' bytes — what a run
-    fingerprint compares (SHA-256), and, ``fast`` (arrays by CRC-32: a change check, not a
-    tamper check), what a worker pool compares before reusing its copy of a problem."""
-    desc = _describe(o, hasher=_crc32 if fast else _sha256)
+    fingerprint compares (SHA-256), and, ``fast`` (arrays by CRC-32, functions and modules by
+    identity: a change check within this process, not a tamper check), what a worker pool
+    compares before reusing its copy of a problem."""
+    desc = _describe(o, fast=fast)
     return hashlib.sha256(json.dumps(desc, sort_keys=True, default=str)
                           .encode()).hexdigest()[:16]
 
