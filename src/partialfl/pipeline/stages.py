@@ -214,11 +214,13 @@ def pretrain(cfg: RunSpec, task: Task, stage1_dir: Path, progress: bool | str = 
                      max_failure_fraction=cfg.max_failure_fraction)
     theta = _host(res.state.theta)
     _check_finite(theta, "stage 1")
-    save_stage(stage1_dir / THETA1, theta, ident)
+    # the budget first, θ last: θ marks the stage done, so a kill between the two files
+    # reruns the stage (resumed from its checkpoint) and writes both again (as in stage 2)
     write_json(stage1_dir / "timing.json", {"seconds": time.perf_counter() - t0,
                                              "rounds": int(res.state.round),
                                              "cap": cfg.pretrain.rounds,
                                              "stopped": res.stopped})
+    save_stage(stage1_dir / THETA1, theta, ident)
     return theta
 
 
