@@ -239,7 +239,7 @@ def _shifted(g: Params, shift: Params | None, active: np.ndarray) -> Params:
     return out
 
 
-def _plain(problem, cohort, theta, w, plans, train, cfg, prox, shift) -> bool:
+def _plain(problem, cohort, train: str, cfg, prox, shift) -> bool:
     """Whether the group takes the problem's one-client fast path
     (:meth:`~partialfl.problems.model.ModelProblem.plain_sgd`, bit for bit this loop)."""
     return (len(cohort) == 1 and train in ("w", "theta", "both") and cfg.clip_norm is None
@@ -250,7 +250,7 @@ def _loop(problem, cohort, theta, w, plans, train, cfg, mode, prox=None, shift=N
     import torch
 
     k = len(cohort)
-    if _plain(problem, cohort, theta, w, plans, train, cfg, prox, shift):
+    if _plain(problem, cohort, train, cfg, prox, shift):
         shared = {n for n, v in theta.items() if tuple(v.shape) == problem.theta_shapes[n]}
         th1 = {n: (v if n in shared else v[0]) for n, v in theta.items()}
         th1, w1, total = problem.plain_sgd(int(cohort[0]), th1, {n: v[0] for n, v in w.items()},
