@@ -75,7 +75,6 @@ def _huge_loss_weight(partition, mtype, content):
 
 
 @pytest.mark.slow
-@pytest.mark.xfail(strict=True, reason="evaluation loss weights are not bounded by the node")
 def test_one_node_evaluation_weight_never_erases_the_honest_nodes(loopback):
     """FEMNIST (4 writers, LEAF CNN with an 8-wide dense layer) on 2 SuperNodes; node 1
     replies to every evaluation with ``loss_weight.sum = loss_sum.sum = 1.7e308`` (finite,
@@ -84,8 +83,9 @@ def test_one_node_evaluation_weight_never_erases_the_honest_nodes(loopback):
     claimed weight is ~1e305 × the node's examples. Root cause: flower/codec.py
     ``_decode_eval`` bounds ``clients``/``acc.count`` by the node's clients and checks
     ``loss_weight.sum >= 0`` and ``correct <= total``, but bounds neither ``total.sum`` nor
-    ``loss_weight.sum`` by the node's examples. Expected: the reply refused and counted
-    (eval_loss from node 0 alone), or a bounded weight."""
+    ``loss_weight.sum`` by the node's examples. Fixed: nodes declare ``eval-units`` when they
+    describe themselves and a reply beyond them is refused and counted (eval_loss from node
+    0 alone)."""
     from partialfl.data import default_data_dir
     from partialfl.data.femnist import FEMNIST_NPZ
     from partialfl.flower.server import run_server
@@ -100,3 +100,6 @@ def test_one_node_evaluation_weight_never_erases_the_honest_nodes(loopback):
     assert all(np.isfinite(np.asarray(v)).all() for v in rep.theta.values())
     last = rep.history[-1]
     assert last["eval_loss"] > 2.0, last
+    refused = [f for f in rep.failures if f.kind == "eval-invalid"]
+    assert refused and {f.partition for f in refused} == {1}, rep.failures
+    assert "eval-units" in refused[0].reason

@@ -117,13 +117,17 @@ def test_codec_refuses_malformed_records_with_one_line(mutate, match):
 def test_describe_and_initial_model_are_checked():
     def info(**kw):
         base = {"partition-id": 1, "num-partitions": 2, "num-clients": 8,
-                "clients": [4, 5, 6, 7], "num-examples": [10.0] * 4, "torch": 0}
+                "clients": [4, 5, 6, 7], "num-examples": [10.0] * 4, "eval-units": [40.0, 40.0],
+                "torch": 0}
         return RecordDict({"info": ConfigRecord({**base, **kw})})
 
     assert decode_describe(info())["clients"] == [4, 5, 6, 7]
     for kw, match in (({"clients": [0, 1, 2, 3]}, "clients of partition 1 must be 4..7"),
                       ({"partition-id": 2}, "partition-id must be an integer in"),
                       ({"num-examples": [1e39] * 4}, "num-examples must be in"),
+                      ({"eval-units": [1e39, 1.0]}, "eval-units must be in"),
+                      ({"eval-units": [float("nan"), 1.0]}, "eval-units"),
+                      ({"eval-units": [1.0]}, "eval-units"),
                       ({"num-clients": 10 ** 12}, "num-clients must be an integer in"),
                       ({"torch": "yes"}, "torch must be an integer")):
         with pytest.raises(WireFormatError, match=match):

@@ -275,7 +275,7 @@ def _eval_base(kind: str, n: int) -> dict:
 
 EVAL_CORRUPTIONS = [None, None, "drop", "add", "list", "nan", "fraction-count", "negative",
                     "too-few", "too-many", "hist", "bool-int", "wrong-record", "extra-record",
-                    "withheld"]
+                    "withheld", "overweight"]
 
 
 @SETTINGS
@@ -309,6 +309,10 @@ def test_evaluation_replies_are_sums_over_enough_clients_or_refused(kind, n, min
         rec["clients"] = float(n + 1)
     elif corruption == "hist":
         rec["acc.hist"] = [0.0] * 1000
+    elif corruption == "overweight" and kind == "model":  # beyond the declared eval-units
+        rec["loss_weight.sum"] = rec["loss_sum.sum"] = 1.7e308
+    elif corruption == "overweight":
+        corruption = None  # least squares weighs nothing
     elif corruption == "bool-int":  # a ConfigRecord may carry bools and strings
         content["eval"] = ConfigRecord({**rec, "clients": True})
     if corruption == "wrong-record":
@@ -320,7 +324,8 @@ def test_evaluation_replies_are_sums_over_enough_clients_or_refused(kind, n, min
     valid = corruption == "withheld" or (valid and corruption is None)
     hypothesis.event("valid" if valid else "invalid")
     try:
-        got = decode_eval(content, kind=kind, min_clients=min_clients, max_clients=n)
+        got = decode_eval(content, kind=kind, min_clients=min_clients, max_clients=n,
+                          max_units=(40.0, 40.0))
     except Exception as e:  # noqa: BLE001 - checked to be the one-line WireFormatError
         assert not valid, f"valid reply refused: {e}"
         _one_line_reason(e)
@@ -333,8 +338,8 @@ def test_evaluation_replies_are_sums_over_enough_clients_or_refused(kind, n, min
 
 
 DESCRIBE_CORRUPTIONS = [None, None, "clients", "partition", "examples-nan", "examples-huge",
-                        "examples-negative", "num-clients", "torch", "missing", "extra",
-                        "strings", "record-kind", "theta0-junk"]
+                        "examples-negative", "units-huge", "units-short", "num-clients",
+                        "torch", "missing", "extra", "strings", "record-kind", "theta0-junk"]
 
 
 @SETTINGS
@@ -346,7 +351,8 @@ def test_describe_replies_are_checked(nparts, M, part, corruption):
     part = part % nparts
     clients = partition_clients(M, nparts, part).tolist()
     info = {"partition-id": part, "num-partitions": nparts, "num-clients": M,
-            "clients": clients, "num-examples": [5.0] * len(clients), "torch": 0}
+            "clients": clients, "num-examples": [5.0] * len(clients),
+            "eval-units": [5.0 * len(clients)] * 2, "torch": 0}
     if corruption == "clients":
         info["clients"] = [(c + 1) % M for c in clients]
     elif corruption == "partition":
@@ -357,6 +363,10 @@ def test_describe_replies_are_checked(nparts, M, part, corruption):
         info["num-examples"] = [1e39] * len(clients)
     elif corruption == "examples-negative":
         info["num-examples"] = [-1.0] * len(clients)
+    elif corruption == "units-huge":
+        info["eval-units"] = [1.7e308, 1.0]
+    elif corruption == "units-short":
+        info["eval-units"] = [1.0]
     elif corruption == "num-clients":
         info["num-clients"] = 10 ** 12
     elif corruption == "torch":

@@ -174,6 +174,7 @@ def describe(rt: NodeRuntime, msg: Message) -> Message:
         "num-clients": int(rt.problem.num_clients),
         "clients": [int(c) for c in rt.clients],
         "num-examples": [float(x) for x in rt.problem.num_examples(rt.clients)],
+        "eval-units": eval_units(rt),
         "torch": int(rt.torch),
     })
     content = RecordDict({"info": info})
@@ -249,6 +250,25 @@ def make_client_app(algorithm_factory: AlgorithmFactory | None = None) -> Client
 app = make_client_app()
 
 
+def eval_units(rt: NodeRuntime) -> list[float]:
+    """What this node's evaluations will weigh, declared once when it describes itself:
+    ``[Σ total, Σ loss weight]`` over its clients' test data (examples or tokens; counted by
+    one forward pass at θ⁰ — losses and metrics weigh by data, not by parameters). The server
+    refuses an evaluation reply whose ``total.sum`` or ``loss_weight.sum`` exceeds them, so
+    one node cannot outweigh the others' evaluations by claiming a huge weight. ``[0, 0]``
+    for least squares (unweighted) and when the node withholds its evaluation (fewer than
+    ``rt.eval_min_clients`` clients with test data): nothing about fewer clients is sent."""
+    if not rt.torch:
+        return [0.0, 0.0]
+    from partialfl.flower.models import count_sums
+
+    own = rt.clients
+    theta = rt.algorithm.init(rt.problem, rt.theta0).theta
+    w = rt.problem.init_w(own, "pretrained", rt.cfg.seed, 0)
+    sums = count_sums(rt.problem.metric_counts(own, theta, w, "test"), rt.eval_min_clients)
+    return [float(sums.get("total.sum", 0.0)), float(sums.get("loss_weight.sum", 0.0))]
+
+
 def evaluate_clients(rt: NodeRuntime, theta, round_: int) -> dict[str, Any]:
     """Sums over this node's clients at θ (the server adds all nodes' sums): least squares
     ``clients``, ``loss.sum`` = Σ_m f_m(θ, w_m) and ``loss-gap.sum`` = Σ_m (f_m − min f_m);
@@ -272,5 +292,5 @@ def evaluate_clients(rt: NodeRuntime, theta, round_: int) -> dict[str, Any]:
     return out
 
 
-__all__ = ["AlgorithmFactory", "NodeRuntime", "app", "evaluate_clients", "make_client_app",
-           "node_runtime"]
+__all__ = ["AlgorithmFactory", "NodeRuntime", "app", "eval_units", "evaluate_clients",
+           "make_client_app", "node_runtime"]

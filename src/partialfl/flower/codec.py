@@ -365,8 +365,8 @@ def decode_updates(content, theta: Params, cohort, torch: bool = False, *,
     return updates, metrics
 
 
-def _decode_eval(content, kind: str, min_clients: int, max_clients: int
-                 ) -> dict[str, float] | None:
+def _decode_eval(content, kind: str, min_clients: int, max_clients: int,
+                 max_units: tuple[float, float] | None) -> dict[str, float] | None:
     keys = _keys(content)
     if keys != {"eval"}:
         raise WireFormatError(f"evaluation reply records {sorted(keys)[:8]}, expected ['eval']")
@@ -397,6 +397,13 @@ def _decode_eval(content, kind: str, min_clients: int, max_clients: int
                               f"eval-min-clients = {min_clients}")
     if kind == "model" and not out["correct.sum"] <= out["total.sum"]:
         raise WireFormatError("evaluation reply has correct > total")
+    if kind == "model" and max_units is not None:
+        # what the node declared when it described itself (its test data's counts), up to
+        # the rounding of sums accumulated in another order
+        for key, bound in zip(("total.sum", "loss_weight.sum"), max_units):
+            if not out[key] <= bound * (1 + 1e-6) + 1e-6:
+                raise WireFormatError(f"evaluation entry {key!r} = {out[key]:g} exceeds the "
+                                      f"{bound:g} the node declared (describe eval-units)")
     for k in _EVAL_NONNEGATIVE[kind]:  # sums of squares / of weights
         if out[k] < 0:
             raise WireFormatError(f"evaluation entry {k!r} = {out[k]:g} is negative: it sums "
@@ -410,13 +417,15 @@ def _decode_eval(content, kind: str, min_clients: int, max_clients: int
     return out
 
 
-def decode_eval(content, *, kind: str, min_clients: int, max_clients: int
-                ) -> dict[str, float] | None:
+def decode_eval(content, *, kind: str, min_clients: int, max_clients: int,
+                max_units: tuple[float, float] | None = None) -> dict[str, float] | None:
     """Evaluation reply → its sums (:data:`EVAL_KEYS` of ``kind``), or None when the node
     withheld its evaluation (an empty record). The sums must be over at least
-    ``min_clients`` and at most ``max_clients`` (the node's) clients. Raises
+    ``min_clients`` and at most ``max_clients`` (the node's) clients; a model problem's
+    ``total.sum`` and ``loss_weight.sum`` at most the node's declared ``max_units``. Raises
     :class:`WireFormatError` only."""
-    return _guard("evaluation reply", _decode_eval, content, kind, min_clients, max_clients)
+    return _guard("evaluation reply", _decode_eval, content, kind, min_clients, max_clients,
+                  max_units)
 
 
 def _decode_describe(content) -> dict[str, Any]:
@@ -427,7 +436,8 @@ def _decode_describe(content) -> dict[str, Any]:
         raise WireFormatError(f"describe reply records {sorted(keys)[:8]}, expected 'info' "
                               "and optionally 'theta0'")
     info = _record(content, "info", ConfigRecord, "describe")
-    want = {"partition-id", "num-partitions", "num-clients", "clients", "num-examples", "torch"}
+    want = {"partition-id", "num-partitions", "num-clients", "clients", "num-examples",
+            "eval-units", "torch"}
     if set(info.keys()) != want:
         raise WireFormatError(f"describe info entries {sorted(info.keys())[:8]}, expected "
                               f"{sorted(want)}")
@@ -444,14 +454,19 @@ def _decode_describe(content) -> dict[str, Any]:
                 for x in _list(info["num-examples"], "describe num-examples", len(clients))]
     if not all(0 <= x <= MAX_EXAMPLES for x in examples):
         raise WireFormatError(f"describe num-examples must be in [0, {MAX_EXAMPLES:g}]")
+    units = [_float(x, "describe eval-units") for x in _list(info["eval-units"],
+                                                                 "describe eval-units", 2)]
+    if not all(0 <= x <= MAX_EXAMPLES for x in units):
+        raise WireFormatError(f"describe eval-units must be in [0, {MAX_EXAMPLES:g}]")
     torch = _int(info["torch"], "describe torch", 0, 1)
     return {"partition-id": part, "num-partitions": nparts, "num-clients": M,
-            "clients": got, "num-examples": examples, "torch": torch}
+            "clients": got, "num-examples": examples, "eval-units": units, "torch": torch}
 
 
 def decode_describe(content) -> dict[str, Any]:
     """A ``query.describe`` reply's ``info`` → a checked dict (partition in range, the
-    partition's clients exactly, example counts in ``[0, MAX_EXAMPLES]``). Raises
+    partition's clients exactly, example counts and the evaluation's declared
+    ``eval-units`` = [Σ total, Σ loss weight] in ``[0, MAX_EXAMPLES]``). Raises
     :class:`WireFormatError` only."""
     return _guard("describe reply", _decode_describe, content)
 

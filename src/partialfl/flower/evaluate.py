@@ -56,7 +56,8 @@ def eval_reduce(cfg: FlowerConfig, fed: Federation, ids, got, round_: int,
             continue
         try:
             sums = decode_eval(m.content, kind=kind, min_clients=cfg.eval_min_clients,
-                               max_clients=fed.clients_of(node))
+                               max_clients=fed.clients_of(node),
+                               max_units=fed.nodes[node]["eval-units"])
         except WireFormatError as e:
             report.failures.append(Failure(int(round_), "eval-invalid", part, [], short(str(e))))
             log.warning("partialfl: round %d: evaluation of partition %d refused: %s", round_,
