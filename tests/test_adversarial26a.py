@@ -1,8 +1,8 @@
-"""Adversarial round 26a (issue 21 areas 1, 3, 4, 6, 7, 8, tried again from scratch): defects
-still present.
+"""Adversarial round 26a (issue 21 areas 1, 3, 4, 6, 7, 8, tried again from scratch): the
+defects found.
 
-Each test fails on the current code because of the defect it names (hence ``xfail(strict)``)
-and passes once the defect is fixed."""
+Each test failed on the code it was written against (main at c7b9a89) because of the defect it
+names, and passes since the fix."""
 
 from __future__ import annotations
 
@@ -61,8 +61,6 @@ def _alive(pid: int) -> bool:
 
 @pytest.mark.slow
 @pytest.mark.skipif(not sys.platform.startswith("linux"), reason="reads /proc")
-@pytest.mark.xfail(strict=True, reason="forkserver workers keep computing after the parent "
-                   "is killed (PR_SET_PDEATHSIG names the forkserver, not the parent)")
 def test_forkserver_workers_die_with_a_killed_parent(tmp_path):
     """``ProcessBackend(2, "forkserver")``, both clients computing (a minute each), the
     parent killed with SIGKILL: with ``fork`` and ``spawn`` both workers are gone at once
@@ -116,8 +114,6 @@ _SCAFFOLD = ('name = "t"\nstages = ["personalize"]\nbackend = "sequential"\n'
              '[logging]\ntensorboard = false\nprogress = false\n')
 
 
-@pytest.mark.xfail(strict=True, reason="train with scaffold treats its control variates c_m "
-                   "as the personal weights w_m at stage 3 (AttributeError)")
 def test_scaffold_trains_through_the_pipeline_or_is_refused_in_one_line(tmp_path, data_dir,
                                                                         capsys):
     """``partialfl train`` of a 2-client FEMNIST spec with ``method.algorithm =
@@ -167,8 +163,6 @@ sys.exit(main(sys.argv[2:]))
 
 
 @pytest.mark.slow
-@pytest.mark.xfail(strict=True, reason="a resumed run reads the client state back in the "
-                   "safetensors file's key order, so its deploy files differ in bytes")
 def test_a_run_resumed_after_stage2_deploys_the_same_bytes(tmp_path, data_dir):
     """``partialfl train`` of a FedAlt spec (2 FEMNIST clients, personalize only) killed
     (``os._exit``) at the commit of ``deploy.safetensors`` — after stage 2 wrote

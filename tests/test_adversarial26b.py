@@ -1,8 +1,8 @@
-"""Adversarial round 26b (issue 21, areas 2 and 5, tried again from scratch): defects still
-present.
+"""Adversarial round 26b (issue 21, areas 2 and 5, tried again from scratch): the defects
+found.
 
-Each test fails on the current code because of the defect it names (hence ``xfail(strict)``)
-and passes once the defect is fixed."""
+Each test failed on the code it was written against (main at 67fed42) because of the defect it
+names, and passes since the fix."""
 
 from __future__ import annotations
 
@@ -39,8 +39,6 @@ def _two_huge_losses(partition, mtype, content):
                                            "train_loss.sum": 1.7e308, "train_loss.count": k})
 
 
-@pytest.mark.xfail(strict=True, reason="flower/rounds.py train_loss adds the nodes' metric sums "
-                   "naively: one node's finite loss.sum + train_loss.sum overflow to inf")
 def test_one_node_never_makes_the_logged_train_loss_infinite(loopback):  # noqa: F811
     """Least squares, 2 SuperNodes; node 1 replies to every train message with both allowed
     metrics, ``loss.sum = train_loss.sum = 1.7e308`` over its k clients (each finite, each
@@ -64,8 +62,6 @@ class _Reply:
         return False
 
 
-@pytest.mark.xfail(strict=True, reason="codec._decode_eval accepts loss_sum.sum != 0 with "
-                   "loss_weight.sum == 0; summarize_sums then divides by the 1e-12 floor: inf")
 def test_a_node_evaluating_alone_never_logs_an_infinite_eval_loss():
     """A model problem whose other node withholds its evaluation (fewer than
     ``eval-min-clients`` clients): the hostile node, which declared ``eval-units =
@@ -90,8 +86,6 @@ def test_a_node_evaluating_alone_never_logs_an_infinite_eval_loss():
 
 
 # -- area 2: one node describing another federation stops the ServerApp ----------------------
-@pytest.mark.xfail(strict=True, reason="flower/federation.py describe raises ConfigError when "
-                   "one well-formed description disagrees, instead of leaving that node out")
 def test_one_node_describing_another_federation_is_left_out_not_a_crash(loopback):  # noqa: F811
     """Least squares (spec: 8 clients), three SuperNodes: partitions 0 and 1 of 2 (honest,
     complete, matching the spec's 8 clients) and a third node started with
@@ -165,9 +159,6 @@ def _carries(value, w: np.ndarray) -> bool:
                for s in (1, -1))
 
 
-@pytest.mark.xfail(strict=True, reason="flower/client.py train encodes a ClientUpdates without "
-                   "privacy.check_updates: codec.encode_updates checks leaf names only, so the "
-                   "ServerApp receives what the in-process screen refuses before sending")
 @pytest.mark.parametrize("how", ["theta-name-extra", "packed-vector", "text-metric"])
 def test_a_personal_value_never_reaches_the_flower_server(loopback, how):  # noqa: F811
     """The Flower twin of test_privacy's ``test_a_personal_payload_never_reaches_the_server``

@@ -307,10 +307,12 @@ def save_tensors(path: str | Path, tensors: Mapping[str, Any],
                  metadata: Mapping[str, Any] | None = None) -> str:
     """Store named numpy arrays / torch tensors (and JSON ``metadata``) atomically as a
     safetensors file; :func:`load_tensors` gives back the same kinds (numpy stays numpy).
-    Returns the file's SHA-256 (hex)."""
+    Returns the file's SHA-256 (hex). The bytes do not depend on the mapping's order (the
+    kinds are listed by name: a run resumed from files read back in their layout order once
+    wrote other bytes than the uninterrupted run)."""
     from safetensors.torch import save
 
-    kinds = {n: "torch" if arrays.is_torch(v) else "numpy" for n, v in tensors.items()}
+    kinds = {n: "torch" if arrays.is_torch(tensors[n]) else "numpy" for n in sorted(tensors)}
     meta = {"partialfl": json.dumps({"kinds": kinds, "metadata": dict(metadata or {})})}
     data = save({n: _to_torch(v) for n, v in tensors.items()}, metadata=meta)
     return write_bytes(path, data)

@@ -330,8 +330,12 @@ def log_error_ratio(errors, base_errors, *, level: float = 0.95, floor: float = 
 def ratio_of_sums(num, den, floor: float = 1e-12) -> float:
     """Σ num / max(Σ den, floor), both sums taken after dividing by the largest |value|: the
     nodes' finite sums give a finite ratio even where Σ num itself overflows float64 (two
-    nodes' loss sums of 1.7e308 each over 2 clients: mean 1.7e308, not inf)."""
+    nodes' loss sums of 1.7e308 each over 2 clients: mean 1.7e308, not inf). A ratio beyond
+    float64's range (a huge sum over a tiny weight) is clipped to its largest finite value."""
     a = np.atleast_1d(np.asarray(num, dtype=np.float64))
     b = np.atleast_1d(np.asarray(den, dtype=np.float64))
     s = float(max(np.abs(a).max(initial=0.0), np.abs(b).max(initial=0.0))) or 1.0
-    return float((a / s).sum() / max((b / s).sum(), floor / s))
+    with np.errstate(over="ignore"):
+        r = (a / s).sum() / max((b / s).sum(), floor / s)
+    big = np.finfo(np.float64).max
+    return float(np.clip(r, -big, big))

@@ -48,7 +48,13 @@ from partialfl.flower.config import (
     parse_run_config,
     partition_clients,
 )
-from partialfl.flower.node import check_code, check_node_data, load_node_data, node_options
+from partialfl.flower.node import (
+    check_code,
+    check_node_data,
+    load_node_data,
+    node_options,
+    screened,
+)
 from partialfl.flower.secagg import is_secagg, node_contribution, secagg_mod
 from partialfl.flower.stage import node_parts
 
@@ -197,7 +203,8 @@ def train(rt: NodeRuntime, msg: Message) -> Message:
               if f"extra.{n}" in task}
     state = ServerState(theta=theta, round=r, extra=shared)
     result = rt.algorithm.client_update(state, rt.problem, cohort, rt.context(r, cohort))
-    content = encode_updates(result.updates, theta.keys(), metric_names(rt.algorithm))
+    content = encode_updates(screened(rt, result.updates, theta), theta.keys(),
+                             metric_names(rt.algorithm))
     for f in parse_fault_injection(rt.cfg.fault_injection):
         if f.kind in REPLY_FAULTS and f.applies(rt.partition, r):
             hostile_reply(content, f.kind)

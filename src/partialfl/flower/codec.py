@@ -397,6 +397,9 @@ def _decode_eval(content, kind: str, min_clients: int, max_clients: int,
                               f"eval-min-clients = {min_clients}")
     if kind == "model" and not out["correct.sum"] <= out["total.sum"]:
         raise WireFormatError("evaluation reply has correct > total")
+    if kind == "model" and out["loss_weight.sum"] == 0 and out["loss_sum.sum"] != 0:
+        raise WireFormatError("evaluation reply has a loss sum with zero loss weight (a sum "
+                              "of losses weighted by zero weights is 0)")
     if kind == "model" and max_units is not None:
         # what the node declared when it described itself (its test data's counts), up to
         # the rounding of sums accumulated in another order

@@ -132,18 +132,59 @@ def wait_for_nodes(grid: Grid, cfg: FlowerConfig) -> list[int]:
         time.sleep(min(0.5, cfg.poll_interval * 5))
 
 
+def _federation_key(info: dict[str, Any]) -> tuple[int, int, int]:
+    """What every SuperNode of one federation describes alike: (num-partitions,
+    num-clients, torch)."""
+    return (info["num-partitions"], info["num-clients"], info["torch"])
+
+
+def _kind(key: tuple[int, int, int]) -> str:
+    return f"{key[1]} clients, {'a model' if key[2] else 'closed-form'}"
+
+
+def _leave_out_strangers(nodes: dict[int, dict[str, Any]], seen: dict[tuple, int],
+                         failures: list[Failure]) -> None:
+    """Nodes whose descriptions disagree (:func:`_federation_key`): when the nodes of exactly
+    one kind hold every partition of it, the others are left out (a ``describe-invalid``
+    failure each: one stranger or hostile node cannot stop the run); otherwise the
+    federation is misconfigured — a :class:`ConfigError` naming each node."""
+    keys = {_federation_key(i) for i in nodes.values()}
+    if len(keys) < 2:
+        return
+    complete = [k for k in keys if all((k, p) in seen for p in range(k[0]))]
+    if len(complete) != 1:
+        each = "; ".join(f"node {n}: partition {i['partition-id']} of {i['num-partitions']}, "
+                         f"{_kind(_federation_key(i))}"
+                         for n, i in sorted(nodes.items(), key=lambda t: int(t[0])))
+        raise ConfigError("SuperNodes disagree on num-partitions, the number of clients "
+                          "or the kind of problem (start them with the same node config "
+                          f"and run config): {each[:1500]}")
+    ours = complete[0]
+    for n in [n for n, i in nodes.items() if _federation_key(i) != ours]:
+        info = nodes.pop(n)
+        key = (_federation_key(info), info["partition-id"])
+        if seen.get(key) == n:
+            del seen[key]
+        why = (f"SuperNode {n} describes partition {info['partition-id']} of "
+               f"{info['num-partitions']}, {_kind(key[0])}; the other nodes hold all "
+               f"{ours[0]} partitions of {_kind(ours)}")
+        log.warning("%s: it is left out", why)
+        failures.append(Failure(-1, "describe-invalid", -1, [], why))
+
+
 def describe(link: Link, cfg: FlowerConfig, node_ids: list[int]) -> Federation:
     """Ask every SuperNode which clients it holds (partition 0 also sends θ⁰); SuperNodes
     that connect later are asked too, until every partition has one or ``node-wait-timeout``
-    passed. A description the codec refuses (:func:`~partialfl.flower.codec.decode_describe`)
-    leaves its node out (recorded as a ``describe-invalid`` failure)."""
+    passed. A description the codec refuses (:func:`~partialfl.flower.codec.decode_describe`),
+    or one of another federation than the nodes that hold every partition
+    (:func:`_leave_out_strangers`), leaves its node out (a ``describe-invalid`` failure)."""
     request = RecordDict({"request": ConfigRecord({"init-partition": 0})})
     deadline = time.monotonic() + cfg.node_wait_timeout
     nodes: dict[int, dict[str, Any]] = {}
-    seen: dict[int, int] = {}  # partition -> node
+    seen: dict[tuple, int] = {}  # (federation key, partition) -> node
     asked: set[int] = set()
     failures: list[Failure] = []
-    theta0 = None
+    theta0s: dict[tuple, Params] = {}  # federation key -> θ⁰ its partition 0 sent
     last = ""  # the last refusal, for the error when no node is left
     raised: set[int] = set()  # nodes whose ClientApp raised (a node's own error: no retry)
     while True:
@@ -164,33 +205,28 @@ def describe(link: Link, cfg: FlowerConfig, node_ids: list[int]) -> Federation:
                 continue
             try:
                 info = decode_describe(m.content)
-                p = info["partition-id"]
-                if p == 0 and theta0 is None:
+                p, key = info["partition-id"], _federation_key(info)
+                if p == 0 and key not in theta0s:
                     if "theta0" not in m.content:
                         raise WireFormatError("partition 0 did not send the initial model")
-                    theta0 = decode_theta0(m.content["theta0"], bool(info["torch"]))
+                    theta0s[key] = decode_theta0(m.content["theta0"], bool(info["torch"]))
             except WireFormatError as e:
                 log.warning("SuperNode %s sent an invalid description (%s); it is left out",
                             node, e)
                 failures.append(Failure(-1, "describe-invalid", -1, [], short(str(e))))
                 last = str(e)
                 continue
-            if p in seen:
-                log.warning("SuperNodes %s and %s both hold partition %d; using %s", seen[p],
-                            node, p, seen[p])
+            if (key, p) in seen:
+                log.warning("SuperNodes %s and %s both hold partition %d; using %s",
+                            seen[key, p], node, p, seen[key, p])
                 continue
-            seen[p], nodes[node] = node, info
+            seen[key, p], nodes[node] = node, info
+        _leave_out_strangers(nodes, seen, failures)
         infos = list(nodes.values())
         nparts = {i["num-partitions"] for i in infos}
-        if len(nparts) > 1 or len({(i["num-clients"], i["torch"]) for i in infos}) > 1:
-            each = "; ".join(
-                f"node {n}: partition {i['partition-id']} of {i['num-partitions']}, "
-                f"{i['num-clients']} clients, {'a model' if i['torch'] else 'closed-form'}"
-                for n, i in sorted(nodes.items(), key=lambda t: int(t[0])))
-            raise ConfigError("SuperNodes disagree on num-partitions, the number of clients "
-                              "or the kind of problem (start them with the same node config "
-                              f"and run config): {each[:1500]}")
-        missing = sorted(set(range(nparts.pop())) - set(seen)) if nparts else None
+        theta0 = theta0s.get(_federation_key(infos[0])) if infos else None
+        held = {p for _, p in seen}
+        missing = sorted(set(range(nparts.pop())) - held) if nparts else None
         if missing == []:
             break
         # every node there raised (e.g. its data not found): waiting cannot help
@@ -199,7 +235,7 @@ def describe(link: Link, cfg: FlowerConfig, node_ids: list[int]) -> Federation:
             if missing is None:
                 raise RuntimeError(f"no SuperNode answered the describe query{why}")
             raise RuntimeError(f"no SuperNode holds partition(s) {missing} after "
-                               f"{cfg.node_wait_timeout}s; partitions present: {sorted(seen)}"
+                               f"{cfg.node_wait_timeout}s; partitions present: {sorted(held)}"
                                f"{why}")
         time.sleep(min(1.0, 20 * cfg.poll_interval))
         node_ids = sorted(int(n) for n in link.grid.get_node_ids())

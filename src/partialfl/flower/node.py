@@ -237,3 +237,19 @@ def check_node_data(data, clients: np.ndarray) -> None:
         raise ConfigError(f"node-config 'data': the store holds examples of clients "
                           f"{foreign[:5].tolist()} outside this node's partition "
                           f"({int(clients[0])}..{int(clients[-1])})")
+
+
+def screened(rt, updates, theta):
+    """``updates`` if the in-process privacy screen lets them pass
+    (:func:`partialfl.privacy.check_updates` against the run's θ: declared extras, θ-shaped
+    finite float rows, allowed float metrics), else a :class:`~partialfl.privacy.PrivacyError`
+    whose reason holds no value — raised on the node, so nothing of a refused message
+    (not even an error quoting it) reaches the server. ``theta``: the θ the server sent,
+    which must have exactly this run's leaves."""
+    from partialfl.privacy import PrivacyError, check_updates
+
+    if set(theta) != set(rt.theta_names):
+        raise PrivacyError(f"the server's θ has the leaves {sorted(theta)[:8]}, not this run's "
+                           f"θ {sorted(rt.theta_names)[:8]}")
+    check_updates(updates, theta, rt.algorithm)
+    return updates

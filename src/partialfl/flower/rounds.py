@@ -33,6 +33,7 @@ from partialfl.flower.report import (
 )
 from partialfl.metrics import closed_form_metrics
 from partialfl.runtime.sync import run_rounds
+from partialfl.stats import ratio_of_sums
 from partialfl.types import ClientUpdates, Params
 
 
@@ -78,13 +79,11 @@ def merge(ups: list[ClientUpdates]) -> ClientUpdates:
 
 
 def train_loss(sums: list[dict[str, tuple[float, float]]]) -> float | None:
-    """Mean training loss over the clients that reported one (node sums and counts)."""
-    tot = cnt = 0.0
-    for m in sums:
-        for name in ("loss", "train_loss"):
-            if name in m:
-                tot, cnt = tot + m[name][0], cnt + m[name][1]
-    return tot / cnt if cnt else None
+    """Mean training loss over the clients that reported one (node sums and counts), by
+    :func:`~partialfl.stats.ratio_of_sums`: one node's finite sums never make it inf."""
+    tot = [m[n][0] for m in sums for n in ("loss", "train_loss") if n in m]
+    cnt = [m[n][1] for m in sums for n in ("loss", "train_loss") if n in m]
+    return ratio_of_sums(tot, cnt) if sum(cnt) else None
 
 
 

@@ -273,11 +273,17 @@ def personalize(cfg: RunSpec, task: Task, theta1: Params, run_dir: Path,
 
 
 def _deploy_start(cfg: RunSpec, s2: Stage2) -> Params:
-    """w_m at the start of stage 3 (see the module docstring)."""
+    """w_m at the start of stage 3 (see the module docstring): the personal leaves the run
+    kept per client (FedAlt/FedSim's w_m; FedAvg's BatchNorm statistics), the others from
+    ``method.w_init``. Client state that is not personal parameters (Scaffold's control
+    variates c_m) is not a model's leaf and stays out."""
     allc = np.arange(s2.problem.num_clients)
-    if s2.client_state is not None:  # FedAlt/FedSim's w_m; FedAvg's BatchNorm statistics
-        return {n: v.clone() for n, v in s2.client_state.items()}
-    return s2.problem.init_w(allc, cfg.method.w_init, cfg.seed, -1)
+    cs = s2.client_state or {}
+    personal = (*s2.problem.w_names, *s2.problem.state_names)
+    kept = {n: v.clone() for n, v in cs.items() if n in personal}
+    if cs and len(kept) == len(cs):
+        return kept
+    return {**s2.problem.init_w(allc, cfg.method.w_init, cfg.seed, -1), **kept}
 
 
 def finetune_and_evaluate(cfg: RunSpec, task: Task, s2: Stage2, run_dir: Path,

@@ -52,10 +52,31 @@ def _parent_alive(parent: int) -> bool:
     return os.getppid() == parent
 
 
+def _die_with_parent(parent: int) -> None:
+    """End this worker the moment the process that started it ends, also in the middle of a
+    client (a thread waiting on multiprocessing's parent sentinel). ``PR_SET_PDEATHSIG``
+    alone names the *forkserver* for a worker started from it, which outlives a killed
+    parent while its children run: such workers computed on for as long as their clients
+    took (round 26)."""
+    import threading
+
+    def watch() -> None:
+        p = mp.parent_process()
+        if p is not None:
+            p.join()
+        else:  # not started by multiprocessing: ask once a second
+            while os.getppid() == parent:
+                time.sleep(1.0)
+        os._exit(1)
+
+    threading.Thread(target=watch, name="partialfl-parent-watch", daemon=True).start()
+
+
 def work(problem, algorithm, tasks, out, parent: int, own_session: bool = True) -> None:
     """A worker's loop (see the module docstring): quits on None or when the parent is gone."""
     if own_session:
         _detach()
+    _die_with_parent(parent)
     if "torch" in sys.modules:
         sys.modules["torch"].set_num_threads(1)
     theta = None
