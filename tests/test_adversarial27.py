@@ -1,7 +1,7 @@
 """Adversarial round 27 (issue 21, tried again from scratch): the defects found.
 
-Each test fails on the current code (bef6f52) because of the defect it names, hence
-``xfail(strict=True)``."""
+Each test failed on the code it was written against (bef6f52) because of the defect it names,
+and passes since the fix."""
 
 from __future__ import annotations
 
@@ -115,8 +115,6 @@ def test_the_spy_sees_no_w_from_an_honest_client():
     assert seen == 2 and hits == 0
 
 
-@pytest.mark.xfail(strict=True, reason="issue 21 area 5: the server receives the client's "
-                   "objects themselves (views and subclasses), so w_m reaches server_update")
 @pytest.mark.parametrize("runner", [_sync, _async], ids=["sync", "async"])
 @pytest.mark.parametrize("how", ["vector-view", "weights-view", "weights-subclass",
                                  "cohort-subclass", "grad-evals-subclass"])

@@ -57,11 +57,16 @@ def as_like(values: Any, ref: Array, dtype: Any = None) -> Array:
 
 
 def plain(x: Array) -> Array:
-    """``x`` as a plain array object of the base class (a view, no copy): nothing a subclass
-    or a Python attribute attached to the object carries survives, only the values."""
+    """``x``'s values only, as a plain array of the base class: nothing a subclass, a Python
+    attribute or the buffer of which ``x`` is a view (``.base``, a tensor's storage) carries
+    survives. No copy when ``x`` is already a plain array that owns exactly its values."""
     if is_torch(x):
-        return x.detach().as_subclass(_torch().Tensor)
-    return np.asarray(x)
+        t = x.detach().as_subclass(_torch().Tensor)
+        whole = (t.storage_offset() == 0 and t.is_contiguous()
+                 and t.untyped_storage().nbytes() == t.numel() * t.element_size())
+        return t if whole else t.clone()
+    a = np.asarray(x)
+    return a if a is x and a.base is None else np.array(a, copy=True)
 
 
 def copy(x: Array) -> Array:

@@ -175,7 +175,9 @@ def check_updates(updates: ClientUpdates, theta: Mapping | Collection[str],
 
 def server_view(updates: ClientUpdates, algorithm=None) -> ClientUpdates:
     """The message as the server receives it: client-side metrics removed (only the names in
-    ``algorithm.server_metrics`` pass), every row a plain array (values only)."""
+    ``algorithm.server_metrics`` pass), every field values only (:func:`partialfl.arrays.
+    plain`: no subclass, attribute or larger buffer behind a row, a weight or an id;
+    ``grad_evals`` a plain int)."""
     keep = frozenset(getattr(algorithm, "server_metrics", ()))
     metrics = {}
     for n, v in updates.metrics.items():
@@ -184,6 +186,7 @@ def server_view(updates: ClientUpdates, algorithm=None) -> ClientUpdates:
             metrics[n] = np.where(np.isnan(a), np.nan, a)
     # plain arrays: an attribute or subclass attached to a row object never reaches the server
     return ClientUpdates({n: arrays.plain(v) for n, v in updates.vectors.items()},
-                         updates.weights, updates.cohort, updates.grad_evals, metrics,
+                         arrays.plain(updates.weights), arrays.plain(updates.cohort),
+                         int(updates.grad_evals), metrics,
                          {n: {m: arrays.plain(t) for m, t in tree.items()}
                           for n, tree in updates.extra.items()})
