@@ -57,7 +57,8 @@ def _die_with_parent(parent: int) -> None:
     client (a thread waiting on multiprocessing's parent sentinel). ``PR_SET_PDEATHSIG``
     alone names the *forkserver* for a worker started from it, which outlives a killed
     parent while its children run: such workers computed on for as long as their clients
-    took (round 26)."""
+    took (round 26). The watcher is a Python thread: a client inside one C call that holds
+    the GIL throughout ends when that call returns (torch's kernels release it)."""
     import threading
 
     def watch() -> None:
