@@ -58,14 +58,17 @@ def as_like(values: Any, ref: Array, dtype: Any = None) -> Array:
 
 def plain(x: Array) -> Array:
     """``x``'s values only, as a plain array of the base class: nothing a subclass, a Python
-    attribute or the buffer of which ``x`` is a view (``.base``, a tensor's storage) carries
-    survives. No copy when ``x`` is already a plain array that owns exactly its values."""
+    attribute, a dtype's metadata or the buffer of which ``x`` is a view (``.base``, a
+    tensor's storage) carries survives. No copy when ``x`` is already a plain array that
+    owns exactly its values."""
     if is_torch(x):
         t = x.detach().as_subclass(_torch().Tensor)
         whole = (t.storage_offset() == 0 and t.is_contiguous()
                  and t.untyped_storage().nbytes() == t.numel() * t.element_size())
         return t if whole else t.clone()
     a = np.asarray(x)
+    if a.dtype.metadata is not None:  # a dtype can carry a dict of anything
+        return a.astype(np.dtype(a.dtype.str))  # (np.array(a, dtype=...) keeps it)
     return a if a is x and a.base is None else np.array(a, copy=True)
 
 

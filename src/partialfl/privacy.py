@@ -173,6 +173,30 @@ def check_updates(updates: ClientUpdates, theta: Mapping | Collection[str],
         raise PrivacyError(why)
 
 
+def _name(n):
+    """A str name as an exact ``str`` (a subclass could carry anything in its attributes);
+    any other key is left for the screen to refuse."""
+    if isinstance(n, str):
+        return str.encode(n, "utf-8", "surrogatepass").decode("utf-8", "surrogatepass")
+    return n
+
+
+def values_only(updates: ClientUpdates) -> ClientUpdates:
+    """``updates`` with values only (:func:`partialfl.arrays.plain` for every row, weight
+    and id; exact ``str`` names; an exact ``int`` count): what the privacy screen checks is
+    then exactly what may reach the server — a subclass cannot report another shape than
+    the array it hands over, nor carry a value in an attribute, a name or a dtype's
+    metadata. No copy for plain arrays that own their values."""
+    g = updates.grad_evals
+    return ClientUpdates(
+        {_name(n): arrays.plain(v) for n, v in updates.vectors.items()},
+        arrays.plain(updates.weights), arrays.plain(updates.cohort),
+        int.__int__(g) if isinstance(g, int) and not isinstance(g, bool) else g,
+        {_name(n): arrays.plain(v) for n, v in updates.metrics.items()},
+        {_name(e): {_name(n): arrays.plain(t) for n, t in tree.items()}
+         for e, tree in updates.extra.items()})
+
+
 def server_view(updates: ClientUpdates, algorithm=None) -> ClientUpdates:
     """The message as the server receives it: client-side metrics removed (only the names in
     ``algorithm.server_metrics`` pass), every field values only (:func:`partialfl.arrays.

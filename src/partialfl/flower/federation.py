@@ -142,42 +142,61 @@ def _kind(key: tuple[int, int, int]) -> str:
     return f"{key[1]} clients, {'a model' if key[2] else 'closed-form'}"
 
 
-def _leave_out_strangers(nodes: dict[int, dict[str, Any]], seen: dict[tuple, int],
-                         failures: list[Failure]) -> None:
-    """Nodes whose descriptions disagree (:func:`_federation_key`): when the nodes of exactly
-    one kind hold every partition of it, the others are left out (a ``describe-invalid``
-    failure each: one stranger or hostile node cannot stop the run); otherwise the
-    federation is misconfigured — a :class:`ConfigError` naming each node."""
+def _settled(nodes: dict[int, dict[str, Any]], seen: dict[tuple, int],
+             failures: list[Failure], expect: tuple[int | None, int | None],
+             final: bool) -> bool:
+    """Whether the described nodes are one federation holding every partition; nodes of
+    another federation are then left out (a ``describe-invalid`` failure each).
+
+    Descriptions may disagree (:func:`_federation_key`): a stranger, a misconfigured or a
+    hostile node. The run's federation is the complete group that fits the server's spec
+    (``expect`` = (number of clients, torch), None where the spec does not say) with the
+    most nodes; while a fitting group that is not complete could still grow beyond it, the
+    server waits (``final``: ``node-wait-timeout`` passed). So one node cannot stop the
+    ServerApp nor take the run over by describing a federation of its own, whenever it
+    connects; a tie, or no complete group at the deadline, is a misconfigured federation —
+    one :class:`ConfigError` naming each node."""
     keys = {_federation_key(i) for i in nodes.values()}
+    complete = {k for k in keys if all((k, p) in seen for p in range(k[0]))}
     if len(keys) < 2:
-        return
-    complete = [k for k in keys if all((k, p) in seen for p in range(k[0]))]
-    if len(complete) != 1:
+        return bool(complete)
+    fits = {k for k in keys if all(e is None or e == g for e, g in zip(expect, k[1:]))}
+    size = {k: sum(_federation_key(i) == k for i in nodes.values()) for k in keys}
+    best = sorted(fits & complete, key=lambda k: -size[k])
+    growing = [k for k in fits - complete if not best or k[0] > size[best[0]]]
+    if growing and not final:
+        return False
+    if not best or (len(best) > 1 and size[best[0]] == size[best[1]]):
+        if not final:
+            return False
         each = "; ".join(f"node {n}: partition {i['partition-id']} of {i['num-partitions']}, "
                          f"{_kind(_federation_key(i))}"
                          for n, i in sorted(nodes.items(), key=lambda t: int(t[0])))
         raise ConfigError("SuperNodes disagree on num-partitions, the number of clients "
                           "or the kind of problem (start them with the same node config "
                           f"and run config): {each[:1500]}")
-    ours = complete[0]
+    ours = best[0]
     for n in [n for n, i in nodes.items() if _federation_key(i) != ours]:
         info = nodes.pop(n)
         key = (_federation_key(info), info["partition-id"])
         if seen.get(key) == n:
             del seen[key]
         why = (f"SuperNode {n} describes partition {info['partition-id']} of "
-               f"{info['num-partitions']}, {_kind(key[0])}; the other nodes hold all "
-               f"{ours[0]} partitions of {_kind(ours)}")
+               f"{info['num-partitions']}, {_kind(key[0])}; the run's federation is the "
+               f"{size[ours]} nodes holding all {ours[0]} partitions of {_kind(ours)}")
         log.warning("%s: it is left out", why)
         failures.append(Failure(-1, "describe-invalid", -1, [], why))
+    return True
 
 
-def describe(link: Link, cfg: FlowerConfig, node_ids: list[int]) -> Federation:
+def describe(link: Link, cfg: FlowerConfig, node_ids: list[int],
+             expect: tuple[int | None, int | None] = (None, None)) -> Federation:
     """Ask every SuperNode which clients it holds (partition 0 also sends θ⁰); SuperNodes
     that connect later are asked too, until every partition has one or ``node-wait-timeout``
     passed. A description the codec refuses (:func:`~partialfl.flower.codec.decode_describe`),
-    or one of another federation than the nodes that hold every partition
-    (:func:`_leave_out_strangers`), leaves its node out (a ``describe-invalid`` failure)."""
+    or one of another federation than the run's (:func:`_settled`; ``expect``: the number of
+    clients and the kind of problem the server's spec fixes, None where it does not), leaves
+    its node out (a ``describe-invalid`` failure)."""
     request = RecordDict({"request": ConfigRecord({"init-partition": 0})})
     deadline = time.monotonic() + cfg.node_wait_timeout
     nodes: dict[int, dict[str, Any]] = {}
@@ -221,16 +240,15 @@ def describe(link: Link, cfg: FlowerConfig, node_ids: list[int]) -> Federation:
                             seen[key, p], node, p, seen[key, p])
                 continue
             seen[key, p], nodes[node] = node, info
-        _leave_out_strangers(nodes, seen, failures)
+        final = time.monotonic() >= deadline
+        if _settled(nodes, seen, failures, expect, final):
+            break
         infos = list(nodes.values())
         nparts = {i["num-partitions"] for i in infos}
-        theta0 = theta0s.get(_federation_key(infos[0])) if infos else None
         held = {p for _, p in seen}
-        missing = sorted(set(range(nparts.pop())) - held) if nparts else None
-        if missing == []:
-            break
+        missing = sorted(set(range(max(nparts))) - held) if nparts else None
         # every node there raised (e.g. its data not found): waiting cannot help
-        if time.monotonic() >= deadline or (not nodes and len(raised) >= cfg.min_nodes):
+        if final or (not nodes and len(raised) >= cfg.min_nodes):
             why = f" (last refusal: {last[:300]})" if last else ""
             if missing is None:
                 raise RuntimeError(f"no SuperNode answered the describe query{why}")
@@ -239,6 +257,8 @@ def describe(link: Link, cfg: FlowerConfig, node_ids: list[int]) -> Federation:
                                f"{why}")
         time.sleep(min(1.0, 20 * cfg.poll_interval))
         node_ids = sorted(int(n) for n in link.grid.get_node_ids())
+    infos = list(nodes.values())
+    theta0 = theta0s.get(_federation_key(infos[0]))
     order = sorted(nodes, key=lambda n: int(nodes[n]["partition-id"]))
     M = int(infos[0]["num-clients"])
     owner = np.full(M, -1, dtype=np.int64)  # client id -> position in `order`

@@ -240,16 +240,18 @@ def check_node_data(data, clients: np.ndarray) -> None:
 
 
 def screened(rt, updates, theta):
-    """``updates`` if the in-process privacy screen lets them pass
+    """``updates`` as values only (:func:`partialfl.privacy.values_only`: what is checked
+    is what is sent) if the in-process privacy screen lets them pass
     (:func:`partialfl.privacy.check_updates` against the run's θ: declared extras, θ-shaped
     finite float rows, allowed float metrics), else a :class:`~partialfl.privacy.PrivacyError`
     whose reason holds no value — raised on the node, so nothing of a refused message
     (not even an error quoting it) reaches the server. ``theta``: the θ the server sent,
     which must have exactly this run's leaves."""
-    from partialfl.privacy import PrivacyError, check_updates
+    from partialfl.privacy import PrivacyError, check_updates, values_only
 
     if set(theta) != set(rt.theta_names):
         raise PrivacyError(f"the server's θ has the leaves {sorted(theta)[:8]}, not this run's "
                            f"θ {sorted(rt.theta_names)[:8]}")
+    updates = values_only(updates)  # checked as sent
     check_updates(updates, theta, rt.algorithm)
     return updates

@@ -33,7 +33,7 @@ from partialfl.flower.federation import Link, MessageHook, ServerProblem, descri
 from partialfl.flower.jobs import ASYNC_CHECKPOINT, async_checkpoint, run_async
 from partialfl.flower.report import Failure, FlowerRunReport, RunAborted, ServerStopped, log
 from partialfl.flower.rounds import run_sync
-from partialfl.flower.stage import server_parts
+from partialfl.flower.stage import expected_federation, server_parts
 
 
 def run_server(grid: Grid, run_config: dict[str, Any], *,
@@ -47,7 +47,7 @@ def run_server(grid: Grid, run_config: dict[str, Any], *,
     cfg = parse_run_config(run_config)
     t0 = time.perf_counter()
     link = Link(grid, cfg, message_hook)
-    fed = describe(link, cfg, wait_for_nodes(grid, cfg))
+    fed = describe(link, cfg, wait_for_nodes(grid, cfg), expected_federation(cfg))
     # Only a closed-form problem (a public generator and seed) is rebuilt on the server: for
     # 'lr = "auto"' (1/L) and the reference metrics ‖θ − θ*‖², ‖F(θ)‖².
     ref, algorithm = server_parts(cfg, fed.num_clients)

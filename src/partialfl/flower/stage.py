@@ -28,6 +28,18 @@ def _core(fn, *args, **kw):
         raise ConfigError(f"spec: {e}") from None
 
 
+def expected_federation(cfg: FlowerConfig) -> tuple[int | None, int]:
+    """``(number of clients, torch)`` the server's spec fixes for the SuperNodes'
+    descriptions (:func:`partialfl.flower.federation.describe`): a closed-form spec's
+    problem size (built as :func:`server_parts` builds it) and kind; a model spec fixes the
+    kind only (its clients are the data's, which the server does not hold)."""
+    from partialfl.build import build
+
+    if cfg.run.closed_form:
+        return _core(build, cfg.run).problem.num_clients, 0
+    return None, 1
+
+
 def server_parts(cfg: FlowerConfig, num_clients: int) -> tuple[Any, Any]:
     """``(reference problem or None, algorithm)`` of the ServerApp: a closed-form spec's
     problem and algorithm (:func:`partialfl.build.build`), or a model stage's algorithm

@@ -41,7 +41,7 @@ from partialfl import arrays
 from partialfl import rng as prng
 from partialfl.algorithms.base import ClientResult
 from partialfl.algorithms.wrapper import AlgorithmWrapper
-from partialfl.privacy import PrivacyError, screen, server_view
+from partialfl.privacy import PrivacyError, screen, server_view, values_only
 from partialfl.registry import option, register
 from partialfl.runtime.clients import error_text
 from partialfl.types import ClientUpdates
@@ -326,7 +326,7 @@ def receive(result: ClientResult, state, algorithm, faults: FaultLog, where: str
     the kept clients only, or None if none is left; kept positions)``. A refusal of
     ``systematic`` (default: the whole message) or more clients before any client passed
     re-raises the :class:`~partialfl.privacy.PrivacyError` (see the module docstring)."""
-    up = result.updates
+    sent = up = values_only(result.updates)  # what is screened is what the server gets
     k = len(up.cohort)
     if k == 0:  # nothing was sent
         return None, np.arange(0)
@@ -349,7 +349,7 @@ def receive(result: ClientResult, state, algorithm, faults: FaultLog, where: str
         return None, keep
     cs = result.client_state
     if len(keep) < k:
-        up = result.updates.select(keep)
+        up = sent.select(keep)
         if cs is not None:
             cs = {n: v[keep] for n, v in cs.items()}
     return ClientResult(server_view(up, algorithm), cs), keep
