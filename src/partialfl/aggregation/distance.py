@@ -112,7 +112,8 @@ class Krum:
     def __call__(self, vectors, weights=None):
         X, _, restore = prepare(vectors, weights, "krum")
         k = len(X)
-        m = k - self.tolerated(k) if self.m is None else self.m
+        f = self.tolerated(k)  # refuses (or warns for) a cohort it cannot protect, k = 1 too
+        m = k - f if self.m is None else self.m
         if m > k:  # allow_unprotected (tolerated refuses m > k − f otherwise)
             m = k
         if k == 1:

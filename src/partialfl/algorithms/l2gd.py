@@ -119,7 +119,7 @@ class L2GDOptions:
 
 
 @register("algorithm", "l2gd", options=L2GDOptions, split="none", shared_w=True,
-          full_participation=True)
+          full_participation=True, problems=("closed-form",))  # one call for every client
 def _l2gd(opts: L2GDOptions, ctx: AlgorithmContext) -> L2GD:
     """L2GD (Hanzely & Richtárik 2020): one full model per client pulled to the average with
     penalty λ; a geometric number of local GD steps per communication."""

@@ -52,11 +52,13 @@ class ClientsFailed(WorkerError):
     """Some clients of a cohort failed in the workers. ``results``: every position's
     ClientResult (None where it failed); ``failures``: ``{position: (kind, reason)}`` with
     kind ``error`` (the client raised; reason: its traceback) or ``death`` (its worker
-    died)."""
+    died); ``errors``: the exception a raising client raised, where it survived the trip
+    from the worker (so a bug in every client is re-raised as itself, as in process)."""
 
     def __init__(self, results: list[ClientResult | None],
-                 failures: dict[int, tuple[str, str]], clients: np.ndarray) -> None:
-        self.results, self.failures = results, failures
+                 failures: dict[int, tuple[str, str]], clients: np.ndarray,
+                 errors: dict[int, BaseException] | None = None) -> None:
+        self.results, self.failures, self.errors = results, failures, errors or {}
         i = min(failures)
         kind, why = failures[i]
         head = (f"client {int(clients[i])} (cohort position {i}) failed in a worker:\n{why}"
@@ -159,6 +161,7 @@ class ProcessBackend(CohortRunner):
         todo = Schedule.of(fn, [pos[i:i + 1] for i in range(len(pos))], pool.n)
         out: list[ClientResult | None] = [None] * len(pos)
         failures: dict[int, tuple[str, str]] = {}
+        errors: dict[int, BaseException] = {}
         try:
             while todo or pool.busy():
                 # one task per worker, and a second queued behind it while enough are left
@@ -183,6 +186,8 @@ class ProcessBackend(CohortRunner):
                     raise ev.error  # a data error stops the run (the pool is closed below)
                 elif ev.kind == "error":
                     failures[ev.task] = ("error", ev.payload)
+                    if isinstance(ev.error, Exception):
+                        errors[ev.task] = ev.error
                 elif ev.kind == "death":
                     if ev.task is not None:
                         failures[ev.task] = ("death", ev.payload)
@@ -198,7 +203,7 @@ class ProcessBackend(CohortRunner):
             self.close()  # a data error: workers may still be busy with this cohort
             raise
         if failures:
-            raise ClientsFailed(out, failures, clients)
+            raise ClientsFailed(out, failures, clients, errors)
         return out  # type: ignore[return-value]
 
     def close(self, wait: float | None = None) -> None:

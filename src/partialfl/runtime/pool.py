@@ -53,7 +53,7 @@ from typing import Any
 from partialfl.algorithms.base import RoundContext, ServerState
 from partialfl.runtime.clients import error_text
 from partialfl.runtime.slots import SLOTS, SlotReader, SlotWriter
-from partialfl.runtime.worker import work
+from partialfl.runtime.worker import guard_forkserver, work
 from partialfl.types import Params
 
 START_METHODS = ("fork", "spawn", "forkserver")
@@ -181,6 +181,8 @@ class WorkerPool:
             self.ctx = tmp.get_context(method)
         else:
             self.ctx = mp.get_context(method)
+        if method == "forkserver":
+            guard_forkserver(self.ctx)
         self.problem, self.algorithm, self.n = problem, algorithm, workers
         self.key = (id(problem), id(algorithm))  # ``problem``/``algorithm`` kept alive above
         self.poll, self.task_timeout, self.start_timeout = poll, task_timeout, start_timeout

@@ -152,7 +152,8 @@ def _survivors(e: ClientsFailed, cohort, ctx, faults: FaultLog):
         if kind == "death":
             faults.worker_death(where, why)
         else:
-            faults.client_error(where, WorkerError(f"{where} failed in a worker:\n{why}"))
+            faults.client_error(where, e.errors.get(i) or
+                                WorkerError(f"{where} failed in a worker:\n{why}"))
     out, kept = _agreeing([r for r in e.results if r is not None],
                           [i for i, r in enumerate(e.results) if r is not None], cohort, ctx,
                           faults)

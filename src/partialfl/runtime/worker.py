@@ -41,6 +41,20 @@ def _detach() -> None:
             ctypes.CDLL(None, use_errno=True).prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
 
 
+GUARD = "partialfl.runtime.forkserver_guard"
+
+
+def guard_forkserver(ctx) -> None:
+    """Before a forkserver starts: preload :mod:`partialfl.runtime.forkserver_guard` in it,
+    so it dies with this process and its workers with it (a forkserver already running
+    keeps its preload; a worker's parent watcher still ends it, between bytecodes)."""
+    from multiprocessing import forkserver
+
+    mods = list(getattr(forkserver._forkserver, "_preload_modules", None) or ["__main__"])
+    if GUARD not in mods:
+        ctx.set_forkserver_preload([*mods, GUARD])
+
+
 def _parent_alive(parent: int) -> bool:
     """Whether the process that started this worker still runs. Not ``os.getppid()``: a
     worker started from the forkserver is the forkserver's child (an idle worker took that
