@@ -51,6 +51,7 @@ from partialfl.flower.config import (
 from partialfl.flower.node import (
     check_code,
     check_node_data,
+    kept_on_node,
     load_node_data,
     node_options,
     screened,
@@ -172,6 +173,11 @@ def node_runtime(context: Context, msg: Message | None = None,
     return rt
 
 
+def _units(rt: NodeRuntime) -> list[float]:
+    with kept_on_node(rt.partition, "counting the evaluation units"):
+        return eval_units(rt)
+
+
 def describe(rt: NodeRuntime, msg: Message) -> Message:
     """Partition facts; the node of partition ``init-partition`` also sends θ⁰."""
     info = ConfigRecord({
@@ -180,7 +186,7 @@ def describe(rt: NodeRuntime, msg: Message) -> Message:
         "num-clients": int(rt.problem.num_clients),
         "clients": [int(c) for c in rt.clients],
         "num-examples": [float(x) for x in rt.problem.num_examples(rt.clients)],
-        "eval-units": eval_units(rt),
+        "eval-units": _units(rt),
         "torch": int(rt.torch),
     })
     content = RecordDict({"info": info})
@@ -202,9 +208,10 @@ def train(rt: NodeRuntime, msg: Message) -> Message:
     shared = {n: float(task[f"extra.{n}"]) for n in rt.algorithm.shared_extra
               if f"extra.{n}" in task}
     state = ServerState(theta=theta, round=r, extra=shared)
-    result = rt.algorithm.client_update(state, rt.problem, cohort, rt.context(r, cohort))
-    content = encode_updates(screened(rt, result.updates, theta), theta.keys(),
-                             metric_names(rt.algorithm))
+    with kept_on_node(rt.partition, "client_update"):
+        result = rt.algorithm.client_update(state, rt.problem, cohort, rt.context(r, cohort))
+        content = encode_updates(screened(rt, result.updates, theta), theta.keys(),
+                                 metric_names(rt.algorithm))
     for f in parse_fault_injection(rt.cfg.fault_injection):
         if f.kind in REPLY_FAULTS and f.applies(rt.partition, r):
             hostile_reply(content, f.kind)
@@ -230,7 +237,8 @@ def evaluate(rt: NodeRuntime, msg: Message) -> Message:
     over at least ``rt.eval_min_clients`` clients, or an empty record (withheld)."""
     r = int(msg.content["task"]["round"])
     theta = decode_params(msg.content["theta"], rt.torch)
-    sums = evaluate_clients(rt, theta, r)
+    with kept_on_node(rt.partition, "evaluation"):
+        sums = evaluate_clients(rt, theta, r)
     return Message(RecordDict({"eval": MetricRecord(sums)}), reply_to=msg)
 
 

@@ -47,9 +47,11 @@ This module does not import ``flwr``.
 
 from __future__ import annotations
 
+import contextlib
+import logging
 import math
 import os
-from collections.abc import Mapping
+from collections.abc import Iterator, Mapping
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -255,3 +257,28 @@ def screened(rt, updates, theta):
     updates = values_only(updates)  # checked as sent
     check_updates(updates, theta, rt.algorithm)
     return updates
+
+
+class ClientComputationError(RuntimeError):
+    """A client computation on this SuperNode failed; its message stayed on the node."""
+
+
+@contextlib.contextmanager
+def kept_on_node(partition: int, what: str) -> Iterator[None]:
+    """Run a client computation (``client_update`` and the privacy screen, the deployed
+    model's evaluation): an exception's text — written by client code, or quoting what the
+    screen refused — goes to this node's log only; the error the server receives says where
+    and what kind (the exception's type when it is Python's own or the screen's refusal,
+    else "an exception"), never the text. (In process the researcher's own log shows it.)"""
+    from partialfl.privacy import PrivacyError
+
+    try:
+        yield
+    except Exception as e:
+        logging.getLogger("partialfl.flower.node").warning(
+            "partition %d: %s failed: %s: %s", partition, what, type(e).__name__, e)
+        t = type(e)
+        kind = ("the privacy screen refused it" if t is PrivacyError
+                else t.__name__ if t.__module__ == "builtins" else "an exception")
+        raise ClientComputationError(f"partition {partition}: {what} failed on the node "
+                                     f"({kind}); its message stays in the node's log") from None

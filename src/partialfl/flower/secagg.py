@@ -48,7 +48,7 @@ from typing import Any
 import numpy as np
 
 from partialfl.flower.config import ConfigError
-from partialfl.flower.node import screened
+from partialfl.flower.node import kept_on_node, screened
 
 
 def check_algorithm(algorithm) -> None:
@@ -130,9 +130,10 @@ def node_contribution(rt, msg):
         from partialfl.flower.config import inject_faults
 
         inject_faults(rt.cfg.fault_injection, rt.partition, r)
-        up = screened(rt, rt.algorithm.client_update(ServerState(theta=theta, round=r),
-                                                     rt.problem, cohort,
-                                                     rt.context(r, cohort)).updates, theta)
+        with kept_on_node(rt.partition, "client_update"):
+            up = screened(rt, rt.algorithm.client_update(ServerState(theta=theta, round=r),
+                                                         rt.problem, cohort,
+                                                         rt.context(r, cohort)).updates, theta)
         a = (np.asarray(arrays.to_numpy(up.weights), dtype=np.float64)
              if rt.algorithm.aggregator.weighted else np.ones(len(cohort)))
         weight = float(a.sum())
