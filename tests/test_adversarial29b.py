@@ -1,6 +1,6 @@
 """Adversarial round 29b (issue 21 areas 1, 3, 4, 6, 7, 8, tried again from scratch by someone
-who did not write the fixes): the defects found, each an ``xfail(strict=True)`` that fails on
-the code it was written against (adv29b at 75d5bc3) because of the defect it names."""
+who did not write the fixes): the defects found; each failed on the code it was written
+against (adv29b at 75d5bc3) because of the defect it names, and passes since the fix."""
 
 from __future__ import annotations
 
@@ -36,10 +36,6 @@ _THREAD_POOL = textwrap.dedent('''
 
 
 @pytest.mark.slow
-@pytest.mark.xfail(strict=True, reason="issue 21 area 1: the workers of a pool started in a "
-                   "thread die with that thread (PR_SET_PDEATHSIG is per thread); the next run "
-                   "on the same backend counts every client of its first round as a worker "
-                   "death")
 @pytest.mark.parametrize("method", ["fork", "forkserver", "spawn"])
 def test_a_pool_started_in_an_ended_thread_never_loses_the_next_runs_clients(tmp_path,
                                                                              method):
@@ -104,10 +100,6 @@ _GARBAGE_SPEC = textwrap.dedent('''
 ''')
 
 
-@pytest.mark.xfail(strict=True, reason="issue 21 area 1: on the processes backend a client "
-                   "returning garbage in every client ends `partialfl run` with two tracebacks "
-                   "and exit 1 (ClientsFailed, then WorkerError), where sequential, threads "
-                   "and vmap give one line and exit 2")
 def test_every_client_returning_garbage_in_workers_is_one_line_exit_2(tmp_path):
     """A plugin algorithm (``--allow-code``) whose ``client_update`` returns ``"garbage"``,
     ``partialfl run SPEC --allow-code --set backend=processes``. Seen: exit 1, ``Traceback``

@@ -208,8 +208,9 @@ def train(rt: NodeRuntime, msg: Message) -> Message:
     shared = {n: float(task[f"extra.{n}"]) for n in rt.algorithm.shared_extra
               if f"extra.{n}" in task}
     state = ServerState(theta=theta, round=r, extra=shared)
+    ctx = rt.context(r, cohort)  # the node's own release policy may refuse (its message)
     with kept_on_node(rt.partition, "client_update"):
-        result = rt.algorithm.client_update(state, rt.problem, cohort, rt.context(r, cohort))
+        result = rt.algorithm.client_update(state, rt.problem, cohort, ctx)
         content = encode_updates(screened(rt, result.updates, theta), theta.keys(),
                                  metric_names(rt.algorithm))
     for f in parse_fault_injection(rt.cfg.fault_injection):

@@ -275,10 +275,14 @@ def kept_on_node(partition: int, what: str) -> Iterator[None]:
     try:
         yield
     except Exception as e:
+        from partialfl.algorithms.dp import PrivacyBudgetError
+
         logging.getLogger("partialfl.flower.node").warning(
             "partition %d: %s failed: %s: %s", partition, what, type(e).__name__, e)
         t = type(e)
-        kind = ("the privacy screen refused it" if t is PrivacyError
-                else t.__name__ if t.__module__ == "builtins" else "an exception")
+        kind = {PrivacyError: "the privacy screen refused it",
+                PrivacyBudgetError: "PrivacyBudgetError: the node's DP budget refuses this "
+                                    "round"}.get(t) or (
+            t.__name__ if t.__module__ == "builtins" else "an exception")
         raise ClientComputationError(f"partition {partition}: {what} failed on the node "
                                      f"({kind}); its message stays in the node's log") from None

@@ -130,10 +130,11 @@ def node_contribution(rt, msg):
         from partialfl.flower.config import inject_faults
 
         inject_faults(rt.cfg.fault_injection, rt.partition, r)
+        ctx = rt.context(r, cohort)  # the node's own release policy may refuse
         with kept_on_node(rt.partition, "client_update"):
             up = screened(rt, rt.algorithm.client_update(ServerState(theta=theta, round=r),
-                                                         rt.problem, cohort,
-                                                         rt.context(r, cohort)).updates, theta)
+                                                         rt.problem, cohort, ctx).updates,
+                          theta)
         a = (np.asarray(arrays.to_numpy(up.weights), dtype=np.float64)
              if rt.algorithm.aggregator.weighted else np.ones(len(cohort)))
         weight = float(a.sum())

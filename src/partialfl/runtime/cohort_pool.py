@@ -182,6 +182,7 @@ class ProcessBackend(CohortRunner):
                                                {n: v[p:p + 1] for n, v in cs.items()})
                     except ValueError as e:  # MalformedResult, PrivacyError
                         failures[ev.task] = ("error", error_text(e))
+                        errors[ev.task] = e
                 elif ev.kind == "error" and is_data_error(ev.error):
                     raise ev.error  # a data error stops the run (the pool is closed below)
                 elif ev.kind == "error":

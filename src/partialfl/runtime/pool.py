@@ -91,6 +91,12 @@ def default_start_method() -> str:
     return ("forkserver" if "forkserver" in methods else "spawn") if LIVE_THREAD_POOLS else "fork"
 
 
+def _in_main_thread() -> bool:
+    import threading
+
+    return threading.current_thread() is threading.main_thread()
+
+
 def in_worker() -> bool:
     """Whether this process is a worker of a :class:`WorkerPool`."""
     return mp.current_process().name.startswith(WORKER_NAME)
@@ -182,7 +188,7 @@ class WorkerPool:
         else:
             self.ctx = mp.get_context(method)
         if method == "forkserver":
-            guard_forkserver(self.ctx)
+            guard_forkserver(self.ctx, on=_in_main_thread())
         self.problem, self.algorithm, self.n = problem, algorithm, workers
         self.key = (id(problem), id(algorithm))  # ``problem``/``algorithm`` kept alive above
         self.poll, self.task_timeout, self.start_timeout = poll, task_timeout, start_timeout
@@ -213,7 +219,7 @@ class WorkerPool:
         with _single_threaded_children():
             p = self.ctx.Process(target=work, daemon=True, name=f"{WORKER_NAME}-{w}",
                                  args=(self.problem, self.algorithm, self.tasks[w], writer,
-                                       os.getpid(), self.own_session))
+                                       os.getpid(), self.own_session, _in_main_thread()))
             p.start()
         writer.close()  # the worker holds the only writing end: EOF when it dies
         self.procs[w], self.readers[w] = p, reader

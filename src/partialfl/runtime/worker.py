@@ -20,7 +20,7 @@ import numpy as np
 from partialfl.runtime.slots import SlotReader, SlotWriter
 
 
-def _detach() -> None:
+def _detach(deathsig: bool = True) -> None:
     """Put this worker in a session of its own, bound to die with its parent.
 
     Why: Linux groups runnable processes by session (autogroup) and shares the CPUs fairly
@@ -31,10 +31,13 @@ def _detach() -> None:
     process group no longer gets the terminal's signals (Ctrl-C reaches the parent, which
     closes the pool) nor a kill of the group, so on Linux it asks the kernel for SIGKILL
     when its parent dies (``PR_SET_PDEATHSIG``); elsewhere it still quits within a second of
-    its parent when idle (see :func:`work`)."""
+    its parent when idle (see :func:`work`). The kernel sends that signal when the *thread*
+    that started the worker ends: a pool started in another thread than the main one
+    (``deathsig`` False) relies on the parent watcher (:func:`_die_with_parent`) alone, or
+    its workers died with that thread while the pool still held them (round 29)."""
     with contextlib.suppress(OSError):
         os.setsid()
-    if sys.platform.startswith("linux"):
+    if deathsig and sys.platform.startswith("linux"):
         import ctypes
 
         with contextlib.suppress(OSError, AttributeError):
@@ -44,15 +47,18 @@ def _detach() -> None:
 GUARD = "partialfl.runtime.forkserver_guard"
 
 
-def guard_forkserver(ctx) -> None:
-    """Before a forkserver starts: preload :mod:`partialfl.runtime.forkserver_guard` in it,
-    so it dies with this process and its workers with it (a forkserver already running
-    keeps its preload; a worker's parent watcher still ends it, between bytecodes)."""
+def guard_forkserver(ctx, on: bool = True) -> None:
+    """Before a forkserver starts: preload :mod:`partialfl.runtime.forkserver_guard` in it
+    (``on``; else not), so it dies with this process and its workers with it. Only from the
+    main thread: the kernel's death signal follows the thread that starts the forkserver.
+    A forkserver already running keeps its preload; a worker's parent watcher still ends
+    it, between bytecodes."""
     from multiprocessing import forkserver
 
     mods = list(getattr(forkserver._forkserver, "_preload_modules", None) or ["__main__"])
-    if GUARD not in mods:
-        ctx.set_forkserver_preload([*mods, GUARD])
+    want = [m for m in mods if m != GUARD] + ([GUARD] if on else [])
+    if want != mods:
+        ctx.set_forkserver_preload(want)
 
 
 def _parent_alive(parent: int) -> bool:
@@ -87,10 +93,12 @@ def _die_with_parent(parent: int) -> None:
     threading.Thread(target=watch, name="partialfl-parent-watch", daemon=True).start()
 
 
-def work(problem, algorithm, tasks, out, parent: int, own_session: bool = True) -> None:
-    """A worker's loop (see the module docstring): quits on None or when the parent is gone."""
+def work(problem, algorithm, tasks, out, parent: int, own_session: bool = True,
+         deathsig: bool = True) -> None:
+    """A worker's loop (see the module docstring): quits on None or when the parent is gone
+    (``deathsig``: started from the parent's main thread, see :func:`_detach`)."""
     if own_session:
-        _detach()
+        _detach(deathsig)
     _die_with_parent(parent)
     if "torch" in sys.modules:
         sys.modules["torch"].set_num_threads(1)
