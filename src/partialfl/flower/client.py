@@ -160,7 +160,8 @@ def node_runtime(context: Context, msg: Message | None = None,
                                         opts.partition)
             if data is not None:
                 check_node_data(data, clients)
-            names = tuple(algorithm.init(problem, theta0).theta)
+            with kept_on_node(opts.partition, "algorithm.init"):
+                names = tuple(algorithm.init(problem, theta0).theta)
             rt = NodeRuntime(cfg, opts.partition, opts.num_partitions, problem, algorithm,
                              clients, torch=not cfg.closed_form, theta0=theta0,
                              theta_names=names,
@@ -191,7 +192,9 @@ def describe(rt: NodeRuntime, msg: Message) -> Message:
     })
     content = RecordDict({"info": info})
     if int(msg.content["request"].get("init-partition", -1)) == rt.partition:
-        content["theta0"] = params_to_record(rt.algorithm.init(rt.problem, rt.theta0).theta)
+        with kept_on_node(rt.partition, "algorithm.init"):
+            theta0 = rt.algorithm.init(rt.problem, rt.theta0).theta
+        content["theta0"] = params_to_record(theta0)
     return Message(content, reply_to=msg)
 
 

@@ -48,7 +48,7 @@ from typing import Any
 import numpy as np
 
 from partialfl.flower.config import ConfigError
-from partialfl.flower.node import kept_on_node, screened
+from partialfl.flower.node import ClientComputationError, kept_on_node, screened
 
 
 def check_algorithm(algorithm) -> None:
@@ -137,6 +137,11 @@ def node_contribution(rt, msg):
                           theta)
         a = (np.asarray(arrays.to_numpy(up.weights), dtype=np.float64)
              if rt.algorithm.aggregator.weighted else np.ones(len(cohort)))
+        bound = np.maximum(1.0, np.asarray(rt.problem.num_examples(cohort), np.float64))
+        if not ((a >= 0) & (a <= bound)).all():  # what the server checks on a plain reply
+            raise ClientComputationError(
+                f"partition {rt.partition}: a client weight is outside [0, max(1, its "
+                "examples)]; the node does not send its contribution")
         weight = float(a.sum())
         if weight > 0:
             p = [np.tensordot(a, np.asarray(arrays.to_numpy(up.vectors[n]), np.float64), 1)
