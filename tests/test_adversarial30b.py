@@ -1,6 +1,6 @@
 """Adversarial round 30b (issue 21 areas 1, 3, 4, 6, 7, 8, tried again from scratch by someone
-who did not write the fixes): the defects found, each an xfail(strict) test failing on the
-code it was written against (adv30b at 5ab5485) because of the defect it names."""
+who did not write the fixes): the defect found; it failed on the code it was written against
+(adv30b at 5ab5485) because of the defect it names, and passes since the fix."""
 
 from __future__ import annotations
 
@@ -64,9 +64,6 @@ def _alive(pid: int) -> bool:
 
 
 @pytest.mark.slow
-@pytest.mark.xfail(strict=True, reason="issue 21 area 1: a forkserver first started from a "
-                   "thread keeps no death guard; a main-thread pool's workers in a GIL-holding "
-                   "C call outlive a SIGKILLed parent")
 def test_main_thread_pool_workers_die_with_parent_after_a_thread_started_the_forkserver(
         tmp_path):
     """A WorkerPool started (and closed) in a thread starts the forkserver without its guard

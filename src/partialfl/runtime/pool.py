@@ -181,14 +181,14 @@ class WorkerPool:
                         ("task_timeout", 1.0 if task_timeout is None else task_timeout)):
             if not (isinstance(v, int | float) and v > 0):
                 raise ValueError(f"{name} must be a positive number of seconds, got {v!r}")
+        cm = mp
         if "torch" in sys.modules:  # its reductions: tensors through shared memory
-            import torch.multiprocessing as tmp
-
-            self.ctx = tmp.get_context(method)
-        else:
-            self.ctx = mp.get_context(method)
-        if method == "forkserver":
-            guard_forkserver(self.ctx, on=_in_main_thread())
+            import torch.multiprocessing as cm
+        self.ctx = cm.get_context(method)
+        if method == "forkserver" and not guard_forkserver(self.ctx, on=_in_main_thread()):
+            # a forkserver that does not die with this process is already running: spawned
+            # workers (children of this process) do
+            self.ctx = cm.get_context("spawn")
         self.problem, self.algorithm, self.n = problem, algorithm, workers
         self.key = (id(problem), id(algorithm))  # ``problem``/``algorithm`` kept alive above
         self.poll, self.task_timeout, self.start_timeout = poll, task_timeout, start_timeout

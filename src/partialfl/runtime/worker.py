@@ -47,18 +47,27 @@ def _detach(deathsig: bool = True) -> None:
 GUARD = "partialfl.runtime.forkserver_guard"
 
 
-def guard_forkserver(ctx, on: bool = True) -> None:
+_GUARDED: list[bool] = []  # whether the forkserver this process runs was started guarded
+
+
+def guard_forkserver(ctx, on: bool = True) -> bool:
     """Before a forkserver starts: preload :mod:`partialfl.runtime.forkserver_guard` in it
     (``on``; else not), so it dies with this process and its workers with it. Only from the
     main thread: the kernel's death signal follows the thread that starts the forkserver.
-    A forkserver already running keeps its preload; a worker's parent watcher still ends
-    it, between bytecodes."""
+    Returns whether a pool asking ``on`` gets workers that die with this process: False
+    when a forkserver started without the guard (from another thread) is running — its
+    preload cannot change (the pool then spawns its workers instead)."""
     from multiprocessing import forkserver
 
-    mods = list(getattr(forkserver._forkserver, "_preload_modules", None) or ["__main__"])
+    fs = forkserver._forkserver
+    if getattr(fs, "_forkserver_pid", None) is not None and _GUARDED:  # running
+        return _GUARDED[-1] or not on
+    mods = list(getattr(fs, "_preload_modules", None) or ["__main__"])
     want = [m for m in mods if m != GUARD] + ([GUARD] if on else [])
     if want != mods:
         ctx.set_forkserver_preload(want)
+    _GUARDED.append(on)  # the preload the next forkserver start uses
+    return True
 
 
 def _parent_alive(parent: int) -> bool:
