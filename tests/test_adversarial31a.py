@@ -1,6 +1,6 @@
 """Adversarial round 31a (issue 21, areas 2 and 5, tried again from scratch by someone who did
-not write the fixes). Each xfail test fails on the code it was written against (adv31a at
-b9479e4).
+not write the fixes). Each test failed on the code it was written against (adv31a at
+b9479e4) and passes since the fix.
 
 * Area 5, text out of a node: ``kept_on_node`` wraps ``client_update``, the screen, the
   evaluation and (since round 30a) ``algorithm.init`` — but the ClientApp still evaluates
@@ -59,8 +59,6 @@ def _plain(cfg, problem):
     return build(cfg.run).algorithm
 
 
-@pytest.mark.xfail(strict=True, reason="issue 21 area 5: the algorithm factory runs on the "
-                   "node's problem outside kept_on_node; its error text reaches the server")
 def test_an_error_of_the_algorithm_factory_on_a_node_stays_on_the_node(loopback):  # noqa: F811
     """2 loopback SuperNodes, least squares; the ClientApp's ``algorithm_factory(cfg,
     problem)`` — client-side code handed the node's problem — raises with the bits of
@@ -110,8 +108,6 @@ class _LeakyDeclaration(AlgorithmWrapper):
         pass
 
 
-@pytest.mark.xfail(strict=True, reason="issue 21 area 5: train reads the algorithm's "
-                   "shared_extra outside kept_on_node; its error text reaches the server")
 def test_an_error_of_an_algorithm_declaration_on_a_node_stays_on_the_node(
         loopback):  # noqa: F811
     """2 loopback SuperNodes, least squares, 1 round; the ClientApp's algorithm is the
@@ -130,8 +126,6 @@ def test_an_error_of_an_algorithm_declaration_on_a_node_stays_on_the_node(
     assert not found, f"{len(found)} texts the server holds carry w_7*: {found[0][:120]}"
 
 
-@pytest.mark.xfail(strict=True, reason="issue 21 area 2: a Flower run that one node's finite "
-                   "updates made diverge reports stopped='' (ran all rounds), θ inf")
 def test_a_divergence_one_node_causes_is_not_hidden_by_the_flower_report(
         loopback):  # noqa: F811
     """Least squares (8 clients), FedAvg weighted by examples, 3 rounds, 2 loopback

@@ -151,10 +151,17 @@ def node_runtime(context: Context, msg: Message | None = None,
             # a node store holds model data; a closed-form problem is generated from its seed
             data = load_node_data(opts.data) if opts.data and not cfg.closed_form else None
             problem, algorithm, theta0 = node_parts(cfg, data)
-            if algorithm_factory is not None:
-                algorithm = algorithm_factory(cfg, problem)
-            opts.check_noise(algorithm, problem.num_clients)  # before any client computes
-            if getattr(algorithm, "stateful_clients", False):
+            with kept_on_node(opts.partition, "the algorithm's set-up"):  # its code, its data
+                if algorithm_factory is not None:
+                    algorithm = algorithm_factory(cfg, problem)
+                z = None
+                if opts.min_noise is not None:
+                    from partialfl.algorithms.dp import local_noise_multiplier
+
+                    z = float(local_noise_multiplier(algorithm, problem.num_clients))
+                stateful = bool(getattr(algorithm, "stateful_clients", False))
+            opts.check_noise(algorithm, problem.num_clients, z)  # before any client computes
+            if stateful:
                 raise ValueError(f"algorithm {cfg.run.method.algorithm!r} {STATEFUL}")
             clients = partition_clients(problem.num_clients, opts.num_partitions,
                                         opts.partition)
@@ -208,11 +215,11 @@ def train(rt: NodeRuntime, msg: Message) -> Message:
     cohort = rt.check_clients(np.asarray(task["clients"], dtype=np.int64))
     inject_faults(rt.cfg.fault_injection, rt.partition, r)
     theta = decode_params(msg.content["theta"], rt.torch)
-    shared = {n: float(task[f"extra.{n}"]) for n in rt.algorithm.shared_extra
-              if f"extra.{n}" in task}
-    state = ServerState(theta=theta, round=r, extra=shared)
     ctx = rt.context(r, cohort)  # the node's own release policy may refuse (its message)
     with kept_on_node(rt.partition, "client_update"):
+        shared = {n: float(task[f"extra.{n}"]) for n in rt.algorithm.shared_extra
+                  if f"extra.{n}" in task}
+        state = ServerState(theta=theta, round=r, extra=shared)
         result = rt.algorithm.client_update(state, rt.problem, cohort, ctx)
         content = encode_updates(screened(rt, result.updates, theta), theta.keys(),
                                  metric_names(rt.algorithm))

@@ -255,4 +255,6 @@ def run_async(link, cfg, fed, algorithm, state, ref, report, t0) -> ServerState:
     holder["server"] = jobs.server = server
     drive(server, jobs, ComputeTimeModel(), steps=cfg.rounds * K, max_time=None,
           checkpoint=ck, checkpoint_every=cfg.checkpoint_every * K, resume=cfg.resume)
+    if server.diverged and not report.stopped:  # as the in-process run says it
+        report.stopped = f"diverged: {server.diverged}"
     return server.state

@@ -90,13 +90,14 @@ class NodeOptions:
 
         return ReleaseLedger(self.ledger, self.max_releases) if self.ledger else None
 
-    def check_noise(self, algorithm, num_clients: int) -> None:
-        """Refuse a run whose clients would add less local-DP noise than this node's floor."""
+    def check_noise(self, algorithm, num_clients: int, z: float | None = None) -> None:
+        """Refuse a run whose clients would add less local-DP noise than this node's floor
+        (``z``: the multiplier if already computed from ``algorithm``)."""
         if self.min_noise is None:
             return
         from partialfl.algorithms.dp import local_noise_multiplier
 
-        z = local_noise_multiplier(algorithm, num_clients)
+        z = float(local_noise_multiplier(algorithm, num_clients) if z is None else z)
         if not z >= self.min_noise:
             raise ConfigError(
                 f"SuperNode refuses the run: its clients would add local-DP noise of multiplier "

@@ -197,5 +197,7 @@ def run_sync(link, cfg, fed, algorithm, state, ref, report, t0) -> ServerState:
                      checkpoint_every=cfg.checkpoint_every, resume=cfg.resume,
                      max_failure_fraction=1.0)  # counted here, by check_failures
     report.history = res.history
+    if res.diverged and not report.stopped:  # as the in-process run says it
+        report.stopped = f"diverged: {res.diverged}"
     return ServerState(res.state.theta, res.state.opt_state,
                        res.state.round - report.skipped_rounds, res.state.extra)

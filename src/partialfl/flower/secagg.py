@@ -135,8 +135,9 @@ def node_contribution(rt, msg):
             up = screened(rt, rt.algorithm.client_update(ServerState(theta=theta, round=r),
                                                          rt.problem, cohort, ctx).updates,
                           theta)
+            weighted = bool(rt.algorithm.aggregator.weighted)
         a = (np.asarray(arrays.to_numpy(up.weights), dtype=np.float64)
-             if rt.algorithm.aggregator.weighted else np.ones(len(cohort)))
+             if weighted else np.ones(len(cohort)))
         bound = np.maximum(1.0, np.asarray(rt.problem.num_examples(cohort), np.float64))
         if not ((a >= 0) & (a <= bound)).all():  # what the server checks on a plain reply
             raise ClientComputationError(
