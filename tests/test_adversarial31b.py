@@ -1,6 +1,6 @@
 """Adversarial round 31b (issue 21 areas 1, 3, 4, 6, 7, 8, tried again from scratch by someone
-who did not write the fixes): the defects found, each an xfail(strict) test that fails on the
-code it was written against (adv31b at b9479e4) because of the defect it names."""
+who did not write the fixes): the defects found; each failed on the code it was written
+against (adv31b at b9479e4) because of the defect it names, and passes since the fix."""
 
 from __future__ import annotations
 
@@ -8,8 +8,6 @@ import os
 import subprocess
 import sys
 from pathlib import Path
-
-import pytest
 
 SRC = str(Path(__file__).resolve().parents[1] / "src")
 
@@ -47,11 +45,6 @@ def _cli(tmp_path: Path, data_dir, *args: str, timeout: float = 60.0):
 
 
 # -- area 6 / 8: a study's up-front check does not apply the code opt-in ---------------------
-@pytest.mark.xfail(strict=True, reason="issue 21 area 6/8: check_study validates each run's "
-                   "spec with load_run_spec, which does not apply the --allow-code check "
-                   "(that happens at build time, in the worker): a --sweep naming "
-                   "model.name='os:system' passes --dry-run ('nothing written', exit 0) and a "
-                   "real study trains the other runs first, then refuses")
 def test_a_study_sweeping_to_code_is_refused_before_anything_runs(tmp_path, data_dir):
     (tmp_path / "tiny.toml").write_text(_TINY)
     r = _cli(tmp_path, data_dir, "train", "tiny.toml", "--dry-run", "--out", "sw",
@@ -61,11 +54,6 @@ def test_a_study_sweeping_to_code_is_refused_before_anything_runs(tmp_path, data
 
 
 # -- area 7: a re-signed header's x_scale overflows float32 --------------------------------
-@pytest.mark.xfail(strict=True, reason="issue 21 area 7: read_header accepts any positive "
-                   "finite x_scale, and StoreDataset multiplies the checked raw x by it in "
-                   "float32 after the finiteness check: x_scale = 1e38 in a re-signed header "
-                   "(CRCs valid) turns every |x| > 3.4 into inf, which reaches the clients "
-                   "(their updates are dropped as non-finite) instead of a StoreError")
 def test_a_resigned_x_scale_never_yields_non_finite_inputs(tmp_path):
     import torch
     from test_store_integrity import _rewrite_header, _store
@@ -104,11 +92,6 @@ server = { optimizer = "sgd", lr = "50/L" }
 """
 
 
-@pytest.mark.xfail(strict=True, reason="issue 21 area 8: a diverging closed-form `partialfl "
-                   "run` (server lr 50/L; F_norm2 grows to 4e281, still finite) crashes in "
-                   "pipeline/report.py plot_curves (matplotlib tight_layout on a log axis: "
-                   "OverflowError 'cannot convert float infinity to integer'): a traceback and "
-                   "exit 1, no summary.md, instead of the divergence warning and one line")
 def test_a_diverging_closed_form_run_ends_in_one_line_not_a_plot_traceback(tmp_path):
     (tmp_path / "div.toml").write_text(_DIVERGING)
     r = _cli(tmp_path, tmp_path, "run", "div.toml", "--out", "o", "--no-progress")

@@ -6,9 +6,10 @@ from __future__ import annotations
 
 import os
 import sys
-from collections.abc import Iterator
+from collections.abc import Iterator, Mapping
 from contextlib import contextmanager
 from pathlib import Path
+from typing import Any
 
 from partialfl.config import ConfigError
 from partialfl.registry import load_plugins
@@ -46,6 +47,28 @@ def _check_code(what: str, ref: str) -> None:
                           f"chosen by registered name unless you allow code from configs on "
                           f"your own machine: partialfl … --allow-code (or "
                           f"{ALLOW_CODE_ENV}=1)")
+
+
+def code_refs(spec: Mapping[str, Any]) -> list[tuple[str, str]]:
+    """``[(key, ref), ...]``: the code a spec (its plain dict, :meth:`RunSpec.to_dict`)
+    names — a ``package.module:callable`` model and every plugin module, e.g.
+    ``("model.name", "os:system")``."""
+    out = []
+    model = spec.get("model")
+    name = model.get("name") if isinstance(model, Mapping) else None
+    if isinstance(name, str) and ":" in name:
+        out.append(("model.name", name.strip()))
+    plugins = spec.get("plugins", [])
+    for p in plugins if isinstance(plugins, list | tuple) else [plugins]:
+        out.append(("plugins", str(p)))
+    return out
+
+
+def check_code_refs(spec: RunSpec) -> None:
+    """Refuse ``spec`` unless code from configs is allowed (:func:`code_refs`): what a build
+    would refuse, checked without building (a study checks every run before any runs)."""
+    for key, ref in code_refs(spec.to_dict()):
+        _check_code(key, ref)
 
 
 def load_spec_plugins(plugins) -> None:

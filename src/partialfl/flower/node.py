@@ -58,6 +58,7 @@ from typing import Any
 
 import numpy as np
 
+from partialfl.build.code import code_refs  # noqa: F401 - re-exported (the node checks)
 from partialfl.flower.config import ConfigError, node_partition
 
 #: the environment variable that lets a SuperNode import code named by a run's spec
@@ -191,21 +192,6 @@ def _noise_key(v: Any) -> int | str | None:
         return int(text)
     raise ConfigError(f"node-config 'dp-noise-key' ({NOISE_KEY_ENV}): got {v!r}; expected an "
                       "integer in [0, 2^63) or 'seed' (the run's seed)")
-
-
-def code_refs(spec: Mapping[str, Any]) -> list[tuple[str, str]]:
-    """``[(key, ref), ...]``: the code a spec (its plain dict, :func:`~partialfl.flower.
-    config.decode_spec`) names — a ``package.module:callable`` model and every plugin module,
-    e.g. ``("model.name", "os:system")``."""
-    out = []
-    model = spec.get("model")
-    name = model.get("name") if isinstance(model, Mapping) else None
-    if isinstance(name, str) and ":" in name:
-        out.append(("model.name", name.strip()))
-    plugins = spec.get("plugins", [])
-    for p in plugins if isinstance(plugins, list | tuple) else [plugins]:
-        out.append(("plugins", str(p)))
-    return out
 
 
 def check_code(spec: Mapping[str, Any], opts: NodeOptions) -> None:

@@ -187,11 +187,15 @@ def plot_curves(path: Path, panels: list[dict[str, list[dict]]], titles: Sequenc
     ys_keys = list(y_per_panel) if y_per_panel is not None else [y] * len(panels)
     for ax, curves, title, yk in zip(axes[0], panels, titles, ys_keys):
         n = max(1, len(curves))
+        def _clip(v):  # within ±1e100, a log axis 200 decades: a diverged run overflowed
+            return min(max(v, -1e100), 1e100) if v - v == 0 else float("nan")
+        ys_all = [_clip(h[yk]) for hist in curves.values() for h in hist if yk in h]
+        floor = max(1e-300, max((abs(v) for v in ys_all if v == v), default=1.0) * 1e-200)
         for i, (label, hist) in enumerate(curves.items()):
             xs = [h[x] for h in hist if yk in h]
-            ys = [h[yk] for h in hist if yk in h]
+            ys = [_clip(h[yk]) for h in hist if yk in h]
             if logy:
-                ys = [max(v, 1e-300) if v == v else float("nan") for v in ys]
+                ys = [max(v, floor) if v == v else float("nan") for v in ys]
             ls, marker = STYLES[i % len(STYLES)]
             every = max(1, len(xs) // 8)
             # hollow markers, the first curve's largest: equal points show as nested rings

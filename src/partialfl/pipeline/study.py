@@ -172,12 +172,13 @@ def check_study(config: str | Path, seeds: Sequence[int], sweep: dict[str, list[
     """The study's runs, every run's spec validated (a bad key or value fails here, before
     anything is written or run)."""
     from partialfl.build import allow_code as allowing
+    from partialfl.build.code import check_code_refs
     from partialfl.pipeline.train import load_run_spec
 
     runs = study_runs(seeds or [0], sweep)
     with allowing(allow_code or None):
         for r in runs:
-            load_run_spec(config, run_sets(r, sets), device=device)
+            check_code_refs(load_run_spec(config, run_sets(r, sets), device=device))
     return runs
 
 

@@ -292,6 +292,12 @@ def read_header(root: Path) -> Header:
     xs = h.get("x_scale")
     if xs is not None and (type(xs) not in (int, float) or not math.isfinite(xs) or xs <= 0):
         raise _bad(hp, "x_scale must be null or a positive finite number", xs)
+    if xs is not None:  # readers return float32 x · x_scale: finite for every stored x
+        xd = fields["train_x"].dtype
+        top = float(np.iinfo(xd).max if xd.kind in "iu" else np.finfo(xd).max)
+        if not top * xs <= float(np.finfo(np.float32).max):
+            raise _bad(hp, f"x_scale overflows float32 for {xd.str} inputs (x · x_scale must "
+                           "stay finite)", xs)
     desc = h.get("description", "")
     if not isinstance(desc, str):
         raise _bad(hp, "description must be a string", desc)
