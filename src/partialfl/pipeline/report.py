@@ -175,8 +175,7 @@ def plot_curves(path: Path, panels: list[dict[str, list[dict]]], titles: Sequenc
     """One panel per dict ``label -> history`` (list of metric records), shared y label
     (``y_per_panel`` plots another metric in each panel). Every curve of a panel has its own
     line style and hollow markers of decreasing size, placed at staggered points so that
-    curves lying on top of each other remain distinguishable; round axes get integer
-    ticks."""
+    curves lying on top of each other remain distinguishable; round axes integer ticks."""
     import matplotlib
 
     matplotlib.use("Agg")
@@ -190,6 +189,7 @@ def plot_curves(path: Path, panels: list[dict[str, list[dict]]], titles: Sequenc
         def _clip(v):  # within ±1e100, a log axis 200 decades: a diverged run overflowed
             return min(max(v, -1e100), 1e100) if v - v == 0 else float("nan")
         ys_all = [_clip(h[yk]) for hist in curves.values() for h in hist if yk in h]
+        big = any(abs(h[yk]) > 1e100 for hist in curves.values() for h in hist if yk in h)
         floor = max(1e-300, max((abs(v) for v in ys_all if v == v), default=1.0) * 1e-200)
         for i, (label, hist) in enumerate(curves.items()):
             xs = [h[x] for h in hist if yk in h]
@@ -205,7 +205,7 @@ def plot_curves(path: Path, panels: list[dict[str, list[dict]]], titles: Sequenc
                     alpha=0.9)
         if logy:
             ax.set_yscale("log")
-        ax.set_title(title)
+        ax.set_title(title + ("\n(values > 1e100 drawn at 1e100)" if big else ""))
         ax.set_xlabel(xlabel or ("communication rounds" if x == "round" else x))
         if x in ("round", "step", "grad_evals"):
             ax.xaxis.set_major_locator(MaxNLocator(nbins=6, integer=True))
