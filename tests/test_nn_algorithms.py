@@ -167,6 +167,14 @@ def _check_no_leak(make, kind: str, name: str) -> None:
             return out
 
         pb.plain_sgd = spy_plain  # one client's steps in a loop (the sequential backend)
+        orig_head = pb.head_finetune_grad
+
+        def spy_head(client, theta, w, *a, orig=orig_head, seen_w=seen_w):
+            out = orig(client, theta, w, *a)
+            seen_w.extend(v.detach().clone() for tree in (w, out[0]) for v in tree.values())
+            return out
+
+        pb.head_finetune_grad = spy_head  # FFGG's one-pass client (w the output layer)
         alg = make()
         received = []
         server_update = alg.server_update

@@ -39,8 +39,14 @@ class FFGG(Algorithm):
     def client_update(self, state, problem, cohort, ctx: RoundContext, client_state=None):
         """∇_θ f_m(θ, ŵ_m) of every client of the cohort, with ŵ_m the solver's fine-tuned w."""
         theta = state.theta
-        sol = self.solver(problem, cohort, theta, ctx.seed, ctx.round, mode=ctx.mode)
-        g = problem.grad_theta(cohort, theta, sol.w, mode=ctx.mode)
+        fused = getattr(self.solver, "with_gradient", None)  # one pass where it applies
+        both = None if fused is None else fused(problem, cohort, theta, ctx.seed, ctx.round,
+                                                mode=ctx.mode)
+        if both is None:
+            sol = self.solver(problem, cohort, theta, ctx.seed, ctx.round, mode=ctx.mode)
+            g = problem.grad_theta(cohort, theta, sol.w, mode=ctx.mode)
+        else:
+            sol, g = both
         weights = (problem.num_examples(cohort) if self.weighting == "examples"
                    else np.ones(len(cohort)))
         return ClientResult(ClientUpdates(g, weights, np.asarray(cohort), sol.grad_evals + 1,

@@ -306,3 +306,30 @@ class SGDFineTuner:
         res = run_sgd(problem, cohort, theta, w, train="w", cfg=self.cfg, seed=seed,
                       round_=round_, stream="finetune", mode=mode)
         return SolverResult(res.w, res.steps, res.loss)
+
+    def with_gradient(self, problem, cohort, theta, seed=0, round_=0, *, mode=None
+                      ) -> tuple[SolverResult, Params] | None:
+        """FFGG's whole client in one pass where the problem offers it: ``(this solver's
+        result, ∇_θ f_m(θ, w_m) stacked [k, ...])``, the values of ``self(...)`` followed by
+        ``problem.grad_theta`` (:mod:`partialfl.problems.model.head`: w is the output layer,
+        clients one by one, no clipping); None where it does not apply."""
+        ok = getattr(problem, "head_cache_ok", None)
+        if ok is None or self.cfg.clip_norm is not None or not ok():
+            return None
+        if problem.call_mode(mode).vectorized:
+            return None
+        import torch
+
+        cohort = np.asarray(cohort, dtype=np.int64)
+        plans = client_plans(problem, cohort, self.cfg, seed, round_, "finetune")
+        w0 = problem.init_w(cohort, self.init, seed, round_)
+        rows = [problem.head_finetune_grad(int(m), theta, {n: v[i] for n, v in w0.items()},
+                                           plans[i], float(self.cfg.lr))
+                for i, m in enumerate(cohort)]
+        w = {n: torch.stack([r[0][n] for r in rows]) for n in rows[0][0]}
+        g = {n: torch.stack([r[2][n] * (1.0 / torch.clamp(r[3], min=1e-12)) for r in rows])
+             for n in rows[0][2]}
+        with np.errstate(invalid="ignore", divide="ignore"):
+            loss = np.array([float(r[1]) / len(p) if len(p) else np.nan
+                             for r, p in zip(rows, plans)])
+        return SolverResult(w, max(len(p) for p in plans), loss), g

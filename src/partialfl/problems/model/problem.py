@@ -14,6 +14,7 @@ from partialfl.batching import MAX_EXAMPLES, Loop, Vmap, in_process
 from partialfl.devices import LossScaler, amp_dtype, check_precision, resolve_device
 from partialfl.problems.base import W_INITS, check_cohort
 from partialfl.problems.model.data import check_split, flat_split
+from partialfl.problems.model.head import HeadCache
 from partialfl.problems.model.kernels import Kernels
 from partialfl.problems.model.losses import LossFn, Metric, accuracy, cross_entropy
 from partialfl.problems.model.modules import fresh_stats, resettable_owners, running_stat_modules
@@ -46,7 +47,7 @@ def default_mode(mode, vectorize: bool | None = None, batching=None,
     return in_process(mode)
 
 
-class ModelProblem(CohortPasses, Kernels):
+class ModelProblem(CohortPasses, HeadCache, Kernels):
     """A federated problem over a torch model (see the module docstring).
 
     Args:
