@@ -175,3 +175,61 @@ def test_a_faulty_clients_nan_update_does_not_silently_corrupt_a_secagg_round(
     counted = [f for f in rep.failures if 7 in f.clients or f.partition == 2]
     assert counted or moved < 1.0, (
         f"θ moved by {moved:g} from the honest run's and no failure was counted")
+
+
+class _DeclaredName(AlgorithmWrapper):
+    """The spec's algorithm whose clients report, besides their update, a metric named by
+    the bits of their first client's w* — a name it declares (``client_metrics``), so the
+    privacy screen lets it pass; its value is 0."""
+
+    def __init__(self, base, leaked: list) -> None:
+        super().__init__(base)
+        self.leaked, self.names = leaked, ()
+
+    @property
+    def client_metrics(self):
+        return self.names
+
+    @client_metrics.setter
+    def client_metrics(self, value):
+        pass
+
+    def client_update(self, state, problem, cohort, ctx, client_state=None):
+        res = self.base.client_update(state, problem, cohort, ctx, client_state)
+        self.leaked.append("w" + _w_hex(problem, state.theta, int(cohort[0])))
+        self.names = (self.leaked[-1],)
+        res.updates.metrics[self.leaked[-1]] = np.zeros(len(cohort))
+        return res
+
+
+@pytest.mark.xfail(strict=True, reason="flower.secagg.node_contribution calls "
+                   "codec.aggregate_metrics outside kept_on_node: its PrivacyError quotes the "
+                   "client's metric name (w_m*'s bits) in the node's error reply")
+def test_a_secagg_contribution_error_stays_on_the_node(loopback):  # noqa: F811
+    """Least squares, FFGG, one SecAgg+ round on 3 loopback SuperNodes; the ClientApp's
+    algorithm reports a metric named ``w<hex of w*>``, declared in its ``client_metrics``
+    (the screen lets it pass). Without SecAgg+ ``encode_updates`` refuses it inside
+    ``kept_on_node``: the server learns "client_update failed on the node (an exception)".
+    With SecAgg+ ``node_contribution`` sums the metrics with ``aggregate_metrics`` after the
+    ``kept_on_node`` block: its ``PrivacyError: refusing to send metric 'w<hex>' ...``
+    leaves the node as Flower's error reply (the ServerApp's message hook holds it).
+    Expected: as on the plain path, the text stays in the node's log."""
+    from partialfl.flower.client import make_client_app
+    from partialfl.flower.server import run_server
+
+    leaked: list[str] = []
+    app = make_client_app(lambda cfg, problem: _DeclaredName(_plain(cfg, problem), leaked))
+    got, texts = [], []
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        try:
+            rep = run_server(loopback(3, client_app=app), ls_run(1, secagg=True,
+                                                                  secagg_clip=64.0),
+                             message_hook=got.append, algorithm_factory=_plain)
+            texts = [f.reason for f in rep.failures]
+        except RuntimeError as e:  # every node dropped out: the run aborted — fine
+            texts = [str(e)]
+    texts += [str(m.error.reason) for m in got if m.has_error()]
+    assert leaked
+    found = [t for t in texts if any(s in t for s in leaked)]
+    assert not found, f"{len(found)} texts the server holds carry w*: {found[0][:160]}"
