@@ -9,6 +9,16 @@ not write the fixes): the defects found; each fails on the code it was written a
   ``except`` clause (``{...}.get(t)`` hashes it, ``t.__module__`` / ``t.__name__`` read it):
   an exception raised there leaves the node with its text. Either way w_m*'s bits reach the
   ServerApp (its log, the report's failures).
+* Area 5, text out of a node (SecAgg+): ``flower.secagg.node_contribution`` sums the
+  client metrics with ``codec.aggregate_metrics`` *after* its ``kept_on_node`` block; the
+  PrivacyError it raises quotes the metric's name (a client-chosen key, declared by the
+  algorithm so the screen let it pass) in the node's error reply. The plain train path
+  encodes inside ``kept_on_node`` and holds.
+* Area 2 (SecAgg+): ``node_contribution`` averages non-finite client updates (faults: the
+  privacy screen lets them pass so the runtime can skip them) into the node's masked
+  contribution; Flower's ``secaggplus_mod`` quantises NaN/inf into integers and the server
+  applies a finite, wrong aggregate with no failure counted — where the plain path refuses
+  the reply (a counted failure) and in process the row is skipped.
 * Area 2: an honest SuperNode holding a client without training examples (a ``folder``
   data set may have one; the loader accepts it, in process the run trains every other
   client) sends its cohort's ``train_loss.sum`` as NaN — local SGD's "not computed", which
@@ -144,37 +154,58 @@ def test_a_client_without_training_examples_does_not_lose_its_nodes_updates(
     assert not rep.failures, [f"{f.kind}: {f.reason}" for f in rep.failures]
 
 
-@pytest.mark.xfail(strict=True, reason="flower.secagg.node_contribution combines a non-finite "
-                   "client update (a fault, which the screen lets pass to be skipped) into "
-                   "the node's masked sum; SecAgg+ quantises NaN into finite garbage: θ "
-                   "silently wrong, no failure counted")
-def test_a_faulty_clients_nan_update_does_not_silently_corrupt_a_secagg_round(
+@pytest.mark.xfail(strict=True, reason="flower.secagg.node_contribution combines non-finite "
+                   "client updates (faults, which the screen lets pass to be skipped) into the "
+                   "node's masked sum; SecAgg+ quantises NaN/inf into finite garbage that the "
+                   "server applies: θ silently wrong, no failure counted")
+def test_non_finite_client_updates_are_never_applied_silently_under_secagg(
         loopback):  # noqa: F811
-    """Least squares (8 clients), FFGG, one SecAgg+ round over 3 loopback SuperNodes; on the
-    nodes the algorithm is wrapped in ``FaultInjector(at={(0, 7): "nan"})`` (client 7's
-    update is NaN: a faulty client, not a hostile node). Without SecAgg+ the server refuses
-    partition 2's reply ("reply is not finite for clients [7]"), a counted failure; in
-    process the row is skipped as a fault. With SecAgg+ ``node_contribution`` averages the
-    NaN row into the node's contribution, Flower's ``secaggplus_mod`` quantises it into
-    integers, the unmasked aggregate is finite: no failure is counted and θ after the round
-    is thousands away from the honest run's (the quantisation error is ~1e-5). Expected:
-    the node skips the non-finite client (or its contribution is refused as a counted
-    failure), θ then within the quantisation error of the run without client 7."""
+    """Two cases, least squares (8 clients), one round on 3 loopback SuperNodes.
+
+    (a) The same spec on the server and honest nodes: FedAvg, local GD with lr 0.15 for 3000
+    steps (every client's local iterate overflows: its update is not finite), server lr
+    0.001. Without SecAgg+ every reply is refused as ``invalid`` ("reply is not finite
+    ...") and the run aborts (max-failure-fraction). With SecAgg+ nothing is counted: the
+    unmasked aggregate of the quantised NaN/inf contributions is finite and θ moves (to
+    ~0.19 in every coordinate from θ⁰ = 0).
+
+    (b) FFGG; on the nodes the algorithm is wrapped in ``FaultInjector(at={(0, 7): "nan"})``
+    (one faulty client). Without SecAgg+ the server refuses partition 2's reply ("reply is
+    not finite for clients [7]"), a counted failure; in process the row is skipped as a
+    fault. With SecAgg+ no failure is counted and θ after the round is thousands away from
+    the honest run's (the quantisation error is ~1e-5).
+
+    ``node_contribution`` averages the screened rows into ``p_i`` without the finiteness
+    check the server applies to a plain reply, and Flower's ``secaggplus_mod`` quantises
+    NaN/inf into integers. Expected: the node skips non-finite clients (or its contribution
+    is refused as a counted failure); they are never applied."""
     from partialfl.flower.client import make_client_app
+    from partialfl.flower.report import RunAborted
     from partialfl.flower.server import run_server
     from partialfl.runtime.faults import FaultInjector
 
-    run = ls_run(1, secagg=True, secagg_clip=64.0)
-    app = make_client_app(lambda cfg, problem: FaultInjector(
+    spec = {"method": {"algorithm": "fedavg"}, "personalize": {
+        "client": {"name": "gd", "tau": 3000, "lr": 0.15}, "server": {"lr": 0.001}}}
+    secagg = {"secagg": True, "secagg_clip": 64.0}
+    faulty = make_client_app(lambda cfg, problem: FaultInjector(
         _plain(cfg, problem), at={(0, 7): "nan"}))
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
-        honest = run_server(loopback(3), run)
-        rep = run_server(loopback(3, client_app=app), run, algorithm_factory=_plain)
+        with pytest.raises(RunAborted, match="invalid"):  # (a) plain: every reply refused
+            run_server(loopback(3), ls_run(1, spec=spec))
+        try:
+            diverged = run_server(loopback(3), ls_run(1, spec=spec, **secagg))
+            applied = not (diverged.failures or diverged.skipped_rounds)
+        except RunAborted:
+            applied = False  # counted: fine
+        honest = run_server(loopback(3), ls_run(1, **secagg))
+        rep = run_server(loopback(3, client_app=faulty), ls_run(1, **secagg),
+                         algorithm_factory=_plain)
     moved = max(float(np.abs(rep.theta[n] - honest.theta[n]).max()) for n in rep.theta)
     counted = [f for f in rep.failures if 7 in f.clients or f.partition == 2]
+    assert not applied, "(a) diverged updates were applied under SecAgg+, no failure counted"
     assert counted or moved < 1.0, (
-        f"θ moved by {moved:g} from the honest run's and no failure was counted")
+        f"(b) θ moved by {moved:g} from the honest run's and no failure was counted")
 
 
 class _DeclaredName(AlgorithmWrapper):
