@@ -1,6 +1,6 @@
 """Adversarial round 32a (issue 21, areas 2 and 5, tried again from scratch by someone who did
-not write the fixes): the defects found; each fails on the code it was written against
-(adv32a at 8af09d0) because of the defect it names.
+not write the fixes). Each test failed on the code it was written against (adv32a at
+8af09d0) because of the defect it names, and passes since the fix.
 
 * Area 5, text out of a node: ``flower.node.kept_on_node`` keeps a client computation's
   error *message* on the node, but still reads the exception's *type*, which the client's
@@ -86,9 +86,6 @@ class _Raising(AlgorithmWrapper):
         raise self.make(self.leaked[-1])("nothing to see here")
 
 
-@pytest.mark.xfail(strict=True, reason="flower.node.kept_on_node reads the client's exception "
-                   "type: its __name__ (a type claiming module 'builtins') or its metaclass "
-                   "carries w_m*'s bits to the ServerApp")
 @pytest.mark.parametrize("make", [_named, _hashing], ids=["type-name", "metaclass"])
 def test_the_type_of_a_client_error_carries_nothing_of_w_to_the_server(
         loopback, make):  # noqa: F811
@@ -120,10 +117,6 @@ def test_the_type_of_a_client_error_carries_nothing_of_w_to_the_server(
     assert not found, f"{len(found)} texts the server holds carry w*: {found[0][:160]}"
 
 
-@pytest.mark.xfail(strict=True, reason="flower.codec: a node's train_loss.sum is NaN when one "
-                   "of its clients has no training example (local SGD's 'not computed', "
-                   "allowed by the privacy screen); decode_metrics refuses the honest node's "
-                   "whole reply every round")
 def test_a_client_without_training_examples_does_not_lose_its_nodes_updates(
         loopback, tmp_path):  # noqa: F811
     """A ``folder`` data set of 4 clients (28×28 inputs, emnist_cnn, FFGG, 2 rounds), client
@@ -154,10 +147,6 @@ def test_a_client_without_training_examples_does_not_lose_its_nodes_updates(
     assert not rep.failures, [f"{f.kind}: {f.reason}" for f in rep.failures]
 
 
-@pytest.mark.xfail(strict=True, reason="flower.secagg.node_contribution combines non-finite "
-                   "client updates (faults, which the screen lets pass to be skipped) into the "
-                   "node's masked sum; SecAgg+ quantises NaN/inf into finite garbage that the "
-                   "server applies: θ silently wrong, no failure counted")
 def test_non_finite_client_updates_are_never_applied_silently_under_secagg(
         loopback):  # noqa: F811
     """Two cases, least squares (8 clients), one round on 3 loopback SuperNodes.
@@ -233,9 +222,6 @@ class _DeclaredName(AlgorithmWrapper):
         return res
 
 
-@pytest.mark.xfail(strict=True, reason="flower.secagg.node_contribution calls "
-                   "codec.aggregate_metrics outside kept_on_node: its PrivacyError quotes the "
-                   "client's metric name (w_m*'s bits) in the node's error reply")
 def test_a_secagg_contribution_error_stays_on_the_node(loopback):  # noqa: F811
     """Least squares, FFGG, one SecAgg+ round on 3 loopback SuperNodes; the ClientApp's
     algorithm reports a metric named ``w<hex of w*>``, declared in its ``client_metrics``

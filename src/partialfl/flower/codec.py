@@ -86,8 +86,9 @@ _EVAL_NONNEGATIVE = {"least-squares": ("loss.sum",), "model": ("loss_weight.sum"
 
 
 def aggregate_metrics(metrics, allowed=ALLOWED_METRICS) -> dict[str, float]:
-    """``{"<name>.sum": Σ, "<name>.count": k}`` per metric; refuses unlisted names and
-    anything that is not one finite scalar per client."""
+    """``{"<name>.sum": Σ, "<name>.count": k}`` per metric over the clients that computed it
+    (NaN: not computed, left out); refuses unlisted names and anything that is not one
+    scalar per client."""
     out: dict[str, float] = {}
     for n, v in metrics.items():
         if n not in allowed:
@@ -98,6 +99,7 @@ def aggregate_metrics(metrics, allowed=ALLOWED_METRICS) -> dict[str, float]:
             raise PrivacyError(f"refusing to send metric {n!r} of shape {arr.shape}: metrics "
                                "are one scalar per client")
         arr = arr.reshape(-1)
+        arr = arr[~np.isnan(arr)]  # NaN: not computed (a client that took no step)
         out[f"{n}.sum"] = float(arr.sum())
         out[f"{n}.count"] = float(arr.size)
     return out

@@ -19,8 +19,10 @@ decides:
   the node evaluates only when it holds at least the larger of the two;
 * ``data`` (node config): the node's own client store (:mod:`partialfl.data.store`, written
   by ``partialfl flower local``): every training client of the run in order, only this
-  node's with examples. The node then reads nothing else (without it, the spec's ``[data]``
-  is read and the node serves its partition by index).
+  node's with examples. The node then reads no other client data (without it, the spec's
+  ``[data]`` is read and the node serves its partition by index). A personalize stage's
+  ``init-from`` (stage 1's parameters, global: every node and the server hold them) is
+  still read from the path the run config names.
 * ``dp-noise-key`` (node config, or the environment variable ``PARTIALFL_NODE_DP_NOISE_KEY``):
   the key of the noise local DP adds on this node's clients — an integer, or ``seed`` for the
   run's seed (the run then repeats the in-process one exactly; ``partialfl train --engine
@@ -246,6 +248,26 @@ def screened(rt, updates, theta):
     return updates
 
 
+def _error_kind(t: type) -> str:
+    """What the server may learn of an exception type client code raised: decided by identity
+    alone (no hash, attribute or name of the type is read; its metaclass runs nothing):
+    the privacy screen's and DP budget's refusals, one of Python's built-in exceptions (its
+    name as Python spells it), else "an exception"."""
+    import builtins
+
+    from partialfl.algorithms.dp import PrivacyBudgetError
+    from partialfl.privacy import PrivacyError
+
+    if t is PrivacyError:
+        return "the privacy screen refused it"
+    if t is PrivacyBudgetError:
+        return "PrivacyBudgetError: the node's DP budget refuses this round"
+    for name, b in vars(builtins).items():
+        if b is t:
+            return name
+    return "an exception"
+
+
 class ClientComputationError(RuntimeError):
     """A client computation on this SuperNode failed; its message stayed on the node."""
 
@@ -257,19 +279,14 @@ def kept_on_node(partition: int, what: str) -> Iterator[None]:
     screen refused — goes to this node's log only; the error the server receives says where
     and what kind (the exception's type when it is Python's own or the screen's refusal,
     else "an exception"), never the text. (In process the researcher's own log shows it.)"""
-    from partialfl.privacy import PrivacyError
-
     try:
         yield
     except Exception as e:
-        from partialfl.algorithms.dp import PrivacyBudgetError
-
-        logging.getLogger("partialfl.flower.node").warning(
-            "partition %d: %s failed: %s: %s", partition, what, type(e).__name__, e)
-        t = type(e)
-        kind = {PrivacyError: "the privacy screen refused it",
-                PrivacyBudgetError: "PrivacyBudgetError: the node's DP budget refuses this "
-                                    "round"}.get(t) or (
-            t.__name__ if t.__module__ == "builtins" else "an exception")
+        try:  # client code chose the exception's type: its metaclass may raise with w's text
+            logging.getLogger("partialfl.flower.node").warning(
+                "partition %d: %s failed: %s: %s", partition, what, type(e).__name__, e)
+        except Exception:  # noqa: BLE001 - nothing of it may leave the node
+            pass
+        kind = _error_kind(type(e))
         raise ClientComputationError(f"partition {partition}: {what} failed on the node "
                                      f"({kind}); its message stays in the node's log") from None

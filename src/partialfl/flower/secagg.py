@@ -113,6 +113,7 @@ def node_contribution(rt, msg):
     from partialfl import arrays
     from partialfl.algorithms.base import ServerState
     from partialfl.flower.codec import aggregate_metrics
+    from partialfl.runtime.faults import finite_mask
 
     ins = compat.recorddict_to_fitins(msg.content, keep_input=True)
     values = parameters_to_ndarrays(ins.parameters)
@@ -136,6 +137,12 @@ def node_contribution(rt, msg):
                                                          rt.problem, cohort, ctx).updates,
                           theta)
             weighted = bool(rt.algorithm.aggregator.weighted)
+            sums = aggregate_metrics(up.metrics)  # its refusal quotes a client-chosen name
+        ok = finite_mask(up)
+        if not ok.all():  # the server cannot see rows, and secaggplus_mod quantises NaN/inf
+            raise ClientComputationError(
+                f"partition {rt.partition}: {int((~ok).sum())} of {len(ok)} client updates "
+                "are not finite; the node does not send its contribution")
         a = (np.asarray(arrays.to_numpy(up.weights), dtype=np.float64)
              if weighted else np.ones(len(cohort)))
         bound = np.maximum(1.0, np.asarray(rt.problem.num_examples(cohort), np.float64))
@@ -147,7 +154,7 @@ def node_contribution(rt, msg):
         if weight > 0:
             p = [np.tensordot(a, np.asarray(arrays.to_numpy(up.vectors[n]), np.float64), 1)
                  / weight for n in rt.theta_names]
-        metrics.update({"grad-evals": int(up.grad_evals), **aggregate_metrics(up.metrics)})
+        metrics.update({"grad-evals": int(up.grad_evals), **sums})
     res = FitRes(Status(Code.OK, ""), ndarrays_to_parameters(p), int(round(weight)), metrics)
     return Message(compat.fitres_to_recorddict(res, keep_input=True), reply_to=msg)
 
@@ -279,11 +286,12 @@ class _LinkGrid:
     """``send_and_receive`` over the ServerApp's :class:`~partialfl.flower.federation.Link`
     (its polling, its message hook, the run config on every message); a reply that
     :func:`check_reply` refuses is kept from the workflow (to it, that node dropped out) and
-    its reason kept in ``refused`` (node → reason)."""
+    its reason kept in ``refused`` (node → reason), a node's error reply's in ``errors``."""
 
     def __init__(self, link, timeout: float, shapes: list[tuple[int, ...]]) -> None:
         self.link, self.timeout, self.shapes = link, timeout, shapes
         self.refused: dict[int, str] = {}
+        self.errors: dict[int, str] = {}  # node → the reason of its error reply
 
     def send_and_receive(self, messages, *, timeout=None):
         from partialfl.flower.codec import WireFormatError
@@ -299,7 +307,9 @@ class _LinkGrid:
             reply = got.get(i)
             if reply is None:
                 continue
-            if not reply.has_error():
+            if reply.has_error():  # to the workflow a dropout; to the report the node's error
+                self.errors[int(node)] = str(reply.error.reason)
+            else:
                 try:
                     check_reply(request, reply.content, self.shapes)
                 except WireFormatError as e:
@@ -361,9 +371,10 @@ def secagg_round(link, cfg, fed, state, cohort: np.ndarray, round_: int, algorit
     done = strategy.result[1] if strategy.result is not None else {}
     for n in fed.order:
         if n not in done and len(parts[n]):
-            why = grid.refused.get(int(n))
-            record_failure(report, round_, "invalid" if why else "timeout", fed.partition(n),
-                           parts[n], why or "dropped out of the SecAgg+ round", faults)
+            why, err = grid.refused.get(int(n)), grid.errors.get(int(n))
+            kind = "invalid" if why else "error" if err else "timeout"
+            record_failure(report, round_, kind, fed.partition(n), parts[n],
+                           why or err or "dropped out of the SecAgg+ round", faults)
         elif int(n) in grid.refused:  # a refused key-share reply after its masked vector:
             # the node's update is in the aggregate, the refusal is counted without clients
             record_failure(report, round_, "invalid", fed.partition(n), [],
