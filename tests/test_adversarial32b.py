@@ -1,6 +1,6 @@
 """Adversarial round 32b (issue 21 areas 1, 3, 4, 6, 7, 8, tried again from scratch by someone
-who did not write the fixes): the defects found; each failed on the code it was written
-against (adv32b at 8af09d0) because of the defect it names.
+who did not write the fixes). Each test failed on the code it was written against (adv32b at
+8af09d0) because of the defect it names, and passes since the fix.
 
 Both are in the worker pool of a *study* (``partialfl train --seeds … / --sweep … --jobs N``,
 :func:`partialfl.pipeline.jobs.run_jobs`, also behind a reproduction table's ``--workers``):
@@ -145,8 +145,6 @@ def _cleanup(proc, pids) -> None:
 
 
 @pytest.mark.slow
-@pytest.mark.xfail(strict=True, reason="a killed study's spawned workers keep training and "
-                   "writing its run folders (pipeline/jobs.run_jobs: plain ProcessPoolExecutor)")
 def test_a_killed_studys_workers_stop_with_it(tmp_path, data_dir):
     """``partialfl train SPEC --seeds 0 1 --jobs 2`` (two FFGG runs of a long stage 1), the
     study's process killed with SIGKILL while both runs train. Seen: both spawned workers
@@ -172,8 +170,6 @@ def test_a_killed_studys_workers_stop_with_it(tmp_path, data_dir):
 
 
 @pytest.mark.slow
-@pytest.mark.xfail(strict=True, reason="one study worker killed ends the study in a "
-                   "BrokenProcessPool traceback (pipeline/jobs.run_jobs), not one line")
 def test_a_study_worker_killed_ends_in_one_line(tmp_path, data_dir):
     """The same study; one of its two workers killed with SIGKILL (as the OOM killer does)
     while it trains. Seen: exit 1 with a ``concurrent.futures.process.BrokenProcessPool``

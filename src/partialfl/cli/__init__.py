@@ -71,8 +71,10 @@ def main(argv: list[str] | None = None) -> int:
         print(f"partialfl: error: {e}", file=sys.stderr)
         return 2
     except RuntimeError as e:  # a Flower run that failed: its cause, in one line
-        env = sys.modules.get("partialfl.flower.env")
-        if env is None or not isinstance(e, env.FlowerRunError):
+        env, jobs = sys.modules.get("partialfl.flower.env"), sys.modules.get(
+            "partialfl.pipeline.jobs")  # or a study's worker process that died
+        if not ((env is not None and isinstance(e, env.FlowerRunError))
+                or (jobs is not None and isinstance(e, jobs.JobsFailed))):
             raise
         print(f"partialfl: error: {str(e).splitlines()[0]}", file=sys.stderr)
         return 1

@@ -17,11 +17,16 @@ def run_jobs(fn: Callable[[Any], Any], jobs: list, workers: int,
     if workers <= 1:
         return [fn(j) for j in jobs]
     import multiprocessing as mp
+    import os
+    import threading
     from concurrent.futures import ProcessPoolExecutor, as_completed
+    from concurrent.futures.process import BrokenProcessPool
 
     out = []
-    with ProcessPoolExecutor(workers, mp_context=mp.get_context("spawn")) as ex:
-        futs = [ex.submit(fn, j) for j in jobs]
+    main = threading.current_thread() is threading.main_thread()
+    with ProcessPoolExecutor(workers, mp_context=mp.get_context("spawn"),
+                             initializer=_bound_to_parent, initargs=(os.getpid(), main)) as ex:
+        futs = {ex.submit(fn, j): i for i, j in enumerate(jobs)}
         it = as_completed(futs)
         if progress:
             from tqdm.auto import tqdm
@@ -29,8 +34,31 @@ def run_jobs(fn: Callable[[Any], Any], jobs: list, workers: int,
             it = tqdm(it, total=len(futs), desc=progress if isinstance(progress, str)
                       else "runs")
         for f in it:
-            out.append(f.result())
+            try:
+                out.append(f.result())
+            except BrokenProcessPool:
+                done = len(out)
+                raise JobsFailed(f"a worker process died (killed, or out of memory) while "
+                                 f"{len(jobs) - done} of {len(jobs)} jobs were unfinished "
+                                 f"(job {futs[f]} among them); the finished ones are kept, "
+                                 "and a run that checkpoints resumes with --resume") from None
     return out
 
 
-__all__ = ["run_jobs"]
+class JobsFailed(RuntimeError):
+    """A worker process of :func:`run_jobs` died; the command line prints it in one line."""
+
+
+def _bound_to_parent(parent: int, deathsig: bool) -> None:
+    """A job worker's initializer: it ends with the process that started it (a killed study
+    left its workers training its run folders, and a resumed study wrote the same folders
+    beside them): the parent watcher of the client pools and, on Linux when the pool was
+    started from the main thread, the kernel's death signal."""
+    from partialfl.runtime.worker import _die_with_parent, kill_with_parent
+
+    if deathsig:
+        kill_with_parent()
+    _die_with_parent(parent)
+
+
+__all__ = ["JobsFailed", "run_jobs"]

@@ -37,7 +37,14 @@ def _detach(deathsig: bool = True) -> None:
     its workers died with that thread while the pool still held them (round 29)."""
     with contextlib.suppress(OSError):
         os.setsid()
-    if deathsig and sys.platform.startswith("linux"):
+    if deathsig:
+        kill_with_parent()
+
+
+def kill_with_parent() -> None:
+    """On Linux, ask the kernel to SIGKILL this process when the thread that started it ends
+    (``PR_SET_PDEATHSIG``); elsewhere nothing."""
+    if sys.platform.startswith("linux"):
         import ctypes
 
         with contextlib.suppress(OSError, AttributeError):
