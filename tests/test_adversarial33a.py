@@ -1,6 +1,6 @@
 """Adversarial round 33a (issue 21, areas 2 and 5, tried again from scratch by someone who did
-not write the fixes). Each test fails on the code it was written against (adv33a at
-f71a6a9) because of the defect it names (``xfail(strict=True)`` until it is fixed).
+not write the fixes). Each test failed on the code it was written against (adv33a at
+f71a6a9) because of the defect it names, and passes since the fix.
 
 * Area 5, local DP against the server (Flower): a SuperNode whose operator set the floor
   ``dp-min-noise`` and a release ledger with ``dp-max-releases`` is documented to send "at
@@ -56,10 +56,6 @@ def _ask(grid, sent, mtype: str, theta=None):
     return reply
 
 
-@pytest.mark.xfail(strict=True, reason="a SuperNode enforcing local DP against the server "
-                   "(dp-min-noise, dp-max-releases) still answers every evaluate message with "
-                   "the exact, noise-free loss sums of its clients, uncounted (flower/client.py "
-                   "evaluate / evaluate_clients)")
 def test_a_local_dp_node_past_its_release_cap_sends_no_exact_evaluation(
         loopback, tmp_path):  # noqa: F811
     """2 loopback SuperNodes (4 least-squares clients each), both with the floor
@@ -93,10 +89,6 @@ def test_a_local_dp_node_past_its_release_cap_sends_no_exact_evaluation(
                        f"{exact[0] == exact[1] if len(exact) > 1 else None})")
 
 
-@pytest.mark.xfail(strict=True, reason="a round number the node's ledger writes but cannot "
-                   "read back (int(task['round']) of a float, flower/client.py "
-                   "NodeRuntime.context, flower/ledger.py request/_read) leaves the ledger "
-                   "'damaged': the node refuses every later request")
 def test_one_train_message_does_not_break_a_nodes_release_ledger(
         loopback, tmp_path):  # noqa: F811
     """2 loopback SuperNodes with a ledger (cap 5 releases per client) and the floor

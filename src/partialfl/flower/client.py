@@ -59,6 +59,9 @@ from partialfl.flower.node import (
 from partialfl.flower.secagg import is_secagg, node_contribution, secagg_mod
 from partialfl.flower.stage import node_parts
 
+#: rounds a message may name are below this (what the node's release ledger records)
+MAX_ROUND = 10 ** 18
+
 
 @dataclass
 class NodeRuntime:
@@ -76,6 +79,7 @@ class NodeRuntime:
     eval_min_clients: int = 2  # the run config's, raised by the node's own floor
     noise_key: int | None = None  # local DP's noise key (:mod:`partialfl.flower.node`)
     noise_secret: bool = False  # the key is the node's own (not the run seed the server holds)
+    sends_updates_only: bool = False  # local DP or the node's DP floor: no evaluation sums
     ledger: Any = None  # the node's ReleaseLedger (:mod:`partialfl.flower.ledger`), or None
 
     def context(self, round_: int, cohort: np.ndarray = ()) -> RoundContext:
@@ -91,6 +95,9 @@ class NodeRuntime:
         are also counted and capped (refused: ConfigError)."""
         import secrets
 
+        if isinstance(round_, bool) or not isinstance(round_, int | np.integer) or \
+                not -1 <= round_ < MAX_ROUND:  # the ledger records rounds of ≤ 18 digits
+            raise ValueError(f"round {round_!r} is not an integer in [-1, {MAX_ROUND})")
         if self.ledger is not None:
             n = self.ledger.request(self.noise_key, round_, [int(c) for c in cohort])
         else:
@@ -160,6 +167,9 @@ def node_runtime(context: Context, msg: Message | None = None,
 
                     z = float(local_noise_multiplier(algorithm, problem.num_clients))
                 stateful = bool(getattr(algorithm, "stateful_clients", False))
+                from partialfl.algorithms.dp import local_dp
+
+                updates_only = local_dp(algorithm) is not None or opts.min_noise is not None
             opts.check_noise(algorithm, problem.num_clients, z)  # before any client computes
             if stateful:
                 raise ValueError(f"algorithm {cfg.run.method.algorithm!r} {STATEFUL}")
@@ -175,7 +185,7 @@ def node_runtime(context: Context, msg: Message | None = None,
                              eval_min_clients=max(cfg.eval_min_clients, opts.eval_min_clients),
                              noise_key=opts.local_noise_key(cfg.seed),
                              noise_secret=opts.noise_key != "seed",
-                             ledger=opts.release_ledger())
+                             ledger=opts.release_ledger(), sends_updates_only=updates_only)
             _CACHE.clear()  # one run per process at a time
             _CACHE[key] = rt
     return rt
@@ -283,8 +293,9 @@ def eval_units(rt: NodeRuntime) -> list[float]:
     refuses an evaluation reply whose ``total.sum`` or ``loss_weight.sum`` exceeds them, so
     one node cannot outweigh the others' evaluations by claiming a huge weight. ``[0, 0]``
     for least squares (unweighted) and when the node withholds its evaluation (fewer than
-    ``rt.eval_min_clients`` clients with test data): nothing about fewer clients is sent."""
-    if not rt.torch:
+    ``rt.eval_min_clients`` clients with test data, or a node that sends only local-DP
+    updates): nothing about fewer clients is sent."""
+    if not rt.torch or rt.sends_updates_only:
         return [0.0, 0.0]
     from partialfl.flower.models import count_sums
 
@@ -300,7 +311,11 @@ def evaluate_clients(rt: NodeRuntime, theta, round_: int) -> dict[str, Any]:
     ``clients``, ``loss.sum`` = Σ_m f_m(θ, w_m) and ``loss-gap.sum`` = Σ_m (f_m − min f_m);
     model problems see :func:`~partialfl.flower.models.evaluate_model_clients`. w_m is what
     the algorithm deploys, computed here and never sent; no per-client value is sent, and
-    nothing at all (``{}``) when the node holds fewer than ``rt.eval_min_clients`` clients."""
+    nothing at all (``{}``) when the node holds fewer than ``rt.eval_min_clients`` clients,
+    or its clients send only noised updates (local DP, or the node's ``dp-min-noise``
+    floor: the DP guarantee counts no other release)."""
+    if rt.sends_updates_only:  # exact sums at any θ, as often as asked: past the DP budget
+        return {}
     if rt.torch:
         from partialfl.flower.models import evaluate_model_clients
 
