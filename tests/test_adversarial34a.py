@@ -1,0 +1,240 @@
+"""Adversarial round 34a (issue 21, areas 2 and 5, tried again from scratch by someone who did
+not write the fixes). Each test fails on the code it was written against (adv34a at aac6cb7)
+because of the defect it names (``xfail(strict=True)`` until it is fixed).
+
+* Area 5, a SuperNode that serves the spec's ``[data]`` (no ``data`` in its node config: it
+  reads the data set the run config names and serves its partition by index): which client
+  an id means is decided by the run config the *server* sends — ``data.num_clients`` with
+  ``data.seed`` keep a seeded subset, ``data.holdout`` holds some out, and the node's
+  partition is then the ids ``partition_clients`` gives. Everything the node's own policy
+  keys on a client is keyed on that server-chosen number:
+
+  - the release ledger (``dp-ledger`` with ``dp-max-releases`` = R, documented: "sends at
+    most R updates of a client, so the per-client guarantee (R releases at noise z) then
+    holds whatever the server asks") counts ``releases[str(id)]``
+    (``NodeRuntime.context`` → ``ReleaseLedger.request``): under another subset the same
+    client file has a fresh id with no releases, so the server collects R more noised
+    updates of it per renumbering;
+  - the evaluation floor (node config ``eval-min-clients``: "the node evaluates only when it
+    holds at least the larger of the two"): the node's clients for an evaluation are the
+    ids of the run config's subset, so two evaluations at the same θ under two subsets
+    whose node sets differ by one client give that client's exact test counts and loss
+    (``correct``, ``total``, ``loss_sum``) by subtraction.
+
+  (A node with its own client store is not affected: its clients are the store's.)
+* Area 5, values the server sends that the node writes to its disk: every train request
+  adds an ``answered`` entry ``<key digest>:<round>`` to the ledger, also one whose cohort is
+  empty (it releases nothing, so the cap never refuses it): distinct rounds grow the
+  ledger file without bound, ~42 bytes a message, and every later request reads and
+  rewrites the whole file under its lock.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+flwr = pytest.importorskip("flwr", reason="flwr is not installed (pip install "
+                           "'partialfl[flower]')")
+
+from _flower_loopback import loopback  # noqa: E402, F401 - the fixture
+from _flower_sims import ls_run  # noqa: E402
+
+
+def _client_files(folder, n: int = 6) -> None:
+    """``n`` clients ``c0.npz`` … of 28×28 images (3 classes): 6 train, 3 test examples."""
+    rng = np.random.default_rng(0)
+    folder.mkdir()
+    for i in range(n):
+        np.savez(folder / f"c{i}.npz", train_x=rng.random((6, 28, 28)).astype(np.float32),
+                 train_y=rng.integers(0, 3, 6),
+                 test_x=rng.random((3, 28, 28)).astype(np.float32),
+                 test_y=rng.integers(0, 3, 3))
+
+
+def _spec(folder, privacy: bool, **data) -> dict:
+    spec = {"seed": 1, "model": {"name": "emnist_cnn"},
+            "data": {"source": "folder", "path": str(folder), **data},
+            "method": {"algorithm": "ffgg"}, "pretrain": {"rounds": 0},
+            "personalize": {"rounds": 2, "eval_every": 0}}
+    if privacy:
+        spec["privacy"] = {"name": "dp", "clip_norm": 1.0, "noise_multiplier": 2.0,
+                           "mode": "local", "sampling": "fixed"}
+    return spec
+
+
+def _subset_seed(keep_first: list[int], size: int, total: int = 6) -> int:
+    """A ``data.seed`` whose seeded subset of ``size`` of ``total`` clients starts with
+    exactly the files ``keep_first`` (as :func:`partialfl.data.sources._subset_holdout`
+    draws it)."""
+    for s in range(1000):
+        keep = np.sort(np.random.default_rng(s).permutation(total)[:size])
+        if keep[:len(keep_first)].tolist() == keep_first:
+            return s
+    raise AssertionError("no such seed")
+
+
+class _Server:
+    """A hostile ServerApp talking to the loopback SuperNode of partition 0 directly, each
+    message under the run config of the spec it chooses."""
+
+    def __init__(self, grid):
+        self.grid = grid
+
+    def ask(self, mtype: str, content, spec: dict):
+        from flwr.app import ConfigRecord, Message
+
+        from partialfl.flower.config import parse_run_config
+
+        content["run-config"] = ConfigRecord(
+            parse_run_config({"spec": spec, "stage": "personalize"}).to_run_config())
+        mid, = self.grid.push_messages([Message(content, dst_node_id=1000,
+                                                message_type=mtype)])
+        reply, = self.grid.pull_messages([mid])
+        return reply
+
+    def theta0(self, spec: dict):
+        from flwr.app import ConfigRecord, RecordDict
+
+        from partialfl.flower.codec import decode_params
+
+        reply = self.ask("query.describe",
+                         RecordDict({"request": ConfigRecord({"init-partition": 0})}), spec)
+        assert not reply.has_error(), reply.error.reason
+        return decode_params(reply.content["theta0"])
+
+
+def _ids(spec: dict) -> tuple[str, ...]:
+    """The client files behind the run's client ids 0, 1, … (what the node serves)."""
+    from partialfl.build import build_data
+    from partialfl.flower.config import parse_run_config
+
+    return tuple(build_data(parse_run_config({"spec": spec}).run)[0].client_ids)
+
+
+@pytest.mark.xfail(strict=True, reason="a SuperNode serving the spec's [data] keys its "
+                   "release ledger on the client's id in the server-chosen subset, so "
+                   "renumbering the clients (data.num_clients, data.seed) releases a client "
+                   "past dp-max-releases (NodeRuntime.context / ReleaseLedger.request)")
+def test_a_nodes_release_cap_holds_for_a_client_the_server_renumbers(loopback, tmp_path):  # noqa: F811
+    """2 loopback SuperNodes reading the spec's folder of 6 client files, each with the
+    floor ``dp-min-noise = 2`` and a ledger capping every client at ONE released update; the
+    server's spec is FFGG with local DP (z = 2, the floor). The server asks partition 0 for
+    client 1 (file ``c1``): released, and asked again: refused (the cap holds). It then sends
+    the same spec with ``data.num_clients = 5`` and a ``data.seed`` that keeps ``c1..c5``:
+    id 0 is now file ``c1``. Expected: the node refuses (``c1`` had its one release).
+    Found: a second noised update of ``c1`` is sent; the ledger counts ids ``"1"`` and
+    ``"0"``, one release each."""
+    from partialfl.flower.rounds import train_content
+
+    folder = tmp_path / "clients"
+    _client_files(folder)
+    grid = loopback(2, node_config={"dp-min-noise": 2.0,
+                                    "dp-ledger": str(tmp_path / "ledger.json"),
+                                    "dp-max-releases": 1})
+    server = _Server(grid)
+    first = _spec(folder, True)
+    renumbered = _spec(folder, True, num_clients=5, seed=_subset_seed([1, 2, 3], 5))
+    assert _ids(first)[1] == _ids(renumbered)[0] == "c1"
+    theta = server.theta0(first)
+    once = server.ask("train", train_content(theta, 0, [1]), first)
+    assert not once.has_error(), once.error.reason
+    again = server.ask("train", train_content(theta, 1, [1]), first)
+    assert again.has_error() and "dp-max-releases" in again.error.reason  # the cap holds
+    other = server.ask("train", train_content(theta, 1, [0]), renumbered)
+    assert other.has_error(), ("file c1's second noised update was released (as client 0 "
+                               "of a server-chosen subset) past dp-max-releases = 1")
+
+
+@pytest.mark.xfail(strict=True, reason="a SuperNode serving the spec's [data] evaluates the "
+                   "clients of the server-chosen subset, so two evaluations whose node sets "
+                   "differ by one client give that client's exact test counts, beating the "
+                   "node's eval-min-clients floor (client.evaluate_clients / node_parts)")
+def test_a_nodes_evaluation_floor_holds_for_clients_the_server_renumbers(loopback, tmp_path):  # noqa: F811
+    """2 loopback SuperNodes reading the spec's folder of 6 client files, each with its own
+    floor ``eval-min-clients = 2`` (no DP). The server evaluates partition 0 at θ⁰ under the
+    spec (its clients: files c0, c1, c2), then at the same θ⁰ under the spec with
+    ``data.num_clients = 4`` and a ``data.seed`` keeping c0, c1 first (its clients: c0, c1).
+    Expected: nothing the server receives is about fewer than 2 clients. Found: both sums are
+    sent, and their difference is client c2's own test counts and loss exactly (compared
+    with c2's per-client counts computed on the node's runtime)."""
+    from flwr.app import ConfigRecord, RecordDict
+
+    from partialfl.algorithms.base import RoundContext, ServerState
+    from partialfl.flower.client import _CACHE
+    from partialfl.flower.codec import params_to_record
+
+    folder = tmp_path / "clients"
+    _client_files(folder)
+    grid = loopback(2, node_config={"eval-min-clients": 2})
+    server = _Server(grid)
+    full = _spec(folder, False)
+    fewer = _spec(folder, False, num_clients=4, seed=_subset_seed([0, 1], 4))
+    assert _ids(full)[:3] == ("c0", "c1", "c2") and _ids(fewer)[:2] == ("c0", "c1")
+    theta = server.theta0(full)
+
+    def evaluate(spec):
+        content = RecordDict({"theta": params_to_record(theta),
+                              "task": ConfigRecord({"round": 0})})
+        reply = server.ask("evaluate", content, spec)
+        return {} if reply.has_error() else dict(reply.content["eval"])
+
+    small = evaluate(fewer)
+    big = evaluate(full)
+    rt = next(iter(_CACHE.values()))  # the runtime of `full`: c2 is its client 2
+    dep = rt.algorithm.deploy(ServerState(theta=_torch(theta), round=0), rt.problem,
+                              np.asarray([2]), None, RoundContext(rt.cfg.seed, -1))
+    own = rt.problem.metric_counts(np.asarray([2]), dep.theta, dep.w, "test")
+    c2 = {k: float(np.asarray(v, dtype=np.float64).sum()) for k, v in own.items()}
+    if small and big:
+        diff = {k: big[f"{k}.sum"] - small[f"{k}.sum"] for k in c2}
+        leaked = all(abs(diff[k] - c2[k]) <= 1e-5 * (1 + abs(c2[k])) for k in c2)
+    else:
+        leaked = False
+    assert not leaked, (f"two evaluations of partition 0 at the same θ differ by exactly "
+                        f"client c2's own test counts {c2}")
+
+
+def _torch(theta):
+    from partialfl import arrays
+
+    return {n: arrays.to_torch(v) for n, v in theta.items()}
+
+
+@pytest.mark.xfail(strict=True, reason="every train request adds an 'answered' entry to the "
+                   "node's release ledger, also one with an empty cohort that releases "
+                   "nothing: the server grows the node's ledger file without bound "
+                   "(NodeRuntime.context / ReleaseLedger.request)")
+def test_requests_that_release_nothing_do_not_grow_a_nodes_ledger(loopback, tmp_path):  # noqa: F811
+    """2 loopback SuperNodes (least squares) with the floor ``dp-min-noise = 2`` and a ledger
+    capping each client at one release; one honest local-DP round. The server then sends
+    300 train messages with an empty cohort (nothing released, so the cap never refuses)
+    and 300 distinct rounds. Expected: the node's ledger (its count of releases) stays the
+    size it was — nothing was released. Found: it grows by ~42 bytes a message (300 entries
+    ``<digest>:<round>``), without bound, and each request rewrites all of it."""
+    import warnings
+
+    from flwr.app import ConfigRecord, Message, RecordDict
+
+    from partialfl.flower.server import run_server
+
+    ledger = tmp_path / "ledger.json"
+    grid = loopback(2, node_config={"dp-min-noise": 2.0, "dp-ledger": str(ledger),
+                                    "dp-max-releases": 1})
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        run_server(grid, ls_run(1, 4, spec={"privacy": {
+            "name": "dp", "clip_norm": 1.0, "noise_multiplier": 2.0, "mode": "local",
+            "sampling": "fixed"}}))
+    train = next(m for m in grid.sent if m.metadata.message_type == "train")
+    before = ledger.stat().st_size
+    for r in range(300):
+        content = RecordDict(dict(train.content.items()))
+        content["task"] = ConfigRecord({**dict(train.content["task"]), "round": 10 ** 17 + r,
+                                        "clients": []})
+        mid, = grid.push_messages([Message(content, dst_node_id=train.metadata.dst_node_id,
+                                           message_type="train")])
+        grid.pull_messages([mid])
+    after = ledger.stat().st_size
+    assert after <= before + 1000, (f"300 requests that released nothing grew the node's "
+                                    f"ledger from {before} to {after} bytes")
