@@ -1,6 +1,6 @@
 """Adversarial round 33b (issue 21 areas 1, 3, 4, 6, 7, 8, tried again from scratch by someone
-who did not write the fixes). Each test fails on the code it was written against (adv33b at
-f71a6a9) because of the defect it names.
+who did not write the fixes). Each test failed on the code it was written against (adv33b at
+f71a6a9) because of the defect it names, and passes since the fix.
 
 * Area 1: the least-squares reproductions (``partialfl reproduce ls-tau`` / ``ls-compare``,
   :func:`partialfl.reproductions.least_squares.run_sweep`) spread their runs over a plain
@@ -83,8 +83,6 @@ def _children(pid: int) -> list[int]:
 
 
 @pytest.mark.skipif(not sys.platform.startswith("linux"), reason="/proc: Linux")
-@pytest.mark.xfail(strict=True, reason="run_sweep's multiprocessing.Pool loses a killed "
-                   "worker's task and pool.imap waits for it for ever (least_squares.py)")
 def test_a_killed_ls_sweep_worker_ends_the_reproduction_instead_of_hanging(tmp_path):
     env = {**os.environ, "PYTHONPATH": SRC + os.pathsep + os.environ.get("PYTHONPATH", "")}
     proc = subprocess.Popen(
@@ -116,9 +114,6 @@ def test_a_killed_ls_sweep_worker_ends_the_reproduction_instead_of_hanging(tmp_p
 
 
 @pytest.mark.skipif(not sys.platform.startswith("linux"), reason="/proc: Linux")
-@pytest.mark.xfail(strict=True, reason="run_sweep's pool workers do not ignore SIGINT: Ctrl-C "
-                   "prints their 'Process ForkPoolWorker-N:' traceback lines beside the CLI's "
-                   "one line (least_squares.py)")
 def test_ctrl_c_of_an_ls_sweep_is_one_line(tmp_path):
     env = {**os.environ, "PYTHONPATH": SRC + os.pathsep + os.environ.get("PYTHONPATH", "")}
     proc = subprocess.Popen(
@@ -216,34 +211,24 @@ def _one_and_two_pass(model_cls):
     return out
 
 
-@pytest.mark.xfail(strict=True, reason="head.py's forward check accepts a head output "
-                   "post-processed in place (same object) and differentiates the unscaled "
-                   "logits: a wrong FFGG update")
 def test_one_pass_client_with_in_place_post_processed_logits_matches_two_passes():
     one, two = _one_and_two_pass(_InPlaceScaled)
     for k in two:
         torch.testing.assert_close(one[k], two[k], rtol=1e-5, atol=1e-6)
 
 
-@pytest.mark.xfail(strict=True, reason="head.py's forward hook reads args[0] of a head "
-                   "called with a keyword argument: IndexError instead of a fall-back")
 def test_one_pass_client_with_a_keyword_called_head_falls_back():
     one, two = _one_and_two_pass(_KeywordHead)
     for k in two:
         torch.testing.assert_close(one[k], two[k], rtol=1e-5, atol=1e-6)
 
 
-@pytest.mark.xfail(strict=True, reason="head.py takes the one pass when the body reads the "
-                   "head's weight (features depend on w): a wrong FFGG update")
 def test_one_pass_client_whose_body_reads_the_head_weight_matches_two_passes():
     one, two = _one_and_two_pass(_BodyReadsHead)
     for k in two:
         torch.testing.assert_close(one[k], two[k], rtol=1e-5, atol=1e-6)
 
 
-@pytest.mark.xfail(strict=True, reason="head.py keeps the head's input AFTER its forward "
-                   "pre-hook and replays the head through the hook again: the features "
-                   "transformed twice, a wrong FFGG update")
 def test_one_pass_client_with_a_pre_hooked_head_matches_two_passes():
     one, two = _one_and_two_pass(_PreHookedHead)
     for k in two:

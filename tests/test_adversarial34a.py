@@ -1,6 +1,7 @@
 """Adversarial round 34a (issue 21, areas 2 and 5, tried again from scratch by someone who did
-not write the fixes). Each test fails on the code it was written against (adv34a at aac6cb7)
-because of the defect it names (``xfail(strict=True)`` until it is fixed).
+not write the fixes). Each test failed on the code it was written against (adv34a at aac6cb7)
+because of the defect it names, and passes since the fix (the first two rewritten for it: a
+node whose operator set a policy about its clients refuses runs on the spec's ``[data]``).
 
 * Area 5, a SuperNode that serves the spec's ``[data]`` (no ``data`` in its node config: it
   reads the data set the run config names and serves its partition by index): which client
@@ -117,99 +118,88 @@ def _ids(spec: dict) -> tuple[str, ...]:
     return tuple(build_data(parse_run_config({"spec": spec}).run)[0].client_ids)
 
 
-@pytest.mark.xfail(strict=True, reason="a SuperNode serving the spec's [data] keys its "
-                   "release ledger on the client's id in the server-chosen subset, so "
-                   "renumbering the clients (data.num_clients, data.seed) releases a client "
-                   "past dp-max-releases (NodeRuntime.context / ReleaseLedger.request)")
+def _store(spec: dict, folder) -> str:
+    """Partition 0's own client store (``partialfl flower node-data``) of ``spec``'s data."""
+    from partialfl.build import build_data
+    from partialfl.flower.config import parse_run_config
+    from partialfl.flower.local import write_node_stores
+
+    data = build_data(parse_run_config({"spec": spec}).run)[0]
+    return str(write_node_stores(data, 2, folder)[0])
+
+
+_OWN_DATA = "protect the clients of its own data"
+
+
 def test_a_nodes_release_cap_holds_for_a_client_the_server_renumbers(loopback, tmp_path):  # noqa: F811
-    """2 loopback SuperNodes reading the spec's folder of 6 client files, each with the
-    floor ``dp-min-noise = 2`` and a ledger capping every client at ONE released update; the
-    server's spec is FFGG with local DP (z = 2, the floor). The server asks partition 0 for
-    client 1 (file ``c1``): released, and asked again: refused (the cap holds). It then sends
-    the same spec with ``data.num_clients = 5`` and a ``data.seed`` that keeps ``c1..c5``:
-    id 0 is now file ``c1``. Expected: the node refuses (``c1`` had its one release).
-    Found: a second noised update of ``c1`` is sent; the ledger counts ids ``"1"`` and
-    ``"0"``, one release each."""
+    """2 loopback SuperNodes, each with the floor ``dp-min-noise = 2`` and a ledger capping
+    every client at ONE released update; the server's spec is FFGG with local DP (z = 2, the
+    floor) on a folder of 6 client files. Found before the fix: a node reading the spec's
+    ``[data]`` keyed its ledger on the client's position in the server-chosen subset, so the
+    same spec with ``data.num_clients = 5`` and a ``data.seed`` keeping ``c1..c5`` (id 0 is
+    file ``c1``) released ``c1`` a second time. Now such a node refuses the run (its policy
+    holds only for its own data); with its own store (``partialfl flower node-data``) the
+    server's data options do not renumber its clients, and ``c1`` is released once."""
     from partialfl.flower.rounds import train_content
 
     folder = tmp_path / "clients"
     _client_files(folder)
-    grid = loopback(2, node_config={"dp-min-noise": 2.0,
-                                    "dp-ledger": str(tmp_path / "ledger.json"),
-                                    "dp-max-releases": 1})
-    server = _Server(grid)
+    policy = {"dp-min-noise": 2.0, "dp-ledger": str(tmp_path / "ledger.json"),
+              "dp-max-releases": 1}
     first = _spec(folder, True)
     renumbered = _spec(folder, True, num_clients=5, seed=_subset_seed([1, 2, 3], 5))
     assert _ids(first)[1] == _ids(renumbered)[0] == "c1"
-    theta = server.theta0(first)
+    theta = _Server(loopback(2)).theta0(first)  # a node without a policy: θ⁰
+    server = _Server(loopback(2, node_config=policy))
+    for spec in (first, renumbered):  # the spec's [data]: refused, nothing released
+        reply = server.ask("train", train_content(theta, 0, [0, 1]), spec)
+        assert reply.has_error() and _OWN_DATA in reply.error.reason
+    server = _Server(loopback(2, node_config={**policy,
+                                              "data": _store(first, tmp_path / "stores")}))
     once = server.ask("train", train_content(theta, 0, [1]), first)
     assert not once.has_error(), once.error.reason
-    again = server.ask("train", train_content(theta, 1, [1]), first)
-    assert again.has_error() and "dp-max-releases" in again.error.reason  # the cap holds
-    other = server.ask("train", train_content(theta, 1, [0]), renumbered)
-    assert other.has_error(), ("file c1's second noised update was released (as client 0 "
-                               "of a server-chosen subset) past dp-max-releases = 1")
+    for spec in (first, renumbered):
+        again = server.ask("train", train_content(theta, 1, [1]), spec)
+        assert again.has_error() and "dp-max-releases" in again.error.reason, (
+            "file c1's second noised update was released past dp-max-releases = 1")
 
 
-@pytest.mark.xfail(strict=True, reason="a SuperNode serving the spec's [data] evaluates the "
-                   "clients of the server-chosen subset, so two evaluations whose node sets "
-                   "differ by one client give that client's exact test counts, beating the "
-                   "node's eval-min-clients floor (client.evaluate_clients / node_parts)")
 def test_a_nodes_evaluation_floor_holds_for_clients_the_server_renumbers(loopback, tmp_path):  # noqa: F811
     """2 loopback SuperNodes reading the spec's folder of 6 client files, each with its own
-    floor ``eval-min-clients = 2`` (no DP). The server evaluates partition 0 at θ⁰ under the
-    spec (its clients: files c0, c1, c2), then at the same θ⁰ under the spec with
-    ``data.num_clients = 4`` and a ``data.seed`` keeping c0, c1 first (its clients: c0, c1).
-    Expected: nothing the server receives is about fewer than 2 clients. Found: both sums are
-    sent, and their difference is client c2's own test counts and loss exactly (compared
-    with c2's per-client counts computed on the node's runtime)."""
+    floor ``eval-min-clients = 2`` (no DP). Found before the fix: the server evaluated
+    partition 0 at θ⁰ under the spec (its clients: files c0, c1, c2) and under the spec with
+    ``data.num_clients = 4`` and a ``data.seed`` keeping c0, c1 first (its clients: c0,
+    c1); the difference of the two sums was client c2's own test counts and loss. Now the
+    node refuses every evaluation of a run on the spec's ``[data]`` (its floor holds only
+    for its own data), and with its own store the two specs evaluate the same clients."""
     from flwr.app import ConfigRecord, RecordDict
 
-    from partialfl.algorithms.base import RoundContext, ServerState
-    from partialfl.flower.client import _CACHE
     from partialfl.flower.codec import params_to_record
 
     folder = tmp_path / "clients"
     _client_files(folder)
-    grid = loopback(2, node_config={"eval-min-clients": 2})
-    server = _Server(grid)
     full = _spec(folder, False)
     fewer = _spec(folder, False, num_clients=4, seed=_subset_seed([0, 1], 4))
     assert _ids(full)[:3] == ("c0", "c1", "c2") and _ids(fewer)[:2] == ("c0", "c1")
-    theta = server.theta0(full)
+    theta = _Server(loopback(2)).theta0(full)
 
-    def evaluate(spec):
+    def evaluate(server, spec):
         content = RecordDict({"theta": params_to_record(theta),
                               "task": ConfigRecord({"round": 0})})
-        reply = server.ask("evaluate", content, spec)
-        return {} if reply.has_error() else dict(reply.content["eval"])
+        return server.ask("evaluate", content, spec)
 
-    small = evaluate(fewer)
-    big = evaluate(full)
-    rt = next(iter(_CACHE.values()))  # the runtime of `full`: c2 is its client 2
-    dep = rt.algorithm.deploy(ServerState(theta=_torch(theta), round=0), rt.problem,
-                              np.asarray([2]), None, RoundContext(rt.cfg.seed, -1))
-    own = rt.problem.metric_counts(np.asarray([2]), dep.theta, dep.w, "test")
-    c2 = {k: float(np.asarray(v, dtype=np.float64).sum()) for k, v in own.items()}
-    if small and big:
-        diff = {k: big[f"{k}.sum"] - small[f"{k}.sum"] for k in c2}
-        leaked = all(abs(diff[k] - c2[k]) <= 1e-5 * (1 + abs(c2[k])) for k in c2)
-    else:
-        leaked = False
-    assert not leaked, (f"two evaluations of partition 0 at the same θ differ by exactly "
-                        f"client c2's own test counts {c2}")
+    server = _Server(loopback(2, node_config={"eval-min-clients": 2}))
+    for spec in (full, fewer):
+        reply = evaluate(server, spec)
+        assert reply.has_error() and _OWN_DATA in reply.error.reason
+    server = _Server(loopback(2, node_config={"eval-min-clients": 2,
+                                              "data": _store(full, tmp_path / "stores")}))
+    big, small = (evaluate(server, spec) for spec in (full, fewer))
+    assert not big.has_error() and not small.has_error(), (big.error, small.error)
+    assert dict(big.content["eval"]) == dict(small.content["eval"]), (
+        "the server's data options changed which clients the node evaluated")
 
 
-def _torch(theta):
-    from partialfl import arrays
-
-    return {n: arrays.to_torch(v) for n, v in theta.items()}
-
-
-@pytest.mark.xfail(strict=True, reason="every train request adds an 'answered' entry to the "
-                   "node's release ledger, also one with an empty cohort that releases "
-                   "nothing: the server grows the node's ledger file without bound "
-                   "(NodeRuntime.context / ReleaseLedger.request)")
 def test_requests_that_release_nothing_do_not_grow_a_nodes_ledger(loopback, tmp_path):  # noqa: F811
     """2 loopback SuperNodes (least squares) with the floor ``dp-min-noise = 2`` and a ledger
     capping each client at one release; one honest local-DP round. The server then sends
@@ -246,10 +236,6 @@ def test_requests_that_release_nothing_do_not_grow_a_nodes_ledger(loopback, tmp_
                                     f"ledger from {before} to {after} bytes")
 
 
-@pytest.mark.xfail(strict=True, reason="a SuperNode builds the spec's data outside "
-                   "kept_on_node: the data set's own check quotes a client's label range and "
-                   "name, and that text is the node's error reply (client.node_runtime → "
-                   "stage.node_parts → build_data)")
 def test_a_nodes_data_error_carries_no_client_labels_to_the_server(loopback):  # noqa: F811
     """2 loopback SuperNodes reading the spec's folder of 3 client files; client ``alice``
     holds only labels 5..7. The server's spec names the folder with ``data.options.

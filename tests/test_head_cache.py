@@ -92,6 +92,8 @@ def test_one_pass_client_runs_the_model_once_per_chunk(monkeypatch):
         calls["n"] += 1
         return fwd(self, x)
 
+    _client(problem, cfg, fused=True)  # the first client served checks the one pass
+    assert problem._head_checked is True
     monkeypatch.setattr(type(problem.module), "forward", counting)
     sizes = problem.num_examples(np.arange(problem.num_clients))
     chunks = int(sum(-(-n // 32) for n in sizes))
@@ -112,7 +114,7 @@ def test_a_client_over_the_size_limit_takes_the_two_passes_with_the_same_result(
     monkeypatch.setattr(ModelProblem, "_two_passes",
                         lambda self, c, *a: seen.append(c) or orig(self, c, *a))
     one = _client(problem, cfg, fused=True)
-    assert seen == [1, 3]
+    assert seen == [0, 1, 3]  # client 0: the check of the one pass on the first client
     assert _equal(one.vectors, _client(problem, cfg, fused=False).vectors)
 
 

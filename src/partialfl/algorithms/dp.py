@@ -486,22 +486,3 @@ def _dp(opts: DPOptions, ctx: WrapperContext) -> DifferentiallyPrivate:
     if opts.clients_per_round is None and ctx.clients_per_round:
         fill["clients_per_round"] = ctx.clients_per_round
     return DifferentiallyPrivate(ctx.base, replace(opts, **fill) if fill else opts)
-
-
-def local_noise_multiplier(algorithm, num_clients: int) -> float:
-    """The noise multiplier z of the local-DP noise ``algorithm``'s clients add to their
-    updates (0.0 when no wrapper in its chain is local DP): what a SuperNode's floor
-    (:mod:`partialfl.flower.node`, ``dp-min-noise``) checks."""
-    alg = local_dp(algorithm)
-    return 0.0 if alg is None else float(alg.plan(num_clients).update_noise)
-
-
-def local_dp(algorithm) -> DifferentiallyPrivate | None:
-    """The local-DP wrapper in ``algorithm``'s chain, or None: its clients then send nothing
-    but their noised updates (a SuperNode withholds its evaluation sums)."""
-    alg = algorithm
-    while alg is not None:
-        if isinstance(alg, DifferentiallyPrivate) and alg.options.mode == "local":
-            return alg
-        alg = getattr(alg, "base", None)
-    return None

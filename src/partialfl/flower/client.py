@@ -98,6 +98,12 @@ class NodeRuntime:
         if isinstance(round_, bool) or not isinstance(round_, int | np.integer) or \
                 not -1 <= round_ < MAX_ROUND:  # the ledger records rounds of ≤ 18 digits
             raise ValueError(f"round {round_!r} is not an integer in [-1, {MAX_ROUND})")
+        if not len(cohort):  # nothing is released: nothing to count or to draw afresh
+            return RoundContext(self.cfg.seed, round_, noise_key=self.noise_key)
+        from partialfl.flower.dp_policy import check_round
+
+        with kept_on_node(self.partition, "client_update"):  # past the DP budget: refused,
+            check_round(self.algorithm, round_)  # before the ledger records the request
         if self.ledger is not None:
             n = self.ledger.request(self.noise_key, round_, [int(c) for c in cohort])
         else:
@@ -156,18 +162,27 @@ def node_runtime(context: Context, msg: Message | None = None,
         rt = _CACHE.get(key)
         if rt is None:
             # a node store holds model data; a closed-form problem is generated from its seed
+            if not cfg.closed_form and not opts.data and opts.guards_clients:
+                raise ConfigError(
+                    "SuperNode refuses the run: its own privacy settings (dp-ledger, "
+                    "dp-min-noise, eval-min-clients) protect the clients of its own data "
+                    "(node config 'data', a store written by `partialfl flower node-data`); "
+                    "with the spec's [data] the server chooses which "
+                    "clients the node holds and how they are numbered")
             data = load_node_data(opts.data) if opts.data and not cfg.closed_form else None
-            problem, algorithm, theta0 = node_parts(cfg, data)
+            with kept_on_node(opts.partition, "building the run's data and model",
+                              passes=ConfigError):  # a loader's own check quotes data
+                problem, algorithm, theta0 = node_parts(cfg, data)
             with kept_on_node(opts.partition, "the algorithm's set-up"):  # its code, its data
                 if algorithm_factory is not None:
                     algorithm = algorithm_factory(cfg, problem)
                 z = None
                 if opts.min_noise is not None:
-                    from partialfl.algorithms.dp import local_noise_multiplier
+                    from partialfl.flower.dp_policy import local_noise_multiplier
 
                     z = float(local_noise_multiplier(algorithm, problem.num_clients))
                 stateful = bool(getattr(algorithm, "stateful_clients", False))
-                from partialfl.algorithms.dp import local_dp
+                from partialfl.flower.dp_policy import local_dp
 
                 updates_only = local_dp(algorithm) is not None or opts.min_noise is not None
             opts.check_noise(algorithm, problem.num_clients, z)  # before any client computes

@@ -16,7 +16,10 @@ decides:
   flower-sim|flower`` turns it on for the SuperNodes it starts itself when the user's own
   spec names code;
 * ``eval-min-clients`` (node config): a floor under the run config's ``eval-min-clients`` —
-  the node evaluates only when it holds at least the larger of the two;
+  the node evaluates only when it holds at least the larger of the two. This floor and the
+  DP settings below are about the node's clients: a node with any of them refuses a model
+  run without its own ``data`` (the spec's ``[data]`` options, the server's, choose and
+  number its clients);
 * ``data`` (node config): the node's own client store (:mod:`partialfl.data.store`, written
   by ``partialfl flower local``): every training client of the run in order, only this
   node's with examples. The node then reads no other client data (without it, the spec's
@@ -87,6 +90,12 @@ class NodeOptions:
     ledger: str = ""  # the file of the node's release ledger ("" none)
     max_releases: int | None = None  # the most updates of one client the node sends
 
+    @property
+    def guards_clients(self) -> bool:
+        """Whether the operator set a policy about this node's clients (a release ledger, a
+        local-DP floor, an evaluation floor above 1): it holds only for the node's own data."""
+        return bool(self.ledger) or self.min_noise is not None or self.eval_min_clients > 1
+
     def release_ledger(self):
         """The node's :class:`~partialfl.flower.ledger.ReleaseLedger`, or None."""
         from partialfl.flower.ledger import ReleaseLedger
@@ -98,7 +107,7 @@ class NodeOptions:
         (``z``: the multiplier if already computed from ``algorithm``)."""
         if self.min_noise is None:
             return
-        from partialfl.algorithms.dp import local_noise_multiplier
+        from partialfl.flower.dp_policy import local_noise_multiplier
 
         z = float(local_noise_multiplier(algorithm, num_clients) if z is None else z)
         if not z >= self.min_noise:
@@ -262,6 +271,8 @@ def _error_kind(t: type) -> str:
         return "the privacy screen refused it"
     if t is PrivacyBudgetError:
         return "PrivacyBudgetError: the node's DP budget refuses this round"
+    if t is ConfigError:
+        return "ConfigError"
     for name, b in vars(builtins).items():
         if b is t:
             return name
@@ -273,15 +284,19 @@ class ClientComputationError(RuntimeError):
 
 
 @contextlib.contextmanager
-def kept_on_node(partition: int, what: str) -> Iterator[None]:
+def kept_on_node(partition: int, what: str, passes: type | None = None) -> Iterator[None]:
     """Run a client computation (``client_update`` and the privacy screen, the deployed
     model's evaluation): an exception's text — written by client code, or quoting what the
     screen refused — goes to this node's log only; the error the server receives says where
     and what kind (the exception's type when it is Python's own or the screen's refusal,
-    else "an exception"), never the text. (In process the researcher's own log shows it.)"""
+    else "an exception"), never the text. (In process the researcher's own log shows it.)
+    ``passes``: an exception of exactly this type (partialfl's own, e.g. ConfigError: what a
+    node's configuration lacks, in partialfl's words) leaves as it is."""
     try:
         yield
     except Exception as e:
+        if passes is not None and type(e) is passes:
+            raise
         try:  # client code chose the exception's type: its metaclass may raise with w's text
             logging.getLogger("partialfl.flower.node").warning(
                 "partition %d: %s failed: %s: %s", partition, what, type(e).__name__, e)

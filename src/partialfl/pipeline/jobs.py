@@ -7,13 +7,19 @@ from typing import Any
 
 
 def run_jobs(fn: Callable[[Any], Any], jobs: list, workers: int,
-             progress: bool | str = False) -> list:
+             progress: bool | str = False, *, start_method: str = "spawn",
+             ordered: bool = False, setup: Callable[[], None] | None = None) -> list:
     """``[fn(job) for job in jobs]``, in this process (``workers`` ≤ 1, in order) or in
-    ``workers`` spawned processes (completion order; ``fn`` and the jobs must pickle, so a
-    worker rebuilds its task from the job). A reproduction table runs its (method, seed)
-    pipelines this way: on a 2-core machine two 1-thread processes beat one 2-thread process
-    and degrade gracefully when something else competes for the cores. ``progress``: a
-    label for a progress bar over finished jobs."""
+    ``workers`` worker processes (``start_method``; completion order unless ``ordered``;
+    ``fn`` and the jobs must pickle, so a worker rebuilds its task from the job). A
+    reproduction table runs its (method, seed) pipelines this way: on a 2-core machine two
+    1-thread processes beat one 2-thread process and degrade gracefully when something else
+    competes for the cores. ``progress``: a label for a progress bar over finished jobs;
+    ``setup``: called in each worker when it starts.
+
+    The workers end with this process (killed or not) and ignore Ctrl-C, which ends the
+    call here (the workers are stopped, KeyboardInterrupt raised); a worker that dies ends it
+    with :class:`JobsFailed` (one line on the command line)."""
     if workers <= 1:
         return [fn(j) for j in jobs]
     import multiprocessing as mp
@@ -22,10 +28,11 @@ def run_jobs(fn: Callable[[Any], Any], jobs: list, workers: int,
     from concurrent.futures import ProcessPoolExecutor, as_completed
     from concurrent.futures.process import BrokenProcessPool
 
-    out = []
+    out: list = [None] * len(jobs) if ordered else []
     main = threading.current_thread() is threading.main_thread()
-    with ProcessPoolExecutor(workers, mp_context=mp.get_context("spawn"),
-                             initializer=_bound_to_parent, initargs=(os.getpid(), main)) as ex:
+    ex = ProcessPoolExecutor(workers, mp_context=mp.get_context(start_method),
+                             initializer=_bound_to_parent, initargs=(os.getpid(), main, setup))
+    try:
         futs = {ex.submit(fn, j): i for i, j in enumerate(jobs)}
         it = as_completed(futs)
         if progress:
@@ -33,15 +40,24 @@ def run_jobs(fn: Callable[[Any], Any], jobs: list, workers: int,
 
             it = tqdm(it, total=len(futs), desc=progress if isinstance(progress, str)
                       else "runs")
-        for f in it:
+        for n, f in enumerate(it):
             try:
-                out.append(f.result())
+                r = f.result()
             except BrokenProcessPool:
-                done = len(out)
                 raise JobsFailed(f"a worker process died (killed, or out of memory) while "
-                                 f"{len(jobs) - done} of {len(jobs)} jobs were unfinished "
+                                 f"{len(jobs) - n} of {len(jobs)} jobs were unfinished "
                                  f"(job {futs[f]} among them); the finished ones are kept, "
                                  "and a run that checkpoints resumes with --resume") from None
+            if ordered:
+                out[futs[f]] = r
+            else:
+                out.append(r)
+    except BaseException:  # an interrupt or a failed job: stop the others now
+        ex.shutdown(wait=False, cancel_futures=True)
+        for p in list((getattr(ex, "_processes", None) or {}).values()):
+            p.kill()
+        raise
+    ex.shutdown()
     return out
 
 
@@ -49,16 +65,22 @@ class JobsFailed(RuntimeError):
     """A worker process of :func:`run_jobs` died; the command line prints it in one line."""
 
 
-def _bound_to_parent(parent: int, deathsig: bool) -> None:
+def _bound_to_parent(parent: int, deathsig: bool, setup: Callable[[], None] | None) -> None:
     """A job worker's initializer: it ends with the process that started it (a killed study
     left its workers training its run folders, and a resumed study wrote the same folders
     beside them): the parent watcher of the client pools and, on Linux when the pool was
-    started from the main thread, the kernel's death signal."""
+    started from the main thread, the kernel's death signal; it ignores Ctrl-C (the parent
+    stops it); then ``setup``."""
+    import signal
+
     from partialfl.runtime.worker import _die_with_parent, kill_with_parent
 
+    signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C is the parent's to handle
     if deathsig:
         kill_with_parent()
     _die_with_parent(parent)
+    if setup is not None:
+        setup()
 
 
 __all__ = ["JobsFailed", "run_jobs"]

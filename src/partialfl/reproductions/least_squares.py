@@ -12,7 +12,6 @@ come from ``configs/ls-tau.toml`` and ``configs/ls-compare.toml`` (``[quick]`` i
 
 from __future__ import annotations
 
-import multiprocessing as mp
 import os
 import time
 from importlib import resources
@@ -22,6 +21,7 @@ from partialfl import io as pio
 from partialfl.build import problem_of
 from partialfl.config import ConfigError, deep_merge, load_toml
 from partialfl.pipeline.closed_form import load_closed_form, run_closed_form, summary_markdown
+from partialfl.pipeline.jobs import run_jobs
 from partialfl.pipeline.report import REL_DIST2, error_ratio_section, plot_curves, quick_note
 from partialfl.registry import register
 
@@ -62,8 +62,9 @@ def run_sweep(name: str, out_dir: Path, quick: bool, seeds, progress: bool,
     """Run every (seed, method, τ) of a packaged sweep; returns one row per run.
 
     Runs are independent, so they are spread over ``workers`` processes (default: one per
-    core, at most 2), each limited to one BLAS thread. Problems are built once in this
-    process before the workers fork, so the workers share them.
+    core, at most 2; :func:`~partialfl.pipeline.jobs.run_jobs`), each limited to one BLAS
+    thread. Problems are built once in this process before the workers fork, so the workers
+    share them.
     """
     methods, taus, base = load_sweep(name, quick)
     out_dir = Path(out_dir)
@@ -88,14 +89,9 @@ def run_sweep(name: str, out_dir: Path, quick: bool, seeds, progress: bool,
     else:
         for j in jobs:  # build (and cache) each problem once, before forking
             problem_of(load_closed_form(j))
-        ctx = mp.get_context("fork")
-        with ctx.Pool(workers, initializer=_single_thread) as pool:
-            it = pool.imap(_run_job, [(j, str(out_dir), False) for j in jobs])
-            if progress:
-                from tqdm.auto import tqdm
-
-                it = tqdm(it, total=len(jobs), desc=name, leave=False)
-            results = list(it)
+        results = run_jobs(_run_job, [(j, str(out_dir), False) for j in jobs], workers,
+                           progress and name, start_method="fork", ordered=True,
+                           setup=_single_thread)
     for row, (history, seconds) in zip(rows, results):
         row["history"], row["seconds"] = history, seconds
     return rows
