@@ -1,6 +1,6 @@
 """Adversarial round 35a (issue 21, areas 2 and 5, tried again from scratch by someone who did
-not write the fixes). The test fails on the code it was written against (adv35a at c47dec5)
-because of the defect it names.
+not write the fixes). The test failed on the code it was written against (adv35a at c47dec5)
+because of the defect it names, and passes since the fix.
 
 * Area 5, a field of a train reply with no freedom at all: the client ids. A reply's
   ``update.cohort`` must be exactly the ids the server asked for, in order — the server
@@ -67,9 +67,6 @@ class _IdLeak(AlgorithmWrapper):
                                           u.extra), res.client_state)
 
 
-@pytest.mark.xfail(strict=True, reason="a SuperNode sends the client ids its client's code "
-                   "returned (flower.client.train → codec.encode_updates), not the ids "
-                   "asked: w_m*'s bits reach the ServerApp and its failure log")
 @pytest.mark.parametrize("mode", ["sync", "async"])
 def test_the_client_ids_of_a_train_reply_carry_nothing_of_w(loopback, mode):  # noqa: F811
     """Least squares on 2 loopback SuperNodes, ClientApp and ServerApp built with a factory

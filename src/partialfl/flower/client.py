@@ -246,7 +246,7 @@ def train(rt: NodeRuntime, msg: Message) -> Message:
                   if f"extra.{n}" in task}
         state = ServerState(theta=theta, round=r, extra=shared)
         result = rt.algorithm.client_update(state, rt.problem, cohort, ctx)
-        content = encode_updates(screened(rt, result.updates, theta), theta.keys(),
+        content = encode_updates(screened(rt, result.updates, theta, cohort), theta.keys(),
                                  metric_names(rt.algorithm))
     for f in parse_fault_injection(rt.cfg.fault_injection):
         if f.kind in REPLY_FAULTS and f.applies(rt.partition, r):

@@ -239,14 +239,15 @@ def check_node_data(data, clients: np.ndarray) -> None:
                           f"({int(clients[0])}..{int(clients[-1])})")
 
 
-def screened(rt, updates, theta):
+def screened(rt, updates, theta, cohort):
     """``updates`` as values only (:func:`partialfl.privacy.values_only`: what is checked
     is what is sent) if the in-process privacy screen lets them pass
     (:func:`partialfl.privacy.check_updates` against the run's θ: declared extras, θ-shaped
     finite float rows, allowed float metrics), else a :class:`~partialfl.privacy.PrivacyError`
     whose reason holds no value — raised on the node, so nothing of a refused message
     (not even an error quoting it) reaches the server. ``theta``: the θ the server sent,
-    which must have exactly this run's leaves."""
+    which must have exactly this run's leaves; ``cohort``: the client ids it asked for, which
+    the updates must name in that order (ids are no channel: nothing else is sent in them)."""
     from partialfl.privacy import PrivacyError, check_updates, values_only
 
     if set(theta) != set(rt.theta_names):
@@ -254,6 +255,8 @@ def screened(rt, updates, theta):
                            f"θ {sorted(rt.theta_names)[:8]}")
     updates = values_only(updates)  # checked as sent
     check_updates(updates, theta, rt.algorithm)
+    if not np.array_equal(np.asarray(updates.cohort), np.asarray(cohort)):
+        raise PrivacyError("the updates name other client ids than the server asked for")
     return updates
 
 

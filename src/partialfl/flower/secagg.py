@@ -135,7 +135,7 @@ def node_contribution(rt, msg):
         with kept_on_node(rt.partition, "client_update"):
             up = screened(rt, rt.algorithm.client_update(ServerState(theta=theta, round=r),
                                                          rt.problem, cohort, ctx).updates,
-                          theta)
+                          theta, cohort)
             weighted = bool(rt.algorithm.aggregator.weighted)
             sums = aggregate_metrics(up.metrics)  # its refusal quotes a client-chosen name
         ok = finite_mask(up)
