@@ -148,9 +148,16 @@ def test_a_divergence_one_node_causes_is_not_hidden_by_the_flower_report(
 
     spec = {"method": {"algorithm": "fedavg", "weighting": "examples"},
             "personalize": {"client": {"name": "gd", "tau": 5}}}
+    from partialfl.flower.report import RunAborted
+
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
-        rep = run_server(loopback(2, tamper=tamper), ls_run(3, spec=spec))
+        try:
+            rep = run_server(loopback(2, tamper=tamper), ls_run(3, spec=spec))
+        except RunAborted as e:  # since round 36a the nodes refuse to send the non-finite
+            # updates θ = ±1.7e308 gives: the run aborts, naming the node that grew θ
+            assert "grew" in str(e) and "(partition 0)" in str(e), str(e)
+            return
     finite = all(np.isfinite(v).all() for v in rep.theta.values())
     assert not finite and rep.server_steps < 3  # the attack worked: the run diverged
     assert rep.aborted or rep.stopped, (

@@ -1,6 +1,6 @@
 """Adversarial round 36a (issue 21, areas 2 and 5, tried again from scratch by someone who did
 not write the fixes). The test failed on the code it was written against (adv36a at b28fac7)
-because of the defect it names.
+because of the defect it names, and passes since the fix.
 
 * Area 5, local DP on a SuperNode: the noised update is the only release of a local-DP
   client, and the mechanism (clip to C, add N(0, z²C²)) is meant to hold whatever the base
@@ -77,9 +77,6 @@ class _NaNLeak(AlgorithmWrapper):
                                           u.metrics, u.extra), res.client_state)
 
 
-@pytest.mark.xfail(strict=True, reason="a local-DP SuperNode sends non-finite update rows: a "
-                   "NaN's payload passes clipping and noise, w's bits reach the server "
-                   "un-noised (flower.client.train / node.screened; dp.clip_factors)")
 def test_a_local_dp_nodes_update_carries_no_un_noised_bits_of_w(loopback):  # noqa: F811
     """Least squares (8 clients) on 2 loopback SuperNodes, each with the floor
     ``dp-min-noise = 1``; local DP (clip 1, z = 2, 4 clients per round), one round. The

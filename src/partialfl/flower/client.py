@@ -54,6 +54,7 @@ from partialfl.flower.node import (
     kept_on_node,
     load_node_data,
     node_options,
+    refuse_non_finite,
     screened,
 )
 from partialfl.flower.secagg import is_secagg, node_contribution, secagg_mod
@@ -246,8 +247,10 @@ def train(rt: NodeRuntime, msg: Message) -> Message:
                   if f"extra.{n}" in task}
         state = ServerState(theta=theta, round=r, extra=shared)
         result = rt.algorithm.client_update(state, rt.problem, cohort, ctx)
-        content = encode_updates(screened(rt, result.updates, theta, cohort), theta.keys(),
-                                 metric_names(rt.algorithm))
+        up = screened(rt, result.updates, theta, cohort)
+    refuse_non_finite(rt.partition, up)  # a NaN's payload passes clipping and noise
+    with kept_on_node(rt.partition, "client_update"):
+        content = encode_updates(up, theta.keys(), metric_names(rt.algorithm))
     for f in parse_fault_injection(rt.cfg.fault_injection):
         if f.kind in REPLY_FAULTS and f.applies(rt.partition, r):
             hostile_reply(content, f.kind)

@@ -260,6 +260,20 @@ def screened(rt, updates, theta, cohort):
     return updates
 
 
+def refuse_non_finite(partition: int, updates) -> None:
+    """Refuse to send ``updates`` with a row that is not finite (a counted failure of the
+    node, in counts only): the server would refuse it too, but only after receiving it, and
+    a NaN's payload bits pass clipping and noise (local DP) untouched, carrying a client's
+    values; SecAgg+ would quantise it into a finite, wrong aggregate."""
+    from partialfl.runtime.faults import finite_mask
+
+    ok = finite_mask(updates)
+    if not ok.all():
+        raise ClientComputationError(
+            f"partition {partition}: {int((~ok).sum())} of {len(ok)} client updates are not "
+            "finite; the node does not send them")
+
+
 def _error_kind(t: type) -> str:
     """What the server may learn of an exception type client code raised: decided by identity
     alone (no hash, attribute or name of the type is read; its metaclass runs nothing):

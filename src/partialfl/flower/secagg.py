@@ -48,7 +48,12 @@ from typing import Any
 import numpy as np
 
 from partialfl.flower.config import ConfigError
-from partialfl.flower.node import ClientComputationError, kept_on_node, screened
+from partialfl.flower.node import (
+    ClientComputationError,
+    kept_on_node,
+    refuse_non_finite,
+    screened,
+)
 
 
 def check_algorithm(algorithm) -> None:
@@ -113,7 +118,6 @@ def node_contribution(rt, msg):
     from partialfl import arrays
     from partialfl.algorithms.base import ServerState
     from partialfl.flower.codec import aggregate_metrics
-    from partialfl.runtime.faults import finite_mask
 
     ins = compat.recorddict_to_fitins(msg.content, keep_input=True)
     values = parameters_to_ndarrays(ins.parameters)
@@ -138,11 +142,7 @@ def node_contribution(rt, msg):
                           theta, cohort)
             weighted = bool(rt.algorithm.aggregator.weighted)
             sums = aggregate_metrics(up.metrics)  # its refusal quotes a client-chosen name
-        ok = finite_mask(up)
-        if not ok.all():  # the server cannot see rows, and secaggplus_mod quantises NaN/inf
-            raise ClientComputationError(
-                f"partition {rt.partition}: {int((~ok).sum())} of {len(ok)} client updates "
-                "are not finite; the node does not send its contribution")
+        refuse_non_finite(rt.partition, up)  # the server cannot see rows
         a = (np.asarray(arrays.to_numpy(up.weights), dtype=np.float64)
              if weighted else np.ones(len(cohort)))
         bound = np.maximum(1.0, np.asarray(rt.problem.num_examples(cohort), np.float64))
