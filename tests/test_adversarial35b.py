@@ -111,7 +111,10 @@ class _CappedLogits(nn.Module):
         return out.clamp_(-1.0, 1.0)
 
 
-@pytest.mark.xfail(strict=True, reason="the one-pass client is checked against the two passes on the first client only; a value-dependent in-place logit cap passes it and later clients get a wrong update")
+@pytest.mark.xfail(strict=True, reason=(
+    "the one-pass client is checked against the two passes on the first client only; "
+    "a value-dependent in-place logit cap passes it and later clients get a wrong "
+    "update"))
 def test_one_pass_client_matches_two_passes_when_only_later_clients_reach_the_logit_cap():
     """Clients 0-2 with small inputs (logits inside the cap: the first-client check agrees),
     clients 3-5 with large ones (logits beyond it). Expected: every client's update that of
@@ -148,7 +151,9 @@ def test_one_pass_client_matches_two_passes_when_only_later_clients_reach_the_lo
 
 # -- area 4/8: femnist-kfold reruns into the same folder ---------------------------------------
 
-@pytest.mark.xfail(strict=True, reason="femnist-kfold returns cached new_clients.json / stage 1 made for other folds on a rerun with another --folds")
+@pytest.mark.xfail(strict=True, reason=(
+    "femnist-kfold returns cached new_clients.json / stage 1 made for other folds on "
+    "a rerun with another --folds"))
 @pytest.mark.timeout(170)
 def test_kfold_rerun_with_other_folds_does_not_reuse_other_folds_results(tmp_path, data_dir):
     """``kfold_new_writers`` with 5 folds, then with 3 into the same folder (tiny stages,
@@ -188,7 +193,8 @@ def test_a_dead_job_workers_line_names_only_options_that_exist(tmp_path):
         assert "--resume" in r.stdout, f"JobsFailed advises --resume, which train lacks: {msg}"
 
 
-@pytest.mark.xfail(strict=True, reason="reproduce drops falsy options (if v): --workers 0 silently becomes the default")
+@pytest.mark.xfail(strict=True, reason=(
+    "reproduce drops falsy options (if v): --workers 0 silently becomes the default"))
 def test_reproduce_workers_zero_is_refused_like_other_bad_counts(tmp_path):
     """``reproduce femnist-table --workers 0`` (with a data folder that does not exist, so a
     run that is not refused fails fast on its data). Expected: the one line "workers must
