@@ -1,6 +1,6 @@
 """Adversarial round 37a (issue 21, areas 2 and 5, tried again from scratch by someone who did
-not write the fixes). The test fails on the code it was written against (adv37a at a358554)
-because of the defect it names (xfail strict until fixed).
+not write the fixes). The test failed on the code it was written against (adv37a at a358554)
+because of the defect it names, and passes since the fix.
 
 * Area 2, the initial model of a model problem: θ⁰ comes from the SuperNode describing
   partition 0 (``federation.describe`` → ``codec.decode_theta0``), which checks that the
@@ -56,9 +56,6 @@ def _rename_first_leaf(name: str):
     return tamper
 
 
-@pytest.mark.xfail(strict=True, reason="codec.decode_theta0 does not check θ⁰'s leaf names; "
-                   "FlowerRunReport.write passes them to np.savez as keyword arguments: a "
-                   "leaf named 'file' raises TypeError in the ServerApp (result.json lost)")
 def test_a_theta0_leaf_name_from_partition_0_does_not_crash_the_server_app(loopback, tmp_path):  # noqa: F811
     """2 loopback SuperNodes on a folder of 6 client files (the EMNIST CNN, FFGG, one round),
     partition 0 naming θ⁰'s first leaf ``file``. Found: the run's replies fail (the nodes'

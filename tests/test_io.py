@@ -76,3 +76,20 @@ def test_a_checkpoint_written_on_cuda_resumes_on_a_cpu_machine(tmp_path, monkeyp
     assert b"cuda:0" in server.read_bytes()[:8000]
     resumed = run(3, checkpoint=ck, checkpoint_every=2, resume=True)
     assert max_diff(resumed.state.theta, run(3).state.theta) == 0
+
+
+def test_write_npz_keeps_every_name_and_reads_back(tmp_path):
+    """``io.write_npz`` writes what ``np.savez`` would, for names that clash with its keywords
+    (``file`` raised a TypeError, ``allow_pickle`` was silently dropped) and dotted names."""
+    from partialfl.io import read_npz, write_npz
+
+    arrays = {"file": np.arange(3.0), "allow_pickle": np.ones((2, 2), np.float32),
+              "layers.0.weight": np.zeros(4, np.int64)}
+    write_npz(tmp_path / "t.npz", arrays)
+    back = read_npz(tmp_path / "t.npz")
+    assert back.keys() == arrays.keys()
+    for n, a in arrays.items():
+        assert back[n].dtype == a.dtype and np.array_equal(back[n], a)
+    with np.load(tmp_path / "t.npz", allow_pickle=False) as z:  # numpy's own reader agrees
+        assert sorted(z.files) == sorted(arrays)
+    assert not list(tmp_path.glob("*.tmp*"))  # atomic: no temporary file left

@@ -228,6 +228,18 @@ def read_npz(path: str | Path) -> dict[str, np.ndarray]:
                               f"{str(e)[:200]}") from None
 
 
+def write_npz(path: str | Path, arrays: Mapping[str, Any]) -> None:
+    """``arrays`` (name → array) as the numpy ``.npz`` archive ``path``, atomically: what
+    ``np.savez(f, **arrays)`` writes, for any names (a name ``file`` or ``allow_pickle`` was a
+    keyword clash there: a TypeError, or a silently dropped array); no object arrays."""
+    import zipfile
+
+    with atomic_write(path, "wb") as f, zipfile.ZipFile(f, "w", zipfile.ZIP_STORED) as z:
+        for n, a in arrays.items():
+            with z.open(f"{n}.npy", "w", force_zip64=True) as m:
+                np.lib.format.write_array(m, np.asanyarray(a), allow_pickle=False)
+
+
 def savefig(fig, path: str | Path, **kw: Any) -> None:
     """``fig.savefig`` through :func:`atomic_write` (format from the suffix)."""
     path = Path(path)

@@ -45,6 +45,7 @@ dtype, so a round trip is bit-exact.
 
 from __future__ import annotations
 
+import re
 from collections.abc import Iterable, Mapping
 from typing import Any
 
@@ -476,11 +477,16 @@ def decode_describe(content) -> dict[str, Any]:
     return _guard("describe reply", _decode_describe, content)
 
 
+_LEAF_NAME = re.compile(r"[A-Za-z_][A-Za-z0-9_]*(?:\.[A-Za-z0-9_]+)*")  # a.0.weight
+
+
 def _decode_theta0(record, torch: bool) -> Params:
     if not isinstance(record, ArrayRecord) or len(record) == 0:
         raise WireFormatError("initial model 'theta0' must be a non-empty ArrayRecord")
     out = {}
     for n in record.keys():
+        if not (isinstance(n, str) and len(n) <= 200 and _LEAF_NAME.fullmatch(n)):
+            raise WireFormatError(f"θ⁰ leaf name {_one_line(repr(n), 60)} is not a parameter name")
         x = _array(record[n], f"initial model leaf {n!r}")
         if not np.isfinite(x).all():
             raise WireFormatError(f"initial model leaf {n!r} is not finite")
@@ -489,6 +495,6 @@ def _decode_theta0(record, torch: bool) -> Params:
 
 
 def decode_theta0(record, torch: bool = False) -> Params:
-    """The initial model partition 0 sends: float leaves, finite. Raises
+    """The initial model partition 0 sends: float leaves, finite, under parameter names. Raises
     :class:`WireFormatError` only."""
     return _guard("initial model", _decode_theta0, record, torch)

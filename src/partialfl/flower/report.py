@@ -17,8 +17,6 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
-import numpy as np
-
 from partialfl import arrays
 from partialfl import io as pio
 from partialfl.flower.config import FlowerConfig
@@ -135,8 +133,7 @@ class FlowerRunReport:
         out.mkdir(parents=True, exist_ok=True)
         pio.write_bytes(out / "metrics.jsonl", "".join(
             json.dumps(rec, default=float) + "\n" for rec in self.history).encode())
-        with pio.atomic_write(out / "theta.npz", "wb") as f:
-            np.savez(f, **{n: arrays.to_numpy(v) for n, v in self.theta.items()})
+        pio.write_npz(out / "theta.npz", {n: arrays.to_numpy(v) for n, v in self.theta.items()})
         pio.write_bytes(out / "result.json",
                         json.dumps(self.to_json(), indent=1, default=float).encode())
         return out / "result.json"

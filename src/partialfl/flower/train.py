@@ -228,12 +228,9 @@ class _entered:
 
 
 def _npz(path: Path, params) -> None:
-    import numpy as np
-
     from partialfl.arrays import to_numpy
 
-    with pio.atomic_write(path, "wb") as f:
-        np.savez(f, **{n: to_numpy(v) for n, v in params.items()})
+    pio.write_npz(path, {n: to_numpy(v) for n, v in params.items()})
 
 
 def _stage_files(folder: Path, tag: str, theta_name: str, rep: dict, identity: dict) -> None:
