@@ -1,6 +1,7 @@
 """Adversarial round 35b (issue 21 areas 1, 3, 4, 6, 7, 8, tried again from scratch by someone
-who did not write the fixes). Each test fails on the code it was written against (adv35b at
-c47dec5) because of the defect it names.
+who did not write the fixes). Each test failed on the code it was written against (adv35b at
+c47dec5) because of the defect it names, and passes since the fix (the k-fold one accepts the
+rerun's refusal).
 
 * Area 1: :func:`partialfl.pipeline.jobs.run_jobs` (studies, reproduction tables' and
   k-fold's ``--workers``, least-squares sweeps) does not stop its workers when the call ends
@@ -111,10 +112,6 @@ class _CappedLogits(nn.Module):
         return out.clamp_(-1.0, 1.0)
 
 
-@pytest.mark.xfail(strict=True, reason=(
-    "the one-pass client is checked against the two passes on the first client only; "
-    "a value-dependent in-place logit cap passes it and later clients get a wrong "
-    "update"))
 def test_one_pass_client_matches_two_passes_when_only_later_clients_reach_the_logit_cap():
     """Clients 0-2 with small inputs (logits inside the cap: the first-client check agrees),
     clients 3-5 with large ones (logits beyond it). Expected: every client's update that of
@@ -151,23 +148,28 @@ def test_one_pass_client_matches_two_passes_when_only_later_clients_reach_the_lo
 
 # -- area 4/8: femnist-kfold reruns into the same folder ---------------------------------------
 
-@pytest.mark.xfail(strict=True, reason=(
-    "femnist-kfold returns cached new_clients.json / stage 1 made for other folds on "
-    "a rerun with another --folds"))
 @pytest.mark.timeout(170)
 def test_kfold_rerun_with_other_folds_does_not_reuse_other_folds_results(tmp_path, data_dir):
     """``kfold_new_writers`` with 5 folds, then with 3 into the same folder (tiny stages,
     FedAvg only). Expected: the 3-fold record's every run evaluates its own fold's writers
     (recomputed, or the rerun refused); seen: the 5-fold runs' cached results returned, fold
     k's writers in ``kfold.json`` not the ones its results are for."""
+    from partialfl.config import ConfigError
     from partialfl.reproductions.femnist import FEMNIST, QUICK
     from partialfl.reproductions.femnist_kfold import kfold_new_writers
 
     size = replace(QUICK, pretrain_rounds=1, rounds=1, finetune_epochs=1)
     out = tmp_path / "kfold"
-    for folds in (5, 3):
-        kfold_new_writers(FEMNIST, out, folds=folds, methods=("FedAvg",), size=size,
+    kfold_new_writers(FEMNIST, out, folds=5, methods=("FedAvg",), size=size,
+                      data_dir=data_dir, progress=False)
+    before = (out / "kfold.json").read_bytes()
+    try:
+        kfold_new_writers(FEMNIST, out, folds=3, methods=("FedAvg",), size=size,
                           data_dir=data_dir, progress=False)
+    except ConfigError as e:  # the rerun refused (since the fix): nothing of it written
+        assert "other folds" in str(e)
+        assert (out / "kfold.json").read_bytes() == before
+        return
     rec = json.loads((out / "kfold.json").read_text())
     assert len(rec["folds"]) == 3
     for r in rec["runs"]:
@@ -178,7 +180,6 @@ def test_kfold_rerun_with_other_folds_does_not_reuse_other_folds_results(tmp_pat
 
 # -- area 8: CLI lines -------------------------------------------------------------------------
 
-@pytest.mark.xfail(strict=True, reason="JobsFailed advises --resume, an option no subcommand has")
 def test_a_dead_job_workers_line_names_only_options_that_exist(tmp_path):
     """A job worker that dies (``os._exit``) ends :func:`run_jobs` with JobsFailed; its one
     line is what the user reads. Expected: any option it tells them to use exists on
@@ -193,8 +194,6 @@ def test_a_dead_job_workers_line_names_only_options_that_exist(tmp_path):
         assert "--resume" in r.stdout, f"JobsFailed advises --resume, which train lacks: {msg}"
 
 
-@pytest.mark.xfail(strict=True, reason=(
-    "reproduce drops falsy options (if v): --workers 0 silently becomes the default"))
 def test_reproduce_workers_zero_is_refused_like_other_bad_counts(tmp_path):
     """``reproduce femnist-table --workers 0`` (with a data folder that does not exist, so a
     run that is not refused fails fast on its data). Expected: the one line "workers must
@@ -223,8 +222,6 @@ progress = false
 """
 
 
-@pytest.mark.xfail(strict=True, reason="model options with a negative/zero size reach torch "
-                   "unchecked: RuntimeError / ZeroDivisionError traceback, exit 1")
 @pytest.mark.parametrize("sets", [
     ("model.options.hidden=-5",),
     ("model.name=emnist_cnn", "model.options={in_channels=-1}"),
@@ -272,9 +269,6 @@ def _finish(proc: subprocess.Popen, within: float) -> float | None:
         return None
 
 
-@pytest.mark.xfail(strict=True, reason="run_jobs shuts the executor down before killing its "
-                   "workers (shutdown sets _processes = None): a failed job leaves the others "
-                   "running until they finish")
 def test_a_failed_job_stops_the_other_workers(tmp_path):
     """``run_jobs(time.sleep, [40, -1], 2)``: the second job raises ValueError at once.
     Expected: the call raises and the process ends within seconds (the other worker
@@ -284,8 +278,6 @@ def test_a_failed_job_stops_the_other_workers(tmp_path):
     assert took is not None, "the process still runs 20 s after its job failed"
 
 
-@pytest.mark.xfail(strict=True, reason="run_jobs shuts the executor down before killing its "
-                   "workers: Ctrl-C leaves them running their jobs to the end")
 def test_ctrl_c_stops_the_job_workers(tmp_path):
     """``run_jobs(time.sleep, [40, 40], 2)``, Ctrl-C (SIGINT to the process group) once the
     workers run. Expected: the process ends within seconds; seen: it waits ~40 s for both

@@ -67,7 +67,7 @@ def build_model(model_spec, num_classes: int, seed: int, data=None):
     c = component("model", {"name": model_spec.name.replace("-", "_"), **opts}, "model")
     try:
         return c.build(ModelContext(int(num_classes), seed, data))
-    except (TypeError, ValueError) as e:
+    except (TypeError, ValueError, ArithmeticError) as e:  # e.g. groups=0: a division by 0
         raise ConfigError(f"model.options: {e}") from None
     except RuntimeError as e:
         raise _no_memory(model_spec.name, e) from None
@@ -76,11 +76,12 @@ def build_model(model_spec, num_classes: int, seed: int, data=None):
 def _no_memory(name: str, e: RuntimeError) -> Exception:
     """A model whose parameters the allocator refused (``model.options`` with a width of
     10^12 ended in torch's RuntimeError traceback) as a one-line MemoryError; any other
-    RuntimeError as it was."""
+    RuntimeError torch raised building it (a negative width) as a ConfigError naming it."""
     import torch
 
     if not (isinstance(e, torch.OutOfMemoryError) or "allocate" in str(e)):
-        return e
+        first = (str(e).strip().splitlines() or [type(e).__name__])[0][:200]
+        return ConfigError(f"model.options: {name}: {first}")
     return MemoryError(f"model {name!r}: its parameters do not fit in memory "
                        f"({str(e).splitlines()[0][:160]}); check model.options")
 

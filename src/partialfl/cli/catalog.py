@@ -45,7 +45,7 @@ def _cmd_reproduce(args) -> int:
     extra = {k: v for k, v in (("backend", args.backend), ("store", args.store),
                                ("plateau", args.plateau), ("corpus", args.corpus),
                                ("device", args.device), ("workers", args.workers),
-                               ("task", args.task)) if v}
+                               ("task", args.task)) if v is not None and v is not False}
     takes = inspect.signature(fn).parameters
     for k in extra:
         if k not in takes:

@@ -46,16 +46,17 @@ def run_jobs(fn: Callable[[Any], Any], jobs: list, workers: int,
             except BrokenProcessPool:
                 raise JobsFailed(f"a worker process died (killed, or out of memory) while "
                                  f"{len(jobs) - n} of {len(jobs)} jobs were unfinished "
-                                 f"(job {futs[f]} among them); the finished ones are kept, "
-                                 "and a run that checkpoints resumes with --resume") from None
+                                 f"(job {futs[f]} among them); the finished ones are kept: "
+                                 "run the same command again to finish the rest") from None
             if ordered:
                 out[futs[f]] = r
             else:
                 out.append(r)
-    except BaseException:  # an interrupt or a failed job: stop the others now
-        ex.shutdown(wait=False, cancel_futures=True)
+    except BaseException:  # an interrupt or a failed job: stop the others now (killed
+        # before the shutdown, which forgets the processes)
         for p in list((getattr(ex, "_processes", None) or {}).values()):
             p.kill()
+        ex.shutdown(wait=False, cancel_futures=True)
         raise
     ex.shutdown()
     return out

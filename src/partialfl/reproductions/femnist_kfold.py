@@ -144,6 +144,7 @@ def kfold_new_writers(table, out_dir: Path, *, folds: int = DEFAULT_FOLDS,
     out_dir = Path(out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
     groups = writer_folds(data_dir, folds, size.num_writers)
+    _claim_folds(out_dir, groups)
     old_threads = torch.get_num_threads()
     torch.set_num_threads(size.threads)
     t_start = time.perf_counter()
@@ -172,6 +173,24 @@ def kfold_new_writers(table, out_dir: Path, *, folds: int = DEFAULT_FOLDS,
         return path
     finally:
         torch.set_num_threads(old_threads)
+
+
+def _claim_folds(out_dir: Path, groups) -> None:
+    """Record the folds' writers in ``out_dir/folds.json``, or refuse (ConfigError) a folder
+    whose cached stages and evaluations were made for other folds (a rerun with another
+    ``--folds`` or data returned them as this one's)."""
+    from partialfl.config import ConfigError
+
+    path, want = out_dir / "folds.json", [[str(w) for w in g] for g in groups]
+    if path.exists():
+        if pio.read_json(path).get("folds") != want:
+            raise ConfigError(f"{out_dir} holds a k-fold evaluation of other folds (its "
+                              "folds.json); give another --out, or delete that folder")
+    elif any(out_dir.glob("fold*")):  # made before folds.json was kept: fold layout unknown
+        raise ConfigError(f"{out_dir} holds fold folders without folds.json (of an older "
+                          "run); give another --out, or delete that folder")
+    else:
+        pio.write_json(path, {"folds": want})
 
 
 def collect_kfold(table, out_dir: Path, *, folds: int = DEFAULT_FOLDS,

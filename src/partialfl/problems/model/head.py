@@ -20,8 +20,9 @@ Applies (:meth:`HeadCache.head_cache_ok`) to one client's plain passes (mode ``L
 the personal parameters are all the parameters of one module, none of them 4-D or tied to
 another module, with no running statistics, no autocast and no loss scaling. A forward pass
 checks that the module is called once, positionally, without hooks, and that its output is
-the model's; and the first client a problem serves (per process or thread replica) runs both
-paths, the one pass kept only if the two agree within float rounding (a body that reads the
+the model's, unchanged after it (its version counter); and the first client a problem serves
+(per process or thread replica) runs both paths, the one pass kept only if the two agree
+within float rounding (a body that reads the
 head's weights, an input transformed by a hook, an output changed in place). Otherwise the
 problem takes the two passes for good. A client with more than
 :data:`HEAD_CACHE_EXAMPLES` examples takes the two passes (the kept graph grows with its data).
@@ -102,17 +103,17 @@ class HeadCache:
     def _one_pass(self, client, theta, w0, plan, lr, n):
         """:meth:`head_finetune_grad` in one forward pass through the body; None when the
         forward checks fail (the head called more than once, by keyword, with hooks, or its
-        output not the model's)."""
+        output not the model's or changed in place after it)."""
         prefix, head = self._head_module()
         if head._forward_hooks or head._forward_pre_hooks:
             return None
         store = self._store["train"]
         train, frozen, _, _ = self._arrange(theta, w0, None, "theta")
         leaves = {k: v.detach().requires_grad_(True) for k, v in train.items()}
-        seen: list[tuple[tuple, dict, Tensor]] = []
+        seen: list[tuple[tuple, dict, Tensor, int]] = []
 
         def hook(_mod, args, kwargs, out):
-            seen.append((args, kwargs, out))
+            seen.append((args, kwargs, out, out._version))
 
         feats, ys = [], []
         handle = head.register_forward_hook(hook, with_kwargs=True)
@@ -123,7 +124,8 @@ class HeadCache:
                 with torch.enable_grad():
                     _, _, out = self._batch_loss({**frozen, **leaves}, x, y, None, one=True)
                 if len(seen) != 1 or seen[0][1] or len(seen[0][0]) != 1 or \
-                        seen[0][2] is not out or seen[0][0][0].dim() < 2:
+                        seen[0][2] is not out or seen[0][0][0].dim() < 2 or \
+                        out._version != seen[0][3]:  # changed in place after the head
                     return None
                 feats.append(seen[0][0][0])
                 ys.append(y)
