@@ -19,16 +19,16 @@ cf44acc) because of the defect it names.
   the node) nor handled by the round (``flower/rounds.py``: skip the step as a round
   without updates).
 
-Tried and held (not tested here): area 6 — a spec naming code through ``model`` as a string
+Tried and held (not tested here; run unless marked "read"): area 6 — a spec naming code through ``model`` as a string
 (``model = "mod:fn"``: refused by the spec's parser), a padded ``model.name = " mod:fn"``
 (``code_refs`` strips it; the build's own ``_check_code`` under ``allow_code(False)``
 refuses it again), ``plugins`` as a string (refused); other config-named imports
 (partitioners, trackers) are fixed module names; checkpoint/pretrained files are
-safetensors / ``weights_only``. Area 5 — duplicate client ids in a local-DP train message
+safetensors / ``weights_only``. Area 5 (read) — duplicate client ids in a local-DP train message
 (the noise is drawn per (secret, round, client): both rows carry the same noise, nothing to
 average; the ledger counts both); evaluation sums (model problems withhold below
 ``eval-min-clients`` clients with test data; the run config's floor of 1 is the documented
-default the node may raise). Area 2 — evaluation sums of 1.7e308 from two nodes
+default the node may raise). Area 2 (read) — evaluation sums of 1.7e308 from two nodes
 (``ratio_of_sums`` scales before adding: finite metrics); non-finite values in reports
 (``json.dumps`` writes them, no crash).
 """
