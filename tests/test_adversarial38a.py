@@ -1,6 +1,6 @@
 """Adversarial round 38a (issue 21, areas 2, 5 and 6, tried again from scratch by someone who
-did not write the fixes). The test fails on the code it was written against (adv38a at
-cf44acc) because of the defect it names.
+did not write the fixes). The test failed on the code it was written against (adv38a at
+cf44acc) because of the defect it names, and passes since the fix.
 
 * Area 2, the weights of a train reply: ``codec.decode_updates`` accepts, per client, any
   finite weight ``0 ≤ w_m ≤ max(1, n_m)`` — so a reply whose weights are all 0 is valid. With
@@ -19,7 +19,8 @@ cf44acc) because of the defect it names.
   the node) nor handled by the round (``flower/rounds.py``: skip the step as a round
   without updates).
 
-Tried and held (not tested here; run unless marked "read"): area 6 — a spec naming code through ``model`` as a string
+Tried and held (not tested here; run unless marked "read"): area 6 — a spec naming code
+through ``model`` as a string
 (``model = "mod:fn"``: refused by the spec's parser), a padded ``model.name = " mod:fn"``
 (``code_refs`` strips it; the build's own ``_check_code`` under ``allow_code(False)``
 refuses it again), ``plugins`` as a string (refused); other config-named imports
@@ -52,9 +53,6 @@ def _zero_weights(partition, mtype, content):
         content["update"]["weights"] = [0.0] * len(content["update"]["weights"])
 
 
-@pytest.mark.xfail(strict=True, reason="a train reply with all weights 0 (within the bound "
-                   "0 <= w <= max(1, n_m)) makes a weighted aggregation rule raise ValueError "
-                   "in the server step: the ServerApp crashes, nothing is written")
 @pytest.mark.parametrize("rule", ["mean", "geometric-median"])
 def test_a_node_sending_zero_weights_does_not_crash_the_server_app(loopback, tmp_path, rule):  # noqa: F811
     """Least squares (8 clients) on 2 loopback SuperNodes, FedAvg weighted by examples with

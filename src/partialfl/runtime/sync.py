@@ -395,7 +395,15 @@ def _step(algorithm, state: ServerState, updates, ctx, sampled: int, r: int) -> 
     cohort_checked`: protected whichever clients failed); where it cannot tolerate that f among
     the k left, the round's step is skipped (θ stays), warned and counted in
     ``state.extra['rounds_unprotected']``, as a round that lost every client: a failing client
-    is never fatal. With the whole cohort the rule's refusal stands."""
+    is never fatal. With the whole cohort the rule's refusal stands. A weighted rule given
+    weights that sum to 0 (clients without examples, or a SuperNode saying so) skips the step
+    too: nothing to average."""
+    if getattr(getattr(algorithm, "aggregator", None), "weighted", False) and \
+            not float(np.sum(np.asarray(updates.weights, dtype=np.float64))) > 0:
+        warnings.warn(f"round {r}: the {len(updates.cohort)} updates' weights sum to 0 (clients "
+                      "without examples?); a weighted rule has nothing to average, the round's "
+                      "step is skipped (θ stays)", RuntimeWarning, stacklevel=2)
+        return skipped_step(state)
     try:
         f = None
         if len(updates.cohort) < sampled:
