@@ -1,6 +1,6 @@
 """Adversarial round 38b (issue 21 areas 1, 3, 4, 6, 7, 8, tried again from scratch by someone
-who did not write the fixes). Each test fails on the code it was written against (adv38b at
-cf44acc) because of the defect it names.
+who did not write the fixes). Each test failed on the code it was written against (adv38b at
+cf44acc) because of the defect it names, and passes since the fix.
 
 * Area 7/8, the client store's dtypes: :func:`partialfl.data.store.layout.read_header` accepts
   any little-endian integer label dtype (``Y_KINDS = "iu"``) and any bool / integer / float
@@ -72,10 +72,6 @@ def _recast(p: Path, field: str, src: str, dst: str) -> None:
     (p / ".verified.json").unlink(missing_ok=True)
 
 
-@pytest.mark.xfail(strict=True, reason="issue 21 area 7/8: the client store reader accepts "
-                   "label / input dtypes (int32 labels, float16 / float64 inputs) that it "
-                   "returns uncast and no model takes (a torch traceback out of reproduce "
-                   "femnist-table --store)")
 @pytest.mark.parametrize("field,src,dst", [("y", "<i8", "<i4"), ("x", "<f4", "<f2"),
                                            ("x", "<f4", "<f8")])
 def test_store_dtype_the_pipeline_cannot_use_is_refused_or_cast(tmp_path, field, src, dst):
@@ -90,9 +86,6 @@ def test_store_dtype_the_pipeline_cannot_use_is_refused_or_cast(tmp_path, field,
     assert x.dtype == torch.float32, f"inputs come out as {x.dtype}"
 
 
-@pytest.mark.xfail(strict=True, reason="issue 21 area 7/8: a SuperNode's store with int32 "
-                   "labels raises FederatedDataset's TypeError out of load_node_data, not "
-                   "a ConfigError")
 def test_node_store_with_int32_labels_is_a_config_error(tmp_path):
     from partialfl.config import ConfigError
     from partialfl.flower.node import load_node_data

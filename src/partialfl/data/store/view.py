@@ -102,6 +102,10 @@ class StoreDataset:
         t = torch.from_numpy(a)
         if field.endswith("_x") and self.store.x_scale is not None:
             t = t.to(torch.float32) * float(self.store.x_scale)
+        elif field.endswith("_y") and t.dtype != torch.int64:
+            t = t.to(torch.int64)  # what the losses take (a store may hold int32 or uint8)
+        elif t.is_floating_point() and t.dtype != torch.float32:
+            t = t.to(torch.float32)  # the models' dtype (float16 / float64 stores)
         return t
 
     def train_sizes(self) -> np.ndarray:
