@@ -36,6 +36,7 @@ import time
 from pathlib import Path
 
 import pytest
+from _procs import alive, children
 
 SRC = str(Path(__file__).resolve().parents[1] / "src")
 
@@ -70,32 +71,10 @@ progress = false
 """
 
 
-def _children(pid: int) -> list[int]:
-    """The processes whose parent is ``pid`` (from /proc)."""
-    out = []
-    for d in os.listdir("/proc"):
-        if d.isdigit():
-            try:
-                stat = Path(f"/proc/{d}/stat").read_text()
-            except OSError:
-                continue
-            if int(stat.rsplit(")", 1)[1].split()[1]) == pid:
-                out.append(int(d))
-    return out
-
-
-def _alive(pid: int) -> bool:
-    try:
-        stat = Path(f"/proc/{pid}/stat").read_text()
-    except OSError:
-        return False
-    return stat.rsplit(")", 1)[1].split()[0] != "Z"
-
-
 def _workers(pid: int) -> list[int]:
     """The study's spawned workers among ``pid``'s children (not the resource tracker)."""
     out = []
-    for c in _children(pid):
+    for c in children(pid):
         try:
             cmd = Path(f"/proc/{c}/cmdline").read_bytes()
         except OSError:
@@ -134,7 +113,7 @@ def _start_study(tmp_path: Path, data_dir: Path):
 
 def _cleanup(proc, pids) -> None:
     for p in [proc.pid, *pids]:
-        if _alive(p):
+        if alive(p):
             try:
                 os.kill(p, signal.SIGKILL)
             except ProcessLookupError:
@@ -161,9 +140,9 @@ def test_a_killed_studys_workers_stop_with_it(tmp_path, data_dir):
         before = [_lines(f) for f in logs]
         time.sleep(3)
         after = [_lines(f) for f in logs]
-        alive = [p for p in workers if _alive(p)]
-        assert alive == [] and after == before, (
-            f"workers {alive} still alive 5 s after their study was killed; stage-1 logs "
+        left = [p for p in workers if alive(p)]
+        assert left == [] and after == before, (
+            f"workers {left} still alive 5 s after their study was killed; stage-1 logs "
             f"{before} -> {after} lines")
     finally:
         _cleanup(proc, workers)

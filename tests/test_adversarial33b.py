@@ -60,6 +60,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from _procs import children
 from torch import nn
 
 SRC = str(Path(__file__).resolve().parents[1] / "src")
@@ -68,36 +69,29 @@ TESTS = str(Path(__file__).resolve().parent)
 
 # -- area 1: the least-squares reproductions' pool ---------------------------------------------
 
-def _children(pid: int) -> list[int]:
-    """The processes whose parent is ``pid`` (from /proc)."""
-    out = []
-    for d in os.listdir("/proc"):
-        if d.isdigit():
-            try:
-                stat = Path(f"/proc/{d}/stat").read_text()
-            except OSError:
-                continue
-            if int(stat.rsplit(") ", 1)[1].split()[1]) == pid:
-                out.append(int(d))
-    return out
-
-
-@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="/proc: Linux")
-def test_a_killed_ls_sweep_worker_ends_the_reproduction_instead_of_hanging(tmp_path):
+def _ls_sweep(tmp_path: Path) -> tuple[subprocess.Popen, list[int]]:
+    """``partialfl reproduce ls-tau`` in a session of its own, once its pool's two workers
+    run (their pids; fewer if it never got there within 120 s)."""
     env = {**os.environ, "PYTHONPATH": SRC + os.pathsep + os.environ.get("PYTHONPATH", "")}
     proc = subprocess.Popen(
         [sys.executable, "-m", "partialfl", "reproduce", "ls-tau", "--out",
          str(tmp_path / "out"), "--no-progress"],
         stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env,
         start_new_session=True)
+    deadline = time.monotonic() + 120
+    workers: list[int] = []
+    while time.monotonic() < deadline and proc.poll() is None:
+        workers = children(proc.pid)
+        if len(workers) >= 2:
+            break
+        time.sleep(0.2)
+    return proc, workers
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="/proc: Linux")
+def test_a_killed_ls_sweep_worker_ends_the_reproduction_instead_of_hanging(tmp_path):
+    proc, workers = _ls_sweep(tmp_path)
     try:
-        deadline = time.monotonic() + 120
-        workers: list[int] = []
-        while time.monotonic() < deadline and proc.poll() is None:
-            workers = _children(proc.pid)
-            if len(workers) >= 2:
-                break
-            time.sleep(0.2)
         assert len(workers) >= 2, "the sweep's pool never started"
         time.sleep(1.0)  # a run under way in each worker
         os.kill(workers[0], signal.SIGKILL)
@@ -115,18 +109,8 @@ def test_a_killed_ls_sweep_worker_ends_the_reproduction_instead_of_hanging(tmp_p
 
 @pytest.mark.skipif(not sys.platform.startswith("linux"), reason="/proc: Linux")
 def test_ctrl_c_of_an_ls_sweep_is_one_line(tmp_path):
-    env = {**os.environ, "PYTHONPATH": SRC + os.pathsep + os.environ.get("PYTHONPATH", "")}
-    proc = subprocess.Popen(
-        [sys.executable, "-m", "partialfl", "reproduce", "ls-tau", "--out",
-         str(tmp_path / "out"), "--no-progress"],
-        stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env,
-        start_new_session=True)
+    proc, _ = _ls_sweep(tmp_path)
     try:
-        deadline = time.monotonic() + 120
-        while time.monotonic() < deadline and proc.poll() is None:
-            if len(_children(proc.pid)) >= 2:
-                break
-            time.sleep(0.2)
         time.sleep(1.0)
         os.killpg(proc.pid, signal.SIGINT)  # Ctrl-C in a terminal: the foreground group
         _, err = proc.communicate(timeout=60)
