@@ -28,6 +28,21 @@ did not write the fixes). Each test fails on the code it was written against (ad
   (``aggregation.common.prepare`` refusing zero weights for rules that ignore them;
   the asynchronous server's step).
 
+* Area 5, privacy by value in process: :func:`partialfl.arrays.plain` (what
+  :func:`partialfl.privacy.values_only` and :func:`~partialfl.privacy.server_view` apply to
+  every row) keeps an array as it is when it owns exactly its values — a numpy array with
+  no ``base`` and no dtype metadata, a torch tensor that is contiguous, at offset 0 and
+  fills its storage — and never looks at its *strides*. A dimension of size 1 (the cohort
+  axis of a one-client message, a leaf such as a single-input-channel conv weight
+  ``[32, 1, 5, 5]`` or a ``[1, d]`` row) may have any stride without changing the values or
+  contiguity: a leaky client sets it to the 64-bit pattern of w_m*[0] (numpy: the
+  ``strides`` setter, deprecated in 2.4 but working; torch: ``as_strided``), the screen
+  passes the message, and the server step receives the very array, its stride an exact
+  copy of the client's personal value (seen: every round of a sync run, every step of an
+  async run, ``clients_per_round = 1``). Flower's wire (``np.save``) does not carry strides.
+  Suspected root cause: ``arrays.plain`` (``a if a is x and a.base is None``; the torch
+  ``whole`` test) should also require the canonical strides (or always copy).
+
 Tried and held (not tested here): area 2 — zero weights with the mean unweighted (the mean
 ignores them); evaluation replies (counts ≤ the node's clients, ``acc.count`` ≤
 ``clients``, eval-units bounds, sums of 1.7e308, a zero-weight loss); DP adaptive clipping's
@@ -127,3 +142,110 @@ def test_a_node_sending_zero_weights_does_not_crash_an_async_server_app(
                                  "asynchronous": {"rule": "fedasync", "concurrency": 1}})
     assert 1001 in asked
     assert (out / "result.json").exists(), "the run's report was not written"
+
+
+# -- area 5: the strides of a row ------------------------------------------------------------
+def _stride_runs(runner: str) -> tuple[list[int], list[int]]:
+    """``(leaked, received)``: the bits of w_m*[0] each leaky client hid in its update's
+    stride, and the strides of the rows the server step received."""
+    import struct
+
+    import numpy as np
+
+    from partialfl.algorithms.base import ClientResult
+    from partialfl.algorithms.ffgg import FFGG
+    from partialfl.algorithms.wrapper import AlgorithmWrapper
+    from partialfl.build import make_solver
+    from partialfl.problems.least_squares import LeastSquaresProblem, LeastSquaresSpec
+    from partialfl.runtime import run_rounds
+    from partialfl.runtime.asynchronous import run_async
+    from partialfl.server import SGD
+    from partialfl.types import ClientUpdates
+
+    class Spy(AlgorithmWrapper):
+        def __init__(self, base) -> None:
+            super().__init__(base)
+            self.seen: list[ClientUpdates] = []
+
+        def server_update(self, state, updates, ctx):
+            self.seen.append(updates)
+            return self.base.server_update(state, updates, ctx)
+
+    class Leaky(AlgorithmWrapper):
+        """Hides the float64 bits of its personal optimum w_m*[0] in the stride of the
+        cohort axis (size 1: the values, shape and contiguity are unchanged)."""
+
+        def __init__(self, base) -> None:
+            super().__init__(base)
+            self.leaked: list[int] = []
+
+        def client_update(self, state, problem, cohort, ctx, client_state=None):
+            res = self.base.client_update(state, problem, cohort, ctx, client_state)
+            u = res.updates
+            w = np.asarray(next(iter(problem.w_star(cohort, state.theta).values())),
+                           np.float64).reshape(len(cohort), -1)
+            bits = struct.unpack("<q", struct.pack("<d", float(w[0, 0])))[0]
+            self.leaked.append(bits)
+            vectors = {}
+            for n, v in u.vectors.items():
+                a = np.array(np.asarray(v), copy=True)
+                with warnings.catch_warnings():
+                    warnings.simplefilter("ignore")
+                    try:
+                        a.strides = (bits, *a.strides[1:])
+                    except AttributeError:  # a numpy without the setter: nothing to test
+                        pytest.skip("this numpy cannot set strides")
+                vectors[n] = a
+            return ClientResult(ClientUpdates(vectors, u.weights, u.cohort, u.grad_evals,
+                                              u.metrics, u.extra), res.client_state)
+
+    p = LeastSquaresProblem(LeastSquaresSpec(num_clients=4, n=20, d_theta=3, d_w=2, seed=0))
+    leaky = Leaky(FFGG(make_solver("cg", tau=3), SGD(lr=1 / p.L)))
+    spy = Spy(leaky)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        if runner == "sync":
+            run_rounds(p, spy, 3, clients_per_round=1, seed=0)
+        else:
+            run_async(p, spy, steps=3, concurrency=2, seed=0)
+    got = [s for u in spy.seen for v in u.vectors.values() for s in np.asarray(v).strides]
+    return leaky.leaked, got
+
+
+@pytest.mark.xfail(strict=True, reason="arrays.plain keeps an owning array as it is and "
+                   "never checks its strides: a size-1 axis's stride carries 64 bits of w_m "
+                   "to server_update")
+@pytest.mark.parametrize("runner", ["sync", "async"])
+def test_a_personal_value_never_reaches_server_update_through_a_stride(runner):
+    """Least squares in process, one client per message; a leaky client sets the stride of
+    its update's (size-1) cohort axis to the bits of w_m*[0]. Found: the rows
+    ``server_update`` receives have exactly those strides. Expected: values only — the
+    server's rows have canonical strides (or at least none that is a client's value)."""
+    leaked, got = _stride_runs(runner)
+    assert leaked and got
+    assert not set(leaked) & set(got), "the server step received a client's w_m*[0] bits " \
+        "as a stride"
+
+
+@pytest.mark.xfail(strict=True, reason="arrays.plain returns a whole contiguous tensor as "
+                   "it is: its size-1 axes' strides pass server_view")
+def test_a_tensor_rows_stride_does_not_reach_the_server_view():
+    """The same channel for torch rows (model problems): a ``[1, 32, 1, 5, 5]`` update (one
+    client, a conv weight with one input channel) built with ``as_strided`` so that its two
+    size-1 axes carry a 62-bit value each; ``values_only`` + the screen + ``server_view``
+    (the in-process message path) keep the tensor. Expected: canonical strides."""
+    import numpy as np
+    import torch
+
+    from partialfl.privacy import check_updates, server_view, values_only
+    from partialfl.types import ClientUpdates
+
+    secret = 0x3FD5555555555555  # the bits of 1/3
+    vals = torch.randn(32 * 25)
+    row = vals.as_strided((1, 32, 1, 5, 5), (secret, 25, secret ^ 1, 5, 1))
+    assert row.is_contiguous() and torch.equal(row.reshape(-1), vals)
+    theta = {"conv.weight": torch.zeros(32, 1, 5, 5)}
+    u = values_only(ClientUpdates({"conv.weight": row}, np.ones(1), np.arange(1), 3, {}, {}))
+    check_updates(u, theta)  # the screen lets it pass
+    seen = server_view(u).vectors["conv.weight"]
+    assert secret not in seen.stride() and (secret ^ 1) not in seen.stride(), seen.stride()
