@@ -1,6 +1,9 @@
 """Adversarial round 39a (issue 21, areas 2, 5 and 6, tried again from scratch by someone who
-did not write the fixes). Each test fails on the code it was written against (adv39a at
-1707fcd) because of the defect it names.
+did not write the fixes). Each test failed on the code it was written against (adv39a at
+1707fcd) because of the defect it names, and passes since the fix: weights summing to 0 are
+refused only by the rules that weigh (:class:`partialfl.aggregation.common.ZeroWeightsError`),
+and both runtimes skip such a step with a warning; :func:`partialfl.arrays.plain` copies every
+tensor into a fresh one and every numpy array whose strides or flags are not canonical.
 
 * Area 2, the weights of a train reply, again (round 38a's fix is partial): the codec accepts
   per client any finite weight ``0 <= w_m <= max(1, n_m)``, so a SuperNode may send all
@@ -103,10 +106,6 @@ def _run(loopback, out, spec):  # noqa: F811
     return asked
 
 
-@pytest.mark.xfail(strict=True, reason="sync._step skips a zero-weight round only when "
-                   "aggregator.weighted; every non-mean rule and every pre-aggregation "
-                   "wrapper refuses all-zero weights in aggregation.common.prepare "
-                   "(ValueError out of run_server)")
 @pytest.mark.parametrize("aggregation", [
     {"name": "cm"},
     {"name": "gm"},
@@ -128,8 +127,6 @@ def test_a_node_sending_zero_weights_does_not_crash_a_robust_or_wrapped_rule(
     assert (out / "result.json").exists(), "the run's report was not written"
 
 
-@pytest.mark.xfail(strict=True, reason="the asynchronous server step has no zero-weight "
-                   "handling: a node's all-zero weights raise ValueError out of run_server")
 @pytest.mark.parametrize("aggregation", [{"name": "mean", "weighted": True}, {"name": "cm"}],
                          ids=["weighted-mean", "cm"])
 def test_a_node_sending_zero_weights_does_not_crash_an_async_server_app(
@@ -215,9 +212,6 @@ def _stride_runs(runner: str) -> tuple[list[int], list[int]]:
     return leaky.leaked, got
 
 
-@pytest.mark.xfail(strict=True, reason="arrays.plain keeps an owning array as it is and "
-                   "never checks its strides: a size-1 axis's stride carries 64 bits of w_m "
-                   "to server_update")
 @pytest.mark.parametrize("runner", ["sync", "async"])
 def test_a_personal_value_never_reaches_server_update_through_a_stride(runner):
     """Least squares in process, one client per message; a leaky client sets the stride of
@@ -230,8 +224,6 @@ def test_a_personal_value_never_reaches_server_update_through_a_stride(runner):
         "as a stride"
 
 
-@pytest.mark.xfail(strict=True, reason="arrays.plain returns a whole contiguous tensor "
-                   "itself: its size-1 axes' strides and its version counter pass server_view")
 @pytest.mark.parametrize("channel", ["stride", "version"])
 def test_a_tensor_rows_metadata_does_not_reach_the_server_view(channel):
     """The same channel for torch rows (model problems), through the in-process message path

@@ -58,18 +58,30 @@ def as_like(values: Any, ref: Array, dtype: Any = None) -> Array:
 
 def plain(x: Array) -> Array:
     """``x``'s values only, as a plain array of the base class: nothing a subclass, a Python
-    attribute, a dtype's metadata or the buffer of which ``x`` is a view (``.base``, a
-    tensor's storage) carries survives. No copy when ``x`` is already a plain array that
-    owns exactly its values."""
+    attribute, a dtype's metadata, the strides of a size-1 axis (any stride leaves values and
+    contiguity unchanged), flags, a tensor's autograd version counter, names or the buffer of
+    which ``x`` is a view (``.base``, a tensor's storage) carries survives. A tensor is always
+    copied into a fresh one; a numpy array is kept as it is only when it already is that: a
+    base-class, writeable, C-ordered array with canonical strides owning exactly its values."""
     if is_torch(x):
         t = x.detach().as_subclass(_torch().Tensor)
-        whole = (t.storage_offset() == 0 and t.is_contiguous()
-                 and t.untyped_storage().nbytes() == t.numel() * t.element_size())
-        return t if whole else t.clone()
+        return _torch().empty(tuple(t.shape), dtype=t.dtype, device=t.device).copy_(t)
     a = np.asarray(x)
-    if a.dtype.metadata is not None:  # a dtype can carry a dict of anything
-        return a.astype(np.dtype(a.dtype.str))  # (np.array(a, dtype=...) keeps it)
-    return a if a is x and a.base is None else np.array(a, copy=True)
+    if (a is x and a.base is None and a.dtype.metadata is None and a.flags.writeable
+            and a.flags.aligned and a.size and a.strides == _c_strides(a.shape, a.itemsize)):
+        return a
+    out = np.empty(a.shape, dtype=np.dtype(a.dtype.str))  # (np.array keeps dtype metadata)
+    out[...] = a
+    return out
+
+
+def _c_strides(shape: tuple[int, ...], itemsize: int) -> tuple[int, ...]:
+    """The strides numpy gives a fresh C-ordered array of ``shape`` (not empty)."""
+    strides, step = [], itemsize
+    for n in reversed(shape):
+        strides.append(step)
+        step *= max(int(n), 1)
+    return tuple(reversed(strides))
 
 
 def copy(x: Array) -> Array:

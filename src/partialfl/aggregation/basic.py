@@ -18,6 +18,7 @@ from partialfl import arrays
 from partialfl.aggregation.common import (
     NonFiniteInputError,
     finite_rows,
+    positive_total,
     to_numpy,
     warn_skipped,
 )
@@ -62,8 +63,7 @@ class Mean:
             if not self.weighted:
                 out = vectors.mean(0)
             else:
-                if not float(np.asarray(to_numpy(weights)[0], dtype=np.float64).sum()) > 0:
-                    raise ValueError("mean: weighted mean with all weights zero")
+                positive_total(np.asarray(to_numpy(weights)[0], dtype=np.float64), "mean")
                 a = _as_like(weights, vectors)
                 out = (a.reshape((-1,) + (1,) * (vectors.ndim - 1)) * vectors).sum(0) / a.sum()
         if _all_finite(out):

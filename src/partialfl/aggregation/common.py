@@ -1,7 +1,8 @@
 """Helpers shared by every aggregation rule and wrapper (no rule lives here).
 
 * input handling: :func:`to_numpy`, :func:`prepare` (validated float64 ``[k, d]``),
-  :func:`finite_rows`, :func:`drop_nonfinite`;
+  :func:`finite_rows`, :func:`drop_nonfinite`; :class:`ZeroWeightsError` (a weighing rule
+  given weights that sum to 0);
 * Byzantine counts: :func:`count` (f = ⌊δk⌋), :func:`check_delta`;
 * option checks and the subsets of the exhaustive rules: :func:`check_int`, :func:`subsets`;
 * overflow-safe arithmetic: :func:`norms`, :func:`dists_to`, :func:`safe_mean`,
@@ -109,9 +110,26 @@ def require_finite(X: np.ndarray, name: str, rows=None) -> None:
         )
 
 
+class ZeroWeightsError(ValueError):
+    """A rule that weighs its inputs was given weights that sum to 0 (clients without
+    examples, or a SuperNode saying so): nothing to average. Raised only by the rules that use
+    the weights (a rule that ignores them aggregates as usual); the runtimes skip that server
+    step with a warning (θ stays), never fatal."""
+
+
+def positive_total(w: np.ndarray, name: str) -> np.ndarray:
+    """``w`` (float64 weights, finite and ≥ 0) if their sum is > 0, else
+    :class:`ZeroWeightsError`."""
+    if not float(np.sum(w)) > 0:
+        raise ZeroWeightsError(f"{name}: the weights sum to 0 (clients without examples?); "
+                               "a weighted rule has nothing to average")
+    return w
+
+
 def prepare(vectors, weights, name: str,
             check_finite: bool = True) -> tuple[np.ndarray, np.ndarray, Any]:
-    """Validated float64 ``[k, d]`` matrix, ``[k]`` weights and the restore function.
+    """Validated float64 ``[k, d]`` matrix, ``[k]`` weights (finite, ≥ 0; they may all be 0:
+    a rule that uses them calls :func:`positive_total`) and the restore function.
     ``check_finite=False``: the caller checks the rows itself on a pass it makes anyway
     (e.g. :func:`dists_to`)."""
     arr, restore = to_numpy(vectors)
@@ -129,8 +147,8 @@ def prepare(vectors, weights, name: str,
         w = np.asarray(to_numpy(weights)[0], dtype=np.float64).reshape(-1)
         if len(w) != k:
             raise ValueError(f"{name}: {len(w)} weights for {k} input vectors")
-        if not (np.isfinite(w).all() and (w >= 0).all() and w.max() > 0):
-            raise ValueError(f"{name}: weights must be finite, non-negative, not all zero")
+        if not (np.isfinite(w).all() and (w >= 0).all()):
+            raise ValueError(f"{name}: weights must be finite and non-negative")
     return X, w, restore
 
 

@@ -9,7 +9,14 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from partialfl.aggregation.common import gram, norms, prepare, sq_dists, to_numpy
+from partialfl.aggregation.common import (
+    gram,
+    norms,
+    positive_total,
+    prepare,
+    sq_dists,
+    to_numpy,
+)
 from partialfl.aggregation.compose import AggregatorOptions, register_rule
 from partialfl.aggregation.protection import majority
 from partialfl.registry import option
@@ -59,7 +66,7 @@ class GeometricMedian:
         runs on the Gram matrix; should float64 cancellation there stall it (e.g. inputs
         spread over many orders of magnitude), it continues with exact distances in ℝ^d."""
         X, a, _ = prepare(vectors, weights, "geometric median")
-        a = a if self.weighted else np.ones(len(X))
+        a = positive_total(a, "geometric median") if self.weighted else np.ones(len(X))
         if not 1e-150 < a.max() < 1e150:  # the minimiser does not change with the scale of a
             a = a / a.max()
         G = gram(X)[0]

@@ -339,10 +339,10 @@ class DifferentiallyPrivate(AlgorithmWrapper):
             raise ValueError(f"DP samples its own cohorts (clients_per_round={k} in its "
                              f"options); the run asked clients_per_round={clients_per_round}: "
                              "leave it unset")
-        self._check_budget(round_)
+        self.check_budget(round_)
         return draw_cohort(self.options.sampling, seed, round_, num_clients, k)
 
-    def _check_budget(self, round_: int) -> None:
+    def check_budget(self, round_: int) -> None:
         """Refuse a round past the budget's ``rounds`` (:class:`PrivacyBudgetError`): asked
         by the sampling and by every client update, so a client (a SuperNode asked by an
         untrusted server) never releases more rounds than the accountant counts."""
@@ -352,7 +352,7 @@ class DifferentiallyPrivate(AlgorithmWrapper):
                                      "spend more privacy (raise the DP option rounds)")
 
     def _check_cohort(self, problem, cohort: np.ndarray, ctx) -> None:
-        self._check_budget(ctx.round)
+        self.check_budget(ctx.round)
         M = problem.num_clients
         drawn = draw_cohort(self.options.sampling, ctx.seed, ctx.round, M,
                             self.plan(M).mechanism.clients_per_round)

@@ -37,4 +37,4 @@ def check_round(algorithm, round_: int) -> None:
     of any DP wrapper in ``algorithm``'s chain: what every client update checks, asked before
     a SuperNode records the request in its release ledger."""
     for d in _dp_chain(algorithm):
-        d._check_budget(round_)
+        d.check_budget(round_)

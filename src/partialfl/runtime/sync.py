@@ -35,6 +35,7 @@ from typing import Any, Protocol, runtime_checkable
 import numpy as np
 
 from partialfl import rng as prng
+from partialfl.aggregation.common import ZeroWeightsError
 from partialfl.aggregation.protection import (
     UnprotectedError,
     UnprotectedWarning,
@@ -395,15 +396,10 @@ def _step(algorithm, state: ServerState, updates, ctx, sampled: int, r: int) -> 
     cohort_checked`: protected whichever clients failed); where it cannot tolerate that f among
     the k left, the round's step is skipped (θ stays), warned and counted in
     ``state.extra['rounds_unprotected']``, as a round that lost every client: a failing client
-    is never fatal. With the whole cohort the rule's refusal stands. A weighted rule given
-    weights that sum to 0 (clients without examples, or a SuperNode saying so) skips the step
-    too: nothing to average."""
-    if getattr(getattr(algorithm, "aggregator", None), "weighted", False) and \
-            not float(np.sum(np.asarray(updates.weights, dtype=np.float64))) > 0:
-        warnings.warn(f"round {r}: the {len(updates.cohort)} updates' weights sum to 0 (clients "
-                      "without examples?); a weighted rule has nothing to average, the round's "
-                      "step is skipped (θ stays)", RuntimeWarning, stacklevel=2)
-        return skipped_step(state)
+    is never fatal. With the whole cohort the rule's refusal stands. A rule that weighs its
+    inputs and gets weights summing to 0 (clients without examples, or a SuperNode saying so:
+    :class:`~partialfl.aggregation.common.ZeroWeightsError`, whatever wraps the rule) skips
+    the step too: nothing to average."""
     try:
         f = None
         if len(updates.cohort) < sampled:
@@ -412,6 +408,10 @@ def _step(algorithm, state: ServerState, updates, ctx, sampled: int, r: int) -> 
             return algorithm.server_update(state, updates, ctx)
         with cohort_checked(f):
             return algorithm.server_update(state, updates, ctx)
+    except ZeroWeightsError as e:
+        warnings.warn(f"round {r}: {e}; the round's step is skipped (θ stays)",
+                      RuntimeWarning, stacklevel=2)
+        return skipped_step(state)
     except UnprotectedError as e:
         if len(updates.cohort) >= sampled:
             raise

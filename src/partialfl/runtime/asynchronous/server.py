@@ -5,6 +5,7 @@ checkpoint (:class:`AsyncCheckpoint`: the jobs in flight are sent again on resum
 
 from __future__ import annotations
 
+import warnings
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -12,6 +13,7 @@ from typing import Any
 import numpy as np
 
 from partialfl import rng as prng
+from partialfl.aggregation.common import ZeroWeightsError
 from partialfl.algorithms.base import Algorithm, RoundContext, ServerState
 from partialfl.runtime.checkpoint import Checkpoint
 from partialfl.runtime.faults import FaultLog, receive
@@ -145,7 +147,8 @@ class AsyncServer:
 
     def arrive(self, job: Job, result, time: float) -> bool:
         """Apply the update of ``job`` (a ClientResult) now, recording its staleness; a
-        message rejected by :func:`receive` is counted as lost (returns False)."""
+        message rejected by :func:`receive` is counted as lost (returns False), and so is one
+        whose step a weighing rule cannot take (weights summing to 0: warned, θ stays)."""
         result, _ = receive(result, self.state, self.algorithm, self.faults,
                             f"client {job.client} (job {job.job})", self.concurrency)
         if result is None:
@@ -160,8 +163,15 @@ class AsyncServer:
             for n, v in result.client_state.items():
                 self.client_state[n][job.client] = v[0]
         old = self.state
-        self.state = self.algorithm.server_update(self.state, up, self.context(self.arrivals))
         where = f"client {job.client} (job {job.job})"
+        try:
+            self.state = self.algorithm.server_update(self.state, up,
+                                                      self.context(self.arrivals))
+        except ZeroWeightsError as e:  # nothing to average: this arrival changes nothing
+            warnings.warn(f"{where}: {e}; its server step is skipped (θ stays)",
+                          RuntimeWarning, stacklevel=2)
+            self.lost(job, time)
+            return False
         bad = self.faults.server_step(where, old.theta, self.state.theta, up)
         if bad:  # θ is not finite: warn, record, stop (see :func:`drive`)
             self.diverged = self.faults.diverged(where, bad)
