@@ -249,3 +249,38 @@ def test_server_metrics_pass_as_float64_without_nan_payloads():
     assert got.metrics["train_loss"].dtype == np.float64
     assert got.metrics["train_loss"].view(np.uint64)[0] == np.array(np.nan).view(np.uint64)
     assert got.metrics["train_loss"][1] == 1.5
+
+
+@pytest.mark.parametrize("wdtype", [np.int8, np.uint16, np.int32, np.float16, np.float32])
+def test_the_server_view_fixes_the_dtypes_a_client_may_choose(wdtype):
+    """A client may send its weights in any integer or float dtype and its ids in any integer
+    dtype; that choice (a few bits, e.g. picked from w_m) must not reach the server: the
+    server's view holds float64 weights and int64 ids of the same values."""
+    from partialfl.privacy import server_view
+    from partialfl.types import ClientUpdates
+
+    up = ClientUpdates({"a": np.ones((2, 3), np.float32)}, np.array([3, 5], dtype=wdtype),
+                       np.array([4, 7], dtype=np.uint8), 2, {}, {})
+    seen = server_view(up)
+    assert seen.weights.dtype == np.float64 and seen.cohort.dtype == np.int64
+    assert seen.weights.tolist() == [3.0, 5.0] and seen.cohort.tolist() == [4, 7]
+
+
+def test_plain_never_hands_over_a_rows_strides_or_version_counter():
+    """Round 39a's channels at the unit level: a size-1 axis with a chosen stride, a tensor's
+    version counter and a read-only flag never survive :func:`partialfl.arrays.plain`."""
+    from partialfl.arrays import plain
+
+    a = np.zeros((1, 4), np.float32)
+    odd = np.lib.stride_tricks.as_strided(a, (1, 4), (123456, 4))
+    assert plain(odd).strides == (16, 4)
+    ro = np.zeros(3)
+    ro.flags.writeable = False
+    assert plain(ro).flags.writeable
+    t = torch.zeros(1, 4)
+    t.add_(1).add_(1)  # version 2
+    p = plain(t)
+    assert p is not t and p._version <= 1 and p.stride() == (4, 1)
+    assert torch.equal(p, t)
+    fresh = np.zeros((2, 2))
+    assert plain(fresh) is fresh  # a canonical array the caller owns is not copied

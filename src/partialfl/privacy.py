@@ -200,8 +200,8 @@ def values_only(updates: ClientUpdates) -> ClientUpdates:
 def server_view(updates: ClientUpdates, algorithm=None) -> ClientUpdates:
     """The message as the server receives it: client-side metrics removed (only the names in
     ``algorithm.server_metrics`` pass), every field values only (:func:`partialfl.arrays.
-    plain`: no subclass, attribute or larger buffer behind a row, a weight or an id;
-    ``grad_evals`` a plain int)."""
+    plain`: no subclass, attribute or larger buffer behind a row; weights float64 and ids
+    int64 numpy, whichever allowed dtype the client used; ``grad_evals`` a plain int)."""
     keep = frozenset(getattr(algorithm, "server_metrics", ()))
     metrics = {}
     for n, v in updates.metrics.items():
@@ -209,8 +209,11 @@ def server_view(updates: ClientUpdates, algorithm=None) -> ClientUpdates:
             a = _float64(v)
             metrics[n] = np.where(np.isnan(a), np.nan, a)
     # plain arrays: an attribute or subclass attached to a row object never reaches the server
+    # weights float64 and ids int64 whatever the client chose among the allowed dtypes (the
+    # choice itself would carry a few bits)
     return ClientUpdates({n: arrays.plain(v) for n, v in updates.vectors.items()},
-                         arrays.plain(updates.weights), arrays.plain(updates.cohort),
+                         _float64(updates.weights),
+                         np.asarray(arrays.to_numpy(updates.cohort), dtype=np.int64),
                          int(updates.grad_evals), metrics,
                          {n: {m: arrays.plain(t) for m, t in tree.items()}
                           for n, tree in updates.extra.items()})
