@@ -22,6 +22,13 @@ fix).
   included when it lives there. ``data convert --overwrite`` was fixed for exactly this
   (:func:`partialfl.data.store.writer.check_replaceable`: "overwrite once removed whatever
   folder --out named, a user's files included").
+* Area 8, Ctrl-C is one line: :func:`partialfl.cli.main` catches ``KeyboardInterrupt``
+  ("partialfl: interrupted", exit 130) only around the command; ``build_parser`` runs before
+  that ``try`` and imports the reproductions, the registry and torch (about 1.5 s of every
+  command, ``--help`` and ``list`` included). Seen: SIGINT 1.3 s / 1.6 s after starting
+  ``partialfl data convert …`` ends it in a 65-line ``KeyboardInterrupt`` traceback (killed by
+  the signal); 0.2 s later it is the one line. The test sends the SIGINT from an audit hook
+  when torch is imported, so the instant is the same on every machine.
 
 Tried and held (not tested here): ``--set`` values for a train spec (rounds 1e400 / −1,
 seed 1e30 / −5 / 10²³, lr NaN / inf, num_clients 0, holdout = M / −1, threads 0 / 10⁵,
@@ -159,3 +166,34 @@ def test_overwrite_never_deletes_a_users_own_files(tmp_path, data_dir):
         return
     assert (out / "notes.txt").is_file(), "--overwrite deleted notes.txt, a user's file"
     assert (out / "my.toml").is_file(), "--overwrite deleted the run's own config file"
+
+
+# -- area 8: Ctrl-C while the command line is being built ------------------------------------
+_CTRL_C_AT_TORCH = """\
+import os, signal, sys
+import partialfl.cli as cli
+fired = []
+def hook(event, args):
+    if event == "import" and args[0] == "torch" and not fired:
+        fired.append(1)
+        os.kill(os.getpid(), signal.SIGINT)  # Ctrl-C while the parser is being built
+sys.addaudithook(hook)
+sys.exit(cli.main(sys.argv[1:]))
+"""
+
+
+@pytest.mark.xfail(strict=True, reason="cli.main builds the parser (imports torch) outside its "
+                   "KeyboardInterrupt handler: a traceback, not 'partialfl: interrupted'")
+@pytest.mark.parametrize("argv", [["list"], ["data", "convert", "--help"]],
+                         ids=["list", "convert-help"])
+def test_ctrl_c_while_the_command_line_is_built_is_one_line(tmp_path, argv):
+    import signal
+
+    (tmp_path / "drv.py").write_text(_CTRL_C_AT_TORCH)
+    env = {**os.environ, "PYTHONPATH": SRC}
+    r = subprocess.run([sys.executable, str(tmp_path / "drv.py"), *argv], cwd=tmp_path,
+                       env=env, capture_output=True, text=True, timeout=120,
+                       preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))
+    assert "Traceback" not in r.stderr, r.stderr[-300:]
+    assert r.stderr.strip().splitlines() == ["partialfl: interrupted"], r.stderr[-300:]
+    assert r.returncode == 130, r.returncode
