@@ -41,7 +41,17 @@ a run folder with a hostile ``config.json`` (a list, {}, 3000-deep nesting), ``m
 exit 2, or a report / comparison without the bad values; a store whose recorded train
 writers differ from its client ids (one line). Two ``partialfl train`` of the same spec into
 the same ``--out`` at once (no lock; both finished with the same metrics here, the train log
-holding repeated rounds) — a user's own concurrent writers, not reported.
+holding repeated rounds) — a user's own concurrent writers, not reported. Also held: kill -9
+of a ``--seeds 0 1 --jobs 2`` study whose runs use the ``processes`` backend (study workers
+and their client pools all gone within 6 s); backend options (workers 0 / 10⁵, task_timeout
+0 / −1 / NaN / 1e-9 / 1e300, start_method foo, threads 10⁵: one line or a run); robust
+aggregation from a spec (tm δ=0.1 at k=4, krum δ=0.25 at k=4, an attack fraction 0.5, mda
+max_subsets=1: one-line refusals; tm with injected faults: the step skipped); ``data
+convert`` inputs (max-clients 0 / −1, unknown / inf / empty ``--option``, a missing input, a
+file or ``/proc`` as out, a text file as npz and vice versa, LEAF json with string labels or
+NaN pixels: one line, nothing left); SIGINT during ``data convert`` once the parser is built
+(one line, exit 130, no temporary folder); a store label out of range with a re-signed CRC
+and header max (one line at the first read).
 """
 
 from __future__ import annotations
