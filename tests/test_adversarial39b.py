@@ -1,7 +1,10 @@
 """Adversarial round 39b (issue 21 areas 1, 3, 4, 7, 8, tried again from scratch by someone
-who did not write the fixes): the defects found. Each test fails on the code it was written
-against (adv39b at 1707fcd) because of the defect it names (``xfail(strict=True)`` until the
-fix).
+who did not write the fixes): the defects found. Each test failed on the code it was written
+against (adv39b at 1707fcd) because of the defect it names, and passes since the fix: the
+store's table record is checked (``femnist._check_record``); a model run whose final losses
+are not finite says it diverged (report.md, stderr, exit 1:
+``pipeline.train_report.divergence_line``); ``--overwrite`` deletes only the files the run
+wrote (``pipeline.run_files``); ``cli.main`` builds its parser inside the Ctrl-C handler.
 
 * Area 7/8, a client store's recorded table split: ``partialfl reproduce femnist-table --store
   DIR`` opens an existing store (:func:`partialfl.reproductions.femnist.store_data`), checks
@@ -95,8 +98,6 @@ def _table_store(path: Path, table_record) -> Path:
     return write_store(path, fd)
 
 
-@pytest.mark.xfail(strict=True, reason="store_data indexes meta['femnist_table'] unchecked: "
-                   "a KeyError / TypeError traceback, exit 1")
 @pytest.mark.parametrize("record", ["x", {}, {"train_writers": 5, "new_writers": []},
                                     {"train_writers": ["w0"], "new_writers": None}],
                          ids=["string", "empty", "int-writers", "null-new"])
@@ -141,8 +142,6 @@ progress = false
 """
 
 
-@pytest.mark.xfail(strict=True, reason="divergence is only a non-finite θ; a finite, blown-up θ "
-                   "with NaN loss and every later update skipped ends with exit 0, no word")
 def test_a_run_whose_loss_became_nan_says_it_diverged(tmp_path, data_dir):
     (tmp_path / "div.toml").write_text(_BLOWING_UP)
     r = _cli(tmp_path, data_dir, "train", "div.toml", "--out", "o", "--no-progress")
@@ -157,8 +156,6 @@ def test_a_run_whose_loss_became_nan_says_it_diverged(tmp_path, data_dir):
 
 
 # -- area 8: --overwrite deletes a user's files in --out, the config included ----------------
-@pytest.mark.xfail(strict=True, reason="claim_out rmtree-s the whole --out folder of a finished "
-                   "run, a user's own files (its config) included")
 def test_overwrite_never_deletes_a_users_own_files(tmp_path, data_dir):
     out = tmp_path / "exp"
     out.mkdir()
@@ -192,8 +189,6 @@ sys.exit(cli.main(sys.argv[1:]))
 """
 
 
-@pytest.mark.xfail(strict=True, reason="cli.main builds the parser (imports torch) outside its "
-                   "KeyboardInterrupt handler: a traceback, not 'partialfl: interrupted'")
 @pytest.mark.parametrize("argv", [["list"], ["data", "convert", "--help"]],
                          ids=["list", "convert-help"])
 def test_ctrl_c_while_the_command_line_is_built_is_one_line(tmp_path, argv):

@@ -43,12 +43,20 @@ def _stdout_closed() -> int:
     return 141  # 128 + SIGPIPE, what the shell reports for a tool stopped this way
 
 
+def _interrupted() -> int:
+    print("partialfl: interrupted", file=sys.stderr)
+    return 130
+
+
 def main(argv: list[str] | None = None) -> int:
     """Run the command line with ``argv`` (default ``sys.argv[1:]``); returns the exit status (0
     success, 2 bad input, 130 interrupted, 141 output pipe closed)."""
     argv = sys.argv[1:] if argv is None else list(argv)
-    parser = build_parser(epilog="reproduce" in argv and ("-h" in argv or "--help" in argv))
-    args = parser.parse_args(argv)
+    try:  # building the parser imports torch and the components (a second or so)
+        parser = build_parser(epilog="reproduce" in argv and ("-h" in argv or "--help" in argv))
+        args = parser.parse_args(argv)
+    except KeyboardInterrupt:
+        return _interrupted()
     if args.command is None:
         parser.print_help()
         return 0
@@ -79,5 +87,4 @@ def main(argv: list[str] | None = None) -> int:
         print(f"partialfl: error: {str(e).splitlines()[0]}", file=sys.stderr)
         return 1
     except KeyboardInterrupt:
-        print("partialfl: interrupted", file=sys.stderr)
-        return 130
+        return _interrupted()

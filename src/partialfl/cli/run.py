@@ -152,6 +152,7 @@ def _run_closed_form(args, cfg) -> int:
 def _run_model(args, spec) -> int:
     from partialfl.pipeline.study import heartbeat
     from partialfl.pipeline.train import claim_out, format_plan, run_built, run_train
+    from partialfl.pipeline.train_report import divergence_line
 
     out = out_dir(args.out or Path("runs") / spec.name)
     if args.engine != "local":
@@ -176,6 +177,10 @@ def _run_model(args, spec) -> int:
     if "new_clients" in metrics:
         print(f"new clients: test accuracy {100 * metrics['new_clients']['test_acc']:.2f}%")
     print(f"results written to {out}/ (report.md, metrics.json, *.jsonl, *.png)")
+    why = divergence_line(metrics)
+    if why:
+        print(f"partialfl: warning: {why}", file=sys.stderr)
+        return 1
     return 0
 
 

@@ -28,6 +28,7 @@ from partialfl import io as pio
 from partialfl.build import Run, Task, build, build_loss_metric, build_split, load_spec_plugins
 from partialfl.config import ConfigError, apply_overrides, from_dict, load_toml
 from partialfl.pipeline.files import config_differences, json_default, write_json
+from partialfl.pipeline.run_files import record_end, record_start, remove_run
 from partialfl.spec import DataSpec, ModelSpec, RunSpec
 
 
@@ -113,6 +114,7 @@ def run_built(run: Run, out: str | Path, *, progress: bool | None = None,
     spec, out = run.spec, Path(out)
     use_threads(spec.threads)
     out.mkdir(parents=True, exist_ok=True)
+    record_start(out)  # the user's own files already there (never deleted by --overwrite)
     write_json(out / "spec.json", spec.to_dict())
     if config is not None:
         write_json(out / "source.json", {"config": str(Path(config).resolve())})
@@ -127,6 +129,7 @@ def run_built(run: Run, out: str | Path, *, progress: bool | None = None,
         from partialfl.pipeline.trackers import export_run
 
         export_run(out, spec)
+    record_end(out)  # the files this run wrote: what --overwrite may delete
     return metrics
 
 
@@ -214,8 +217,8 @@ def finished(out: str | Path) -> bool:
 def claim_out(out: str | Path, overwrite: bool = False, spec: RunSpec | None = None) -> None:
     """Make ``out`` ready for a run: a finished run there is refused (a one-line error naming
     the folder, what differs from ``spec`` if anything, and ``--overwrite``) or, with
-    ``overwrite``, deleted; an unfinished one is left to resume. Only a folder that holds a
-    train run (``spec.json``) is ever deleted."""
+    ``overwrite``, deleted — the files that run wrote and nothing else
+    (:mod:`~partialfl.pipeline.run_files`); an unfinished one is left to resume."""
     out = Path(out)
     if not finished(out):
         return
@@ -229,9 +232,7 @@ def claim_out(out: str | Path, overwrite: bool = False, spec: RunSpec | None = N
         what = f" with another configuration ({diff})" if diff else ""
         raise FileExistsError(f"{out} holds a finished run{what}; pass --overwrite to run it "
                               "again (or choose another --out)")
-    import shutil
-
-    shutil.rmtree(out)
+    remove_run(out)
 
 
 def run_train(spec: RunSpec, out: str | Path | None = None, *, dry_run: bool = False,

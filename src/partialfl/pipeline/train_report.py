@@ -12,6 +12,8 @@ and new clients) and, with ``tensorboard=True``, TensorBoard scalars (``tensorbo
 
 from __future__ import annotations
 
+import math
+from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
@@ -131,6 +133,25 @@ def train_histories(run_dir: str | Path) -> dict[str, list[dict[str, Any]]]:
 
 def _pct(v) -> str:
     return "–" if v is None or v != v else f"{100 * float(v):.2f}"
+
+
+#: the final metrics of a model run whose non-finite value says that it diverged
+DIVERGENCE_KEYS = ("test_loss", "train_loss")
+
+
+def diverged(metrics: Mapping[str, Any]) -> list[str]:
+    """The final losses of a model run (its ``metrics.json``) that are not finite: the run
+    diverged, also where θ stayed finite (a blown-up θ overflows the logits)."""
+    return [k for k in DIVERGENCE_KEYS if isinstance(metrics.get(k), int | float)
+            and not math.isfinite(metrics[k])]
+
+
+def divergence_line(metrics: Mapping[str, Any]) -> str:
+    """The report's and the CLI's sentence for a diverged run ('' if it did not)."""
+    bad = diverged(metrics)
+    return (f"the run diverged: {', '.join(bad)} not finite at the end; the accuracies are "
+            "those of a diverged model (lower the learning rates: personalize.server.lr, "
+            "personalize.client.lr)") if bad else ""
 
 
 def report_table(run_dir: Path) -> str:
@@ -254,7 +275,9 @@ def write_report(run_dir: str | Path, *, tensorboard: bool = False) -> Path:
         write_tensorboard(run_dir, hists, train_histories(run_dir))
     name = spec.get("name", run_dir.name)
     privacy = privacy_lines(hists)
-    text = "\n".join([f"# {name}", "", table, "", *(f"{p}\n" for p in privacy),
+    why = divergence_line(_metrics(run_dir / "metrics.json") or {})
+    text = "\n".join([f"# {name}", "", *([f"**Warning: {why}.**", ""] if why else []), table,
+                      "", *(f"{p}\n" for p in privacy),
                       "Plots: `learning_curves.png`, `per_client_accuracy.png`. Logs: "
                       "`stage1/stage1.jsonl`, `stage2.jsonl`, `metrics.json`.", ""])
     pio.write_text(run_dir / "report.md", text)

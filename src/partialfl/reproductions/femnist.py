@@ -142,6 +142,7 @@ def store_data(store: Path, data_dir=None, num_writers: int | None = None,
     if info is None:
         raise ValueError(f"{store} is not a femnist-table store (no meta 'femnist_table'); "
                          "give a new folder")
+    _check_record(info, store)
     made = ds.meta.get("femnist_table_args")
     if made != [num_writers, holdout, seed]:
         raise ValueError(f"{store} holds the writers of num_writers, holdout, seed = {made}, "
@@ -151,6 +152,27 @@ def store_data(store: Path, data_dir=None, num_writers: int | None = None,
         raise ValueError(f"{store}: writers differ from its recorded table split")
     new = ds.subset(np.arange(k, ds.num_clients)) if info["new_writers"] else None
     return ds.subset(np.arange(k)), new, info
+
+
+def _check_record(info, store: Path) -> None:
+    """The store's recorded table split as :func:`load_data` writes it (writer lists of
+    strings, finite pixel statistics), else ValueError naming what is wrong (a corrupt or
+    hand-made header)."""
+    bad = f"{store}: its recorded table split (meta 'femnist_table') is malformed"
+    if not isinstance(info, dict):
+        raise ValueError(f"{bad}: a {type(info).__name__}, not an object")
+    for key in ("train_writers", "new_writers"):
+        v = info.get(key)
+        if not (isinstance(v, list) and all(isinstance(c, str) for c in v)):
+            raise ValueError(f"{bad}: {key!r} must be a list of writer ids (strings), got "
+                             f"{type(v).__name__}")
+    for key in ("pixel_mean", "pixel_std"):
+        try:
+            a = np.asarray(info.get(key), dtype=np.float64)
+        except (TypeError, ValueError):
+            a = np.array([np.nan])
+        if a.size == 0 or not np.isfinite(a).all():
+            raise ValueError(f"{bad}: {key!r} must be finite numbers")
 
 
 # ----------------------------------------------------------------------------- the table

@@ -1,0 +1,64 @@
+"""Which entries of a run folder the run wrote, so that ``--overwrite`` deletes those and
+nothing else (a user's notes, or the TOML config kept beside the run, stay).
+
+A train run may start in a folder that already holds the user's files. At its first start
+(no ``spec.json`` yet) :func:`record_start` writes the names already there to
+``preexisting.json``; when the run has finished, :func:`record_end` writes every other
+top-level name to ``run_files.json``. :func:`remove_run` deletes exactly the names of
+``run_files.json`` (a symlink as a link, never what it points to), then both records. A
+finished run without a readable record (older, or killed before its very last write) is
+refused: the user removes it.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import shutil
+from pathlib import Path
+
+from partialfl import io as pio
+
+PREEXISTING, RUN_FILES = "preexisting.json", "run_files.json"
+
+
+def record_start(out: Path) -> None:
+    """At a run's first start in ``out`` (no ``spec.json`` there): the names already in it."""
+    if not (out / "spec.json").exists() and not (out / PREEXISTING).exists():
+        pio.write_json(out / PREEXISTING, {"names": sorted(p.name for p in out.iterdir())})
+
+
+def record_end(out: Path) -> None:
+    """After a run finished in ``out``: the top-level names it wrote (all but the user's)."""
+    mine = set(_names(out / PREEXISTING) or []) - {PREEXISTING, RUN_FILES}
+    pio.write_json(out / RUN_FILES, {"names": sorted(p.name for p in out.iterdir()
+                                                     if p.name not in mine) + [RUN_FILES]})
+
+
+def remove_run(out: Path) -> None:
+    """Delete the entries the finished run in ``out`` wrote (``run_files.json``), nothing
+    else; FileExistsError (one line) when that record is missing or malformed."""
+    names = _names(out / RUN_FILES)
+    if names is None:
+        raise FileExistsError(f"{out} holds a finished run without a readable record of the "
+                              f"files it wrote ({RUN_FILES}): --overwrite deletes only those; "
+                              "remove the folder yourself or choose another --out")
+    for name in [n for n in names if n != RUN_FILES] + [PREEXISTING, RUN_FILES]:
+        p = out / name
+        if p.is_dir() and not p.is_symlink():
+            shutil.rmtree(p)
+        else:
+            with contextlib.suppress(FileNotFoundError):
+                p.unlink()
+
+
+def _names(path: Path) -> list[str] | None:
+    """The plain entry names of the JSON file ``path`` (``{"names": [...]}``); None if it is
+    absent or not that."""
+    try:
+        names = pio.read_json(path).get("names")
+    except (OSError, ValueError):
+        return None
+    ok = isinstance(names, list) and all(
+        isinstance(n, str) and n not in ("", ".", "..") and "/" not in n and "\\" not in n
+        and "\x00" not in n for n in names)
+    return names if ok else None
