@@ -7,7 +7,8 @@ A train run may start in a folder that already holds the user's files. At its fi
 top-level name to ``run_files.json``. :func:`remove_run` deletes exactly the names of
 ``run_files.json`` (a symlink as a link, never what it points to), then both records. A
 finished run without a readable record (older, or killed before its very last write) is
-refused: the user removes it.
+refused: the user removes it. A file put into the folder *while* the run runs is counted as
+the run's (the record cannot tell it from the run's own).
 """
 
 from __future__ import annotations
