@@ -48,15 +48,17 @@ def _cmd_run(args) -> int:
 
 
 def _clean_interrupted(out: Path, name: str) -> None:
-    """Before a run resumes in ``out`` (a folder holding a run of ``name``: its spec, log or
-    study — or only a killed write of the first of them), remove the temporary files its
+    """Before a run resumes in ``out`` (a folder holding a run of ``name``: its record of the
+    files already there, spec, log or study — or only a killed write of the first of them), remove the temporary files its
     killed writes left there (a kill -9 during a plot or report write once left them for
     good; checkpoints clean their own)."""
     from partialfl import io as pio
 
     if not out.is_dir():
         return
-    marks = ("spec.json", f"{name}.jsonl", "study.json")
+    from partialfl.pipeline.run_files import PREEXISTING
+
+    marks = (PREEXISTING, "spec.json", f"{name}.jsonl", "study.json")
     if any((out / f).is_file() or any(out.glob(f".{f}.*.tmp")) for f in marks):
         pio.clean_stale_writes(out)
 
