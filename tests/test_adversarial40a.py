@@ -1,6 +1,8 @@
 """Adversarial round 40a (issue 21, areas 2, 5 and 6, tried again from scratch by someone who
-did not write the fixes). Each test fails on the code it was written against (adv40a at
-14c911d) because of the defect it names.
+did not write the fixes). Each test failed on the code it was written against (adv40a at
+14c911d) because of the defect it names, and passes since the fix: ``privacy.values_only``
+rebuilds every tree in θ's order (other names sorted) in the simulator's message path, and
+``runtime.clients.checked`` puts a result's rows in the asked cohort's order.
 
 * Area 5, privacy by value in process: the *order* of a message's containers. What reaches
   ``server_update`` is :func:`partialfl.privacy.server_view` of
@@ -86,8 +88,6 @@ class _OrderLeak(AlgorithmWrapper):
                                           u.metrics, u.extra), res.client_state)
 
 
-@pytest.mark.xfail(strict=True, reason="server_view keeps the client's order of the leaves of "
-                   "vectors: log2(L!) bits per message reach server_update")
 @pytest.mark.parametrize("runner", ["sync", "async"])
 def test_the_order_of_a_messages_leaves_carries_nothing_of_w(runner):
     """A ToyNet (θ: its 8 body leaves, the output layer personal), FedAvg-style FFGG in
@@ -149,8 +149,6 @@ class _IdOrderLeak(AlgorithmWrapper):
             {e: {n: v[rev] for n, v in t.items()} for e, t in u.extra.items()}), cs)
 
 
-@pytest.mark.xfail(strict=True, reason="in process the ids of a result may come in any order "
-                   "and server_update sees it: log2(k!) bits per message")
 def test_the_order_of_a_messages_client_ids_carries_nothing_of_w():
     """Least squares in process, FFGG, 3 clients per round computed together; a leaky client
     computation returns its rows (and ids) in the asked order or reversed, by one bit of its

@@ -181,20 +181,32 @@ def _name(n):
     return n
 
 
-def values_only(updates: ClientUpdates) -> ClientUpdates:
+def values_only(updates: ClientUpdates, theta: Collection[str] = ()) -> ClientUpdates:
     """``updates`` with values only (:func:`partialfl.arrays.plain` for every row, weight
-    and id; exact ``str`` names; an exact ``int`` count): what the privacy screen checks is
-    then exactly what may reach the server — a subclass cannot report another shape than
-    the array it hands over, nor carry a value in an attribute, a name or a dtype's
-    metadata. No copy for plain arrays that own their values."""
+    and id; exact ``str`` names; an exact ``int`` count), every tree in one canonical order
+    (:func:`_ordered`: the leaves in ``theta``'s order, other names sorted): what the
+    privacy screen checks is then exactly what may reach the server — a subclass cannot
+    report another shape than the array it hands over, nor carry a value in an attribute, a
+    name, a dtype's metadata or the order it lists its leaves in."""
     g = updates.grad_evals
     return ClientUpdates(
-        {_name(n): arrays.plain(v) for n, v in updates.vectors.items()},
+        _ordered({_name(n): arrays.plain(v) for n, v in updates.vectors.items()}, theta),
         arrays.plain(updates.weights), arrays.plain(updates.cohort),
         int.__int__(g) if isinstance(g, int) and not isinstance(g, bool) else g,
-        {_name(n): arrays.plain(v) for n, v in updates.metrics.items()},
-        {_name(e): {_name(n): arrays.plain(t) for n, t in tree.items()}
-         for e, tree in updates.extra.items()})
+        _ordered({_name(n): arrays.plain(v) for n, v in updates.metrics.items()}),
+        _ordered({_name(e): _ordered({_name(n): arrays.plain(t) for n, t in tree.items()},
+                                     theta)
+                  for e, tree in updates.extra.items()}))
+
+
+def _ordered(tree: dict, first: Collection[str] = ()) -> dict:
+    """``tree`` with the names of ``first`` in their order, then the others sorted (names
+    that are not ``str`` last, by their text)."""
+    head = [n for n in first if n in tree]
+    seen = set(head)
+    rest = sorted((n for n in tree if n not in seen),
+                  key=lambda n: (not isinstance(n, str), str(n)))
+    return {n: tree[n] for n in head + rest}
 
 
 def server_view(updates: ClientUpdates, algorithm=None) -> ClientUpdates:

@@ -49,9 +49,9 @@ def _cmd_run(args) -> int:
 
 def _clean_interrupted(out: Path, name: str) -> None:
     """Before a run resumes in ``out`` (a folder holding a run of ``name``: its record of the
-    files already there, spec, log or study — or only a killed write of the first of them), remove the temporary files its
-    killed writes left there (a kill -9 during a plot or report write once left them for
-    good; checkpoints clean their own)."""
+    files already there, spec, log or study — or only a killed write of the first of them),
+    remove the temporary files its killed writes left there (a kill -9 during a plot or
+    report write once left them for good; checkpoints clean their own)."""
     from partialfl import io as pio
 
     if not out.is_dir():

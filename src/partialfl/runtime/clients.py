@@ -100,7 +100,8 @@ def concat_checked(results: list[ClientResult]) -> ClientResult:
 
 def checked(res, clients: np.ndarray, theta=None, client_state: Params | None = None
             ) -> ClientResult:
-    """``res`` if it is a result for (some of, each at most once) the asked ``clients``: a
+    """``res`` (rows in the asked order) if it is a result for (some of, each at most once)
+    the asked ``clients``: a
     :class:`ClientResult` whose rows — vectors, metrics, extras and client state — number
     its clients; else :class:`MalformedResult` (vectors that are not θ-shaped rows of θ's
     leaves: the privacy screen's :class:`~partialfl.privacy.PrivacyError`). Checked
@@ -133,7 +134,21 @@ def checked(res, clients: np.ndarray, theta=None, client_state: Params | None = 
         why = _state_refusal(res.client_state, client_state)
     if why is not None:
         raise MalformedResult(f"malformed client result: {why}")
-    return res
+    return _in_asked_order(res, ids, clients)
+
+
+def _in_asked_order(res: ClientResult, ids: np.ndarray, clients) -> ClientResult:
+    """``res`` with its rows in the order of the asked ``clients``: the order a computation
+    lists its clients in is its own choice, and would otherwise reach the server (log2(k!)
+    bits of anything the client holds per message)."""
+    where = {int(c): i for i, c in enumerate(np.asarray(clients).reshape(-1).tolist())}
+    pos = np.array([where[int(c)] for c in ids.tolist()], dtype=np.int64)
+    if (np.diff(pos) > 0).all():
+        return res
+    perm = np.argsort(pos, kind="stable")
+    cs = res.client_state
+    return ClientResult(res.updates.select(perm),
+                        None if cs is None else {n: v[perm] for n, v in cs.items()})
 
 
 def rows(tree: Params | None, pos: np.ndarray) -> Params | None:

@@ -326,7 +326,8 @@ def receive(result: ClientResult, state, algorithm, faults: FaultLog, where: str
     the kept clients only, or None if none is left; kept positions)``. A refusal of
     ``systematic`` (default: the whole message) or more clients before any client passed
     re-raises the :class:`~partialfl.privacy.PrivacyError` (see the module docstring)."""
-    sent = up = values_only(result.updates)  # what is screened is what the server gets
+    # what is screened is what the server gets, every tree in θ's order
+    sent = up = values_only(result.updates, state.theta)
     k = len(up.cohort)
     if k == 0:  # nothing was sent
         return None, np.arange(0)
