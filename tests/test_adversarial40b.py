@@ -1,6 +1,9 @@
 """Adversarial round 40b (issue 21 areas 1, 3, 4, 7, 8, tried again from scratch by someone
-who did not write the fixes): the defects found. Each test fails on the code it was written
-against (adv40b at 14c911d) because of the defect it names.
+who did not write the fixes): the defects found. Each test failed on the code it was written
+against (adv40b at 14c911d) because of the defect it names, and passes since the fix:
+``run_files.json`` alone marks a finished run and is deleted last (``preexisting.json`` just
+before it), a killed first write of ``preexisting.json`` is cleaned, the Flower engines claim
+``--out`` as the local one does, and a study and ``compare`` say which runs diverged.
 
 * Area 4/8, a kill -9 while ``partialfl train --overwrite`` deletes a finished run:
   :func:`partialfl.pipeline.run_files.remove_run` deletes the names of ``run_files.json`` in
@@ -145,9 +148,6 @@ def _configs(tmp_path: Path) -> tuple[str, str]:
 
 
 # -- area 4/8: kill -9 while --overwrite deletes the finished run ----------------------------
-@pytest.mark.xfail(strict=True, reason="remove_run deletes preexisting.json and report.md "
-                   "before the run's checkpoints: a kill in between wedges the folder and "
-                   "the leftovers are recorded as the user's own files")
 def test_a_kill_during_overwrite_leaves_a_folder_overwrite_can_finish(tmp_path, data_dir):
     a, b = _configs(tmp_path)
     out = tmp_path / "exp"
@@ -172,9 +172,6 @@ def test_a_kill_during_overwrite_leaves_a_folder_overwrite_can_finish(tmp_path, 
 
 
 # -- area 4: kill -9 during the very first write (preexisting.json) --------------------------
-@pytest.mark.xfail(strict=True, reason="_clean_interrupted does not look for a killed write "
-                   "of preexisting.json (now a run's first write): its temporary file stays "
-                   "in the finished run, recorded as the user's")
 def test_a_kill_during_the_first_write_leaves_no_temporary_file(tmp_path, data_dir):
     a, _ = _configs(tmp_path)
     out = tmp_path / "exp"
@@ -192,8 +189,6 @@ def test_a_kill_during_the_first_write_leaves_no_temporary_file(tmp_path, data_d
 
 
 # -- area 8: --overwrite / the finished-run refusal on the Flower engines ---------------------
-@pytest.mark.xfail(strict=True, reason="run_flower_train never calls claim_out: a finished "
-                   "run is neither refused nor overwritten on --engine flower-sim")
 @pytest.mark.parametrize("case", ["same-config-refused", "changed-config-overwrite"])
 def test_the_flower_engine_refuses_or_overwrites_a_finished_run(tmp_path, data_dir, case):
     pytest.importorskip("flwr")
@@ -220,8 +215,6 @@ def test_the_flower_engine_refuses_or_overwrites_a_finished_run(tmp_path, data_d
 
 
 # -- area 8: a diverged run in a study ------------------------------------------------------
-@pytest.mark.xfail(strict=True, reason="the divergence check (stderr, exit 1) is only in "
-                   "_run_model: a study of a diverged run exits 0 and compare tables it silently")
 @pytest.mark.parametrize("where", ["study", "compare"])
 def test_a_diverged_run_in_a_study_says_so(tmp_path, data_dir, where):
     (tmp_path / "d.toml").write_text(_CFG.replace("LR", "1e30").replace("rounds = 1",

@@ -54,6 +54,8 @@ def test_without_a_sound_record_overwrite_refuses_and_deletes_nothing(tmp_path, 
     out = tmp_path / "run"
     _finished_run(out)
     (out / "run_files.json").unlink()
+    (out / "preexisting.json").unlink()  # neither record (an older run)
+    (out / "spec.json").write_text("{}")
     if record is not None:
         (out / "run_files.json").write_text(record)
     before = sorted(p.name for p in out.iterdir())
@@ -75,3 +77,55 @@ def test_a_symlink_the_run_lists_is_removed_as_a_link(tmp_path):
     record_end(out)
     remove_run(out)
     assert list(out.iterdir()) == [] and (target / "keep.txt").is_file()
+
+
+def test_a_run_killed_before_its_last_record_is_removed_by_the_first(tmp_path):
+    """Killed between report.md and run_files.json: what is not in preexisting.json is the
+    run's."""
+    out = tmp_path / "run"
+    _finished_run(out)
+    (out / "run_files.json").unlink()
+    claim_out(out, overwrite=True)
+    assert sorted(p.name for p in out.iterdir()) == ["my.toml", "notes.txt"]
+
+
+@pytest.mark.parametrize("killed_after", range(6))
+def test_a_kill_at_any_point_of_the_removal_leaves_a_run_overwrite_finishes(tmp_path,
+                                                                           monkeypatch,
+                                                                           killed_after):
+    """A kill after any deletion of :func:`remove_run` leaves a folder that still counts as a
+    finished run, and the next ``--overwrite`` removes the rest (the user's files stay)."""
+    import os
+
+    from partialfl.pipeline import run_files
+    from partialfl.pipeline.train import finished
+
+    out = tmp_path / "run"
+    _finished_run(out)
+    (out / "stage2.ckpt").write_text("x")
+    record_end(out)
+    done = []
+
+    class Killed(BaseException):
+        pass
+
+    real_unlink, real_rmtree = os.unlink, run_files.shutil.rmtree
+
+    def count(fn):
+        def wrapped(*a, **k):
+            if len(done) == killed_after:
+                raise Killed
+            done.append(a[0])
+            return fn(*a, **k)
+        return wrapped
+
+    monkeypatch.setattr(run_files.Path, "unlink", count(lambda p, **k: real_unlink(p)))
+    monkeypatch.setattr(run_files.shutil, "rmtree", count(real_rmtree))
+    try:
+        remove_run(out)
+    except Killed:
+        assert finished(out)  # still a finished run: refused without --overwrite
+    monkeypatch.undo()
+    if finished(out):
+        claim_out(out, overwrite=True)
+    assert sorted(p.name for p in out.iterdir()) == ["my.toml", "notes.txt"]

@@ -89,10 +89,14 @@ def _run_study(args, spec) -> int:
     for d in done:
         new = d["new_clients_test_acc"]
         print(f"{d['folder']}: test accuracy {100 * d['test_acc']:.2f}%"
-              + ("" if new is None else f", new clients {100 * new:.2f}%"))
+              + ("" if new is None else f", new clients {100 * new:.2f}%")
+              + (" (diverged)" if d["diverged"] else ""))
     print(f"study written to {out}/ (study.json, one folder per run); compare the runs with "
           f"`partialfl compare {out}`")
-    return 0
+    bad = [d for d in done if d["diverged"]]
+    for d in bad:
+        print(f"partialfl: warning: {d['folder']}: {d['diverged']}", file=sys.stderr)
+    return 1 if bad else 0
 
 
 def _flower_options(args) -> dict:
@@ -159,6 +163,9 @@ def _run_model(args, spec) -> int:
     out = out_dir(args.out or Path("runs") / spec.name)
     if args.engine != "local":
         from partialfl.flower.train import run_flower_train
+
+        if not args.dry_run:
+            claim_out(out, args.overwrite, spec)
 
         res = run_flower_train(spec, out, dry_run=args.dry_run, config=args.config,
                                **_flower_options(args))

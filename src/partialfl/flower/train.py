@@ -35,6 +35,7 @@ from typing import Any
 from partialfl import io as pio
 from partialfl.flower.config import encode_spec
 from partialfl.flower.env import apply_flower_env, require_flower
+from partialfl.pipeline.run_files import record_start
 
 ENGINES = ("flower-sim", "flower")
 
@@ -172,6 +173,7 @@ def run_flower_train(spec, out: str | Path, *, engine: str = "flower-sim",
     t0 = time.perf_counter()
     with _entered(fed):  # nothing is written before the federation answers
         out.mkdir(parents=True, exist_ok=True)
+        record_start(out)  # the user's own files already there (--overwrite keeps them)
         if eff.pretrain.rounds > 0 and not (s1 / THETA1).exists():
             rep = fed.run(stage_run_config(spec, "pretrain", **_audit(extra, "stage1")),
                           timeout=timeout,

@@ -148,6 +148,7 @@ def compare(paths: Sequence[str | Path], out: str | Path, *, baseline: str | Non
     """Write ``compare.md`` and ``compare.png`` of the runs under ``paths`` into ``out``
     (see the module docstring); returns the markdown's path."""
     from partialfl.pipeline.report import markdown_table, paired_section
+    from partialfl.pipeline.train_report import divergence_line
 
     groups = group_runs(load_runs(paths))
     if baseline is None:
@@ -162,6 +163,12 @@ def compare(paths: Sequence[str | Path], out: str | Path, *, baseline: str | Non
                             [[lab, " ".join(str(r["config"].get("seed", 0)) for r in g),
                               ", ".join(f"`{r['folder']}`" for r in g)]
                              for lab, g in groups.items()]), ""]
+    diverged = [f"`{r['folder']}`" for g in groups.values() for r in g
+                if divergence_line(r["metrics"])]
+    if diverged:
+        lines += [f"**Warning: {len(diverged)} run(s) diverged (final loss not finite): "
+                  f"{', '.join(diverged)}; their accuracies are those of diverged models.**",
+                  ""]
     intervals: dict[str, dict[str, Any]] = {}
     for which, title, clients in (("metrics", "Training clients", "clients"),
                                   ("new", "New clients (held out of training)", "new clients")):

@@ -4,11 +4,15 @@ nothing else (a user's notes, or the TOML config kept beside the run, stay).
 A train run may start in a folder that already holds the user's files. At its first start
 (no ``spec.json`` yet) :func:`record_start` writes the names already there to
 ``preexisting.json``; when the run has finished, :func:`record_end` writes every other
-top-level name to ``run_files.json``. :func:`remove_run` deletes exactly the names of
-``run_files.json`` (a symlink as a link, never what it points to), then both records. A
-finished run without a readable record (older, or killed before its very last write) is
-refused: the user removes it. A file put into the folder *while* the run runs is counted as
-the run's (the record cannot tell it from the run's own).
+top-level name to ``run_files.json``, its very last write. :func:`remove_run` deletes the
+names of ``run_files.json`` (a symlink as a link, never what it points to), then
+``preexisting.json``, then ``run_files.json`` itself: a kill at any instant leaves a folder
+that still holds ``run_files.json``, so it still counts as a finished run
+(:func:`partialfl.pipeline.train.finished`) and the next ``--overwrite`` finishes the removal.
+A finished run killed before ``run_files.json`` is named by ``preexisting.json``'s
+complement; with neither record (an older run) ``--overwrite`` is refused: the user removes
+it. A file put into the folder *while* the run runs is counted as the run's (the record
+cannot tell it from the run's own).
 """
 
 from __future__ import annotations
@@ -36,14 +40,19 @@ def record_end(out: Path) -> None:
 
 
 def remove_run(out: Path) -> None:
-    """Delete the entries the finished run in ``out`` wrote (``run_files.json``), nothing
-    else; FileExistsError (one line) when that record is missing or malformed."""
+    """Delete the entries the finished run in ``out`` wrote (see the module docstring),
+    nothing else; FileExistsError (one line) when neither record is readable."""
     names = _names(out / RUN_FILES)
+    if names is None:
+        mine = _names(out / PREEXISTING)
+        names = None if mine is None else sorted(
+            p.name for p in out.iterdir() if p.name not in set(mine) | {PREEXISTING})
     if names is None:
         raise FileExistsError(f"{out} holds a finished run without a readable record of the "
                               f"files it wrote ({RUN_FILES}): --overwrite deletes only those; "
                               "remove the folder yourself or choose another --out")
-    for name in [n for n in names if n != RUN_FILES] + [PREEXISTING, RUN_FILES]:
+    last = (PREEXISTING, RUN_FILES)  # the records go last: a kill before leaves them
+    for name in [n for n in names if n not in last] + list(last):
         p = out / name
         if p.is_dir() and not p.is_symlink():
             shutil.rmtree(p)

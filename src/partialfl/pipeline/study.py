@@ -149,6 +149,7 @@ def _run_one(job: dict[str, Any]) -> dict[str, Any]:
     """One study run, in a worker process: rebuild its spec, run it (the worker's job)."""
     from partialfl.build import allow_code, build
     from partialfl.pipeline.train import claim_out, load_run_spec, run_built
+    from partialfl.pipeline.train_report import divergence_line
 
     with allow_code(job["allow_code"] or None):
         spec = load_run_spec(job["config"], job["sets"], device=job["device"])
@@ -163,7 +164,8 @@ def _run_one(job: dict[str, Any]) -> dict[str, Any]:
           + (f", new clients {100 * new['test_acc']:.2f}%" if new else ""),
           file=sys.stderr, flush=True)
     return {"folder": job["label"], "test_acc": m["test_acc"],
-            "new_clients_test_acc": new.get("test_acc") if new else None}
+            "new_clients_test_acc": new.get("test_acc") if new else None,
+            "diverged": divergence_line(m)}
 
 
 def check_study(config: str | Path, seeds: Sequence[int], sweep: dict[str, list[str]],
@@ -187,7 +189,8 @@ def run_study(config: str | Path, out: str | Path, *, seeds: Sequence[int],
               overwrite: bool = False, device: str | None = None,
               allow_code: bool = False) -> list[dict[str, Any]]:
     """Run every run of the study (see the module docstring) into ``out``; returns one
-    summary per run (``folder``, ``test_acc``, ``new_clients_test_acc``) in index order.
+    summary per run (``folder``, ``test_acc``, ``new_clients_test_acc``, ``diverged``: why,
+    or '') in index order.
     Every run's spec is validated before anything is written or started."""
     from partialfl.pipeline.jobs import run_jobs
     from partialfl.pipeline.train import finished
@@ -215,10 +218,13 @@ def run_study(config: str | Path, out: str | Path, *, seeds: Sequence[int],
 
 def _summary(folder: str, run_dir: Path) -> dict[str, Any]:
     """A finished run's summary, read from its files."""
+    from partialfl.pipeline.train_report import divergence_line
+
     m = pio.read_json(run_dir / "metrics.json")
     new = run_dir / "new_clients.json"
     return {"folder": folder, "test_acc": m["test_acc"],
-            "new_clients_test_acc": pio.read_json(new)["test_acc"] if new.is_file() else None}
+            "new_clients_test_acc": pio.read_json(new)["test_acc"] if new.is_file() else None,
+            "diverged": divergence_line(m)}
 
 
 def read_index(path: str | Path) -> dict[str, Any] | None:

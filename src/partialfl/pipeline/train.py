@@ -28,7 +28,7 @@ from partialfl import io as pio
 from partialfl.build import Run, Task, build, build_loss_metric, build_split, load_spec_plugins
 from partialfl.config import ConfigError, apply_overrides, from_dict, load_toml
 from partialfl.pipeline.files import config_differences, json_default, write_json
-from partialfl.pipeline.run_files import record_end, record_start, remove_run
+from partialfl.pipeline.run_files import RUN_FILES, record_end, record_start, remove_run
 from partialfl.spec import DataSpec, ModelSpec, RunSpec
 
 
@@ -209,9 +209,11 @@ def _check_held_out(run_dir: Path, ids: list[str]) -> None:
 
 
 def finished(out: str | Path) -> bool:
-    """Whether ``out`` holds a finished train run (its report, written last)."""
+    """Whether ``out`` holds a finished train run: its record of the files it wrote (the very
+    last write; kept until an ``--overwrite`` removed everything else), or its report."""
     out = Path(out)
-    return (out / "spec.json").is_file() and (out / "report.md").is_file()
+    return (out / RUN_FILES).is_file() or (
+        (out / "spec.json").is_file() and (out / "report.md").is_file())
 
 
 def claim_out(out: str | Path, overwrite: bool = False, spec: RunSpec | None = None) -> None:
