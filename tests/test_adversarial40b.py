@@ -160,7 +160,7 @@ def test_a_kill_during_overwrite_leaves_a_folder_overwrite_can_finish(tmp_path, 
     r = _killed(tmp_path, data_dir, "unlink", "stage2.ckpt",
                 "train", b, "--out", "exp", "--no-progress", "--overwrite")
     assert r.returncode == -9, (r.returncode, r.stderr[-400:])
-    assert not (out / "spec.json").exists() and (out / "stage2.ckpt").exists()
+    assert (out / "stage2.ckpt").exists()  # killed in the middle of the removal
     # ... and runs the same command again: it must finish, a fresh run of b.toml
     r = _cli(tmp_path, data_dir, "train", b, "--out", "exp", "--no-progress", "--overwrite")
     assert r.returncode == 0, (r.returncode, r.stderr.strip().splitlines()[-1:])

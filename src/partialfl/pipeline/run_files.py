@@ -5,10 +5,12 @@ A train run may start in a folder that already holds the user's files. At its fi
 (no ``spec.json`` yet) :func:`record_start` writes the names already there to
 ``preexisting.json``; when the run has finished, :func:`record_end` writes every other
 top-level name to ``run_files.json``, its very last write. :func:`remove_run` deletes the
-names of ``run_files.json`` (a symlink as a link, never what it points to), then
-``preexisting.json``, then ``run_files.json`` itself: a kill at any instant leaves a folder
-that still holds ``run_files.json``, so it still counts as a finished run
-(:func:`partialfl.pipeline.train.finished`) and the next ``--overwrite`` finishes the removal.
+names of ``run_files.json`` (a symlink as a link, never what it points to), ``spec.json``,
+``report.md``, ``preexisting.json`` and ``run_files.json`` last, in that order: a kill at
+any instant leaves either ``spec.json`` and ``report.md`` or ``run_files.json`` without
+``spec.json`` — both a finished run (:func:`partialfl.pipeline.train.finished`) — so the
+next ``--overwrite`` finishes the removal. (A run folder with ``spec.json`` but without
+``report.md`` is an unfinished run: it resumes.)
 A finished run killed before ``run_files.json`` is named by ``preexisting.json``'s
 complement; with neither record (an older run) ``--overwrite`` is refused: the user removes
 it. A file put into the folder *while* the run runs is counted as the run's (the record
@@ -51,7 +53,7 @@ def remove_run(out: Path) -> None:
         raise FileExistsError(f"{out} holds a finished run without a readable record of the "
                               f"files it wrote ({RUN_FILES}): --overwrite deletes only those; "
                               "remove the folder yourself or choose another --out")
-    last = (PREEXISTING, RUN_FILES)  # the records go last: a kill before leaves them
+    last = ("spec.json", "report.md", PREEXISTING, RUN_FILES)  # see the module docstring
     for name in [n for n in names if n not in last] + list(last):
         p = out / name
         if p.is_dir() and not p.is_symlink():

@@ -209,11 +209,13 @@ def _check_held_out(run_dir: Path, ids: list[str]) -> None:
 
 
 def finished(out: str | Path) -> bool:
-    """Whether ``out`` holds a finished train run: its record of the files it wrote (the very
-    last write; kept until an ``--overwrite`` removed everything else), or its report."""
+    """Whether ``out`` holds a finished train run: its spec and report (written last but one),
+    or its record of the files it wrote without its spec (a removal by ``--overwrite`` cut
+    short: see :mod:`~partialfl.pipeline.run_files`)."""
     out = Path(out)
-    return (out / RUN_FILES).is_file() or (
-        (out / "spec.json").is_file() and (out / "report.md").is_file())
+    spec = (out / "spec.json").is_file()
+    return (spec and (out / "report.md").is_file()) or (
+        not spec and (out / RUN_FILES).is_file())
 
 
 def claim_out(out: str | Path, overwrite: bool = False, spec: RunSpec | None = None) -> None:
