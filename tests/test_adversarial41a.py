@@ -1,6 +1,8 @@
 """Adversarial round 41a (issue 21, areas 2, 5 and 6, tried again from scratch by someone who
-did not write the fixes). The test fails on the code it was written against (adv41a at
-a148fc1) because of the defect it names.
+did not write the fixes). The test failed on the code it was written against (adv41a at
+a148fc1) because of the defect it names, and passes since the fix: ``FlowerJobs.send`` counts
+a train message the SuperLink did not store (empty message id) as a failure of that node at
+once, as the synchronous transport does.
 
 * Area 2, the asynchronous Flower transport and a SuperNode that leaves: a SuperLink stores
   no message for a destination node that is no longer registered (a SuperNode unregistered
@@ -88,9 +90,6 @@ def _staleness(grid_class, out) -> list[int]:
     return [int(r["max_staleness"]) for r in report.history if "max_staleness" in r]
 
 
-@pytest.mark.xfail(strict=True, reason="FlowerJobs keys in-flight tasks by message id; a "
-                   "push the SuperLink refused (id '') replaces the previous one: tasks "
-                   "vanish uncounted and the async run collapses to concurrency 1")
 def test_a_node_that_leaves_does_not_collapse_an_async_runs_concurrency(
         loopback, tmp_path):  # noqa: F811
     """Found: with node 1 gone, every server step from the fifth on applies an update of

@@ -36,6 +36,7 @@ from partialfl.flower.report import (
     ServerStopped,
     check_failures,
     log,
+    record_failure,
 )
 from partialfl.flower.rounds import decode_reply, growth_cause, shared_state, train_content
 from partialfl.metrics import closed_form_metrics
@@ -92,9 +93,27 @@ class FlowerJobs:
         content = train_content(state.theta, ctx.round, client,
                                 shared_state(self.algorithm, state))
         (mid,) = self.link.push([(node, "train", content, ctx.round)])
+        if not mid:  # not stored (the SuperNode left): a counted failure of that node now
+            record_failure(self.report, job.job, "timeout", self.fed.partition(node), client,
+                           "the train message could not be delivered (the SuperNode is gone)")
+            self._done(job, None)
+            return None
         self.inflight[mid] = (job, node, client, state.theta,
                               time.monotonic() + self.cfg.round_timeout)
         return None
+
+    def _done(self, job, rep) -> None:
+        """Queue the outcome of ``job``: its decoded reply, or (None) its counted failure."""
+        report = self.report
+        report.requested_client_updates += 1
+        report.last_round = max(report.last_round, job.job)
+        if rep is None:
+            self.streak += 1
+            self.queue.append(Event("error", job.slot, job, report.failures[-1].reason,
+                                    self.now()))
+        else:
+            self.streak = 0
+            self.queue.append(Event("done", job.slot, job, ClientResult(rep[0]), self.now()))
 
     def next(self, max_time):
         """The next reply (or lost task); None once too many tasks failed in a row."""
@@ -109,18 +128,8 @@ class FlowerJobs:
             now = time.monotonic()
             for mid in [m for m, v in self.inflight.items() if m in got or v[4] <= now]:
                 job, node, client, theta, _ = self.inflight.pop(mid)
-                rep = decode_reply(got.get(mid), theta, client, self.fed, node, job.job,
-                                   report, self.algorithm)
-                report.requested_client_updates += len(client)
-                report.last_round = max(report.last_round, job.job)
-                if rep is None:
-                    self.streak += 1
-                    self.queue.append(Event("error", job.slot, job, report.failures[-1].reason,
-                                            self.now()))
-                else:
-                    self.streak = 0
-                    self.queue.append(Event("done", job.slot, job, ClientResult(rep[0]),
-                                            self.now()))
+                self._done(job, decode_reply(got.get(mid), theta, client, self.fed, node,
+                                             job.job, report, self.algorithm))
             faults = self.server.faults if self.server is not None else None
             check_failures(self.cfg, report, growth_cause(self.fed, faults))
             if not got and not self.queue:
