@@ -1,6 +1,11 @@
 """Adversarial round 41b (issue 21 areas 1, 3, 4, 7, 8, tried again from scratch by someone
-who did not write the fixes): the defects found. Each test fails on the code it was written
-against (adv41b at a148fc1) because of the defect it names.
+who did not write the fixes): the defects found. Each test failed on the code it was written
+against (adv41b at a148fc1) because of the defect it names, and passes since the fix:
+``remove_run`` deletes ``spec.json`` first, so a removal cut short is always recognisable
+(``train.removal_cut_short``) and a study refuses it without ``--overwrite`` before anything
+trains; the Flower engines replace a finished run only once the spec, the Flower options and
+the federation are checked; a run refuses a folder below ``--out`` that is a symbolic link
+(``run_files.refuse_linked_folders``).
 
 * Area 4/8, a study resumed after a kill -9 during its ``--overwrite``: a study run whose
   removal by :func:`partialfl.pipeline.run_files.remove_run` was cut short (its
@@ -140,10 +145,6 @@ def _killed(cwd: Path, data_dir, call: str, tail: str, *args: str):
 
 
 # -- area 4/8: a study resumed after a kill -9 during its --overwrite --------------------------
-@pytest.mark.xfail(strict=True, reason="a study run whose --overwrite removal was cut short "
-                   "counts as finished (train.finished) and is kept on resume; "
-                   "study._summary then reads its deleted metrics.json after the other runs "
-                   "trained: 'metrics.json not found', exit 2")
 def test_a_study_resumed_after_a_kill_during_overwrite_finishes(tmp_path, data_dir):
     (tmp_path / "a.toml").write_text(_CFG)
     study = ("train", "a.toml", "--seeds", "0", "1", "--jobs", "1", "--out", "st",
@@ -171,10 +172,6 @@ def test_a_study_resumed_after_a_kill_during_overwrite_finishes(tmp_path, data_d
 
 
 # -- area 8: a bad Flower config with --overwrite deletes the finished run first --------------
-@pytest.mark.xfail(strict=True, reason="cli.run._run_model calls claim_out (which deletes the "
-                   "finished run under --overwrite) before run_flower_train builds and checks "
-                   "the spec (check_flower_run): a one-line config refusal leaves an emptied "
-                   "folder; the local engine builds first")
 @pytest.mark.parametrize("bad", [("--supernodes", "50"), ("--flower", "secagg=maybe")])
 def test_a_refused_flower_config_keeps_the_finished_run(tmp_path, data_dir, bad):
     pytest.importorskip("flwr")
@@ -193,10 +190,6 @@ def test_a_refused_flower_config_keeps_the_finished_run(tmp_path, data_dir, bad)
 
 
 # -- area 8: no writes outside the run folder through a planted folder link -------------------
-@pytest.mark.xfail(strict=True, reason="the pipeline writes stage1/ (checkpoints, logs, θ) and "
-                   "personalized/ (index.json, clients/) through symbolic links to folders "
-                   "outside --out; only the report's read (runs.confined) refuses the link, "
-                   "after the files outside were written or overwritten")
 def test_train_never_writes_through_a_linked_folder(tmp_path, data_dir):
     (tmp_path / "a.toml").write_text(_CFG)
     out, victim, victim1 = tmp_path / "exp", tmp_path / "victim", tmp_path / "victim1"

@@ -129,3 +129,26 @@ def test_a_kill_at_any_point_of_the_removal_leaves_a_run_overwrite_finishes(tmp_
     if finished(out):
         claim_out(out, overwrite=True)
     assert sorted(p.name for p in out.iterdir()) == ["my.toml", "notes.txt"]
+
+
+def test_a_linked_folder_anywhere_below_the_run_folder_is_refused(tmp_path):
+    from partialfl.pipeline.run_files import refuse_linked_folders
+
+    out, elsewhere = tmp_path / "run", tmp_path / "elsewhere"
+    (out / "personalized").mkdir(parents=True)
+    elsewhere.mkdir()
+    refuse_linked_folders(out)  # real folders only: fine
+    (out / "personalized" / "clients").symlink_to(elsewhere, target_is_directory=True)
+    with pytest.raises(FileExistsError, match="symbolic link"):
+        refuse_linked_folders(out)
+
+
+def test_a_removal_cut_short_is_refused_by_a_study_without_overwrite(tmp_path):
+    from partialfl.pipeline.train import removal_cut_short
+
+    out = tmp_path / "run"
+    _finished_run(out)
+    (out / "spec.json").unlink()  # what remove_run deletes first
+    assert removal_cut_short(out)
+    with pytest.raises(FileExistsError, match="--overwrite"):
+        claim_out(out)

@@ -164,11 +164,8 @@ def _run_model(args, spec) -> int:
     if args.engine != "local":
         from partialfl.flower.train import run_flower_train
 
-        if not args.dry_run:
-            claim_out(out, args.overwrite, spec)
-
         res = run_flower_train(spec, out, dry_run=args.dry_run, config=args.config,
-                               **_flower_options(args))
+                               overwrite=args.overwrite, **_flower_options(args))
         print(res)
         return 0
     run, _ = run_train(spec, dry_run=True)  # built: a bad config fails before any write

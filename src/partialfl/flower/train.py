@@ -35,7 +35,7 @@ from typing import Any
 from partialfl import io as pio
 from partialfl.flower.config import encode_spec
 from partialfl.flower.env import apply_flower_env, require_flower
-from partialfl.pipeline.run_files import record_start
+from partialfl.pipeline.run_files import record_start, refuse_linked_folders
 
 ENGINES = ("flower-sim", "flower")
 
@@ -142,15 +142,17 @@ def run_flower_train(spec, out: str | Path, *, engine: str = "flower-sim",
                      timeout: float = 900.0, superlink: str | None = None,
                      root_certificates: str | Path | None = None, federation=None,
                      flower: dict[str, Any] | None = None,
-                     config: str | Path | None = None) -> str:
+                     config: str | Path | None = None, overwrite: bool = False) -> str:
     """Run a model spec's stages on Flower into ``out`` (see the module docstring); returns
     a one-paragraph summary (``config``: the TOML file, recorded as an in-process run does).
     ``federation``: a started :class:`~partialfl.flower.deployment.LocalFederation` to run on
     (instead of ``engine``'s);
-    ``flower``: more of Flower's own run-config keys (e.g. ``{"secagg": True}``)."""
+    ``flower``: more of Flower's own run-config keys (e.g. ``{"secagg": True}``);
+    ``overwrite``: a finished run in ``out`` is replaced (the files it wrote), else refused —
+    once the spec and the Flower options were checked and the federation answered."""
     from partialfl.build import build
     from partialfl.pipeline.files import THETA1, THETA2, stage1_identity, stage2_identity
-    from partialfl.pipeline.train import format_plan, run_built
+    from partialfl.pipeline.train import claim_out, format_plan, run_built
 
     if federation is None:
         _check_engine(engine, superlink, root_certificates)
@@ -167,12 +169,16 @@ def run_flower_train(spec, out: str | Path, *, engine: str = "flower-sim",
                 f"SuperNodes{where})\nstage-2 run config (+ spec): {shown}"
                 "\ndry run: nothing trained, nothing written")
     out = Path(out).expanduser().resolve()  # the ServerApp runs in another folder
+    if not overwrite:
+        claim_out(out, False, spec)  # a finished run is refused before Flower starts
     s1 = out / "stage1"
     fed = federation if federation is not None else _federation(
         spec, engine, num_supernodes, superlink, root_certificates)
     t0 = time.perf_counter()
-    with _entered(fed):  # nothing is written before the federation answers
+    with _entered(fed):  # nothing is written (or replaced) before the federation answers
+        claim_out(out, overwrite, spec)
         out.mkdir(parents=True, exist_ok=True)
+        refuse_linked_folders(out)  # no write may leave the run folder through a link
         record_start(out)  # the user's own files already there (--overwrite keeps them)
         if eff.pretrain.rounds > 0 and not (s1 / THETA1).exists():
             rep = fed.run(stage_run_config(spec, "pretrain", **_audit(extra, "stage1")),

@@ -5,11 +5,12 @@ A train run may start in a folder that already holds the user's files. At its fi
 (no ``spec.json`` yet) :func:`record_start` writes the names already there to
 ``preexisting.json``; when the run has finished, :func:`record_end` writes every other
 top-level name to ``run_files.json``, its very last write. :func:`remove_run` deletes the
-names of ``run_files.json`` (a symlink as a link, never what it points to), ``spec.json``,
-``report.md``, ``preexisting.json`` and ``run_files.json`` last, in that order: a kill at
-any instant leaves either ``spec.json`` and ``report.md`` or ``run_files.json`` without
-``spec.json`` — both a finished run (:func:`partialfl.pipeline.train.finished`) — so the
-next ``--overwrite`` finishes the removal. (A run folder with ``spec.json`` but without
+names of ``run_files.json`` (a symlink as a link, never what it points to) — ``spec.json``
+first — then ``preexisting.json`` and ``run_files.json`` last: a kill at any instant leaves
+``run_files.json`` without ``spec.json``, a removal cut short
+(:func:`partialfl.pipeline.train.removal_cut_short`, still a finished run for
+:func:`~partialfl.pipeline.train.finished`), which only ``--overwrite`` finishes: nothing
+resumes or keeps a half-deleted run. (A run folder with ``spec.json`` but without
 ``report.md`` is an unfinished run: it resumes.)
 A finished run killed before ``run_files.json`` is named by ``preexisting.json``'s
 complement; with neither record (an older run) ``--overwrite`` is refused: the user removes
@@ -20,12 +21,25 @@ cannot tell it from the run's own).
 from __future__ import annotations
 
 import contextlib
+import os
 import shutil
 from pathlib import Path
 
 from partialfl import io as pio
 
 PREEXISTING, RUN_FILES = "preexisting.json", "run_files.json"
+
+
+def refuse_linked_folders(out: Path) -> None:
+    """FileExistsError (one line) if a folder below ``out`` is a symbolic link: the run would
+    write its stage files, logs or clients' models through it, outside ``out`` (a received
+    or shared folder may hold such links; ``out`` itself is the user's choice)."""
+    for root, dirs, _ in os.walk(out, followlinks=False):
+        for d in dirs:
+            if os.path.islink(os.path.join(root, d)):
+                raise FileExistsError(f"{os.path.join(root, d)} is a symbolic link to a folder; "
+                                      f"a run writes only inside {out}: remove the link (or "
+                                      "choose another --out)")
 
 
 def record_start(out: Path) -> None:
@@ -53,8 +67,8 @@ def remove_run(out: Path) -> None:
         raise FileExistsError(f"{out} holds a finished run without a readable record of the "
                               f"files it wrote ({RUN_FILES}): --overwrite deletes only those; "
                               "remove the folder yourself or choose another --out")
-    last = ("spec.json", "report.md", PREEXISTING, RUN_FILES)  # see the module docstring
-    for name in [n for n in names if n not in last] + list(last):
+    first, last = ("spec.json",), (PREEXISTING, RUN_FILES)  # see the module docstring
+    for name in [*first, *(n for n in names if n not in first + last), *last]:
         p = out / name
         if p.is_dir() and not p.is_symlink():
             shutil.rmtree(p)

@@ -193,12 +193,17 @@ def run_study(config: str | Path, out: str | Path, *, seeds: Sequence[int],
     or '') in index order.
     Every run's spec is validated before anything is written or started."""
     from partialfl.pipeline.jobs import run_jobs
-    from partialfl.pipeline.train import finished
+    from partialfl.pipeline.train import finished, removal_cut_short
 
     out = Path(out)
     runs = check_study(config, seeds, sweep, sets, device=device, allow_code=allow_code)
     if jobs is not None and jobs < 1:
         raise ConfigError(f"--jobs must be >= 1, got {jobs}")
+    half = [] if overwrite else [r for r in runs if removal_cut_short(out / r["folder"])]
+    if half:  # refused before anything trains (its files are gone: it cannot be kept)
+        raise FileExistsError(f"{out / half[0]['folder']} holds a run whose removal by "
+                              "--overwrite was cut short; pass --overwrite to finish it and "
+                              "run it again")
     kept = [] if overwrite else [r for r in runs if finished(out / r["folder"])]
     if runs and len(kept) == len(runs):
         raise FileExistsError(f"{out} holds this study, finished; pass --overwrite to run it "

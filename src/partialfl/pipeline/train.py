@@ -28,7 +28,13 @@ from partialfl import io as pio
 from partialfl.build import Run, Task, build, build_loss_metric, build_split, load_spec_plugins
 from partialfl.config import ConfigError, apply_overrides, from_dict, load_toml
 from partialfl.pipeline.files import config_differences, json_default, write_json
-from partialfl.pipeline.run_files import RUN_FILES, record_end, record_start, remove_run
+from partialfl.pipeline.run_files import (
+    RUN_FILES,
+    record_end,
+    record_start,
+    refuse_linked_folders,
+    remove_run,
+)
 from partialfl.spec import DataSpec, ModelSpec, RunSpec
 
 
@@ -114,6 +120,7 @@ def run_built(run: Run, out: str | Path, *, progress: bool | None = None,
     spec, out = run.spec, Path(out)
     use_threads(spec.threads)
     out.mkdir(parents=True, exist_ok=True)
+    refuse_linked_folders(out)  # no write may leave the run folder through a link
     record_start(out)  # the user's own files already there (never deleted by --overwrite)
     write_json(out / "spec.json", spec.to_dict())
     if config is not None:
@@ -213,9 +220,15 @@ def finished(out: str | Path) -> bool:
     or its record of the files it wrote without its spec (a removal by ``--overwrite`` cut
     short: see :mod:`~partialfl.pipeline.run_files`)."""
     out = Path(out)
-    spec = (out / "spec.json").is_file()
-    return (spec and (out / "report.md").is_file()) or (
-        not spec and (out / RUN_FILES).is_file())
+    return ((out / "spec.json").is_file() and (out / "report.md").is_file()) or \
+        removal_cut_short(out)
+
+
+def removal_cut_short(out: str | Path) -> bool:
+    """Whether ``out`` holds a finished run whose removal by ``--overwrite`` was cut short
+    (its record of the files it wrote, without its spec): only ``--overwrite`` finishes it."""
+    out = Path(out)
+    return not (out / "spec.json").is_file() and (out / RUN_FILES).is_file()
 
 
 def claim_out(out: str | Path, overwrite: bool = False, spec: RunSpec | None = None) -> None:
@@ -270,4 +283,5 @@ def train(model_fn: Callable[[int], Any], data, out: str | Path, **spec: Any):
 
 
 __all__ = ["DataSpec", "ModelSpec", "claim_out", "evaluate_train_run", "finished",
-           "format_plan", "load_run_spec", "run_built", "run_train", "train"]
+           "format_plan", "load_run_spec", "removal_cut_short", "run_built", "run_train",
+           "train"]
