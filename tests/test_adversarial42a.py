@@ -1,6 +1,8 @@
 """Adversarial round 42a (issue 21, areas 2, 5 and 6, tried again from scratch by someone who
-did not write the fixes). Each test fails on the code it was written against (adv42a at
-85262fc) because of the defect it names (strict xfails until fixed).
+did not write the fixes). Each test failed on the code it was written against (adv42a at
+85262fc) because of the defect it names, and passes since the fix: ``describe`` collects the
+answers as they come (a silent node no longer holds the loop) and a node that leaves before
+the federation is settled gives its partition back.
 
 Both are in the ServerApp's discovery of its federation,
 :func:`partialfl.flower.federation.describe`: it asks every listed SuperNode to describe
@@ -101,9 +103,6 @@ class _SilentNodeGrid(LoopbackGrid):
         return ids
 
 
-@pytest.mark.xfail(strict=True, reason="describe blocks on a silent node until the deadline "
-                   "and never asks the nodes that connected meanwhile: RuntimeError 'no "
-                   "SuperNode holds partition(s) [1]'")
 def test_a_silent_node_does_not_keep_the_server_from_asking_the_others(
         loopback, tmp_path):  # noqa: F811
     """Found: the ServerApp asks nodes 1000 and 9999, waits the whole node-wait-timeout for
@@ -150,9 +149,6 @@ class _RejoinGrid(LoopbackGrid):
         return ids
 
 
-@pytest.mark.xfail(strict=True, reason="describe keeps the gone node 1000 for partition 0 "
-                   "and ignores the rejoined node 1002: every message to partition 0 fails, "
-                   "the run aborts")
 def test_a_node_rejoining_during_discovery_serves_its_partition(
         loopback, tmp_path):  # noqa: F811
     """Found: "SuperNodes 1000 and 1002 both hold partition 0; using 1000"; the evaluation

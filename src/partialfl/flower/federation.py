@@ -189,30 +189,65 @@ def _settled(nodes: dict[int, dict[str, Any]], seen: dict[tuple, int],
     return True
 
 
+def _forget_departed(listed: set[int], nodes: dict[int, dict[str, Any]],
+                     seen: dict[tuple, int], spares: dict[tuple, list[int]],
+                     infos_of: dict[int, dict[str, Any]]) -> None:
+    """Before the federation is settled: a described node no longer registered gives its
+    partition back, to a registered node that described it too, else to the next one that
+    does (a SuperNode restarting without authentication gets a new id)."""
+    for n in [n for n in nodes if n not in listed]:
+        info = nodes.pop(n)
+        slot = (_federation_key(info), info["partition-id"])
+        if seen.get(slot) == n:
+            del seen[slot]
+            log.warning("SuperNode %s left before the run started; partition %d is open "
+                        "again", n, info["partition-id"])
+            alive = [m for m in spares.get(slot, []) if m in listed]
+            if alive:
+                spares[slot].remove(alive[0])
+                seen[slot], nodes[alive[0]] = alive[0], infos_of[alive[0]]
+
+
 def describe(link: Link, cfg: FlowerConfig, node_ids: list[int],
              expect: tuple[int | None, int | None] = (None, None)) -> Federation:
     """Ask every SuperNode which clients it holds (partition 0 also sends θ⁰); SuperNodes
     that connect later are asked too, until every partition has one or ``node-wait-timeout``
-    passed. A description the codec refuses (:func:`~partialfl.flower.codec.decode_describe`),
-    or one of another federation than the run's (:func:`_settled`; ``expect``: the number of
+    passed. The queries are answered as they come: a node that does not answer (within
+    ``max(round-timeout, node-wait-timeout)``: ClientApps may start slowly) never keeps the
+    server from asking the others. A node that leaves before the federation is settled gives
+    its partition back (to a node that described it too, or to the next one that does). A
+    description the codec refuses (:func:`~partialfl.flower.codec.decode_describe`), or one
+    of another federation than the run's (:func:`_settled`; ``expect``: the number of
     clients and the kind of problem the server's spec fixes, None where it does not), leaves
     its node out (a ``describe-invalid`` failure)."""
     request = RecordDict({"request": ConfigRecord({"init-partition": 0})})
     deadline = time.monotonic() + cfg.node_wait_timeout
+    wait = max(cfg.round_timeout, cfg.node_wait_timeout)  # for one node's answer
     nodes: dict[int, dict[str, Any]] = {}
     seen: dict[tuple, int] = {}  # (federation key, partition) -> node
+    spares: dict[tuple, list[int]] = {}  # (federation key, partition) -> other nodes with it
+    infos_of: dict[int, dict[str, Any]] = {}  # every node's accepted description
     asked: set[int] = set()
+    pending: dict[str, tuple[int, float]] = {}  # message id -> (node, until)
     failures: list[Failure] = []
     theta0s: dict[tuple, Params] = {}  # federation key -> θ⁰ its partition 0 sent
     last = ""  # the last refusal, for the error when no node is left
     raised: set[int] = set()  # nodes whose ClientApp raised (a node's own error: no retry)
+    relist = 0.0  # when to list the registered nodes again
     while True:
         new = [n for n in node_ids if n not in asked]
         asked.update(new)
-        # Starting ClientApps (Ray actors, processes, data) can take longer than a round.
-        ids, got = link.exchange([(n, "query.describe", request, -1) for n in new],
-                                 max(cfg.round_timeout, cfg.node_wait_timeout))
-        for node, mid in zip(new, ids):
+        now = time.monotonic()
+        for node, mid in zip(new, link.push([(n, "query.describe", request, -1)
+                                              for n in new]) if new else ()):
+            if mid:
+                pending[mid] = (node, now + wait)
+            else:
+                last = "the describe query could not be delivered"
+        got = link.pull(set(pending))
+        now = time.monotonic()
+        for mid in [m for m, (_, until) in pending.items() if m in got or until <= now]:
+            node, _ = pending.pop(mid)
             m = got.get(mid)
             if m is None or m.has_error():
                 reason = "no reply" if m is None else short(m.error.reason)
@@ -235,12 +270,14 @@ def describe(link: Link, cfg: FlowerConfig, node_ids: list[int],
                 failures.append(Failure(-1, "describe-invalid", -1, [], short(str(e))))
                 last = str(e)
                 continue
+            infos_of[node] = info
             if (key, p) in seen:
                 log.warning("SuperNodes %s and %s both hold partition %d; using %s",
                             seen[key, p], node, p, seen[key, p])
+                spares.setdefault((key, p), []).append(node)
                 continue
             seen[key, p], nodes[node] = node, info
-        final = time.monotonic() >= deadline
+        final = now >= deadline and not pending
         if _settled(nodes, seen, failures, expect, final):
             break
         infos = list(nodes.values())
@@ -248,15 +285,18 @@ def describe(link: Link, cfg: FlowerConfig, node_ids: list[int],
         held = {p for _, p in seen}
         missing = sorted(set(range(max(nparts))) - held) if nparts else None
         # every node there raised (e.g. its data not found): waiting cannot help
-        if final or (not nodes and len(raised) >= cfg.min_nodes):
+        if final or (not nodes and not pending and len(raised) >= cfg.min_nodes):
             why = f" (last refusal: {last[:300]})" if last else ""
             if missing is None:
                 raise RuntimeError(f"no SuperNode answered the describe query{why}")
             raise RuntimeError(f"no SuperNode holds partition(s) {missing} after "
                                f"{cfg.node_wait_timeout}s; partitions present: {sorted(held)}"
                                f"{why}")
-        time.sleep(min(1.0, 20 * cfg.poll_interval))
-        node_ids = sorted(int(n) for n in link.grid.get_node_ids())
+        time.sleep(cfg.poll_interval if pending else min(1.0, 20 * cfg.poll_interval))
+        if time.monotonic() >= relist or not pending:
+            relist = time.monotonic() + min(1.0, 20 * cfg.poll_interval)
+            node_ids = sorted(int(n) for n in link.grid.get_node_ids())
+            _forget_departed(set(node_ids), nodes, seen, spares, infos_of)
     infos = list(nodes.values())
     theta0 = theta0s.get(_federation_key(infos[0]))
     order = sorted(nodes, key=lambda n: int(nodes[n]["partition-id"]))
