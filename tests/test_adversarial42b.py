@@ -1,6 +1,9 @@
 """Adversarial round 42b (issue 21 areas 1, 3, 4, 7, 8, tried again from scratch by someone
-who did not write the fixes): the defects found, each a strict xfail that fails on the code it
-was written against (adv42b at 85262fc) because of the defect it names.
+who did not write the fixes): the defects found. Each test failed on the code it was written
+against (adv42b at 85262fc) because of the defect it names, and passes since the fix: a study
+refuses folder links below its ``--out``; the Flower engines resume a stage file only if this
+configuration wrote it (``read_params`` with the stage's identity, as in process); and a
+Flower submission's stale ``result.json`` / ``theta.npz`` are removed before it runs.
 
 * Area 8, a study never writes through a linked run folder: round 41b's
   :func:`partialfl.pipeline.run_files.refuse_linked_folders` refuses a folder link *below* a
@@ -144,8 +147,6 @@ def _killed(cwd: Path, data_dir, tail: str, *args: str):
 
 
 # -- area 8: a study never writes through a linked run folder below its --out ------------------
-@pytest.mark.xfail(strict=True, reason="a study writes its run through a planted seed=S link "
-                   "below --out (refuse_linked_folders checks only below each run's folder)")
 def test_a_study_never_writes_through_a_linked_run_folder(tmp_path, data_dir):
     (tmp_path / "a.toml").write_text(_CFG)
     st, victim = tmp_path / "st", tmp_path / "victim"
@@ -163,9 +164,6 @@ def test_a_study_never_writes_through_a_linked_run_folder(tmp_path, data_dir):
 
 
 # -- area 4: a Flower run resumed by another configuration ------------------------------------
-@pytest.mark.xfail(strict=True, reason="the Flower engines train stage 2 from a θ1 left by "
-                   "another configuration (flower/train.py loads stage1/theta.safetensors "
-                   "without its identity) and stamp the θ2 as this configuration's")
 def test_a_flower_run_never_trains_stage2_from_another_configurations_theta1(tmp_path,
                                                                               data_dir):
     pytest.importorskip("flwr")
@@ -214,9 +212,6 @@ server = { optimizer = "sgd", lr = "1/L" }
 """
 
 
-@pytest.mark.xfail(strict=True, reason="LocalFederation.run reads out-dir/result.json after "
-                   "`flwr run` exits 0 without checking it is this run's: a ServerApp that "
-                   "failed is reported with the result an earlier run left there")
 def test_a_failed_flower_run_never_reports_an_earlier_runs_result(tmp_path):
     pytest.importorskip("flwr")
     (tmp_path / "x.toml").write_text(_LS)

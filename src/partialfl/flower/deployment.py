@@ -16,6 +16,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import shutil
@@ -336,6 +337,9 @@ class LocalFederation:
         parsed = parse_run_config(cfg)  # a bad key fails here, with partialfl's message
         cfg.update({"spec": parsed.spec, "set": ""})  # the spec as one canonical string
         for attempt in range(restarts + 1):
+            for stale in ("result.json", "theta.npz"):  # only this submission's result counts
+                with contextlib.suppress(FileNotFoundError):
+                    (out / stale).unlink()
             args = ["flwr", "run", str(self.app_dir), "local", "--stream"]
             for k, v in cfg.items():
                 args += ["-c", f"{k}={_toml_value(v)}"]

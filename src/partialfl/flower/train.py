@@ -151,7 +151,13 @@ def run_flower_train(spec, out: str | Path, *, engine: str = "flower-sim",
     ``overwrite``: a finished run in ``out`` is replaced (the files it wrote), else refused —
     once the spec and the Flower options were checked and the federation answered."""
     from partialfl.build import build
-    from partialfl.pipeline.files import THETA1, THETA2, stage1_identity, stage2_identity
+    from partialfl.pipeline.files import (
+        THETA1,
+        THETA2,
+        read_params,
+        stage1_identity,
+        stage2_identity,
+    )
     from partialfl.pipeline.train import claim_out, format_plan, run_built
 
     if federation is None:
@@ -180,22 +186,24 @@ def run_flower_train(spec, out: str | Path, *, engine: str = "flower-sim",
         out.mkdir(parents=True, exist_ok=True)
         refuse_linked_folders(out)  # no write may leave the run folder through a link
         record_start(out)  # the user's own files already there (--overwrite keeps them)
-        if eff.pretrain.rounds > 0 and not (s1 / THETA1).exists():
+        # a stage file is resumed from only if this configuration wrote it (as in process)
+        id1 = stage1_identity(eff, run.task.name)
+        id2 = stage2_identity({**eff.identity(), "task": run.task.name})
+        if eff.pretrain.rounds > 0 and read_params(s1, THETA1, identity=id1) is None:
             rep = fed.run(stage_run_config(spec, "pretrain", **_audit(extra, "stage1")),
                           timeout=timeout,
                           out_dir=s1 / "flower", progress="pretrain" if progress else None)
-            _stage_files(s1, "stage1", THETA1, rep, stage1_identity(eff, run.task.name))
+            _stage_files(s1, "stage1", THETA1, rep, id1)
         theta1 = s1 / "theta.npz"
         if eff.pretrain.rounds > 0:
-            _npz(theta1, pio.load_tensors(s1 / THETA1, "θ1")[0])
-        if eff.personalize.rounds > 0 and not (out / THETA2).exists():
+            _npz(theta1, read_params(s1, THETA1, identity=id1))
+        if eff.personalize.rounds > 0 and read_params(out, THETA2, identity=id2) is None:
             init = theta1 if eff.pretrain.rounds > 0 else None
             rep = fed.run(stage_run_config(spec, "personalize", init,
                                            **_audit(extra, "stage2")),
                           timeout=timeout, out_dir=out / "flower",
                           progress="personalize" if progress else None)
-            _stage_files(out, "stage2", THETA2, rep,
-                         stage2_identity({**eff.identity(), "task": run.task.name}))
+            _stage_files(out, "stage2", THETA2, rep, id2)
     metrics = run_built(run, out, progress=False, config=config)  # stage 3: 1 and 2 are done
     where = (f" of the SuperLink at {superlink}" if superlink else
              f" ({getattr(fed, 'description', '')})" if federation is not None else "")

@@ -193,6 +193,7 @@ def run_study(config: str | Path, out: str | Path, *, seeds: Sequence[int],
     or '') in index order.
     Every run's spec is validated before anything is written or started."""
     from partialfl.pipeline.jobs import run_jobs
+    from partialfl.pipeline.run_files import refuse_linked_folders
     from partialfl.pipeline.train import finished, removal_cut_short
 
     out = Path(out)
@@ -208,6 +209,8 @@ def run_study(config: str | Path, out: str | Path, *, seeds: Sequence[int],
     if runs and len(kept) == len(runs):
         raise FileExistsError(f"{out} holds this study, finished; pass --overwrite to run it "
                               "again (or choose another --out)")
+    if out.exists():  # a run folder (or one below it) that is a link: writes would leave out
+        refuse_linked_folders(out)
     write_index(out, config, seeds, sweep, runs)
     todo = [{"config": str(config), "sets": run_sets(r, sets), "out": str(out / r["folder"]),
              "label": r["folder"], "device": device, "allow_code": allow_code,
