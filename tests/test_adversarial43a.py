@@ -1,6 +1,9 @@
 """Adversarial round 43a (issue 21, areas 2, 5 and 6, tried again from scratch by someone who
-did not write the fixes). Each test fails on the code it was written against (adv43a at
-7247fea) because of the defect it names.
+did not write the fixes). Each test failed on the code it was written against (adv43a at
+7247fea) because of the defect it names, and passes since the fix: ``describe`` asks a node
+again when it is listed again under its id after going offline, and a node answering with an
+error is left out like a silent one (discovery goes on until every partition is held or
+node-wait-timeout passed).
 
 Both are in the ServerApp's discovery of its federation,
 :func:`partialfl.flower.federation.describe`, as rewritten in round 42a (answers collected
@@ -100,9 +103,6 @@ class _BackUnderItsIdGrid(LoopbackGrid):
         return {1: [1000], 2: []}.get(self.calls, [1000, 1001])
 
 
-@pytest.mark.xfail(strict=True, reason="describe forgets a node missing from one listing and "
-                   "never asks it again when it is listed again under the same id: "
-                   "'no SuperNode holds partition(s) [0]'")
 def test_a_node_back_online_under_its_id_serves_its_partition(loopback, tmp_path):  # noqa: F811
     """Found: "SuperNode 1000 left before the run started; partition 0 is open again", only
     1001 is asked afterwards, and the run ends in RuntimeError: no SuperNode holds
@@ -143,14 +143,12 @@ class _RaisingFirstGrid(LoopbackGrid):
         return ids
 
 
-@pytest.mark.xfail(strict=True, reason="describe stops at once when the nodes listed so far "
-                   "all raised (min-nodes=1: one raising stranger), without listing again: "
-                   "'no SuperNode answered the describe query'")
 def test_one_raising_node_does_not_stop_discovery(loopback, tmp_path):  # noqa: F811
     """Found: RuntimeError: no SuperNode answered the describe query (last refusal:
     ValueError: not today) after one pass; nodes 1000 and 1001 are never asked.
     Expected: the stranger is left out, the honest nodes are asked and the run trains."""
     grid = _RaisingFirstGrid()
     err = _run(grid, tmp_path / "out", **{"node-wait-timeout": 3.0, "round-timeout": 3.0})
-    assert {1000, 1001} <= set(_asked(grid)),         f"the honest nodes were never asked ({err}; asked {_asked(grid)})"
+    assert {1000, 1001} <= set(_asked(grid)), \
+        f"the honest nodes were never asked ({err}; asked {_asked(grid)})"
     assert err is None, err

@@ -207,10 +207,10 @@ def test_flower_report_prints_a_summary_not_theta():
 def test_local_federation_progress_echoes_the_server_round_lines(capfd, tmp_path):
     import sys
 
-    from partialfl.flower.deployment import _run_echoing
+    from partialfl.flower.env import run_echoing
 
     code = "print('INFO : partialfl: {\"round\": 1}'); print('noise'); raise SystemExit(3)"
-    proc = _run_echoing([sys.executable, "-c", code], None, tmp_path, 60, "stage1")
+    proc = run_echoing([sys.executable, "-c", code], None, tmp_path, 60, "stage1")
     assert proc.returncode == 3 and "noise" in proc.stdout and "partialfl:" in proc.stdout
     err = capfd.readouterr().err
     assert '[stage1] {"round": 1}' in err and "noise" not in err

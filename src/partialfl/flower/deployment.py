@@ -32,7 +32,7 @@ from pathlib import Path
 from typing import Any
 
 from partialfl.flower.config import parse_run_config
-from partialfl.flower.env import FlowerRunError, die_with_parent, flower_env
+from partialfl.flower.env import FlowerRunError, die_with_parent, flower_env, run_echoing
 from partialfl.flower.node import ALLOW_IMPORTS_ENV, NOISE_KEY_ENV
 from partialfl.flower.project import _toml_value, write_app
 
@@ -346,7 +346,7 @@ class LocalFederation:
             if self.simulation:
                 args += ["--federation-config", f"num-supernodes={self.num_supernodes}"]
             if progress:
-                proc = _run_echoing(args, self.env, self.work_dir, timeout, progress)
+                proc = run_echoing(args, self.env, self.work_dir, timeout, progress)
             else:
                 proc = subprocess.run(args, env=self.env, cwd=self.work_dir,
                                       capture_output=True, text=True, timeout=timeout,
@@ -442,35 +442,6 @@ def _has_checkpoint(out: Path) -> bool:
     from partialfl.flower.jobs import ASYNC_CHECKPOINT
 
     return (out / SYNC_CHECKPOINT).is_file() or (out / ASYNC_CHECKPOINT).is_file()
-
-
-def _run_echoing(args: list[str], env, cwd, timeout: float, label: str
-                 ) -> subprocess.CompletedProcess:
-    """``subprocess.run(args)`` that also prints the ServerApp's ``partialfl:`` log lines
-    (one per round) to stderr as they arrive, prefixed with ``label``."""
-    import threading
-
-    proc = subprocess.Popen(args, env=env, cwd=cwd, stdout=subprocess.PIPE,
-                            stderr=subprocess.STDOUT, text=True, preexec_fn=die_with_parent())
-    lines: list[str] = []
-
-    def pump() -> None:
-        for line in proc.stdout:
-            lines.append(line)
-            if "partialfl:" in line:
-                print(f"[{label}] {line.split('partialfl:', 1)[1].strip()}", file=sys.stderr,
-                      flush=True)
-
-    reader = threading.Thread(target=pump, daemon=True)
-    reader.start()
-    try:
-        rc = proc.wait(timeout)
-    except BaseException:  # a timeout or Ctrl-C: the submission stops too
-        proc.kill()
-        proc.wait()
-        raise
-    reader.join(10)
-    return subprocess.CompletedProcess(args, rc, "".join(lines), "")
 
 
 def _group_members(pgid: int) -> list[int]:

@@ -25,6 +25,8 @@ used to be looked up from the SuperNode's folder and fail there).
 from __future__ import annotations
 
 import os
+import subprocess
+import sys
 from pathlib import Path
 
 
@@ -130,3 +132,32 @@ def die_with_parent():
             os.kill(os.getpid(), signal.SIGTERM)
 
     return preexec
+
+
+def run_echoing(args: list[str], env, cwd, timeout: float, label: str
+                 ) -> subprocess.CompletedProcess:
+    """``subprocess.run(args)`` that also prints the ServerApp's ``partialfl:`` log lines
+    (one per round) to stderr as they arrive, prefixed with ``label``."""
+    import threading
+
+    proc = subprocess.Popen(args, env=env, cwd=cwd, stdout=subprocess.PIPE,
+                            stderr=subprocess.STDOUT, text=True, preexec_fn=die_with_parent())
+    lines: list[str] = []
+
+    def pump() -> None:
+        for line in proc.stdout:
+            lines.append(line)
+            if "partialfl:" in line:
+                print(f"[{label}] {line.split('partialfl:', 1)[1].strip()}", file=sys.stderr,
+                      flush=True)
+
+    reader = threading.Thread(target=pump, daemon=True)
+    reader.start()
+    try:
+        rc = proc.wait(timeout)
+    except BaseException:  # a timeout or Ctrl-C: the submission stops too
+        proc.kill()
+        proc.wait()
+        raise
+    reader.join(10)
+    return subprocess.CompletedProcess(args, rc, "".join(lines), "")

@@ -191,11 +191,13 @@ def _settled(nodes: dict[int, dict[str, Any]], seen: dict[tuple, int],
 
 def _forget_departed(listed: set[int], nodes: dict[int, dict[str, Any]],
                      seen: dict[tuple, int], spares: dict[tuple, list[int]],
-                     infos_of: dict[int, dict[str, Any]]) -> None:
-    """Before the federation is settled: a described node no longer registered gives its
-    partition back, to a registered node that described it too, else to the next one that
-    does (a SuperNode restarting without authentication gets a new id)."""
+                     infos_of: dict[int, dict[str, Any]], asked: set[int]) -> None:
+    """Before the federation is settled: a described node no longer listed (offline) gives
+    its partition back, to a listed node that described it too, else to the next one that
+    does (a SuperNode restarting without authentication gets a new id); listed again under
+    its id, it is asked again."""
     for n in [n for n in nodes if n not in listed]:
+        asked.discard(n)
         info = nodes.pop(n)
         slot = (_federation_key(info), info["partition-id"])
         if seen.get(slot) == n:
@@ -232,7 +234,6 @@ def describe(link: Link, cfg: FlowerConfig, node_ids: list[int],
     failures: list[Failure] = []
     theta0s: dict[tuple, Params] = {}  # federation key -> θ⁰ its partition 0 sent
     last = ""  # the last refusal, for the error when no node is left
-    raised: set[int] = set()  # nodes whose ClientApp raised (a node's own error: no retry)
     relist = 0.0  # when to list the registered nodes again
     while True:
         new = [n for n in node_ids if n not in asked]
@@ -254,8 +255,6 @@ def describe(link: Link, cfg: FlowerConfig, node_ids: list[int],
                 log.warning("SuperNode %s did not describe itself (%s); it is left out", node,
                             reason)
                 last = reason.strip().splitlines()[-1] if reason.strip() else last
-                if m is not None:
-                    raised.add(node)
                 continue
             try:
                 info = decode_describe(m.content)
@@ -284,8 +283,9 @@ def describe(link: Link, cfg: FlowerConfig, node_ids: list[int],
         nparts = {i["num-partitions"] for i in infos}
         held = {p for _, p in seen}
         missing = sorted(set(range(max(nparts))) - held) if nparts else None
-        # every node there raised (e.g. its data not found): waiting cannot help
-        if final or (not nodes and not pending and len(raised) >= cfg.min_nodes):
+        # (nodes that raised, e.g. their data not found, are left out like silent ones: a
+        # stranger answering first with an error never stops the others from being asked)
+        if final:
             why = f" (last refusal: {last[:300]})" if last else ""
             if missing is None:
                 raise RuntimeError(f"no SuperNode answered the describe query{why}")
@@ -296,7 +296,7 @@ def describe(link: Link, cfg: FlowerConfig, node_ids: list[int],
         if time.monotonic() >= relist or not pending:
             relist = time.monotonic() + min(1.0, 20 * cfg.poll_interval)
             node_ids = sorted(int(n) for n in link.grid.get_node_ids())
-            _forget_departed(set(node_ids), nodes, seen, spares, infos_of)
+            _forget_departed(set(node_ids), nodes, seen, spares, infos_of, asked)
     infos = list(nodes.values())
     theta0 = theta0s.get(_federation_key(infos[0]))
     order = sorted(nodes, key=lambda n: int(nodes[n]["partition-id"]))

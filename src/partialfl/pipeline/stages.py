@@ -54,6 +54,7 @@ loss such as :func:`partialfl.lm.token_cross_entropy`, a masked metric and, if n
 from __future__ import annotations
 
 import json
+import math
 import time
 import warnings
 from collections.abc import Callable
@@ -213,7 +214,7 @@ def pretrain(cfg: RunSpec, task: Task, stage1_dir: Path, progress: bool | str = 
                      validation=cfg.validation is not None,
                      max_failure_fraction=cfg.max_failure_fraction)
     theta = _host(res.state.theta)
-    _check_finite(theta, "stage 1")
+    _check_finite(theta, "stage 1", res.history)
     # the budget first, θ last: θ marks the stage done, so a kill between the two files
     # reruns the stage (resumed from its checkpoint) and writes both again (as in stage 2)
     write_json(stage1_dir / "timing.json", {"seconds": time.perf_counter() - t0,
@@ -263,7 +264,7 @@ def personalize(cfg: RunSpec, task: Task, theta1: Params, run_dir: Path,
                      validation=cfg.validation is not None,
                      max_failure_fraction=cfg.max_failure_fraction)
     theta = {n: v.detach().clone() for n, v in res.state.theta.items()}
-    _check_finite(theta, "stage 2")
+    _check_finite(theta, "stage 2", res.history)
     if res.client_state is not None:
         save_stage(run_dir / CLIENT_STATE, _host(res.client_state), ident,
                    {"side": "client", "note": "client-side state: stays on the clients"})
@@ -462,12 +463,23 @@ def _check_stage2_folder(cfg: RunSpec, task: Task, run_dir: Path, s2dir: Path) -
     check_or_write_json(record, mine, "stage 2")
 
 
-def _check_finite(theta: Params, stage: str) -> None:
-    """A diverged stage is not hidden: warn (the CLI exits non-zero on it)."""
+def _check_finite(theta: Params, stage: str, history: list[dict] | None = None) -> None:
+    """A diverged stage is not hidden: warn when θ is not finite, or when the stage's last
+    evaluation has a loss that is not finite (θ finite but blown up); a run whose final
+    losses are not finite then says so and exits non-zero (``train_report.divergence_line``).
+    """
     bad = [n for n, v in theta.items() if not torch.isfinite(v).all()]
     if bad:
         warnings.warn(f"{stage} diverged: θ has non-finite values in {bad[:4]}; lower the "
                       "learning rates", RuntimeWarning, stacklevel=3)
+        return
+    last = next((r for r in reversed(history or []) if "test_loss" in r or "eval_loss" in r),
+                {})
+    losses = [k for k in ("test_loss", "eval_loss") if isinstance(last.get(k), int | float)
+              and not math.isfinite(last[k])]
+    if losses:
+        warnings.warn(f"{stage} diverged: its last {', '.join(losses)} is not finite (θ blew "
+                      "up); lower the learning rates", RuntimeWarning, stacklevel=3)
 
 
 
