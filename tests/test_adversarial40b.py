@@ -189,6 +189,7 @@ def test_a_kill_during_the_first_write_leaves_no_temporary_file(tmp_path, data_d
 
 
 # -- area 8: --overwrite / the finished-run refusal on the Flower engines ---------------------
+@pytest.mark.slow  # a Flower simulation through the CLI (tens of seconds)
 @pytest.mark.parametrize("case", ["same-config-refused", "changed-config-overwrite"])
 def test_the_flower_engine_refuses_or_overwrites_a_finished_run(tmp_path, data_dir, case):
     pytest.importorskip("flwr")

@@ -172,6 +172,7 @@ def test_a_study_resumed_after_a_kill_during_overwrite_finishes(tmp_path, data_d
 
 
 # -- area 8: a bad Flower config with --overwrite deletes the finished run first --------------
+@pytest.mark.slow  # a Flower simulation through the CLI (tens of seconds)
 @pytest.mark.parametrize("bad", [("--supernodes", "50"), ("--flower", "secagg=maybe")])
 def test_a_refused_flower_config_keeps_the_finished_run(tmp_path, data_dir, bad):
     pytest.importorskip("flwr")

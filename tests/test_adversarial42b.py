@@ -164,6 +164,7 @@ def test_a_study_never_writes_through_a_linked_run_folder(tmp_path, data_dir):
 
 
 # -- area 4: a Flower run resumed by another configuration ------------------------------------
+@pytest.mark.slow  # a Flower simulation through the CLI (tens of seconds)
 def test_a_flower_run_never_trains_stage2_from_another_configurations_theta1(tmp_path,
                                                                               data_dir):
     pytest.importorskip("flwr")
@@ -212,6 +213,7 @@ server = { optimizer = "sgd", lr = "1/L" }
 """
 
 
+@pytest.mark.slow  # a Flower simulation through the CLI (tens of seconds)
 def test_a_failed_flower_run_never_reports_an_earlier_runs_result(tmp_path):
     pytest.importorskip("flwr")
     (tmp_path / "x.toml").write_text(_LS)

@@ -46,8 +46,6 @@ import subprocess
 import sys
 from pathlib import Path
 
-import pytest
-
 SRC = str(Path(__file__).resolve().parents[1] / "src")
 
 _CFG = """\

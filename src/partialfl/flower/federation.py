@@ -234,6 +234,7 @@ def describe(link: Link, cfg: FlowerConfig, node_ids: list[int],
     failures: list[Failure] = []
     theta0s: dict[tuple, Params] = {}  # federation key -> θ⁰ its partition 0 sent
     last = ""  # the last refusal, for the error when no node is left
+    raised: set[int] = set()  # nodes whose ClientApp raised (a node's own error: no retry)
     relist = 0.0  # when to list the registered nodes again
     while True:
         new = [n for n in node_ids if n not in asked]
@@ -255,6 +256,8 @@ def describe(link: Link, cfg: FlowerConfig, node_ids: list[int],
                 log.warning("SuperNode %s did not describe itself (%s); it is left out", node,
                             reason)
                 last = reason.strip().splitlines()[-1] if reason.strip() else last
+                if m is not None:
+                    raised.add(node)
                 continue
             try:
                 info = decode_describe(m.content)
@@ -283,8 +286,6 @@ def describe(link: Link, cfg: FlowerConfig, node_ids: list[int],
         nparts = {i["num-partitions"] for i in infos}
         held = {p for _, p in seen}
         missing = sorted(set(range(max(nparts))) - held) if nparts else None
-        # (nodes that raised, e.g. their data not found, are left out like silent ones: a
-        # stranger answering first with an error never stops the others from being asked)
         if final:
             why = f" (last refusal: {last[:300]})" if last else ""
             if missing is None:
@@ -297,6 +298,13 @@ def describe(link: Link, cfg: FlowerConfig, node_ids: list[int],
             relist = time.monotonic() + min(1.0, 20 * cfg.poll_interval)
             node_ids = sorted(int(n) for n in link.grid.get_node_ids())
             _forget_departed(set(node_ids), nodes, seen, spares, infos_of, asked)
+            # every node listed now (listed again after the last answer) raised, e.g. its data
+            # not found: waiting cannot help. A node that raised while others were still
+            # connecting never stops them from being asked (they are listed by then).
+            if not nodes and not pending and node_ids and set(node_ids) <= raised and \
+                    len(raised) >= cfg.min_nodes:
+                raise RuntimeError("no SuperNode answered the describe query (last refusal: "
+                                   f"{last[:300]})")
     infos = list(nodes.values())
     theta0 = theta0s.get(_federation_key(infos[0]))
     order = sorted(nodes, key=lambda n: int(nodes[n]["partition-id"]))
