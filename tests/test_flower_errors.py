@@ -4,6 +4,7 @@ one line — and stage 1 is labelled FedAvg."""
 
 from __future__ import annotations
 
+import logging
 import os
 import time
 from pathlib import Path
@@ -199,3 +200,33 @@ def test_a_superlink_restart_restarts_every_supernode_after_it_signs_off(tmp_pat
     finally:
         fed.close()
     assert fed.alive_groups() == []
+
+
+def test_a_nodes_error_text_cannot_add_lines_to_the_servers_log(loopback, caplog):
+    """A node's error text went into the ServerApp's log as it came: its line breaks forged
+    log lines of their own (``WARNING partialfl: ...``) and its terminal escapes reached the
+    operator's terminal. Each is now written as its escape, on the failure's one line."""
+    pytest.importorskip("flwr")
+    from _flower_sims import ls_run
+    from flwr.app import Error, Message
+
+    from partialfl.flower.client import app
+    from partialfl.flower.report import printable, short
+    from partialfl.flower.server import run_server
+
+    forged = "bad\nWARNING partialfl: round 1: all is well\r\x1b[2J\u2028done"
+
+    def hostile(msg, ctx):
+        if ctx.node_config["partition-id"] == 1 and msg.metadata.message_type == "train":
+            return Message(Error(0, forged), reply_to=msg)
+        return app(msg, ctx)
+
+    with caplog.at_level(logging.WARNING, logger="partialfl"):
+        rep = run_server(loopback(2, client_app=hostile), ls_run(1))
+    assert rep.failures and rep.failures[0].partition == 1
+    logged = [r.getMessage() for r in caplog.records if "bad" in r.getMessage()]
+    assert logged, "the node's failure was not logged"
+    for text in logged + [f.reason for f in rep.failures]:
+        assert not any(c in text for c in "\n\r\x1b\u2028"), repr(text)
+        assert "bad\\nWARNING partialfl" in text and "\\x1b[2J" in text
+    assert printable("a\tb\x00") == "a\\tb\\x00" and short("x\n" * 400).count("\n") == 0

@@ -16,7 +16,7 @@ from flwr.serverapp import Grid
 
 from partialfl.flower.codec import WireFormatError, decode_describe, decode_theta0
 from partialfl.flower.config import ConfigError, FlowerConfig
-from partialfl.flower.report import Failure, log, short
+from partialfl.flower.report import Failure, last_line, log, short
 from partialfl.types import Params
 
 MessageHook = Callable[[Message], None]
@@ -255,7 +255,7 @@ def describe(link: Link, cfg: FlowerConfig, node_ids: list[int],
                 reason = "no reply" if m is None else short(m.error.reason)
                 log.warning("SuperNode %s did not describe itself (%s); it is left out", node,
                             reason)
-                last = reason.strip().splitlines()[-1] if reason.strip() else last
+                last = (last_line(m.error.reason) if m is not None else reason) or last
                 if m is not None:
                     raised.add(node)
                 continue

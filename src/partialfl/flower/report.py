@@ -180,10 +180,25 @@ def failure_cause(*texts: str) -> str | None:
     return None
 
 
+def printable(text: str) -> str:
+    """``text`` on one line: every character that is not printable (line breaks, terminal
+    escapes, other control or format characters) written as its Python escape, so that a
+    node's text can neither add a line to the ServerApp's log nor rewrite the terminal."""
+    return "".join(c if c.isprintable() else c.encode("unicode_escape").decode("ascii")
+                   for c in str(text))
+
+
+def last_line(reason: str) -> str:
+    """The last non-blank line of a node's reason (the error of a traceback), printable."""
+    lines = [x for x in node_reason(str(reason)).splitlines() if x.strip()]
+    return printable(lines[-1].strip()) if lines else ""
+
+
 def short(reason: str, n: int = 600) -> str:
-    """Long reasons (e.g. a remote traceback) keep their head and their tail (the error);
-    Flower's wrapping of a ClientApp's exception is unwrapped (:func:`node_reason`)."""
-    reason = node_reason(str(reason)).strip()
+    """A node's reason on one printable line (:func:`printable`); long ones (e.g. a remote
+    traceback) keep their head and their tail (the error); Flower's wrapping of a ClientApp's
+    exception is unwrapped (:func:`node_reason`)."""
+    reason = printable(node_reason(str(reason)).strip())
     return reason if len(reason) <= n else f"{reason[:200]} ... {reason[-(n - 205):]}"
 
 
