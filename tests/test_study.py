@@ -229,3 +229,16 @@ def test_evaluate_refuses_a_symlinked_deploy_file(tmp_path, user_module, capsys)
     assert main(["evaluate", str(table), "--no-progress"]) == 2
     err = capsys.readouterr().err
     assert "seed1/linked" in err and "symbolic link" in err
+
+
+def test_the_comparison_plot_marks_a_group_with_a_diverged_run(tmp_path):
+    """compare.md warned of a diverged run but compare.png drew it like any other group."""
+    from partialfl.pipeline.compare import _plot
+    from partialfl.stats import accuracy_interval
+
+    iv = accuracy_interval([[8, 9, 7]], [[10, 10, 10]], seed=0)
+    drawn = _plot(tmp_path / "c.png", {"Training clients": {"ffgg": iv, "fedavg": iv}},
+                  {"fedavg"})
+    assert drawn == ["ffgg", "fedavg (diverged)"]
+    assert (tmp_path / "c.png").stat().st_size > 1000
+    assert _plot(tmp_path / "d.png", {"Training clients": {"ffgg": iv}}) == ["ffgg"]

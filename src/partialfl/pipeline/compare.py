@@ -165,6 +165,7 @@ def compare(paths: Sequence[str | Path], out: str | Path, *, baseline: str | Non
                              for lab, g in groups.items()]), ""]
     diverged = [f"`{r['folder']}`" for g in groups.values() for r in g
                 if divergence_line(r["metrics"])]
+    bad = {lab for lab, g in groups.items() if any(divergence_line(r["metrics"]) for r in g)}
     if diverged:
         lines += [f"**Warning: {len(diverged)} run(s) diverged (final loss not finite): "
                   f"{', '.join(diverged)}; their accuracies are those of diverged models.**",
@@ -186,8 +187,9 @@ def compare(paths: Sequence[str | Path], out: str | Path, *, baseline: str | Non
         intervals[title] = _intervals(counts, seed)
     out = Path(out)
     out.mkdir(parents=True, exist_ok=True)
-    _plot(out / "compare.png", intervals)
-    lines.append("Plot: `compare.png` (accuracy with its 95% interval per group).")
+    _plot(out / "compare.png", intervals, bad)
+    lines.append("Plot: `compare.png` (accuracy with its 95% interval per group"
+                 + ("; groups with a diverged run in red, marked 'diverged')." if bad else ")."))
     pio.write_text(out / "compare.md", "\n".join(lines) + "\n")
     return out / "compare.md"
 
@@ -199,7 +201,10 @@ def _intervals(counts: dict[str, tuple | None], seed: int) -> dict[str, Any]:
             if c is not None}
 
 
-def _plot(path: Path, panels: dict[str, dict[str, Any]]) -> None:
+def _plot(path: Path, panels: dict[str, dict[str, Any]], diverged: set[str] = frozenset()
+          ) -> list[str]:
+    """Each panel's accuracies with their intervals; a group in ``diverged`` (one of its
+    runs diverged) is drawn in red and labelled so. Returns the labels drawn."""
     import matplotlib
 
     matplotlib.use("Agg")
@@ -210,11 +215,15 @@ def _plot(path: Path, panels: dict[str, dict[str, Any]]) -> None:
         [len(p) for p in panels.values()] or [1]) + 1.8), squeeze=False)
     for ax, (title, ivs) in zip(axes[0], panels.items()):
         labels = list(ivs)
-        est = [100 * ivs[k].estimate for k in labels]
-        lo = [100 * (ivs[k].estimate - ivs[k].low) for k in labels]
-        hi = [100 * (ivs[k].high - ivs[k].estimate) for k in labels]
-        ax.errorbar(est, range(len(labels)), xerr=[lo, hi], fmt="o", capsize=4)
-        ax.set_yticks(range(len(labels)), labels, fontsize=8)
+        for i, k in enumerate(labels):
+            iv = ivs[k]
+            ax.errorbar([100 * iv.estimate], [i], xerr=[[100 * (iv.estimate - iv.low)],
+                                                         [100 * (iv.high - iv.estimate)]],
+                        fmt="o", capsize=4, color="tab:red" if k in diverged else "tab:blue")
+        drawn = [f"{k} (diverged)" if k in diverged else k for k in labels]
+        ax.set_yticks(range(len(labels)), drawn, fontsize=8)
+        for tick, k in zip(ax.get_yticklabels(), labels):
+            tick.set_color("tab:red" if k in diverged else "black")
         ax.set_ylim(len(labels) - 0.5, -0.5)
         ax.set_xlabel("pooled test accuracy (%), 95% interval")
         ax.set_title(title, fontsize=10)
@@ -222,6 +231,7 @@ def _plot(path: Path, panels: dict[str, dict[str, Any]]) -> None:
     fig.tight_layout()
     pio.savefig(fig, path, dpi=120)
     plt.close(fig)
+    return [t for ax in axes[0] for t in (x.get_text() for x in ax.get_yticklabels())]
 
 
 __all__ = ["compare", "group_runs", "load_runs"]
