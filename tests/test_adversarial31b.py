@@ -4,44 +4,11 @@ against (adv31b at b9479e4) because of the defect it names, and passes since the
 
 from __future__ import annotations
 
-import os
-import subprocess
-import sys
-from pathlib import Path
+from _adv_cli import cli as _cli
+from _adv_cli import femnist_toml
 
-SRC = str(Path(__file__).resolve().parents[1] / "src")
-
-_TINY = """\
-name = "tiny"
-stages = ["personalize"]
-seed = 0
-device = "cpu"
-backend = "sequential"
-[model]
-name = "emnist_cnn"
-[data]
-source = "femnist"
-num_clients = 4
-holdout = 0
-[method]
-algorithm = "ffgg"
-split = "output"
-[personalize]
-rounds = 1
-clients_per_round = 2
-client = { lr = 0.01, epochs = 1, batch_size = 64 }
-server = { optimizer = "sgd", lr = 0.05 }
-[logging]
-tensorboard = false
-progress = false
-"""
-
-
-def _cli(tmp_path: Path, data_dir, *args: str, timeout: float = 60.0):
-    env = {**os.environ, "PYTHONPATH": SRC, "PARTIALFL_DATA_DIR": str(data_dir)}
-    env.pop("PARTIALFL_ALLOW_CODE", None)
-    return subprocess.run([sys.executable, "-m", "partialfl", *args], cwd=tmp_path, env=env,
-                          capture_output=True, text=True, timeout=timeout)
+_TINY = femnist_toml("tiny", clients_per_round=2, batch_size=64, eval_every=False,
+                     finetune=False)
 
 
 # -- area 6 / 8: a study's up-front check does not apply the code opt-in ---------------------

@@ -66,15 +66,8 @@ import sys
 from pathlib import Path
 
 import pytest
-
-SRC = str(Path(__file__).resolve().parents[1] / "src")
-
-
-def _cli(cwd: Path, data_dir, *args: str, timeout: float = 150.0):
-    env = {**os.environ, "PYTHONPATH": SRC, "PARTIALFL_DATA_DIR": str(data_dir)}
-    env.pop("PARTIALFL_ALLOW_CODE", None)
-    return subprocess.run([sys.executable, "-m", "partialfl", *args], cwd=cwd, env=env,
-                          capture_output=True, text=True, timeout=timeout)
+from _adv_cli import SRC, femnist_toml
+from _adv_cli import cli as _cli
 
 
 # -- area 7/8: a store's femnist-table record of the wrong form -------------------------------
@@ -111,35 +104,7 @@ def test_a_store_with_a_malformed_table_record_is_one_line(tmp_path, record):
 
 
 # -- area 8: a run whose θ blew up (finite) and whose loss is NaN ends "fine" ----------------
-_BLOWING_UP = """\
-name = "div"
-stages = ["personalize"]
-seed = 0
-device = "cpu"
-backend = "sequential"
-[model]
-name = "emnist_cnn"
-[data]
-source = "femnist"
-num_clients = 4
-holdout = 0
-[method]
-algorithm = "ffgg"
-split = "output"
-[personalize]
-rounds = 3
-clients_per_round = 4
-eval_every = 1
-client = { lr = 0.01, epochs = 1, batch_size = 32 }
-server = { optimizer = "sgd", lr = 1e30 }
-[finetune]
-lr = 0.01
-epochs = 1
-batch_size = 32
-[logging]
-tensorboard = false
-progress = false
-"""
+_BLOWING_UP = femnist_toml("div", lr="1e30", rounds=3)
 
 
 def test_a_run_whose_loss_became_nan_says_it_diverged(tmp_path, data_dir):

@@ -65,80 +65,18 @@ killed; task_timeout=None is a known non-defect).
 from __future__ import annotations
 
 import json
-import os
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
+from _adv_cli import cli as _cli
+from _adv_cli import femnist_toml, killed
 
-SRC = str(Path(__file__).resolve().parents[1] / "src")
-
-_CFG = """\
-name = "ow"
-stages = ["personalize"]
-seed = 0
-device = "cpu"
-backend = "sequential"
-[model]
-name = "emnist_cnn"
-[data]
-source = "femnist"
-num_clients = 4
-holdout = 0
-[method]
-algorithm = "ffgg"
-split = "output"
-[personalize]
-rounds = 1
-clients_per_round = 4
-eval_every = 1
-client = { lr = 0.01, epochs = 1, batch_size = 32 }
-server = { optimizer = "sgd", lr = LR }
-[finetune]
-lr = 0.01
-epochs = 1
-batch_size = 32
-[logging]
-tensorboard = false
-progress = false
-"""
-
-# a driver that SIGKILLs itself at one file-system call (the instant is the same everywhere)
-_KILL_AT = """\
-import os, shutil, signal, sys
-what, name = os.environ["KILL_CALL"], os.environ["KILL_NAME"]
-def hooked(real, arg):
-    def f(p, *a, **k):
-        if os.path.basename(str(p if arg == 0 else a[0])) == name:
-            os.kill(os.getpid(), signal.SIGKILL)
-        return real(p, *a, **k)
-    return f
-if what == "unlink":
-    os.unlink = hooked(os.unlink, 0)
-elif what == "replace":
-    os.replace = hooked(os.replace, 1)
-import partialfl.cli as cli
-sys.exit(cli.main(sys.argv[1:]))
-"""
+_CFG = femnist_toml(lr="LR")
 
 
-def _env(data_dir, **extra):
-    env = {**os.environ, "PYTHONPATH": SRC, "PARTIALFL_DATA_DIR": str(data_dir), **extra}
-    env.pop("PARTIALFL_ALLOW_CODE", None)
-    return env
-
-
-def _cli(cwd: Path, data_dir, *args: str, timeout: float = 170.0):
-    return subprocess.run([sys.executable, "-m", "partialfl", *args], cwd=cwd,
-                          env=_env(data_dir), capture_output=True, text=True, timeout=timeout)
-
-
-def _killed(cwd: Path, data_dir, call: str, name: str, *args: str):
-    (cwd / "kill_at.py").write_text(_KILL_AT)
-    return subprocess.run([sys.executable, str(cwd / "kill_at.py"), *args], cwd=cwd,
-                          env=_env(data_dir, KILL_CALL=call, KILL_NAME=name),
-                          capture_output=True, text=True, timeout=170)
+def _killed(cwd, data_dir, call: str, name: str, *args: str):
+    """The command killed at ``call`` on the file named ``name``."""
+    return killed(cwd, data_dir, call, "/" + name, *args)
 
 
 def _configs(tmp_path: Path) -> tuple[str, str]:

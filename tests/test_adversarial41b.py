@@ -67,81 +67,12 @@ the same as an unfinished run).
 
 from __future__ import annotations
 
-import os
-import subprocess
-import sys
-from pathlib import Path
-
 import pytest
+from _adv_cli import cli as _cli
+from _adv_cli import femnist_toml
+from _adv_cli import killed as _killed
 
-SRC = str(Path(__file__).resolve().parents[1] / "src")
-
-_CFG = """\
-name = "ow"
-stages = ["personalize"]
-seed = 0
-device = "cpu"
-backend = "sequential"
-[model]
-name = "emnist_cnn"
-[data]
-source = "femnist"
-num_clients = 4
-holdout = 0
-[method]
-algorithm = "ffgg"
-split = "output"
-[personalize]
-rounds = 1
-clients_per_round = 4
-eval_every = 1
-client = { lr = 0.01, epochs = 1, batch_size = 32 }
-server = { optimizer = "sgd", lr = 0.05 }
-[finetune]
-lr = 0.01
-epochs = 1
-batch_size = 32
-[logging]
-tensorboard = false
-progress = false
-"""
-
-# a driver that SIGKILLs itself at the file-system call on the path ending in KILL_PATH
-# (the instant is the same everywhere; a study with --jobs 1 runs in this process)
-_KILL_AT = """\
-import os, signal, sys
-what, tail = os.environ["KILL_CALL"], os.environ["KILL_PATH"]
-def hooked(real, arg):
-    def f(p, *a, **k):
-        if os.path.abspath(str(p if arg == 0 else a[0])).endswith(tail):
-            os.kill(os.getpid(), signal.SIGKILL)
-        return real(p, *a, **k)
-    return f
-if what == "unlink":
-    os.unlink = hooked(os.unlink, 0)
-elif what == "replace":
-    os.replace = hooked(os.replace, 1)
-import partialfl.cli as cli
-sys.exit(cli.main(sys.argv[1:]))
-"""
-
-
-def _env(data_dir, **extra):
-    env = {**os.environ, "PYTHONPATH": SRC, "PARTIALFL_DATA_DIR": str(data_dir), **extra}
-    env.pop("PARTIALFL_ALLOW_CODE", None)
-    return env
-
-
-def _cli(cwd: Path, data_dir, *args: str, timeout: float = 170.0):
-    return subprocess.run([sys.executable, "-m", "partialfl", *args], cwd=cwd,
-                          env=_env(data_dir), capture_output=True, text=True, timeout=timeout)
-
-
-def _killed(cwd: Path, data_dir, call: str, tail: str, *args: str):
-    (cwd / "kill_at.py").write_text(_KILL_AT)
-    return subprocess.run([sys.executable, str(cwd / "kill_at.py"), *args], cwd=cwd,
-                          env=_env(data_dir, KILL_CALL=call, KILL_PATH=tail),
-                          capture_output=True, text=True, timeout=170)
+_CFG = femnist_toml()
 
 
 # -- area 4/8: a study resumed after a kill -9 during its --overwrite --------------------------

@@ -65,85 +65,17 @@ closed-form spec named ``stage2`` would overwrite that run's ``stage2.jsonl``).
 
 from __future__ import annotations
 
-import os
-import subprocess
-import sys
-from pathlib import Path
-
 import pytest
+from _adv_cli import cli as _cli
+from _adv_cli import femnist_toml, killed
 
-SRC = str(Path(__file__).resolve().parents[1] / "src")
-
-_CFG = """\
-name = "ow"
-stages = ["personalize"]
-seed = 0
-device = "cpu"
-backend = "sequential"
-[model]
-name = "emnist_cnn"
-[data]
-source = "femnist"
-num_clients = 4
-holdout = 0
-[method]
-algorithm = "ffgg"
-split = "output"
-[pretrain]
-rounds = 1
-clients_per_round = 4
-eval_every = 1
-client = { lr = 0.3, epochs = 1, batch_size = 32 }
-server = { optimizer = "sgd", lr = 1.0 }
-[personalize]
-rounds = 1
-clients_per_round = 4
-eval_every = 1
-client = { lr = 0.01, epochs = 1, batch_size = 32 }
-server = { optimizer = "sgd", lr = 0.05 }
-[finetune]
-lr = 0.01
-epochs = 1
-batch_size = 32
-[logging]
-tensorboard = false
-progress = false
-"""
+_CFG = femnist_toml(pretrain_lr="1.0")
 _TWO_STAGES = _CFG.replace('stages = ["personalize"]', 'stages = ["pretrain", "personalize"]')
 
-# a driver that SIGKILLs itself at the os.replace onto the path ending in KILL_PATH
-_KILL_AT = """\
-import os, signal, sys
-tail = os.environ["KILL_PATH"]
-real = os.replace
-def replace(src, dst, *a, **k):
-    if os.path.abspath(str(dst)).endswith(tail):
-        os.kill(os.getpid(), signal.SIGKILL)
-    return real(src, dst, *a, **k)
-os.replace = replace
-import partialfl.cli as cli
-sys.exit(cli.main(sys.argv[1:]))
-"""
 
-
-def _env(data_dir, **extra):
-    env = {**os.environ, "PYTHONPATH": SRC, **extra}
-    if data_dir is not None:
-        env["PARTIALFL_DATA_DIR"] = str(data_dir)
-    env.pop("PARTIALFL_ALLOW_CODE", None)
-    return env
-
-
-def _cli(cwd: Path, data_dir, *args: str, timeout: float = 170.0):
-    return subprocess.run([sys.executable, "-m", "partialfl", *args], cwd=cwd,
-                          env=_env(data_dir), capture_output=True, text=True, timeout=timeout)
-
-
-def _killed(cwd: Path, data_dir, tail: str, *args: str):
-    (cwd / "kill_at.py").write_text(_KILL_AT)
-    return subprocess.run([sys.executable, str(cwd / "kill_at.py"), *args], cwd=cwd,
-                          env=_env(data_dir, KILL_PATH=tail), capture_output=True, text=True,
-                          timeout=170)
+def _killed(cwd, data_dir, tail: str, *args: str):
+    """The command killed at the ``os.replace`` onto the path ending in ``tail``."""
+    return killed(cwd, data_dir, "replace", tail, *args)
 
 
 # -- area 8: a study never writes through a linked run folder below its --out ------------------

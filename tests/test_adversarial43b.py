@@ -41,55 +41,12 @@ Observed, not filed: a fine-tuning lr of 1e30 ends with finite losses of ≈ 2e3
 and exit 0 — divergence is defined as "not finite" throughout (model runs and closed forms).
 """
 
-import os
-import subprocess
-import sys
-from pathlib import Path
 
-SRC = str(Path(__file__).resolve().parents[1] / "src")
+from _adv_cli import cli as _cli
+from _adv_cli import femnist_toml
 
-_CFG = """\
-name = "pt"
-stages = ["pretrain", "personalize", "finetune"]
-seed = 0
-device = "cpu"
-backend = "sequential"
-[model]
-name = "emnist_cnn"
-[data]
-source = "femnist"
-num_clients = 4
-holdout = 0
-[method]
-algorithm = "ffgg"
-split = "output"
-[pretrain]
-rounds = 1
-clients_per_round = 4
-eval_every = 1
-client = { lr = 0.3, epochs = 1, batch_size = 32 }
-server = { optimizer = "sgd", lr = 1e30 }
-[personalize]
-rounds = 1
-clients_per_round = 4
-eval_every = 1
-client = { lr = 0.01, epochs = 1, batch_size = 32 }
-server = { optimizer = "sgd", lr = 0.05 }
-[finetune]
-lr = 0.01
-epochs = 1
-batch_size = 32
-[logging]
-tensorboard = false
-progress = false
-"""
-
-
-def _cli(cwd: Path, data_dir, *args: str, timeout: float = 170.0):
-    env = {**os.environ, "PYTHONPATH": SRC, "PARTIALFL_DATA_DIR": str(data_dir)}
-    env.pop("PARTIALFL_ALLOW_CODE", None)
-    return subprocess.run([sys.executable, "-m", "partialfl", *args], cwd=cwd, env=env,
-                          capture_output=True, text=True, timeout=timeout)
+_CFG = femnist_toml("pt", stages='["pretrain", "personalize", "finetune"]',
+                    pretrain_lr="1e30")
 
 
 # -- area 8: a diverged pre-training stage ends in a traceback, not "the run diverged" ---------
