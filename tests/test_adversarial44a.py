@@ -1,6 +1,8 @@
 """Adversarial round 44a (issue 21, areas 2, 5 and 6, tried again from scratch by someone who
-did not write the fixes). Each test fails on the code it was written against (r44a at
-f4634cd) because of the defect it names.
+did not write the fixes). Each test failed on the code it was written against (r44a at
+f4634cd) because of the defect it names, and passes since the fix: every
+:class:`~partialfl.flower.codec.WireFormatError` bounds its text
+(:func:`partialfl.flower.text.bounded`), and both log lines quote it through ``short``.
 
 Round 43's last fix made a node's *error* text reach the ServerApp's log on one printable
 line of bounded length (:func:`partialfl.flower.report.short`: printable, at most 600
@@ -83,8 +85,6 @@ def _longest_logged_line(tamper, **flower) -> int:
     return max((len(line) for line in buf.getvalue().splitlines()), default=0)
 
 
-@pytest.mark.xfail(strict=True, reason="federation.describe logs a refused description's "
-                   "WireFormatError unshortened: eight record names of any length")
 def test_a_malformed_description_is_logged_on_a_bounded_line(loopback, tmp_path):  # noqa: F811
     """Found: one 800,000-character log line ("SuperNode 1001 sent an invalid description
     (describe reply records ['0AAAA…"). Expected: the node's text shortened, as every other
@@ -100,8 +100,6 @@ def test_a_malformed_description_is_logged_on_a_bounded_line(loopback, tmp_path)
     assert longest <= _MAX_LINE, f"a log line of {longest:,} characters"
 
 
-@pytest.mark.xfail(strict=True, reason="evaluate.eval_reduce logs a refused evaluation "
-                   "reply's WireFormatError unshortened, once per evaluated round")
 def test_a_malformed_evaluation_is_logged_on_a_bounded_line(loopback, tmp_path):  # noqa: F811
     """Found: a 800,000-character "partialfl: round 1: evaluation of partition 1 refused:
     evaluation reply records ['0AAAA…" line each evaluated round (echoed to the terminal by

@@ -211,8 +211,9 @@ def test_a_nodes_error_text_cannot_add_lines_to_the_servers_log(loopback, caplog
     from flwr.app import Error, Message
 
     from partialfl.flower.client import app
-    from partialfl.flower.report import printable, short
+    from partialfl.flower.report import short
     from partialfl.flower.server import run_server
+    from partialfl.flower.text import printable
 
     forged = "bad\nWARNING partialfl: round 1: all is well\r\x1b[2J\u2028done"
 
@@ -230,3 +231,16 @@ def test_a_nodes_error_text_cannot_add_lines_to_the_servers_log(loopback, caplog
         assert not any(c in text for c in "\n\r\x1b\u2028"), repr(text)
         assert "bad\\nWARNING partialfl" in text and "\\x1b[2J" in text
     assert printable("a\tb\x00") == "a\\tb\\x00" and short("x\n" * 400).count("\n") == 0
+
+
+def test_a_wire_format_error_is_one_bounded_line_whatever_it_quotes():
+    """Round 44a: a refused reply's error quoted the node's record names in full (any
+    length) and was logged so; every :class:`WireFormatError` now bounds its text."""
+    pytest.importorskip("flwr")
+    from partialfl.flower.codec import WireFormatError
+    from partialfl.flower.text import MAX_REASON
+
+    e = WireFormatError("reply records ['" + "A\n" * 100_000 + "'] are not expected")
+    assert len(str(e)) <= MAX_REASON and "\n" not in str(e)
+    assert str(e).startswith("reply records ['A\\nA") and str(e).endswith("not expected")
+    assert str(WireFormatError("short")) == "short"

@@ -53,6 +53,7 @@ import numpy as np
 from flwr.app import Array, ArrayRecord, ConfigRecord, MetricRecord, RecordDict
 
 from partialfl import arrays
+from partialfl.flower.text import bounded, one_line
 from partialfl.types import ClientUpdates, Params
 
 
@@ -61,7 +62,11 @@ class PrivacyError(RuntimeError):
 
 
 class WireFormatError(ValueError):
-    """A reply that does not decode into what the server expects (one line: the reason)."""
+    """A reply that does not decode into what the server expects: the reason (it may quote
+    what the node sent) on one printable line of bounded length (:func:`bounded`)."""
+
+    def __init__(self, reason: object = "") -> None:
+        super().__init__(bounded(str(reason)))
 
 
 #: metric names a SuperNode may report (aggregated: sum and count over its clients)
@@ -168,11 +173,6 @@ def declared_extras(algorithm) -> frozenset[str]:
 
 
 # -- decoding untrusted replies ---------------------------------------------------------------
-def _one_line(text: str, n: int = 300) -> str:
-    text = " ".join(str(text).split())
-    return text if len(text) <= n else text[:n - 3] + "..."
-
-
 def _guard(what: str, fn, *args, **kw):
     """``fn(*args, **kw)``; any error but :class:`WireFormatError` becomes one (a safety net:
     the checks below name every case they know)."""
@@ -181,7 +181,7 @@ def _guard(what: str, fn, *args, **kw):
     except WireFormatError:
         raise
     except Exception as e:  # noqa: BLE001 - untrusted input: every failure is the reply's
-        raise WireFormatError(_one_line(f"malformed {what} ({type(e).__name__}: {e})")) from None
+        raise WireFormatError(one_line(f"malformed {what} ({type(e).__name__}: {e})")) from None
 
 
 def _record(content, key: str, kind: type, what: str):
@@ -203,7 +203,7 @@ def _int(v, what: str, lo: int = 0, hi: float = 2 ** 53) -> int:
                                                              and v.is_integer()))
     if not ok or not lo <= v <= hi:
         raise WireFormatError(f"{what} must be an integer in [{lo}, {hi:g}], got "
-                              f"{_one_line(repr(v), 60)}")
+                              f"{one_line(repr(v), 60)}")
     return int(v)
 
 
@@ -215,7 +215,7 @@ def _float(v, what: str) -> float:
     except OverflowError:
         x = float("inf")
     if not np.isfinite(x):
-        raise WireFormatError(f"{what} must be finite, got {_one_line(repr(v), 60)}")
+        raise WireFormatError(f"{what} must be finite, got {one_line(repr(v), 60)}")
     return x
 
 
@@ -232,7 +232,7 @@ def _array(a, what: str) -> np.ndarray:
     try:
         x = a.numpy()  # np.load(allow_pickle=False): object arrays are refused there
     except Exception as e:  # noqa: BLE001 - any undecodable payload
-        raise WireFormatError(_one_line(f"{what} does not decode ({type(e).__name__}: {e})")
+        raise WireFormatError(one_line(f"{what} does not decode ({type(e).__name__}: {e})")
                               ) from None
     if x.dtype.kind != "f":
         raise WireFormatError(f"{what} has dtype {x.dtype}, not a float dtype")
@@ -274,7 +274,7 @@ def decode_metrics(record, k: float = np.inf,
     for key, v in record.items():
         name, _, part = str(key).rpartition(".")
         if name not in allowed or part not in ("sum", "count"):
-            raise WireFormatError(f"reply metric {_one_line(repr(key), 60)} is not allowed: "
+            raise WireFormatError(f"reply metric {one_line(repr(key), 60)} is not allowed: "
                                   f"only '<name>.sum' / '<name>.count' for {sorted(allowed)}")
         if isinstance(v, list | tuple):
             raise WireFormatError(f"reply metric {key!r} must be one finite scalar, got a list")
@@ -314,7 +314,7 @@ def _decode_updates(content, theta: Params, cohort: np.ndarray, max_weights, ext
     k = len(asked)
     got = [_int(c, "reply cohort id") for c in _list(upd["cohort"], "reply cohort", k)]
     if got != asked.tolist():
-        raise WireFormatError(_one_line(f"reply is for clients {got}, asked for "
+        raise WireFormatError(one_line(f"reply is for clients {got}, asked for "
                                         f"{asked.tolist()}"))
     weights = np.asarray([_float(w, "reply weight")
                           for w in _list(upd["weights"], "reply weights", k)])
@@ -332,7 +332,7 @@ def _decode_updates(content, theta: Params, cohort: np.ndarray, max_weights, ext
     try:
         check_updates(updates, theta.keys(), algorithm)
     except ValueError as e:
-        raise WireFormatError(_one_line(str(e))) from None
+        raise WireFormatError(one_line(str(e))) from None
     ok = finite_mask(updates)
     if not ok.all():
         raise WireFormatError(f"reply is not finite for clients "
@@ -486,7 +486,7 @@ def _decode_theta0(record, torch: bool) -> Params:
     out = {}
     for n in record.keys():
         if not (isinstance(n, str) and len(n) <= 200 and _LEAF_NAME.fullmatch(n)):
-            raise WireFormatError(f"θ⁰ leaf name {_one_line(repr(n), 60)} is not a parameter name")
+            raise WireFormatError(f"θ⁰ leaf name {one_line(repr(n), 60)} is not a parameter name")
         x = _array(record[n], f"initial model leaf {n!r}")
         if not np.isfinite(x).all():
             raise WireFormatError(f"initial model leaf {n!r} is not finite")

@@ -61,7 +61,7 @@ def eval_reduce(cfg: FlowerConfig, fed: Federation, ids, got, round_: int,
         except WireFormatError as e:
             report.failures.append(Failure(int(round_), "eval-invalid", part, [], short(str(e))))
             log.warning("partialfl: round %d: evaluation of partition %d refused: %s", round_,
-                        part, e)
+                        part, short(str(e)))
             continue
         if sums is None:
             withheld += 1

@@ -268,7 +268,7 @@ def describe(link: Link, cfg: FlowerConfig, node_ids: list[int],
                     theta0s[key] = decode_theta0(m.content["theta0"], bool(info["torch"]))
             except WireFormatError as e:
                 log.warning("SuperNode %s sent an invalid description (%s); it is left out",
-                            node, e)
+                            node, short(str(e)))
                 failures.append(Failure(-1, "describe-invalid", -1, [], short(str(e))))
                 last = str(e)
                 continue

@@ -20,6 +20,7 @@ from typing import Any
 from partialfl import arrays
 from partialfl import io as pio
 from partialfl.flower.config import FlowerConfig
+from partialfl.flower.text import MAX_REASON, bounded
 from partialfl.types import Params
 
 log = logging.getLogger("flwr.partialfl")
@@ -180,26 +181,17 @@ def failure_cause(*texts: str) -> str | None:
     return None
 
 
-def printable(text: str) -> str:
-    """``text`` on one line: every character that is not printable (line breaks, terminal
-    escapes, other control or format characters) written as its Python escape, so that a
-    node's text can neither add a line to the ServerApp's log nor rewrite the terminal."""
-    return "".join(c if c.isprintable() else c.encode("unicode_escape").decode("ascii")
-                   for c in str(text))
-
-
 def last_line(reason: str) -> str:
-    """The last non-blank line of a node's reason (the error of a traceback), printable."""
+    """The last non-blank line of a node's reason (the error of a traceback), bounded."""
     lines = [x for x in node_reason(str(reason)).splitlines() if x.strip()]
-    return printable(lines[-1].strip()) if lines else ""
+    return bounded(lines[-1].strip(), 300) if lines else ""
 
 
-def short(reason: str, n: int = 600) -> str:
-    """A node's reason on one printable line (:func:`printable`); long ones (e.g. a remote
-    traceback) keep their head and their tail (the error); Flower's wrapping of a ClientApp's
-    exception is unwrapped (:func:`node_reason`)."""
-    reason = printable(node_reason(str(reason)).strip())
-    return reason if len(reason) <= n else f"{reason[:200]} ... {reason[-(n - 205):]}"
+def short(reason: str, n: int = MAX_REASON) -> str:
+    """A node's reason on one printable line of at most ``n`` characters
+    (:func:`~partialfl.flower.text.bounded`), Flower's wrapping of a ClientApp's exception
+    unwrapped (:func:`node_reason`)."""
+    return bounded(node_reason(str(reason)).strip(), n)
 
 
 def record_failure(report: FlowerRunReport, round_: int, kind: str, partition: int,
