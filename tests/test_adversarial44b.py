@@ -25,6 +25,17 @@ against (adv44b at f4634cd) because of the defect it names.
   40b's wedged removal, through a new entry point). Suspected root cause:
   ``cli.runs._cmd_report`` / ``train_report.write_report(tensorboard=True)`` do not record the
   folder they create in ``run_files.json``.
+* Area 8, a run deletes the user's own files: ``--out`` holding the user's own
+  ``tensorboard/`` folder (say their own TensorBoard logs,
+  ``tensorboard/events.out.tfevents.1700000000.laptop.1.0``, and ``notes.txt``) and a config
+  with ``logging.tensorboard = true``: the run records ``tensorboard`` in
+  ``preexisting.json`` as the user's — and then
+  :func:`partialfl.pipeline.train_report.write_tensorboard` unlinks every
+  ``events.out.tfevents.*`` in it ("ours only: derived from the JSONL"), the user's file
+  among them, exit 0 (``notes.txt`` kept). ``partialfl report RUN --tensorboard`` does the
+  same. ``--overwrite`` never deletes a name of ``preexisting.json``; the run itself does.
+  Suspected root cause: ``write_tensorboard`` assumes the folder is the run's (it should
+  refuse, or write elsewhere, when ``tensorboard`` is one of the user's names).
 
 Tried and held (not tested here): area 8 — ``evaluate`` inputs (``--json`` into a missing
 folder (created), onto a folder or ``/proc/version``, ``--data`` a missing file / a config /
@@ -94,8 +105,9 @@ def _cli(cwd: Path, data_dir, *args: str, timeout: float = 170.0):
                           env=_env(data_dir), capture_output=True, text=True, timeout=timeout)
 
 
-def _config(tmp_path: Path, name: str, lr: str, rounds: int = 1) -> str:
-    (tmp_path / name).write_text(_CFG.replace("LR", lr).replace("ROUNDS", str(rounds)))
+def _config(tmp_path: Path, name: str, lr: str, rounds: int = 1, tb: str = "false") -> str:
+    (tmp_path / name).write_text(_CFG.replace("LR", lr).replace("ROUNDS", str(rounds))
+                            .replace("tensorboard = false", f"tensorboard = {tb}"))
     return name
 
 
@@ -138,3 +150,24 @@ def test_report_tensorboard_is_never_recorded_as_the_users_file(tmp_path, data_d
     assert json.loads((out / "spec.json").read_text())["personalize"]["server"]["lr"] == 0.2
     mine = json.loads((out / "preexisting.json").read_text())["names"]
     assert mine == [], f"the old run's files recorded as the user's own: {mine}"
+
+
+# -- area 8: a run deletes the user's own TensorBoard files ----------------------------------
+@pytest.mark.xfail(strict=True, reason="write_tensorboard deletes every events.out.tfevents.* "
+                   "in OUT/tensorboard, the user's own (recorded in preexisting.json) too")
+def test_a_run_never_deletes_the_users_own_tensorboard_files(tmp_path, data_dir):
+    tb = _config(tmp_path, "tb.toml", "0.05", tb="true")
+    mine = tmp_path / "exp" / "tensorboard" / "events.out.tfevents.1700000000.laptop.1.0"
+    mine.parent.mkdir(parents=True)
+    mine.write_bytes(b"my own TensorBoard scalars")
+    (mine.parent / "notes.txt").write_text("my notes\n")
+    r = _cli(tmp_path, data_dir, "train", tb, "--out", "exp", "--no-progress")
+    assert "Traceback" not in r.stderr, r.stderr[-400:]
+    if r.returncode == 0:  # it ran: the folder was recorded as the user's
+        names = json.loads((tmp_path / "exp" / "preexisting.json").read_text())["names"]
+        assert names == ["tensorboard"], names
+    else:  # or it refused the folder, one line
+        assert r.returncode == 2 and len(r.stderr.strip().splitlines()) == 1, r.stderr[-400:]
+    assert (mine.parent / "notes.txt").is_file()
+    assert mine.is_file(), "the run deleted the user's own TensorBoard events file"
+    assert mine.read_bytes() == b"my own TensorBoard scalars"
