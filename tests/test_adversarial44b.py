@@ -46,7 +46,19 @@ link; ``--option`` ``max_clients`` / ``path`` / ``progress`` / a JSON object: on
 ``--seeds`` on a closed form (one line, exit 2); area 4 — kill -9 of ``partialfl report`` at
 the commit of ``report.md`` (the stale temporary file is cleaned by the next ``train``, refused
 or ``--overwrite``), of ``partialfl compare`` of a study at ``compare.md`` (cleaned by the next
-study command, even a refused one). Observed, not filed: ``partialfl compare RUN`` writes
+study command, even a refused one); ``report --tensorboard`` through a planted
+``tensorboard -> ../victim`` link (refused, one line, the victim's files kept); ``evaluate
+--data`` of a FEMNIST npz with labels 100 / −1, 14×14 images, a client index past
+``writers`` (one line each); ``--seeds 0 0``, ``--sweep`` with a repeated value, a key given
+twice, ``seed=…``, an empty value (one line, exit 2); backend options ``workers = true``,
+``task_timeout = true``, threads ``workers = 1.0`` (one line, exit 2), processes with
+``task_timeout = 0.001`` (fork: every result arrived before the next liveness poll, the run
+finished); the umask 077 over a run with TensorBoard, ``evaluate --json FILE`` and
+``compare`` (600 / 700 throughout); ``data convert`` into a folder below an existing store
+(written; ``--overwrite`` of the outer store then refused by ``check_replaceable``); (read)
+the worker pool's waits (``next`` bounded by ``poll``, ``close`` by its timeout, the
+thread backend's ``close`` resetting its executor). Observed, not filed: ``partialfl compare
+RUN`` writes
 ``compare.md`` / ``compare.png`` into the run folder (its default ``--out``) and a later
 ``--overwrite`` records them as the user's own (the user asked for them, in that folder).
 """
