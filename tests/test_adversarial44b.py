@@ -58,9 +58,8 @@ finished); the umask 077 over a run with TensorBoard, ``evaluate --json FILE`` a
 (written; ``--overwrite`` of the outer store then refused by ``check_replaceable``); (read)
 the worker pool's waits (``next`` bounded by ``poll``, ``close`` by its timeout, the
 thread backend's ``close`` resetting its executor). Observed, not filed: ``partialfl compare
-RUN`` writes
-``compare.md`` / ``compare.png`` into the run folder (its default ``--out``) and a later
-``--overwrite`` records them as the user's own (the user asked for them, in that folder).
+RUN`` writes ``compare.md`` / ``compare.png`` into the run folder (its default ``--out``) and
+a later ``--overwrite`` records them as the user's own (the user asked for them there).
 """
 
 from __future__ import annotations
