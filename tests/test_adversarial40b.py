@@ -150,6 +150,15 @@ def test_the_flower_engine_refuses_or_overwrites_a_finished_run(tmp_path, data_d
         assert r.returncode == 0, (r.returncode, r.stderr.strip().splitlines()[-1:])
         spec = json.loads((out / "spec.json").read_text())
         assert spec["personalize"]["server"]["lr"] == 0.2
+        # every entry of a Flower run is one a start refuses from the user (RUN_NAMES)
+        from fnmatch import fnmatchcase
+
+        from partialfl.pipeline.run_files import run_names
+
+        stray = [p.name for p in out.iterdir() if p.name not in (
+            "preexisting.json", "run_files.json", "notes.txt", "a.toml", "b.toml")
+                 and not any(fnmatchcase(p.name, g) for g in run_names("ow"))]
+        assert not stray, stray
 
 
 

@@ -1,6 +1,11 @@
 """Adversarial round 44b (issue 21 areas 1, 3, 4, 7, 8, tried again from scratch by someone
-who did not write the fixes): the defects found. Each test fails on the code it was written
-against (adv44b at f4634cd) because of the defect it names.
+who did not write the fixes): the defects found. Each test failed on the code it was written
+against (adv44b at f4634cd) because of the defect it names, and passes since the fix:
+``evaluate`` says which runs diverged (stderr, exit 1, a warning in its table, ``diverged`` in
+``--json``); a later command's entry in a finished run (``report --tensorboard``,
+``compare``) is listed in ``run_files.json`` (:func:`partialfl.pipeline.run_files.
+record_added`), and a run refuses to start in a folder holding a user's entry named like one
+it writes (:data:`~partialfl.pipeline.run_files.RUN_NAMES`).
 
 * Area 8, a diverged run says so — in ``partialfl evaluate``: round 39b's fix warns in
   ``train`` (stderr, exit 1), round 40b's in a study and in ``compare`` (a warning naming the
@@ -65,14 +70,10 @@ a later ``--overwrite`` records them as the user's own (the user asked for them 
 from __future__ import annotations
 
 import json
-import os
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
-
-SRC = str(Path(__file__).resolve().parents[1] / "src")
+from _adv_cli import cli as _cli
 
 _CFG = """\
 name = "ow"
@@ -105,17 +106,6 @@ progress = false
 """
 
 
-def _env(data_dir):
-    env = {**os.environ, "PYTHONPATH": SRC, "PARTIALFL_DATA_DIR": str(data_dir)}
-    env.pop("PARTIALFL_ALLOW_CODE", None)
-    return env
-
-
-def _cli(cwd: Path, data_dir, *args: str, timeout: float = 170.0):
-    return subprocess.run([sys.executable, "-m", "partialfl", *args], cwd=cwd,
-                          env=_env(data_dir), capture_output=True, text=True, timeout=timeout)
-
-
 def _config(tmp_path: Path, name: str, lr: str, rounds: int = 1, tb: str = "false") -> str:
     (tmp_path / name).write_text(_CFG.replace("LR", lr).replace("ROUNDS", str(rounds))
                             .replace("tensorboard = false", f"tensorboard = {tb}"))
@@ -123,8 +113,6 @@ def _config(tmp_path: Path, name: str, lr: str, rounds: int = 1, tb: str = "fals
 
 
 # -- area 8: evaluate of a diverged run ------------------------------------------------------
-@pytest.mark.xfail(strict=True, reason="evaluate reports a diverged run's new-client accuracy "
-                   "without a word of divergence (exit 0)")
 @pytest.mark.parametrize("where", ["run", "study"])
 def test_evaluate_of_a_diverged_run_says_so(tmp_path, data_dir, where):
     d = _config(tmp_path, "d.toml", "1e30", rounds=3)
@@ -145,8 +133,6 @@ def test_evaluate_of_a_diverged_run_says_so(tmp_path, data_dir, where):
 
 
 # -- area 4/8: report --tensorboard and --overwrite ------------------------------------------
-@pytest.mark.xfail(strict=True, reason="report --tensorboard does not record tensorboard/ in "
-                   "run_files.json: --overwrite keeps it as the user's own file")
 def test_report_tensorboard_is_never_recorded_as_the_users_file(tmp_path, data_dir):
     a = _config(tmp_path, "a.toml", "0.05")
     b = _config(tmp_path, "b.toml", "0.2")
@@ -164,8 +150,6 @@ def test_report_tensorboard_is_never_recorded_as_the_users_file(tmp_path, data_d
 
 
 # -- area 8: a run deletes the user's own TensorBoard files ----------------------------------
-@pytest.mark.xfail(strict=True, reason="write_tensorboard deletes every events.out.tfevents.* "
-                   "in OUT/tensorboard, the user's own (recorded in preexisting.json) too")
 def test_a_run_never_deletes_the_users_own_tensorboard_files(tmp_path, data_dir):
     tb = _config(tmp_path, "tb.toml", "0.05", tb="true")
     mine = tmp_path / "exp" / "tensorboard" / "events.out.tfevents.1700000000.laptop.1.0"

@@ -152,3 +152,50 @@ def test_a_removal_cut_short_is_refused_by_a_study_without_overwrite(tmp_path):
     assert removal_cut_short(out)
     with pytest.raises(FileExistsError, match="--overwrite"):
         claim_out(out)
+
+
+def test_a_users_file_named_like_one_the_run_writes_refuses_the_start(tmp_path):
+    """A user's ``report.md`` (or ``learning_curves.png``, ``tensorboard/``) in ``--out`` was
+    recorded as the user's and then written over by the run (its own report); the start is
+    refused in one line now, the file kept."""
+
+    out = tmp_path / "exp"
+    out.mkdir()
+    (out / "report.md").write_text("my own report\n")
+    cfg = tmp_path / "a.toml"
+    cfg.write_text('name = "a"\n[problem]\nkind = "least_squares"\n')
+    with pytest.raises(FileExistsError, match="report.md is not a run's"):
+        record_start(out, "a")
+    (out / "report.md").rename(out / "a.jsonl")  # named after the spec
+    with pytest.raises(FileExistsError, match="a.jsonl"):
+        record_start(out, "a")
+    record_start(out, "b")  # another spec's name: the user's file
+    assert json.loads((out / "preexisting.json").read_text())["names"] == ["a.jsonl"]
+
+
+def test_every_name_a_finished_run_writes_is_a_run_name(tmp_path, user_module, capsys):
+    """:data:`~partialfl.pipeline.run_files.RUN_NAMES` (what a start refuses from the user)
+    names every entry of a run, of its report's TensorBoard scalars and of ``compare``;
+    those later entries are listed in ``run_files.json``, so ``--overwrite`` deletes them."""
+    import fnmatch
+
+    from _user_project import client_folder, tiny_toml
+
+    from partialfl.cli import main
+    from partialfl.pipeline.run_files import run_names
+
+    cfg = tiny_toml(tmp_path / "t.toml", user_module, client_folder(tmp_path / "clients"),
+                    name="my.run")
+    out = tmp_path / "o"
+    assert main(["train", str(cfg), "--out", str(out), "--no-progress"]) == 0
+    assert main(["report", str(out), "--tensorboard"]) == 0
+    assert main(["compare", str(out)]) == 0
+    names = sorted(p.name for p in out.iterdir())
+    assert {"tensorboard", "compare.md", "stage2.jsonl"} <= set(names)
+    stray = [n for n in names if n not in ("preexisting.json", "run_files.json")
+             and not any(fnmatch.fnmatchcase(n, p) for p in run_names("my.run"))]
+    assert not stray, f"entries of a run that RUN_NAMES does not name: {stray}"
+    listed = json.loads((out / "run_files.json").read_text())["names"]
+    assert {"tensorboard", "compare.md", "compare.png"} <= set(listed)
+    assert main(["train", str(cfg), "--out", str(out), "--no-progress", "--overwrite"]) == 0
+    assert json.loads((out / "preexisting.json").read_text())["names"] == []

@@ -3,6 +3,7 @@ run folders."""
 
 from __future__ import annotations
 
+import sys
 from pathlib import Path
 
 
@@ -45,18 +46,19 @@ def _cmd_evaluate(args) -> int:
                                 lr=args.lr, progress=not args.no_progress)
     if args.json is None:
         print(evaluation_table(results))
-        return 0
-    text = to_json(results)
-    if args.json == "-":
-        print(text)
+    elif args.json == "-":
+        print(to_json(results))
     else:
         from partialfl import io as pio
 
         path = Path(args.json)
-        pio.write_text(path, text)
+        pio.write_text(path, to_json(results))
         print(evaluation_table(results))
         print(f"metrics written to {path}")
-    return 0
+    bad = {lab: r["diverged"] for lab, r in results.items() if r.get("diverged")}
+    for lab, why in bad.items():  # as `partialfl train` says it: stderr, exit 1
+        print(f"warning: {lab}: {why}", file=sys.stderr)
+    return 1 if bad else 0
 
 
 def _cmd_report(args) -> int:

@@ -185,7 +185,7 @@ def run_flower_train(spec, out: str | Path, *, engine: str = "flower-sim",
         claim_out(out, overwrite, spec)
         out.mkdir(parents=True, exist_ok=True)
         refuse_linked_folders(out)  # no write may leave the run folder through a link
-        record_start(out)  # the user's own files already there (--overwrite keeps them)
+        record_start(out, spec.name)  # the user's own files (--overwrite keeps them)
         # a stage file is resumed from only if this configuration wrote it (as in process)
         id1 = stage1_identity(eff, run.task.name)
         id2 = stage2_identity({**eff.identity(), "task": run.task.name})

@@ -187,6 +187,10 @@ def compare(paths: Sequence[str | Path], out: str | Path, *, baseline: str | Non
         intervals[title] = _intervals(counts, seed)
     out = Path(out)
     out.mkdir(parents=True, exist_ok=True)
+    from partialfl.pipeline.run_files import record_added
+
+    for name in ("compare.md", "compare.png"):  # into a run folder: its files from now on
+        record_added(out, name)
     _plot(out / "compare.png", intervals, bad)
     lines.append("Plot: `compare.png` (accuracy with its 95% interval per group"
                  + ("; groups with a diverged run in red, marked 'diverged')." if bad else ")."))

@@ -30,7 +30,7 @@ from partialfl.algorithms.base import Algorithm, RoundContext, ServerState
 from partialfl.algorithms.ditto import personal_models
 from partialfl.local.sgd import SGDConfig, run_sgd
 from partialfl.pipeline.files import deployed_split, read_deploy
-from partialfl.pipeline.runs import confined
+from partialfl.pipeline.run_files import confined
 from partialfl.problems.model import ModelProblem, accuracy, cross_entropy
 from partialfl.spec import RunSpec
 from partialfl.split import Split, make_split

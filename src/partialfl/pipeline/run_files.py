@@ -15,12 +15,16 @@ resumes or keeps a half-deleted run. (A run folder with ``spec.json`` but withou
 A finished run killed before ``run_files.json`` is named by ``preexisting.json``'s
 complement; with neither record (an older run) ``--overwrite`` is refused: the user removes
 it. A file put into the folder *while* the run runs is counted as the run's (the record
-cannot tell it from the run's own).
+cannot tell it from the run's own). A user's entry named like one the run writes
+(:func:`run_names`: ``report.md``, ``tensorboard``, ...) refuses the start, since the run
+would write over it; a later command that adds an entry to a finished run (``report
+--tensorboard``, ``compare``) records it (:func:`record_added`).
 """
 
 from __future__ import annotations
 
 import contextlib
+import fnmatch
 import os
 import shutil
 from pathlib import Path
@@ -42,10 +46,63 @@ def refuse_linked_folders(out: Path) -> None:
                                       "choose another --out)")
 
 
-def record_start(out: Path) -> None:
-    """At a run's first start in ``out`` (no ``spec.json`` there): the names already in it."""
+#: top-level names (fnmatch patterns) a run writes into its folder, or a later command into a
+#: finished run (``report --tensorboard``, ``compare``); ``{name}``: the spec's name
+RUN_NAMES = ("spec.json", "source.json", "config.json", "report.md", "metrics.json",
+             "new_clients.json", "learning_curves.png", "per_client_accuracy.png",
+             "budget_curves.png", "summary.md", "compare.md", "compare.png", "tensorboard",
+             "personalized", "flower", "stage1", "stage2*", "theta*", "deploy.*",
+             "client_state*", "{name}.jsonl", "{name}.png", "{name}_*")
+
+
+def run_names(name: str | None = None) -> tuple[str, ...]:
+    """:data:`RUN_NAMES` with ``{name}`` the spec's name (without one: those patterns left
+    out)."""
+    return tuple(p.replace("{name}", glob_escape(name)) if name is not None else p
+                 for p in RUN_NAMES if name is not None or "{name}" not in p)
+
+
+def glob_escape(text: str) -> str:
+    """``text`` as an fnmatch pattern that matches only itself."""
+    return "".join(f"[{c}]" if c in "*?[" else c for c in text)
+
+
+def confined(root: Path, files: list[Path]) -> None:
+    """Refuse a file a command reads from a run folder (the deployed model, metrics, logs),
+    or a folder on its way, that is a symbolic link: it could lead outside the folder
+    (``evaluate`` would score, ``compare`` and ``report`` table, another run)."""
+    for f in files:
+        for p in (f, *[q for q in f.relative_to(root).parents if q != Path(".")]):
+            pio.refuse_link(p if p == f else root / p, f"a run folder's files must lie "
+                            f"inside {root}; copy the run there instead of linking it")
+
+
+def record_start(out: Path, name: str | None = None) -> None:
+    """At a run's first start in ``out`` (no ``spec.json`` there): the names already in it;
+    FileExistsError (one line) if one of them is named like an entry the run writes
+    (:func:`run_names` of the spec's ``name``): the run would write over the user's file."""
     if not (out / "spec.json").exists() and not (out / PREEXISTING).exists():
-        pio.write_json(out / PREEXISTING, {"names": sorted(p.name for p in out.iterdir())})
+        names = sorted(p.name for p in out.iterdir())
+        clash = [n for n in names if any(fnmatch.fnmatchcase(n, p) for p in run_names(name))]
+        if clash:
+            raise FileExistsError(
+                f"{out / clash[0]} is not a run's (there is no run in {out}) but has the name "
+                "of an entry the run writes, which would replace it: move it (or choose "
+                "another --out)")
+        pio.write_json(out / PREEXISTING, {"names": names})
+
+
+def record_added(out: Path, name: str) -> None:
+    """``name`` is now in the finished run ``out``, written by a later command: listed in
+    ``run_files.json`` (so ``--overwrite`` deletes it); FileExistsError (one line) if it is
+    one of the user's own names (``preexisting.json``), which the command must not touch."""
+    if name in set(_names(out / PREEXISTING) or []):
+        raise FileExistsError(f"{out / name} was in {out} before the run (the user's own): "
+                              "partialfl does not write into it; move it first")
+    names = _names(out / RUN_FILES)
+    if names is not None and name not in names:
+        pio.write_json(out / RUN_FILES, {"names": sorted(set(names) - {RUN_FILES} | {name})
+                                         + [RUN_FILES]})
 
 
 def record_end(out: Path) -> None:

@@ -19,8 +19,8 @@ from typing import Any
 
 import numpy as np
 
-from partialfl import io as pio
 from partialfl.pipeline.report import markdown_table
+from partialfl.pipeline.run_files import confined
 
 #: the deployed-model file of a finished run, and its pickle-based name in older versions
 DEPLOY_NAMES = ("deploy.safetensors", "deploy.pt")
@@ -58,23 +58,14 @@ def find_runs(path: str | Path) -> list[Path]:
         + (f" (sub-folders here: {', '.join(subs[:12])})" if subs else ""))
 
 
-def confined(root: Path, files: list[Path]) -> None:
-    """Refuse a file a command reads from a run folder (the deployed model, metrics, logs),
-    or a folder on its way, that is a symbolic link: it could lead outside the folder
-    (``evaluate`` would score, ``compare`` and ``report`` table, another run)."""
-    for f in files:
-        for p in (f, *[q for q in f.relative_to(root).parents if q != Path(".")]):
-            pio.refuse_link(p if p == f else root / p, f"a run folder's files must lie "
-                            f"inside {root}; copy the run there instead of linking it")
-
-
 def evaluate_runs(path: str | Path, evaluator: Callable[[Path], Callable[..., dict]],
                   data_dir=None, *, finetune_epochs: int | None = None,
                   lr: float | None = None, progress: bool = False) -> dict[str, dict[str, Any]]:
     """``label -> evaluation`` for every run of :func:`find_runs` (label: the run folder
     relative to ``path``, or its name for a single run); ``evaluator(run)`` gives the run's
     new-client evaluation, whose dict (that of
-    :func:`~partialfl.pipeline.evaluation.evaluate_run`) carries ``client_ids``."""
+    :func:`~partialfl.pipeline.evaluation.evaluate_run`) carries ``client_ids``; ``diverged``
+    added: the run's divergence sentence, or None."""
     path = Path(path)
     runs = find_runs(path)
     it = runs
@@ -82,10 +73,13 @@ def evaluate_runs(path: str | Path, evaluator: Callable[[Path], Callable[..., di
         from tqdm.auto import tqdm
 
         it = tqdm(runs, desc="evaluating runs", leave=False)
+    from partialfl.pipeline.train_report import run_divergence
+
     out = {}
     for run in it:
         label = run.name if run == path else run.relative_to(path).as_posix()
         out[label] = evaluator(run)(run, data_dir, finetune_epochs=finetune_epochs, lr=lr)
+        out[label]["diverged"] = run_divergence(run) or None
     return out
 
 
@@ -102,8 +96,12 @@ def evaluation_table(results: dict[str, dict[str, Any]]) -> str:
         t = r["test"]
         rows.append([label, r["num_clients"], _pct(r["before"].accuracy), _pct(t.accuracy),
                      f"{_pct(t.p10)} / {_pct(t.p50)} / {_pct(t.p90)}", _pct(t.mean_client)])
+    bad = [f"`{lab}`" for lab, r in results.items() if r.get("diverged")]
     text = ["New clients: test accuracy (%) of clients never seen in training, after "
             "fine-tuning their personal parameters on the trained θ.", "",
+            *([f"**Warning: {len(bad)} run(s) diverged (final loss not finite): "
+               f"{', '.join(bad)}; their accuracies are those of diverged models.**", ""]
+              if bad else []),
             markdown_table(["run", "clients", "before fine-tuning", "after fine-tuning",
                             "per-client p10 / p50 / p90", "mean over clients"], rows)]
     if len(results) <= MAX_PER_CLIENT_COLUMNS:
@@ -134,7 +132,8 @@ def to_json(results: dict[str, dict[str, Any]]) -> str:
     out = {}
     for label, r in results.items():
         ids = list(r["client_ids"])
-        run: dict[str, Any] = {"num_clients": r["num_clients"], "split": r.get("split")}
+        run: dict[str, Any] = {"num_clients": r["num_clients"], "split": r.get("split"),
+                               "diverged": r.get("diverged")}
         for key in ("before", "test", "train"):
             if key not in r:
                 continue

@@ -121,7 +121,8 @@ def run_built(run: Run, out: str | Path, *, progress: bool | None = None,
     use_threads(spec.threads)
     out.mkdir(parents=True, exist_ok=True)
     refuse_linked_folders(out)  # no write may leave the run folder through a link
-    record_start(out)  # the user's own files already there (never deleted by --overwrite)
+    record_start(out, spec.name)  # the user's own files already there (never deleted by
+    # --overwrite; one named like a file of the run is refused)
     write_json(out / "spec.json", spec.to_dict())
     if config is not None:
         write_json(out / "source.json", {"config": str(Path(config).resolve())})

@@ -154,6 +154,12 @@ def divergence_line(metrics: Mapping[str, Any]) -> str:
             "personalize.client.lr)") if bad else ""
 
 
+def run_divergence(run_dir: Path) -> str:
+    """:func:`divergence_line` of the run in ``run_dir`` (its ``metrics.json``; '' without
+    one)."""
+    return divergence_line(_metrics(Path(run_dir) / "metrics.json") or {})
+
+
 def report_table(run_dir: Path) -> str:
     m = _metrics(run_dir / "metrics.json")
     if m is None:
@@ -201,10 +207,11 @@ def write_tensorboard(run_dir: Path, hists: dict[str, list[dict]],
 
         raise ConfigError("logging.tensorboard needs the tensorboard package: pip install "
                           "'partialfl[tensorboard]'") from None
-    from partialfl.pipeline.runs import confined
+    from partialfl.pipeline.run_files import confined, record_added
 
     tb = run_dir / "tensorboard"
     confined(run_dir, [tb])  # a linked folder: its files (outside the run) would be deleted
+    record_added(run_dir, tb.name)  # never the user's own folder; --overwrite deletes it
     tb.mkdir(parents=True, exist_ok=True)
     for f in tb.glob("events.out.tfevents.*"):
         f.unlink()  # ours only: derived from the JSONL, rebuilt every time
@@ -253,7 +260,7 @@ def _per_client_plot(run_dir: Path) -> None:
 
 def write_report(run_dir: str | Path, *, tensorboard: bool = False) -> Path:
     """(Re)build ``report.md`` and the plots of a run folder from its logs."""
-    from partialfl.pipeline.runs import confined
+    from partialfl.pipeline.run_files import confined
 
     run_dir = Path(run_dir)
     confined(run_dir, [run_dir / f for f in READS])  # a link would report another run
