@@ -174,9 +174,9 @@ def _peak_mb(n: int) -> int:
 def test_a_strangers_partition_count_costs_no_memory():
     """Found: the ServerApp's peak memory 308 MB → 732 MB here with a stranger describing
     partition 1 of 4·10⁶ (84 MB → 1.6 GB without torch, with 10⁷), set-up slowed by
-    seconds, while it waits 2 s for an honest node; the stranger is left out in the end. Expected: what the server keeps
-    and computes per poll bounded by the nodes it heard from, not by a number one node
-    wrote."""
+    seconds, while it waits 2 s for an honest node; the stranger is left out in the end.
+    Expected: what the server keeps and computes per poll bounded by the nodes it heard
+    from, not by a number one node wrote."""
     base = _peak_mb(2)
     hostile = _peak_mb(4_000_000)
     assert hostile <= base + 150, f"peak memory {base} MB → {hostile} MB"
