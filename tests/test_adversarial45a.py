@@ -28,10 +28,10 @@ proportion to a number the node chooses (bounded only by ``codec.MAX_CLIENTS`` =
   ``ConfigError`` of a disagreeing federation cuts its text at 1,500 characters; this one
   does not. Suspected root cause: ``federation.describe`` (the final ``RuntimeError``).
 
-Tried and held (not tested here; run unless marked "read"): area 2 — a np.load header
-claiming a huge shape with few bytes (``Array.numpy`` allocates lazily, fails on EOF → a
-refused reply); a 10⁷-partition stranger when the run's federation answers at once (settled
-before ``missing`` is computed); (read) the tie / disagreement ``ConfigError`` (cut at 1,500);
+Tried and held (not tested here; run unless marked "read"): area 2 — (read) a np.load
+header claiming a huge shape with few bytes (numpy allocates lazily, fails on EOF → a
+refused reply); (read) a 10⁷-partition stranger when the run's federation answers at once
+(settled before ``missing`` is computed); (read) the tie / disagreement ``ConfigError`` (cut at 1,500);
 (read) the asynchronous transport's in-flight table (every task timed out after
 ``round-timeout``, late replies never pulled); (read) ``_settled``'s completeness test
 (short-circuits on the first missing partition); (read) ``result.json``'s ``nodes`` (only the
