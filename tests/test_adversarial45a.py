@@ -31,9 +31,9 @@ proportion to a number the node chooses (bounded only by ``codec.MAX_CLIENTS`` =
 Tried and held (not tested here; run unless marked "read"): area 2 — (read) a np.load
 header claiming a huge shape with few bytes (numpy allocates lazily, fails on EOF → a
 refused reply); (read) a 10⁷-partition stranger when the run's federation answers at once
-(settled before ``missing`` is computed); (read) the tie / disagreement ``ConfigError`` (cut at 1,500);
-(read) the asynchronous transport's in-flight table (every task timed out after
-``round-timeout``, late replies never pulled); (read) ``_settled``'s completeness test
+(settled before ``missing`` is computed); (read) the tie / disagreement ``ConfigError``
+(cut at 1,500); (read) the asynchronous transport's in-flight table (every task timed out
+after ``round-timeout``, late replies never pulled); (read) ``_settled``'s completeness test
 (short-circuits on the first missing partition); (read) ``result.json``'s ``nodes`` (only the
 run's federation, whose size the honest nodes fix). Area 5 — (read) a hostile server asking
 one client many times in one cohort (``[5] * R``): the node's ledger counts R releases and
