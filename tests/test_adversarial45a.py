@@ -1,6 +1,9 @@
 """Adversarial round 45a (issue 21, areas 2, 5 and 6, tried again from scratch by someone who
-did not write the fixes). Each test fails on the code it was written against (r45a at
-fdc39bc) because of the defect it names (``xfail(strict=True)`` until it is fixed).
+did not write the fixes). Each test failed on the code it was written against (r45a at
+fdc39bc) because of the defect it names, and passes since the fix: the missing partitions
+are computed only at the deadline and bounded (the first 20 and a count), and
+:func:`partialfl.flower.config.partition_clients` computes one node's block directly (it
+split ``0..M-1`` into every node's block, ``M`` the number a node claims).
 
 Round 44a bounded every node-controlled *text*. This round looked for other resources one
 hostile SuperNode controls. One describe reply costs the ServerApp memory, time and text in
@@ -78,9 +81,6 @@ def _many_partitions(n: int):
     return tamper
 
 
-@pytest.mark.xfail(strict=True, reason="federation.describe's final RuntimeError lists every "
-                   "missing partition of the largest num-partitions a node described (up to "
-                   "10^7): a text of any length from one small describe reply")
 def test_an_unsettled_federation_error_is_bounded(loopback):  # noqa: F811
     """Found: "no SuperNode holds partition(s) [1, 2, 3, …, 199999] …" — 1,488,955
     characters here (89 million with num-partitions = 10⁷), in the ServerApp's log.
@@ -168,9 +168,6 @@ def _peak_mb(n: int) -> int:
     return int(line.split()[1])
 
 
-@pytest.mark.xfail(strict=True, reason="federation.describe builds set(range(max(nparts))) on "
-                   "every poll, nparts including a stranger's num-partitions (up to 10^7): one "
-                   "small describe reply costs the ServerApp about a gigabyte per poll")
 def test_a_strangers_partition_count_costs_no_memory():
     """Found: the ServerApp's peak memory 308 MB → 732 MB here with a stranger describing
     partition 1 of 4·10⁶ (84 MB → 1.6 GB without torch, with 10⁷), set-up slowed by

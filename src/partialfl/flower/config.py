@@ -480,7 +480,10 @@ def partition_clients(num_clients: int, num_partitions: int, partition_id: int) 
     if num_partitions > num_clients:
         raise ConfigError(f"node-config 'num-partitions' ({num_partitions}) exceeds the number "
                           f"of clients ({num_clients}): some SuperNode would hold no client")
-    return np.array_split(np.arange(num_clients), num_partitions)[int(partition_id)]
+    q, extra = divmod(int(num_clients), int(num_partitions))  # array_split's blocks: the
+    p = int(partition_id)  # first `extra` hold q + 1, computed without the others (a node's
+    start = p * q + min(p, extra)  # description may claim millions of partitions)
+    return np.arange(start, start + q + (p < extra))
 
 
 def node_partition(node_config: Mapping[str, Any]) -> tuple[int, int]:

@@ -5,6 +5,7 @@ as a server without data sees it.
 
 from __future__ import annotations
 
+import itertools
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -282,17 +283,19 @@ def describe(link: Link, cfg: FlowerConfig, node_ids: list[int],
         final = now >= deadline and not pending
         if _settled(nodes, seen, failures, expect, final):
             break
-        infos = list(nodes.values())
-        nparts = {i["num-partitions"] for i in infos}
-        held = {p for _, p in seen}
-        missing = sorted(set(range(max(nparts))) - held) if nparts else None
-        if final:
+        if final:  # (a node's num-partitions is its own word: nothing here is sized by it)
             why = f" (last refusal: {last[:300]})" if last else ""
-            if missing is None:
+            if not nodes:
                 raise RuntimeError(f"no SuperNode answered the describe query{why}")
-            raise RuntimeError(f"no SuperNode holds partition(s) {missing} after "
-                               f"{cfg.node_wait_timeout}s; partitions present: {sorted(held)}"
-                               f"{why}")
+            n = max(i["num-partitions"] for i in nodes.values())
+            hs = {p for _, p in seen if p < n}
+            held = sorted(hs)
+            gaps = list(itertools.islice((p for p in range(n) if p not in hs), 20))
+            more = ", ..." if n - len(held) > len(gaps) else ""
+            raise RuntimeError(
+                f"no SuperNode holds {n - len(held)} partition(s) ({str(gaps)[1:-1]}{more}) "
+                f"after {cfg.node_wait_timeout}s; partitions present: {str(held[:20])[1:-1]}"
+                f"{', ...' if len(held) > 20 else ''}{why}")
         time.sleep(cfg.poll_interval if pending else min(1.0, 20 * cfg.poll_interval))
         if time.monotonic() >= relist or not pending:
             relist = time.monotonic() + min(1.0, 20 * cfg.poll_interval)
