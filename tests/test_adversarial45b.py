@@ -1,6 +1,11 @@
 """Adversarial round 45b (issue 21 areas 1, 3, 4, 7, 8, tried again from scratch by someone
-who did not write the fixes): the defects found. Each test fails on the code it was written
-against (r45b at fdc39bc) because of the defect it names.
+who did not write the fixes): the defects found. Each test failed on the code it was written
+against (r45b at fdc39bc) because of the defect it names, and passes since the fix: a
+closed-form run refuses a user's entry named like one it writes
+(:func:`partialfl.pipeline.run_files.refuse_users_entries`), a reproduction claims its
+``--out`` (new, empty or its own: :func:`~partialfl.pipeline.run_files.claim_folder`, which
+also removes its killed writes' temporary files), a closed-form Flower run refuses linked
+folders, and ``report`` refuses an interrupted run (one line).
 
 * Area 8, a run writes over the user's own file — a *closed-form* run: round 44b's fix makes
   a train run refuse to start in a folder holding a user's entry named like one it writes
@@ -89,9 +94,6 @@ server = { optimizer = "sgd", lr = "1/L" }
 # -- area 8: a closed-form run (or a reproduction) writes over the user's summary.md ---------
 @pytest.mark.parametrize("cmd", [("run", "cf.toml"), ("reproduce", "ls-tau", "--quick")],
                          ids=["run", "reproduce"])
-@pytest.mark.xfail(strict=True, reason="a closed-form `partialfl run` / a reproduction replaces "
-                   "the user's own summary.md in --out (no RUN_NAMES check, round 44b's fix "
-                   "covers train runs)")
 def test_closed_form_run_never_writes_over_the_users_summary(tmp_path, cmd):
     (tmp_path / "cf.toml").write_text(_CF)
     (tmp_path / "summary.md").write_text("my own notes\n")
@@ -104,8 +106,6 @@ def test_closed_form_run_never_writes_over_the_users_summary(tmp_path, cmd):
 
 
 # -- area 4: a killed reproduction's temporary file is never cleaned -------------------------
-@pytest.mark.xfail(strict=True, reason="`partialfl reproduce` never cleans the temporary file "
-                   "a kill -9 left in its --out (no clean_stale_writes on that path)")
 def test_reproduce_cleans_the_temporary_file_of_a_killed_write(tmp_path):
     r = killed(tmp_path, None, "replace", "/o/summary.md", "reproduce", "ls-tau", "--quick",
                "--out", "o", "--no-progress")
@@ -119,9 +119,6 @@ def test_reproduce_cleans_the_temporary_file_of_a_killed_write(tmp_path):
 
 
 # -- area 8: a closed-form Flower run writes and deletes through a planted link --------------
-@pytest.mark.xfail(strict=True, reason="run_flower_closed_form writes OUT/flower through a "
-                   "symbolic link (no refuse_linked_folders), replacing the target's "
-                   "result.json")
 def test_closed_form_flower_run_refuses_a_linked_flower_folder(tmp_path):
     victim = tmp_path / "victim"
     victim.mkdir()
@@ -144,8 +141,6 @@ def test_closed_form_flower_run_refuses_a_linked_flower_folder(tmp_path):
 
 
 # -- area 4: `partialfl report` of an interrupted run makes it "finished" --------------------
-@pytest.mark.xfail(strict=True, reason="`partialfl report` writes report.md into an unfinished "
-                   "run: train.finished() then refuses its resume; new clients never evaluated")
 def test_report_of_an_interrupted_run_leaves_it_resumable(tmp_path, data_dir):
     (tmp_path / "c.toml").write_text(
         femnist_toml().replace("num_clients = 4", "num_clients = 6")

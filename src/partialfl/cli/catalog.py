@@ -4,6 +4,7 @@ registered, the option reference, and the paper's reproductions."""
 from __future__ import annotations
 
 import argparse
+import shutil
 from pathlib import Path
 
 from partialfl.cli.common import out_dir
@@ -60,8 +61,18 @@ def _cmd_reproduce(args) -> int:
     bad = [s for s in args.seeds or () if not 0 <= s < 2 ** 63]  # numpy's message named none
     if bad:
         raise ValueError(f"--seeds: {bad[0]} is not allowed; seeds are integers in [0, 2^63)")
-    summary = fn(out, quick=args.quick, seeds=args.seeds, data_dir=args.data_dir,
-                 progress=not args.no_progress, **extra)
+    from partialfl.pipeline.run_files import claim_folder
+
+    # the user's files in --out are never replaced; a rerun resumes (its temp files cleaned)
+    fresh = not out.exists()
+    claim_folder(out, "reproduction.json", f"reproduce {args.name}")
+    try:
+        summary = fn(out, quick=args.quick, seeds=args.seeds, data_dir=args.data_dir,
+                     progress=not args.no_progress, **extra)
+    except Exception:
+        if fresh and [p.name for p in out.iterdir()] == ["reproduction.json"]:
+            shutil.rmtree(out)  # refused before it wrote anything: leave nothing behind
+        raise
     print(Path(summary).read_text())
     print(f"results written to {out}/")
     return 0

@@ -70,7 +70,7 @@ def _cmd_report(args) -> int:
             raise NotADirectoryError(f"{run} is not a folder: pass a run folder (the --out of "
                                      "partialfl train/run)")
         raise FileNotFoundError(f"run folder {run} does not exist")
-    path = write_report(run, tensorboard=args.tensorboard)
+    path = write_report(run, tensorboard=args.tensorboard, rebuild=True)
     print(path.read_text())
     print(f"report and plots written to {run}/")
     return 0

@@ -469,8 +469,8 @@ def parse_fault_injection(spec: str) -> tuple[Fault, ...]:
 
 # -- partitions: which clients each SuperNode holds ------------------------------------
 def partition_clients(num_clients: int, num_partitions: int, partition_id: int) -> np.ndarray:
-    """The client ids SuperNode ``partition_id`` holds: contiguous, near-equal blocks
-    (``np.array_split`` of ``0..M-1``), so every client lives on exactly one node."""
+    """The client ids node ``partition_id`` holds: ``np.array_split(0..M-1, P)``'s block,
+    computed alone (a node may claim millions of partitions); each client on one node."""
     if not isinstance(num_partitions, int | np.integer) or num_partitions < 1:
         raise ConfigError(f"node-config 'num-partitions' must be an integer >= 1, got "
                           f"{num_partitions!r}")
@@ -480,10 +480,8 @@ def partition_clients(num_clients: int, num_partitions: int, partition_id: int) 
     if num_partitions > num_clients:
         raise ConfigError(f"node-config 'num-partitions' ({num_partitions}) exceeds the number "
                           f"of clients ({num_clients}): some SuperNode would hold no client")
-    q, extra = divmod(int(num_clients), int(num_partitions))  # array_split's blocks: the
-    p = int(partition_id)  # first `extra` hold q + 1, computed without the others (a node's
-    start = p * q + min(p, extra)  # description may claim millions of partitions)
-    return np.arange(start, start + q + (p < extra))
+    (q, extra), p = divmod(int(num_clients), int(num_partitions)), int(partition_id)
+    return np.arange(p * q + min(p, extra), p * q + min(p, extra) + q + (p < extra))
 
 
 def node_partition(node_config: Mapping[str, Any]) -> tuple[int, int]:

@@ -35,7 +35,11 @@ from typing import Any
 from partialfl import io as pio
 from partialfl.flower.config import encode_spec
 from partialfl.flower.env import apply_flower_env, require_flower
-from partialfl.pipeline.run_files import record_start, refuse_linked_folders
+from partialfl.pipeline.run_files import (
+    record_start,
+    refuse_linked_folders,
+    refuse_users_entries,
+)
 
 ENGINES = ("flower-sim", "flower")
 
@@ -285,11 +289,16 @@ def run_flower_closed_form(spec, out: str | Path, *, engine: str = "flower-sim",
     run = build(spec)
     check_flower_run(run, dict(flower or {}), num_supernodes)
     out = Path(out).expanduser().resolve()
+    if out.is_dir():  # checked before the federation starts (as for a model run)
+        refuse_linked_folders(out)  # the ServerApp writes (and deletes) in out/flower
+        refuse_users_entries(out, (f"{spec.name}.png", "summary.md", "flower"),
+                             f"{spec.name}.jsonl")
     fed = federation if federation is not None else _federation(
         spec, engine, num_supernodes, superlink, root_certificates)
     t0 = time.perf_counter()
     with _entered(fed):
         out.mkdir(parents=True, exist_ok=True)
+        refuse_linked_folders(out)
         rep = fed.run(stage_run_config(spec, **dict(flower or {})), timeout=timeout,
                       out_dir=out / "flower", progress=spec.name if progress else None)
     history = [{**{k: v for k, v in h.items() if not k.startswith("eval_")},

@@ -160,6 +160,9 @@ def write_report(cfg: RunSpec, history: list[dict], seconds: float, out: Path) -
 def run_and_report(cfg: RunSpec, out: Path, progress: bool | str = False):
     """``partialfl run``: :func:`run_closed_form` into ``out``, then :func:`write_report`;
     returns ``(result, summary path)``."""
+    from partialfl.pipeline.run_files import refuse_users_entries
+
+    refuse_users_entries(Path(out), (f"{cfg.name}.png", "summary.md"), f"{cfg.name}.jsonl")
     t0 = time.perf_counter()
     res = run_closed_form(cfg, out, progress=progress)
     return res, write_report(cfg, res.history, time.perf_counter() - t0, out)

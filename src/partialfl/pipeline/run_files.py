@@ -92,6 +92,41 @@ def record_start(out: Path, name: str | None = None) -> None:
         pio.write_json(out / PREEXISTING, {"names": names})
 
 
+def refuse_users_entries(out: Path, writes: tuple[str, ...], mark: str) -> None:
+    """Before a command without a start record (a closed-form ``partialfl run``) writes the
+    entries ``writes`` into ``out``: FileExistsError (one line) if one of them is there while
+    its ``mark`` (the first entry it writes) is not — a user's file it would replace."""
+    if (out / mark).exists():
+        return  # an earlier run of the same command: its own files, rewritten
+    for name in writes:
+        if os.path.lexists(out / name):
+            raise FileExistsError(f"{out / name} is not this run's (no {mark} beside it) but "
+                                  "has the name of a file the run writes, which would replace "
+                                  "it: move it (or choose another --out)")
+
+
+def claim_folder(out: Path, marker: str, owner: str) -> None:
+    """A command that fills a whole folder (a reproduction) claims ``out``: new or empty, or
+    holding its ``marker`` (a JSON file naming the ``owner``) from an earlier start, whose
+    killed writes' temporary files are then removed; else FileExistsError (one line) — the
+    user's files, or another command's, which its files would replace or mix with. Writes the
+    marker."""
+    if out.is_dir() and any(not (p.name.startswith(f".{marker}.") and p.name.endswith(".tmp"))
+                            for p in out.iterdir()):  # (a killed first write of the marker)
+        try:
+            who = pio.read_json(out / marker).get("owner")
+        except (OSError, ValueError, AttributeError):
+            who = None
+        if who != owner:
+            what = f"the output of {who!r}" if isinstance(who, str) else "files that are not its"
+            raise FileExistsError(f"{out} holds {what}; {owner} writes into a new or empty "
+                                  "folder, or its own from an earlier start: choose another "
+                                  "--out")
+        pio.clean_stale_writes(out)
+    out.mkdir(parents=True, exist_ok=True)
+    pio.write_json(out / marker, {"owner": owner})
+
+
 def record_added(out: Path, name: str) -> None:
     """``name`` is now in the finished run ``out``, written by a later command: listed in
     ``run_files.json`` (so ``--overwrite`` deletes it); FileExistsError (one line) if it is

@@ -258,15 +258,23 @@ def _per_client_plot(run_dir: Path) -> None:
     plt.close(fig)
 
 
-def write_report(run_dir: str | Path, *, tensorboard: bool = False) -> Path:
-    """(Re)build ``report.md`` and the plots of a run folder from its logs."""
-    from partialfl.pipeline.run_files import confined
+def write_report(run_dir: str | Path, *, tensorboard: bool = False,
+                 rebuild: bool = False) -> Path:
+    """(Re)build ``report.md`` and the plots of a run folder from its logs. ``rebuild``
+    (``partialfl report``): only of a finished run — an interrupted one is refused (one
+    line), since its report would mark it finished and stop its resume."""
+    from partialfl.pipeline.run_files import RUN_FILES, confined
 
     run_dir = Path(run_dir)
     confined(run_dir, [run_dir / f for f in READS])  # a link would report another run
     hists = stage_histories(run_dir)
     spec = _spec(run_dir / "spec.json")
     table = report_table(run_dir)
+    if rebuild and (run_dir / "spec.json").is_file() and not (run_dir / "report.md").exists() \
+            and not (run_dir / RUN_FILES).exists():
+        raise ValueError(f"{run_dir} holds a run that has not finished (interrupted): resume "
+                         f"it first (`partialfl train CONFIG --out {run_dir}`), which writes "
+                         "its report")
 
     def pct(recs):
         return [{"round": r["round"], "test_acc": 100 * r["test_acc"]} for r in recs
