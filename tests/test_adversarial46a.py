@@ -1,6 +1,8 @@
 """Adversarial round 46a (issue 21, areas 2, 5 and 6, tried again from scratch by someone who
-did not write the fixes). Each test fails on the code it was written against (r46a at
-cac5ff1) because of the defect it names.
+did not write the fixes). Each test failed on the code it was written against (r46a at
+cac5ff1) because of the defect it names, and passes since the fix: discovery settles nothing
+while a connected node's description is awaited (before node-wait-timeout), nor on one group
+that does not fit the spec before the deadline.
 
 Round 28a found that a SuperNode describing a federation of its own that is complete alone
 (``partition 0 of 1``) took the run over when it connected before the honest nodes; the fix
@@ -121,9 +123,6 @@ def _honest(rep, grid) -> None:
     assert [f.kind for f in rep.failures] == ["describe-invalid"]
 
 
-@pytest.mark.xfail(strict=True, reason="federation._settled settles on the only key described "
-                   "so far while the honest nodes' describe replies are pending: a stranger "
-                   "answering first takes the run over")
 def test_a_stranger_answering_first_never_takes_the_run_over(loopback):  # noqa: F811
     """Found: ``nodes`` = [(1002, partition 0 of 1)], every train message to the stranger, no
     failure counted; the honest nodes (asked, answering after 0.5 s of a 5 s wait) are never
@@ -132,9 +131,6 @@ def test_a_stranger_answering_first_never_takes_the_run_over(loopback):  # noqa:
     _honest(_run(grid), grid)
 
 
-@pytest.mark.xfail(strict=True, reason="federation._settled's one-key shortcut ignores the "
-                   "spec's number of clients: a 4-client stranger answering first settles "
-                   "the federation and server_parts raises ConfigError")
 def test_a_misfit_stranger_answering_first_never_stops_the_server(loopback):  # noqa: F811
     """Found: ``ConfigError: the SuperNodes hold 4 clients, the spec's problem has 8`` before
     round 1. Expected: the honest federation (8 clients, what the spec names) trains, the

@@ -145,7 +145,7 @@ def _kind(key: tuple[int, int, int]) -> str:
 
 def _settled(nodes: dict[int, dict[str, Any]], seen: dict[tuple, int],
              failures: list[Failure], expect: tuple[int | None, int | None],
-             final: bool) -> bool:
+             final: bool, waiting: bool = False) -> bool:
     """Whether the described nodes are one federation holding every partition; nodes of
     another federation are then left out (a ``describe-invalid`` failure each).
 
@@ -156,12 +156,16 @@ def _settled(nodes: dict[int, dict[str, Any]], seen: dict[tuple, int],
     server waits (``final``: ``node-wait-timeout`` passed). So one node cannot stop the
     ServerApp nor take the run over by describing a federation of its own, whenever it
     connects; a tie, or no complete group at the deadline, is a misconfigured federation —
-    one :class:`ConfigError` naming each node."""
+    one :class:`ConfigError` naming each node. Nothing is settled while a connected node's
+    description is awaited (``waiting``, before the deadline), nor on one group that does
+    not fit the spec before the deadline: a node answering first never takes the run."""
+    if waiting and not final:
+        return False
     keys = {_federation_key(i) for i in nodes.values()}
     complete = {k for k in keys if all((k, p) in seen for p in range(k[0]))}
-    if len(keys) < 2:
-        return bool(complete)
     fits = {k for k in keys if all(e is None or e == g for e, g in zip(expect, k[1:]))}
+    if len(keys) < 2:  # one group: the run's if it fits the spec (or the wait is over)
+        return bool(complete & fits) or (final and bool(complete))
     size = {k: sum(_federation_key(i) == k for i in nodes.values()) for k in keys}
     best = sorted(fits & complete, key=lambda k: -size[k])
     growing = [k for k in fits - complete if not best or k[0] > size[best[0]]]
@@ -281,7 +285,9 @@ def describe(link: Link, cfg: FlowerConfig, node_ids: list[int],
                 continue
             seen[key, p], nodes[node] = node, info
         final = now >= deadline and not pending
-        if _settled(nodes, seen, failures, expect, final):
+        # a node asked but not answered yet may be of the run's federation: wait for it (at
+        # most node-wait-timeout), so that a stranger answering first never takes the run
+        if _settled(nodes, seen, failures, expect, final, bool(pending) and now < deadline):
             break
         if final:  # (a node's num-partitions is its own word: nothing here is sized by it)
             why = f" (last refusal: {last[:300]})" if last else ""
