@@ -1,7 +1,10 @@
 """Adversarial round 46b (issue 21 areas 1, 3, 4, 7, 8, tried again from scratch by someone
-who did not write the fixes): the defects found. Each test fails on the code it was written
-against (r46b at cac5ff1) because of the defect it names (``xfail(strict=True)`` until the
-fix). All four are in ``partialfl advise`` (:mod:`partialfl.reproductions.advise`:
+who did not write the fixes): the defects found. Each test failed on the code it was written
+against (r46b at cac5ff1) because of the defect it names, and passes since the fix:
+``run_advisor`` checks its options before it writes, then claims ``--out`` like a
+reproduction (:func:`partialfl.pipeline.run_files.claim_folder`: new, empty or its own
+``advisor.json``; linked folders refused; stale temporary files removed).
+All four are in ``partialfl advise`` (:mod:`partialfl.reproductions.advise`:
 ``_cmd`` → ``run_advisor``), a command with an ``--out`` folder that rounds 26–45 never
 attacked: it writes ``advice.md``, ``advice.json`` and (without ``--theta``) a stage-1
 pre-training in ``OUT/stage1`` with none of the guards the other writing commands got
@@ -74,8 +77,6 @@ def _one_line_or_ran(r) -> None:
 
 
 # -- area 8: advise writes over the user's advice.md / advice.json ---------------------------
-@pytest.mark.xfail(strict=True, reason="partialfl advise replaces the user's advice.md and "
-                   "advice.json in --out (run_advisor claims no folder, checks no user entry)")
 def test_advise_never_writes_over_the_users_advice(tmp_path, data_dir):
     u = tmp_path / "u"
     u.mkdir()
@@ -89,8 +90,6 @@ def test_advise_never_writes_over_the_users_advice(tmp_path, data_dir):
 
 
 # -- area 8: advise writes its stage-1 pre-training through a planted link -------------------
-@pytest.mark.xfail(strict=True, reason="partialfl advise writes OUT/stage1 through a symbolic "
-                   "link to a folder outside OUT (run_advisor calls no refuse_linked_folders)")
 def test_advise_refuses_a_linked_stage1_folder(tmp_path, data_dir):
     victim = tmp_path / "victim"
     victim.mkdir()
@@ -104,8 +103,6 @@ def test_advise_refuses_a_linked_stage1_folder(tmp_path, data_dir):
 
 
 # -- area 4: a killed advise's temporary file is never cleaned -------------------------------
-@pytest.mark.xfail(strict=True, reason="a rerun of partialfl advise keeps the temporary file "
-                   "of a killed write of advice.md for good (no clean_stale_writes)")
 def test_advise_cleans_the_temporary_file_of_a_killed_write(tmp_path, data_dir):
     r = killed(tmp_path, data_dir, "replace", "/k/advice.md", *_ADVISE, "--out", "k")
     assert r.returncode == -9, (r.returncode, r.stderr[-400:])
@@ -118,8 +115,6 @@ def test_advise_cleans_the_temporary_file_of_a_killed_write(tmp_path, data_dir):
 
 
 # -- area 8 (minor): a refused advise leaves its folder behind -------------------------------
-@pytest.mark.xfail(strict=True, reason="a refused partialfl advise (unknown task; --clients 0 "
-                   "after the pre-training) leaves its --out folder behind")
 @pytest.mark.parametrize("args", [("advise", "nonsense", "--no-progress"),
                                   (*_ADVISE, "--clients", "0")], ids=["task", "clients"])
 def test_refused_advise_leaves_nothing_behind(tmp_path, data_dir, args):

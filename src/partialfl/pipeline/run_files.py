@@ -108,9 +108,9 @@ def refuse_users_entries(out: Path, writes: tuple[str, ...], mark: str) -> None:
 def claim_folder(out: Path, marker: str, owner: str) -> None:
     """A command that fills a whole folder (a reproduction) claims ``out``: new or empty, or
     holding its ``marker`` (a JSON file naming the ``owner``) from an earlier start, whose
-    killed writes' temporary files are then removed; else FileExistsError (one line) — the
-    user's files, or another command's, which its files would replace or mix with. Writes the
-    marker."""
+    killed writes' temporary files are then removed (a folder linked below it refused); else
+    FileExistsError (one line) — the user's files, or another command's, which its files
+    would replace or mix with. Writes the marker."""
     if out.is_dir() and any(not (p.name.startswith(f".{marker}.") and p.name.endswith(".tmp"))
                             for p in out.iterdir()):  # (a killed first write of the marker)
         try:
@@ -122,6 +122,7 @@ def claim_folder(out: Path, marker: str, owner: str) -> None:
             raise FileExistsError(f"{out} holds {what}; {owner} writes into a new or empty "
                                   "folder, or its own from an earlier start: choose another "
                                   "--out")
+        refuse_linked_folders(out)  # (a received folder: its files would go elsewhere)
         pio.clean_stale_writes(out)
     out.mkdir(parents=True, exist_ok=True)
     pio.write_json(out / marker, {"owner": owner})

@@ -224,20 +224,25 @@ def run_advisor(name: str, out_dir: str | Path, *, theta: str | Path | None = No
                 progress: bool = True, seed: int = 0) -> Path:
     """Run the advisor on table ``name``; writes ``advice.md`` (returned) and ``advice.json``
     in ``out_dir``."""
+    from partialfl.pipeline.run_files import claim_folder
+
     out_dir = Path(out_dir)
     targets = None
     if table is not None:  # read (and checked) before the advisor's hour of work
         targets = (measured_gains(table) if Path(table).suffix == ".json"
                    else {"accuracy": measured_accuracies(table, section)})
-    out_dir.mkdir(parents=True, exist_ok=True)
+    if not isinstance(clients, int) or clients < 2:  # (advise's own check, after stage 1)
+        raise ValueError(f"--clients must be an integer >= 2 (the spread needs two), got "
+                         f"{clients!r}")
+    if theta is None and pretrain_rounds is None and not str(name).endswith(".toml"):
+        raise ValueError("give --theta (a stage-1 theta.safetensors) or --pretrain-rounds N")
     t0 = time.perf_counter()
     at = build_task(name, data_dir, pretrain_rounds)
+    th = pio.load_tensors(theta, "θ file")[0] if theta is not None else None  # never a pickle
+    # checked, before anything is written: a new or empty folder, or the advisor's own
+    claim_folder(out_dir, "advisor.json", f"advise {name}")
     pre_seconds = 0.0
-    if theta is not None:  # tensors only: safetensors, never a pickle
-        th = pio.load_tensors(theta, "θ file")[0]
-    else:
-        if pretrain_rounds is None and not str(name).endswith(".toml"):
-            raise ValueError("give --theta (a stage-1 theta.safetensors) or --pretrain-rounds N")
+    if th is None:
         tp = time.perf_counter()
         from partialfl.pipeline.stages import pretrain
 
