@@ -1,6 +1,8 @@
 """Adversarial round 47a (issue 21, areas 2, 5 and 6, tried again from scratch by someone who
-did not write the fixes). Each test fails on the code it was written against (r47a at
-8a349d9) because of the defect it names.
+did not write the fixes). Each test failed on the code it was written against (r47a at
+8a349d9) because of the defect it names, and passes since the fix: a saved report accepts
+discovery's failures (partition −1 in round −1) and a resumed run keeps this start's; nodes
+listed after node-wait-timeout are not asked (discovery ends).
 
 Round 46a made discovery wait for every connected node's description. This round tried
 further interleavings across discovery, checkpoints and resume:
@@ -52,7 +54,6 @@ resume the restored report replaces ``report.failures``, so the resumed discover
 from __future__ import annotations
 
 import threading
-import time
 import uuid
 import warnings
 
@@ -111,8 +112,6 @@ def test_control_resume_without_a_stranger(loopback, tmp_path):  # noqa: F811
     assert rep.resumed_from >= 1 and rep.server_steps == 4
 
 
-@pytest.mark.xfail(strict=True, reason="a describe-invalid failure (partition -1) in the "
-                   "report makes check_report refuse the run's own checkpoint")
 def test_a_stranger_in_discovery_never_makes_the_checkpoint_unresumable(loopback,  # noqa: F811
                                                                         tmp_path):
     """Found: ``CheckpointError: checkpoint …/checkpoint.safetensors report has malformed
@@ -121,8 +120,6 @@ def test_a_stranger_in_discovery_never_makes_the_checkpoint_unresumable(loopback
     assert rep.resumed_from >= 1 and rep.server_steps == 4
 
 
-@pytest.mark.xfail(strict=True, reason="a describe-invalid failure (partition -1) in the "
-                   "report makes check_report refuse the asynchronous checkpoint")
 def test_a_stranger_never_makes_the_async_checkpoint_unresumable(loopback,  # noqa: F811
                                                                  tmp_path):
     """Found: ``CheckpointError: asynchronous checkpoint report has malformed failures``.
@@ -152,8 +149,6 @@ class _ReRegisteringGrid(LoopbackGrid):
                 for m in messages]
 
 
-@pytest.mark.xfail(strict=True, reason="describe keeps asking newly listed nodes after "
-                   "node-wait-timeout and waits for each: discovery never ends")
 def test_discovery_ends_after_node_wait_timeout_whatever_registers(loopback):  # noqa: F811
     """Found: still in discovery after 25 s (node-wait-timeout = round-timeout = 2 s).
     Expected: the ServerApp's RuntimeError about the missing partition within a few

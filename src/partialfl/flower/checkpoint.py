@@ -48,7 +48,8 @@ def _text(v: Any) -> bool:
 
 def check_report(rep: Any, counters: tuple[str, ...], what: str = "checkpoint") -> dict:
     """``rep`` if it is a saved report: ``failures`` (a list of failure records: round >=
-    -1, partition and clients >= 0, kind and reason one line each), the integer
+    -1, partition and clients >= 0 — partition −1 for a node left out by discovery, round
+    −1 —, kind and reason one line each), the integer
     ``counters`` >= 0 and, when present, ``history`` (a list of dicts) and
     ``eval_withheld`` (an integer >= 0); else :class:`CheckpointError`."""
     if not isinstance(rep, dict):
@@ -59,7 +60,7 @@ def check_report(rep: Any, counters: tuple[str, ...], what: str = "checkpoint") 
             and all(isinstance(f[k], t) and not isinstance(f[k], bool)
                     for k, t in FAILURE_FIELDS.items())
             and all(type(c) is int and c >= 0 for c in f["clients"])
-            and f["round"] >= -1 and f["partition"] >= 0
+            and f["round"] >= -1 and (f["partition"] >= 0 or f["partition"] == f["round"] == -1)
             and _text(f["kind"]) and _text(f["reason"]) for f in fails):
         raise CheckpointError(f"{what} report has malformed failures")
     if "history" in rep and not (isinstance(rep["history"], list)
@@ -89,7 +90,8 @@ class ReportBook:
     def restore(self, saved: Any) -> None:
         saved = check_report(saved, ("skipped_rounds", "requested"), self.what)
         rep = self.report
-        rep.failures = [Failure(**f) for f in saved["failures"]]
+        # (this start's discovery failures, the only ones before the restore, are kept)
+        rep.failures = [Failure(**f) for f in saved["failures"]] + rep.failures
         rep.skipped_rounds = saved["skipped_rounds"]
         rep.requested_client_updates = saved["requested"]
         rep.eval_withheld = saved.get("eval_withheld", 0)

@@ -241,8 +241,8 @@ def describe(link: Link, cfg: FlowerConfig, node_ids: list[int],
     last = ""  # the last refusal, for the error when no node is left
     raised: set[int] = set()  # nodes whose ClientApp raised (a node's own error: no retry)
     relist = 0.0  # when to list the registered nodes again
-    while True:
-        new = [n for n in node_ids if n not in asked]
+    while True:  # (nodes listed after the deadline are not asked: it ends discovery)
+        new = [n for n in node_ids if n not in asked] if time.monotonic() < deadline else []
         asked.update(new)
         now = time.monotonic()
         for node, mid in zip(new, link.push([(n, "query.describe", request, -1)

@@ -161,7 +161,8 @@ class FlowerJobs:
             raise checkpoint.CheckpointError("asynchronous checkpoint report has a malformed "
                                              "last_round")
         rep = self.report
-        rep.failures = [Failure(**f) for f in saved["failures"]]
+        # (this start's discovery failures, the only ones before the restore, are kept)
+        rep.failures = [Failure(**f) for f in saved["failures"]] + rep.failures
         rep.requested_client_updates = saved["requested"]
         rep.last_round, self.streak = last, saved["streak"]
         rep.eval_withheld = saved.get("eval_withheld", 0)
