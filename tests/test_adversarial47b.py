@@ -1,6 +1,9 @@
 """Adversarial round 47b (issue 21 areas 1, 3, 4, 7, 8, tried again from scratch by someone
-who did not write the fixes): the defects found. Each test fails on the code it was written
-against (r47b at 8a349d9) because of the defect it names.
+who did not write the fixes): the defects found. Each test failed on the code it was written
+against (r47b at 8a349d9) because of the defect it names, and passes since the fix:
+``write_node_stores`` checks every ``node-i`` folder before it writes the first, and a kept
+``--work-dir`` (``flower local``, ``LocalFederation``) refuses a folder linked below it; the
+app files are written atomically (a link is replaced, never followed).
 
 Both are in the two Flower commands that write client stores and federation files outside a
 run folder, which rounds 26–46 attacked only with bad counts and hosts (10, 33b):
@@ -53,9 +56,6 @@ def _one_line_or_ran(r) -> None:
 
 
 # -- area 8: a refused node-data has already written OUT/node-0 -------------------------------
-@pytest.mark.xfail(strict=True, reason="flower node-data writes OUT/node-0 before it finds "
-                   "OUT/node-1 is a user's folder and refuses (write_node_stores checks each "
-                   "node folder only when it writes it)")
 def test_a_refused_node_data_writes_nothing(tmp_path, data_dir):
     (tmp_path / "c.toml").write_text(femnist_toml())
     out = tmp_path / "nodes"
@@ -72,9 +72,6 @@ def test_a_refused_node_data_writes_nothing(tmp_path, data_dir):
 
 # -- area 8: flower local writes through links below its --work-dir ---------------------------
 @pytest.mark.timeout(200)
-@pytest.mark.xfail(strict=True, reason="flower local follows a link planted below --work-dir "
-                   "(federation -> ../victim): write_app replaces the user's "
-                   "victim/app/README.md and the federation's files land in victim/")
 def test_flower_local_never_writes_through_a_link_below_its_work_dir(tmp_path, data_dir):
     pytest.importorskip("flwr")
     (tmp_path / "c.toml").write_text(femnist_toml())

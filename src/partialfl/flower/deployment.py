@@ -102,6 +102,10 @@ class LocalFederation:
         self.simulation, self.secure = simulation, secure
         self.node_data = [str(Path(d).resolve()) for d in node_data] if node_data else None
         self._tmp = None if work_dir else tempfile.mkdtemp(prefix="partialfl-flower-")
+        if work_dir is not None and Path(work_dir).is_dir():  # (the folder itself: the user's)
+            from partialfl.pipeline.run_files import refuse_linked_folders
+
+            refuse_linked_folders(Path(work_dir))  # its files would be written elsewhere
         self.work_dir = Path(work_dir or self._tmp).resolve()
         self.home = self.work_dir / "flwr-home"
         self.logs = self.work_dir / "logs"

@@ -20,6 +20,7 @@ It builds the spec here (validating it, loading the data), then:
 
 from __future__ import annotations
 
+import os
 import shutil
 import tempfile
 from pathlib import Path
@@ -44,10 +45,14 @@ def write_node_stores(data, num_nodes: int, folder: str | Path) -> list[Path]:
     """One client store per node in ``folder`` (``node-i``): every client of ``data`` in
     order, with examples only for partition i's clients (see the module docstring)."""
     from partialfl.data.store import StoreWriter
+    from partialfl.data.store.writer import check_replaceable
 
     folder = Path(folder)
     M = data.num_clients
     check_num_nodes(num_nodes)
+    for i in range(num_nodes):  # every node's folder checked before the first is written
+        if os.path.lexists(folder / f"node-{i}"):
+            check_replaceable(folder / f"node-{i}")
     paths = []
     for i in range(num_nodes):
         own = set(partition_clients(M, num_nodes, i).tolist())
@@ -96,6 +101,10 @@ def run_local(spec, out: str | Path, num_nodes: int, *, insecure: bool = False,
              **dict(flower or {})}
     check_flower_run(run, extra, num_nodes)
     tmp = None if work_dir else tempfile.mkdtemp(prefix="partialfl-local-")
+    if work_dir is not None and Path(work_dir).is_dir():  # a kept work folder: written only
+        from partialfl.pipeline.run_files import refuse_linked_folders
+
+        refuse_linked_folders(Path(work_dir))  # inside it, never through a link below it
     work = Path(work_dir or tmp).resolve()
     try:
         stores = None if spec.closed_form else write_node_stores(

@@ -75,11 +75,13 @@ def app_pyproject(defaults: dict[str, Any] | None = None, *, name: str = APP_NAM
 
 def write_app(app_dir: str | Path, defaults: dict[str, Any] | None = None) -> Path:
     """Write the app folder (``pyproject.toml`` + README) and return it."""
+    from partialfl import io as pio
+
     d = Path(app_dir)
     d.mkdir(parents=True, exist_ok=True)
-    (d / "pyproject.toml").write_text(app_pyproject(defaults))
-    (d / "README.md").write_text(
-        "partialfl's Flower app: see examples/flower/README.md in the partialfl repository.\n")
+    pio.write_text(d / "pyproject.toml", app_pyproject(defaults))  # atomic: never through a
+    pio.write_text(d / "README.md", "partialfl's Flower app: see examples/flower/README.md "
+                   "in the partialfl repository.\n")  # link (a link is replaced)
     return d
 
 
