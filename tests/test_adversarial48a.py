@@ -50,8 +50,8 @@ sums; ``ratio_of_sums`` clips); the checkpoint's report (every reason ``short``-
 from integers); ``audit-dir`` file names (the node's message type cut to 40 ASCII
 characters, the SuperLink's node id); a run stopped after round 2 and resumed (sync, and
 async with 2 tasks in flight) while partition 1's node now declares 10⁶ examples per client
-(resumes, finishes, ``result.json`` reads back). Area 6 — (read) the node's ``check_code`` before any
-build, ``allow_code`` around it.
+(resumes, finishes, ``result.json`` reads back). Area 6 — (read) the node's ``check_code``
+before any build, ``allow_code`` around it.
 """
 
 from __future__ import annotations
