@@ -1,6 +1,8 @@
 """Adversarial round 48a (issue 21, areas 2, 5 and 6, tried again from scratch by someone who
-did not write the fixes). The test fails on the code it was written against (r48a at
-9bc89f4) because of the defect it names.
+did not write the fixes). The test failed on the code it was written against (r48a at
+9bc89f4) because of the defect it names, and passes since the fix: a node refuses a server θ
+whose leaves differ from its θ⁰'s in dtype or shape (``NodeRuntime.check_theta``) before
+any client computes.
 
 Rounds 44a–47a attacked the ServerApp from one hostile SuperNode. This round also turned the
 attack around — a hostile *server* against the ClientApp: what its messages make a node
@@ -130,9 +132,6 @@ def test_control_local_dp_replies_hold_float64_values(loopback):  # noqa: F811
 
 @pytest.mark.skipif(np.finfo(np.longdouble).nmant <= 52,
                     reason="np.longdouble is float64 on this platform")
-@pytest.mark.xfail(strict=True, reason="r48a: a SuperNode computes its local-DP update in "
-                   "the dtype of the θ the server sends (float128): the float64 noise "
-                   "leaves the update's low bits un-noised")
 def test_a_hostile_servers_theta_dtype_never_unmasks_local_dp(loopback):  # noqa: F811
     """Found: with θ sent as float128 the nodes reply in float128 — 40 of 40 values not
     float64-representable, their bits below the noise's float64 ulp those of the un-noised

@@ -1,7 +1,8 @@
 """Adversarial round 48b (issue 21 areas 1, 3, 4, 7, tried again from scratch by someone who
-did not write the fixes): the defects found. Each test fails on the code it was written
-against (r48b at 9bc89f4) because of the defect it names (hence ``xfail(strict)``) and passes
-once the defect is fixed.
+did not write the fixes): the defects found. Each test failed on the code it was written
+against (r48b at 9bc89f4) because of the defect it names, and passes since the fix: the
+Byzantine wrapper plans its f on what one server step aggregates (FedBuff's buffer K under
+``[asynchronous]``, :func:`partialfl.build.algorithm.server_cohort`).
 
 * Area 3, asynchronous FedBuff under a robust rule with an ``[attack]``: ``build_algorithm``
   checks the robust rule against what one asynchronous step aggregates (``server_cohort``:
@@ -35,8 +36,6 @@ from __future__ import annotations
 import json
 import warnings
 
-import pytest
-
 _LS = ('seed = 0\n[problem]\nname = "least-squares"\nnum_clients = 20\nn = 80\n'
        'd_theta = 3\nd_w = 2\nseed = 0\n[method]\nalgorithm = "ffgg"\nw_init = "zero"\n'
        '[personalize]\nrounds = 40\nclients_per_round = {k}\n'
@@ -62,10 +61,6 @@ def _final_ratio(tmp_path, k: int) -> tuple[int, float | None]:
 
 
 # -- area 3: FedBuff's robust plan is K, the Byzantine wrapper's is clients_per_round ---------
-@pytest.mark.xfail(strict=True, reason="under [asynchronous] FedBuff the Byzantine wrapper "
-                   "plans clients_per_round (10) while a step aggregates the buffer K = 5: "
-                   "every step is skipped as unprotected, θ never moves, exit 0 "
-                   "(build/algorithm.py build_algorithm → wrap_algorithm)")
 def test_fedbuff_robust_steps_are_not_all_skipped_for_the_sync_cohort_size(tmp_path):
     rc, ratio = _final_ratio(tmp_path, 5)
     assert rc == 0 and ratio is not None and ratio < 0.9  # the control trains

@@ -126,7 +126,10 @@ def wrap_algorithm(spec: RunSpec, alg, num_clients: int | None,
     for block in (spec.faults, attack, spec.privacy):
         if block is None:
             continue
-        ctx = WrapperContext(alg, spec.seed, num_clients, clients_per_round, aggregator, rounds)
+        # the Byzantine wrapper plans f on what one server step aggregates (an asynchronous
+        # step: FedBuff's buffer K, not the rounds' cohort it would count as lost clients)
+        k = server_cohort(spec, clients_per_round) if block is attack else clients_per_round
+        ctx = WrapperContext(alg, spec.seed, num_clients, k, aggregator, rounds)
         try:
             alg = block.build(ctx)
         except ValueError as err:

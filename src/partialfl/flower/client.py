@@ -77,11 +77,30 @@ class NodeRuntime:
     torch: bool
     theta0: Any = None  # the stage's initial θ (before ``algorithm.init``)
     theta_names: tuple[str, ...] = ()  # θ's leaves in the server's order
+    theta_like: dict[str, tuple[str, tuple[int, ...]]] | None = None  # leaf -> (dtype, shape)
     eval_min_clients: int = 2  # the run config's, raised by the node's own floor
     noise_key: int | None = None  # local DP's noise key (:mod:`partialfl.flower.node`)
     noise_secret: bool = False  # the key is the node's own (not the run seed the server holds)
     sends_updates_only: bool = False  # local DP or the node's DP floor: no evaluation sums
     ledger: Any = None  # the node's ReleaseLedger (:mod:`partialfl.flower.ledger`), or None
+
+    def check_theta(self, theta):
+        """``theta`` (the server's) if its leaves are this run's θ⁰'s — names, dtypes and
+        shapes — else a :class:`~partialfl.privacy.PrivacyError` naming the first that
+        differs: a client computes at the server's θ, and another dtype (float128) would
+        carry its update's bits below the reach of local DP's float64 noise."""
+        from partialfl.privacy import PrivacyError
+
+        like = self.theta_like or {}
+        if set(theta) != set(like):
+            raise PrivacyError(f"the server's θ has the leaves {sorted(theta)[:8]}, not this "
+                               f"run's θ {sorted(like)[:8]}")
+        for n, v in theta.items():
+            if (str(v.dtype), tuple(v.shape)) != like[n]:
+                raise PrivacyError(f"the server's θ leaf {n!r} is {v.dtype} "
+                                   f"{list(v.shape)[:8]}; this run's θ is {like[n][0]} "
+                                   f"{list(like[n][1])[:8]}")
+        return theta
 
     def context(self, round_: int, cohort: np.ndarray = ()) -> RoundContext:
         """What the node's client updates know of round ``round_``: the run seed and the
@@ -194,10 +213,12 @@ def node_runtime(context: Context, msg: Message | None = None,
             if data is not None:
                 check_node_data(data, clients)
             with kept_on_node(opts.partition, "algorithm.init"):
-                names = tuple(algorithm.init(problem, theta0).theta)
+                init = algorithm.init(problem, theta0).theta
+                names = tuple(init)
+                like = {n: (str(v.dtype), tuple(v.shape)) for n, v in init.items()}
             rt = NodeRuntime(cfg, opts.partition, opts.num_partitions, problem, algorithm,
                              clients, torch=not cfg.closed_form, theta0=theta0,
-                             theta_names=names,
+                             theta_names=names, theta_like=like,
                              eval_min_clients=max(cfg.eval_min_clients, opts.eval_min_clients),
                              noise_key=opts.local_noise_key(cfg.seed),
                              noise_secret=opts.noise_key != "seed",
@@ -240,7 +261,7 @@ def train(rt: NodeRuntime, msg: Message) -> Message:
     r = int(task["round"])
     cohort = rt.check_clients(np.asarray(task["clients"], dtype=np.int64))
     inject_faults(rt.cfg.fault_injection, rt.partition, r)
-    theta = decode_params(msg.content["theta"], rt.torch)
+    theta = rt.check_theta(decode_params(msg.content["theta"], rt.torch))
     ctx = rt.context(r, cohort)  # the node's own release policy may refuse (its message)
     with kept_on_node(rt.partition, "client_update"):
         shared = {n: float(task[f"extra.{n}"]) for n in rt.algorithm.shared_extra
@@ -275,7 +296,7 @@ def evaluate(rt: NodeRuntime, msg: Message) -> Message:
     """Personalized loss of this node's clients at θ (w fine-tuned here, never sent): sums
     over at least ``rt.eval_min_clients`` clients, or an empty record (withheld)."""
     r = int(msg.content["task"]["round"])
-    theta = decode_params(msg.content["theta"], rt.torch)
+    theta = rt.check_theta(decode_params(msg.content["theta"], rt.torch))
     with kept_on_node(rt.partition, "evaluation"):
         sums = evaluate_clients(rt, theta, r)
     return Message(RecordDict({"eval": MetricRecord(sums)}), reply_to=msg)

@@ -124,7 +124,8 @@ def node_contribution(rt, msg):
     if len(values) != len(rt.theta_names):
         raise ValueError(f"SecAgg+ round sent {len(values)} θ leaves, the model has "
                          f"{len(rt.theta_names)}")
-    theta = {n: arrays.to_torch(v) if rt.torch else v for n, v in zip(rt.theta_names, values)}
+    theta = rt.check_theta({n: arrays.to_torch(v) if rt.torch else v
+                            for n, v in zip(rt.theta_names, values)})
     r = int(ins.config["round"])
     cohort = rt.check_clients(np.asarray(json.loads(str(ins.config["clients"])),
                                          dtype=np.int64))
