@@ -461,8 +461,8 @@ def parse_fault_injection(spec: str) -> tuple[Fault, ...]:
                               "takes round=INT >= 0 and no partition")
         if kind != "stop" and "partition" not in kw:
             raise ConfigError(f"run-config key 'fault-injection': {part!r} needs partition=INT")
-        if kind == "slow" and kw.get("seconds", 0) <= 0:
-            raise ConfigError(f"run-config key 'fault-injection': {part!r} needs seconds > 0")
+        if kind == "slow" and not 0 < kw.get("seconds", 0) < math.inf:  # (NaN: False)
+            raise ConfigError(f"run-config key 'fault-injection': {part!r} needs 0 < seconds < inf")
         out.append(Fault(kind, **kw))
     return tuple(out)
 
