@@ -34,7 +34,7 @@ against (r49b at ab8d399) because of the defect it names.
   with ``run_rounds``; only closed forms call ``async_rule`` / ``run_async``, and Flower's
   ``FlowerJobs``): the run is synchronous, bit-equal to the spec without the block
   (``grad_evals`` 6 per "step" with 6 clients under fedasync, whose step is one update), and
-  exits 0 with ``spec.json`` and the report recording an asynchronous run.
+  exits 0 with ``spec.json`` recording the ``[asynchronous]`` block.
 
 Tried and held (not tested here): bool / NaN / 1e400 / path-like values for ``seed``,
 ``checkpoint_every``, ``threads``, ``max_failure_fraction``, ``name`` (one line, exit 2);
