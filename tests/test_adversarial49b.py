@@ -1,6 +1,10 @@
 """Adversarial round 49b (issue 21 areas 3, 4, 7, 8, tried again from scratch by someone who
-did not write the fixes): the defects found. Each test fails on the code it was written
-against (r49b at ab8d399) because of the defect it names.
+did not write the fixes): the defects found. Each test failed on the code it was written
+against (r49b at ab8d399) because of the defect it names, and passes since the fix: the
+build checks and wraps with the cohort a model run draws (``min(k, M)``), a model run's
+stage 1 is checked under the run's aggregation and attack, and an ``[asynchronous]`` block
+on a model run in process is refused (:func:`partialfl.pipeline.stages.check_synchronous`;
+Flower runs it).
 
 * Area 3, a model run whose ``clients_per_round`` is above its number of clients: the
   runtime clamps the cohort to every client (``pipeline/stages.py`` ``_run_stage``:
@@ -51,8 +55,6 @@ from __future__ import annotations
 
 import json
 import warnings
-
-import pytest
 
 _MODEL = """\
 name = "{name}"
@@ -106,9 +108,6 @@ def _accs(tmp_path, name: str) -> list[float]:
 
 
 # -- area 3: the build checks the robust rule at a cohort the model runtime never runs ------
-@pytest.mark.xfail(strict=True, reason="build_algorithm checks the robust rule at the "
-                   "unclamped clients_per_round (30) while a model run's cohort is clamped "
-                   "to its 6 clients: --dry-run accepts, the run refuses f = 0 at k = 6")
 def test_dry_run_refuses_what_the_clamped_cohort_refuses(tmp_path, data_dir):
     rc_dry = _train(tmp_path, "dry", 30, 0.1, False, "--dry-run")
     rc_run = _train(tmp_path, "run", 30, 0.1, False)
@@ -116,9 +115,6 @@ def test_dry_run_refuses_what_the_clamped_cohort_refuses(tmp_path, data_dir):
     assert rc_dry == rc_run, (rc_dry, rc_run)  # ... and --dry-run must say so
 
 
-@pytest.mark.xfail(strict=True, reason="the Byzantine wrapper plans f on the unclamped "
-                   "clients_per_round (30) of a model run over 6 clients: every round is "
-                   "skipped as if 24 clients had failed, exit 0 with θ unchanged")
 def test_attack_run_with_cohort_above_clients_is_not_all_skipped(tmp_path, data_dir):
     assert _train(tmp_path, "ctl", 6, 0.2, True) == 0
     ctl = _accs(tmp_path, "ctl")
@@ -130,9 +126,6 @@ def test_attack_run_with_cohort_above_clients_is_not_all_skipped(tmp_path, data_
 
 
 # -- area 3/8: [asynchronous] in a model run is checked, then silently run synchronously ------
-@pytest.mark.xfail(strict=True, reason="_build_model_run / the pipeline's stages never read "
-                   "spec.asynchronous: a model run with [asynchronous] fedasync runs "
-                   "synchronously, bit-equal to the spec without it, exit 0")
 def test_model_run_with_asynchronous_block_is_async_or_refused(tmp_path, data_dir):
     from partialfl.cli import main
 
@@ -161,9 +154,6 @@ def test_model_run_with_asynchronous_block_is_async_or_refused(tmp_path, data_di
 
 
 # -- area 3: --dry-run never checks the pre-training stage's robust rule ---------------------
-@pytest.mark.xfail(strict=True, reason="_build_model_run validates only the personalize "
-                   "stage's algorithm: a [pretrain] cohort the robust rule refuses passes "
-                   "--dry-run and fails when stage 1 starts")
 def test_dry_run_checks_the_pretrain_cohort(tmp_path, data_dir):
     from partialfl.cli import main
 

@@ -55,7 +55,9 @@ def build_algorithm(spec: RunSpec, stage: StageConfig, *, method=None, problem=N
     opt = build_server_opt(stage.server, stage.rounds, L, auto)
     agg = build_aggregator(spec)
     n = num_clients if num_clients is not None else getattr(problem, "num_clients", None)
-    check_protected(agg, server_cohort(spec, stage.clients_per_round or n),
+    k = stage.clients_per_round  # a model run draws min(k, M) clients (pipeline.stages)
+    k = min(k, n) if k is not None and n is not None else k
+    check_protected(agg, server_cohort(spec, k or n),
                     "" if spec.asynchronous is None else
                     " (an asynchronous step aggregates the updates that arrived: 1 under "
                     "fedasync, the buffer K under fedbuff)")
@@ -68,7 +70,7 @@ def build_algorithm(spec: RunSpec, stage: StageConfig, *, method=None, problem=N
             raise
         raise ConfigError(f"method: {err}") from None
     if wrap:
-        alg = wrap_algorithm(spec, alg, n, stage.clients_per_round, agg, stage.rounds)
+        alg = wrap_algorithm(spec, alg, n, k, agg, stage.rounds)
     return alg
 
 

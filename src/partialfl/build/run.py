@@ -156,6 +156,11 @@ def _build_model_run(spec: RunSpec) -> Run:
             raise
         raise ConfigError(f"method.split: {err}") from None
     build_algorithm(run, run.personalize, num_clients=data.num_clients)  # validates
+    if run.pretrain.rounds > 0:  # stage 1's FedAvg, under the same aggregation and attack
+        from partialfl.spec import MethodConfig
+
+        build_algorithm(run, run.pretrain, method=MethodConfig(algorithm="fedavg"),
+                        num_clients=data.num_clients)
     _check_forward(split.model, data, task.loss_fn)
     counts = split.counts() if hasattr(split, "counts") else {}
     plan = {

@@ -173,6 +173,15 @@ def _run_stage(problem, algorithm, stage: StageConfig, seed: int, out: Path, tag
     return res
 
 
+def check_synchronous(cfg: RunSpec) -> None:
+    """ConfigError if ``cfg`` has an ``[asynchronous]`` block (once ignored silently): the
+    in-process model pipeline is synchronous; asynchronous model runs are Flower's jobs."""
+    if cfg.asynchronous is not None:
+        raise ConfigError("[asynchronous] on a model problem runs on Flower (--engine "
+                          "flower-sim or flower); the in-process pipeline trains in "
+                          "synchronous rounds: remove the block or choose a Flower engine")
+
+
 # ----------------------------------------------------------------------------- stages
 def stage1_setup(cfg: RunSpec, task: Task) -> tuple[ModelProblem, Algorithm]:
     """Stage 1's problem (every parameter global, the model seeded with ``stage1_seed``) and
@@ -209,6 +218,7 @@ def pretrain(cfg: RunSpec, task: Task, stage1_dir: Path, progress: bool | str = 
         return done
     problem, alg = stage1_setup(cfg, task)
     t0 = time.perf_counter()
+    check_synchronous(cfg)
     res = _run_stage(problem, alg, cfg.pretrain, cfg.stage1_seed, stage1_dir, "stage1",
                      cfg.checkpoint_every, cfg.backend, progress, on_round=on_round,
                      validation=cfg.validation is not None,
@@ -258,6 +268,7 @@ def personalize(cfg: RunSpec, task: Task, theta1: Params, run_dir: Path,
         cs = None if cs is None else _on(cs, problem)
         return Stage2(split, problem, alg, theta, cs, float("nan"), run_dir)
     t0 = time.perf_counter()
+    check_synchronous(cfg)
     res = _run_stage(problem, alg, cfg.personalize, cfg.seed, run_dir, "stage2",
                      cfg.checkpoint_every, cfg.backend, progress,
                      theta0=_on(theta_start, problem), on_round=on_round,

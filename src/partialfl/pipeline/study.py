@@ -175,12 +175,15 @@ def check_study(config: str | Path, seeds: Sequence[int], sweep: dict[str, list[
     anything is written or run)."""
     from partialfl.build import allow_code as allowing
     from partialfl.build.code import check_code_refs
+    from partialfl.pipeline.stages import check_synchronous
     from partialfl.pipeline.train import load_run_spec
 
     runs = study_runs(seeds or [0], sweep)
     with allowing(allow_code or None):
         for r in runs:
-            check_code_refs(load_run_spec(config, run_sets(r, sets), device=device))
+            spec = load_run_spec(config, run_sets(r, sets), device=device)
+            check_code_refs(spec)
+            check_synchronous(spec)
     return runs
 
 

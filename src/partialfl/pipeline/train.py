@@ -256,7 +256,10 @@ def claim_out(out: str | Path, overwrite: bool = False, spec: RunSpec | None = N
 def run_train(spec: RunSpec, out: str | Path | None = None, *, dry_run: bool = False,
               progress: bool | None = None) -> tuple[Run, dict[str, Any] | None]:
     """Build ``spec``; unless ``dry_run``, run it into ``out`` (default ``runs/NAME``)."""
+    from partialfl.pipeline.stages import check_synchronous
+
     run = build(spec)
+    check_synchronous(run.spec)  # (a dry run says so too)
     if dry_run:
         return run, None
     return run, run_built(run, Path(out or Path("runs") / spec.name), progress=progress)
