@@ -111,7 +111,9 @@ class AsyncSpec(_Spec):
     ``rounds`` of the stage count applied updates. A robust aggregation rule is checked at
     the updates one step aggregates (1 under fedasync, K under fedbuff), so fedasync
     refuses it unless ``allow_unprotected``; under fedbuff it counts clients: a client's
-    updates in one buffer are averaged into one row, the K-update plan's f kept."""
+    updates in one buffer are averaged into one row, the K-update plan's f kept. Runs on
+    closed forms in process and on model problems over Flower (an in-process model run
+    refuses the block)."""
 
     rule: Component = comp("wrapper", "fedasync", "fedasync {staleness, a, b} or fedbuff "
                            "{buffer, staleness, a, b}")
