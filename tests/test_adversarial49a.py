@@ -74,7 +74,7 @@ def _dry_run(tmp_path, capsys, fault: str) -> tuple[int, list[str]]:
 def test_control_a_negative_slow_fault_is_one_line(tmp_path, capsys):
     """``seconds=-1``: one line naming the key, exit 2."""
     rc, err = _dry_run(tmp_path, capsys, "slow:partition=0,round=0,seconds=-1")
-    assert rc == 2 and len(err) == 1 and "needs 0 < seconds < inf" in err[0]
+    assert rc == 2 and len(err) == 1 and "0 < seconds <= 86400" in err[0]
 
 
 @pytest.mark.parametrize("seconds", ["nan", "inf"])

@@ -1,6 +1,9 @@
 """Adversarial round 50a (issue 21, areas 2, 5 and 6, tried again from scratch by someone who
-did not write the fixes). Each test fails on the code it was written against (adv50a at
-3cff9eb) because of the defect it names.
+did not write the fixes). Each test failed on the code it was written against (adv50a at
+3cff9eb) because of the defect it names, and passes since the fix: the ServerApp judges the
+failure fraction as in process (after ``MIN_ATTEMPTS`` = 20 requested updates; at the end
+when none succeeded; when consecutive failures stall an asynchronous run), and ``slow``
+needs ``0 < seconds <= 86400``.
 
 * Area 2, one SuperNode's failures abort the whole run because they arrived *first*: the
   ServerApp checks ``max_failure_fraction`` (the spec's: "abort when more client computations
@@ -122,9 +125,6 @@ def test_control_the_async_run_with_an_honest_federation_finishes(loopback):  # 
     assert rep.server_steps == 12 and not rep.failures
 
 
-@pytest.mark.xfail(strict=True, reason="flower.report.check_failures judges "
-                   "max_failure_fraction from the first reply (no min_attempts): one fast-"
-                   "failing SuperNode's first 2 failures abort an async run that loses 40%")
 def test_one_fast_failing_node_does_not_abort_an_async_run(loopback):  # noqa: F811
     """Found: ``RunAborted: 2 of 2 requested client updates failed (100% > max-failure-
     fraction 0.5)`` after partition 0's first two replies. Expected: as in process (judged
@@ -143,9 +143,6 @@ def test_one_fast_failing_node_does_not_abort_an_async_run(loopback):  # noqa: F
     assert {f.partition for f in rep.failures} == {0}
 
 
-@pytest.mark.xfail(strict=True, reason="flower.report.check_failures judges "
-                   "max_failure_fraction after the first round: a first cohort drawn from "
-                   "one failing node aborts a run where that node holds 31% of the sample")
 def test_one_failing_node_does_not_abort_a_sync_run_by_its_first_round(loopback):  # noqa: F811
     """Found: round 1 (clients 1 and 2, both partition 0's) → ``RunAborted: 2 of 2
     requested client updates failed``. Expected: the run goes on (over its 8 rounds
@@ -189,9 +186,6 @@ def test_control_a_slow_fault_time_sleep_takes_runs(loopback):  # noqa: F811
     assert not rep.failures
 
 
-@pytest.mark.xfail(strict=True, reason="parse_fault_injection accepts a finite slow "
-                   "seconds that time.sleep cannot take (1e300, 1e10: OverflowError on the "
-                   "node) instead of one line, exit 2")
 @pytest.mark.parametrize("seconds", ["1e300", "1e10"])
 def test_a_slow_fault_time_sleep_cannot_take_is_one_line(tmp_path, capsys, seconds):
     """Found: the dry run accepts it (exit 0); in the run the node fails with

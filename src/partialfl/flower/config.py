@@ -461,8 +461,8 @@ def parse_fault_injection(spec: str) -> tuple[Fault, ...]:
                               "takes round=INT >= 0 and no partition")
         if kind != "stop" and "partition" not in kw:
             raise ConfigError(f"run-config key 'fault-injection': {part!r} needs partition=INT")
-        if kind == "slow" and not 0 < kw.get("seconds", 0) < math.inf:  # (NaN: False)
-            raise ConfigError(f"run-config key 'fault-injection': {part!r} needs 0 < seconds < inf")
+        if kind == "slow" and not 0 < kw.get("seconds", 0) <= 86400:  # a day; NaN: False
+            raise ConfigError(f"run-config key 'fault-injection': {part!r}: 0 < seconds <= 86400")
         out.append(Fault(kind, **kw))
     return tuple(out)
 

@@ -120,6 +120,7 @@ class FlowerJobs:
         report = self.report
         while not self.queue:
             if self.streak >= self.max_streak:
+                check_failures(self.cfg, report, self._cause(), when="stalled")
                 report.stopped = (f"{self.streak} consecutive client tasks failed (last: "
                                   f"{report.failures[-1].kind}: {report.failures[-1].reason})")
                 log.error("partialfl: async training stopped early: %s", report.stopped)
@@ -130,11 +131,13 @@ class FlowerJobs:
                 job, node, client, theta, _ = self.inflight.pop(mid)
                 self._done(job, decode_reply(got.get(mid), theta, client, self.fed, node,
                                              job.job, report, self.algorithm))
-            faults = self.server.faults if self.server is not None else None
-            check_failures(self.cfg, report, growth_cause(self.fed, faults))
+            check_failures(self.cfg, report, self._cause())
             if not got and not self.queue:
                 time.sleep(self.cfg.poll_interval)
         return self.queue.pop(0)
+
+    def _cause(self) -> str:
+        return growth_cause(self.fed, self.server.faults if self.server is not None else None)
 
     def restart(self, slot: int) -> None:
         """SuperNodes are not restarted by the server."""

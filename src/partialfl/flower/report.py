@@ -21,6 +21,7 @@ from partialfl import arrays
 from partialfl import io as pio
 from partialfl.flower.config import FlowerConfig
 from partialfl.flower.text import MAX_REASON, bounded
+from partialfl.runtime.faults import MIN_ATTEMPTS
 from partialfl.types import Params
 
 log = logging.getLogger("flwr.partialfl")
@@ -210,15 +211,23 @@ def record_failure(report: FlowerRunReport, round_: int, kind: str, partition: i
     return f
 
 
-def check_failures(cfg: FlowerConfig, report: FlowerRunReport, cause: str = "") -> None:
-    """Abort once more than ``max-failure-fraction`` of the requested updates failed;
+def check_failures(cfg: FlowerConfig, report: FlowerRunReport, cause: str = "", *,
+                   when: str = "running") -> None:
+    """Abort once more than ``max-failure-fraction`` of the requested updates failed, judged
+    as in process (:meth:`~partialfl.runtime.faults.FaultLog.check`): while ``"running"``
+    after :data:`~partialfl.runtime.faults.MIN_ATTEMPTS` requested updates (a node whose
+    failures arrive first never ends the run alone); at the ``"end"`` when none succeeded;
+    when the run ``"stalled"`` (consecutive failures stop it) whatever the count.
     ``cause``: the likely cause beyond the failures (the server step that grew ‖θ‖ most:
     honest nodes fail after one node's huge update, and only this names that node)."""
     asked = report.requested_client_updates
     lost = report.failed_client_updates
-    if asked and lost / asked > cfg.max_failure_fraction:
+    frac = cfg.max_failure_fraction
+    judged = {"running": asked >= MIN_ATTEMPTS, "stalled": True,
+              "end": lost == asked and frac < 1}[when]
+    if asked and judged and lost / asked > frac:
         raise RunAborted(
             f"{lost} of {asked} requested client updates failed ({lost / asked:.0%} > "
-            f"max-failure-fraction {cfg.max_failure_fraction:g}); failures by kind "
+            f"max-failure-fraction {frac:g}); failures by kind "
             f"{report.failure_counts}, partitions lost: {report.lost_partitions or 'none'}"
             + (f"; {cause}" if cause else ""))

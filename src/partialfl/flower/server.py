@@ -31,7 +31,14 @@ from partialfl import rng as prng
 from partialfl.flower.config import ConfigError, parse_run_config
 from partialfl.flower.federation import Link, MessageHook, ServerProblem, describe, wait_for_nodes
 from partialfl.flower.jobs import ASYNC_CHECKPOINT, async_checkpoint, run_async
-from partialfl.flower.report import Failure, FlowerRunReport, RunAborted, ServerStopped, log
+from partialfl.flower.report import (
+    Failure,
+    FlowerRunReport,
+    RunAborted,
+    ServerStopped,
+    check_failures,
+    log,
+)
 from partialfl.flower.rounds import run_sync
 from partialfl.flower.stage import expected_federation, server_parts
 
@@ -76,6 +83,7 @@ def run_server(grid: Grid, run_config: dict[str, Any], *,
     loop = run_sync if cfg.asynchronous is None else run_async
     try:
         state = loop(link, cfg, fed, algorithm, state, ref, report, t0)
+        check_failures(cfg, report, when="end")
     except RunAborted as e:
         report.aborted, report.stopped = True, str(e)
         report.seconds = time.perf_counter() - t0

@@ -130,12 +130,17 @@ def _growth_ok(g: Any) -> bool:
             and isinstance(g["where"], str) and type(g["client"]) is int and g["client"] >= 0)
 
 
+#: client computations before the lost fraction is judged (every runtime, Flower included):
+#: one unlucky first cohort never ends a run
+MIN_ATTEMPTS = 20
+
+
 @dataclass
 class FaultLog:
     """Counts of client computations and of those lost, with the abort rule."""
 
     max_failure_fraction: float = 0.5
-    min_attempts: int = 20
+    min_attempts: int = MIN_ATTEMPTS
     attempted: int = 0
     succeeded: int = 0
     failed: int = 0
