@@ -73,6 +73,7 @@ class FlowerJobs:
         self.inflight: dict[str, tuple] = {}
         self.queue: list = []
         self.streak, self.max_streak = 0, max(10, 3 * concurrency)
+        self.sent = self.horizon = 0  # jobs sent; those sent before the streak began
         self.stops = {f.round for f in parse_fault_injection(cfg.fault_injection)
                       if f.kind == "stop"}
         self.server: AsyncServer | None = None  # set by run_async (the step to checkpoint)
@@ -98,6 +99,7 @@ class FlowerJobs:
                            "the train message could not be delivered (the SuperNode is gone)")
             self._done(job, None)
             return None
+        self.sent = max(self.sent, job.job + 1)
         self.inflight[mid] = (job, node, client, state.theta,
                               time.monotonic() + self.cfg.round_timeout)
         return None
@@ -108,6 +110,8 @@ class FlowerJobs:
         report.requested_client_updates += 1
         report.last_round = max(report.last_round, job.job)
         if rep is None:
+            if self.streak == 0:  # the jobs sent before this run of failures began
+                self.horizon = self.sent
             self.streak += 1
             self.queue.append(Event("error", job.slot, job, report.failures[-1].reason,
                                     self.now()))
@@ -119,7 +123,8 @@ class FlowerJobs:
         """The next reply (or lost task); None once too many tasks failed in a row."""
         report = self.report
         while not self.queue:
-            if self.streak >= self.max_streak:
+            if self.streak >= self.max_streak and not any(  # nor one still computing
+                    j.job < self.horizon for j, *_ in self.inflight.values()):
                 check_failures(self.cfg, report, self._cause(), when="stalled")
                 report.stopped = (f"{self.streak} consecutive client tasks failed (last: "
                                   f"{report.failures[-1].kind}: {report.failures[-1].reason})")

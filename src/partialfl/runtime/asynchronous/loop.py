@@ -140,7 +140,8 @@ def drive(server: AsyncServer, transport: AsyncTransport, compute_time: ComputeT
             if slot not in busy_slots and (steps is None or server.arrivals < steps):
                 launch(slot)  # (a resumed run that had finished launches nothing)
         while steps is None or server.arrivals < steps:
-            check_stalled(server.faults)
+            h = server.loss_horizon
+            check_stalled(server.faults, waiting=h is not None and any(j < h for j in inflight))
             ev = transport.next(max_time)
             if ev is None:
                 break
