@@ -22,6 +22,19 @@ is read as tensors (never a pickle) but its *contents* are checked only inside
   not finite; ``advise`` never looks). Suspected root cause: ``advisor.advise`` checks only
   the names of ``theta`` (no shape, dtype or finiteness check, and ``copy_`` broadcasts).
 
+* Area 8 (files), a saved personalized-models folder with a θ that is not finite or not of the
+  model's shapes, or w_m that are not finite, is loaded as a model by
+  :meth:`partialfl.pipeline.deploy.PersonalizedModels.load` (``RUN/personalized``, the
+  documented way to reload every client's model: ``PersonalizedModels.load("out/personalized",
+  MyNet()).evaluate(...)``): it checks that the clients' files stack, nothing more — a NaN
+  ``theta.safetensors``, a ``conv1.bias`` of shape ``(1,)`` instead of ``(32,)``, NaN
+  ``clients/*.safetensors`` all load without a word. The one-client reader
+  :func:`~partialfl.pipeline.deploy.load_personalized` of the same folder refuses each
+  ("saved shape (1,) does not fit the module's (32,)", "the saved values are not all
+  finite"), as ``evaluate`` refuses such a ``deploy.safetensors`` (``files._check_group``: "a
+  NaN θ scored as a model"). Suspected root cause: ``PersonalizedModels.load`` (no
+  ``_load_into``-like check of θ and the stacked w against ``module``).
+
 Tried and held (not tested here): every registered robust rule (CAF, CM, GM, CC, Krum,
 Multi-Krum, MDA, MeaMed, SMEA, TM) with f = ⌊δk⌋ Byzantine rows of ±1e100, 3e100, 1e101,
 1e150, 1e300, ±1.7e308, 1e-300, constant / alternating / one-coordinate, at k = 5, 10, 11
@@ -32,7 +45,10 @@ Multi-Krum, MDA, MeaMed, SMEA, TM) with f = ⌊δk⌋ Byzantine rows of ±1e100,
 ``--pretrain-rounds -1`` (one line, exit 2); ``reproduce --seeds -1``, ``--folds 1``,
 ``--workers 0`` (one line, exit 2); (read) :class:`partialfl.data.client_state.
 ClientStateStore` (bounds checked, repeated clients keep their last row, non-finite rows
-refused, not picklable into a checkpoint). Observed, not filed: ``evaluate --lr X`` of a run
+refused, not picklable into a checkpoint). ``load_personalized`` and ``evaluate``'s ``deploy.safetensors`` with NaN / misshaped leaves
+(refused); ``advise --table`` truncated JSON, a JSON list, no ``results``, a missing
+``--section``, a missing file, ``--theta`` missing / not safetensors (one line, exit 2).
+Observed, not filed: ``evaluate --lr X`` of a run
 without a finetune stage changes nothing (its stage-3 epochs are 0, as documented).
 """
 
@@ -91,3 +107,56 @@ def test_advise_theta_of_wrong_shapes_or_not_finite_is_refused(tmp_path, data_di
     r = _cli(tmp_path, data_dir, "advise", "har", "--theta", str(theta), "--out", "adv",
              "--no-progress")
     _one_line(r)
+
+
+# -- area 8: PersonalizedModels.load of a damaged folder ----------------------------------------
+@pytest.fixture(scope="module")
+def _personalized(tmp_path_factory, data_dir):
+    tmp = tmp_path_factory.mktemp("pm")
+    (tmp / "r.toml").write_text(femnist_toml())
+    r = _cli(tmp, data_dir, "train", "r.toml", "--out", "run", "--no-progress")
+    assert r.returncode == 0, r.stderr[-400:]
+    return tmp / "run" / "personalized"
+
+
+def _damage(src: Path, dst: Path, how: str) -> Path:
+    import shutil
+
+    import torch
+    from safetensors.torch import load_file, save_file
+
+    shutil.copytree(src, dst)
+    if how in ("theta_nan", "theta_shape"):
+        th = load_file(str(dst / "theta.safetensors"))
+        if how == "theta_nan":
+            th = {n: torch.full_like(v, float("nan")) for n, v in th.items()}
+        else:
+            th["conv1.bias"] = torch.zeros(1)
+        save_file(th, str(dst / "theta.safetensors"))
+    else:
+        for f in sorted((dst / "clients").glob("*.safetensors")):
+            w = load_file(str(f))
+            save_file({n: torch.full_like(v, float("nan")) for n, v in w.items()}, str(f))
+    return dst
+
+
+@pytest.mark.parametrize("how", ["theta_nan", "theta_shape", "w_nan"])
+def test_control_load_personalized_refuses_a_damaged_folder(tmp_path, _personalized, how):
+    from partialfl.build import make_model
+    from partialfl.pipeline.deploy import load_personalized
+
+    d = _damage(_personalized, tmp_path / "pm", how)
+    with pytest.raises(ValueError):
+        load_personalized(d, make_model("emnist_cnn", num_classes=62, seed=0), 0)
+
+
+@pytest.mark.xfail(strict=True, reason="PersonalizedModels.load accepts a NaN or misshaped θ "
+                   "and NaN w_m that load_personalized refuses (no check against the module)")
+@pytest.mark.parametrize("how", ["theta_nan", "theta_shape", "w_nan"])
+def test_personalized_models_load_refuses_a_damaged_folder(tmp_path, _personalized, how):
+    from partialfl.build import make_model
+    from partialfl.pipeline.deploy import PersonalizedModels
+
+    d = _damage(_personalized, tmp_path / "pm", how)
+    with pytest.raises((ValueError, KeyError)):
+        PersonalizedModels.load(d, make_model("emnist_cnn", num_classes=62, seed=0))
