@@ -48,7 +48,12 @@ ClientStateStore` (bounds checked, repeated clients keep their last row, non-fin
 refused, not picklable into a checkpoint). ``load_personalized`` and ``evaluate``'s ``deploy.safetensors`` with NaN / misshaped leaves
 (refused); ``advise --table`` truncated JSON, a JSON list, no ``results``, a missing
 ``--section``, a missing file, ``--theta`` missing / not safetensors (one line, exit 2).
-Observed, not filed: ``evaluate --lr X`` of a run
+``data convert`` with ``--max-clients 0 / -1``, ``--option`` without ``=`` / unknown key,
+``seq_len`` 0 / -1, a file as LEAF folder, an existing file as ``out`` (one line, exit 2);
+``advise --pretrain-rounds 2`` killed (SIGKILL) at the replace of ``stage1/stage1.ckpt``,
+``stage1/theta.safetensors`` and ``advice.md``, then run again (finishes, no temporary file
+left); robust rules' δ of 0.49999999999, 1/3, 1e-16, NaN, True, −0.1, "0.2" at k = 7
+(bounds as documented, bad values refused). Observed, not filed: ``evaluate --lr X`` of a run
 without a finetune stage changes nothing (its stage-3 epochs are 0, as documented).
 """
 
