@@ -1,6 +1,9 @@
 """Adversarial round 50b (issue 21 areas 1, 3, 4, 7, 8, tried again from scratch by someone
-who did not write the fixes): the defects found. Each test fails on the code it was written
-against (adv50b at 3cff9eb) because of the defect it names (``xfail(strict=True)``).
+who did not write the fixes): the defects found. Each test failed on the code it was written
+against (adv50b at 3cff9eb) because of the defect it names, and passes since the fix: one
+check of saved values against a module (names, shapes, finite in its dtype:
+``partialfl.tree.fitted``) used by ``advise`` (before ``--out`` is claimed; a ValueError, one
+line), ``_load_into`` and ``PersonalizedModels.load`` (θ and every client's file).
 
 Round 46b made ``partialfl advise`` check its *options* before it writes and claim ``--out``
 (:func:`partialfl.pipeline.run_files.claim_folder`). Its ``--theta FILE`` — a stage-1
@@ -45,8 +48,9 @@ Multi-Krum, MDA, MeaMed, SMEA, TM) with f = ⌊δk⌋ Byzantine rows of ±1e100,
 ``--pretrain-rounds -1`` (one line, exit 2); ``reproduce --seeds -1``, ``--folds 1``,
 ``--workers 0`` (one line, exit 2); (read) :class:`partialfl.data.client_state.
 ClientStateStore` (bounds checked, repeated clients keep their last row, non-finite rows
-refused, not picklable into a checkpoint). ``load_personalized`` and ``evaluate``'s ``deploy.safetensors`` with NaN / misshaped leaves
-(refused); ``advise --table`` truncated JSON, a JSON list, no ``results``, a missing
+refused, not picklable into a checkpoint). ``load_personalized`` and ``evaluate``'s
+``deploy.safetensors`` with NaN / misshaped leaves (refused); ``advise --table`` truncated
+JSON, a JSON list, no ``results``, a missing
 ``--section``, a missing file, ``--theta`` missing / not safetensors (one line, exit 2).
 ``data convert`` with ``--max-clients 0 / -1``, ``--option`` without ``=`` / unknown key,
 ``seq_len`` 0 / -1, a file as LEAF folder, an existing file as ``out`` (one line, exit 2);
@@ -89,8 +93,6 @@ def _har_theta(path: Path, how: str) -> Path:
 
 
 # -- area 8: advise --theta of another model ---------------------------------------------------
-@pytest.mark.xfail(strict=True, reason="advise --theta of another model's θ: KeyError "
-                   "traceback, exit 1, advisor.json left (advisor.advise checks names late)")
 def test_advise_theta_of_another_model_is_one_line(tmp_path, data_dir):
     (tmp_path / "r.toml").write_text(femnist_toml())
     r = _cli(tmp_path, data_dir, "train", "r.toml", "--out", "run", "--no-progress")
@@ -104,8 +106,6 @@ def test_advise_theta_of_another_model_is_one_line(tmp_path, data_dir):
         f"a refused advise left {sorted(p.name for p in (tmp_path / 'adv').iterdir())}"
 
 
-@pytest.mark.xfail(strict=True, reason="advise --theta with the model's names but wrong "
-                   "shapes (broadcast by copy_) or NaN values is accepted, exit 0")
 @pytest.mark.parametrize("how", ["shape", "nan"])
 def test_advise_theta_of_wrong_shapes_or_not_finite_is_refused(tmp_path, data_dir, how):
     theta = _har_theta(tmp_path / f"{how}.safetensors", how)
@@ -155,8 +155,6 @@ def test_control_load_personalized_refuses_a_damaged_folder(tmp_path, _personali
         load_personalized(d, make_model("emnist_cnn", num_classes=62, seed=0), 0)
 
 
-@pytest.mark.xfail(strict=True, reason="PersonalizedModels.load accepts a NaN or misshaped θ "
-                   "and NaN w_m that load_personalized refuses (no check against the module)")
 @pytest.mark.parametrize("how", ["theta_nan", "theta_shape", "w_nan"])
 def test_personalized_models_load_refuses_a_damaged_folder(tmp_path, _personalized, how):
     from partialfl.build import make_model

@@ -112,7 +112,7 @@ def test_advisor_finds_a_planted_personal_output_layer():
     assert "personalize 'output'" in adv.recommendation
     assert [s.drop for s in adv.scores] == sorted((s.drop for s in adv.scores), reverse=True)
     assert "| 1 | output |" in adv.table()
-    with pytest.raises(KeyError, match="differs in"):
+    with pytest.raises(ValueError, match="differs in"):
         advise(model, data, {"inp.weight": th["inp.weight"]})
 
 

@@ -44,6 +44,7 @@ from partialfl.local.sgd import SGDConfig, run_sgd
 from partialfl.problems.model import ModelProblem, accuracy, cross_entropy
 from partialfl.rng import generator, torch_seed
 from partialfl.split import Split, SplitError, make_split, parameterised_modules
+from partialfl.tree import fitted
 from partialfl.types import Params
 
 
@@ -209,6 +210,21 @@ def score_split(split: Split, data: FederatedDataset, cfg: SGDConfig, seed: int 
                       else 0.0, diss)
 
 
+def fit_theta(model: nn.Module, theta: Mapping[str, torch.Tensor]) -> nn.Module:
+    """Copy ``theta`` (all of ``model``'s parameters by name, each of its shape, finite:
+    :func:`partialfl.tree.fitted`) into ``model``; a ValueError naming what differs."""
+    own = dict(model.named_parameters())
+    bad = sorted(set(theta) ^ set(own))
+    if bad:
+        raise ValueError(f"theta must name exactly the model's parameters; differs in "
+                         f"{bad[:5]}")
+    cast = fitted(own, theta)
+    with torch.no_grad():
+        for n, v in cast.items():
+            own[n].copy_(v)
+    return model
+
+
 def advise(model: nn.Module, data: FederatedDataset, theta: Mapping[str, torch.Tensor] | None
            = None, *, kinds: Sequence[str] | None = None, layers: bool = True,
            clients: int = 10, epochs: int = 3, lr: float = 0.02, batch_size: int = 32,
@@ -225,13 +241,7 @@ def advise(model: nn.Module, data: FederatedDataset, theta: Mapping[str, torch.T
         raise ValueError(f"clients must be >= 2 (the spread needs two), got {clients!r}")
     t0 = time.perf_counter()
     if theta is not None:
-        own = dict(model.named_parameters())
-        bad = sorted(set(theta) ^ set(own))
-        if bad:
-            raise KeyError(f"theta must name exactly the model's parameters; differs in {bad[:5]}")
-        with torch.no_grad():
-            for n, v in theta.items():
-                own[n].copy_(v)
+        fit_theta(model, theta)
     eligible = np.flatnonzero(data.train_sizes() >= 4)
     if eligible.size < 2:
         raise ValueError("fewer than two clients with >= 4 training examples")

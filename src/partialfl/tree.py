@@ -2,7 +2,8 @@
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
+from typing import Any
 
 import numpy as np
 
@@ -70,3 +71,23 @@ def flatten_stacked(tree: Params) -> tuple[object, Callable[[object], Params]]:
         return out
 
     return mat, unflatten
+
+
+def fitted(own: Mapping[str, Any], values: Mapping[str, Any]) -> dict[str, Any]:
+    """``values`` (torch tensors) cast to the dtype of ``own``'s tensors of the same names,
+    each of that tensor's shape and finite in that dtype (a finite float64 1e300 is inf in a
+    float32 module); otherwise a ValueError naming the leaf (``copy_`` would broadcast a
+    misshaped leaf and keep a NaN without a word)."""
+    import torch
+
+    cast = {}
+    for n, v in values.items():
+        if tuple(own[n].shape) != tuple(v.shape):
+            raise ValueError(f"{n!r}: saved shape {tuple(v.shape)} does not fit the "
+                             f"module's {tuple(own[n].shape)}")
+        cast[n] = c = v.to(own[n].dtype)
+        if (v.is_floating_point() and not bool(torch.isfinite(v).all())) or (
+                c.is_floating_point() and not bool(torch.isfinite(c).all())):
+            raise ValueError(f"{n!r}: the saved values are not all finite in the module's "
+                             f"dtype {own[n].dtype}")
+    return cast

@@ -45,6 +45,7 @@ from partialfl import io as pio
 from partialfl.algorithms.base import Algorithm, RoundContext, ServerState
 from partialfl.problems.model import ModelProblem, accuracy, cross_entropy
 from partialfl.split import ADAPTER_CHILD, Split, insert_adapters
+from partialfl.tree import fitted
 from partialfl.types import Params
 
 #: format tag written to (and required in) ``index.json``
@@ -166,8 +167,8 @@ class PersonalizedModels:
         d = models_folder(directory)
         index = read_index(d)
         rows = [_load(d, e["file"]) for e in index["clients"]]
-        module = _with_adapters(module, index, {**_load(d, index["theta_file"]),
-                                                **(rows[0] if rows else {})})
+        theta = _load(d, index["theta_file"])
+        module = _with_adapters(module, index, {**theta, **(rows[0] if rows else {})})
         try:
             if any(r.keys() != rows[0].keys() for r in rows):
                 raise ValueError("the client files hold other names")
@@ -175,9 +176,18 @@ class PersonalizedModels:
         except (ValueError, RuntimeError) as e:  # RuntimeError: shapes or dtypes differ
             raise pio.FileFormatError(f"{d}: the clients' files do not fit together "
                                       f"({str(e)[:120]})") from None
+        where = index["theta_file"]
+        try:  # θ and every w_m of the module's names and shapes, finite (as load_personalized)
+            own = _own(module, {**theta, **(rows[0] if rows else {})})
+            fitted(own, theta)
+            for e, r in zip(index["clients"], rows):
+                where = e["file"]
+                fitted(own, r)
+        except (KeyError, ValueError) as e:
+            raise pio.FileFormatError(f"{d / where}: {str(e).strip(chr(34))[:200]}") from None
         split = Split(module, index["split"], tuple(index["global_names"]),
                       tuple(index["personal_names"]))
-        return cls(split, _load(d, index["theta_file"]), w,
+        return cls(split, theta, w,
                    [e["id"] for e in index["clients"]], None, index.get("metadata"))
 
     def save(self, directory: str | Path) -> Path:
@@ -337,7 +347,19 @@ def _with_adapters(module: nn.Module, index: Mapping[str, Any],
 
 def _load_into(module: nn.Module, values: Mapping[str, Tensor]) -> nn.Module:
     """Copy ``values`` into the module's parameters and buffers of the same names (all its
-    parameters and normalization running statistics must be given, nothing else)."""
+    parameters and normalization running statistics must be given, nothing else; each of
+    the module's shape and finite: :func:`partialfl.tree.fitted`)."""
+    own = _own(module, values)
+    cast = fitted(own, values)
+    with torch.no_grad():
+        for n, c in cast.items():
+            own[n].copy_(c)
+    return module.eval()
+
+
+def _own(module: nn.Module, values: Mapping[str, Tensor]) -> dict[str, Tensor]:
+    """The module's tensors ``values`` must name exactly: its parameters and normalization
+    running statistics (and buffers ``values`` names); a KeyError naming the difference."""
     own = {**dict(module.named_parameters()), **{
         n: b for n, b in module.named_buffers() if n in values or _is_running_stat(n, module)}}
     unknown = sorted(set(values) - set(own))
@@ -345,21 +367,7 @@ def _load_into(module: nn.Module, values: Mapping[str, Tensor]) -> nn.Module:
     if unknown or missing:
         raise KeyError(f"the saved model does not fit this module: names the module lacks "
                        f"{unknown[:5]}, module names not saved {missing[:5]}")
-    cast = {}
-    for n, v in values.items():
-        if tuple(own[n].shape) != tuple(v.shape):
-            raise ValueError(f"{n!r}: saved shape {tuple(v.shape)} does not fit the "
-                             f"module's {tuple(own[n].shape)}")
-        # checked in the module's dtype: a finite float64 1e300 is inf in a float32 module
-        cast[n] = c = v.to(own[n].dtype)
-        if (v.is_floating_point() and not bool(torch.isfinite(v).all())) or (
-                c.is_floating_point() and not bool(torch.isfinite(c).all())):
-            raise ValueError(f"{n!r}: the saved values are not all finite in the module's "
-                             f"dtype {own[n].dtype}")
-    with torch.no_grad():
-        for n, c in cast.items():
-            own[n].copy_(c)
-    return module.eval()
+    return own
 
 
 def _is_running_stat(name: str, module: nn.Module) -> bool:

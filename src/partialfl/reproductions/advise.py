@@ -239,6 +239,13 @@ def run_advisor(name: str, out_dir: str | Path, *, theta: str | Path | None = No
     t0 = time.perf_counter()
     at = build_task(name, data_dir, pretrain_rounds)
     th = pio.load_tensors(theta, "θ file")[0] if theta is not None else None  # never a pickle
+    if th is not None:  # the model's names and shapes, finite: checked before the claim
+        from partialfl.advisor import fit_theta
+
+        try:
+            fit_theta(at.task.model_fn(0), th)
+        except ValueError as e:
+            raise ValueError(f"--theta {theta}: {e}") from None
     # checked, before anything is written: a new or empty folder, or the advisor's own
     claim_folder(out_dir, "advisor.json", f"advise {name}")
     pre_seconds = 0.0
