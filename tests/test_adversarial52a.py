@@ -1,6 +1,9 @@
 """Adversarial round 52a (issue 21, areas 2, 5 and 6, tried again from scratch by someone who
-did not write the fixes, against d4a1077: round 51a's stall rule). Each test fails on that
-code because of the defect it names.
+did not write the fixes, against d4a1077: round 51a's stall rule). Each test failed on that
+code because of the defect it names, and passes since the fix: ``flower node-data`` builds
+the spec inside ``allow_code`` (as ``flower local``), and a θ⁰ leaf name's segments may be
+indices (``0.weight``: a Sequential's children), still without empty segments or other
+characters.
 
 * Area 6, ``partialfl flower node-data CONFIG OUT --allow-code`` refuses the config's own
   ``module:callable`` model ("model.name: 'usermodels:tiny' names code to import and run ...
@@ -42,10 +45,8 @@ from __future__ import annotations
 import logging
 import subprocess
 import sys
-from pathlib import Path
 
 import pytest
-
 from _adv_cli import env
 from _user_project import TINY_MODEL, client_folder, tiny_toml
 
@@ -55,8 +56,6 @@ flwr = pytest.importorskip("flwr", reason="flwr is not installed (pip install "
 from _flower_loopback import loopback  # noqa: E402, F401 - the fixture
 
 
-@pytest.mark.xfail(strict=True, reason="flower node-data builds the spec outside "
-                   "allow_code: --allow-code is ignored for a module:callable model")
 def test_flower_node_data_honours_allow_code(tmp_path):
     """Found: exit 2, "model.name: 'usermodels:tiny' names code to import and run ... unless
     you allow code from configs on your own machine: partialfl … --allow-code" — with
@@ -100,8 +99,6 @@ def _sequential_spec(tmp_path, monkeypatch) -> dict:
             "personalize": {"rounds": 1, "clients_per_round": 2, "client": client}}
 
 
-@pytest.mark.xfail(strict=True, reason="codec._LEAF_NAME refuses torch's own parameter "
-                   "names of a Sequential model ('1.weight') in partition 0's θ⁰")
 def test_a_sequential_user_model_runs_on_flower(loopback, tmp_path, monkeypatch):  # noqa: F811
     """Found: ``RuntimeError: no SuperNode holds 1 partition(s) (0) after 3.0s; partitions
     present: 1 (last refusal: θ⁰ leaf name '1.weight' is not a parameter name)`` (live:

@@ -477,7 +477,7 @@ def decode_describe(content) -> dict[str, Any]:
     return _guard("describe reply", _decode_describe, content)
 
 
-_LEAF_NAME = re.compile(r"[A-Za-z_][A-Za-z0-9_]*(?:\.[A-Za-z0-9_]+)*")  # a.0.weight
+_LEAF_NAME = re.compile(r"[A-Za-z0-9_]+(?:\.[A-Za-z0-9_]+)*")  # a.0.weight, 0.weight
 
 
 def _decode_theta0(record, torch: bool) -> Params:
