@@ -67,7 +67,7 @@ import pytest
 from _adv_cli import cli as _cli
 from _adv_cli import killed
 
-_ADVISE = ("advise", "har", "--pretrain-rounds", "0", "--no-progress")
+_ADVISE = ("advise", "har", "--pretrain-rounds", "0", "--clients", "2", "--no-progress")
 
 
 def _one_line_or_ran(r) -> None:

@@ -184,12 +184,20 @@ def test_advise_command_on_har(tmp_path, data_dir):
 
     pio.save_tensors(th, {n: p.detach() for n, p in
                           make_model("har_cnn", 6, seed=0).named_parameters()})
+    import torch
+
+    torch.set_num_threads(2)  # the command sets its own
     assert main(["advise", "har", "--theta", str(th), "--clients", "2", "--out",
                  str(tmp_path / "adv"), "--data-dir", str(data_dir), "--no-progress"]) == 0
     text = (tmp_path / "adv" / "advice.md").read_text()
     for g in ("input", "output", "adapter", "norm", "layer conv2"):
         assert f"| {g} |" in text
     assert "Recommendation" in text
+    # torch threads set deliberately (default 1, stated); a bad count is one line, exit 2
+    assert torch.get_num_threads() == 1 and "(1 torch thread)." in text
+    assert main(["advise", "har", "--theta", str(th), "--threads", "0", "--out",
+                 str(tmp_path / "adv0"), "--data-dir", str(data_dir)]) == 2
+    assert not (tmp_path / "adv0").exists()
 
 
 def test_advisor_task_on_the_complete_works_next_character():

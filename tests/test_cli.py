@@ -283,3 +283,28 @@ def test_folds_only_where_a_reproduction_has_k_fold(tmp_path, capsys):
 def _listed(capsys):
     main(["list"])
     return capsys.readouterr().out.splitlines()
+
+
+def test_evaluate_runs_at_the_runs_thread_count_and_repeats_its_numbers(tmp_path, data_dir,
+                                                                       capsys):
+    """`partialfl evaluate RUN` fine-tunes the new clients again on the run's own torch
+    thread count (spec ``threads``), whatever the process had: its new-client test loss is
+    the run's, to the last bit."""
+    from pathlib import Path
+
+    import torch
+
+    quick = Path(__file__).resolve().parents[1] / "configs" / "train" / "quickstart.toml"
+    sets = ["data.num_clients=5", "data.holdout=1", "pretrain.rounds=1", "personalize.rounds=1",
+            "pretrain.clients_per_round=2", "personalize.clients_per_round=2",
+            "finetune.epochs=1", f"data.path={data_dir}"]
+    run = tmp_path / "r"
+    assert main(["train", str(quick), "--out", str(run), "--no-progress",
+                 *[a for s in sets for a in ("--set", s)]]) == 0
+    torch.set_num_threads(2)
+    capsys.readouterr()
+    assert main(["evaluate", str(run), "--json", "-"]) == 0
+    assert torch.get_num_threads() == 1
+    got = json.loads(capsys.readouterr().out)["r"]["test"]
+    want = json.loads((run / "new_clients.json").read_text())
+    assert got["loss"] == want["test_loss"] and got["accuracy"] == want["test_acc"]

@@ -176,10 +176,12 @@ def evaluate_train_run(run_dir: str | Path, data: str | Path | None = None, *,
     import dataclasses
 
     from partialfl.build import build_data
+    from partialfl.devices import use_threads
     from partialfl.pipeline.evaluation import evaluate_run
 
     run_dir = Path(run_dir)
     spec = load_run_spec(data=pio.read_json(run_dir / "spec.json"))
+    use_threads(spec.threads)  # the run's own count: its stage 3 repeats exactly
     run = build(spec)
     if data is not None:
         d = dataclasses.replace(spec.data, path=str(Path(data).expanduser().resolve()),

@@ -221,9 +221,10 @@ def compare(advice, measured: dict[str, tuple[float, float]]) -> dict[str, Any]:
 def run_advisor(name: str, out_dir: str | Path, *, theta: str | Path | None = None,
                 pretrain_rounds: int | None = None, clients: int = 10, data_dir=None,
                 table: str | Path | None = None, section: str | None = None,
-                progress: bool = True, seed: int = 0) -> Path:
-    """Run the advisor on table ``name``; writes ``advice.md`` (returned) and ``advice.json``
-    in ``out_dir``."""
+                progress: bool = True, seed: int = 0, threads: int = 1) -> Path:
+    """Run the advisor on table ``name`` with ``threads`` torch/BLAS threads; writes
+    ``advice.md`` (returned) and ``advice.json`` in ``out_dir``."""
+    from partialfl.devices import use_threads
     from partialfl.pipeline.run_files import claim_folder
 
     out_dir = Path(out_dir)
@@ -236,6 +237,7 @@ def run_advisor(name: str, out_dir: str | Path, *, theta: str | Path | None = No
                          f"{clients!r}")
     if theta is None and pretrain_rounds is None and not str(name).endswith(".toml"):
         raise ValueError("give --theta (a stage-1 theta.safetensors) or --pretrain-rounds N")
+    use_threads(threads)  # checked here, before anything is read or written
     t0 = time.perf_counter()
     at = build_task(name, data_dir, pretrain_rounds)
     th = pio.load_tensors(theta, "θ file")[0] if theta is not None else None  # never a pickle
@@ -274,7 +276,7 @@ def run_advisor(name: str, out_dir: str | Path, *, theta: str | Path | None = No
              "table; `finetune_split` takes the same value after FedAvg):", "", "```toml",
              adv.splits(), "```", "",
              f"Cost: advisor {adv.seconds:.1f} s; pre-training {pre_seconds:.1f} s; total "
-             f"{total:.1f} s."]
+             f"{total:.1f} s ({threads} torch thread{'s' * (threads != 1)})."]
     for target, c in (cmp or {}).items():
         lines += ["", f"## Against the measured table: {TARGETS[target]}", ""]
         if "advisor_pick" not in c:
@@ -310,6 +312,9 @@ def add_parser(sub) -> None:
     s.add_argument("--theta", help="a stage-1 theta.safetensors (pre-trained parameters)")
     s.add_argument("--pretrain-rounds", type=int, help="without --theta: FedAvg rounds")
     s.add_argument("--clients", type=int, default=10, help="clients sampled (default 10)")
+    s.add_argument("--threads", type=int, default=1, metavar="N",
+                   help="torch/BLAS threads (default 1: the small models' fine-tuning is no "
+                        "faster on more, and much slower on a busy machine)")
     s.add_argument("--table", help="measured table: a table's results.json (accuracies and "
                    "the gains over the matched baseline and over FedAvg) or a markdown file "
                    "(accuracies)")
@@ -330,6 +335,6 @@ def _cmd(args) -> int:
         path = run_advisor(args.task, out, theta=args.theta,
                            pretrain_rounds=args.pretrain_rounds, clients=args.clients,
                            data_dir=args.data_dir, table=args.table, section=args.section,
-                           progress=not args.no_progress)
+                           progress=not args.no_progress, threads=args.threads)
     print(path.read_text())
     return 0
