@@ -74,10 +74,15 @@ def test_run_config_with_overrides(tmp_path, capsys):
     cfg.write_text('[problem]\nname = "least-squares"\nnum_clients = 4\nn = 30\n'
                    'd_theta = 5\nd_w = 2\n[method]\nalgorithm = "ffgg"\n'
                    '[personalize]\nrounds = 5\nclient = { name = "cg", tau = 2 }\n')
+    import torch
+
+    torch.set_num_threads(1)
     assert main(["run", str(cfg), "--set", "personalize.rounds=7", "--out", str(tmp_path),
-                 "--no-progress"]) == 0
+                 "--no-progress", "--threads", "2"]) == 0
     recs = [json.loads(x) for x in (tmp_path / "c.jsonl").read_text().splitlines()]
     assert recs[-1]["round"] == 7
+    assert torch.get_num_threads() == 2  # the run's threads, closed forms too
+    torch.set_num_threads(1)
 
 
 LS = {"name": "least-squares"}

@@ -21,8 +21,10 @@ def _diverged(record: dict) -> list[str]:
 def _cmd_run(args) -> int:
     """``partialfl run`` / ``partialfl train``: one spec, a closed-form problem or a model."""
     from partialfl.build import allow_code
+    from partialfl.devices import use_threads
 
     spec = load_spec(args)
+    use_threads(spec.threads)  # every local run, closed forms too (numpy's BLAS pools)
     if args.engine == "local" and (args.superlink or args.root_certificates):
         raise ConfigError("--superlink / --root-certificates need --engine flower")
     if args.engine == "local" and args.flower:
