@@ -26,6 +26,16 @@ of the defect it names.
   training mode (BatchNorm1d needs two per channel in training mode; it also moves the
   model's running statistics). Suspected root cause: ``_check_forward`` (one example, train
   mode; two examples or ``eval()`` would test the fit without that artefact).
+* Area 8 (a user model changed without a word), a user's model with a frozen layer
+  (``m[1].weight.requires_grad_(False)``: PyTorch's way to say "do not train this", e.g. a
+  pre-trained feature layer) is trained anyway: ``partialfl train`` reports it among the
+  model's parameters, sends it as part of θ, and every stage moves it (between stage 1's
+  ``theta.safetensors`` and ``theta_stage2.safetensors`` ``1.weight`` moves by up to 4.6e-3)
+  — no refusal, no warning. The client passes make every leaf of θ / w a fresh
+  ``requires_grad_(True)`` tensor (``problems/model/passes.py``, ``kernels.py``, ``head.py``)
+  and the split (``partialfl.split``) never looks at ``requires_grad``. Suspected root
+  cause: the split / problem building ignore ``Parameter.requires_grad`` (a frozen
+  parameter should be a constant of the model, or the model refused in one line).
 """
 
 from __future__ import annotations
@@ -36,6 +46,16 @@ import sys
 import pytest
 from _adv_cli import env
 from _user_project import client_folder, tiny_toml
+
+FROZEN_MODEL = '''
+from torch import nn
+
+
+def fixedfeat(num_classes: int = 3):
+    m = nn.Sequential(nn.Flatten(), nn.Linear(16, 6), nn.ReLU(), nn.Linear(6, num_classes))
+    m[1].weight.requires_grad_(False)  # the user's frozen feature layer
+    return m
+'''
 
 BN1D_MODEL = '''
 from torch import nn
@@ -100,3 +120,26 @@ def test_dry_run_accepts_user_batchnorm1d_model(tmp_path):
                        cwd=tmp_path, env=env(None), capture_output=True, text=True,
                        timeout=170)
     assert p.returncode == 0, p.stderr[-600:]
+
+
+@pytest.mark.xfail(strict=True, reason="a parameter with requires_grad=False is trained "
+                   "by every stage without a refusal or a warning")
+def test_frozen_user_parameter_is_not_trained_silently(tmp_path):
+    """Found: exit 0, no warning, ``1.weight`` differs between stage 1's θ and stage 2's θ.
+    Expected: the frozen leaf stays as it was (or the model is refused / the user warned)."""
+    from safetensors.torch import load_file
+
+    (tmp_path / "usermodels.py").write_text(FROZEN_MODEL)
+    data = client_folder(tmp_path / "data", clients=6)
+    cfg = tiny_toml(tmp_path / "cfg.toml", "usermodels:fixedfeat", data)
+    out = tmp_path / "runs" / "ff"
+    p = subprocess.run([sys.executable, "-m", "partialfl", "train", str(cfg), "--allow-code",
+                        "--out", str(out)], cwd=tmp_path, env=env(None),
+                       capture_output=True, text=True, timeout=170)
+    said = "requires_grad" in p.stderr + p.stdout  # (tmp_path names the test: "frozen")
+    if p.returncode == 2 or said:
+        return  # refused or warned: the user knows
+    assert p.returncode == 0, p.stderr[-600:]
+    a = load_file(str(out / "stage1" / "theta.safetensors"))["1.weight"]
+    b = load_file(str(out / "theta_stage2.safetensors"))["1.weight"]
+    assert bool((a == b).all()), f"frozen 1.weight moved by {(a - b).abs().max().item():.3g}"
