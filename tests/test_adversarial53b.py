@@ -36,6 +36,36 @@ of the defect it names.
   and the split (``partialfl.split``) never looks at ``requires_grad``. Suspected root
   cause: the split / problem building ignore ``Parameter.requires_grad`` (a frozen
   parameter should be a constant of the model, or the model refused in one line).
+
+Tried and held (run unless marked "read"): user models named by a config (``--allow-code``)
+— a module used twice (tied modules), a weight tied across two layers and across the
+output split (``out.weight = mid.weight``), a ``ModuleDict`` with a ``-`` in a key plus
+float and int64 buffers, ``pattern`` splits on tied / dashed names — through ``train``
+(sequential, ``processes`` fork/spawn/forkserver: θ and every client's w bit-exact with
+sequential, also for the BatchNorm model), ``evaluate``, ``report``, ``compare``,
+``advise`` (with and without ``--theta``; another model's θ: one line),
+``PersonalizedModels.load`` / ``load_personalized`` (ties and buffers restored); float64 and
+bfloat16 models (one line: the data is float32); a model whose forward ``os._exit``s,
+SIGKILLs itself, sleeps (``task_timeout`` 5: killed, counted), returns inf (counted
+non-finite) in worker processes: one line, exit 1, seconds; one that raises in every
+client (re-raised as the user's own bug, as documented); kill -9 of ``train`` before each of
+its 28 ``os.replace`` calls, then the same command again: the same θ₂, personalized files
+and metrics as an uninterrupted run, no temporary file left (before ``run_files.json``: a
+finished run refused as documented; ``report``, ``evaluate``, ``compare`` and
+``--overwrite`` work on it); kill -9 of ``report``, ``report --tensorboard``, ``compare
+--out``, ``evaluate --json`` at 8 instants each (nothing stray, one events file, reruns
+fine, ``--overwrite`` removes ``tensorboard/``); kill -9 of a ``--seeds 0 1 --jobs 2``
+study driver (its worker processes end with it); umask 027 over train / evaluate ``--json``
+/ compare (every file 640, folder 750); two stores sharing every file by hard links, then
+``data convert --overwrite`` of each (the other store unchanged and still verified);
+``--set`` seed / pretrain_seed 2⁶⁴ / −1 / 1e3, threads 0 / 10⁹, rounds / batch_size /
+epochs / eval_every 10²⁰ (one line, exit 2) and 2⁶³−1 (runs; long ones stopped by the
+timeout), lr 1e308 / 5e-324, clip_norm 1e-320 / 1e308, server lr 1e400 (refused); a robust
+rule with the Byzantine fraction above δ (refused), bucketing s·δ ≥ ½ (refused), Krum at
+k = 2f+3. Observed, not filed: a fine-tuning lr of 1e308 ends "the run diverged ... (lower
+the learning rates: personalize.server.lr, personalize.client.lr)" — the stage that
+diverged was stage 3; a stage-2 divergence ends with "deploy.safetensors: theta/… is not
+all finite" (exit 2) after the divergence warnings.
 """
 
 from __future__ import annotations
