@@ -1,6 +1,9 @@
 """Adversarial round 53b (issue 21, areas 1, 3, 4, 7 and 8, tried again from scratch by
-someone who did not write the fixes, against 16cb053). Each test fails on that code because
-of the defect it names.
+someone who did not write the fixes, against 16cb053). Each test failed on that code because
+of the defect it names, and passes since the fix: ``deploy.safetensors``'s ``w_pretrained``
+is checked against the personal parameters and the running statistics the problem keeps;
+the build's model check runs one example in evaluation mode (a BatchNorm fits, its
+statistics stay put) and refuses parameters with ``requires_grad=False`` in one line.
 
 * Area 8 (files), found by training a user's own model with BatchNorm — the model of the
   README's own example (``MyNet``: ``nn.Conv2d`` + ``nn.BatchNorm2d`` + a linear head) named
@@ -73,7 +76,6 @@ from __future__ import annotations
 import subprocess
 import sys
 
-import pytest
 from _adv_cli import env
 from _user_project import client_folder, tiny_toml
 
@@ -118,9 +120,6 @@ def mynet(num_classes: int = 3):
 '''
 
 
-@pytest.mark.xfail(strict=True, reason="deployed_split checks w_pretrained/ against the "
-                   "personal parameters only: a BatchNorm model's buffers are refused, "
-                   "`partialfl train` ends with exit 2 after training")
 def test_train_user_batchnorm_model_finishes(tmp_path):
     """Found: exit 2, "deploy.safetensors: w_pretrained/ does not fit the model's split
     (['bn.num_batches_tracked', ...])" after all three stages ran. Expected: the run
@@ -136,8 +135,6 @@ def test_train_user_batchnorm_model_finishes(tmp_path):
     assert (out / "report.md").is_file()
 
 
-@pytest.mark.xfail(strict=True, reason="_check_forward probes the model with one example "
-                   "in training mode: a BatchNorm1d model is refused as not fitting the data")
 def test_dry_run_accepts_user_batchnorm1d_model(tmp_path):
     """Found: exit 2, "model: does not fit the data (inputs (1, 4, 4) ...): Expected more
     than 1 value per channel when training". Expected: the dry run accepts the model
@@ -152,8 +149,6 @@ def test_dry_run_accepts_user_batchnorm1d_model(tmp_path):
     assert p.returncode == 0, p.stderr[-600:]
 
 
-@pytest.mark.xfail(strict=True, reason="a parameter with requires_grad=False is trained "
-                   "by every stage without a refusal or a warning")
 def test_frozen_user_parameter_is_not_trained_silently(tmp_path):
     """Found: exit 0, no warning, ``1.weight`` differs between stage 1's θ and stage 2's θ.
     Expected: the frozen leaf stays as it was (or the model is refused / the user warned)."""

@@ -111,15 +111,23 @@ def _check_forward(model, data, loss_fn) -> None:
     fails in ``--dry-run`` with a clear message rather than in round 1."""
     import torch
 
+    frozen = [n for n, p in model.named_parameters() if not p.requires_grad]
+    if frozen:  # every parameter is θ or w and trained: a frozen one would move silently
+        raise ConfigError(f"model: parameters {frozen[:4]} have requires_grad=False, but "
+                          "partialfl trains every parameter (in θ or w); keep fixed tensors "
+                          "as buffers (module.register_buffer) or leave them trainable")
     m = next(i for i in range(data.num_clients) if len(data.train_y[i]))
     x, y = data.train_x[m][:1], data.train_y[m][:1]
-    try:
+    was = model.training
+    try:  # in evaluation mode: one example fits a BatchNorm, whose statistics stay put
         with torch.no_grad():
-            loss_fn(model(x), y)
+            loss_fn(model.eval()(x), y)
     except (RuntimeError, ValueError, IndexError, TypeError) as e:
         msg = str(e).splitlines()[0] if str(e) else type(e).__name__
         raise ConfigError(f"model: does not fit the data (inputs {tuple(x.shape[1:])} "
                           f"{x.dtype}, {data.num_classes} classes): {msg}") from None
+    finally:
+        model.train(was)
 
 
 def model_task(spec: RunSpec, data) -> Task:

@@ -264,9 +264,14 @@ def deployed_split(run_dir: Path, cfg: RunSpec, model_fn, split_fn) -> tuple:
     _check_group(run_dir / DEPLOY, "model", groups["model"], split.model.state_dict())
     _check_group(run_dir / DEPLOY, "theta", groups["theta"],
                  {n: own[n] for n in split.global_names})
-    if groups["w_pretrained"]:
-        _check_group(run_dir / DEPLOY, "w_pretrained", groups["w_pretrained"],
-                     {n: own[n] for n in split.personal_names})
+    if groups["w_pretrained"]:  # w_pre: personal parameters, and the normalization
+        # running statistics the problem keeps as client state (when saved)
+        from partialfl.problems.model.modules import running_stat_modules
+
+        want = {n: own[n] for n in split.personal_names}
+        want.update({n: v for n, v in running_stat_modules(split.model)[1].items()
+                     if n in groups["w_pretrained"]})
+        _check_group(run_dir / DEPLOY, "w_pretrained", groups["w_pretrained"], want)
     return split, groups["theta"], groups["w_pretrained"] or None
 
 
