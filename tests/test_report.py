@@ -311,3 +311,13 @@ def test_a_curve_of_one_round_gets_integer_round_ticks(tmp_path, monkeypatch):
     assert ticks == [0.0, 1.0]
     assert all(float(t).is_integer() for t in seen[1].get_xticks())
     plt.close("all")
+
+
+def test_the_divergence_sentence_names_every_stages_learning_rates():
+    """A run that diverged only in stage 3 (fine-tuning) was told to lower stage 2's rates."""
+    from partialfl.pipeline.train_report import divergence_line
+
+    line = divergence_line({"test_loss": float("nan"), "train_loss": 0.3})
+    assert line.startswith("the run diverged: test_loss not finite")
+    assert "personalize.server.lr" in line and "finetune.lr" in line
+    assert divergence_line({"test_loss": 0.3, "train_loss": 0.2}) == ""

@@ -150,8 +150,9 @@ def divergence_line(metrics: Mapping[str, Any]) -> str:
     """The report's and the CLI's sentence for a diverged run ('' if it did not)."""
     bad = diverged(metrics)
     return (f"the run diverged: {', '.join(bad)} not finite at the end; the accuracies are "
-            "those of a diverged model (lower the learning rates: personalize.server.lr, "
-            "personalize.client.lr)") if bad else ""
+            "those of a diverged model (lower the learning rates of the stage that diverged: "
+            "personalize.server.lr, personalize.client.lr; stage 3: finetune.lr)"
+            ) if bad else ""
 
 
 def run_divergence(run_dir: Path) -> str:
