@@ -29,26 +29,54 @@ that code because of the defect it names (``xfail(strict=True)`` until fixed).
   Suspected root cause: ``arrays.to_numpy`` (no bfloat16 path) and no dtype check of the
   user's model where it is built.
 
-* Area 1/4 (the brief's "live kill under ``partialfl flower local``"), an interrupted
-  ``partialfl flower local`` leaves its ServerApp behind: SIGTERM to the command (``timeout``,
-  a job scheduler, ``kill``) while a round is in flight prints ``partialfl: interrupted`` and
-  stops the SuperLink and SuperNodes, but the ``flwr-serverapp`` of the run (the
-  SuperLink's grandchild, running partialfl's ServerApp with ``out-dir`` = the run folder's
-  ``stage1/flower``) lives on, ppid 1, its federation folder deleted — seen for 12 minutes
-  and counting. Its stack: partialfl's ``federation.exchange`` → ``pull`` →
-  ``http_grid.pull_messages`` → Flower's retrying ``pull_objects``, whose threads wait
-  forever on the dead SuperLink; Flower's parent monitor had already raised its SIGINT.
-  docs/flower.md says "a killed run leaves no SuperLink, SuperNode or ServerApp behind
-  (writing into the run folder a rerun uses)". Two of three tries mid-round (5 s after a
-  round line) left one; a SIGTERM right at a round's end did not. Suspected root cause:
-  :class:`partialfl.flower.deployment.LocalFederation` ends only its own children (the
-  death signal does not reach the SuperLink's grandchildren) and the ServerApp
-  (:func:`partialfl.flower.server.run_server`) has no guard of its own that ends it when its
-  SuperLink is gone (Flower's graceful SIGINT waits on the retrying pull).
+* Area 2, one SuperNode that drops out of a SecAgg+ round in its first two stages fails
+  the round of EVERY node: with 3 or 4 loopback SuperNodes (least squares, shares 3,
+  threshold 2), partition 1's ClientApp raising on the ``setup`` (or ``share_keys``) message
+  — a node that crashed, or a hostile one — makes every honest node fail at ``unmask``
+  with ``KeyError: <the dropped node's id>`` (Flower's workflow lists the dropped node
+  among the "dead" neighbours, whose key shares the honest nodes never received), and
+  ``secagg_round``
+  records the round against every partition: ``RunAborted: 10 of 10 requested client
+  updates failed ... partitions lost: [0, 2, 3]`` (4 nodes, k = 5, 2 rounds,
+  ``max_failure_fraction`` 0.9: the honest partitions lost), 0 server steps. A drop-out
+  at ``collect_masked_vectors`` or ``unmask`` is that node's own failure and the run
+  finishes (held), as round 16 requires of a malformed masked-vector
+  reply ("only partition 1 is counted, the run finishes"). SecAgg+ exists to tolerate
+  drop-outs; one node crashing at the wrong stage is not the semi-honest caveat.
+  Suspected root cause: :func:`partialfl.flower.secagg.secagg_round` runs Flower's
+  ``SecAggPlusWorkflow`` as is — its ``sampled_node_ids`` keep nodes that never sent keys
+  (or shares), so ``unmask`` asks the honest nodes for shares they cannot have; the round
+  could be restricted to the nodes that completed ``share_keys`` (or retried without the
+  dropped node).
 
 Tried and held (run unless marked "read"): over loopback SuperNodes, user models with a
 ``float64`` model, tied (aliased) submodules, buffers and BatchNorm running statistics, a
-frozen (``requires_grad=False``) weight — each runs both stages (pretrain, personalize).
+frozen (``requires_grad=False``) weight — each runs both stages (pretrain, personalize),
+plain and under SecAgg+ (3 nodes); a SecAgg+ node dropping out at ``collect_masked_vectors``
+or ``unmask`` (its own failure, the run finishes); ``partialfl flower local`` killed with
+SIGKILL right after a round (SuperLink, SuperNodes and ServerApp gone within seconds) and
+rerun into the same ``--out`` (finishes; the unfinished stage starts again, as documented:
+"a rerun continues from the finished stages"); SIGTERM right after a round line (nothing
+left behind). (read) Flower's ``start_parent_process_monitor`` (SIGINT to the ServerApp when
+its SuperExec dies).
+
+Observed, not filed as a test (timing-dependent: 3 of 8 tries left one — a SIGTERM by
+``timeout`` late in a run, and twice 5 s into round 3; a test of it passed alone and then
+failed to reproduce in the whole file): area 1/4 (the brief's "live kill under ``partialfl
+flower local``"), an interrupted ``partialfl flower local`` leaves its ServerApp behind:
+SIGTERM to the command (``timeout``, a job scheduler, ``kill``) while a round is in flight
+prints ``partialfl: interrupted`` and stops the SuperLink and SuperNodes, but the ``flwr-
+serverapp`` of the run (the SuperLink's grandchild, running partialfl's ServerApp with
+``out-dir`` = the run folder's ``stage1/flower``) lives on, ppid 1, its federation folder
+deleted — seen for 13 minutes until killed. Its stack: partialfl's ``federation.exchange`` →
+``pull`` → ``http_grid.pull_messages`` → Flower's retrying ``pull_objects``, whose threads
+wait forever on the dead SuperLink; Flower's parent monitor had already raised its SIGINT.
+docs/flower.md says "a killed run leaves no SuperLink, SuperNode or ServerApp behind
+(writing into the run folder a rerun uses)". Suspected root cause:
+:class:`partialfl.flower.deployment.LocalFederation` ends only its own children (the death
+signal does not reach the SuperLink's grandchildren) and the ServerApp
+(:func:`partialfl.flower.server.run_server`) has no guard of its own that ends it when its
+SuperLink is gone (Flower's graceful SIGINT waits on the retrying pull).
 """
 
 from __future__ import annotations
@@ -219,67 +247,51 @@ def test_a_bfloat16_model_trains_or_is_refused_in_one_line(tmp_path):
                                  and len(p.stderr.strip().splitlines()) == 1), p.stderr[-600:]
 
 
-def _mine(work) -> list[int]:
-    """Processes whose FLWR_HOME lies in ``work`` (the federation this test started)."""
-    import os
+def _dropping_app(stage: str, partition: int = 1):
+    from flwr.common.secure_aggregation.secaggplus_constants import RECORD_KEY_CONFIGS, Key
 
-    out = []
-    for d in os.listdir("/proc"):
-        if not d.isdigit():
-            continue
-        try:
-            with open(f"/proc/{d}/environ", "rb") as f:
-                env_ = f.read()
-        except OSError:
-            continue
-        if f"FLWR_HOME={work}".encode() in env_:
-            out.append(int(d))
-    return out
+    from partialfl.flower.client import app as real
+
+    def app(msg, ctx):
+        if (int(ctx.node_config["partition-id"]) == partition
+                and RECORD_KEY_CONFIGS in msg.content.keys()
+                and msg.content[RECORD_KEY_CONFIGS].get(Key.STAGE) == stage):
+            raise RuntimeError("node crashed")  # a drop-out: Flower's error reply
+        return real(msg, ctx)
+    return app
 
 
-@pytest.mark.xfail(strict=True, reason="SIGTERM to `partialfl flower local` mid-round leaves "
-                   "the run's flwr-serverapp alive (hung in Flower's retrying pull)")
-def test_an_interrupted_flower_local_leaves_no_serverapp(tmp_path):
-    """Found: ``flwr-serverapp`` still running 30 s after the command said "interrupted".
-    Expected: nothing the command started (or its SuperLink started) survives it."""
-    import os
-    import shutil
-    import signal
-    import time
+def _secagg_with_dropout(loopback, stage):  # noqa: F811
+    import warnings
 
-    from _user_project import TINY_MODEL, tiny_toml
+    from _flower_sims import ls_run
 
-    if shutil.which("flower-superlink") is None and not os.path.exists(
-            os.path.join(os.path.dirname(sys.executable), "flower-superlink")):
-        pytest.skip("Flower's command-line tools are not installed")
-    (tmp_path / "usermodels.py").write_text(TINY_MODEL)
-    cfg = tiny_toml(tmp_path / "cfg.toml", "usermodels:tiny", client_folder(tmp_path / "data"))
-    work = (tmp_path / "wd").resolve()
-    log = open(tmp_path / "log.txt", "w")
-    p = subprocess.Popen([sys.executable, "-m", "partialfl", "flower", "local", str(cfg),
-                          "--nodes", "2", "--insecure", "--allow-code", "--out",
-                          str(tmp_path / "out"), "--work-dir", str(work), "--set",
-                          "pretrain.rounds=20"], cwd=tmp_path, env=env(None), stdout=log,
-                         stderr=subprocess.STDOUT)
-    left: list[int] = []
+    from partialfl.flower.server import run_server
+
+    run = ls_run(2, 5, secagg=True, secagg_clip=64.0, spec={"max_failure_fraction": 0.9})
+    logging.disable(logging.WARNING)
     try:
-        deadline = time.monotonic() + 120
-        while "'round': 2," not in (tmp_path / "log.txt").read_text():
-            assert p.poll() is None and time.monotonic() < deadline, \
-                (tmp_path / "log.txt").read_text()[-800:]
-            time.sleep(0.5)
-        time.sleep(5)  # round 3 in flight: the ServerApp polls the SuperLink
-        p.send_signal(signal.SIGTERM)
-        p.wait(60)
-        time.sleep(30)
-        left = _mine(work)
-        assert not left, f"still running after the command ended: {left}"
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            return run_server(loopback(4, client_app=_dropping_app(stage)), run)
     finally:
-        if p.poll() is None:
-            p.kill()
-        for pid in left or _mine(work):  # what this test started, by id
-            try:
-                os.kill(pid, signal.SIGKILL)
-            except OSError:
-                pass
-        log.close()
+        logging.disable(logging.NOTSET)
+
+
+@pytest.mark.xfail(strict=True, reason="a node dropping out of SecAgg+ at setup/share_keys "
+                   "fails every node's round (KeyError at unmask); the run aborts")
+@pytest.mark.parametrize("stage", ["setup", "share_keys"])
+def test_a_secagg_dropout_in_the_key_stages_is_that_nodes_own_failure(loopback, stage):  # noqa: F811
+    """Found: ``RunAborted: 10 of 10 requested client updates failed (100% >
+    max-failure-fraction 0.9) ... partitions lost: [0, 2, 3]`` — the honest nodes' errors
+    ``KeyError: 1001``. Expected: only partition 1 counted, both rounds applied."""
+    report = _secagg_with_dropout(loopback, stage)
+    assert report.server_steps == 2 and not report.aborted
+    assert {f.partition for f in report.failures} == {1}
+
+
+@pytest.mark.parametrize("stage", ["collect_masked_vectors", "unmask"])
+def test_control_a_secagg_dropout_in_the_later_stages_is_that_nodes_own(loopback, stage):  # noqa: F811
+    report = _secagg_with_dropout(loopback, stage)
+    assert report.server_steps == 2 and not report.aborted
+    assert {f.partition for f in report.failures} <= {1}
