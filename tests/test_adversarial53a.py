@@ -1,6 +1,12 @@
 """Adversarial round 53a (issue 21, areas 2, 5 and 6, tried again from scratch by someone who
-did not write the fixes, against 16cb053: round 52a's θ⁰ leaf names). Each test fails on
-that code because of the defect it names (``xfail(strict=True)`` until fixed).
+did not write the fixes, against 16cb053: round 52a's θ⁰ leaf names). Each test failed on
+that code because of the defect it names, and passes since the fix: 0-d leaves stay 0-d in
+the codec and SecAgg+; θ⁰ leaf-name segments are any printable run without space, dot or
+path separator (``enc-1``); parameters other than float32/float64 are refused by the build
+in one line; nodes that leave SecAgg+ before their key shares reached the others are taken
+out of the round (``secagg._drop_unkeyed``); and a ServerApp process a SuperLink started
+exits once that SuperLink is gone (``env.exit_with_parent``; the orphan described below, now
+tested directly).
 
 * Area 2, a user's model with a scalar (0-d) parameter never trains on Flower: a
   temperature / logit scale ``nn.Parameter(torch.tensor(1.0))`` (CLIP's ``logit_scale``) in
@@ -172,8 +178,6 @@ def _run(loopback, spec):  # noqa: F811
         logging.disable(logging.NOTSET)
 
 
-@pytest.mark.xfail(strict=True, reason="params_to_record's np.ascontiguousarray sends a 0-d "
-                   "θ leaf as shape (1,); every honest node refuses θ, the run aborts")
 def test_a_scalar_parameter_model_trains_on_flower(loopback, tmp_path, monkeypatch):  # noqa: F811
     """Found: ``RunAborted: 4 of 4 requested client updates failed`` (every node: "the
     server's θ leaf 'temp' is torch.float32 [1]; this run's θ is torch.float32 []").
@@ -190,8 +194,6 @@ def test_control_a_scalar_leaf_survives_the_codec():
     assert Array(np.array(1.0, dtype=np.float32)).numpy().shape == ()
 
 
-@pytest.mark.xfail(strict=True, reason="codec._LEAF_NAME refuses a ModuleDict key with '-' "
-                   "(layers.enc-1.weight): the honest federation never starts")
 def test_a_moduledict_user_model_runs_on_flower(loopback, tmp_path, monkeypatch):  # noqa: F811
     """Found: ``RuntimeError: no SuperNode holds 1 partition(s) (0) after 3.0s ... (last
     refusal: θ⁰ leaf name 'layers.enc-1.weight' is not a parameter name)``. Expected: the
@@ -237,8 +239,6 @@ def test_control_the_same_models_train_in_process(tmp_path):
         assert p.returncode == 0, p.stderr[-600:]
 
 
-@pytest.mark.xfail(strict=True, reason="arrays.to_numpy has no bfloat16 path: a bf16 model "
-                   "is a TypeError traceback from the run fingerprint, exit 1")
 def test_a_bfloat16_model_trains_or_is_refused_in_one_line(tmp_path):
     """Found: ``TypeError: Got unsupported ScalarType BFloat16`` with a traceback, exit 1
     (``runtime.checkpoint.content_digest``). Expected: exit 0, or exit 2 with one line."""
@@ -278,8 +278,6 @@ def _secagg_with_dropout(loopback, stage):  # noqa: F811
         logging.disable(logging.NOTSET)
 
 
-@pytest.mark.xfail(strict=True, reason="a node dropping out of SecAgg+ at setup/share_keys "
-                   "fails every node's round (KeyError at unmask); the run aborts")
 @pytest.mark.parametrize("stage", ["setup", "share_keys"])
 def test_a_secagg_dropout_in_the_key_stages_is_that_nodes_own_failure(loopback, stage):  # noqa: F811
     """Found: ``RunAborted: 10 of 10 requested client updates failed (100% >
@@ -295,3 +293,49 @@ def test_control_a_secagg_dropout_in_the_later_stages_is_that_nodes_own(loopback
     report = _secagg_with_dropout(loopback, stage)
     assert report.server_steps == 2 and not report.aborted
     assert {f.partition for f in report.failures} <= {1}
+
+
+def test_a_serverapp_process_exits_once_its_superlink_is_gone(tmp_path, monkeypatch):
+    """The orphan described above (a SuperLink killed mid-round left its ``flwr-serverapp``
+    waiting for good): a ServerApp process a SuperLink started now watches its parent and
+    exits once it is gone (:func:`partialfl.flower.env.exit_with_parent`). Here a parent
+    starts a grandchild that watches it, and is killed with SIGKILL."""
+    import os
+    import signal
+    import subprocess
+    import sys
+    import time
+
+    from _adv_cli import SRC
+    from _procs import alive
+
+    from partialfl.flower import env as fenv
+
+    grand = ("from partialfl.flower.env import exit_with_parent\nexit_with_parent(0.1)\n"
+             "import time\ntime.sleep(60)\n")
+    child = ("import subprocess, sys, time\n"
+             f"p = subprocess.Popen([sys.executable, '-c', {grand!r}])\n"
+             "print(p.pid, flush=True)\ntime.sleep(60)\n")
+    proc = subprocess.Popen([sys.executable, "-c", child], stdout=subprocess.PIPE, text=True,
+                            env={**os.environ, "PYTHONPATH": str(SRC)})
+    pid = int(proc.stdout.readline())
+    try:
+        time.sleep(1.0)  # the grandchild is watching
+        assert alive(pid)  # alive while its parent is
+        os.kill(proc.pid, signal.SIGKILL)
+        proc.wait(10)
+        deadline = time.monotonic() + 10
+        while time.monotonic() < deadline and alive(pid):
+            time.sleep(0.1)
+        assert not alive(pid), "the watching process outlived its killed parent"
+    finally:
+        for p in (pid, proc.pid):
+            try:
+                os.kill(p, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+    # only a process a SuperLink started watches (never a researcher's own script)
+    monkeypatch.setattr(sys, "argv", ["/x/bin/flwr-serverapp"])
+    assert fenv.started_by_superlink()
+    monkeypatch.setattr(sys, "argv", ["/x/bin/python", "my_script.py"])
+    assert not fenv.started_by_superlink()

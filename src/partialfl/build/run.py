@@ -111,6 +111,10 @@ def _check_forward(model, data, loss_fn) -> None:
     fails in ``--dry-run`` with a clear message rather than in round 1."""
     import torch
 
+    odd = sorted({str(p.dtype) for p in model.parameters()} - {"torch.float32", "torch.float64"})
+    if odd:  # (θ and w travel and are saved as numpy arrays, which hold no bfloat16)
+        raise ConfigError(f"model: parameters of dtype {', '.join(odd)}; keep them float32 "
+                          "(precision = 'bf16' or 'fp16' runs the passes in half precision)")
     frozen = [n for n, p in model.named_parameters() if not p.requires_grad]
     if frozen:  # every parameter is θ or w and trained: a frozen one would move silently
         raise ConfigError(f"model: parameters {frozen[:4]} have requires_grad=False, but "

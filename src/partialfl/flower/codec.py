@@ -116,7 +116,8 @@ _to_numpy = arrays.to_numpy
 
 def params_to_record(params: Params) -> ArrayRecord:
     """θ (numpy or torch leaves) → ArrayRecord (one named Array per leaf)."""
-    return ArrayRecord({n: Array(np.ascontiguousarray(_to_numpy(v))) for n, v in params.items()})
+    return ArrayRecord({n: Array(np.asarray(_to_numpy(v), order="C"))  # (0-d stays 0-d)
+                        for n, v in params.items()})
 
 
 def decode_params(record: ArrayRecord, torch: bool = False) -> Params:
@@ -477,7 +478,9 @@ def decode_describe(content) -> dict[str, Any]:
     return _guard("describe reply", _decode_describe, content)
 
 
-_LEAF_NAME = re.compile(r"[A-Za-z0-9_]+(?:\.[A-Za-z0-9_]+)*")  # a.0.weight, 0.weight
+# torch's names: a.0.weight, 0.weight, layers.enc-1.weight (ModuleDict keys); no empty
+# segment, no space, no path separator
+_LEAF_NAME = re.compile(r"[^\s./\\]+(?:\.[^\s./\\]+)*")
 
 
 def _decode_theta0(record, torch: bool) -> Params:
@@ -485,7 +488,8 @@ def _decode_theta0(record, torch: bool) -> Params:
         raise WireFormatError("initial model 'theta0' must be a non-empty ArrayRecord")
     out = {}
     for n in record.keys():
-        if not (isinstance(n, str) and len(n) <= 200 and _LEAF_NAME.fullmatch(n)):
+        if not (isinstance(n, str) and len(n) <= 200 and n.isprintable()
+                and _LEAF_NAME.fullmatch(n)):
             raise WireFormatError(f"θ⁰ leaf name {one_line(repr(n), 60)} is not a parameter name")
         x = _array(record[n], f"initial model leaf {n!r}")
         if not np.isfinite(x).all():

@@ -27,6 +27,7 @@ from __future__ import annotations
 import os
 import subprocess
 import sys
+import threading
 from pathlib import Path
 
 
@@ -134,12 +135,34 @@ def die_with_parent():
     return preexec
 
 
+def exit_with_parent(poll: float = 1.0) -> threading.Thread:
+    """In a process a SuperLink started for partialfl's ServerApp (``flwr-serverapp``,
+    ``flwr-simulation``): exit (status 1) once that parent is gone. A SuperLink killed while
+    a round is in flight otherwise leaves the ServerApp waiting for it for good (Flower's
+    retrying pulls), orphaned, until someone kills it by hand."""
+    import time
+
+    parent = os.getppid()
+
+    def watch() -> None:
+        while os.getppid() == parent:
+            time.sleep(poll)
+        os._exit(1)
+
+    t = threading.Thread(target=watch, daemon=True, name="partialfl-parent-watch")
+    t.start()
+    return t
+
+
+def started_by_superlink() -> bool:
+    """Whether this process is a ServerApp process a SuperLink started."""
+    return Path(sys.argv[0]).name in ("flwr-serverapp", "flwr-simulation")
+
+
 def run_echoing(args: list[str], env, cwd, timeout: float, label: str
                  ) -> subprocess.CompletedProcess:
     """``subprocess.run(args)`` that also prints the ServerApp's ``partialfl:`` log lines
     (one per round) to stderr as they arrive, prefixed with ``label``."""
-    import threading
-
     proc = subprocess.Popen(args, env=env, cwd=cwd, stdout=subprocess.PIPE,
                             stderr=subprocess.STDOUT, text=True, preexec_fn=die_with_parent())
     lines: list[str] = []

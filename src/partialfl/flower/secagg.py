@@ -320,6 +320,39 @@ class _LinkGrid:
         return out
 
 
+def _drop_unkeyed(state) -> None:
+    """After SecAgg+'s setup and share-keys stages: a node that left before its key shares
+    reached the others is no longer part of the round. Flower's workflow keeps it in
+    ``sampled_node_ids`` (as dead), and at ``unmask`` asks the honest nodes for shares of it
+    they never received: each fails (KeyError), and the whole round with them."""
+    keep = set(state.active_node_ids)
+    state.sampled_node_ids = keep
+    for nid in list(state.nid_to_neighbours):
+        if nid in keep:
+            state.nid_to_neighbours[nid] &= keep
+        else:
+            del state.nid_to_neighbours[nid]
+
+
+def _workflow(*args, **kw):
+    """Flower's ``SecAggPlusWorkflow(*args, **kw)`` with :func:`_drop_unkeyed` after its two
+    key stages."""
+    from flwr.server.workflow import SecAggPlusWorkflow
+
+    class Workflow(SecAggPlusWorkflow):
+        def setup_stage(self, grid, context, state) -> bool:
+            super().setup_stage(grid, context, state)
+            _drop_unkeyed(state)
+            return self._check_threshold(state)
+
+        def share_keys_stage(self, grid, context, state) -> bool:
+            super().share_keys_stage(grid, context, state)
+            _drop_unkeyed(state)
+            return self._check_threshold(state)
+
+    return Workflow(*args, **kw)
+
+
 def secagg_round(link, cfg, fed, state, cohort: np.ndarray, round_: int, algorithm, report,
                  faults):
     """One SecAgg+ round over every SuperNode; returns ``(updates or None, clients whose
@@ -330,7 +363,6 @@ def secagg_round(link, cfg, fed, state, cohort: np.ndarray, round_: int, algorit
     from flwr.app import ConfigRecord, Context, RecordDict
     from flwr.common import FitIns, ndarrays_to_parameters
     from flwr.server.compat.legacy_context import LegacyContext
-    from flwr.server.workflow import SecAggPlusWorkflow
     from flwr.server.workflow.constant import MAIN_CONFIGS_RECORD, MAIN_PARAMS_RECORD
     from flwr.server.workflow.constant import Key as WorkflowKey
 
@@ -339,7 +371,7 @@ def secagg_round(link, cfg, fed, state, cohort: np.ndarray, round_: int, algorit
     from partialfl.types import ClientUpdates
 
     names = list(state.theta)
-    values = [np.ascontiguousarray(arrays.to_numpy(state.theta[n])) for n in names]
+    values = [np.asarray(arrays.to_numpy(state.theta[n]), order="C") for n in names]  # (0-d too)
     params = ndarrays_to_parameters(values)
     pos = fed.owner[cohort]
     parts = {n: cohort[pos == i] for i, n in enumerate(fed.order)}
@@ -358,10 +390,9 @@ def secagg_round(link, cfg, fed, state, cohort: np.ndarray, round_: int, algorit
         params, keep_input=True)
     grid = _LinkGrid(link, cfg.round_timeout, [np.shape(v) for v in values])
     try:
-        SecAggPlusWorkflow(cfg.secagg_shares, cfg.secagg_threshold,
-                           max_weight=max(total, 1.0), clipping_range=cfg.secagg_clip,
-                           quantization_range=2 ** cfg.secagg_bits,
-                           timeout=cfg.round_timeout)(grid, legacy)
+        _workflow(cfg.secagg_shares, cfg.secagg_threshold, max_weight=max(total, 1.0),
+                  clipping_range=cfg.secagg_clip, quantization_range=2 ** cfg.secagg_bits,
+                  timeout=cfg.round_timeout)(grid, legacy)
     except Exception as e:  # noqa: BLE001 - what check_reply cannot see (a key share that
         # does not combine) fails inside Flower's workflow: the round, not the ServerApp
         for n in fed.order:

@@ -124,6 +124,10 @@ def make_server_app(*, run_config: dict[str, Any] | None = None,
 
     @server.main()
     def main(grid: Grid, context: Context) -> None:
+        from partialfl.flower.env import exit_with_parent, started_by_superlink
+
+        if started_by_superlink():  # a SuperLink killed mid-round orphans no ServerApp
+            exit_with_parent()
         cfg = dict(context.run_config) if run_config is None else dict(run_config)
         report = run_server(grid, cfg, message_hook=message_hook)
         if on_report is not None:
