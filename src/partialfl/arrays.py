@@ -113,6 +113,8 @@ def rows_finite(x: Array) -> np.ndarray:
     the row holds NaN/±inf or its finite values overflow the sum, so only rows whose sum is
     not finite get the exact elementwise check (≈ 40× cheaper than an elementwise mask on a
     cohort's stacked updates)."""
+    if len(x.shape) and x.shape[0] == 0:  # no row (an empty round): nothing to check
+        return np.ones(0, dtype=bool)
     if is_torch(x):
         torch = _torch()
         t = x.detach().reshape(x.shape[0], -1)

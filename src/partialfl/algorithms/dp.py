@@ -253,6 +253,19 @@ def _scale_rows(vectors: Params, s: np.ndarray) -> Params:
     return {n: v * arrays.per_row(s, v) for n, v in vectors.items()}
 
 
+def _aggregating(alg, agg):
+    """A copy of ``alg`` whose aggregate is ``agg`` (the private mean replaces the base's),
+    through any wrappers around it (each delegates its server step to its ``base``)."""
+    from partialfl.algorithms.wrapper import AlgorithmWrapper
+
+    out = copy.copy(alg)
+    if isinstance(alg, AlgorithmWrapper):
+        out.base = _aggregating(alg.base, agg)
+    else:
+        out.aggregate = lambda _updates: agg
+    return out
+
+
 def _gaussian(tree: Params, rng: np.random.Generator, std: float) -> Params:
     """``tree`` + N(0, std² I), drawn in float64 leaf by leaf in sorted name order."""
     noise = {n: rng.standard_normal(tuple(tree[n].shape)) * std for n in sorted(tree)}
@@ -422,9 +435,7 @@ class DifferentiallyPrivate(AlgorithmWrapper):
         if self.options.mode == "central" and plan.update_noise > 0:
             rng = prng.generator(ctx.seed, "dp-noise", ctx.round)
             agg = _gaussian(agg, rng, plan.update_noise * clip / k)
-        server = copy.copy(self.base)
-        server.aggregate = lambda _updates: agg  # the private mean replaces the base's
-        new = server.server_update(state, updates, ctx)
+        new = _aggregating(self.base, agg).server_update(state, updates, ctx)
         if self.options.adaptive_clipping:
             new.extra[CLIP] = self._next_clip(clip, updates, plan, ctx)
         return new

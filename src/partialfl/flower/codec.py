@@ -100,7 +100,7 @@ def aggregate_metrics(metrics, allowed=ALLOWED_METRICS) -> dict[str, float]:
         if n not in allowed:
             raise PrivacyError(f"refusing to send metric {n!r}: only the metrics "
                                f"{sorted(allowed)} may leave a client (aggregated)")
-        arr = np.asarray(_to_numpy(v), dtype=np.float64)
+        arr = np.asarray(arrays.to_numpy(v), dtype=np.float64)
         if arr.ndim > 1:
             raise PrivacyError(f"refusing to send metric {n!r} of shape {arr.shape}: metrics "
                                "are one scalar per client")
@@ -111,12 +111,9 @@ def aggregate_metrics(metrics, allowed=ALLOWED_METRICS) -> dict[str, float]:
     return out
 
 
-_to_numpy = arrays.to_numpy
-
-
 def params_to_record(params: Params) -> ArrayRecord:
     """θ (numpy or torch leaves) → ArrayRecord (one named Array per leaf)."""
-    return ArrayRecord({n: Array(np.asarray(_to_numpy(v), order="C"))  # (0-d stays 0-d)
+    return ArrayRecord({n: Array(np.asarray(arrays.to_numpy(v), order="C"))  # (0-d: 0-d)
                         for n, v in params.items()})
 
 
@@ -251,7 +248,7 @@ def _tree(content, key: str, theta: Mapping[str, Any], k: int) -> dict[str, np.n
     out = {}
     for n in theta:
         x = _array(rec[n], f"reply {key!r} leaf {n!r}")
-        ref = _to_numpy(theta[n])
+        ref = arrays.to_numpy(theta[n])
         want = (k, *ref.shape)
         if tuple(x.shape) != want:
             raise WireFormatError(f"reply {key!r} leaf {n!r} has shape {tuple(x.shape)}, "
@@ -478,9 +475,7 @@ def decode_describe(content) -> dict[str, Any]:
     return _guard("describe reply", _decode_describe, content)
 
 
-# torch's names: a.0.weight, 0.weight, layers.enc-1.weight (ModuleDict keys); no empty
-# segment, no space, no path separator
-_LEAF_NAME = re.compile(r"[^\s./\\]+(?:\.[^\s./\\]+)*")
+_LEAF_NAME = re.compile(r"[^\s./\\]+(?:\.[^\s./\\]+)*")  # a.0.w, 0.w, d.enc-1.w
 
 
 def _decode_theta0(record, torch: bool) -> Params:
