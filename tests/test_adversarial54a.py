@@ -49,7 +49,8 @@ available nodes", every partition lost): the server cannot read node-to-node cip
 check that the active and dead lists are disjoint (a hostile server could ask for both
 shares of one node): the semi-honest server caveat. (read) ``exit_with_parent`` reads its
 parent's pid when ``run_server`` starts, so a SuperLink that dies during the ServerApp's
-start-up (imports) is not noticed by it (Flower's own parent monitor covers that window).
+start-up (imports) is not noticed by it; Flower's own monitor, given the parent's pid,
+raises SIGINT then (whether that ends the process in that window was not run).
 """
 
 from __future__ import annotations
