@@ -1,6 +1,9 @@
 """Adversarial round 54a (issue 21, areas 2, 5 and 6 on Flower, tried again from scratch by
 someone who did not write the fixes, against 3d02241: round 53a's SecAgg+ ``_drop_unkeyed``
-and ``exit_with_parent``). Each test fails on that code because of the defect it names.
+and ``exit_with_parent``). Each test failed on that code because of the defect it names,
+and passes since the fix: a share-keys reply must send shares to every neighbour but the node itself
+(``secagg.check_reply``); a short one is that node's own ``invalid`` failure, and
+``_drop_unkeyed`` takes it out of the round.
 
 * Area 2, one SuperNode whose SecAgg+ ``share_keys`` reply is well-formed but names fewer
   destinations than the neighbours the server sent it fails the round of EVERY node — the
@@ -96,9 +99,6 @@ def _secagg(loopback, how):  # noqa: F811
         logging.disable(logging.NOTSET)
 
 
-@pytest.mark.xfail(strict=True, reason="a SecAgg+ share_keys reply naming fewer destinations "
-                   "than its neighbours passes secagg.check_reply; every honest node then fails "
-                   "at unmask and the run aborts (partitions lost [0, 2, 3])")
 def test_an_empty_share_keys_reply_is_that_nodes_own_failure(loopback):  # noqa: F811
     """Found: ``RunAborted: 10 of 10 requested client updates failed ... partitions lost:
     [0, 2, 3]``. Expected: only partition 1 counted, both rounds applied."""
@@ -108,7 +108,7 @@ def test_an_empty_share_keys_reply_is_that_nodes_own_failure(loopback):  # noqa:
 
 
 def test_control_a_share_keys_reply_one_short_still_unmasks(loopback):  # noqa: F811
-    """Held: the shares that did go out reach the threshold; the run finishes."""
+    """The run finishes (a reply one destination short is now that node's own failure)."""
     report = _secagg(loopback, "one")
     assert report.server_steps == 2 and not report.aborted
     assert {f.partition for f in report.failures} <= {1}

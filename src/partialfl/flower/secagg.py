@@ -197,11 +197,14 @@ class _Manager:
         return self.n
 
 
-def check_reply(request, content, shapes: list[tuple[int, ...]]) -> None:
+def check_reply(request, content, shapes: list[tuple[int, ...]], node: int | None = None
+                ) -> None:
     """A SecAgg+ reply against the request it answers, before Flower's workflow reads it
     (which trusts every field: a missing record was a KeyError, an infinite ``grad-evals`` an
     OverflowError in the ServerApp): the stage's entries of the right types and lengths, public
-    keys that load, destinations and share owners among the nodes the request named, masked
+    keys that load, destinations and share owners among the nodes the request named (a
+    share-keys reply: to every neighbour but ``node`` itself, when given — a node that keeps
+    its shares from some made the honest ones fail at unmask), masked
     vectors of θ's shapes (after the weight's) in an integer dtype and, with them, the node's
     counts (:data:`SECAGG_COUNTS`) and metric sums finite. Raises
     :class:`~partialfl.flower.codec.WireFormatError` only."""
@@ -211,14 +214,15 @@ def check_reply(request, content, shapes: list[tuple[int, ...]]) -> None:
     from partialfl.flower.codec import _guard
 
     _guard("SecAgg+ reply", _check_reply, request, content, shapes, bytes_to_public_key,
-           bytes_to_ndarray)
+           bytes_to_ndarray, node)
 
 
 #: the integer counts of a node's SecAgg+ contribution (:func:`node_contribution`)
 SECAGG_COUNTS = ("clients", "grad-evals")
 
 
-def _check_reply(request, content, shapes, bytes_to_public_key, bytes_to_ndarray) -> None:
+def _check_reply(request, content, shapes, bytes_to_public_key, bytes_to_ndarray, node
+                 ) -> None:
     from flwr.app import ConfigRecord
     from flwr.common.secure_aggregation.secaggplus_constants import (
         RECORD_KEY_CONFIGS,
@@ -254,7 +258,11 @@ def _check_reply(request, content, shapes, bytes_to_public_key, bytes_to_ndarray
     elif stage == Stage.SHARE_KEYS:
         dsts = entry(Key.DESTINATION_LIST, int)
         entry(Key.CIPHERTEXT_LIST, bytes, len(dsts))
-        among(dsts, {int(k) for k in asked.keys() if k != Key.STAGE}, "destinations")
+        neighbours = {int(k) for k in asked.keys() if k != Key.STAGE}
+        among(dsts, neighbours, "destinations")
+        if node is not None and set(dsts) != neighbours - {node}:
+            raise WireFormatError(f"SecAgg+ share_keys reply sends shares to {len(dsts)} of "
+                                  f"its {len(neighbours - {node})} neighbours")
     elif stage == Stage.COLLECT_MASKED_VECTORS:
         masked = entry(Key.MASKED_PARAMETERS, bytes, len(shapes) + 1)
         for i, (b, want) in enumerate(zip(masked, [(1,), *shapes], strict=True)):
@@ -312,7 +320,7 @@ class _LinkGrid:
                 self.errors[int(node)] = str(reply.error.reason)
             else:
                 try:
-                    check_reply(request, reply.content, self.shapes)
+                    check_reply(request, reply.content, self.shapes, int(node))
                 except WireFormatError as e:
                     self.refused[int(node)] = str(e)
                     continue
