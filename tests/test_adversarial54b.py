@@ -55,6 +55,20 @@ per-client ``.npz`` files). Each test fails on that code because of the defect i
   reported as failed. Suspected root cause: ``WorkerPool.__init__`` / ``_spawn`` (the
   pickling error of ``Process.start`` neither turned into a configuration error nor kept
   apart from client faults).
+* Area 8 (a run that can never finish), a client folder holding a client file with no
+  examples (the README: "A client may have zero test (or train) examples"; here 6 clients
+  plus ``user90``..``user92`` with empty ``x``/``y``) and ``holdout = 1``: the seeded
+  hold-out draws ``user90``, and ``partialfl train`` pre-trains, personalizes, fine-tunes,
+  writes ``deploy.safetensors`` and ``metrics.json``, then ends with ``partialfl: error: no
+  example to evaluate on (every client has total = 0)``, exit 2, no ``report.md``. Every
+  rerun resumes and fails the same way, ``partialfl report RUN`` refuses ("holds a run that
+  has not finished (interrupted): resume it first"), ``evaluate`` fails as well; ``--dry-run``
+  accepts the config ("nothing trained"). The user cannot choose which clients the seed holds
+  out. The same happens when the held-out file holds ONE example (``x, y`` files are split
+  per client with ``test_fraction``: one example gives no test example). Expected: the run refused before it trains (one line: the held-out clients have no
+  test examples), or finishing with its new-client evaluation reported as empty. Suspected
+  root cause: :func:`partialfl.pipeline.train` / ``_subset_holdout`` (held-out clients never
+  checked for test examples before training; the final new-client evaluation raises).
 
 Tried and held (run unless marked "read"): user models named by a config — ``nn.GroupNorm``
 + ``nn.LayerNorm`` CNN, ``nn.Dropout`` (off during training, as documented in
@@ -254,3 +268,22 @@ def test_control_fork_pool_with_the_same_model_runs(tmp_path):
     p, out = _train(tmp_path, "lam", "--set",
                     'backend={name="processes",workers=2,start_method="fork"}')
     assert p.returncode == 0, p.stderr[-600:]
+
+
+@pytest.mark.xfail(strict=True, reason="an empty client file drawn as the held-out client: the "
+                   "run trains all three stages, then 'no example to evaluate on', exit 2, no "
+                   "report.md; every rerun the same")
+def test_an_empty_held_out_client_does_not_strand_the_run(tmp_path):
+    """Found: exit 2 after training, no report.md. Expected: refused before training (nothing
+    trained) or the run finishing (report.md)."""
+    data = client_folder(tmp_path / "data", clients=6)
+    for i in range(3):
+        np.savez(data / f"user9{i}.npz", x=np.zeros((0, 4, 4), np.uint8),
+                 y=np.zeros((0,), np.int64))
+    p, out = _train(tmp_path, "mlp", data=data)
+    if p.returncode == 0:
+        assert (out / "report.md").is_file()
+        return
+    _one_line(p)
+    assert not (out / "deploy.safetensors").exists() and not (out / "stage1").exists(), \
+        f"refused only after training: {p.stderr.strip().splitlines()[-1]}"
