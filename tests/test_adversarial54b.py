@@ -88,9 +88,14 @@ the same class (runs, 100%), a client file with no examples, with one example, w
 ``train_x`` empty or ``test_x`` empty (runs), a NaN input (one line), a label −1 (one
 line), a label 2⁴⁰ (one line: at most 1,048,576 classes), a label beyond the other clients'
 (num_classes grows; runs), integer inputs beside images and images of another size (one
-line each); ``evaluate --data`` of clients with no examples (one line); (read) a plugin
-aggregation rule without a declared tolerance under ``[attack]`` runs with the warning
-``algorithms/byzantine.py`` documents.
+line each); ``evaluate --data`` of clients with no examples (one line); labels as a column ``[n, 1]``
+in every file (one line), ``data.options.num_classes`` below the labels (one line); ``advise
+CONFIG`` on data with empty, one-example and one-class clients; the toy plugin's
+``drop-largest`` rule (``plugins = ["toy_plugin"]``) under ``[attack]`` with 40% Byzantine
+clients on a user model (runs with the ``UnprotectedWarning`` "a rule that states no
+tolerance ... tolerates none", as ``algorithms/byzantine.py`` documents); the Python API
+``advisor.advise`` on a LayerNorm/Dropout model (runs), a Lazy model and a GRU (exceptions,
+as an API may).
 """
 
 from __future__ import annotations
