@@ -1,7 +1,13 @@
 """Adversarial round 54b (issue 21, areas 1, 3, 4, 7 and 8, tried again from scratch by
 someone who did not write the fixes, against c987f45), entered through a researcher's OWN
 model and data (``model.name = "module:callable"`` with ``--allow-code``, a ``folder`` of
-per-client ``.npz`` files). Each test fails on that code because of the defect it names.
+per-client ``.npz`` files). Each test failed on that code because of the defect it names,
+and passes since the fix: a client's labels of another per-example shape are refused by
+``FederatedDataset``; ``evaluate --data`` checks the new clients' examples and labels
+against the run's model; the ``vmap`` backend's build check runs the model under
+``torch.func.vmap``; a worker pool that cannot pickle the run stops it in one line
+(``RunSetupError``, never counted as client failures); held-out clients without a test
+example are refused before anything trains.
 
 * Area 8 (files), a client file whose labels have another per-example shape than the other
   clients' (``y`` of shape ``[n, 2]`` in one ``CLIENT.npz``, ``[n]`` in the others: a
@@ -65,8 +71,9 @@ per-client ``.npz`` files). Each test fails on that code because of the defect i
   has not finished (interrupted): resume it first"), ``evaluate`` fails as well; ``--dry-run``
   accepts the config ("nothing trained"). The user cannot choose which clients the seed holds
   out. The same happens when the held-out file holds ONE example (``x, y`` files are split
-  per client with ``test_fraction``: one example gives no test example). Expected: the run refused before it trains (one line: the held-out clients have no
-  test examples), or finishing with its new-client evaluation reported as empty. Suspected
+  per client with ``test_fraction``: one example gives no test example). Expected: the run
+  refused before it trains (one line: the held-out clients have no test examples), or finishing
+  with its new-client evaluation reported as empty. Suspected
   root cause: :func:`partialfl.pipeline.train` / ``_subset_holdout`` (held-out clients never
   checked for test examples before training; the final new-client evaluation raises).
 
@@ -88,8 +95,9 @@ the same class (runs, 100%), a client file with no examples, with one example, w
 ``train_x`` empty or ``test_x`` empty (runs), a NaN input (one line), a label −1 (one
 line), a label 2⁴⁰ (one line: at most 1,048,576 classes), a label beyond the other clients'
 (num_classes grows; runs), integer inputs beside images and images of another size (one
-line each); ``evaluate --data`` of clients with no examples (one line); labels as a column ``[n, 1]``
-in every file (one line), ``data.options.num_classes`` below the labels (one line); ``advise
+line each); ``evaluate --data`` of clients with no examples (one line); labels as a column
+``[n, 1]`` in every file (one line), ``data.options.num_classes`` below the labels (one line);
+``advise
 CONFIG`` on data with empty, one-example and one-class clients; the toy plugin's
 ``drop-largest`` rule (``plugins = ["toy_plugin"]``) under ``[attack]`` with 40% Byzantine
 clients on a user model (runs with the ``UnprotectedWarning`` "a rule that states no
@@ -105,7 +113,6 @@ import sys
 
 import numpy as np
 import pytest
-
 from _adv_cli import env
 from _user_project import client_folder, tiny_toml
 
@@ -184,8 +191,6 @@ def test_control_a_client_with_other_input_shape_is_one_line(tmp_path):
     assert "per-example shape" in p.stderr
 
 
-@pytest.mark.xfail(strict=True, reason="folder data: a client's labels of another per-example "
-                   "shape pass FederatedDataset's checks; train ends in a torch.cat traceback")
 def test_a_client_with_other_label_shape_is_one_line(tmp_path):
     """Found: exit 1, ``RuntimeError: Tensors must have same number of dimensions: got 1 and
     2`` (traceback). Expected: one line naming the client, exit 2."""
@@ -216,21 +221,17 @@ def test_control_evaluate_data_that_fits(tmp_path, trained):
     assert p.returncode == 0, p.stderr[-600:]
 
 
-@pytest.mark.xfail(strict=True, reason="evaluate --data: new clients' data that does not fit "
-                   "the run's model (labels beyond its classes, other image size, integer "
-                   "inputs) ends in a traceback, exit 1 (evaluate_train_run checks nothing)")
 @pytest.mark.parametrize("misfit", ["classes", "shape", "dtype"])
 def test_evaluate_data_that_does_not_fit_the_model_is_one_line(tmp_path, trained, misfit):
     """Found: exit 1, ``IndexError: Target 3 is out of bounds`` / ``RuntimeError: mat1 and
-    mat2 shapes cannot be multiplied`` / ``... must have the same dtype`` with tracebacks. Expected: one line, exit 2 (as ``train`` refuses the same misfits)."""
+    mat2 shapes cannot be multiplied`` / ``... must have the same dtype`` with tracebacks.
+    Expected: one line, exit 2 (as ``train`` refuses the same misfits)."""
     kw = {"classes": {"classes": 6}, "shape": {"shape": (5, 5)},
           "dtype": {"dtype": np.int64}}[misfit]
     p = _evaluate(tmp_path, trained, _new_clients(tmp_path / "new", **kw))
     _one_line(p)
 
 
-@pytest.mark.xfail(strict=True, reason="evaluate --data: a client's labels of another "
-                   "per-example shape end in a torch.cat traceback")
 def test_evaluate_data_with_other_label_shape_is_one_line(tmp_path, trained):
     p = _evaluate(tmp_path, trained, _seq_labels(_new_clients(tmp_path / "new")))
     _one_line(p)
@@ -242,9 +243,6 @@ def test_control_gru_model_trains_sequentially(tmp_path):
     assert (out / "report.md").is_file()
 
 
-@pytest.mark.xfail(strict=True, reason="backend vmap with a GRU user model: --dry-run accepts "
-                   "it, the run dies in stage 1 with a torch 'Batching rule not implemented' "
-                   "traceback, exit 1")
 def test_vmap_backend_with_a_gru_model_is_refused_or_runs(tmp_path):
     """Found: ``--dry-run`` exit 0, then the run exit 1 with a traceback. Expected: the run
     finishes, or both refuse in one line, exit 2."""
@@ -257,8 +255,6 @@ def test_vmap_backend_with_a_gru_model_is_refused_or_runs(tmp_path):
     _one_line(dry)
 
 
-@pytest.mark.xfail(strict=True, reason="processes backend started by spawn with a user model "
-                   "that cannot be pickled: clients reported failed, then a traceback, exit 1")
 def test_spawn_pool_with_an_unpicklable_model_is_one_line(tmp_path):
     """Found: "skipping client 1 in round 0: it failed (AttributeError: Can't pickle local
     object ...)" lines, then ``AttributeError`` with a traceback, exit 1. Expected: one line
@@ -275,9 +271,6 @@ def test_control_fork_pool_with_the_same_model_runs(tmp_path):
     assert p.returncode == 0, p.stderr[-600:]
 
 
-@pytest.mark.xfail(strict=True, reason="an empty client file drawn as the held-out client: the "
-                   "run trains all three stages, then 'no example to evaluate on', exit 2, no "
-                   "report.md; every rerun the same")
 def test_an_empty_held_out_client_does_not_strand_the_run(tmp_path):
     """Found: exit 2 after training, no report.md. Expected: refused before training (nothing
     trained) or the run finishing (report.md)."""

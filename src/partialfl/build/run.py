@@ -106,9 +106,11 @@ def _plain(obj) -> Any:
     return to_dict(obj)
 
 
-def _check_forward(model, data, loss_fn) -> None:
+def _check_forward(model, data, loss_fn, vmap: bool = False) -> None:
     """One example through the model and the loss, so a model that does not fit the data
-    fails in ``--dry-run`` with a clear message rather than in round 1."""
+    fails in ``--dry-run`` with a clear message rather than in round 1; with ``vmap`` (the
+    ``vmap`` backend) also through ``torch.func.vmap``, which some layers (GRU, LSTM) cannot
+    run."""
     import torch
 
     odd = sorted({str(p.dtype) for p in model.parameters()} - {"torch.float32", "torch.float64"})
@@ -132,6 +134,20 @@ def _check_forward(model, data, loss_fn) -> None:
                           f"{x.dtype}, {data.num_classes} classes): {msg}") from None
     finally:
         model.train(was)
+    if vmap:
+        from torch.func import functional_call
+        from torch.func import vmap as tvmap
+
+        params = {n: p.detach().unsqueeze(0) for n, p in model.named_parameters()}
+        try:
+            with torch.no_grad():
+                tvmap(lambda p, xx: functional_call(model.eval(), p, (xx,)))(params, x[None])
+        except (RuntimeError, NotImplementedError, ValueError) as e:
+            msg = str(e).splitlines()[0] if str(e) else type(e).__name__
+            raise ConfigError(f"backend vmap: the model cannot run under torch.func.vmap "
+                              f"({msg}); use backend 'sequential' or 'processes'") from None
+        finally:
+            model.train(was)
 
 
 def model_task(spec: RunSpec, data) -> Task:
@@ -158,6 +174,10 @@ def _build_model_run(spec: RunSpec) -> Run:
     except ValueError as err:
         raise ConfigError(str(err)) from None
     data, new = build_data(spec)
+    if new is not None and int(new.test_sizes().sum()) == 0:  # (else refused after training)
+        raise ConfigError(f"data.holdout: the held-out clients {list(new.client_ids)[:5]} have "
+                          "no test example to evaluate on; drop their empty files or choose "
+                          "another data.seed")
     task = model_task(spec, data)
     run = spec.effective()
     model = task.model_fn(run.stage1_seed)
@@ -173,7 +193,7 @@ def _build_model_run(spec: RunSpec) -> Run:
 
         build_algorithm(run, run.pretrain, method=MethodConfig(algorithm="fedavg"),
                         num_clients=data.num_clients)
-    _check_forward(split.model, data, task.loss_fn)
+    _check_forward(split.model, data, task.loss_fn, vmap=spec.backend.name == "vmap")
     counts = split.counts() if hasattr(split, "counts") else {}
     plan = {
         "name": spec.name, "data": data.summary(), "clients": data.num_clients,

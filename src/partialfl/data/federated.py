@@ -96,7 +96,7 @@ class FederatedDataset:
                 f"num_classes must be at most {MAX_CLASSES:,}, got {self.num_classes} (labels "
                 "that large are damaged data: a model's output layer for them would not fit "
                 "in memory)")
-        ref_shape, ref_dtype = None, None
+        ref_shape, ref_dtype, ref_y = None, None, None
         for split in ("train", "test"):
             xs, ys = getattr(self, f"{split}_x"), getattr(self, f"{split}_y")
             for i, (x, y) in enumerate(zip(xs, ys)):
@@ -114,6 +114,11 @@ class FederatedDataset:
                         f"{split} data of client {cid!r}: x {tuple(x.shape)} and y "
                         f"{tuple(y.shape)} must share the first (example) dimension"
                     )
+                if ref_y is None:
+                    ref_y = tuple(y.shape[1:])
+                elif tuple(y.shape[1:]) != ref_y:  # (stacking a cohort's labels fails)
+                    raise ValueError(f"{split}_y of client {cid!r} has per-example shape "
+                                     f"{tuple(y.shape[1:])}; the first client has {ref_y}")
                 if ref_shape is None:
                     ref_shape, ref_dtype = tuple(x.shape[1:]), x.dtype
                 elif tuple(x.shape[1:]) != ref_shape or x.dtype != ref_dtype:

@@ -187,6 +187,7 @@ def evaluate_train_run(run_dir: str | Path, data: str | Path | None = None, *,
         d = dataclasses.replace(spec.data, path=str(Path(data).expanduser().resolve()),
                                 holdout=0, num_clients=None)
         new, _ = build_data(dataclasses.replace(spec, data=d))
+        _check_fits(new, run.task.data, f"--data {data}")
     elif run.new_clients is None:
         raise ValueError(f"{run_dir} held out no clients (data.holdout = 0): pass --data "
                          "PATH with the new clients' data")
@@ -198,6 +199,21 @@ def evaluate_train_run(run_dir: str | Path, data: str | Path | None = None, *,
                       finetune_epochs=finetune_epochs, lr=lr, loss_fn=task.loss_fn,
                       metric=task.metric, device=_device(spec))
     return {**ev, "client_ids": list(new.client_ids)}
+
+
+def _check_fits(new, data, what: str) -> None:
+    """``new`` clients' examples of the shapes and dtypes the run's model was trained on
+    (``data``) and labels among its classes, else a ValueError naming the difference."""
+    def kind(d) -> tuple:
+        return (tuple(d.train_x[0].shape[1:]), d.train_x[0].dtype, tuple(d.train_y[0].shape[1:]))
+
+    if kind(new) != kind(data):
+        raise ValueError(f"{what}: examples (x shape, dtype, y shape) {kind(new)}; the run's "
+                         f"model was trained on {kind(data)}")
+    top = max((int(y.max()) for y in (*new.train_y, *new.test_y) if y.numel()), default=-1)
+    if top >= int(data.num_classes):
+        raise ValueError(f"{what}: label {top}, but the run's model has "
+                         f"{int(data.num_classes)} classes")
 
 
 def _check_held_out(run_dir: Path, ids: list[str]) -> None:

@@ -57,6 +57,11 @@ class InjectedFault(RuntimeError):
     """The exception :class:`FaultInjector` raises in a client."""
 
 
+class RunSetupError(ValueError):
+    """An error of the run's set-up, not of a client (a worker pool that cannot start): it
+    stops the run in one line, never skipped and counted as client failures."""
+
+
 def is_data_error(err: BaseException | str | None) -> bool:
     """Whether ``err`` is an error of the run's data rather than of a client: a
     :class:`~partialfl.data.store.StoreError` (a client store file missing, truncated or
@@ -199,7 +204,7 @@ class FaultLog:
     def client_error(self, where: str, err: BaseException | str) -> None:
         """Count ``where``'s failed computation (skipped); a data error
         (:func:`is_data_error`) is re-raised instead."""
-        if is_data_error(err):
+        if is_data_error(err) or isinstance(err, RunSetupError):
             raise err
         self.attempted += 1
         self.failed += 1

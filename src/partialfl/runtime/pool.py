@@ -42,6 +42,7 @@ from __future__ import annotations
 import contextlib
 import multiprocessing as mp
 import os
+import pickle
 import signal
 import sys
 import time
@@ -210,7 +211,16 @@ class WorkerPool:
         self._liveness_at = 0.0  # when next() checks the workers' liveness again
         self.closed = False
         for w in range(workers):
-            self._spawn(w)
+            try:
+                self._spawn(w)
+            except (pickle.PicklingError, AttributeError, TypeError) as e:  # spawn pickles
+                self.close()
+                from partialfl.runtime.faults import RunSetupError
+
+                raise RunSetupError(
+                    f"the run cannot be sent to {self.ctx.get_start_method()!r} worker "
+                    f"processes ({str(e).splitlines()[0][:200]}): define the model and the "
+                    "algorithm at module level, or use start method 'fork'") from None
 
     # -- workers ---------------------------------------------------------------------------
     def _spawn(self, w: int) -> None:
