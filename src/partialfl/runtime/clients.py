@@ -20,6 +20,11 @@ from partialfl.privacy import PrivacyError, scalars_refusal, tree_refusal
 from partialfl.types import ClientUpdates, Params
 
 
+class RunSetupError(ValueError):
+    """An error of the run's set-up, not of a client (a worker pool that cannot start): it
+    stops the run in one line, never skipped and counted as client failures."""
+
+
 def error_text(err: BaseException | str) -> str:
     """``"Type: message"`` of a client's error, even when its ``str()`` raises (a client's
     exception is its own code: formatting it must not fail the run)."""

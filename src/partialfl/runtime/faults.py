@@ -43,7 +43,7 @@ from partialfl.algorithms.base import ClientResult
 from partialfl.algorithms.wrapper import AlgorithmWrapper
 from partialfl.privacy import PrivacyError, screen, server_view, values_only
 from partialfl.registry import option, register
-from partialfl.runtime.clients import error_text
+from partialfl.runtime.clients import RunSetupError, error_text
 from partialfl.types import ClientUpdates
 
 log = logging.getLogger("partialfl")
@@ -55,11 +55,6 @@ class ClientFaultError(RuntimeError):
 
 class InjectedFault(RuntimeError):
     """The exception :class:`FaultInjector` raises in a client."""
-
-
-class RunSetupError(ValueError):
-    """An error of the run's set-up, not of a client (a worker pool that cannot start): it
-    stops the run in one line, never skipped and counted as client failures."""
 
 
 def is_data_error(err: BaseException | str | None) -> bool:

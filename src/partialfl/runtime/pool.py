@@ -52,7 +52,7 @@ from multiprocessing import connection as mp_connection
 from typing import Any
 
 from partialfl.algorithms.base import RoundContext, ServerState
-from partialfl.runtime.clients import error_text
+from partialfl.runtime.clients import RunSetupError, error_text
 from partialfl.runtime.slots import SLOTS, SlotReader, SlotWriter
 from partialfl.runtime.worker import guard_forkserver, work
 from partialfl.types import Params
@@ -215,8 +215,6 @@ class WorkerPool:
                 self._spawn(w)
             except (pickle.PicklingError, AttributeError, TypeError) as e:  # spawn pickles
                 self.close()
-                from partialfl.runtime.faults import RunSetupError
-
                 raise RunSetupError(
                     f"the run cannot be sent to {self.ctx.get_start_method()!r} worker "
                     f"processes ({str(e).splitlines()[0][:200]}): define the model and the "
