@@ -1,9 +1,10 @@
 """Adversarial round 51a (issue 21, areas 2, 5 and 6, tried again from scratch by someone who
 did not write the fixes, against 7c8db5d: round 50a's failure-fraction judgement on Flower).
 Each test failed on that code because of the defect it names, and passes since the fix: a run
-is stalled only once every job dispatched before its run of failures began has ended (the
-Flower transport's streak stop, and ``check_stalled`` of every asynchronous loop through
-``AsyncServer.loss_horizon``).
+is stalled only while no client that has not failed (in the current run of failures) is
+still computing (the Flower transport's streak stop, and ``check_stalled`` of every
+asynchronous loop through ``AsyncServer.failed_clients``; since round 55a, whose resumed
+run showed that a horizon of job ids was not enough).
 
 * Area 2, one fast-failing SuperNode still ends an asynchronous run alone, through the paths
   round 50a kept judging "whatever the count": with ``concurrency`` close to the number of

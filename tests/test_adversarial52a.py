@@ -118,13 +118,15 @@ def test_a_sequential_user_model_runs_on_flower(loopback, tmp_path, monkeypatch)
 
 
 def test_control_theta0_names_are_still_checked():
-    """What the fix must keep: a θ⁰ leaf name that is not a parameter path is refused."""
+    """What the fix must keep: a θ⁰ leaf name that is not a parameter path (an empty
+    segment, a control character) is refused. (A space or a slash is a name torch allows —
+    ``ModuleDict`` keys — and is accepted since round 55a.)"""
     import numpy as np
     from flwr.app import Array, ArrayRecord
 
     from partialfl.flower.codec import WireFormatError, decode_theta0
 
-    for bad in ("../x", "a..b", "a b", "", "a.", ".a"):
+    for bad in ("../x", "a..b", "", "a.", ".a", "a\nb", "a\x00b"):
         rec = ArrayRecord({bad: Array(np.zeros(2))})
         with pytest.raises(WireFormatError):
             decode_theta0(rec)

@@ -2,7 +2,12 @@
 someone who did not write the fixes, against d8b3d3a: the new code of rounds 50–54 —
 ``report.check_failures``, ``FlowerJobs``' streak horizon, ``secagg._drop_unkeyed`` and the
 exact share-keys check, the θ⁰ leaf names, ``env.exit_with_parent``, 0-d leaves). Each test
-fails on that code because of the defect it names (``xfail(strict=True)``).
+failed on that code because of the defect it names, and passes since the fix: a setup reply
+with two equal public keys is that node's own failure; θ⁰ leaf names are any printable
+name of non-empty dot-separated segments (torch's ``ModuleDict`` keys with spaces or
+slashes); a resumed asynchronous run sets its failure horizon at the next failure; an even
+``secagg-shares`` below the node count is passed to Flower as the next odd count (its
+neighbour groups are odd); a threshold above what each node can hold is refused.
 
 * Area 2, one SuperNode whose SecAgg+ ``setup`` reply carries two EQUAL public keys
   (``pk2 = pk1``: well-formed, both load) fails the round of EVERY node — the ``setup`` twin
@@ -128,11 +133,6 @@ def _equal_keys(partition, mtype, content):
         cfg[Key.PUBLIC_KEY_2] = cfg[Key.PUBLIC_KEY_1]
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason=(
-        "secagg._check_reply SETUP accepts pk1 == pk2; every honest neighbour "
-        "fails (public keys identical)"))
 def test_a_setup_reply_with_equal_public_keys_is_that_nodes_own_failure(loopback):  # noqa: F811
     """Found: 0 server steps; every honest partition fails with "ValueError: Some public keys
     are identical" (with fraction 0.9: ``RunAborted ... partitions lost: [0, 2, 3]``).
@@ -196,11 +196,6 @@ def _spec(tmp_path, monkeypatch, model: str) -> dict:
             "personalize": {"rounds": 1, "clients_per_round": 2, "client": client}}
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason=(
-        "codec._LEAF_NAME refuses a space or slash in a ModuleDict key; the "
-        "federation never starts"))
 @pytest.mark.parametrize("model", ["space", "slash"])
 def test_moduledict_keys_torch_allows_run_on_flower(loopback, tmp_path, monkeypatch,  # noqa: F811
                                                     model):
@@ -275,11 +270,6 @@ def test_control_an_honest_resumed_async_run_finishes(loopback, tmp_path):  # no
     assert rep.resumed_from == 2 and rep.server_steps == 12 and not rep.stopped
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason=(
-        "FlowerJobs.restore restores streak but not horizon: a resumed run "
-        "stops on one node's failures"))
 def test_a_fast_failing_node_does_not_stop_a_resumed_async_run(loopback, tmp_path):  # noqa: F811
     """Found: ``stopped = "18 consecutive client tasks failed (last: invalid: reply weight
     must be finite, got nan)"``, 2 of 12 steps (none after the resume), honest tasks in
@@ -293,11 +283,6 @@ def test_a_fast_failing_node_does_not_stop_a_resumed_async_run(loopback, tmp_pat
 # -- SecAgg+ parameters an honest federation cannot run --------------------------------------
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason=(
-        "an even secagg-shares below the node count is accepted; Flower's "
-        "setup sends the unrounded share count: IndexError at every node"))
 def test_an_even_secagg_shares_is_refused_or_trains(loopback):  # noqa: F811
     """Found: every round fails at every node (``IndexError: list index out of range``),
     ``RunAborted: 16 of 16 requested client updates failed``. Expected: a ConfigError in
@@ -324,11 +309,6 @@ def test_control_odd_shares_and_as_many_shares_as_nodes_train(loopback):  # noqa
         assert rep.server_steps == 2 and not rep.failures
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason=(
-        "secagg-threshold above the node count is not refused; every honest "
-        "node blamed as dropped out"))
 def test_a_secagg_threshold_above_the_node_count_is_a_config_error(loopback):  # noqa: F811
     """Found: ``RunAborted: 16 of 16 requested client updates failed ...; failures by kind
     {'timeout': 8}, partitions lost: [0, 1, 2, 3]`` (every honest node "dropped out").

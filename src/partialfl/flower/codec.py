@@ -475,7 +475,7 @@ def decode_describe(content) -> dict[str, Any]:
     return _guard("describe reply", _decode_describe, content)
 
 
-_LEAF_NAME = re.compile(r"[^\s./\\]+(?:\.[^\s./\\]+)*")  # a.0.w, 0.w, d.enc-1.w
+_LEAF_NAME = re.compile(r"[^.]+(?:\.[^.]+)*")  # torch's: a.0.w, d.enc-1.w, d.enc 1.w
 
 
 def _decode_theta0(record, torch: bool) -> Params:

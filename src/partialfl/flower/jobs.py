@@ -73,7 +73,7 @@ class FlowerJobs:
         self.inflight: dict[str, tuple] = {}
         self.queue: list = []
         self.streak, self.max_streak = 0, max(10, 3 * concurrency)
-        self.sent = self.horizon = 0  # jobs sent; those sent before the streak began
+        self.failed_clients: set[int] = set()  # clients failed in the current streak
         self.stops = {f.round for f in parse_fault_injection(cfg.fault_injection)
                       if f.kind == "stop"}
         self.server: AsyncServer | None = None  # set by run_async (the step to checkpoint)
@@ -99,7 +99,6 @@ class FlowerJobs:
                            "the train message could not be delivered (the SuperNode is gone)")
             self._done(job, None)
             return None
-        self.sent = max(self.sent, job.job + 1)
         self.inflight[mid] = (job, node, client, state.theta,
                               time.monotonic() + self.cfg.round_timeout)
         return None
@@ -110,21 +109,22 @@ class FlowerJobs:
         report.requested_client_updates += 1
         report.last_round = max(report.last_round, job.job)
         if rep is None:
-            if self.streak == 0:  # the jobs sent before this run of failures began
-                self.horizon = self.sent
+            self.failed_clients.add(int(job.client))
             self.streak += 1
             self.queue.append(Event("error", job.slot, job, report.failures[-1].reason,
                                     self.now()))
         else:
             self.streak = 0
+            self.failed_clients.clear()
             self.queue.append(Event("done", job.slot, job, ClientResult(rep[0]), self.now()))
 
     def next(self, max_time):
         """The next reply (or lost task); None once too many tasks failed in a row."""
         report = self.report
         while not self.queue:
-            if self.streak >= self.max_streak and not any(  # nor one still computing
-                    j.job < self.horizon for j, *_ in self.inflight.values()):
+            if self.streak >= self.max_streak and not any(  # nor a client still computing
+                    int(j.client) not in self.failed_clients  # that has not failed
+                    for j, *_ in self.inflight.values()):
                 check_failures(self.cfg, report, self._cause(), when="stalled")
                 report.stopped = (f"{self.streak} consecutive client tasks failed (last: "
                                   f"{report.failures[-1].kind}: {report.failures[-1].reason})")

@@ -255,6 +255,8 @@ def _check_reply(request, content, shapes, bytes_to_public_key, bytes_to_ndarray
             if not isinstance(got.get(key), bytes):
                 raise WireFormatError(f"SecAgg+ setup reply lacks its public key {key!r}")
             bytes_to_public_key(got[key])  # a key that does not load: refused here
+        if got[Key.PUBLIC_KEY_1] == got[Key.PUBLIC_KEY_2]:  # every neighbour refuses them
+            raise WireFormatError("SecAgg+ setup reply has two equal public keys")
     elif stage == Stage.SHARE_KEYS:
         dsts = entry(Key.DESTINATION_LIST, int)
         entry(Key.CIPHERTEXT_LIST, bytes, len(dsts))
@@ -398,7 +400,11 @@ def secagg_round(link, cfg, fed, state, cohort: np.ndarray, round_: int, algorit
         params, keep_input=True)
     grid = _LinkGrid(link, cfg.round_timeout, [np.shape(v) for v in values])
     try:
-        _workflow(cfg.secagg_shares, cfg.secagg_threshold, max_weight=max(total, 1.0),
+        # Flower forms odd neighbour groups when nodes outnumber the shares, but tells the
+        # nodes the even count: every node then indexes past its shares (IndexError)
+        shares = cfg.secagg_shares + (cfg.secagg_shares % 2 == 0
+                                      and cfg.secagg_shares < len(fed.order))
+        _workflow(shares, cfg.secagg_threshold, max_weight=max(total, 1.0),
                   clipping_range=cfg.secagg_clip, quantization_range=2 ** cfg.secagg_bits,
                   timeout=cfg.round_timeout)(grid, legacy)
     except Exception as e:  # noqa: BLE001 - what check_reply cannot see (a key share that

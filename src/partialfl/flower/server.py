@@ -67,6 +67,10 @@ def run_server(grid: Grid, run_config: dict[str, Any], *,
         if len(fed.nodes) < 2:
             raise ConfigError("secagg: SecAgg+ needs at least 2 SuperNodes (the sum of one "
                               "node's updates is that node's)")
+        if cfg.secagg_threshold > min(cfg.secagg_shares, len(fed.nodes)):
+            raise ConfigError(f"secagg-threshold {cfg.secagg_threshold}: more than the "
+                              f"{min(cfg.secagg_shares, len(fed.nodes))} shares each of the "
+                              f"{len(fed.nodes)} SuperNodes can hold")
     # θ⁰ of a closed form is the server's own (what every node computes from the public seed),
     # never what the node claiming partition 0 sent; a model's comes from partition 0
     theta0 = (fed.theta0 if ref is None else

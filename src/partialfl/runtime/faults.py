@@ -310,8 +310,8 @@ def check_stalled(faults: FaultLog, waiting: bool = False) -> None:
     """The asynchronous loop counts server steps, so a run whose every job is lost would draw
     jobs forever (even where ``max_failure_fraction = 1`` tolerates every loss): after
     ``min_attempts`` client computations of which none succeeded, it ends as
-    :func:`check_end` does — unless it is still ``waiting`` for a job dispatched before the
-    first loss (a fast-failing client, relaunched over and over, never decides alone while
+    :func:`check_end` does — unless it is still ``waiting`` for a job of a client that has
+    not failed (a fast-failing client, relaunched over and over, never decides alone while
     slower clients are computing)."""
     if faults.succeeded == 0 and faults.attempted >= faults.min_attempts and not waiting:
         _none_succeeded(faults)

@@ -140,8 +140,8 @@ def drive(server: AsyncServer, transport: AsyncTransport, compute_time: ComputeT
             if slot not in busy_slots and (steps is None or server.arrivals < steps):
                 launch(slot)  # (a resumed run that had finished launches nothing)
         while steps is None or server.arrivals < steps:
-            h = server.loss_horizon
-            check_stalled(server.faults, waiting=h is not None and any(j < h for j in inflight))
+            check_stalled(server.faults, waiting=any(  # a client not yet failed computing
+                int(v[0].client) not in server.failed_clients for v in inflight.values()))
             ev = transport.next(max_time)
             if ev is None:
                 break

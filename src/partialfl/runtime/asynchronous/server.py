@@ -87,8 +87,8 @@ class AsyncServer:
         self.busy = np.zeros(M, dtype=bool)
         self.num_examples = problem.num_examples(np.arange(M))
         self.next_job = 0
-        #: jobs dispatched before the first loss while none succeeded (see check_stalled)
-        self.loss_horizon: int | None = None
+        #: clients whose job was lost while none succeeded (see check_stalled)
+        self.failed_clients: set[int] = set()
         self.arrivals = 0
         self.grad_evals = 0
         self.record_events = record_events
@@ -142,8 +142,8 @@ class AsyncServer:
         elif error is not None:
             self.faults.client_error(where, error)
         self.busy[job.client] = False
-        if self.loss_horizon is None and self.faults.succeeded == 0:
-            self.loss_horizon = self.next_job
+        if self.faults.succeeded == 0:
+            self.failed_clients.add(int(job.client))
         if self.record_events:
             self.events.append(("lost", float(time), job.job, job.client, job.slot,
                                 self.state.round))
