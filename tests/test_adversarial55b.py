@@ -35,6 +35,20 @@ it names.
   ``fork`` and sequentially (exit 0). Suspected root cause: the ``except`` tuple around
   ``self._spawn(w)`` in ``WorkerPool.__init__`` (any exception of pickling the run, not three
   types).
+* Area 1, a worker pool none of whose workers can start ends in a traceback, exit 1, after
+  every client of the cohort is counted as failed: a run that pickles for ``spawn`` but
+  cannot be *unpickled* in the worker (here a user model whose ``__setstate__`` raises, as
+  a module attribute that reopens a resource on unpickling does when that fails) makes
+  each worker die at start ("skipping client 0 in round 0: it failed (WorkerError: worker
+  process partialfl-worker-1 failed to start: died (exit code 1))"), then
+  :meth:`partialfl.runtime.faults.FaultLog.raise_if_systematic` re-raises the first error,
+  a :class:`partialfl.runtime.pool.WorkerError` — a ``RuntimeError`` the CLI prints as a
+  full traceback (its ``RuntimeError`` branch is for Flower runs only). A set-up failure of
+  the pool (``wait_ready``: "a start failure is a bug, not a fault") is neither a client's
+  failure nor worth a traceback: one line, as for every worker dying later and for round
+  54b's ``RunSetupError``. Suspected root cause: ``WorkerPool.wait_ready``'s start failure
+  raised through the client path (``run_clients`` → ``FaultLog.client_error``) as a
+  ``WorkerError`` instead of a ``RunSetupError``.
 
 Tried and held (run unless marked "read"): user models named by a config (``--allow-code``)
 — ``BatchNorm1d`` MLP and ``BatchNorm2d`` CNN under ``backend.name = "vmap"`` (train and
@@ -45,7 +59,8 @@ in one line), ``InstanceNorm2d(track_running_stats=True)``, ``nn.Dropout`` and f
 vmap (one line, exit 2), a ``.double()`` model on uint8 and on float64 client files (one
 line: the data is float32); the registered ``transformer`` on a folder of int64 token files
 (trains, ``evaluate`` works; ``evaluate --data`` with sequences of another length: one line);
-held-out clients of which some have no test example (runs; their accuracies NaN in
+a ``spawn`` worker SIGKILLed 0.05 s, 0.3 s and 1 s into its start (the run
+finishes, exit 0); held-out clients of which some have no test example (runs; their accuracies NaN in
 ``new_clients.json``); ``advise CONFIG --threads`` 0 / −1 / 10¹¹ (one line, exit 2, no
 ``--out`` written), ``abc`` / ``1.5`` (argparse, exit 2); (read) ``tree.fitted`` casts and
 checks shape and finiteness per leaf, ``PersonalizedModels.load`` / ``advisor.fit_theta``
@@ -190,3 +205,41 @@ def test_spawn_pool_with_a_non_leaf_tensor_attribute_is_one_line(tmp_path):
     p = _cache_train(tmp_path, "spawn")
     _one_line(p, 2)
     assert "skipping client" not in p.stderr
+
+
+NOCHILD_MODEL = '''
+import torch
+from torch import nn
+
+
+class NoChild(nn.Module):
+    def __init__(self, k=3):
+        super().__init__()
+        self.a, self.b = nn.Linear(16, 6), nn.Linear(6, k)
+
+    def forward(self, x):
+        return self.b(torch.relu(self.a(x.flatten(1))))
+
+    def __setstate__(self, state):  # unpickling fails (only a worker unpickles the run)
+        raise RuntimeError("cannot rebuild in a child")
+
+
+def nochild(num_classes: int = 3):
+    return NoChild(num_classes)
+'''
+
+
+@pytest.mark.xfail(strict=True, reason="workers that cannot start: WorkerError (a "
+                   "RuntimeError) re-raised through the client path, clients counted as "
+                   "failed, traceback exit 1")
+def test_spawn_pool_whose_workers_cannot_start_is_one_line(tmp_path):
+    (tmp_path / "usermodels.py").write_text(NOCHILD_MODEL)
+    data = client_folder(tmp_path / "data", clients=6)
+    cfg = tiny_toml(tmp_path / "cfg.toml", "usermodels:nochild", data)
+    p = _cli(tmp_path, "train", str(cfg), "--allow-code", "--out", str(tmp_path / "runs" / "n"),
+             "--set", "backend.name=processes", "--set", "backend.workers=2",
+             "--set", "backend.start_method=spawn")
+    last = p.stderr.strip().splitlines()[-1:]
+    assert p.returncode in (1, 2) and last and last[0].startswith("partialfl:"), \
+        f"exit {p.returncode}: {last}"
+    assert "Traceback (most recent call last):\n  File \"<frozen runpy>\"" not in p.stderr
