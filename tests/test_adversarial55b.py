@@ -1,7 +1,10 @@
 """Adversarial round 55b (issue 21, areas 1, 3, 4, 7 and 8, tried again from scratch by
 someone who did not write the fixes, against d8b3d3a: round 54b's checks where a
-researcher's own model and data enter). Each test fails on that code because of the defect
-it names.
+researcher's own model and data enter). Each test failed on that code because of the defect
+it names, and passes since the fix: a text task's token inputs are checked against the
+labels' vocabulary at build and by ``evaluate --data`` (``build.run.check_tokens``); a pool
+whose run torch refuses to pickle (``RuntimeError``) or whose workers fail to start
+(``WorkerStartError``) stops the run in one line (``RunSetupError``).
 
 * Area 8 (files), a text client whose integer inputs hold a token id beyond the
   vocabulary is a traceback. The registered ``transformer`` takes its vocabulary from the
@@ -60,7 +63,8 @@ vmap (one line, exit 2), a ``.double()`` model on uint8 and on float64 client fi
 line: the data is float32); the registered ``transformer`` on a folder of int64 token files
 (trains, ``evaluate`` works; ``evaluate --data`` with sequences of another length: one line);
 a ``spawn`` worker SIGKILLed 0.05 s, 0.3 s and 1 s into its start (the run
-finishes, exit 0); held-out clients of which some have no test example (runs; their accuracies NaN in
+finishes, exit 0); held-out clients of which some have no test example (runs; their accuracies
+NaN in
 ``new_clients.json``); ``advise CONFIG --threads`` 0 / −1 / 10¹¹ (one line, exit 2, no
 ``--out`` written), ``abc`` / ``1.5`` (argparse, exit 2); (read) ``tree.fitted`` casts and
 checks shape and finiteness per leaf, ``PersonalizedModels.load`` / ``advisor.fit_theta``
@@ -74,7 +78,6 @@ import sys
 import textwrap
 
 import numpy as np
-import pytest
 from _adv_cli import env
 from _user_project import client_folder, tiny_toml
 
@@ -146,17 +149,12 @@ def test_control_text_folder_trains(tmp_path):
     _one_line(p, 0)
 
 
-@pytest.mark.xfail(strict=True, reason="a token input beyond the vocabulary (labels) passes "
-                   "the data checks and the one-example probe; training ends in IndexError "
-                   "from nn.Embedding, traceback exit 1")
 def test_text_client_with_a_token_beyond_the_vocabulary_is_one_line(tmp_path):
     p, _ = _text_train(tmp_path, _text_folder(tmp_path / "bad", 6, bad=3), "bad")
     _one_line(p, 2)
     assert "skipping client" not in p.stderr
 
 
-@pytest.mark.xfail(strict=True, reason="evaluate --data: _check_fits checks shapes, dtypes "
-                   "and labels, not token inputs; IndexError traceback, exit 1")
 def test_evaluate_data_with_a_token_beyond_the_vocabulary_is_one_line(tmp_path):
     p, run = _text_train(tmp_path, _text_folder(tmp_path / "text", 6), "ok")
     _one_line(p, 0)
@@ -198,9 +196,6 @@ def test_control_fork_pool_with_a_cached_tensor_model_runs(tmp_path):
     _one_line(_cache_train(tmp_path, "fork"), 0)
 
 
-@pytest.mark.xfail(strict=True, reason="WorkerPool turns only PicklingError/AttributeError/"
-                   "TypeError into RunSetupError; torch's reducer raises RuntimeError for a "
-                   "non-leaf tensor: clients counted as failed, then a traceback, exit 1")
 def test_spawn_pool_with_a_non_leaf_tensor_attribute_is_one_line(tmp_path):
     p = _cache_train(tmp_path, "spawn")
     _one_line(p, 2)
@@ -229,9 +224,6 @@ def nochild(num_classes: int = 3):
 '''
 
 
-@pytest.mark.xfail(strict=True, reason="workers that cannot start: WorkerError (a "
-                   "RuntimeError) re-raised through the client path, clients counted as "
-                   "failed, traceback exit 1")
 def test_spawn_pool_whose_workers_cannot_start_is_one_line(tmp_path):
     (tmp_path / "usermodels.py").write_text(NOCHILD_MODEL)
     data = client_folder(tmp_path / "data", clients=6)

@@ -150,10 +150,30 @@ def _check_forward(model, data, loss_fn, vmap: bool = False) -> None:
             model.train(was)
 
 
+def is_text(data) -> bool:
+    """Whether ``data`` is a text task: integer token sequences ``[n, seq_len]``."""
+    return data.train_x[0].dim() == 2 and not data.train_x[0].is_floating_point()
+
+
+def check_tokens(data, ref, what: str) -> None:
+    """Integer (token) inputs of ``data`` within the vocabulary of ``ref``'s labels (a text
+    task's inputs and next-token labels share one vocabulary, which sizes the model's
+    embedding): a ConfigError naming the token otherwise."""
+    if not is_text(data):
+        return
+    xs = [x for x in (*data.train_x, *data.test_x) if x.numel()]
+    if not xs:
+        return
+    lo, hi = min(int(x.min()) for x in xs), max(int(x.max()) for x in xs)
+    if lo < 0 or hi >= int(ref.num_classes):
+        raise ConfigError(f"{what}: token id {hi if hi >= int(ref.num_classes) else lo} in the "
+                          f"inputs, outside the vocabulary 0..{int(ref.num_classes) - 1} of the "
+                          "labels (inputs and next-token labels share one vocabulary)")
+
+
 def model_task(spec: RunSpec, data) -> Task:
     """The :class:`Task` of a model run on ``data``."""
-    text = data.train_x[0].dim() == 2 and not data.train_x[0].is_floating_point()
-    loss_fn, metric = build_loss_metric(spec, text)
+    loss_fn, metric = build_loss_metric(spec, is_text(data))
     num_classes = int(data.num_classes)
 
     def model_fn(seed: int):
@@ -178,6 +198,7 @@ def _build_model_run(spec: RunSpec) -> Run:
         raise ConfigError(f"data.holdout: the held-out clients {list(new.client_ids)[:5]} have "
                           "no test example to evaluate on; drop their empty files or choose "
                           "another data.seed")
+    check_tokens(data, data, "data")
     task = model_task(spec, data)
     run = spec.effective()
     model = task.model_fn(run.stage1_seed)

@@ -210,6 +210,9 @@ def _check_fits(new, data, what: str) -> None:
     if kind(new) != kind(data):
         raise ValueError(f"{what}: examples (x shape, dtype, y shape) {kind(new)}; the run's "
                          f"model was trained on {kind(data)}")
+    from partialfl.build.run import check_tokens
+
+    check_tokens(new, data, what)
     top = max((int(y.max()) for y in (*new.train_y, *new.test_y) if y.numel()), default=-1)
     if top >= int(data.num_classes):
         raise ValueError(f"{what}: label {top}, but the run's model has "

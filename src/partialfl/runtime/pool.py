@@ -69,6 +69,11 @@ class WorkerError(RuntimeError):
     is closed (the message says which)."""
 
 
+class WorkerStartError(WorkerError, RunSetupError):
+    """A worker process that could not start: the run's set-up failed (one line), never
+    counted as client failures."""
+
+
 def default_workers() -> int:
     """The CPU cores this process may use."""
     try:
@@ -213,7 +218,8 @@ class WorkerPool:
         for w in range(workers):
             try:
                 self._spawn(w)
-            except (pickle.PicklingError, AttributeError, TypeError) as e:  # spawn pickles
+            except (pickle.PicklingError, AttributeError, TypeError, RuntimeError) as e:
+                # (spawn pickles the run: torch refuses a non-leaf tensor with RuntimeError)
                 self.close()
                 raise RunSetupError(
                     f"the run cannot be sent to {self.ctx.get_start_method()!r} worker "
@@ -264,8 +270,9 @@ class WorkerPool:
             ev = self.next(self.poll)
             if ev is not None and ev.kind == "death":
                 self.close()
-                raise WorkerError(f"worker process {WORKER_NAME}-{ev.worker} failed to start: "
-                                  f"{ev.payload}")
+                why = (str(ev.payload).strip().splitlines() or [""])[-1]
+                raise WorkerStartError(f"worker process {WORKER_NAME}-{ev.worker} failed to "
+                                       f"start: {why}")
 
     def send(self, w: int, task: Task) -> None:
         """Hand ``task`` to started worker ``w`` (queued behind its pending tasks, which
