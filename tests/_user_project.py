@@ -77,3 +77,40 @@ def tiny_toml(path: Path, model: str, data_dir: Path | str, extra: str = "",
         progress = false
         """) + extra)
     return path
+
+
+def train_user_model(folder: Path, module: str, source: str, model: str, name: str):
+    """``partialfl train --allow-code`` (in a subprocess) of ``module:model`` — the module
+    file ``source`` written into ``folder`` — on a 5-client folder of data, one round per
+    stage: the finished process (text output)."""
+    import subprocess
+
+    from _adv_cli import env
+
+    folder.mkdir(parents=True, exist_ok=True)
+    (folder / f"{module}.py").write_text(source)
+    data = client_folder(folder / "data")
+    (folder / "cfg.toml").write_text(textwrap.dedent(f"""
+        name = "{name}"
+        [model]
+        name = "{module}:{model}"
+        [data]
+        source = "folder"
+        path = "{data}"
+        [method]
+        algorithm = "ffgg"
+        split = "output"
+        [pretrain]
+        rounds = 1
+        clients_per_round = 2
+        client = {{ lr = 0.1, batch_size = 8 }}
+        [personalize]
+        rounds = 1
+        clients_per_round = 2
+        client = {{ lr = 0.1, batch_size = 8 }}
+        [logging]
+        progress = false
+        """))
+    return subprocess.run([sys.executable, "-m", "partialfl", "train", "cfg.toml", "--out",
+                           str(folder / "out"), "--allow-code"], cwd=folder, env=env(None),
+                          capture_output=True, text=True, timeout=170)

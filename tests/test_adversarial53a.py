@@ -93,8 +93,7 @@ import sys
 import textwrap
 
 import pytest
-from _adv_cli import env
-from _user_project import client_folder
+from _user_project import client_folder, train_user_model
 
 flwr = pytest.importorskip("flwr", reason="flwr is not installed (pip install "
                            "'partialfl[flower]')")
@@ -203,33 +202,7 @@ def test_a_moduledict_user_model_runs_on_flower(loopback, tmp_path, monkeypatch)
 
 
 def _cli_train(tmp_path, model: str) -> subprocess.CompletedProcess:
-    tmp_path.mkdir(parents=True, exist_ok=True)
-    (tmp_path / "advmodels53a.py").write_text(MODELS)
-    data = client_folder(tmp_path / "data")
-    (tmp_path / "cfg.toml").write_text(textwrap.dedent(f"""
-        name = "t53a"
-        [model]
-        name = "advmodels53a:{model}"
-        [data]
-        source = "folder"
-        path = "{data}"
-        [method]
-        algorithm = "ffgg"
-        split = "output"
-        [pretrain]
-        rounds = 1
-        clients_per_round = 2
-        client = {{ lr = 0.1, batch_size = 8 }}
-        [personalize]
-        rounds = 1
-        clients_per_round = 2
-        client = {{ lr = 0.1, batch_size = 8 }}
-        [logging]
-        progress = false
-        """))
-    return subprocess.run([sys.executable, "-m", "partialfl", "train", "cfg.toml", "--out",
-                           str(tmp_path / "out"), "--allow-code"], cwd=tmp_path,
-                          env=env(None), capture_output=True, text=True, timeout=170)
+    return train_user_model(tmp_path, "advmodels53a", MODELS, model, "t53a")
 
 
 def test_control_the_same_models_train_in_process(tmp_path):

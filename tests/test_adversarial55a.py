@@ -93,14 +93,12 @@ refused as a θ⁰ leaf name on Flower and trains in process (a bound against hu
 from __future__ import annotations
 
 import logging
-import subprocess
 import sys
 import textwrap
 import warnings
 
 import pytest
-from _adv_cli import env
-from _user_project import client_folder
+from _user_project import client_folder, train_user_model
 
 flwr = pytest.importorskip("flwr", reason="flwr is not installed (pip install "
                            "'partialfl[flower]')")
@@ -214,34 +212,7 @@ def test_moduledict_keys_torch_allows_run_on_flower(loopback, tmp_path, monkeypa
 def test_control_those_models_train_in_process(tmp_path):
     """The same models (and data) train in process: ``partialfl train --allow-code``, exit 0."""
     for model in ("space", "slash"):
-        d = tmp_path / model
-        d.mkdir()
-        (d / "advmodels55a.py").write_text(MODELS)
-        data = client_folder(d / "data")
-        (d / "cfg.toml").write_text(textwrap.dedent(f"""
-            name = "t55a"
-            [model]
-            name = "advmodels55a:{model}"
-            [data]
-            source = "folder"
-            path = "{data}"
-            [method]
-            algorithm = "ffgg"
-            split = "output"
-            [pretrain]
-            rounds = 1
-            clients_per_round = 2
-            client = {{ lr = 0.1, batch_size = 8 }}
-            [personalize]
-            rounds = 1
-            clients_per_round = 2
-            client = {{ lr = 0.1, batch_size = 8 }}
-            [logging]
-            progress = false
-            """))
-        p = subprocess.run([sys.executable, "-m", "partialfl", "train", "cfg.toml", "--out",
-                            str(d / "out"), "--allow-code"], cwd=d, env=env(None),
-                           capture_output=True, text=True, timeout=170)
+        p = train_user_model(tmp_path / model, "advmodels55a", MODELS, model, "t55a")
         assert p.returncode == 0, p.stderr[-600:]
 
 
