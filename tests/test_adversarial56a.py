@@ -2,7 +2,13 @@
 someone who did not write the fixes, against a3ac3f9), entered through a researcher's OWN
 algorithm (``plugins`` on the ServerApp with ``PARTIALFL_ALLOW_CODE=1``, on the SuperNodes
 with ``allow-imports``), a hostile server's messages to an honest SuperNode and SecAgg+ over
-many SuperNodes. Each test fails on that code because of the defect it names.
+many SuperNodes. Each test failed on the code it was written against because of the defect
+it names, and passes since the fix: :func:`partialfl.flower.node.screened` keeps
+client-side metrics on the node (as ``server_view`` in process); the ``shared_extra``
+numbers travel with SecAgg+'s FitIns too, an int as an int
+(:func:`partialfl.flower.rounds.shared_entries`, :func:`partialfl.flower.node.
+shared_values`); :func:`partialfl.flower.secagg.check_nodes` refuses ``N·(2^bits − 1) ≥
+2^32`` in one line, naming the bits the node count allows.
 
 * Area 2/5, a plugin algorithm declaring a client-side metric never trains on Flower:
   :class:`partialfl.algorithms.base.Algorithm` documents ``client_metrics`` as "per-client
@@ -238,9 +244,6 @@ def test_control_the_plugin_trains_in_process(plugin, monkeypatch):
     assert res.state.round == 3
 
 
-@pytest.mark.xfail(strict=True, reason="a declared client-side metric (client_metrics) makes "
-                   "every SuperNode refuse its whole update (PrivacyError in "
-                   "codec.aggregate_metrics) instead of keeping the metric on the node")
 @pytest.mark.parametrize("secagg", [False, True], ids=["plain", "secagg"])
 def test_a_plugin_with_a_client_side_metric_trains_on_flower(plugin, loopback,  # noqa: F811
                                                              monkeypatch, secagg):
@@ -291,9 +294,6 @@ def _shared_run(loopback, monkeypatch, secagg, algorithm):  # noqa: F811
     return _quiet(run_server, grid, _plugin_run(secagg, algorithm, None))
 
 
-@pytest.mark.xfail(strict=True, reason="SecAgg+ rounds never send the algorithm's "
-                   "shared_extra: secagg.node_contribution builds ServerState(theta, round) "
-                   "without extra (KeyError 'scale' on every node)")
 def test_a_shared_extra_reaches_secagg_nodes(plugin, loopback, monkeypatch):  # noqa: F811
     """Found: ``RunAborted: 24 of 24 requested client updates failed``; every node logs
     "client_update failed: KeyError: 'scale'". Expected: the 3 rounds (or the algorithm
@@ -308,9 +308,6 @@ def test_a_shared_extra_reaches_secagg_nodes(plugin, loopback, monkeypatch):  # 
         (f.partition, f.kind, f.reason) for f in rep.failures][:3]
 
 
-@pytest.mark.xfail(strict=True, reason="an integer shared_extra reaches the SuperNodes as a "
-                   "float (rounds.train_content / client.train: float(v)); the client's "
-                   "range(steps_now) fails on every node")
 def test_an_integer_shared_extra_stays_an_integer_on_flower(plugin, loopback,  # noqa: F811
                                                             monkeypatch):
     """Found: ``RunAborted: 24 of 24 requested client updates failed``; every node logs
@@ -341,9 +338,6 @@ def test_control_secagg_over_520_nodes_at_22_bits_is_the_mean(loopback):  # noqa
                                np.asarray(plain.theta["theta"]), atol=1e-3)
 
 
-@pytest.mark.xfail(strict=True, reason="secagg-bits 24 (allowed: [8, 24]) over 520 SuperNodes: "
-                   "the nodes' quantised values sum past Flower's modulus 2^32 and wrap; the "
-                   "round applies a garbage aggregate (θ ≈ 16051 instead of ≈ 0.5), no failure")
 def test_secagg_over_many_nodes_never_wraps_the_modulus(loopback):  # noqa: F811
     """Found: 520 loopback SuperNodes, least squares, 2 clients per round, ``secagg-bits =
     24``, ``secagg-clip = 1e4``: θ after the round is [16051.58, 16051.58] (plain Flower:

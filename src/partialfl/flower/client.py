@@ -56,6 +56,7 @@ from partialfl.flower.node import (
     node_options,
     refuse_non_finite,
     screened,
+    shared_values,
 )
 from partialfl.flower.secagg import is_secagg, node_contribution, secagg_mod
 from partialfl.flower.stage import node_parts
@@ -264,9 +265,7 @@ def train(rt: NodeRuntime, msg: Message) -> Message:
     theta = rt.check_theta(decode_params(msg.content["theta"], rt.torch))
     ctx = rt.context(r, cohort)  # the node's own release policy may refuse (its message)
     with kept_on_node(rt.partition, "client_update"):
-        shared = {n: float(task[f"extra.{n}"]) for n in rt.algorithm.shared_extra
-                  if f"extra.{n}" in task}
-        state = ServerState(theta=theta, round=r, extra=shared)
+        state = ServerState(theta=theta, round=r, extra=shared_values(task, rt.algorithm))
         result = rt.algorithm.client_update(state, rt.problem, cohort, ctx)
         up = screened(rt, result.updates, theta, cohort)
     refuse_non_finite(rt.partition, up)  # a NaN's payload passes clipping and noise

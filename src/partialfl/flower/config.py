@@ -111,7 +111,7 @@ FIELDS: tuple[Field, ...] = (
     Field("secagg-clip", float, 8.0, "SecAgg+: each update coordinate is clipped to "
           "[-c, c] before quantisation", check=_pos, requirement="a number > 0"),
     Field("secagg-bits", int, 22, "SecAgg+: quantisation levels 2^bits over [-c, c] (the "
-          "quantisation error is about c / 2^bits per coordinate)",
+          "error is about c / 2^bits per coordinate; N nodes need N·2^bits < 2^32)",
           check=lambda v: 8 <= v <= 24, requirement="an integer in [8, 24]"),
     # -- output and checkpoints -------------------------------------------------------------
     Field("out-dir", str, "", "server: write result.json, metrics.jsonl and theta.npz here "

@@ -247,7 +247,12 @@ def screened(rt, updates, theta, cohort):
     whose reason holds no value — raised on the node, so nothing of a refused message
     (not even an error quoting it) reaches the server. ``theta``: the θ the server sent,
     which must have exactly this run's leaves; ``cohort``: the client ids it asked for, which
-    the updates must name in that order (ids are no channel: nothing else is sent in them)."""
+    the updates must name in that order (ids are no channel: nothing else is sent in them).
+    Client-side metrics (the algorithm's ``client_metrics`` that its server step does not
+    read) stay on the node, as :func:`partialfl.privacy.server_view` keeps them in process."""
+    import dataclasses
+
+    from partialfl.flower.codec import metric_names
     from partialfl.privacy import PrivacyError, check_updates, values_only
 
     if set(theta) != set(rt.theta_names):
@@ -257,7 +262,24 @@ def screened(rt, updates, theta, cohort):
     check_updates(updates, theta, rt.algorithm)
     if not np.array_equal(np.asarray(updates.cohort), np.asarray(cohort)):
         raise PrivacyError("the updates name other client ids than the server asked for")
-    return updates
+    sent = metric_names(rt.algorithm)
+    return dataclasses.replace(updates, metrics={n: v for n, v in updates.metrics.items()
+                                                 if n in sent})
+
+
+def shared_values(record, algorithm) -> dict[str, int | float]:
+    """The numbers of the server state ``algorithm``'s clients read (``shared_extra``) from a
+    train message's record (``extra.<name>`` entries, :func:`partialfl.flower.rounds.
+    shared_entries`): an int stays an int, a float a float; anything else is refused."""
+    out: dict[str, int | float] = {}
+    for n in getattr(algorithm, "shared_extra", ()):
+        if f"extra.{n}" in record:
+            v = record[f"extra.{n}"]
+            if type(v) not in (int, float):
+                raise ValueError(f"the server sent the shared number {n!r} as a "
+                                 f"{type(v).__name__}, not an int or a float")
+            out[n] = v
+    return out
 
 
 def refuse_non_finite(partition: int, updates) -> None:

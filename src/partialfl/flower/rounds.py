@@ -40,9 +40,16 @@ from partialfl.types import ClientUpdates, Params
 def train_content(theta: Params, round_: int, clients, shared=None) -> RecordDict:
     """A train message: θ, the round, the clients and the numbers of the server state the
     algorithm's clients read (``shared``: ``{name: value}`` of its ``shared_extra``)."""
-    task = {"round": int(round_), "clients": [int(c) for c in clients]}
-    task.update({f"extra.{n}": float(v) for n, v in (shared or {}).items()})
+    task = {"round": int(round_), "clients": [int(c) for c in clients], **shared_entries(shared)}
     return RecordDict({"theta": params_to_record(theta), "task": ConfigRecord(task)})
+
+
+def shared_entries(shared) -> dict[str, int | float]:
+    """``{"extra.<name>": value}`` for a message's config record: an integer (Python's or
+    numpy's, not a bool) stays an int, every other number is sent as a float
+    (:func:`partialfl.flower.node.shared_values` reads them on the node)."""
+    return {f"extra.{n}": int(v) if isinstance(v, (int, np.integer)) and not isinstance(
+        v, (bool, np.bool_)) else float(v) for n, v in (shared or {}).items()}
 
 
 def shared_state(algorithm, state) -> dict[str, float]:
@@ -153,7 +160,8 @@ class FlowerRounds:
 
         report = self.report
         updates, alive = secagg_round(self.link, self.cfg, self.fed, state, cohort, r,
-                                      algorithm, report, faults)
+                                      algorithm, report, faults,
+                                      shared_entries(shared_state(algorithm, state)))
         report.requested_client_updates += len(cohort)
         report.last_round = r
         self.last = {"clients": len(alive), "failed_clients": len(cohort) - len(alive)}

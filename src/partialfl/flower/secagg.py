@@ -53,6 +53,7 @@ from partialfl.flower.node import (
     kept_on_node,
     refuse_non_finite,
     screened,
+    shared_values,
 )
 
 
@@ -82,6 +83,30 @@ def check_algorithm(algorithm) -> None:
         raise ConfigError(f"secagg: algorithm {name} {why}; SecAgg+ gives the server only the "
                           "mean of a round's updates (FFGG, FedAvg, Local FFGG, FedProx, and "
                           "DP with a fixed clip norm qualify)")
+
+
+#: Flower's SecAgg+ masks and sums modulo this (its ``modulus_range``: the largest it allows)
+MODULUS = 2 ** 32
+
+
+def check_nodes(cfg, num_nodes: int) -> None:
+    """Refuse a SecAgg+ configuration the federation's ``num_nodes`` SuperNodes cannot run
+    exactly: fewer than 2 nodes, a threshold above the shares a node holds, or quantisation
+    levels whose sum over the nodes passes Flower's modulus (``N·(2^bits − 1) ≥ 2^32``: the
+    unmasked sum would wrap into a wrong aggregate)."""
+    if num_nodes < 2:
+        raise ConfigError("secagg: SecAgg+ needs at least 2 SuperNodes (the sum of one "
+                          "node's updates is that node's)")
+    if cfg.secagg_threshold > min(cfg.secagg_shares, num_nodes):
+        raise ConfigError(f"secagg-threshold {cfg.secagg_threshold}: more than the "
+                          f"{min(cfg.secagg_shares, num_nodes)} shares each of the "
+                          f"{num_nodes} SuperNodes can hold")
+    if num_nodes * (2 ** cfg.secagg_bits - 1) >= MODULUS:
+        most = int(np.log2((MODULUS - 1) / num_nodes + 1))
+        raise ConfigError(f"secagg-bits {cfg.secagg_bits}: the sum of {num_nodes} SuperNodes' "
+                          f"values below 2^{cfg.secagg_bits} passes Flower's modulus 2^32 "
+                          f"(the aggregate would wrap); allowed with {num_nodes} nodes: "
+                          f"secagg-bits <= {most}")
 
 
 def quantisation_bound(cfg, num_nodes: int) -> float:
@@ -138,8 +163,9 @@ def node_contribution(rt, msg):
         inject_faults(rt.cfg.fault_injection, rt.partition, r)
         ctx = rt.context(r, cohort)  # the node's own release policy may refuse
         with kept_on_node(rt.partition, "client_update"):
-            up = screened(rt, rt.algorithm.client_update(ServerState(theta=theta, round=r),
-                                                         rt.problem, cohort, ctx).updates,
+            state = ServerState(theta=theta, round=r,
+                                extra=shared_values(ins.config, rt.algorithm))
+            up = screened(rt, rt.algorithm.client_update(state, rt.problem, cohort, ctx).updates,
                           theta, cohort)
             weighted = bool(rt.algorithm.aggregator.weighted)
             sums = aggregate_metrics(up.metrics)  # its refusal quotes a client-chosen name
@@ -364,11 +390,11 @@ def _workflow(*args, **kw):
 
 
 def secagg_round(link, cfg, fed, state, cohort: np.ndarray, round_: int, algorithm, report,
-                 faults):
+                 faults, shared: dict[str, int | float] | None = None):
     """One SecAgg+ round over every SuperNode; returns ``(updates or None, clients whose
     updates are in the aggregate)``. Every one of those clients' rows is the round's mean
     (module docstring). Nodes that drop out are recorded as failures of their sampled
-    clients."""
+    clients. ``shared``: the ``extra.<name>`` numbers the clients read, sent with θ."""
     import flwr.compat.common.recorddict_compat as compat
     from flwr.app import ConfigRecord, Context, RecordDict
     from flwr.common import FitIns, ndarrays_to_parameters
@@ -385,7 +411,7 @@ def secagg_round(link, cfg, fed, state, cohort: np.ndarray, round_: int, algorit
     params = ndarrays_to_parameters(values)
     pos = fed.owner[cohort]
     parts = {n: cohort[pos == i] for i, n in enumerate(fed.order)}
-    items = [(n, FitIns(params, {"round": int(round_),
+    items = [(n, FitIns(params, {"round": int(round_), **(shared or {}),
                                  "clients": json.dumps([int(c) for c in parts[n]])}))
              for n in fed.order]
     weighted = algorithm.aggregator.weighted

@@ -28,7 +28,7 @@ from flwr.serverapp import Grid, ServerApp
 
 from partialfl import arrays
 from partialfl import rng as prng
-from partialfl.flower.config import ConfigError, parse_run_config
+from partialfl.flower.config import parse_run_config
 from partialfl.flower.federation import Link, MessageHook, ServerProblem, describe, wait_for_nodes
 from partialfl.flower.jobs import ASYNC_CHECKPOINT, async_checkpoint, run_async
 from partialfl.flower.report import (
@@ -61,16 +61,10 @@ def run_server(grid: Grid, run_config: dict[str, Any], *,
     if algorithm_factory is not None:
         algorithm = algorithm_factory(cfg, ref)
     if cfg.secagg:
-        from partialfl.flower.secagg import check_algorithm
+        from partialfl.flower.secagg import check_algorithm, check_nodes
 
         check_algorithm(algorithm)
-        if len(fed.nodes) < 2:
-            raise ConfigError("secagg: SecAgg+ needs at least 2 SuperNodes (the sum of one "
-                              "node's updates is that node's)")
-        if cfg.secagg_threshold > min(cfg.secagg_shares, len(fed.nodes)):
-            raise ConfigError(f"secagg-threshold {cfg.secagg_threshold}: more than the "
-                              f"{min(cfg.secagg_shares, len(fed.nodes))} shares each of the "
-                              f"{len(fed.nodes)} SuperNodes can hold")
+        check_nodes(cfg, len(fed.nodes))
     # θ⁰ of a closed form is the server's own (what every node computes from the public seed),
     # never what the node claiming partition 0 sent; a model's comes from partition 0
     theta0 = (fed.theta0 if ref is None else
