@@ -21,6 +21,21 @@ per-client ``.npz`` files).
   split of the new clients is an error, not "no train metrics"), with the build check
   covering test examples only.
 
+* Area 3/8 (an option that does nothing), ``[method] weighting = "examples"`` — documented as
+  "aggregation weights: uniform or examples" (docs/config.md; FedAvg's classic
+  example-weighted average) — changes nothing under the default aggregation: a user's
+  model on clients of 12–24 examples gives a bit-identical θ (``theta_stage2.safetensors``)
+  and ``test_loss`` (1.059427839059096) with ``weighting = "uniform"`` and ``"examples"``; no
+  warning, and ``config.json`` / the report record ``weighting: examples``. The algorithms
+  do send each client's example count as its weight (:func:`partialfl.algorithms.common.
+  client_weights`, ``FFGG.client_update``), but the default rule is
+  :class:`partialfl.aggregation.basic.Mean` with ``weighted = False``, which drops the
+  weights; only with ``[aggregation] name = "mean", weighted = true`` added does the
+  weighting act (test_loss 1.0593260526657104). Expected: ``weighting = "examples"`` weights
+  the default mean by examples, or the spec refuses / warns that the aggregator ignores
+  it. Suspected root cause: the build (:func:`partialfl.build.algorithm.build_algorithm`'s
+  default aggregator: an unweighted ``Mean`` whatever ``method.weighting`` says).
+
 Tried and held (run unless marked "read"): kill -9 of ``partialfl train`` (a user's model,
 ``[validation]`` + ``[finetune_grid]``, ``checkpoint_every = 1``) at each of its
 1st–23rd ``os.replace`` calls (checkpoints ``stage1.g*.server.ckpt``, ``stage1.ckpt``,
@@ -40,7 +55,25 @@ config, on a config with a cold-start client, on a text (transformer) config, an
 with a token beyond the vocabulary (one line, nothing written); ``compare`` of runs on
 other clients (one line), of a closed-form / reproduction folder (one line); a closed-form
 asynchronous FedBuff run with ``[attack]`` and ``tm`` (runs; it writes no checkpoint, as
-documented).
+documented); ``[asynchronous]`` concurrency 0 / 10⁵, speed_sigma 1e308 / 50, pareto shape
+0.01 / 1e-300, log-normal shape 700, fedbuff buffer 1000, staleness a = −1 (one line, exit 2),
+a = 1e308, constant duration 0 / 1e-320 (run); kill -9 of ``train --overwrite`` (with a new
+server lr) at 10 of its ``unlink`` / ``rmdir`` calls, then the same command: metrics equal to
+a fresh run of the new config (without ``--overwrite``: "holds a finished run", one line);
+kill -9 of a run at two checkpoints, then the same command with a changed lr, seed,
+data.seed, validation, finetune_grid, model option, model width or one client's labels
+(refused in one line each: "different configuration" / "belongs to a different run"); kill
+-9 of a ``spawn``-pool run at four ``os.replace`` instants (no worker left, the resumed run
+equal to an uninterrupted one); the plugin ``toy_plugin`` (algorithm ``toy``, rule
+``drop-largest``) on a user's model under sequential, ``processes`` spawn / forkserver and
+``threads`` (equal accuracies), and against ``[attack]`` fraction 0.3 (an
+``UnprotectedWarning``: the rule states no tolerance; with ``nnm`` and δ 0.2 refused in one
+line); ``tm`` δ 0.4 with 2 Byzantine of 7 clients and cohorts of 3–7 (per-round warning and
+``byz_excess`` count when the cohort holds more than f); run names ``../escape``, absolute,
+``..``, ``.``, ``' '`` (one line). Observed, not filed: a run killed mid-stage and resumed
+after the user changed the model's code without changing its parameters (``nn.ReLU`` →
+``nn.Tanh``) resumes silently from the old checkpoint (the run fingerprint covers the
+config, data and parameter shapes, not the code).
 """
 
 from __future__ import annotations
@@ -139,3 +172,38 @@ def test_evaluate_data_of_cold_start_clients(tmp_path):
         return
     assert "Traceback" not in q.stderr, q.stderr[-600:]
     assert "every client has total = 0" not in q.stderr, q.stderr.strip().splitlines()[-1]
+
+
+def _weighting_run(tmp_path, weighting: str, extra: str = ""):
+    from safetensors.torch import load_file
+
+    (tmp_path / "usermodels.py").write_text(TINY_MODEL)
+    data = tmp_path / "data"
+    if not data.exists():
+        client_folder(data, clients=8)  # 12, 14, ..., 26 examples: unequal weights
+    cfg = tiny_toml(tmp_path / f"{weighting}{len(extra)}.toml", "usermodels:tiny", data, extra)
+    out = tmp_path / "runs" / f"{weighting}{len(extra)}"
+    p = _cli(tmp_path, "train", str(cfg), "--allow-code", "--out", str(out),
+             "--set", f"method.weighting={weighting}")
+    assert p.returncode == 0, p.stderr[-600:]
+    return p, load_file(str(out / "theta_stage2.safetensors"))
+
+
+def test_control_weighted_mean_makes_examples_weighting_act(tmp_path):
+    agg = '[aggregation]\nname = "mean"\nweighted = true\n'
+    _, a = _weighting_run(tmp_path, "uniform", agg)
+    _, b = _weighting_run(tmp_path, "examples", agg)
+    assert any(not bool((a[n] == b[n]).all()) for n in a)
+
+
+@pytest.mark.xfail(strict=True, reason="method.weighting = 'examples' is silently ignored by "
+                   "the default (unweighted) mean: θ bit-identical to 'uniform', no warning")
+def test_examples_weighting_acts_or_is_refused(tmp_path):
+    """Found: θ after stage 2 bit-identical under ``weighting = "uniform"`` and
+    ``"examples"`` (clients of 12–26 examples), exit 0, no warning. Expected: θ differs, or
+    the spec says the weighting has no effect with this aggregation (warning / refusal)."""
+    _, a = _weighting_run(tmp_path, "uniform")
+    p, b = _weighting_run(tmp_path, "examples")
+    said = "weight" in p.stderr.replace(str(tmp_path), "").lower()
+    assert said or any(not bool((a[n] == b[n]).all()) for n in a), \
+        "weighting = 'examples' left θ bit-identical to 'uniform', without a word"
