@@ -89,7 +89,10 @@ def _run(loopback, out, spec):  # noqa: F811
     train messages' destinations."""
     from partialfl.flower.server import run_server
 
-    base = {"method": {"algorithm": "fedavg", "weighting": "examples"},
+    # weighted by examples where the rule weighs (since 56b a rule that drops the weights
+    # refuses "examples"); the tampering node sends zero weights under either weighting
+    weighs = spec.get("aggregation", {}).get("weighted", False)
+    base = {"method": {"algorithm": "fedavg", "weighting": "examples" if weighs else "uniform"},
             "personalize": {"client": {"name": "gd", "tau": 5}, "server": {"lr": 0.05}}}
     run = ls_run(8, 1, spec={**base, **spec})
     run.update({"node-wait-timeout": 2.0, "out-dir": str(out)})

@@ -1,7 +1,11 @@
 """Adversarial round 56b (issue 21, areas 1, 3, 4, 7 and 8, tried again from scratch by
 someone who did not write the fixes, against a3ac3f9), entered through a researcher's own
 model and data (``model.name = "module:callable"`` with ``--allow-code``, a ``folder`` of
-per-client ``.npz`` files).
+per-client ``.npz`` files). Each test failed on the code it was written against because of
+the defect it names, and passes since the fix: the new clients' evaluation scores their
+training data only when they have some (:func:`partialfl.pipeline.evaluation._on_train`);
+``method.weighting = "examples"`` makes the default mean weighted and is refused in one line
+with a rule that drops the weights (:func:`partialfl.build.algorithm._weighting`).
 
 * Area 8 (a run that can never finish), round 54b's fix for held-out clients is partial: a
   held-out (new) client with test examples but NO training example — a cold-start client,
@@ -108,9 +112,6 @@ def _held_out(seed: int = 4, m: int = 9) -> int:
     return int(generator(seed, "split_clients").permutation(m)[0])
 
 
-@pytest.mark.xfail(strict=True, reason="a held-out client with test examples but no training "
-                   "example ends the finished training in 'no example to evaluate on', exit 2, "
-                   "no report.md (evaluate_new_clients scores the empty train split)")
 def test_cold_start_held_out_client_does_not_strand_the_run(tmp_path):
     """Found: exit 2 after training ("no example to evaluate on (every client has total =
     0)"), no report.md. Expected: the run finishes (report.md), or it is refused before
@@ -144,9 +145,6 @@ def test_control_held_out_client_with_one_training_example_finishes(tmp_path):
     assert (out / "report.md").is_file()
 
 
-@pytest.mark.xfail(strict=True, reason="evaluate --data of new clients with test examples but "
-                   "no training example says 'no example to evaluate on (every client has "
-                   "total = 0)'")
 def test_evaluate_data_of_cold_start_clients(tmp_path):
     """Found: exit 2, "no example to evaluate on (every client has total = 0)" although the
     new clients hold 6 test examples. Expected: their test accuracy (w at the run's w_pre:
@@ -196,8 +194,6 @@ def test_control_weighted_mean_makes_examples_weighting_act(tmp_path):
     assert any(not bool((a[n] == b[n]).all()) for n in a)
 
 
-@pytest.mark.xfail(strict=True, reason="method.weighting = 'examples' is silently ignored by "
-                   "the default (unweighted) mean: θ bit-identical to 'uniform', no warning")
 def test_examples_weighting_acts_or_is_refused(tmp_path):
     """Found: θ after stage 2 bit-identical under ``weighting = "uniform"`` and
     ``"examples"`` (clients of 12–26 examples), exit 0, no warning. Expected: θ differs, or
@@ -207,3 +203,25 @@ def test_examples_weighting_acts_or_is_refused(tmp_path):
     said = "weight" in p.stderr.replace(str(tmp_path), "").lower()
     assert said or any(not bool((a[n] == b[n]).all()) for n in a), \
         "weighting = 'examples' left θ bit-identical to 'uniform', without a word"
+
+
+@pytest.mark.parametrize("aggregation", [{"name": "cm"}, {"name": "mean"},
+                                         {"name": "gm", "weighted": True, "bucketing": 2}])
+def test_examples_weighting_with_a_rule_that_drops_the_weights_is_refused(aggregation):
+    """The fix's other half: a rule that ignores the weights (unweighted, or behind bucketing)
+    refuses ``weighting = "examples"`` naming the rule; the default mean and a weighted one
+    weigh (the default's ``weighted`` is then true)."""
+    from _flower_sims import ls_spec
+
+    from partialfl.build import build
+    from partialfl.config import ConfigError
+    from partialfl.spec import RunSpec
+
+    spec = ls_spec(2, method={"algorithm": "fedavg", "weighting": "examples"},
+                   personalize={"client": {"name": "gd", "tau": 2}})
+    with pytest.raises(ConfigError, match=f"aggregation {aggregation['name']!r} does not "
+                       "weight"):
+        build(RunSpec.from_dict({**spec, "aggregation": aggregation}))
+    assert build(RunSpec.from_dict(spec)).algorithm.aggregator.weighted
+    weighted = {"aggregation": {"name": "mean", "weighted": True}}
+    assert build(RunSpec.from_dict({**spec, **weighted})).algorithm.aggregator.weighted

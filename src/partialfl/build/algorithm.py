@@ -53,7 +53,7 @@ def build_algorithm(spec: RunSpec, stage: StageConfig, *, method=None, problem=N
     L = getattr(problem, "L", None)
     auto = 1.0 / L if (L is not None and e.trait("sends") == "gradient") else 1.0
     opt = build_server_opt(stage.server, stage.rounds, L, auto)
-    agg = build_aggregator(spec)
+    agg = _weighting(spec, method, build_aggregator(spec))
     n = num_clients if num_clients is not None else getattr(problem, "num_clients", None)
     k = stage.clients_per_round  # a model run draws min(k, M) clients (pipeline.stages)
     k = min(k, n) if k is not None and n is not None else k
@@ -72,6 +72,29 @@ def build_algorithm(spec: RunSpec, stage: StageConfig, *, method=None, problem=N
     if wrap:
         alg = wrap_algorithm(spec, alg, n, k, agg, stage.rounds)
     return alg
+
+
+def _weighting(spec: RunSpec, method, agg):
+    """The aggregation rule that applies ``method.weighting``: the default mean weights by
+    the clients' example counts under ``"examples"``; an explicit rule that drops the
+    weights (unweighted, or behind bucketing, which averages buckets uniformly) is refused
+    then, rather than the weighting silently doing nothing."""
+    if method.weighting != "examples":
+        return agg
+    from partialfl.aggregation import Mean
+    from partialfl.aggregation.wrappers import Bucketing
+
+    if agg is None:
+        return Mean(weighted=True)
+    rule = agg
+    while hasattr(rule, "inner") and not isinstance(rule, Bucketing):
+        rule = rule.inner
+    if not getattr(rule, "weighted", False):
+        raise ConfigError(f"method.weighting = 'examples': aggregation "
+                          f"{spec.aggregation.name!r} does not weight the clients' updates; "
+                          "allowed: weighted = true in [aggregation] (mean, gm; without "
+                          "bucketing), or method.weighting = 'uniform'")
+    return agg
 
 
 def server_cohort(spec: RunSpec, k: int | None) -> int | None:

@@ -154,8 +154,9 @@ def evaluate_new_clients(
             :class:`~partialfl.problems.model.ModelProblem`.
 
     Returns:
-        ``{"test": Evaluation, "train": Evaluation, "before": Evaluation (test, w at its
-        start), "num_clients": M, "split": kind}``; ``Evaluation.as_dict`` flattens them.
+        ``{"test": Evaluation, "train": Evaluation (absent when no new client has training
+        examples), "before": Evaluation (test, w at its start), "num_clients": M, "split":
+        kind}``; ``Evaluation.as_dict`` flattens them.
     """
     if isinstance(split, Split):
         sp = split
@@ -182,9 +183,16 @@ def evaluate_new_clients(
     if finetune_epochs > 0:
         cfg = SGDConfig(lr=lr, epochs=finetune_epochs, batch_size=batch_size, clip_norm=clip_norm)
         w = finetune_personal(problem, th, w0, cfg, seed, stream="new-clients")
-    return {"test": evaluate_model(problem, th, w, "test"),
-            "train": evaluate_model(problem, th, w, "train"), "before": before,
-            "num_clients": problem.num_clients, "split": sp.kind}
+    return {"test": evaluate_model(problem, th, w, "test"), **_on_train(problem, th, w),
+            "before": before, "num_clients": problem.num_clients, "split": sp.kind}
+
+
+def _on_train(problem: ModelProblem, theta: Params, w: Params) -> dict[str, Evaluation]:
+    """``{"train": metrics on the new clients' fine-tuning data}``, or nothing when none of
+    them has any (cold-start clients, fine-tuned zero steps, evaluated on their test data)."""
+    if problem.num_examples(np.arange(problem.num_clients), "train").sum() == 0:
+        return {}
+    return {"train": evaluate_model(problem, theta, w, "train")}
 
 
 # ----------------------------------------------------------------------------- runs
@@ -250,7 +258,6 @@ def _evaluate_new_full_personal(cfg: RunSpec, split: Split, theta: Params, data,
     v, _ = personal_models(problem, allc, stacked, theta, sgd,
                            0.0 if local else cfg.method.option("lam", 0.0),
                            cfg.seed if seed is None else seed, -1, stream="new-clients")
-    return {"test": evaluate_model(problem, v, {}, "test"),
-            "train": evaluate_model(problem, v, {}, "train"),
+    return {"test": evaluate_model(problem, v, {}, "test"), **_on_train(problem, v, {}),
             "before": evaluate_model(problem, theta, {}, "test"),
             "num_clients": problem.num_clients, "split": "none"}

@@ -32,7 +32,9 @@ class MethodConfig(_Spec):
                                    "{personal, global_}")
     w_init: str = option("pretrained", "where personal parameters start: pretrained, zero, "
                          "random")
-    weighting: str = option("uniform", "aggregation weights: uniform or examples")
+    weighting: str = option("uniform", "aggregation weights: uniform or examples (the "
+                            "clients' example counts; the default mean then weighs them, an "
+                            "explicit [aggregation] must be weighted)")
     finetune_split: Component | None = comp("split", None, "the part stage 3 fine-tunes after "
                                             "a shared-model algorithm")
     label: str = option("", "the method's name in tables (default: algorithm-split)")
