@@ -1,0 +1,151 @@
+"""Adversarial round 57a (issue 21, areas 2, 5 and 6 on Flower, tried again from scratch by
+someone who did not write the fixes, against 497a5b3: the code of round 56a's fixes —
+:func:`partialfl.flower.node.screened` and ``shared_values``,
+:func:`partialfl.flower.rounds.shared_entries`, :func:`partialfl.flower.secagg.check_nodes`
+and the shared numbers in SecAgg+'s FitIns config —, plugin algorithms and aggregators, DP
+and SecAgg+ on Flower, a hostile server's messages to an honest SuperNode). Each test fails
+on that code because of the defect it names.
+
+* Area 2 (SecAgg+ stages), round 56a's modulus check is one quantisation level short: the
+  masked sum still wraps around Flower's 2^32 modulus at exactly ``N = 2^(32 − bits)``
+  SuperNodes. :func:`partialfl.flower.secagg.check_nodes` refuses ``N·(2^bits − 1) ≥ 2^32``,
+  i.e. it takes a node's quantised value to lie in ``[0, 2^bits − 1]``; but Flower's
+  ``quantize`` maps ``[-c, c]`` onto ``[0, 2^bits]`` — ``(clip(x) + c)·2^bits/(2c)``, a
+  coordinate at ``+c`` (clipped, or exactly ``c``) is ``2^bits``, 2^bits + 1 levels — so
+  ``N`` nodes sum to at most ``N·2^bits``, which equals the modulus at ``N = 256`` for
+  ``secagg-bits = 24`` (1024 at the default 22). Seen with 256 loopback SuperNodes, one
+  client each, all sampled, a plugin algorithm (FFGG-like toy of ``tests/toy_plugin.py``
+  whose clients send the update 1 on every coordinate: mean-only, accepted by
+  ``secagg.check_algorithm``), ``secagg-clip = 1e-3`` so that every node's scaled update
+  ``1/256`` is clipped to ``+c``: the 256 values ``2^24`` sum to ``2^32 ≡ 0`` and θ after
+  the round is ``[+0.001628, +0.001628]`` — the clipped aggregate with its sign flipped
+  (255 nodes: ``[-0.001607, …]``; plain Flower over the 256: ``[-0.00636, …]``, i.e. the
+  clipped aggregate ``256·c`` gives ``−0.001628``). ``server_steps = 1``, no failure, no
+  warning — the silent wrong θ round 56a's fix was meant to rule out. Suspected root
+  cause: ``check_nodes`` (the bound should be ``N·2^bits ≥ 2^32``, or Flower's
+  ``quantization_range`` passed as ``2^bits − 1``).
+
+Tried and held (run unless marked "read"): plugin algorithms on plain Flower with the toy's
+``drop-largest`` aggregation rule (θ equal to in process) and refused under SecAgg+ in one
+line; DP over the plugin toy on Flower — central (θ equal to in process), local with the
+node key ``seed`` (equal), central under SecAgg+ (equal to ~1e-6), adaptive clipping
+(central, the clip norm sent as a shared number: equal); SecAgg+ at 24 bits over 255 nodes
+(no wrap: the clipped aggregate).
+"""
+
+from __future__ import annotations
+
+import logging
+import sys
+import textwrap
+import warnings
+
+import pytest
+
+flwr = pytest.importorskip("flwr", reason="flwr is not installed (pip install "
+                           "'partialfl[flower]')")
+
+from _flower_loopback import loopback  # noqa: E402, F401 - the fixture
+from _flower_sims import ls_run  # noqa: E402
+
+
+def _quiet(fn, *a):
+    logging.disable(logging.WARNING)
+    try:
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            return fn(*a)
+    finally:
+        logging.disable(logging.NOTSET)
+
+
+CONST = textwrap.dedent('''
+    from dataclasses import dataclass
+
+    import numpy as np
+
+    from partialfl.algorithms.base import ClientResult
+    from partialfl.registry import option, register
+    from partialfl.types import ClientUpdates
+    from toy_plugin import Toy
+
+
+    class ToyConst(Toy):
+        """The toy whose every client sends the update 1 on every coordinate of θ."""
+
+        name = "toyconst57a"
+
+        def client_update(self, state, problem, cohort, ctx, client_state=None):
+            g = {n: np.ones((len(cohort), *np.shape(v)), np.asarray(v).dtype)
+                 for n, v in state.theta.items()}
+            return ClientResult(ClientUpdates(g, np.ones(len(cohort)), np.asarray(cohort), 1))
+
+
+    @dataclass(frozen=True)
+    class Opts:
+        steps: int = option(3, "GD steps on w")
+        lr: float = option(0.05, "their stepsize")
+
+
+    @register("algorithm", "toyconst57a", options=Opts, split="personal", sends="gradient")
+    def _const(opts, ctx):
+        return ToyConst(opts.steps, opts.lr, ctx.server_opt, ctx.aggregator)
+''')
+
+
+@pytest.fixture(scope="module")
+def plugin(tmp_path_factory):
+    d = tmp_path_factory.mktemp("plugin57a")
+    (d / "advconst57a.py").write_text(CONST)
+    sys.path.insert(0, str(d))
+    yield "advconst57a"
+    sys.path.remove(str(d))
+
+
+def _const_run(loopback, monkeypatch, nodes: int, **flower):  # noqa: F811
+    from partialfl.flower.server import run_server
+
+    monkeypatch.setenv("PARTIALFL_ALLOW_CODE", "1")  # the server's user's own opt-in
+    spec = {"problem": {"num_clients": nodes, "n": 2 * nodes, "d_theta": 2, "d_w": 1},
+            "plugins": ["advconst57a"], "method": {"algorithm": "toyconst57a"}}
+    run = ls_run(1, None, spec=spec, **flower)
+    run["spec"]["method"].pop("w_init")  # the toy has no w_init option
+    return _quiet(run_server, loopback(nodes, node_config={"allow-imports": True}), run)
+
+
+SECAGG = {"secagg": True, "secagg_bits": 24, "secagg_clip": 1e-3}
+
+
+def test_control_secagg_at_24_bits_over_255_nodes_is_the_clipped_mean(plugin, loopback,  # noqa: F811
+                                                                      monkeypatch):
+    import numpy as np
+
+    plain = _const_run(loopback, monkeypatch, 255)
+    sec = _const_run(loopback, monkeypatch, 255, **SECAGG)
+    assert sec.server_steps == 1 and not sec.failures
+    # every node's update 1/255 clipped to c: the aggregate is 255·c instead of 1
+    np.testing.assert_allclose(np.asarray(sec.theta["theta"]),
+                               255 * 1e-3 * np.asarray(plain.theta["theta"]), rtol=1e-3)
+
+
+@pytest.mark.xfail(strict=True, reason="secagg.check_nodes allows N·2^bits = 2^32 (it counts "
+                   "2^bits − 1 levels; Flower quantises to [0, 2^bits]): the masked sum of "
+                   "256 nodes at 24 bits wraps to 0 and θ moves the wrong way")
+def test_secagg_at_24_bits_over_256_nodes_never_wraps(plugin, loopback,  # noqa: F811
+                                                      monkeypatch):
+    """Found: θ after the round ``[+0.001628, +0.001628]``, the clipped aggregate
+    (``−0.001628``) with its sign flipped; ``server_steps = 1``, no failure. Expected: the
+    configuration refused in one line (``ConfigError``: at most 23 bits for 256 nodes), or
+    the clipped aggregate."""
+    import numpy as np
+
+    from partialfl.flower.config import ConfigError
+
+    plain = _const_run(loopback, monkeypatch, 256)
+    try:
+        sec = _const_run(loopback, monkeypatch, 256, **SECAGG)
+    except ConfigError:
+        return  # refused up front: acceptable
+    assert sec.server_steps == 1 and not sec.failures
+    np.testing.assert_allclose(np.asarray(sec.theta["theta"]),
+                               256 * 1e-3 * np.asarray(plain.theta["theta"]), rtol=1e-3)
