@@ -25,6 +25,24 @@ on that code because of the defect it names.
   cause: ``check_nodes`` (the bound should be ``N·2^bits ≥ 2^32``, or Flower's
   ``quantization_range`` passed as ``2^bits − 1``).
 
+* Area 2, the numbers of the server state the clients read (``shared_extra``) are sent with
+  θ in a train message (round 56a's fix, plain and SecAgg+) but not in an ``evaluate``
+  message, which sends the nodes θ too: :func:`partialfl.flower.evaluate.eval_items` sends
+  only θ and the round, and the node's :func:`partialfl.flower.client.evaluate_clients`
+  (and ``models.evaluate_model_clients``) deploys at ``ServerState(theta=θ, round=r)``
+  without ``extra``. A plugin algorithm whose clients take as many w steps as a server
+  counter says (``shared_extra = ("steps_now",)``, read by ``client_update`` AND by
+  ``deploy``: the model it deploys is the one its clients train) trains on 3 loopback
+  SuperNodes (least squares, ``eval_every = 1``, ``eval-min-clients = 1``), but every
+  evaluation of every node fails: ``eval-error`` "evaluation failed on the node
+  (KeyError)", 12 of 12, and no ``eval_loss`` / ``eval_loss_gap`` is ever recorded; in
+  process ``deploy`` gets the whole state and the run records ``loss_gap`` 29.85, 2.19,
+  0.83, 0.68. ``Algorithm.shared_extra`` says "a transport that sends the clients θ sends
+  these too". Suspected root cause: ``eval_items`` (no
+  :func:`~partialfl.flower.rounds.shared_entries` in its task record) and
+  ``client.evaluate`` (no :func:`~partialfl.flower.node.shared_values` into the deployed
+  state).
+
 Tried and held (run unless marked "read"): plugin algorithms on plain Flower with the toy's
 ``drop-largest`` aggregation rule (θ equal to in process) and refused under SecAgg+ in one
 line; DP over the plugin toy on Flower — central (θ equal to in process), local with the
@@ -46,7 +64,7 @@ flwr = pytest.importorskip("flwr", reason="flwr is not installed (pip install "
                            "'partialfl[flower]')")
 
 from _flower_loopback import loopback  # noqa: E402, F401 - the fixture
-from _flower_sims import ls_run  # noqa: E402
+from _flower_sims import in_process, ls_run  # noqa: E402
 
 
 def _quiet(fn, *a):
@@ -149,3 +167,110 @@ def test_secagg_at_24_bits_over_256_nodes_never_wraps(plugin, loopback,  # noqa:
     assert sec.server_steps == 1 and not sec.failures
     np.testing.assert_allclose(np.asarray(sec.theta["theta"]),
                                256 * 1e-3 * np.asarray(plain.theta["theta"]), rtol=1e-3)
+
+
+# -- a plugin whose deployed model reads a shared number of the server state -----------------
+
+DEPLOY = textwrap.dedent('''
+    from dataclasses import dataclass
+
+    import numpy as np
+
+    from partialfl.algorithms.base import ClientResult, Deployed
+    from partialfl.registry import option, register
+    from partialfl.types import ClientUpdates
+    from toy_plugin import Toy
+
+
+    class ToyCounted(Toy):
+        """The toy whose clients take as many w steps as the server's counter says, in
+        training and in the model it deploys."""
+
+        name = "toydeploy57a"
+        shared_extra = ("steps_now",)
+
+        def init(self, problem, theta0):
+            s = super().init(problem, theta0)
+            s.extra["steps_now"] = 1
+            return s
+
+        def _wk(self, problem, cohort, theta, seed, k):
+            w = problem.init_w(cohort, "zero", seed, -1)
+            for _ in range(k):
+                g = problem.grad_w(cohort, theta, w)
+                w = {n: (v - self.lr * g[n]) if n in g else v for n, v in w.items()}
+            return w
+
+        def client_update(self, state, problem, cohort, ctx, client_state=None):
+            k = state.extra["steps_now"]
+            w = self._wk(problem, cohort, state.theta, ctx.seed, k)
+            g = problem.grad_theta(cohort, state.theta, w)
+            return ClientResult(ClientUpdates(g, np.ones(len(cohort)), np.asarray(cohort),
+                                              k + 1))
+
+        def server_update(self, state, updates, ctx):
+            s = super().server_update(state, updates, ctx)
+            s.extra["steps_now"] = state.extra["steps_now"] + 1
+            return s
+
+        def deploy(self, state, problem, cohort, client_state, ctx):
+            return Deployed(state.theta, self._wk(problem, cohort, state.theta, ctx.seed,
+                                                  state.extra["steps_now"]))
+
+
+    @dataclass(frozen=True)
+    class Opts:
+        steps: int = option(3, "GD steps on w")
+        lr: float = option(0.05, "their stepsize")
+
+
+    @register("algorithm", "toydeploy57a", options=Opts, split="personal", sends="gradient")
+    def _counted(opts, ctx):
+        return ToyCounted(opts.steps, opts.lr, ctx.server_opt, ctx.aggregator)
+''')
+
+
+@pytest.fixture(scope="module")
+def deploy_plugin(tmp_path_factory):
+    d = tmp_path_factory.mktemp("deploy57a")
+    (d / "advdeploy57a.py").write_text(DEPLOY)
+    sys.path.insert(0, str(d))
+    yield "advdeploy57a"
+    sys.path.remove(str(d))
+
+
+def _deploy_run() -> dict:
+    run = ls_run(3, None, eval_every=1, spec={"plugins": ["advdeploy57a"],
+                                              "method": {"algorithm": "toydeploy57a"}},
+                 eval_min_clients=1)
+    run["spec"]["method"].pop("w_init")  # the toy has no w_init option
+    return run
+
+
+def test_control_the_deploy_plugin_evaluates_in_process(deploy_plugin, monkeypatch):
+    monkeypatch.setenv("PARTIALFL_ALLOW_CODE", "1")
+    _, res = in_process(_deploy_run())
+    assert res.state.round == 3 and all("loss_gap" in h for h in res.history)
+
+
+@pytest.mark.xfail(strict=True, reason="the evaluate message sends θ without the shared_extra "
+                   "numbers (eval_items) and the node deploys at a state without them: every "
+                   "evaluation of a plugin whose deploy reads one fails (KeyError)")
+def test_a_shared_extra_reaches_the_nodes_evaluation(deploy_plugin, loopback,  # noqa: F811
+                                                     monkeypatch):
+    """Found: 3 server steps, but 12 of 12 evaluations ``eval-error`` "partition P: evaluation
+    failed on the node (KeyError)", no ``eval_loss_gap`` recorded. Expected: the nodes'
+    evaluation at the state the in-process run deploys (its ``loss_gap``)."""
+    import numpy as np
+
+    from partialfl.flower.server import run_server
+
+    monkeypatch.setenv("PARTIALFL_ALLOW_CODE", "1")
+    run = _deploy_run()
+    _, ref = in_process(run)
+    rep = _quiet(run_server, loopback(3, node_config={"allow-imports": True}), run)
+    assert rep.server_steps == 3
+    assert not rep.failures, [(f.round, f.partition, f.kind, f.reason)
+                              for f in rep.failures][:3]
+    np.testing.assert_allclose([h["eval_loss_gap"] for h in rep.history],
+                               [h["loss_gap"] for h in ref.history], rtol=1e-6)
