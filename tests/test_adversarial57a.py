@@ -61,7 +61,18 @@ Tried and held (run unless marked "read"): plugin algorithms on plain Flower wit
 line; DP over the plugin toy on Flower — central (θ equal to in process), local with the
 node key ``seed`` (equal), central under SecAgg+ (equal to ~1e-6), adaptive clipping
 (central, the clip norm sent as a shared number: equal); SecAgg+ at 24 bits over 255 nodes
-(no wrap: the clipped aggregate).
+(no wrap: the clipped aggregate); DP central, adaptive and central under SecAgg+ with
+``eval_every = 1`` (the nodes' ``eval_loss_gap`` equals the in-process ``loss_gap``);
+``weighting = "examples"`` under SecAgg+ with unequal client sizes (θ equal to plain Flower
+to ~1e-5); SecAgg+ against plain Flower record by record (only ``grad_evals`` differs, see
+above); the asynchronous ServerApp (FedAsync) against in process: ``grad_evals`` and the
+evaluations equal; (read) the node-side DP noise streams (``rng.seed_sequence`` with a round
+path cannot alias another client's or round's noise; a negative round is refused by
+``_purpose_int`` after the ledger counted it: conservative); (read) the reply faults a
+hostile server's ``fault-injection`` can ask of a node (``nan``, ``dtype``, ``extra``:
+copies or casts of what is sent anyway); (read) Flower's ``quantize`` / ``dequantize`` and
+the weight factor (Σ of the nodes' quantised weights stays ≈ ``2^bits``); a shared number's
+name with spaces, slashes or non-ASCII letters (a ConfigRecord key as any other).
 """
 
 from __future__ import annotations
