@@ -7,8 +7,8 @@ it names, and passes since the fix: :func:`partialfl.flower.node.screened` keeps
 client-side metrics on the node (as ``server_view`` in process); the ``shared_extra``
 numbers travel with SecAgg+'s FitIns too, an int as an int
 (:func:`partialfl.flower.rounds.shared_entries`, :func:`partialfl.flower.node.
-shared_values`); :func:`partialfl.flower.secagg.check_nodes` refuses ``N·(2^bits − 1) ≥
-2^32`` in one line, naming the bits the node count allows.
+shared_values`); :func:`partialfl.flower.secagg.check_nodes` refuses ``N·2^bits ≥ 2^32``
+(57a: not ``N·(2^bits − 1)``) in one line, naming the bits the node count allows.
 
 * Area 2/5, a plugin algorithm declaring a client-side metric never trains on Flower:
   :class:`partialfl.algorithms.base.Algorithm` documents ``client_metrics`` as "per-client

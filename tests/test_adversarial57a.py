@@ -3,8 +3,12 @@ someone who did not write the fixes, against 497a5b3: the code of round 56a's fi
 :func:`partialfl.flower.node.screened` and ``shared_values``,
 :func:`partialfl.flower.rounds.shared_entries`, :func:`partialfl.flower.secagg.check_nodes`
 and the shared numbers in SecAgg+'s FitIns config —, plugin algorithms and aggregators, DP
-and SecAgg+ on Flower, a hostile server's messages to an honest SuperNode). Each test fails
-on that code because of the defect it names.
+and SecAgg+ on Flower, a hostile server's messages to an honest SuperNode). Each test failed
+on that code because of the defect it names, and passes since the fix: ``check_nodes``
+refuses ``N·2^bits ≥ 2^32``; evaluate messages carry the ``shared_extra`` numbers and the
+node deploys at that state (:func:`partialfl.flower.evaluate.eval_items`,
+:func:`partialfl.flower.client.evaluate_clients`); a SecAgg+ round's ``grad_evals`` is the
+most any node reports (per client, as ``concat_results``), not their sum.
 
 * Area 2 (SecAgg+ stages), round 56a's modulus check is one quantisation level short: the
   masked sum still wraps around Flower's 2^32 modulus at exactly ``N = 2^(32 − bits)``
@@ -170,9 +174,6 @@ def test_control_secagg_at_24_bits_over_255_nodes_is_the_clipped_mean(plugin, lo
                                255 * 1e-3 * np.asarray(plain.theta["theta"]), rtol=1e-3)
 
 
-@pytest.mark.xfail(strict=True, reason="secagg.check_nodes allows N·2^bits = 2^32 (it counts "
-                   "2^bits − 1 levels; Flower quantises to [0, 2^bits]): the masked sum of "
-                   "256 nodes at 24 bits wraps to 0 and θ moves the wrong way")
 def test_secagg_at_24_bits_over_256_nodes_never_wraps(plugin, loopback,  # noqa: F811
                                                       monkeypatch):
     """Found: θ after the round ``[+0.001628, +0.001628]``, the clipped aggregate
@@ -277,9 +278,6 @@ def test_control_the_deploy_plugin_evaluates_in_process(deploy_plugin, monkeypat
     assert res.state.round == 3 and all("loss_gap" in h for h in res.history)
 
 
-@pytest.mark.xfail(strict=True, reason="the evaluate message sends θ without the shared_extra "
-                   "numbers (eval_items) and the node deploys at a state without them: every "
-                   "evaluation of a plugin whose deploy reads one fails (KeyError)")
 def test_a_shared_extra_reaches_the_nodes_evaluation(deploy_plugin, loopback,  # noqa: F811
                                                      monkeypatch):
     """Found: 3 server steps, but 12 of 12 evaluations ``eval-error`` "partition P: evaluation
@@ -303,9 +301,6 @@ def test_a_shared_extra_reaches_the_nodes_evaluation(deploy_plugin, loopback,  #
 # -- SecAgg+ and the count of local gradient evaluations -------------------------------------
 
 
-@pytest.mark.xfail(strict=True, reason="secagg_round adds the nodes' grad-evals up; grad_evals "
-                   "is per client (concat_results takes the max): a SecAgg+ run counts them once "
-                   "per node")
 @pytest.mark.parametrize("k", [None, 2], ids=["all", "k2"])
 def test_secagg_counts_gradient_evaluations_as_plain_flower(loopback, k):  # noqa: F811
     """Found: ``grad_evals`` ``[0, 18, 36, 54]`` under SecAgg+ (all clients; ``[0, 6, 18, 30]``

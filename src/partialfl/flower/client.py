@@ -294,10 +294,12 @@ def hostile_reply(content: RecordDict, kind: str) -> None:
 def evaluate(rt: NodeRuntime, msg: Message) -> Message:
     """Personalized loss of this node's clients at θ (w fine-tuned here, never sent): sums
     over at least ``rt.eval_min_clients`` clients, or an empty record (withheld)."""
-    r = int(msg.content["task"]["round"])
+    task = msg.content["task"]
     theta = rt.check_theta(decode_params(msg.content["theta"], rt.torch))
     with kept_on_node(rt.partition, "evaluation"):
-        sums = evaluate_clients(rt, theta, r)
+        state = ServerState(theta=theta, round=int(task["round"]),
+                            extra=shared_values(task, rt.algorithm))
+        sums = evaluate_clients(rt, state)
     return Message(RecordDict({"eval": MetricRecord(sums)}), reply_to=msg)
 
 
@@ -344,8 +346,9 @@ def eval_units(rt: NodeRuntime) -> list[float]:
     return [float(sums.get("total.sum", 0.0)), float(sums.get("loss_weight.sum", 0.0))]
 
 
-def evaluate_clients(rt: NodeRuntime, theta, round_: int) -> dict[str, Any]:
-    """Sums over this node's clients at θ (the server adds all nodes' sums): least squares
+def evaluate_clients(rt: NodeRuntime, state: ServerState) -> dict[str, Any]:
+    """Sums over this node's clients at the server's state (θ, the round and the numbers its
+    clients read; the server adds all nodes' sums): least squares
     ``clients``, ``loss.sum`` = Σ_m f_m(θ, w_m) and ``loss-gap.sum`` = Σ_m (f_m − min f_m);
     model problems see :func:`~partialfl.flower.models.evaluate_model_clients`. w_m is what
     the algorithm deploys, computed here and never sent; no per-client value is sent, and
@@ -357,12 +360,11 @@ def evaluate_clients(rt: NodeRuntime, theta, round_: int) -> dict[str, Any]:
     if rt.torch:
         from partialfl.flower.models import evaluate_model_clients
 
-        return evaluate_model_clients(rt, theta, round_)
+        return evaluate_model_clients(rt, state)
     own = rt.clients
     if len(own) < rt.eval_min_clients:
         return {}
-    dep = rt.algorithm.deploy(ServerState(theta=theta, round=round_), rt.problem, own, None,
-                              RoundContext(rt.cfg.seed, -1))
+    dep = rt.algorithm.deploy(state, rt.problem, own, None, RoundContext(rt.cfg.seed, -1))
     th, w = dep.theta, dep.w
     loss = np.asarray(rt.problem.loss(own, th, w), dtype=np.float64)
     out = {"clients": float(len(own)), "loss.sum": float(loss.sum())}

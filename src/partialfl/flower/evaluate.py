@@ -31,10 +31,12 @@ def eval_due(cfg: FlowerConfig, round_: int) -> bool:
     return round_ in (0, cfg.rounds) or bool(every) and round_ % every == 0
 
 
-def eval_items(fed: Federation, theta: Params, round_: int
+def eval_items(fed: Federation, theta: Params, round_: int, shared=None
                ) -> list[tuple[int, str, RecordDict, int]]:
+    """Every node's evaluate message: θ, the round and the ``extra.<name>`` numbers of the
+    server state the algorithm's clients read (``shared``, as a train message sends them)."""
     content = RecordDict({"theta": params_to_record(theta),
-                          "task": ConfigRecord({"round": int(round_)})})
+                          "task": ConfigRecord({"round": int(round_), **(shared or {})})})
     return [(n, "evaluate", content, round_) for n in fed.order]
 
 
@@ -87,9 +89,10 @@ def eval_reduce(cfg: FlowerConfig, fed: Federation, ids, got, round_: int,
 
 
 def evaluate_now(link: Link, cfg: FlowerConfig, fed: Federation, state, round_: int,
-                 report: FlowerRunReport) -> dict[str, Any]:
-    """The round's evaluation metrics when due (:func:`eval_due`), else ``{}``."""
+                 report: FlowerRunReport, shared=None) -> dict[str, Any]:
+    """The round's evaluation metrics when due (:func:`eval_due`), else ``{}``; ``shared``:
+    see :func:`eval_items`."""
     if not eval_due(cfg, round_):
         return {}
-    ids, got = link.exchange(eval_items(fed, state.theta, round_), cfg.round_timeout)
+    ids, got = link.exchange(eval_items(fed, state.theta, round_, shared), cfg.round_timeout)
     return eval_reduce(cfg, fed, ids, got, round_, report)

@@ -38,7 +38,13 @@ from partialfl.flower.report import (
     log,
     record_failure,
 )
-from partialfl.flower.rounds import decode_reply, growth_cause, shared_state, train_content
+from partialfl.flower.rounds import (
+    decode_reply,
+    growth_cause,
+    shared_entries,
+    shared_state,
+    train_content,
+)
 from partialfl.metrics import closed_form_metrics
 from partialfl.runtime import resume_check
 from partialfl.runtime.asynchronous import (
@@ -253,7 +259,8 @@ def run_async(link, cfg, fed, algorithm, state, ref, report, t0) -> ServerState:
                         "max_staleness": max(stale), "local_grads": server.grad_evals})
         else:
             rec["local_grads"] = 0
-        rec.update(evaluate_now(link, cfg, fed, st, st.round, report))
+        rec.update(evaluate_now(link, cfg, fed, st, st.round, report,
+                                shared_entries(shared_state(a, st))))
         if ref is not None:
             rec.update(closed_form_metrics(algorithm, st, ref, None,
                                            RoundContext(cfg.seed, st.round), with_loss=False))

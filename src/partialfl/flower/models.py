@@ -9,18 +9,17 @@ from typing import Any
 
 import numpy as np
 
-from partialfl.algorithms.base import RoundContext, ServerState
+from partialfl.algorithms.base import RoundContext
 from partialfl.stats import ratio_of_sums
 
 
-def evaluate_model_clients(rt, theta, round_: int) -> dict[str, Any]:
+def evaluate_model_clients(rt, state) -> dict[str, Any]:
     """Sums over this node's clients of the test counts of
     :meth:`~partialfl.problems.model.ModelProblem.metric_counts` (:func:`count_sums`), or
     ``{}`` when fewer than ``rt.eval_min_clients`` of them have test data. No per-client value
     is sent."""
     own = rt.clients
-    dep = rt.algorithm.deploy(ServerState(theta=theta, round=round_), rt.problem, own, None,
-                              RoundContext(rt.cfg.seed, -1))
+    dep = rt.algorithm.deploy(state, rt.problem, own, None, RoundContext(rt.cfg.seed, -1))
     return count_sums(rt.problem.metric_counts(own, dep.theta, dep.w, "test"),
                       getattr(rt, "eval_min_clients", 1))
 

@@ -190,7 +190,8 @@ def run_sync(link, cfg, fed, algorithm, state, ref, report, t0) -> ServerState:
 
     def evaluate(algorithm, st, problem, client_state, ctx) -> dict[str, Any]:
         rec = {"server_steps": st.round - report.skipped_rounds, **transport.last}
-        rec.update(evaluate_now(link, cfg, fed, st, st.round, report))
+        rec.update(evaluate_now(link, cfg, fed, st, st.round, report,
+                                shared_entries(shared_state(algorithm, st))))
         if ref is not None:
             rec.update(closed_form_metrics(algorithm, st, ref, None,
                                            RoundContext(cfg.seed, st.round), with_loss=False))

@@ -92,8 +92,8 @@ MODULUS = 2 ** 32
 def check_nodes(cfg, num_nodes: int) -> None:
     """Refuse a SecAgg+ configuration the federation's ``num_nodes`` SuperNodes cannot run
     exactly: fewer than 2 nodes, a threshold above the shares a node holds, or quantisation
-    levels whose sum over the nodes passes Flower's modulus (``N·(2^bits − 1) ≥ 2^32``: the
-    unmasked sum would wrap into a wrong aggregate)."""
+    levels whose sum over the nodes reaches Flower's modulus (Flower quantises [-c, c] onto
+    [0, 2^bits], so ``N·2^bits ≥ 2^32`` would wrap the unmasked sum into a wrong aggregate)."""
     if num_nodes < 2:
         raise ConfigError("secagg: SecAgg+ needs at least 2 SuperNodes (the sum of one "
                           "node's updates is that node's)")
@@ -101,10 +101,10 @@ def check_nodes(cfg, num_nodes: int) -> None:
         raise ConfigError(f"secagg-threshold {cfg.secagg_threshold}: more than the "
                           f"{min(cfg.secagg_shares, num_nodes)} shares each of the "
                           f"{num_nodes} SuperNodes can hold")
-    if num_nodes * (2 ** cfg.secagg_bits - 1) >= MODULUS:
-        most = int(np.log2((MODULUS - 1) / num_nodes + 1))
+    if num_nodes * 2 ** cfg.secagg_bits >= MODULUS:
+        most = int(np.log2((MODULUS - 1) / num_nodes))
         raise ConfigError(f"secagg-bits {cfg.secagg_bits}: the sum of {num_nodes} SuperNodes' "
-                          f"values below 2^{cfg.secagg_bits} passes Flower's modulus 2^32 "
+                          f"values up to 2^{cfg.secagg_bits} reaches Flower's modulus 2^32 "
                           f"(the aggregate would wrap); allowed with {num_nodes} nodes: "
                           f"secagg-bits <= {most}")
 
@@ -466,5 +466,6 @@ def secagg_round(link, cfg, fed, state, cohort: np.ndarray, round_: int, algorit
     k = len(alive)  # every surviving client's row is the mean (views of one array)
     vectors = ({n: arrays.to_torch(v).unsqueeze(0).expand(k, *v.shape) for n, v in mean.items()}
                if fed.torch else {n: np.broadcast_to(v, (k, *v.shape)) for n, v in mean.items()})
-    grads = int(sum(int(f.metrics.get("grad-evals", 0)) for f in fitres.values()))
+    # per client (as concat_results): the most any node's clients spent, not their sum
+    grads = max((int(f.metrics.get("grad-evals", 0)) for f in fitres.values()), default=0)
     return ClientUpdates(vectors, np.ones(k), alive.copy(), grads), alive
