@@ -1,0 +1,129 @@
+"""Adversarial round 57b (issue 21, areas 1, 3, 4, 7 and 8, tried again from scratch by
+someone who did not write the fixes, against 497a5b3: round 56b's ``_weighting`` and
+``_on_train``), entered through the algorithms an ``[aggregation]`` / ``weighting`` reaches
+and a researcher's own model and data (``model.name = "module:callable"`` with
+``--allow-code``, a ``folder`` of per-client ``.npz`` files). Each test fails on that code
+because of the defect it names.
+
+* Area 3 (a robust rule that does nothing), ``[aggregation]`` on ``algorithm = "l2gd"`` (a
+  closed-form run, ``partialfl run``) is accepted and silently ignored: with ``name = "cm"``
+  (coordinate-wise median), ``"tm"`` (δ 0.2) or any other rule the run's θ and w are
+  bit-identical to the plain mean's (least squares, 8 clients, 20 rounds, full
+  participation; ``summary.md`` records the ``[aggregation]`` table) — while the same rule on
+  ``fedavg`` moves θ by 0.2. ``_l2gd`` (:mod:`partialfl.algorithms.l2gd`) builds ``L2GD(tau,
+  lam, p)`` and takes only ``ctx.server_opt`` from the context, never ``ctx.aggregator``
+  (nor ``ctx.weighting``: its updates carry ``np.ones`` weights), so the algorithm aggregates
+  with :class:`~partialfl.algorithms.base.Algorithm`'s default ``Mean()``. A user who asks
+  for a robust server without simulating an attacker (a deployment's attackers are real:
+  what ``wrap_algorithm`` says of MoNNA) gets the mean, which one huge input moves
+  anywhere, without a word; only under ``[attack]`` does the Byzantine wrapper apply the
+  rule. Round 56b's fix made ``method.weighting`` refuse a rule that drops the weights; the
+  rule itself dropped by the algorithm is the same "option that does nothing". Suspected
+  root cause: ``_l2gd`` (no ``aggregator`` passed to ``L2GD``, or the build refusing
+  ``[aggregation]`` / ``weighting = "examples"`` for an algorithm that does not aggregate
+  through them).
+
+* Area 8 (a bad CLI input accepted), ``partialfl evaluate RUN --lr 0`` of a Ditto (or
+  local-only) run runs and prints the table (exit 0): the new clients train with the run's
+  own learning rate instead, as if ``--lr`` had not been given. The same option on an FFGG run
+  is one line, exit 2 ("lr must be a positive finite number, got 0.0"), and ``--lr nan`` /
+  ``-1`` are refused on every run (``SGDConfig``). Cause:
+  :func:`partialfl.pipeline.evaluation._evaluate_new_full_personal` takes ``lr or
+  (the run's lr)`` — a falsy 0 falls through to the default (``batch_size or …`` alike).
+
+Tried and held (run unless marked "read"): cold-start held-out clients (0 training, 3 test
+examples) through ``train`` of ``ffgg``, ``fedavg`` with ``finetune_split``, ``fedrep``,
+``ditto``, ``local`` and ``apfl`` on a user's model (each finishes, ``new_clients.json``
+written), then ``evaluate`` (text and ``--json``: no ``train`` entry, ``before`` / ``test``
+of 3 examples), ``report`` and ``compare`` of the four runs (the new-client section says
+one client, no interval).
+"""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+from _adv_cli import env
+from _flower_sims import ls_spec
+from _user_project import TINY_MODEL, client_folder, tiny_toml
+
+
+def _cli(cwd, *args, timeout: float = 170):
+    return subprocess.run([sys.executable, "-m", "partialfl", *args], cwd=cwd, env=env(None),
+                          capture_output=True, text=True, timeout=timeout)
+
+
+# ----------------------------------------------------------------------------- area 3
+def _closed_form(algorithm: str, aggregation: dict | None):
+    """θ, w after 20 full-participation rounds of ``algorithm`` on least squares, or the
+    ConfigError the build raises."""
+    from partialfl.build import build
+    from partialfl.config import ConfigError
+    from partialfl.pipeline.closed_form import run_closed_form
+    from partialfl.spec import RunSpec
+
+    spec = ls_spec(20, 0, method={"algorithm": algorithm, "w_init": "zero"},
+                   personalize={"client": {"name": "gd", "tau": 3}})
+    if aggregation is not None:
+        spec["aggregation"] = aggregation
+    try:
+        s = RunSpec.from_dict(spec)
+        res = run_closed_form(s, built=build(s))
+    except ConfigError as e:
+        return e
+    return {n: np.asarray(v) for n, v in res.state.theta.items()}
+
+
+def test_control_aggregation_acts_on_fedavg():
+    a = _closed_form("fedavg", None)
+    b = _closed_form("fedavg", {"name": "cm"})
+    assert any(np.abs(a[n] - b[n]).max() > 1e-3 for n in a)
+
+
+@pytest.mark.xfail(strict=True, reason="l2gd never takes ctx.aggregator: [aggregation] is "
+                   "silently replaced by the plain mean")
+@pytest.mark.parametrize("aggregation", [{"name": "cm"}, {"name": "tm", "delta": 0.2}])
+def test_l2gd_aggregation_acts_or_is_refused(aggregation):
+    """Found: θ and w bit-identical to the plain mean's, no warning. Expected: the rule
+    aggregates (θ differs), or the build refuses ``[aggregation]`` for l2gd in one line."""
+    a = _closed_form("l2gd", None)
+    b = _closed_form("l2gd", aggregation)
+    if isinstance(b, Exception):
+        return  # refused (a ConfigError: one line on the CLI)
+    assert any(np.abs(a[n] - b[n]).max() > 0 for n in a), \
+        f"[aggregation] {aggregation} left l2gd's θ bit-identical to the mean's"
+
+
+# ----------------------------------------------------------------------------- area 8
+@pytest.fixture(scope="module")
+def ditto_run(tmp_path_factory):
+    root = tmp_path_factory.mktemp("ditto")
+    (root / "usermodels.py").write_text(TINY_MODEL)
+    data = client_folder(root / "data", clients=6)
+    cfg = tiny_toml(root / "cfg.toml", "usermodels:tiny", data, name="ditto")
+    cfg.write_text(cfg.read_text().replace('algorithm = "ffgg"\nsplit = "output"\n',
+                                           'algorithm = "ditto"\noptions = { lam = 0.1 }\n'))
+    out = root / "runs" / "ditto"
+    p = _cli(root, "train", str(cfg), "--allow-code", "--out", str(out))
+    assert p.returncode == 0, p.stderr[-600:]
+    return root, out
+
+
+@pytest.mark.parametrize("lr", ["nan", "-1"])
+def test_control_evaluate_ditto_bad_lr_is_one_line(ditto_run, lr):
+    root, out = ditto_run
+    p = _cli(root, "evaluate", str(out), "--allow-code", "--no-progress", "--lr", lr)
+    assert p.returncode == 2 and "Traceback" not in p.stderr, p.stderr[-400:]
+
+
+@pytest.mark.xfail(strict=True, reason="_evaluate_new_full_personal takes `lr or default`: "
+                   "--lr 0 silently becomes the run's lr")
+def test_evaluate_ditto_lr_zero_is_refused(ditto_run):
+    """Found: exit 0, the table printed with the run's own lr. Expected: one line, exit 2,
+    as ``evaluate FFGG_RUN --lr 0`` ("lr must be a positive finite number, got 0.0")."""
+    root, out = ditto_run
+    p = _cli(root, "evaluate", str(out), "--allow-code", "--no-progress", "--lr", "0")
+    assert p.returncode == 2 and "Traceback" not in p.stderr, (p.returncode, p.stdout[-300:])
