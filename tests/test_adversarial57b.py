@@ -31,6 +31,23 @@ because of the defect it names.
   :func:`partialfl.pipeline.evaluation._evaluate_new_full_personal` takes ``lr or
   (the run's lr)`` — a falsy 0 falls through to the default (``batch_size or …`` alike).
 
+* Area 3/8 (a valid configuration refused with a false message), round 56b's fix refuses
+  ``method.weighting = "examples"`` with every registered rule of a researcher's own (a
+  ``plugins`` module registering a rule with :func:`partialfl.aggregation.compose.
+  register_rule`, the documented way: docs/architecture.md, "A module outside partialfl
+  registers the same way") — even a rule that weighs each row by the weight it is given, as
+  the aggregator protocol (``__call__(vectors, weights)``) hands it: ``partialfl run
+  wp.toml --allow-code`` with ``[aggregation] name = "wmean"`` (a weighted mean) ends
+  "method.weighting = 'examples': aggregation 'wmean' does not weight the clients' updates;
+  allowed: weighted = true in [aggregation] (mean, gm; without bucketing) ...", exit 2 —
+  before round 56b the same run trained with the example weights. The check
+  (:func:`partialfl.build.algorithm._weighting`) reads an undocumented ``weighted``
+  attribute (``getattr(rule, "weighted", False)``) that only the built-in ``Mean`` and
+  ``GeometricMedian`` carry; the plugin interface (docs/architecture.md's table, the toy
+  ``DropLargest``) never mentions it, and ``[aggregation] weighted = true`` is refused for
+  the plugin ("unknown key 'aggregation.weighted'"). Expected: a rule of unknown weighting is
+  trusted (or warned about), or the interface documents how a rule declares it.
+
 Tried and held (run unless marked "read"): cold-start held-out clients (0 training, 3 test
 examples) through ``train`` of ``ffgg``, ``fedavg`` with ``finetune_split``, ``fedrep``,
 ``ditto``, ``local`` and ``apfl`` on a user's model (each finishes, ``new_clients.json``
@@ -127,3 +144,68 @@ def test_evaluate_ditto_lr_zero_is_refused(ditto_run):
     root, out = ditto_run
     p = _cli(root, "evaluate", str(out), "--allow-code", "--no-progress", "--lr", "0")
     assert p.returncode == 2 and "Traceback" not in p.stderr, (p.returncode, p.stdout[-300:])
+
+
+# ----------------------------------------------------------------------------- area 3/8
+WMEAN = """
+from dataclasses import dataclass
+import numpy as np
+from partialfl.aggregation import to_numpy
+from partialfl.aggregation.compose import AggregatorOptions, register_rule
+
+
+@dataclass(frozen=True)
+class WMean:
+    \"\"\"A weighted mean: each row weighs the weight it is given.\"\"\"
+
+    def __call__(self, vectors, weights=None):
+        X, back = to_numpy(vectors)
+        a = np.ones(len(X)) if weights is None else np.asarray(weights, np.float64)
+        return back(((a[:, None] * X.astype(np.float64)).sum(0) / a.sum()).astype(X.dtype))
+
+
+@dataclass(frozen=True)
+class WOpts(AggregatorOptions):
+    \"\"\"No options.\"\"\"
+
+
+register_rule("wmean", WMean, WOpts, doc="A weighted mean (a researcher's rule).")
+"""
+
+
+def _plugin_run(tmp_path, weighting: str):
+    (tmp_path / "wplug.py").write_text(WMEAN)
+    cfg = tmp_path / f"{weighting}.toml"
+    cfg.write_text(f"""plugins = ["wplug"]
+name = "wp"
+[problem]
+name = "least-squares"
+num_clients = 8
+n = 200
+d_theta = 5
+d_w = 3
+[method]
+algorithm = "fedavg"
+weighting = "{weighting}"
+[aggregation]
+name = "wmean"
+[personalize]
+rounds = 3
+clients_per_round = 0
+client = {{ name = "gd", tau = 3 }}
+""")
+    return _cli(tmp_path, "run", str(cfg), "--allow-code", "--out", str(tmp_path / weighting))
+
+
+def test_control_plugin_weighted_rule_runs_uniform(tmp_path):
+    p = _plugin_run(tmp_path, "uniform")
+    assert p.returncode == 0, p.stderr[-400:]
+
+
+@pytest.mark.xfail(strict=True, reason="_weighting reads an undocumented `weighted` attribute: "
+                   "a plugin rule that weighs is refused as 'does not weight'")
+def test_plugin_weighted_rule_accepts_examples_weighting(tmp_path):
+    """Found: exit 2, "aggregation 'wmean' does not weight the clients' updates". Expected:
+    the run (the rule weighs the example counts it is given)."""
+    p = _plugin_run(tmp_path, "examples")
+    assert p.returncode == 0, p.stderr.strip().splitlines()[-1]
