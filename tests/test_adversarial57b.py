@@ -48,6 +48,21 @@ because of the defect it names.
   the plugin ("unknown key 'aggregation.weighted'"). Expected: a rule of unknown weighting is
   trusted (or warned about), or the interface documents how a rule declares it.
 
+* Area 1/8 (a configuration error counted as client failures), ``algorithm = "l2gd"`` (its
+  entry declares ``full_participation``: "one call for every client") with an
+  ``[asynchronous]`` block (``fedasync`` concurrency 2, or ``fedbuff`` buffer 4) is accepted
+  by the build and by ``partialfl run --dry-run`` ("dry run: nothing trained, nothing
+  written", exit 0); the run then sends one client per job, every one raises in
+  ``L2GD.client_update`` and is reported as a client failure ("skipping client 3 (job 1):
+  it failed (ValueError: L2GD needs full participation (clients_per_round = all))", four such
+  lines) until the stall check ends the run (exit 2, ``l2.jsonl`` left in ``--out``). The
+  synchronous path refuses the same misfit before anything runs
+  (:func:`partialfl.build.run._build_closed_form`: "personalize.clients_per_round: l2gd needs
+  full participation (0 = all clients)"), but that check looks at ``clients_per_round``
+  only, never at ``spec.asynchronous`` (whose steps each aggregate 1 or K arriving updates).
+  Expected: a ``ConfigError`` from the build (so ``--dry-run`` says it), no client counted as
+  failed. Suspected root cause: ``_build_closed_form``'s ``full_participation`` check.
+
 Tried and held (run unless marked "read"): cold-start held-out clients (0 training, 3 test
 examples) through ``train`` of ``ffgg``, ``fedavg`` with ``finetune_split``, ``fedrep``,
 ``ditto``, ``local`` and ``apfl`` on a user's model (each finishes, ``new_clients.json``
@@ -112,6 +127,35 @@ def test_l2gd_aggregation_acts_or_is_refused(aggregation):
         return  # refused (a ConfigError: one line on the CLI)
     assert any(np.abs(a[n] - b[n]).max() > 0 for n in a), \
         f"[aggregation] {aggregation} left l2gd's θ bit-identical to the mean's"
+
+
+# ----------------------------------------------------------------------------- area 1/8
+@pytest.mark.parametrize("rule", [{"rule": "fedasync", "concurrency": 2},
+                                  {"rule": {"name": "fedbuff", "buffer": 4}, "concurrency": 4}])
+def test_control_async_rule_builds_for_fedavg(rule):
+    from partialfl.build import build
+    from partialfl.spec import RunSpec
+
+    spec = ls_spec(4, 0, method={"algorithm": "fedavg"}, asynchronous=rule,
+                   personalize={"client": {"name": "gd", "tau": 3}})
+    build(RunSpec.from_dict(spec))
+
+
+@pytest.mark.xfail(strict=True, reason="_build_closed_form checks full participation on "
+                   "clients_per_round only: l2gd under [asynchronous] fails every client")
+@pytest.mark.parametrize("rule", [{"rule": "fedasync", "concurrency": 2},
+                                  {"rule": {"name": "fedbuff", "buffer": 4}, "concurrency": 4}])
+def test_l2gd_asynchronous_is_refused_by_the_build(rule):
+    """Found: built (``--dry-run`` exit 0), then every client job fails with "L2GD needs
+    full participation". Expected: a ConfigError naming the misfit, before anything runs."""
+    from partialfl.build import build
+    from partialfl.config import ConfigError
+    from partialfl.spec import RunSpec
+
+    spec = ls_spec(4, 0, method={"algorithm": "l2gd"}, asynchronous=rule,
+                   personalize={"client": {"name": "gd", "tau": 3}})
+    with pytest.raises(ConfigError):
+        build(RunSpec.from_dict(spec))
 
 
 # ----------------------------------------------------------------------------- area 8
