@@ -2,8 +2,8 @@
 someone who did not write the fixes, against 497a5b3: round 56b's ``_weighting`` and
 ``_on_train``), entered through the algorithms an ``[aggregation]`` / ``weighting`` reaches
 and a researcher's own model and data (``model.name = "module:callable"`` with
-``--allow-code``, a ``folder`` of per-client ``.npz`` files). Each test fails on that code
-because of the defect it names.
+``--allow-code``, a ``folder`` of per-client ``.npz`` files). Each ``xfail`` test fails on that code
+because of the defect it names (its controls pass).
 
 * Area 3 (a robust rule that does nothing), ``[aggregation]`` on ``algorithm = "l2gd"`` (a
   closed-form run, ``partialfl run``) is accepted and silently ignored: with ``name = "cm"``
@@ -67,8 +67,24 @@ Tried and held (run unless marked "read"): cold-start held-out clients (0 traini
 examples) through ``train`` of ``ffgg``, ``fedavg`` with ``finetune_split``, ``fedrep``,
 ``ditto``, ``local`` and ``apfl`` on a user's model (each finishes, ``new_clients.json``
 written), then ``evaluate`` (text and ``--json``: no ``train`` entry, ``before`` / ``test``
-of 3 examples), ``report`` and ``compare`` of the four runs (the new-client section says
-one client, no interval).
+of 3 examples), ``report`` and ``compare`` of four such runs (the new-client section says
+one client, no interval); a cold-start TRAINING client under ``vmap`` and ``threads`` for
+``ffgg``, ``ditto``, ``fedrep`` (finish); ``ditto``, ``local``, ``fedrep`` on
+``sequential`` / ``threads`` / ``processes`` (metrics identical); ``PersonalizedModels.load``
++ ``evaluate(data=...)`` and ``load_personalized`` of every such run (pooled accuracy equal to
+``metrics.json``); kill -9 of a Ditto ``train`` (``checkpoint_every = 1``, client-side
+checkpoints ``stage2.g*.client-side.ckpt``, ``client_state_stage2.client-side.safetensors``)
+at each of its 1st–41st ``os.replace`` calls, then the same command: ``metrics.json`` equal to
+an uninterrupted run (timings aside), no temporary file (at ``run_files.json``: "holds a
+finished run", as documented); ``method.weighting`` ``"Examples"`` / ``1`` / ``"none"`` (one
+line, exit 2); ``evaluate DITTO_RUN --lr nan`` / ``-1`` (one line, exit 2); ``[aggregation]
+weighted = true`` on a plugin rule (one line); (read) ``_weighting``'s walk through
+``StaticClipping`` / ``ARC`` / NNM to the rule, stopping at ``Bucketing`` (refused, as
+documented); the store's CRC sidecar (keyed by inode, size, mtime and ctime; a racy window of
+2 s). Observed, not filed: the pretraining stage (FedAvg, ``stage_algorithm``'s
+``MethodConfig(algorithm="fedavg")``) aggregates uniformly whatever ``method.weighting``
+says (``[aggregation]`` does reach it); ``evaluate`` of an APFL run trains the new clients'
+``v`` alone (λ 0), not APFL's α-mixture its training clients deploy.
 """
 
 from __future__ import annotations
