@@ -63,6 +63,20 @@ because of the defect it names (its controls pass).
   Expected: a ``ConfigError`` from the build (so ``--dry-run`` says it), no client counted as
   failed. Suspected root cause: ``_build_closed_form``'s ``full_participation`` check.
 
+* Area 8 (a diverged evaluation that does not say so), ``partialfl evaluate RUN --lr 1e300``
+  (a positive finite number: accepted) fine-tunes the new clients' w into NaN and prints the
+  accuracy of the NaN model as the result: a FedRep run on a user's model gives "after
+  fine-tuning 40.00%" in the table and, with ``--json``, ``"diverged": null``, ``"loss":
+  NaN``, exit 0, nothing on stderr (the accuracy is argmax over NaN logits; an FFGG run: 0%,
+  loss NaN, ``diverged`` null, the case tested; lrs up to 1e20 stay finite). ``partialfl train`` with the same fine-tuning lr says
+  "the run diverged ..." (round 53b), and ``evaluate``'s own report warns about runs whose
+  *training* diverged (``pipeline.runs``: ``diverged`` from ``run_divergence(run)``), but
+  the divergence of the fine-tuning ``evaluate`` itself runs is never checked. Expected: the
+  evaluation marked diverged (``diverged`` set, a warning), or refused. Suspected root cause:
+  :func:`partialfl.pipeline.runs` / :func:`partialfl.pipeline.evaluation.evaluate_run`
+  (``diverged`` read from the run folder only; the new clients' fine-tuned loss not looked
+  at).
+
 Tried and held (run unless marked "read"): cold-start held-out clients (0 training, 3 test
 examples) through ``train`` of ``ffgg``, ``fedavg`` with ``finetune_split``, ``fedrep``,
 ``ditto``, ``local`` and ``apfl`` on a user's model (each finishes, ``new_clients.json``
@@ -204,6 +218,46 @@ def test_evaluate_ditto_lr_zero_is_refused(ditto_run):
     root, out = ditto_run
     p = _cli(root, "evaluate", str(out), "--allow-code", "--no-progress", "--lr", "0")
     assert p.returncode == 2 and "Traceback" not in p.stderr, (p.returncode, p.stdout[-300:])
+
+
+@pytest.fixture(scope="module")
+def ffgg_run(tmp_path_factory):
+    root = tmp_path_factory.mktemp("ffgg")
+    (root / "usermodels.py").write_text(TINY_MODEL)
+    data = client_folder(root / "data", clients=6)
+    cfg = tiny_toml(root / "cfg.toml", "usermodels:tiny", data, name="ffgg")
+    out = root / "runs" / "ffgg"
+    p = _cli(root, "train", str(cfg), "--allow-code", "--out", str(out))
+    assert p.returncode == 0, p.stderr[-600:]
+    return root, out
+
+
+def _evaluate_json(root, out, lr: str):
+    import json
+
+    p = _cli(root, "evaluate", str(out), "--allow-code", "--no-progress", "--json",
+             "--lr", lr)
+    return p, (json.loads(p.stdout)[out.name] if p.returncode == 0 else None)
+
+
+def test_control_evaluate_finite_lr_is_finite(ffgg_run):
+    p, r = _evaluate_json(*ffgg_run, "0.05")
+    assert r is not None and np.isfinite(r["test"]["loss"]), p.stderr[-400:]
+
+
+@pytest.mark.xfail(strict=True, reason="evaluate never checks its own fine-tuning for "
+                   "divergence: a NaN model's accuracy is reported, diverged null")
+def test_evaluate_diverged_finetuning_says_so(ffgg_run):
+    """Found: exit 0, ``"diverged": null``, test loss NaN, an accuracy printed as the
+    result, nothing on stderr. Expected: the evaluation marked diverged (or a warning /
+    one-line refusal)."""
+    p, r = _evaluate_json(*ffgg_run, "1e300")
+    if r is None:
+        assert p.returncode == 2 and "Traceback" not in p.stderr, p.stderr[-400:]
+        return
+    assert not np.isfinite(r["test"]["loss"])  # the fine-tuned model is NaN
+    said = r.get("diverged") or "diverg" in p.stderr.lower() or "finite" in p.stderr.lower()
+    assert said, (r.get("diverged"), r["test"]["accuracy"], p.stderr[-300:])
 
 
 # ----------------------------------------------------------------------------- area 3/8
