@@ -69,11 +69,12 @@ because of the defect it names (its controls pass).
   fine-tuning 40.00%" in the table and, with ``--json``, ``"diverged": null``, ``"loss":
   NaN``, exit 0, nothing on stderr (the accuracy is argmax over NaN logits; an FFGG run: 0%,
   loss NaN, ``diverged`` null, the case tested; lrs up to 1e20 stay finite). ``partialfl
-  train`` with the same fine-tuning lr says "the run diverged ..." (round 53b), and ``evaluate``'s own report warns about runs whose
-  *training* diverged (``pipeline.runs``: ``diverged`` from ``run_divergence(run)``), but
-  the divergence of the fine-tuning ``evaluate`` itself runs is never checked. Expected: the
+  train`` with the same fine-tuning lr says "the run diverged ..." (round 53b), and
+  ``evaluate``'s own report warns about runs whose *training* diverged (``pipeline.runs``:
+  ``diverged`` from ``run_divergence(run)``), but the divergence of the fine-tuning
+  ``evaluate`` itself runs is never checked. Expected: the
   evaluation marked diverged (``diverged`` set, a warning), or refused. Suspected root cause:
-  :func:`partialfl.pipeline.runs` / :func:`partialfl.pipeline.evaluation.evaluate_run`
+  :mod:`partialfl.pipeline.runs` / :func:`partialfl.pipeline.evaluation.evaluate_run`
   (``diverged`` read from the run folder only; the new clients' fine-tuned loss not looked
   at).
 
