@@ -17,6 +17,7 @@ over the columns, ~2f·k min/max passes) instead of sorting. Each block stays in
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import ClassVar
 
 import numpy as np
 
@@ -165,6 +166,8 @@ class CoordinateMedian:
     """CM(x_1, …, x_k)_j = median_i x_{i,j} (mean of the two middle values for even k).
     Tolerates f < k/2 Byzantine inputs (its breakdown point), so it has no δ to check."""
 
+    weighted: ClassVar[bool] = False  # the rows' weights are not used
+
     name = "cm"
 
     def tolerated(self, k: int) -> int:
@@ -184,6 +187,8 @@ class TrimmedMean:
     Bound: k ≥ 2f + 1 (always true for δ < 1/2) and, for δ > 0, f ≥ 1, i.e. k ≥ ⌈1/δ⌉; below
     it the rule refuses (:mod:`~partialfl.aggregation.protection`) unless
     ``allow_unprotected=True``."""
+
+    weighted: ClassVar[bool] = False  # the rows' weights are not used
 
     delta: float = 0.1
     allow_unprotected: bool = False
@@ -209,6 +214,8 @@ class Meamed:
 
     Bound: k ≥ 2f + 1 and, for δ > 0, f ≥ 1 (k ≥ ⌈1/δ⌉); refused below unless
     ``allow_unprotected=True``."""
+
+    weighted: ClassVar[bool] = False  # the rows' weights are not used
 
     delta: float = 0.1
     allow_unprotected: bool = False

@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass, field, replace
-from typing import Any
+from typing import Any, ClassVar
 
 import numpy as np
 
@@ -56,6 +56,8 @@ class Krum:
     bucketing) the call raises, unless ``cap=True`` — the explicit choice to tolerate only
     f = ⌊(k − 3)/2⌋ then — or ``allow_unprotected=True`` (a warning, then the capped f).
     """
+
+    weighted: ClassVar[bool] = False  # the rows' weights are not used
 
     delta: float = 0.1
     m: int | None = 1
@@ -130,6 +132,8 @@ class CenteredClipping:
     ``tau`` if given, else ``tau_scale`` · median_i ‖x_i − v⁰‖ (scale-equivariant).
     """
 
+    weighted: ClassVar[bool] = False  # the rows' weights are not used
+
     tau: float | None = None
     tau_scale: float = 1.0
     iters: int = 3
@@ -177,6 +181,8 @@ class MDA:
 
     Bound: k ≥ 2f + 1 and, for δ > 0, f ≥ 1 (k ≥ ⌈1/δ⌉); refused below unless
     ``allow_unprotected=True``."""
+
+    weighted: ClassVar[bool] = False  # the rows' weights are not used
 
     delta: float = 0.1
     max_subsets: int = 200_000
@@ -232,6 +238,8 @@ class MoNNA:
     the mean moves to ~1e29), and neither is a bucket mean, so bucketing refuses a MoNNA with
     ``index``. Bound: k ≥ 2f + 1 and, for δ > 0, f ≥ 1 (k ≥ ⌈1/δ⌉); refused below unless
     ``allow_unprotected=True``."""
+
+    weighted: ClassVar[bool] = False  # the rows' weights are not used
 
     delta: float = 0.1
     index: int | None = None

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
+from typing import ClassVar
 
 import numpy as np
 
@@ -43,6 +44,8 @@ class CAF:
 
     Bound: k ≥ 2f + 1 and, for δ > 0, f ≥ 1 (k ≥ ⌈1/δ⌉); refused below unless
     ``allow_unprotected=True``."""
+
+    weighted: ClassVar[bool] = False  # the rows' weights are not used
 
     delta: float = 0.1
     allow_unprotected: bool = False
@@ -94,6 +97,8 @@ class SMEA:
 
     Bound: k ≥ 2f + 1 and, for δ > 0, f ≥ 1 (k ≥ ⌈1/δ⌉); refused below unless
     ``allow_unprotected=True``."""
+
+    weighted: ClassVar[bool] = False  # the rows' weights are not used
 
     delta: float = 0.1
     max_subsets: int = 200_000

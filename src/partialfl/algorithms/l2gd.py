@@ -127,7 +127,12 @@ def _l2gd(opts: L2GDOptions, ctx: AlgorithmContext) -> L2GD:
     if tau is None:
         raise ConfigError("l2gd takes full-gradient local steps: use client = {name = \"gd\", "
                           "tau = …}")
+    if ctx.weighting != "uniform":
+        raise ConfigError(f"l2gd: weighting {ctx.weighting!r}; allowed: 'uniform' (its "
+                          "objective (1/M)·Σ_m f_m averages the client models uniformly)")
     alg = L2GD(tau, lam=opts.lam, p=opts.p)
+    if ctx.aggregator is not None:  # the run's [aggregation] rule averages the x_m − x̄
+        alg.aggregator = ctx.aggregator
     if ctx.server_opt is not None:  # the averaging step x̄ ← x̄ + lr·mean Δ (lr 1: its own)
         alg.server_opt = ctx.server_opt
     return alg

@@ -77,8 +77,8 @@ def build_algorithm(spec: RunSpec, stage: StageConfig, *, method=None, problem=N
 def _weighting(spec: RunSpec, method, agg):
     """The aggregation rule that applies ``method.weighting``: the default mean weights by
     the clients' example counts under ``"examples"``; an explicit rule that drops the
-    weights (unweighted, or behind bucketing, which averages buckets uniformly) is refused
-    then, rather than the weighting silently doing nothing."""
+    weights (its ``weighted`` is False, or behind bucketing, which averages buckets
+    uniformly) is refused then, rather than the weighting silently doing nothing."""
     if method.weighting != "examples":
         return agg
     from partialfl.aggregation import Mean
@@ -89,7 +89,9 @@ def _weighting(spec: RunSpec, method, agg):
     rule = agg
     while hasattr(rule, "inner") and not isinstance(rule, Bucketing):
         rule = rule.inner
-    if not getattr(rule, "weighted", False):
+    # a rule says whether it weighs (``weighted``); a researcher's rule that does not say is
+    # taken at its word that it uses the weights it is given
+    if isinstance(rule, Bucketing) or getattr(rule, "weighted", True) is False:
         raise ConfigError(f"method.weighting = 'examples': aggregation "
                           f"{spec.aggregation.name!r} does not weight the clients' updates; "
                           "allowed: weighted = true in [aggregation] (mean, gm; without "

@@ -83,6 +83,10 @@ def _build_closed_form(spec: RunSpec, progress: bool) -> Run:
     if e.trait("full_participation") and k not in (None, problem.num_clients):
         raise ConfigError(f"personalize.clients_per_round: {e.name} needs full participation "
                           "(0 = all clients)")
+    if e.trait("full_participation") and spec.asynchronous is not None:
+        raise ConfigError(f"asynchronous: {e.name} needs every client in every round; an "
+                          "asynchronous step takes the updates that arrived (remove "
+                          "[asynchronous])")
     alg = build_algorithm(spec, stage, problem=problem)
     if spec.asynchronous is not None:
         alg = async_rule(spec, alg)

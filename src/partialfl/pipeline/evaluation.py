@@ -207,6 +207,10 @@ def evaluate_run(run_dir: str | Path, data, *, model_fn: Callable[[int], nn.Modu
     architecture comes from ``model_fn`` (and ``split_fn``) of the run's task; its tensors
     from ``deploy.safetensors`` (no code is loaded from the run folder)."""
     run_dir = Path(run_dir)
+    if lr is not None and not (isinstance(lr, int | float) and math.isfinite(lr) and lr > 0):
+        raise ValueError(f"lr must be a positive finite number, got {lr!r}")
+    if batch_size is not None and not (isinstance(batch_size, int) and batch_size >= 1):
+        raise ValueError(f"batch_size must be an integer >= 1, got {batch_size!r}")
     read_deploy(run_dir)  # a clear error first if the run is unfinished or the file unsafe
     # its spec and stage-3 choice are read too: from this run, not through a link out of it
     confined(run_dir, [run_dir / "config.json", run_dir / "metrics.json"])
@@ -230,7 +234,7 @@ def evaluate_run(run_dir: str | Path, data, *, model_fn: Callable[[int], nn.Modu
     res = evaluate_new_clients(
         theta, None, split, data,
         ft.epochs if finetune_epochs is None else finetune_epochs,
-        lr=lr, batch_size=batch_size or ft.batch_size,
+        lr=lr, batch_size=batch_size if batch_size is not None else ft.batch_size,
         clip_norm=ft.clip_norm, w_init="pretrained", w_pretrained=w_pre,
         seed=cfg.seed if seed is None else seed, loss_fn=loss_fn, metric=metric,
         vectorize=vectorize, device=device, precision=cfg.precision,
@@ -250,8 +254,10 @@ def _evaluate_new_full_personal(cfg: RunSpec, split: Split, theta: Params, data,
     if epochs is None:
         epochs = (cfg.personalize.rounds * cfg.personalize.client.get("epochs", 1) if local
                   else cfg.finetune.epochs)
-    sgd = SGDConfig(lr=lr or (cfg.personalize.client.get("lr") if local else cfg.finetune.lr),
-                    epochs=int(epochs), batch_size=batch_size or cfg.finetune.batch_size,
+    if lr is None:
+        lr = cfg.personalize.client.get("lr") if local else cfg.finetune.lr
+    sgd = SGDConfig(lr=lr, epochs=int(epochs),
+                    batch_size=batch_size if batch_size is not None else cfg.finetune.batch_size,
                     clip_norm=cfg.finetune.clip_norm)
     allc = np.arange(problem.num_clients)
     stacked = {n: t.unsqueeze(0).repeat(len(allc), *([1] * t.dim())) for n, t in theta.items()}

@@ -79,8 +79,16 @@ def evaluate_runs(path: str | Path, evaluator: Callable[[Path], Callable[..., di
     for run in it:
         label = run.name if run == path else run.relative_to(path).as_posix()
         out[label] = evaluator(run)(run, data_dir, finetune_epochs=finetune_epochs, lr=lr)
-        out[label]["diverged"] = run_divergence(run) or None
+        out[label]["diverged"] = run_divergence(run) or _finetune_divergence(out[label]) or None
     return out
+
+
+def _finetune_divergence(result: dict[str, Any]) -> str:
+    """A sentence when the new clients' fine-tuned models diverged (their test loss is not
+    finite: the fine-tuning lr, e.g. ``--lr``, too large), else ''."""
+    loss = result["test"].loss
+    return "" if np.isfinite(loss) else (
+        f"the new clients' fine-tuning diverged (test loss {loss}): lower the fine-tuning lr")
 
 
 def _pct(v: float) -> str:
@@ -99,7 +107,7 @@ def evaluation_table(results: dict[str, dict[str, Any]]) -> str:
     bad = [f"`{lab}`" for lab, r in results.items() if r.get("diverged")]
     text = ["New clients: test accuracy (%) of clients never seen in training, after "
             "fine-tuning their personal parameters on the trained θ.", "",
-            *([f"**Warning: {len(bad)} run(s) diverged (final loss not finite): "
+            *([f"**Warning: {len(bad)} run(s) diverged (a loss not finite): "
                f"{', '.join(bad)}; their accuracies are those of diverged models.**", ""]
               if bad else []),
             markdown_table(["run", "clients", "before fine-tuning", "after fine-tuning",
