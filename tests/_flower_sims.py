@@ -6,11 +6,41 @@ test module to use it (session scope: computed once)."""
 
 from __future__ import annotations
 
+import contextlib
+import logging
+import sys
 import time
+import warnings
 
 import pytest
 
 from partialfl.config import deep_merge
+
+
+def quiet(fn, *a):
+    """``fn(*a)`` with warnings and log records below ERROR silenced (a hostile run's
+    expected noise)."""
+    logging.disable(logging.WARNING)
+    try:
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            return fn(*a)
+    finally:
+        logging.disable(logging.NOTSET)
+
+
+@contextlib.contextmanager
+def importable(folder, **modules: str):
+    """Each ``name=source`` written as ``folder/name.py``, importable inside the block (a
+    researcher's plugin modules)."""
+    for name, text in modules.items():
+        (folder / f"{name}.py").write_text(text)
+    sys.path.insert(0, str(folder))
+    try:
+        yield
+    finally:
+        sys.path.remove(str(folder))
+
 
 #: the paper's Example 1 at a tiny size: FFGG with 5 conjugate-gradient steps, w from zero
 LS_SPEC = {"seed": 3, "problem": {"name": "least-squares", "num_clients": 8, "n": 200,

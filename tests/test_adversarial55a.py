@@ -92,10 +92,8 @@ refused as a θ⁰ leaf name on Flower and trains in process (a bound against hu
 
 from __future__ import annotations
 
-import logging
 import sys
 import textwrap
-import warnings
 
 import pytest
 from _user_project import client_folder, train_user_model
@@ -104,19 +102,8 @@ flwr = pytest.importorskip("flwr", reason="flwr is not installed (pip install "
                            "'partialfl[flower]')")
 
 from _flower_loopback import loopback  # noqa: E402, F401 - the fixture
-from _flower_sims import ls_run  # noqa: E402
+from _flower_sims import ls_run, quiet  # noqa: E402
 from test_adversarial50a import _nan_weights, _run, _Timed  # noqa: E402
-
-
-def _quiet(fn, *a):
-    logging.disable(logging.WARNING)
-    try:
-        with warnings.catch_warnings():
-            warnings.simplefilter("ignore")
-            return fn(*a)
-    finally:
-        logging.disable(logging.NOTSET)
-
 
 # -- SecAgg+ setup reply with two equal public keys ------------------------------------------
 
@@ -138,7 +125,7 @@ def test_a_setup_reply_with_equal_public_keys_is_that_nodes_own_failure(loopback
     from partialfl.flower.server import run_server
 
     run = ls_run(2, 5, secagg=True, secagg_clip=64.0, spec={"max_failure_fraction": 1.0})
-    rep = _quiet(run_server, loopback(4, tamper=_equal_keys), run)
+    rep = quiet(run_server, loopback(4, tamper=_equal_keys), run)
     assert rep.server_steps == 2, [(f.partition, f.reason) for f in rep.failures]
     assert {f.partition for f in rep.failures} == {1}
 
@@ -147,7 +134,7 @@ def test_control_the_honest_secagg_federation_finishes(loopback):  # noqa: F811
     from partialfl.flower.server import run_server
 
     run = ls_run(2, 5, secagg=True, secagg_clip=64.0, spec={"max_failure_fraction": 1.0})
-    rep = _quiet(run_server, loopback(4), run)
+    rep = quiet(run_server, loopback(4), run)
     assert rep.server_steps == 2 and not rep.failures
 
 
@@ -203,7 +190,7 @@ def test_moduledict_keys_torch_allows_run_on_flower(loopback, tmp_path, monkeypa
     from partialfl.flower.server import run_server
 
     grid = loopback(2, node_config={"allow-imports": True})
-    rep = _quiet(run_server, grid, {"spec": _spec(tmp_path, monkeypatch, model),
+    rep = quiet(run_server, grid, {"spec": _spec(tmp_path, monkeypatch, model),
                                     "stage": "pretrain", "node-wait-timeout": 3,
                                     "round-timeout": 10, "poll-interval": 0.01})
     assert rep.server_steps == 2 and not rep.failures
@@ -264,7 +251,7 @@ def test_an_even_secagg_shares_is_refused_or_trains(loopback):  # noqa: F811
     run = ls_run(2, 8, secagg=True, secagg_clip=64.0, secagg_shares=4, secagg_threshold=2,
                  spec={"max_failure_fraction": 1.0})
     try:
-        rep = _quiet(run_server, loopback(5), run)
+        rep = quiet(run_server, loopback(5), run)
     except ConfigError:
         return
     assert rep.server_steps == 2 and not rep.failures, rep.failures[:2]
@@ -276,7 +263,7 @@ def test_control_odd_shares_and_as_many_shares_as_nodes_train(loopback):  # noqa
     for nodes, shares in ((5, 3), (5, 5), (4, 4)):
         run = ls_run(2, 8, secagg=True, secagg_clip=64.0, secagg_shares=shares,
                      secagg_threshold=2)
-        rep = _quiet(run_server, loopback(nodes), run)
+        rep = quiet(run_server, loopback(nodes), run)
         assert rep.server_steps == 2 and not rep.failures
 
 
@@ -291,7 +278,7 @@ def test_a_secagg_threshold_above_the_node_count_is_a_config_error(loopback):  #
 
     run = ls_run(2, 8, secagg=True, secagg_clip=64.0, secagg_shares=7, secagg_threshold=6)
     try:
-        _quiet(run_server, loopback(4), run)
+        quiet(run_server, loopback(4), run)
     except RunAborted as e:
         pytest.fail(f"the honest nodes were blamed: {e}")
     except ConfigError:

@@ -80,10 +80,7 @@ node); (read) the evaluation decoder's bounds (counts, units, correct <= total).
 
 from __future__ import annotations
 
-import logging
-import sys
 import textwrap
-import warnings
 
 import pytest
 
@@ -91,18 +88,7 @@ flwr = pytest.importorskip("flwr", reason="flwr is not installed (pip install "
                            "'partialfl[flower]')")
 
 from _flower_loopback import loopback  # noqa: E402, F401 - the fixture
-from _flower_sims import in_process, ls_run  # noqa: E402
-
-
-def _quiet(fn, *a):
-    logging.disable(logging.WARNING)
-    try:
-        with warnings.catch_warnings():
-            warnings.simplefilter("ignore")
-            return fn(*a)
-    finally:
-        logging.disable(logging.NOTSET)
-
+from _flower_sims import importable, in_process, ls_run, quiet  # noqa: E402
 
 # -- a plugin algorithm declaring a client-side metric ---------------------------------------
 
@@ -222,12 +208,9 @@ SHARED = textwrap.dedent('''
 
 @pytest.fixture(scope="module")
 def plugin(tmp_path_factory):
-    d = tmp_path_factory.mktemp("plugin56a")
-    (d / "advplugin56a.py").write_text(PLUGIN)
-    sys.path.insert(0, str(d))
-    (d / "advshared56a.py").write_text(SHARED)
-    yield "advplugin56a"
-    sys.path.remove(str(d))
+    with importable(tmp_path_factory.mktemp("plugin56a"), advplugin56a=PLUGIN,
+                    advshared56a=SHARED):
+        yield "advplugin56a"
 
 
 def _plugin_run(secagg: bool, algorithm: str = "toymetric56a", k: int | None = 4) -> dict:
@@ -254,7 +237,7 @@ def test_a_plugin_with_a_client_side_metric_trains_on_flower(plugin, loopback,  
 
     monkeypatch.setenv("PARTIALFL_ALLOW_CODE", "1")  # the server's user's own opt-in
     grid = loopback(3, node_config={"allow-imports": True})
-    rep = _quiet(run_server, grid, _plugin_run(secagg))
+    rep = quiet(run_server, grid, _plugin_run(secagg))
     assert rep.server_steps == 3 and not rep.failures, [
         (f.partition, f.kind, f.reason) for f in rep.failures][:3]
 
@@ -280,7 +263,7 @@ def test_control_a_shared_float_reaches_plain_flower_nodes(plugin, loopback,  # 
     monkeypatch.setenv("PARTIALFL_ALLOW_CODE", "1")
     run = _plugin_run(False, "toyscaled56a", None)
     _, ref = in_process(run)
-    rep = _quiet(run_server, loopback(3, node_config={"allow-imports": True}), run)
+    rep = quiet(run_server, loopback(3, node_config={"allow-imports": True}), run)
     assert rep.server_steps == 3 and not rep.failures
     np.testing.assert_allclose(np.asarray(rep.theta["theta"]),
                                np.asarray(ref.state.theta["theta"]), rtol=1e-6)
@@ -291,7 +274,7 @@ def _shared_run(loopback, monkeypatch, secagg, algorithm):  # noqa: F811
 
     monkeypatch.setenv("PARTIALFL_ALLOW_CODE", "1")
     grid = loopback(3, node_config={"allow-imports": True})
-    return _quiet(run_server, grid, _plugin_run(secagg, algorithm, None))
+    return quiet(run_server, grid, _plugin_run(secagg, algorithm, None))
 
 
 def test_a_shared_extra_reaches_secagg_nodes(plugin, loopback, monkeypatch):  # noqa: F811
@@ -325,7 +308,7 @@ def _many_nodes(loopback, nodes: int, **flower):  # noqa: F811
     from partialfl.flower.server import run_server
 
     spec = {"problem": {"num_clients": nodes, "n": 2 * nodes, "d_theta": 2, "d_w": 1}}
-    return _quiet(run_server, loopback(nodes), ls_run(1, 2, spec=spec, **flower))
+    return quiet(run_server, loopback(nodes), ls_run(1, 2, spec=spec, **flower))
 
 
 def test_control_secagg_over_520_nodes_at_22_bits_is_the_mean(loopback):  # noqa: F811

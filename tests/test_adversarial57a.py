@@ -81,10 +81,7 @@ name with spaces, slashes or non-ASCII letters (a ConfigRecord key as any other)
 
 from __future__ import annotations
 
-import logging
-import sys
 import textwrap
-import warnings
 
 import pytest
 
@@ -92,18 +89,7 @@ flwr = pytest.importorskip("flwr", reason="flwr is not installed (pip install "
                            "'partialfl[flower]')")
 
 from _flower_loopback import loopback  # noqa: E402, F401 - the fixture
-from _flower_sims import in_process, ls_run  # noqa: E402
-
-
-def _quiet(fn, *a):
-    logging.disable(logging.WARNING)
-    try:
-        with warnings.catch_warnings():
-            warnings.simplefilter("ignore")
-            return fn(*a)
-    finally:
-        logging.disable(logging.NOTSET)
-
+from _flower_sims import importable, in_process, ls_run, quiet  # noqa: E402
 
 CONST = textwrap.dedent('''
     from dataclasses import dataclass
@@ -141,11 +127,8 @@ CONST = textwrap.dedent('''
 
 @pytest.fixture(scope="module")
 def plugin(tmp_path_factory):
-    d = tmp_path_factory.mktemp("plugin57a")
-    (d / "advconst57a.py").write_text(CONST)
-    sys.path.insert(0, str(d))
-    yield "advconst57a"
-    sys.path.remove(str(d))
+    with importable(tmp_path_factory.mktemp("plugin57a"), advconst57a=CONST):
+        yield "advconst57a"
 
 
 def _const_run(loopback, monkeypatch, nodes: int, **flower):  # noqa: F811
@@ -156,7 +139,7 @@ def _const_run(loopback, monkeypatch, nodes: int, **flower):  # noqa: F811
             "plugins": ["advconst57a"], "method": {"algorithm": "toyconst57a"}}
     run = ls_run(1, None, spec=spec, **flower)
     run["spec"]["method"].pop("w_init")  # the toy has no w_init option
-    return _quiet(run_server, loopback(nodes, node_config={"allow-imports": True}), run)
+    return quiet(run_server, loopback(nodes, node_config={"allow-imports": True}), run)
 
 
 SECAGG = {"secagg": True, "secagg_bits": 24, "secagg_clip": 1e-3}
@@ -257,11 +240,8 @@ DEPLOY = textwrap.dedent('''
 
 @pytest.fixture(scope="module")
 def deploy_plugin(tmp_path_factory):
-    d = tmp_path_factory.mktemp("deploy57a")
-    (d / "advdeploy57a.py").write_text(DEPLOY)
-    sys.path.insert(0, str(d))
-    yield "advdeploy57a"
-    sys.path.remove(str(d))
+    with importable(tmp_path_factory.mktemp("deploy57a"), advdeploy57a=DEPLOY):
+        yield "advdeploy57a"
 
 
 def _deploy_run() -> dict:
@@ -290,7 +270,7 @@ def test_a_shared_extra_reaches_the_nodes_evaluation(deploy_plugin, loopback,  #
     monkeypatch.setenv("PARTIALFL_ALLOW_CODE", "1")
     run = _deploy_run()
     _, ref = in_process(run)
-    rep = _quiet(run_server, loopback(3, node_config={"allow-imports": True}), run)
+    rep = quiet(run_server, loopback(3, node_config={"allow-imports": True}), run)
     assert rep.server_steps == 3
     assert not rep.failures, [(f.round, f.partition, f.kind, f.reason)
                               for f in rep.failures][:3]
@@ -308,8 +288,8 @@ def test_secagg_counts_gradient_evaluations_as_plain_flower(loopback, k):  # noq
     rounds). Expected: the same count as plain Flower."""
     from partialfl.flower.server import run_server
 
-    plain = _quiet(run_server, loopback(3), ls_run(3, k))
-    sec = _quiet(run_server, loopback(3), ls_run(3, k, secagg=True, secagg_clip=64.0,
+    plain = quiet(run_server, loopback(3), ls_run(3, k))
+    sec = quiet(run_server, loopback(3), ls_run(3, k, secagg=True, secagg_clip=64.0,
                                                  secagg_bits=22))
     assert not plain.failures and not sec.failures
     assert [h["grad_evals"] for h in sec.history] == [h["grad_evals"] for h in plain.history]
