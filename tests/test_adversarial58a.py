@@ -5,7 +5,11 @@ someone who did not write the fixes, against 69b55dd: the code of rounds 56a–5
 with the shared numbers, ``client.evaluate_clients`` / ``models.evaluate_model_clients``
 taking a ``ServerState``, ``secagg.check_nodes`` and the max ``grad-evals`` —, the evaluation
 path on Flower for every algorithm kind, ``weighting = "examples"`` and the asynchronous
-rules on Flower). Each test below fails on that code because of the defect it names.
+rules on Flower). Each test below failed on that code because of the defect it names, and
+passes since the fix: Flower's asynchronous run counts the stage's ``rounds`` as applied
+updates (:func:`partialfl.flower.jobs.run_async`, as in process); a SecAgg+ round with no
+example behind its surviving clients hands zero weights to the server step, which skips it
+(:func:`partialfl.flower.secagg.secagg_round`), instead of blaming every node.
 
 * Area 2 (the ServerApp runs another run than the spec), ``[asynchronous] rule = fedbuff``
   with buffer K on Flower takes the stage's ``rounds`` as SERVER STEPS (K·rounds applied
@@ -116,9 +120,6 @@ def test_control_fedasync_on_flower_is_the_in_process_run(loopback):  # noqa: F8
                                    rtol=1e-9, atol=1e-12)
 
 
-@pytest.mark.xfail(strict=True, reason="Flower's FedBuff takes the stage's rounds as server "
-                   "steps (K·rounds applied updates); the spec and the in-process run count "
-                   "applied updates")
 @pytest.mark.parametrize("k", [2, 3])
 def test_fedbuff_on_flower_is_the_in_process_run(loopback, k):  # noqa: F811
     """Found (rounds = 6): in process 6 applied updates = 6/K server steps (36 local
@@ -183,9 +184,6 @@ def test_control_plain_flower_examples_weighting_over_cold_clients(
     assert rep.server_steps == 12 and not rep.failures
 
 
-@pytest.mark.xfail(strict=True, reason="SecAgg+ counts a zero-total-weight round (clients "
-                   "without training examples, weighting = examples) as an invalid failure "
-                   "of every node; the run aborts")
 def test_secagg_examples_weighting_over_cold_clients_blames_no_node(
         loopback, tmp_path, monkeypatch):  # noqa: F811
     """Found: ``RunAborted: 14 of 20 requested client updates failed (70% >

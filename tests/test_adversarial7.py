@@ -132,8 +132,10 @@ def test_untouched_async_checkpoints_still_resume_fedbuff_and_adam(loopback, tmp
     state) and Adam (an optimizer state) resume to the uninterrupted θ."""
     from partialfl.flower.server import ServerStopped, run_server
 
-    for i, extra in enumerate(({"spec": {"asynchronous": {"rule": {"name": "fedbuff",
-                                                                    "buffer": 2}}}},
+    # FedBuff's rounds count applied updates (12 = 6 server steps of K = 2), as in process
+    for i, extra in enumerate(({"rounds": 12,
+                                "spec": {"asynchronous": {"rule": {"name": "fedbuff",
+                                                                   "buffer": 2}}}},
                                {"spec": {"personalize": {"server": {"optimizer": "adam",
                                                                     "lr": 0.05}}}})):
         cfg = deep_merge(ASYNC_2, extra)

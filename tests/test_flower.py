@@ -108,7 +108,8 @@ BR_RUN = ls_run(3, 6, spec={"aggregation": {"name": "cm"},
                             "attack": {"name": "byzantine", "fraction": 0.25,
                                        "attack": "sign-flip"}})
 ASYNC_RUN = ls_run(5, spec={"asynchronous": {"rule": "fedasync", "concurrency": 1}})
-BUFFER_RUN = ls_run(4, spec={"asynchronous": {"rule": {"name": "fedbuff", "buffer": 2},
+# rounds count applied updates, as in process: 8 = 4 server steps of K = 2
+BUFFER_RUN = ls_run(8, spec={"asynchronous": {"rule": {"name": "fedbuff", "buffer": 2},
                                               "concurrency": 3}})
 ADAM_RUN = ls_run(3, 4, spec={"personalize": {"server": {
     "optimizer": "adam", "lr": 0.05, "schedule": {"name": "warmup-linear", "warmup": 1}}}})

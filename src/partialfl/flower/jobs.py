@@ -229,15 +229,16 @@ def async_checkpoint(cfg: FlowerConfig, extra=None, fresh=None, num_clients: int
     return FlowerAsyncCheckpoint(Path(cfg.out_dir) / ASYNC_CHECKPOINT, cfg.fingerprint(),
                                  extra=extra, fresh=fresh, num_clients=num_clients,
                                  concurrency=concurrency,
-                                 max_arrivals=cfg.rounds * cfg.buffer_size)
+                                 max_arrivals=cfg.rounds)
 
 
 def run_async(link, cfg, fed, algorithm, state, ref, report, t0) -> ServerState:
     """Algorithm 3 with the simulator's asynchronous loop
     (:func:`partialfl.runtime.asynchronous.drive`: sampling among idle clients, staleness,
     counting, checkpoint and resume) over the Flower transport, ``algorithm`` the spec's
-    asynchronous rule (FedBuff: one server step on every K arrived updates, so the stage's
-    ``rounds`` server steps take K·rounds arrivals). Every server step is recorded,
+    asynchronous rule (FedBuff: one server step on every K arrived updates). The stage's
+    ``rounds`` count applied updates, as in process (``rounds``/K server steps under
+    FedBuff). Every server step is recorded,
     with its updates' staleness and the nodes' evaluation when due. With
     ``checkpoint-every`` = c the run is checkpointed every c server steps (c·K arrivals) to
     ``out-dir``/:data:`ASYNC_CHECKPOINT` (an
@@ -278,7 +279,7 @@ def run_async(link, cfg, fed, algorithm, state, ref, report, t0) -> ServerState:
                          max_failure_fraction=1.0)
     server.logger = ReportLog(report)
     holder["server"] = jobs.server = server
-    drive(server, jobs, ComputeTimeModel(), steps=cfg.rounds * K, max_time=None,
+    drive(server, jobs, ComputeTimeModel(), steps=cfg.rounds, max_time=None,
           checkpoint=ck, checkpoint_every=cfg.checkpoint_every * K, resume=cfg.resume)
     if server.diverged and not report.stopped:  # as the in-process run says it
         report.stopped = f"diverged: {server.diverged}"

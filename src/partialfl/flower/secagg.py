@@ -455,6 +455,15 @@ def secagg_round(link, cfg, fed, state, cohort: np.ndarray, round_: int, algorit
     if strategy.result is None or not len(alive):
         return None, alive
     agg, fitres = strategy.result
+    k = len(alive)  # every surviving client's row is the mean (views of one array)
+    # per client (as concat_results): the most any node's clients spent, not their sum
+    grads = max((int(f.metrics.get("grad-evals", 0)) for f in fitres.values()), default=0)
+    if weighted and not fed.examples[alive].sum() > 0:  # no example behind the round: no
+        # mean to unmask (0/0), and no node's fault — zero weights skip the step (as plain)
+        zeros = {n: np.zeros((k, *np.shape(v)), np.asarray(v).dtype) for n, v in
+                 zip(names, values)}
+        return ClientUpdates({n: arrays.to_torch(v) for n, v in zeros.items()} if fed.torch
+                             else zeros, np.zeros(k), alive.copy(), grads), alive
     bad = (len(agg) != len(names) or any(np.shape(a) != np.shape(v) or not np.isfinite(a).all()
                                          for a, v in zip(agg, values)))
     if bad:
@@ -463,9 +472,6 @@ def secagg_round(link, cfg, fed, state, cohort: np.ndarray, round_: int, algorit
                            "the SecAgg+ aggregate does not fit θ or is not finite", faults)
         return None, np.zeros(0, np.int64)
     mean = {n: a.astype(v.dtype) for n, a, v in zip(names, agg, values)}
-    k = len(alive)  # every surviving client's row is the mean (views of one array)
     vectors = ({n: arrays.to_torch(v).unsqueeze(0).expand(k, *v.shape) for n, v in mean.items()}
                if fed.torch else {n: np.broadcast_to(v, (k, *v.shape)) for n, v in mean.items()})
-    # per client (as concat_results): the most any node's clients spent, not their sum
-    grads = max((int(f.metrics.get("grad-evals", 0)) for f in fitres.values()), default=0)
     return ClientUpdates(vectors, np.ones(k), alive.copy(), grads), alive
