@@ -60,6 +60,20 @@ the defect it names.
   :func:`partialfl.pipeline.compare.compare` (``out.mkdir(...)`` then the writes, with no
   clean-up of an earlier start's temporary files).
 
+* Area 3/8 (a refusal the build could give, given only after the run started), ``[attack]
+  fraction = 0.3`` (⌊0.3·8⌋ = 2 of 8 clients: 0.25) under ``[aggregation] name = "tm", delta
+  = 0.2`` on a least-squares FFGG run: ``partialfl run --dry-run`` accepts it ("dry run:
+  nothing trained, nothing written", exit 0); the run itself ends "partialfl: error: tm: the
+  Byzantine fraction of the run (0.25) exceeds the aggregator's delta = 0.2, the fraction it
+  tolerates; ..." (exit 2) and leaves an empty ``tmat.jsonl`` in ``--out``. Both numbers are
+  the spec's (and the number of clients is known at build), and
+  :func:`partialfl.build.algorithm.check_protected` exists to refuse an unprotected rule
+  "when the spec is built (so ``--dry-run`` says it)"; round 57b made the build refuse its
+  ``[asynchronous]`` misfit for the same reason. Suspected root cause:
+  :meth:`partialfl.algorithms.byzantine.ByzantineRobust.init` (``check_fraction`` only at
+  the run's start) / :func:`partialfl.algorithms.byzantine._byzantine` (no check when the
+  wrapper is built).
+
 Tried and held (run): ``[aggregation] name = "cm"`` on every closed-form algorithm
 (``fedavg``, ``scaffold``, ``ffgg``, ``local-ffgg``, ``fedalt``, ``fedsim``, ``l2gd``: θ moves);
 ``weighting = "examples"`` on each (accepted; equal example counts, so θ equal to rounding;
@@ -220,3 +234,48 @@ def test_a_rerun_compare_cleans_its_killed_writes_temporary_file(two_runs, name)
     assert r.returncode == 0 and (out / "compare.md").is_file(), r.stderr[-400:]
     left = sorted(p.name for p in out.rglob(".*.tmp"))
     assert not left, f"stale temporary files kept for good: {left}"
+
+
+# ----------------------------------------------------------------------------- area 3/8
+def _tm_toml(path, delta: float):
+    path.write_text(f"""name = "tmat"
+[problem]
+name = "least-squares"
+num_clients = 8
+n = 200
+d_theta = 5
+d_w = 3
+[method]
+algorithm = "ffgg"
+[aggregation]
+name = "tm"
+delta = {delta}
+[attack]
+fraction = 0.3
+attack = "sign-flip"
+[personalize]
+rounds = 5
+clients_per_round = 0
+client = {{ name = "gd", tau = 3 }}
+""")
+    return path
+
+
+def test_control_a_fraction_within_delta_runs(tmp_path):
+    cfg = _tm_toml(tmp_path / "ok.toml", 0.25)
+    assert _cli(tmp_path, "run", str(cfg), "--dry-run").returncode == 0
+    p = _cli(tmp_path, "run", str(cfg), "--out", str(tmp_path / "o"), "--no-progress")
+    assert p.returncode == 0, p.stderr[-400:]
+
+
+@pytest.mark.xfail(strict=True, reason="attack fraction above the rule's delta: --dry-run "
+                   "accepts it; only the run's start refuses (exit 2, an empty JSONL left)")
+def test_a_fraction_above_delta_is_refused_by_the_dry_run(tmp_path):
+    """Found: ``--dry-run`` exit 0; the run: "tm: the Byzantine fraction of the run (0.25)
+    exceeds the aggregator's delta = 0.2 ...", exit 2, ``tmat.jsonl`` left. Expected: the
+    build refuses it (one line, exit 2, also under ``--dry-run``)."""
+    cfg = _tm_toml(tmp_path / "bad.toml", 0.2)
+    p = _cli(tmp_path, "run", str(cfg), "--out", str(tmp_path / "o"), "--no-progress")
+    assert p.returncode == 2 and "exceeds the aggregator's delta" in p.stderr, p.stderr[-300:]
+    dry = _cli(tmp_path, "run", str(cfg), "--dry-run")
+    assert dry.returncode == 2 and "Traceback" not in dry.stderr, dry.stdout[-200:]
