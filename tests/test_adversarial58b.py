@@ -74,6 +74,20 @@ the defect it names.
   the run's start) / :func:`partialfl.algorithms.byzantine._byzantine` (no check when the
   wrapper is built).
 
+* Area 4/8 (a run's own file replaced by another command; minor: the user names the path),
+  ``partialfl evaluate RUN --json RUN/deploy.safetensors`` (or ``RUN/metrics.json``,
+  ``RUN/stage2.ckpt``: any file the run lists in ``run_files.json``) prints the table,
+  "metrics written to RUN/deploy.safetensors", exit 0 — the trained model is replaced by
+  the evaluation's JSON, after which the run is unusable (``evaluate RUN``: "... is truncated
+  or not a safetensors file"); with ``RUN/metrics.json`` instead, ``compare`` silently drops
+  the run's training-client section and relabels its group. The run's files are otherwise
+  guarded: a later command's file is refused when it is one of the user's names
+  (:func:`partialfl.pipeline.run_files.record_added`), a run refuses to start beside a file
+  named like one of its own (``RUN_NAMES``). Expected: ``--json`` naming a file a run owns
+  (listed in a ``run_files.json`` beside it) refused in one line, exit 2, the file kept.
+  Suspected root cause: :mod:`partialfl.cli.runs` (``pio.write_text(Path(args.json), ...)``
+  with no check of whose file it replaces).
+
 Tried and held (run): ``[aggregation] name = "cm"`` on every closed-form algorithm
 (``fedavg``, ``scaffold``, ``ffgg``, ``local-ffgg``, ``fedalt``, ``fedsim``, ``l2gd``: θ moves);
 ``weighting = "examples"`` on each (accepted; equal example counts, so θ equal to rounding;
@@ -86,11 +100,15 @@ at k = 4 (refused: ⌊δk⌋ = 0); ``[faults] rate = 0`` and ``kinds = ["nan"]``
 exit 2, or a result); ``reproduce ls-compare --backend sequential|processes`` (one line);
 ``reproduce faults --seeds -1``, ``byzantine --seeds 1e20``, ``async --folds 3`` (one line);
 ``reproduce faults --quick --seeds 1 1`` (runs twice; its checks and comparisons take the
-set of seeds); ``compare A A B``, ``compare A LINK_TO_A B`` (counted once), ``compare A
-COPY_OF_A B`` (one line); kill -9 of ``compare --out`` at ``run_files.json`` /
-``compare.json`` (no such write: finishes); ``data convert leaf-json`` with ``--max-clients
-0 / -1``, ``--option`` ``seq_len=abc`` / ``=3`` / ``foo`` / ``__class__=1`` (one line, nothing
-left), into a user folder or a link with and without ``--overwrite`` (refused, kept).
+set of seeds); ``evaluate RUN`` with ``--finetune-epochs 0``, ``--lr 1e-320`` (run), ``--lr
+inf`` / ``--json RUN`` (a folder: one line, no temporary file left); ``compare A A B``,
+``compare A LINK_TO_A B`` (counted once), ``compare A COPY_OF_A B`` (one line); an
+``[attack]`` with ``cm`` under ``fedasync``, with ``tm`` δ 0.25 under ``fedbuff`` K 8 (run),
+``krum`` δ 0.25 under ``fedbuff`` K 4 (refused at build); kill -9 of ``compare --out`` at
+``run_files.json`` / ``compare.json`` (no such write: finishes); ``data convert
+leaf-json`` with ``--max-clients 0 / -1``, ``--option`` ``seq_len=abc`` / ``=3`` / ``foo`` /
+``__class__=1`` (one line, nothing left), into a user folder or a link with and without
+``--overwrite`` (refused, kept).
 """
 
 from __future__ import annotations
@@ -279,3 +297,27 @@ def test_a_fraction_above_delta_is_refused_by_the_dry_run(tmp_path):
     assert p.returncode == 2 and "exceeds the aggregator's delta" in p.stderr, p.stderr[-300:]
     dry = _cli(tmp_path, "run", str(cfg), "--dry-run")
     assert dry.returncode == 2 and "Traceback" not in dry.stderr, dry.stdout[-200:]
+
+
+# ----------------------------------------------------------------------------- area 4/8
+def test_control_evaluate_json_to_a_new_file(two_runs):
+    p = _cli(two_runs, "evaluate", "runs/a", "--allow-code", "--no-progress", "--json",
+             "ev.json")
+    assert p.returncode == 0 and (two_runs / "ev.json").is_file(), p.stderr[-400:]
+
+
+@pytest.mark.xfail(strict=True, reason="evaluate --json RUN/deploy.safetensors replaces the "
+                   "run's trained model with JSON (exit 0); the run is then unusable")
+def test_evaluate_json_never_replaces_a_file_of_the_run(two_runs):
+    """Found: exit 0, "metrics written to runs/c/deploy.safetensors"; ``evaluate runs/c``
+    then fails ("not a safetensors file"). Expected: one line, exit 2, the model kept."""
+    import shutil
+
+    run = two_runs / "runs" / "c"
+    shutil.rmtree(run, ignore_errors=True)
+    shutil.copytree(two_runs / "runs" / "a", run)
+    model = (run / "deploy.safetensors").read_bytes()
+    p = _cli(two_runs, "evaluate", "runs/c", "--allow-code", "--no-progress", "--json",
+             "runs/c/deploy.safetensors")
+    kept = (run / "deploy.safetensors").read_bytes() == model
+    assert p.returncode == 2 and kept, (p.returncode, kept, p.stdout.strip()[-120:])
