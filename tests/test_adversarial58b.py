@@ -3,8 +3,13 @@ someone who did not write the fixes, against 69b55dd: round 57b's L2GD aggregati
 weighting / ``[asynchronous]`` fixes), entered through every closed-form algorithm with
 ``[aggregation]``, ``weighting = "examples"``, ``[asynchronous]``, ``[attack]``, ``[faults]``
 and ``[privacy]``, the ``backend`` of a closed-form run, ``advise`` and the reproductions'
-``--quick`` paths with odd options. Each test below its controls fails on that code because of
-the defect it names.
+``--quick`` paths with odd options. Each test below its controls failed on that code because
+of the defect it names, and passes since the fix: L2GD computes any part of its cohort (each
+client's steps depend on the round's coin only; full participation stays a build check), so
+per-client backends and fault isolation work; ``--seeds`` refuses a repeated seed;
+``compare`` cleans the temporary files of its own killed writes; the attack fraction is
+checked against the rule's δ at build; ``evaluate --json`` refuses a file a run wrote
+(:func:`partialfl.pipeline.run_files.refuse_run_file`).
 
 * Area 1/8 (a valid configuration whose every client is counted as failed),
   ``algorithm = "l2gd"`` (least squares, ``clients_per_round = 0``: all) with ``backend =
@@ -165,8 +170,6 @@ def test_control_l2gd_on_the_default_backend_trains(tmp_path):
     assert p.returncode == 0, p.stderr[-400:]
 
 
-@pytest.mark.xfail(strict=True, reason="l2gd on a per-client backend: --dry-run accepts it, "
-                   "then every client fails with 'L2GD needs full participation' (exit 2)")
 @pytest.mark.parametrize("backend", ["sequential", "threads", "processes"])
 def test_l2gd_on_a_per_client_backend_trains_or_is_refused(tmp_path, backend):
     """Found: dry run exit 0; the run logs all 8 clients as failed and ends "L2GD needs full
@@ -175,14 +178,28 @@ def test_l2gd_on_a_per_client_backend_trains_or_is_refused(tmp_path, backend):
     _trains_or_is_refused_at_build(tmp_path, _l2gd_toml(tmp_path / "b.toml", backend=backend))
 
 
+@pytest.mark.parametrize("backend", ["sequential", "threads"])
+def test_l2gd_per_client_is_the_batched_run(backend):
+    """The fix's claim: each client's L2GD steps depend on the round's shared coin only, so
+    one client per call gives the batched (vmap) run's θ and personal models."""
+    import numpy as np
+    from _flower_sims import in_process, ls_run
+
+    spec = {"method": {"algorithm": "l2gd"}, "personalize": {"client": {"name": "gd",
+                                                                        "tau": 3}}}
+    runs = {b: in_process(ls_run(6, spec={**spec, "backend": b}))[1]
+            for b in ("vmap", backend)}
+    for n, v in runs["vmap"].state.theta.items():
+        np.testing.assert_allclose(np.asarray(runs[backend].state.theta[n]), np.asarray(v),
+                                   rtol=1e-10, atol=1e-12)
+
+
 def test_control_l2gd_with_nan_faults_trains(tmp_path):
     p = _cli(tmp_path, "run", str(_l2gd_toml(tmp_path / "n.toml", faults="nan")), "--out",
              str(tmp_path / "out"), "--no-progress")
     assert p.returncode == 0, p.stderr[-400:]
 
 
-@pytest.mark.xfail(strict=True, reason="l2gd with raise faults: --dry-run accepts it, then "
-                   "the fault isolation counts every healthy client as failed (exit 1)")
 def test_l2gd_with_raise_faults_is_refused_or_counts_only_the_faults(tmp_path):
     """Found: dry run exit 0; healthy clients logged "it failed (ValueError: L2GD needs full
     participation ...)", the run ends "injected raise fault in client 0, round 0", exit 1.
@@ -204,8 +221,6 @@ def test_control_two_distinct_seeds_give_an_interval(tmp_path):
     assert summary is not None and "over the 2 seeds" in summary, p.stderr[-400:]
 
 
-@pytest.mark.xfail(strict=True, reason="reproduce async --seeds 0 0: one draw reported as a "
-                   "95% t interval over 2 seeds (zero width, MDE 0.00)")
 def test_repeated_seeds_are_refused_or_counted_once(tmp_path):
     """Found: exit 0, "95% t interval over the 2 seeds", intervals like [-24.45, -24.45],
     MDE 0.00. Expected: one line, exit 2, or the seed counted once (no interval)."""
@@ -235,8 +250,6 @@ def two_runs(tmp_path_factory):
     return root
 
 
-@pytest.mark.xfail(strict=True, reason="compare --out killed at its commit: the rerun keeps "
-                   "the stale .compare.png.*.tmp for good (no clean-up in compare)")
 @pytest.mark.parametrize("name", ["compare.png", "compare.md"])
 def test_a_rerun_compare_cleans_its_killed_writes_temporary_file(two_runs, name):
     """Found: after the kill, ``C/.compare.png.XXXXXXXX.tmp``; the same command again exits 0
@@ -286,8 +299,6 @@ def test_control_a_fraction_within_delta_runs(tmp_path):
     assert p.returncode == 0, p.stderr[-400:]
 
 
-@pytest.mark.xfail(strict=True, reason="attack fraction above the rule's delta: --dry-run "
-                   "accepts it; only the run's start refuses (exit 2, an empty JSONL left)")
 def test_a_fraction_above_delta_is_refused_by_the_dry_run(tmp_path):
     """Found: ``--dry-run`` exit 0; the run: "tm: the Byzantine fraction of the run (0.25)
     exceeds the aggregator's delta = 0.2 ...", exit 2, ``tmat.jsonl`` left. Expected: the
@@ -306,8 +317,6 @@ def test_control_evaluate_json_to_a_new_file(two_runs):
     assert p.returncode == 0 and (two_runs / "ev.json").is_file(), p.stderr[-400:]
 
 
-@pytest.mark.xfail(strict=True, reason="evaluate --json RUN/deploy.safetensors replaces the "
-                   "run's trained model with JSON (exit 0); the run is then unusable")
 def test_evaluate_json_never_replaces_a_file_of_the_run(two_runs):
     """Found: exit 0, "metrics written to runs/c/deploy.safetensors"; ``evaluate runs/c``
     then fails ("not a safetensors file"). Expected: one line, exit 2, the model kept."""

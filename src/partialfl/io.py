@@ -26,7 +26,7 @@ import re
 import stat
 import struct
 import tempfile
-from collections.abc import Iterator, Mapping
+from collections.abc import Collection, Iterator, Mapping
 from pathlib import Path
 from typing import IO, Any
 
@@ -97,16 +97,19 @@ def atomic_write(path: str | Path, mode: str = "w", *, private: bool = False,
 _STALE = re.compile(r"^\..+\.[a-z0-9_]{8}\.tmp$")
 
 
-def clean_stale_writes(folder: str | Path, recursive: bool = True) -> list[Path]:
+def clean_stale_writes(folder: str | Path, recursive: bool = True,
+                       targets: Collection[str] | None = None) -> list[Path]:
     """Remove the temporary files that killed :func:`atomic_write` s left in ``folder`` (and,
-    ``recursive``, its sub-folders; no process may be writing there); returns them. Symbolic
-    links are neither followed nor removed."""
+    ``recursive``, its sub-folders; no process may be writing there); returns them.
+    ``targets``: only those of writes to these file names (a command cleaning its own files
+    in a folder others may write to). Symbolic links are neither followed nor removed."""
     gone = []
     for root, _, files in (os.walk(folder) if recursive
                            else [(folder, None, os.listdir(folder))]):
         for name in files:
             f = Path(root) / name
-            if _STALE.match(name) and not f.is_symlink() and f.is_file():
+            mine = targets is None or any(name.startswith(f".{t}.") for t in targets)
+            if mine and _STALE.match(name) and not f.is_symlink() and f.is_file():
                 with contextlib.suppress(FileNotFoundError):
                     f.unlink()
                     gone.append(f)

@@ -352,5 +352,11 @@ def _byzantine(opts: ByzantineOptions, ctx: WrapperContext) -> ByzantineRobust:
     agg = ctx.aggregator if ctx.aggregator is not None else Mean()
     byz = ByzantineConfig.sample(ctx.num_clients, opts.fraction, ctx.seed,
                                  opts.attack.build(), exclude=trusted_client(agg))
+    if len(byz.clients):  # at build (a dry run says it), as init does at the run's start
+        try:
+            check_fraction(agg, len(byz.clients) / ctx.num_clients,
+                           bool(getattr(agg, "allow_unprotected", False)))
+        except ValueError as e:
+            raise ConfigError(f"attack: {e}") from None
     return ByzantineRobust(ctx.base, agg, byz, clients_per_round=ctx.clients_per_round,
                            allow_unprotected=bool(getattr(agg, "allow_unprotected", False)))

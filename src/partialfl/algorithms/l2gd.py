@@ -74,9 +74,10 @@ class L2GD(DeployAll, Algorithm):
 
     def client_update(self, state, problem, cohort, ctx, client_state=None):
         """The averaging step that closed the previous round, then local steps on x_m until the coin
-        says communicate; sends x_m − x̄. Needs full participation."""
-        if len(cohort) != problem.num_clients:
-            raise ValueError("L2GD needs full participation (clients_per_round = all)")
+        says communicate; sends x_m − x̄. Each client's steps depend on the round's shared
+        coin only, so any backend may compute the cohort in parts (one client per job too);
+        the round needs every client (the registry's ``full_participation``, checked at
+        build)."""
         local, avg = self._steps(problem)
         x = {n: arrays.copy(client_state[n]) for n in state.theta}
         if ctx.round > 0:  # the averaging step that closed the previous round

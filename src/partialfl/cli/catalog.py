@@ -61,6 +61,9 @@ def _cmd_reproduce(args) -> int:
     bad = [s for s in args.seeds or () if not 0 <= s < 2 ** 63]  # numpy's message named none
     if bad:
         raise ValueError(f"--seeds: {bad[0]} is not allowed; seeds are integers in [0, 2^63)")
+    twice = sorted({s for s in args.seeds or () if list(args.seeds).count(s) > 1})
+    if twice:  # a repeated seed would count one run twice in the intervals over seeds
+        raise ValueError(f"--seeds: {twice[0]} is given twice; each seed runs once")
     from partialfl.pipeline.run_files import claim_folder
 
     # the user's files in --out are never replaced; a rerun resumes (its temp files cleaned)

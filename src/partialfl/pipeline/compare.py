@@ -189,7 +189,9 @@ def compare(paths: Sequence[str | Path], out: str | Path, *, baseline: str | Non
     out.mkdir(parents=True, exist_ok=True)
     from partialfl.pipeline.run_files import record_added
 
-    for name in ("compare.md", "compare.png"):  # into a run folder: its files from now on
+    names = ("compare.md", "compare.png")
+    pio.clean_stale_writes(out, recursive=False, targets=names)  # of a killed compare
+    for name in names:  # into a run folder: its files from now on
         record_added(out, name)
     _plot(out / "compare.png", intervals, bad)
     lines.append("Plot: `compare.png` (accuracy with its 95% interval per group"

@@ -141,6 +141,18 @@ def record_added(out: Path, name: str) -> None:
                                          + [RUN_FILES]})
 
 
+def refuse_run_file(path: Path, option: str) -> None:
+    """FileExistsError (one line) when ``path`` is, or lies in, an entry a finished run
+    wrote (its folder's ``run_files.json`` lists it): a command's output (``option``) never
+    replaces a run's model, metrics or report."""
+    path = Path(path).absolute()
+    for folder in path.parents:
+        entry = path.relative_to(folder).parts[0]
+        if entry in set(_names(folder / RUN_FILES) or []) - {RUN_FILES}:
+            raise FileExistsError(f"{option} {path}: a file of the run in {folder} "
+                                  f"({entry}); choose another path")
+
+
 def record_end(out: Path) -> None:
     """After a run finished in ``out``: the top-level names it wrote (all but the user's)."""
     mine = set(_names(out / PREEXISTING) or []) - {PREEXISTING, RUN_FILES}
