@@ -40,7 +40,17 @@ Tried and held (run unless marked "read"): FedBuff on Flower against in process 
 server step and stopped after step 1 (``stop:round=0`` and ``stop:round=1``), resumed: θ,
 the number of records and ``local_grads`` equal to the uninterrupted run's;
 ``checkpoint-every = 2`` stopped before its first checkpoint: the resume refused in one
-line ("no checkpoint").
+line ("no checkpoint"); FedBuff with ``concurrency`` 2 and 3 (K = 2, 3; ``rounds`` 7, 8, 9;
+``checkpoint-every`` 1, 2, 3), stopped and resumed: θ and ``local_grads`` equal to the
+uninterrupted run's (observed, not filed: a resumed run's ``requested_client_updates``
+also counts the replies that were pulled but not yet applied at the checkpoint and are sent
+again, 12 against 9); round 58a's cold-start federation with ``weighting = "examples"``,
+plain Flower against SecAgg+ record by record (12 server steps each, no failure,
+``grad_evals`` equal; SecAgg+ records no ``train_loss``); (read) the SecAgg+ node reply
+(metrics in Flower's ConfigRecord, which ``secaggplus_mod`` does not mask: counts and the
+allowed aggregated sums only; the weight in clear is the known "one free float"); (read) a
+hostile server's ``clients`` list in SecAgg+'s FitIns config (JSON, checked against the
+node's own clients) and its shared numbers (only ``shared_extra`` names, int or float).
 """
 
 from __future__ import annotations
