@@ -3,7 +3,10 @@ someone who did not write the fixes, against 92a5afa: the code of round 58a's fi
 :func:`partialfl.flower.jobs.run_async` counting the stage's ``rounds`` as applied updates
 (FedBuff: ``rounds``/K server steps), ``checkpoint-every`` in server steps, and
 ``secagg_round``'s zero-weight skip —, Flower runs compared record by record with the
-in-process run).
+in-process run). Each test failed on that code because of the defect it names, and passes
+since the fix: Flower's asynchronous run has the nodes evaluate where the in-process run
+does — every ``eval_every`` applied updates, before the first and after the last — and
+records the final state (a partial last buffer) as ``AsyncServer.result`` does in process.
 
 * Area 2 (the ServerApp runs another run than the spec), a FedBuff run on Flower never
   evaluates its final θ: since round 58a the stage's ``rounds`` are applied updates
@@ -55,9 +58,6 @@ node's own clients) and its shared numbers (only ``shared_extra`` names, int or 
 
 from __future__ import annotations
 
-import logging
-import warnings
-
 import numpy as np
 import pytest
 
@@ -65,17 +65,7 @@ flwr = pytest.importorskip("flwr", reason="flwr is not installed (pip install "
                            "'partialfl[flower]')")
 
 from _flower_loopback import loopback  # noqa: E402, F401 - the fixture
-from _flower_sims import in_process, ls_run  # noqa: E402
-
-
-def _quiet(fn, *a):
-    logging.disable(logging.WARNING)
-    try:
-        with warnings.catch_warnings():
-            warnings.simplefilter("ignore")
-            return fn(*a)
-    finally:
-        logging.disable(logging.NOTSET)
+from _flower_sims import in_process, ls_run, quiet  # noqa: E402
 
 
 def _fedbuff(loopback, rounds, k, eval_every):  # noqa: F811
@@ -85,7 +75,7 @@ def _fedbuff(loopback, rounds, k, eval_every):  # noqa: F811
                  spec={"asynchronous": {"rule": {"name": "fedbuff", "buffer": k},
                                         "concurrency": 1}})
     _, ref = in_process(run)
-    rep = _quiet(run_server, loopback(3), run)
+    rep = quiet(run_server, loopback(3), run)
     assert not rep.failures
     for n in rep.theta:  # the same run (round 58a's fix)
         np.testing.assert_allclose(np.asarray(rep.theta[n]), np.asarray(ref.state.theta[n]),
@@ -98,9 +88,6 @@ def test_control_fedasync_evaluates_its_final_theta_on_flower(loopback):  # noqa
     assert rep.history[-1]["eval_loss_gap"] == pytest.approx(ref.history[-1]["loss_gap"])
 
 
-@pytest.mark.xfail(strict=True, reason="Flower's FedBuff evaluation schedule counts server "
-                   "steps against the stage's rounds (applied updates): the final θ is never "
-                   "evaluated")
 @pytest.mark.parametrize("k,every", [(2, 0), (2, 2), (3, 3)])
 def test_fedbuff_on_flower_evaluates_as_in_process(loopback, k, every):  # noqa: F811
     """Found (rounds = 6, K = 2, eval_every = 0): in process ``loss_gap`` 24.709 before the
@@ -112,8 +99,6 @@ def test_fedbuff_on_flower_evaluates_as_in_process(loopback, k, every):  # noqa:
     assert got == want
 
 
-@pytest.mark.xfail(strict=True, reason="Flower's FedBuff run records nothing after its last "
-                   "full buffer: a partial last buffer's gradient evaluations are in no record")
 @pytest.mark.parametrize("rounds,k", [(5, 2), (7, 3)])
 def test_fedbuff_partial_last_buffer_is_recorded_on_flower(loopback, rounds, k):  # noqa: F811
     """Found (rounds = 5, K = 2): in process the last record's ``grad_evals`` is 30 (5

@@ -89,10 +89,11 @@ def eval_reduce(cfg: FlowerConfig, fed: Federation, ids, got, round_: int,
 
 
 def evaluate_now(link: Link, cfg: FlowerConfig, fed: Federation, state, round_: int,
-                 report: FlowerRunReport, shared=None) -> dict[str, Any]:
-    """The round's evaluation metrics when due (:func:`eval_due`), else ``{}``; ``shared``:
-    see :func:`eval_items`."""
-    if not eval_due(cfg, round_):
+                 report: FlowerRunReport, shared=None, due: bool | None = None
+                 ) -> dict[str, Any]:
+    """The round's evaluation metrics when due (``due``; None: :func:`eval_due`), else
+    ``{}``; ``shared``: see :func:`eval_items`."""
+    if not (eval_due(cfg, round_) if due is None else due):
         return {}
     ids, got = link.exchange(eval_items(fed, state.theta, round_, shared), cfg.round_timeout)
     return eval_reduce(cfg, fed, ids, got, round_, report)

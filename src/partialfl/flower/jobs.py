@@ -16,6 +16,7 @@ flight are sent again). Flower has no asynchronous strategy; this loop only uses
 
 from __future__ import annotations
 
+import math
 import time
 from dataclasses import asdict
 from pathlib import Path
@@ -247,6 +248,9 @@ def run_async(link, cfg, fed, algorithm, state, ref, report, t0) -> ServerState:
     tasks are sent again (the SuperNodes are stateless: a task's update depends only on θ,
     its client and its task number) and idle slots get new clients."""
     K = cfg.buffer_size
+    # the nodes evaluate where the in-process run does: every eval_every applied updates
+    # (0: none between), before the first and after the last; a record per server step
+    every = cfg.eval_every or max(1, cfg.rounds)
     conc = min(cfg.asynchronous.concurrency, fed.num_clients)
     alg = algorithm  # the spec's asynchronous rule (FedAsync, FedBuff) wraps the method
     holder: dict[str, AsyncServer] = {}
@@ -260,8 +264,10 @@ def run_async(link, cfg, fed, algorithm, state, ref, report, t0) -> ServerState:
                         "max_staleness": max(stale), "local_grads": server.grad_evals})
         else:
             rec["local_grads"] = 0
+        n = server.arrivals if server is not None else 0
         rec.update(evaluate_now(link, cfg, fed, st, st.round, report,
-                                shared_entries(shared_state(a, st))))
+                                shared_entries(shared_state(a, st)),
+                                due=n in (0, cfg.rounds) or n % every == 0))
         if ref is not None:
             rec.update(closed_form_metrics(algorithm, st, ref, None,
                                            RoundContext(cfg.seed, st.round), with_loss=False))
@@ -274,13 +280,15 @@ def run_async(link, cfg, fed, algorithm, state, ref, report, t0) -> ServerState:
     if cfg.resume and not ck.path.is_file():
         raise checkpoint.CheckpointError(f"run-config key 'resume': no checkpoint at {ck.path}")
     server = AsyncServer(problem, alg, concurrency=conc, seed=cfg.seed, theta0=state.theta,
-                         evaluate=evaluate, eval_every=K,
+                         evaluate=evaluate,
+                         eval_every=math.gcd(K, cfg.eval_every) if cfg.eval_every else K,
                          logger=None if cfg.resume else ReportLog(report),  # replayed
                          max_failure_fraction=1.0)
     server.logger = ReportLog(report)
     holder["server"] = jobs.server = server
     drive(server, jobs, ComputeTimeModel(), steps=cfg.rounds, max_time=None,
           checkpoint=ck, checkpoint_every=cfg.checkpoint_every * K, resume=cfg.resume)
+    server.result(0.0)  # the final state's record, as in process (a partial last buffer)
     if server.diverged and not report.stopped:  # as the in-process run says it
         report.stopped = f"diverged: {server.diverged}"
     return server.state
