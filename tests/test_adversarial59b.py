@@ -33,6 +33,18 @@ defect it names.
   :func:`partialfl.pipeline.run_files.refuse_run_file` (no ``os.path.normpath`` /
   ``resolve`` of the path before the walk).
 
+* Area 4/8 (same guard, the records of a study and of a reproduction), ``partialfl
+  evaluate RUN --json STUDY/study.json`` (a finished ``train --seeds 0 1`` study) prints
+  "metrics written to STUDY/study.json", exit 0: the study's index is replaced, after which
+  ``compare STUDY`` fails ("STUDY/study.json: not a study index"); ``--json
+  REPRO/reproduction.json`` (a finished ``reproduce ls-tau --quick``) replaces the
+  reproduction's marker, after which the same ``reproduce`` into its own folder is refused
+  ("REPRO holds files that are not its"), so a killed or extended reproduction can no longer
+  resume there. The guard knows only ``run_files.json``. Expected: ``--json`` naming a
+  study's ``study.json`` or a reproduction's ``reproduction.json`` refused in one line,
+  exit 2, the file kept. Suspected root cause:
+  :func:`partialfl.pipeline.run_files.refuse_run_file` (checks ``run_files.json`` lists only).
+
 * Area 1/8 (a lossy run that does not say so), a closed-form ``partialfl run`` with
   ``backend = { name = "processes" }`` and ``[faults] kinds = ["die"]`` (FedAvg, Scaffold,
   L2GD on least squares) loses 13 client updates to dead workers (``worker_deaths=13`` in
@@ -143,6 +155,30 @@ def test_evaluate_json_through_a_new_folder_and_dotdot_keeps_the_model(trained):
     p = _evaluate_json(trained, run, f"runs/{run.name}/nope/../deploy.safetensors")
     kept = (run / "deploy.safetensors").read_bytes() == model
     assert p.returncode == 2 and kept, (p.returncode, kept, p.stdout.strip()[-100:])
+
+
+@pytest.mark.xfail(strict=True, reason="refuse_run_file guards run_files.json lists only: "
+                   "a study's study.json and a reproduction's reproduction.json are replaced")
+@pytest.mark.parametrize("what", ["study", "reproduction"])
+def test_evaluate_json_never_replaces_a_study_or_reproduction_record(trained, what):
+    """Found: exit 0, "metrics written to st/study.json" (``compare st`` then fails) /
+    "metrics written to rp/reproduction.json" (the reproduction then refuses its own
+    folder). Expected: one line, exit 2, the record kept."""
+    if what == "study":
+        out, name = trained / "st", "study.json"
+        args = ("train", "a.toml", "--allow-code", "--seeds", "0", "1", "--jobs", "1",
+                "--out", str(out))
+    else:
+        out, name = trained / "rp", "reproduction.json"
+        args = ("reproduce", "ls-tau", "--quick", "--no-progress", "--out", str(out))
+    if not (out / name).exists():
+        p = _cli(trained, *args)
+        assert p.returncode == 0, p.stderr[-400:]
+    record = (out / name).read_bytes()
+    p = _cli(trained, "evaluate", "runs/a", "--allow-code", "--no-progress", "--json",
+             str(out / name))
+    kept = (out / name).read_bytes() == record
+    assert p.returncode == 2 and kept, (p.returncode, kept, p.stdout.strip()[-80:])
 
 
 # ----------------------------------------------------------------------------- area 1/8
