@@ -45,6 +45,17 @@ defect it names.
   exit 2, the file kept. Suspected root cause:
   :func:`partialfl.pipeline.run_files.refuse_run_file` (checks ``run_files.json`` lists only).
 
+* Area 4 (a killed write's temporary file kept), ``partialfl report RUN`` (rebuilding a
+  finished run's report and plots) killed (SIGKILL) at the commit of ``report.md`` (or
+  ``learning_curves.png``, ``per_client_accuracy.png``) leaves
+  ``RUN/.report.md.XXXXXXXX.tmp``; ``report RUN`` run again finishes (exit 0) and keeps it,
+  and so does ``compare RUN`` (which since 58b cleans only its own ``compare.*`` writes);
+  only a new ``train`` into the run's folder would remove it. Round 58b fixed exactly this
+  for ``compare``. Expected: the rerun of ``report`` removes the temporary files of its own
+  killed writes. Suspected root cause: :func:`partialfl.cli.runs._cmd_report` /
+  :func:`partialfl.pipeline.train_report.write_report` (no
+  :func:`partialfl.io.clean_stale_writes` of the run folder before rebuilding).
+
 * Area 1/8 (a lossy run that does not say so), a closed-form ``partialfl run`` with
   ``backend = { name = "processes" }`` and ``[faults] kinds = ["die"]`` (FedAvg, Scaffold,
   L2GD on least squares) loses 13 client updates to dead workers (``worker_deaths=13`` in
@@ -179,6 +190,25 @@ def test_evaluate_json_never_replaces_a_study_or_reproduction_record(trained, wh
              str(out / name))
     kept = (out / name).read_bytes() == record
     assert p.returncode == 2 and kept, (p.returncode, kept, p.stdout.strip()[-80:])
+
+
+# ----------------------------------------------------------------------------- area 4
+@pytest.mark.xfail(strict=True, reason="`report RUN` killed mid-write leaves .report.md.*.tmp; "
+                   "the rerun of report does not clean it (58b fixed this for compare only)")
+@pytest.mark.parametrize("name", ["report.md", "learning_curves.png"])
+def test_a_rerun_report_cleans_its_killed_writes_temporary_file(trained, name):
+    """Found: after the kill ``RUN/.report.md.XXXXXXXX.tmp``; ``report RUN`` again exits 0
+    and keeps it. Expected: the rerun removes it."""
+    from _adv_cli import killed
+
+    run = _copy(trained, f"r-{name.split('.')[0]}")
+    r = killed(trained, None, "replace", f"/{run.name}/{name}", "report", f"runs/{run.name}")
+    assert r.returncode == -9, (r.returncode, r.stderr[-300:])
+    assert list(run.glob(f".{name}.*.tmp"))  # the killed write's
+    r = _cli(trained, "report", f"runs/{run.name}")
+    assert r.returncode == 0 and (run / "report.md").is_file(), r.stderr[-300:]
+    left = sorted(p.name for p in run.rglob(".*.tmp"))
+    assert not left, f"stale temporary files kept: {left}"
 
 
 # ----------------------------------------------------------------------------- area 1/8
