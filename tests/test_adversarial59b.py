@@ -56,6 +56,15 @@ defect it names.
   :func:`partialfl.pipeline.train_report.write_report` (no
   :func:`partialfl.io.clean_stale_writes` of the run folder before rebuilding).
 
+* Area 4 (same, ``evaluate --json``), ``partialfl evaluate RUN --json OUT/ev.json`` (a
+  folder of the user's, or ``RUN/ev.json`` inside the run) killed at the commit of
+  ``ev.json`` leaves ``.ev.json.XXXXXXXX.tmp`` beside it; the same command again exits 0,
+  writes ``ev.json`` and keeps the temporary file. Expected: as ``compare`` since 58b
+  (:func:`partialfl.io.clean_stale_writes` with ``targets``), the rerun removes the
+  temporary file of its own killed write. Suspected root cause:
+  :func:`partialfl.cli.runs._cmd_evaluate` (writes ``--json`` with no clean-up of an earlier
+  start's temporary file).
+
 * Area 1/8 (a lossy run that does not say so), a closed-form ``partialfl run`` with
   ``backend = { name = "processes" }`` and ``[faults] kinds = ["die"]`` (FedAvg, Scaffold,
   L2GD on least squares) loses 13 client updates to dead workers (``worker_deaths=13`` in
@@ -208,6 +217,27 @@ def test_a_rerun_report_cleans_its_killed_writes_temporary_file(trained, name):
     r = _cli(trained, "report", f"runs/{run.name}")
     assert r.returncode == 0 and (run / "report.md").is_file(), r.stderr[-300:]
     left = sorted(p.name for p in run.rglob(".*.tmp"))
+    assert not left, f"stale temporary files kept: {left}"
+
+
+@pytest.mark.xfail(strict=True, reason="`evaluate --json FILE` killed mid-write leaves "
+                   ".FILE.*.tmp; the rerun writes FILE and keeps it")
+@pytest.mark.parametrize("inside", [False, True])
+def test_a_rerun_evaluate_json_cleans_its_killed_writes_temporary_file(trained, inside):
+    """Found: ``.ev.json.XXXXXXXX.tmp`` kept after the rerun (exit 0). Expected: removed."""
+    from _adv_cli import killed
+
+    run = _copy(trained, f"e-{inside}")
+    target = f"runs/{run.name}/ev.json" if inside else f"evout-{inside}/ev.json"
+    (trained / target).parent.mkdir(exist_ok=True)
+    args = ("evaluate", f"runs/{run.name}", "--allow-code", "--no-progress", "--json", target)
+    r = killed(trained, None, "replace", "/" + target, *args)
+    assert r.returncode == -9, (r.returncode, r.stderr[-300:])
+    folder = (trained / target).parent
+    assert list(folder.glob(".ev.json.*.tmp"))  # the killed write's
+    r = _cli(trained, *args)
+    assert r.returncode == 0 and (trained / target).is_file(), r.stderr[-300:]
+    left = sorted(p.name for p in folder.glob(".*.tmp"))
     assert not left, f"stale temporary files kept: {left}"
 
 
