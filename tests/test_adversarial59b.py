@@ -99,7 +99,18 @@ model runs on ``backend = processes`` with ``checkpoint_every = 1`` killed (SIGK
 commit of ``stage2.gN.server.ckpt``, ``stage2.gN.client-side.ckpt``, ``stage2.ckpt``,
 ``client_state_stage2.client-side.safetensors`` and at the removal of an older generation:
 each resumed run's θ, deployed model, client state and accuracy equal the uninterrupted
-run's.
+run's; L2GD, Scaffold, FedAlt and FedSim on ``processes`` against ``vmap`` (θ and client
+state equal to rounding); ``[attack] fraction = 0.3`` against ``tm`` with ``bucketing = 2``,
+``krum`` with ``nnm``, ``meamed``, ``cm`` with ``arc`` (dry run and run give the same one
+line), ``tm`` δ 0.25 at ``clients_per_round = 4`` (a cohort over δ warned and counted);
+``checkpoint_every`` / ``seed`` / ``threads`` / ``backend.workers = true``, ``task_timeout``
+−1 / nan, unknown backend keys (one line, exit 2); ``compare RUN --out`` a run's
+sub-folder (written beside the run's files, the run still evaluates) or a run's file (one
+line); ``evaluate --json`` ``""`` / ``RUN/..`` / ``/proc/self/x.json`` (one line, no
+temporary file left); ``flower node-data`` killed at a node's header or rename (the rerun
+replaces the partial store); ``train --seeds 0 1`` killed at ``study.json``, a seed's
+``report.md`` / ``run_files.json`` / a checkpoint removal (the rerun finishes or says
+finished; ``compare`` reads it).
 """
 
 from __future__ import annotations
