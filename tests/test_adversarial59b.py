@@ -126,8 +126,9 @@ defect it names.
   ["raise"]`` (or ``"nan"``) ends with "partialfl: warning: client updates were lost
   ({'clients_failed': 13}); see the JSONL" (minor: both log a "skipping client m in round
   r" line per lost client on the way; only the closing summary forgets the deaths). Both
-  are the same loss (:attr:`partialfl.runtime.faults.FaultStats.lost` counts failed + nonfinite + refused +
-  worker_deaths). Expected: the warning names the worker deaths (and refused updates) too.
+  are the same loss (:attr:`partialfl.runtime.faults.FaultStats.lost` counts failed +
+  nonfinite + refused + worker_deaths). Expected: the warning names the worker deaths (and
+  refused updates) too.
   Suspected root cause: :func:`partialfl.cli.run._run_closed_form` (``lost`` built from
   ``("clients_failed", "updates_nonfinite")`` only).
 
