@@ -5,8 +5,14 @@ attack fraction checked against δ at build, ``evaluate --json`` refusing a run'
 entered through the new guard :func:`partialfl.pipeline.run_files.refuse_run_file` with
 odd paths, L2GD / FedAvg / Scaffold under every per-client backend with every fault kind,
 and the stateful model baselines (Scaffold, FedAlt, FedSim) on worker processes killed at
-every checkpoint write. Each test below its control fails on that code because of the
-defect it names.
+every checkpoint write. Each test below its control failed on that code because of the
+defect it names, and passes since the fix: ``refuse_run_file`` resolves ``..``, guards the
+records themselves (``run_files.json``, ``preexisting.json``, ``study.json``,
+``reproduction.json``) and every entry of an unfinished run; a resumed ``train`` records its
+spec only once the pipeline accepted it; an interrupted study keeps a finished run only if
+it is the study's own (:func:`partialfl.pipeline.study._check_kept`); ``report``,
+``compare`` and ``evaluate --json`` clean the temporary files of their own killed writes;
+the closing warning of a closed-form run counts refused updates and worker deaths too.
 
 * Area 4/8 (a run's own record replaced by another command, which then disarms the guard),
   ``partialfl evaluate RUN --json RUN/run_files.json`` prints the table, "metrics written
@@ -206,9 +212,6 @@ def test_control_evaluate_json_refuses_the_model(trained):
     assert p.returncode == 2 and (run / "deploy.safetensors").read_bytes() == model
 
 
-@pytest.mark.xfail(strict=True, reason="evaluate --json RUN/run_files.json replaces the run's "
-                   "record (refuse_run_file leaves run_files.json out), after which the model "
-                   "itself is no longer guarded")
 def test_evaluate_json_never_replaces_the_runs_record(trained):
     """Found: exit 0, "metrics written to runs/c1/run_files.json"; then ``--json
     runs/c1/deploy.safetensors`` exit 0, the model replaced. Expected: one line, exit 2, the
@@ -231,8 +234,6 @@ def test_control_a_path_through_an_existing_sub_folder_is_refused(trained):
     assert p.returncode == 2 and (run / "metrics.json").read_bytes() == metrics
 
 
-@pytest.mark.xfail(strict=True, reason="refuse_run_file walks the unnormalised path: "
-                   "RUN/nope/../deploy.safetensors passes and atomic_write replaces the model")
 def test_evaluate_json_through_a_new_folder_and_dotdot_keeps_the_model(trained):
     """Found: exit 0, "metrics written to runs/c3/nope/../deploy.safetensors", the model
     replaced by the JSON, ``runs/c3/nope`` created. Expected: one line, exit 2, model kept."""
@@ -243,8 +244,6 @@ def test_evaluate_json_through_a_new_folder_and_dotdot_keeps_the_model(trained):
     assert p.returncode == 2 and kept, (p.returncode, kept, p.stdout.strip()[-100:])
 
 
-@pytest.mark.xfail(strict=True, reason="train with another config into an interrupted run is "
-                   "refused only after run_built rewrote the run's spec.json and source.json")
 def test_a_refused_train_leaves_an_interrupted_runs_record(trained):
     """Found: exit 2 ("... with a different configuration ...") but ``spec.json`` now says
     lr 0.7 and ``source.json`` names the other config. Expected: both unchanged."""
@@ -268,8 +267,6 @@ def test_a_refused_train_leaves_an_interrupted_runs_record(trained):
     assert not changed, f"a refused train rewrote {changed}"
 
 
-@pytest.mark.xfail(strict=True, reason="run_study keeps every finished run of an interrupted "
-                   "study without comparing its configuration: another config completes it")
 def test_an_interrupted_study_is_not_completed_by_another_config(trained):
     """Found: exit 0, seed=0 trained with lr 0.1 and seed=1 with lr 0.7 in one study.
     Expected: one line, exit 2 (or every run of the study with the configuration given)."""
@@ -295,9 +292,6 @@ def test_an_interrupted_study_is_not_completed_by_another_config(trained):
     assert set(lrs.values()) == {0.7}, (p.returncode, lrs, p.stderr.strip()[-150:])
 
 
-@pytest.mark.xfail(strict=True, reason="an interrupted run (no run_files.json yet) is not "
-                   "guarded: evaluate --json RUN/deploy.safetensors replaces the model and the "
-                   "resume fails")
 def test_evaluate_json_keeps_an_interrupted_runs_model(trained):
     """Found: exit 0, the model replaced; the resume: "... deploy.safetensors is truncated
     or not a safetensors file", exit 2. Expected: one line, exit 2, the model kept."""
@@ -319,8 +313,6 @@ def test_evaluate_json_keeps_an_interrupted_runs_model(trained):
         (p.returncode, kept, resume.returncode, resume.stderr.strip()[-120:])
 
 
-@pytest.mark.xfail(strict=True, reason="refuse_run_file guards run_files.json lists only: "
-                   "a study's study.json and a reproduction's reproduction.json are replaced")
 @pytest.mark.parametrize("what", ["study", "reproduction"])
 def test_evaluate_json_never_replaces_a_study_or_reproduction_record(trained, what):
     """Found: exit 0, "metrics written to st/study.json" (``compare st`` then fails) /
@@ -344,8 +336,6 @@ def test_evaluate_json_never_replaces_a_study_or_reproduction_record(trained, wh
 
 
 # ----------------------------------------------------------------------------- area 4
-@pytest.mark.xfail(strict=True, reason="`report RUN` killed mid-write leaves .report.md.*.tmp; "
-                   "the rerun of report does not clean it (58b fixed this for compare only)")
 @pytest.mark.parametrize("name", ["report.md", "learning_curves.png"])
 def test_a_rerun_report_cleans_its_killed_writes_temporary_file(trained, name):
     """Found: after the kill ``RUN/.report.md.XXXXXXXX.tmp``; ``report RUN`` again exits 0
@@ -362,8 +352,6 @@ def test_a_rerun_report_cleans_its_killed_writes_temporary_file(trained, name):
     assert not left, f"stale temporary files kept: {left}"
 
 
-@pytest.mark.xfail(strict=True, reason="compare RUN killed at its run_files.json record leaves "
-                   ".run_files.json.*.tmp; 58b's clean-up targets compare.md/png only")
 def test_a_rerun_compare_cleans_its_killed_record_write(trained):
     """Found: ``RUN/.run_files.json.XXXXXXXX.tmp`` kept after the rerun (exit 0).
     Expected: removed."""
@@ -380,8 +368,6 @@ def test_a_rerun_compare_cleans_its_killed_record_write(trained):
     assert not left, f"stale temporary files kept: {left}"
 
 
-@pytest.mark.xfail(strict=True, reason="`evaluate --json FILE` killed mid-write leaves "
-                   ".FILE.*.tmp; the rerun writes FILE and keeps it")
 @pytest.mark.parametrize("inside", [False, True])
 def test_a_rerun_evaluate_json_cleans_its_killed_writes_temporary_file(trained, inside):
     """Found: ``.ev.json.XXXXXXXX.tmp`` kept after the rerun (exit 0). Expected: removed."""
@@ -435,8 +421,6 @@ def test_control_raised_faults_are_warned(tmp_path):
     assert p.returncode == 0 and "client updates were lost" in p.stderr, p.stderr[-300:]
 
 
-@pytest.mark.xfail(strict=True, reason="the closed-form run's lost-updates warning counts "
-                   "clients_failed and updates_nonfinite only, never worker_deaths")
 @pytest.mark.parametrize("algorithm", ["fedavg", "l2gd"])
 def test_updates_lost_to_dead_workers_are_warned(tmp_path, algorithm):
     """Found: ``worker_deaths=13`` in the last line, exit 0, nothing on stderr. Expected:

@@ -144,7 +144,8 @@ def _run_closed_form(args, cfg) -> int:
     print(" ".join(f"{k}={v:.6g}" if isinstance(v, float) else f"{k}={v}"
                    for k, v in last.items()))
     print(f"results written to {out}/ ({cfg.name}.jsonl, {cfg.name}.png, {summary.name})")
-    lost = {k: last[k] for k in ("clients_failed", "updates_nonfinite") if last.get(k)}
+    lost = {k: last[k] for k in ("clients_failed", "updates_nonfinite", "updates_refused",
+                                 "worker_deaths") if last.get(k)}
     if lost:
         print(f"partialfl: warning: client updates were lost ({lost}); see the JSONL",
               file=sys.stderr)

@@ -55,6 +55,8 @@ def _cmd_evaluate(args) -> int:
         from partialfl import io as pio
 
         path = Path(args.json)
+        if path.parent.is_dir():  # the temporary file of a killed write of this output
+            pio.clean_stale_writes(path.parent, recursive=False, targets=(path.name,))
         pio.write_text(path, to_json(results))
         print(evaluation_table(results))
         print(f"metrics written to {path}")

@@ -190,7 +190,7 @@ def compare(paths: Sequence[str | Path], out: str | Path, *, baseline: str | Non
     from partialfl.pipeline.run_files import record_added
 
     names = ("compare.md", "compare.png")
-    pio.clean_stale_writes(out, recursive=False, targets=names)  # of a killed compare
+    pio.clean_stale_writes(out, recursive=False, targets=(*names, "run_files.json"))  # killed
     for name in names:  # into a run folder: its files from now on
         record_added(out, name)
     _plot(out / "compare.png", intervals, bad)

@@ -141,14 +141,25 @@ def record_added(out: Path, name: str) -> None:
                                          + [RUN_FILES]})
 
 
+#: the records of a run, a study or a reproduction in their folder
+RECORDS = (PREEXISTING, RUN_FILES, "study.json", "reproduction.json")
+
+
 def refuse_run_file(path: Path, option: str) -> None:
-    """FileExistsError (one line) when ``path`` is, or lies in, an entry a finished run
-    wrote (its folder's ``run_files.json`` lists it): a command's output (``option``) never
-    replaces a run's model, metrics or report."""
-    path = Path(path).absolute()
+    """FileExistsError (one line) when ``path`` (``..`` resolved) is, or lies in, an entry of
+    a run: one its ``run_files.json`` lists, every entry but the user's of a run still
+    going (``preexisting.json``, no ``run_files.json``), or a run's, study's or
+    reproduction's record itself — a command's output (``option``) never replaces a run's
+    model, metrics, report or record."""
+    path = Path(os.path.abspath(path))
     for folder in path.parents:
         entry = path.relative_to(folder).parts[0]
-        if entry in set(_names(folder / RUN_FILES) or []) - {RUN_FILES}:
+        ours = set(_names(folder / RUN_FILES) or []) | {m for m in RECORDS
+                                                        if (folder / m).exists()}
+        mine = _names(folder / PREEXISTING)
+        if mine is not None and not (folder / RUN_FILES).exists() and folder.is_dir():
+            ours |= {p.name for p in folder.iterdir()} - set(mine)  # an unfinished run's
+        if entry in ours:
             raise FileExistsError(f"{option} {path}: a file of the run in {folder} "
                                   f"({entry}); choose another path")
 

@@ -209,6 +209,8 @@ def run_study(config: str | Path, out: str | Path, *, seeds: Sequence[int],
                               "--overwrite was cut short; pass --overwrite to finish it and "
                               "run it again")
     kept = [] if overwrite else [r for r in runs if finished(out / r["folder"])]
+    for r in kept:  # a finished run is kept only if it is this study's run
+        _check_kept(out / r["folder"], config, run_sets(r, sets), device)
     if runs and len(kept) == len(runs):
         raise FileExistsError(f"{out} holds this study, finished; pass --overwrite to run it "
                               "again (or choose another --out)")
@@ -225,6 +227,25 @@ def run_study(config: str | Path, out: str | Path, *, seeds: Sequence[int],
     done = {d["folder"]: d for d in run_jobs(_run_one, todo, workers)}
     done.update({r["folder"]: _summary(r["folder"], out / r["folder"]) for r in kept})
     return [done[r["folder"]] for r in runs]
+
+
+def _check_kept(run_dir: Path, config, sets, device) -> None:
+    """FileExistsError (one line) when the finished run in ``run_dir`` ran another spec than
+    the study's ``config`` with ``sets`` gives it: an interrupted study is completed only by
+    its own configuration."""
+    import json
+
+    from partialfl.pipeline.train import load_run_spec
+
+    want = json.loads(json.dumps(load_run_spec(config, sets, device=device).to_dict()))
+    try:
+        have = pio.read_json(run_dir / "spec.json")
+    except (OSError, ValueError):
+        have = None
+    if have is not None and have != want:
+        raise FileExistsError(f"{run_dir} holds a finished run of another configuration than "
+                              f"{config} gives it: this folder holds another study; pass "
+                              "--overwrite to run this one there (or choose another --out)")
 
 
 def _summary(folder: str, run_dir: Path) -> dict[str, Any]:

@@ -123,12 +123,19 @@ def run_built(run: Run, out: str | Path, *, progress: bool | None = None,
     refuse_linked_folders(out)  # no write may leave the run folder through a link
     record_start(out, spec.name)  # the user's own files already there (never deleted by
     # --overwrite; one named like a file of the run is refused)
-    write_json(out / "spec.json", spec.to_dict())
-    if config is not None:
-        write_json(out / "source.json", {"config": str(Path(config).resolve())})
+    def record_spec() -> None:
+        write_json(out / "spec.json", spec.to_dict())
+        if config is not None:
+            write_json(out / "source.json", {"config": str(Path(config).resolve())})
+
+    resuming = (out / "spec.json").exists()
+    if not resuming:  # a resume records its spec once the pipeline accepted it (another
+        record_spec()  # configuration is refused, and the run's record stays its own)
     show = spec.logging.progress if progress is None else progress
     res = run_pipeline(spec.effective(), run.task, out, progress=show, on_round=on_round,
                        save_personalized=True)
+    if resuming:
+        record_spec()
     metrics = dict(res.metrics)
     if run.new_clients is not None:
         metrics["new_clients"] = _new_clients(run, out)

@@ -276,6 +276,9 @@ def write_report(run_dir: str | Path, *, tensorboard: bool = False,
         raise ValueError(f"{run_dir} holds a run that has not finished (interrupted): resume "
                          f"it first (`partialfl train CONFIG --out {run_dir}`), which writes "
                          "its report")
+    if rebuild:  # the temporary files of a killed `partialfl report` (of its own writes)
+        pio.clean_stale_writes(run_dir, recursive=False, targets=(
+            "report.md", "learning_curves.png", "per_client_accuracy.png", RUN_FILES))
 
     def pct(recs):
         return [{"round": r["round"], "test_acc": 100 * r["test_acc"]} for r in recs
