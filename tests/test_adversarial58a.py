@@ -75,9 +75,6 @@ classes by fixed module).
 
 from __future__ import annotations
 
-import logging
-import warnings
-
 import numpy as np
 import pytest
 
@@ -85,17 +82,7 @@ flwr = pytest.importorskip("flwr", reason="flwr is not installed (pip install "
                            "'partialfl[flower]')")
 
 from _flower_loopback import loopback  # noqa: E402, F401 - the fixture
-from _flower_sims import in_process, ls_run  # noqa: E402
-
-
-def _quiet(fn, *a):
-    logging.disable(logging.WARNING)
-    try:
-        with warnings.catch_warnings():
-            warnings.simplefilter("ignore")
-            return fn(*a)
-    finally:
-        logging.disable(logging.NOTSET)
+from _flower_sims import in_process, ls_run, quiet  # noqa: E402
 
 
 def _async_run(rule: dict) -> dict:
@@ -108,7 +95,7 @@ def _both(loopback, rule):  # noqa: F811
 
     run = _async_run(rule)
     _, ref = in_process(run)
-    rep = _quiet(run_server, loopback(3), run)
+    rep = quiet(run_server, loopback(3), run)
     assert not rep.failures
     return ref, rep
 
@@ -173,7 +160,7 @@ def _cold_run(loopback, tmp_path, monkeypatch, **flower):  # noqa: F811
             "pretrain": {"rounds": 0, "client": client},
             "personalize": {"rounds": 12, "clients_per_round": 2, "client": client}}
     grid = loopback(2, node_config={"allow-imports": True})
-    return _quiet(run_server, grid, {"spec": spec, "stage": "personalize",
+    return quiet(run_server, grid, {"spec": spec, "stage": "personalize",
                                      "node-wait-timeout": 3, "round-timeout": 20,
                                      "poll-interval": 0.01, **flower})
 
