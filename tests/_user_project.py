@@ -46,12 +46,14 @@ def client_folder(root: Path, clients: int = 5, classes: int = 3, seed: int = 0)
 
 
 def tiny_toml(path: Path, model: str, data_dir: Path | str, extra: str = "",
-              name: str = "tiny") -> Path:
-    """A two-round-per-stage FFGG spec on ``data_dir`` (a folder of client files)."""
+              name: str = "tiny", options: str = "") -> Path:
+    """A two-round-per-stage FFGG spec on ``data_dir`` (a folder of client files);
+    ``options``: the model's options as a TOML inline table."""
     path.write_text(textwrap.dedent(f"""
         name = "{name}"
         [model]
         name = "{model}"
+        {f"options = {options}" if options else ""}
         [data]
         source = "folder"
         path = "{data_dir}"

@@ -81,35 +81,7 @@ import numpy as np
 from _adv_cli import env
 from _user_project import client_folder, tiny_toml
 
-TEXT_TOML = """
-name = "text"
-[model]
-name = "transformer"
-options = {{ num_layers = 1, num_heads = 2, d_model = 16, d_ff = 32 }}
-[data]
-source = "folder"
-path = "{data}"
-holdout = 1
-[method]
-algorithm = "ffgg"
-split = "output"
-[pretrain]
-rounds = 2
-clients_per_round = 3
-client = {{ lr = 0.1, batch_size = 8 }}
-[personalize]
-rounds = 2
-clients_per_round = 3
-eval_every = 1
-client = {{ lr = 0.05, batch_size = 8 }}
-server = {{ lr = 0.1 }}
-[finetune]
-lr = 0.05
-epochs = 1
-batch_size = 8
-[logging]
-progress = false
-"""
+TEXT_MODEL = "{ num_layers = 1, num_heads = 2, d_model = 16, d_ff = 32 }"
 
 
 def _text_folder(d, clients: int, bad: int | None = None, seed: int = 0):
@@ -133,8 +105,8 @@ def _cli(tmp_path, *args, timeout: float = 170):
 
 
 def _text_train(tmp_path, data, name: str):
-    cfg = tmp_path / f"{name}.toml"
-    cfg.write_text(TEXT_TOML.format(data=data))
+    cfg = tiny_toml(tmp_path / f"{name}.toml", "transformer", data, name="text",
+                    options=TEXT_MODEL)
     return _cli(tmp_path, "train", str(cfg), "--out", str(tmp_path / "runs" / name)), \
         tmp_path / "runs" / name
 
