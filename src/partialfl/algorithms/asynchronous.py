@@ -28,6 +28,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from partialfl import arrays
+from partialfl.aggregation.common import ZeroWeightsError
 from partialfl.aggregation.protection import (
     UnprotectedError,
     cohort_checked,
@@ -142,19 +143,23 @@ class FedBuff(AlgorithmWrapper):
                                {**state.extra, "buffer": buffer})
         merged = concat_results([ClientResult(u) for u in buffer]).updates
         f = tolerated(getattr(self.base, "aggregator", None), self.K)
-        if f is None:  # no robust rule: every buffered update counts
-            new = self.base.server_update(state, merged, ctx)
-        else:  # a robust rule counts clients: a client's rows in one buffer become one row
-            merged = _one_row_per_client(merged)  # (jobs go to idle clients, so one client
-            try:  # can fill several slots), and the K-row plan's f is kept among them
-                with cohort_checked(f):
-                    new = self.base.server_update(state, merged, ctx)
-            except UnprotectedError as e:
-                warn_once(f"{self.name}: {len(merged.cohort)} distinct clients in a buffer of "
-                          f"{self.K}, too few for the robust rule to tolerate f = {f}; the "
-                          f"step is skipped (θ kept; state.extra['rounds_unprotected']): {e}",
-                          ("fedbuff-unprotected", id(self)))
-                new = skipped_step(state)
+        try:
+            if f is None:  # no robust rule: every buffered update counts
+                new = self.base.server_update(state, merged, ctx)
+            else:  # a robust rule counts clients: a client's rows in one buffer become one
+                merged = _one_row_per_client(merged)  # row (jobs go to idle clients, so one
+                with cohort_checked(f):  # client can fill several slots), and the K-row
+                    new = self.base.server_update(state, merged, ctx)  # plan's f is kept
+        except UnprotectedError as e:
+            warn_once(f"{self.name}: {len(merged.cohort)} distinct clients in a buffer of "
+                      f"{self.K}, too few for the robust rule to tolerate f = {f}; the "
+                      f"step is skipped (θ kept; state.extra['rounds_unprotected']): {e}",
+                      ("fedbuff-unprotected", id(self)))
+            new = skipped_step(state)
+        except ZeroWeightsError as e:  # only clients without examples: as a synchronous round
+            warn_once(f"{self.name}: {e}; the buffer's step is skipped (θ kept)",
+                      ("fedbuff-zero-weights", id(self)))
+            new = skipped_step(state)
         new.extra["buffer"] = ()
         return new
 

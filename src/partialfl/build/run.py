@@ -202,6 +202,10 @@ def _build_model_run(spec: RunSpec) -> Run:
         raise ConfigError(f"data.holdout: the held-out clients {list(new.client_ids)[:5]} have "
                           "no test example to evaluate on; drop their empty files or choose "
                           "another data.seed")
+    if int(data.train_sizes().sum()) == 0:  # (else a StopIteration, or stages of no steps)
+        raise ConfigError(f"data: none of the {data.num_clients} clients holds a training "
+                          "example (test examples only): nothing to train; cold-start "
+                          "clients are evaluated with `partialfl evaluate RUN --data PATH`")
     check_tokens(data, data, "data")
     task = model_task(spec, data)
     run = spec.effective()

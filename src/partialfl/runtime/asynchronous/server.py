@@ -14,7 +14,7 @@ import numpy as np
 
 from partialfl import rng as prng
 from partialfl.aggregation.common import ZeroWeightsError
-from partialfl.algorithms.base import Algorithm, RoundContext, ServerState
+from partialfl.algorithms.base import Algorithm, RoundContext, ServerState, skipped_step
 from partialfl.runtime.checkpoint import Checkpoint
 from partialfl.runtime.faults import FaultLog, receive
 from partialfl.runtime.logging import base_record
@@ -151,8 +151,9 @@ class AsyncServer:
 
     def arrive(self, job: Job, result, time: float) -> bool:
         """Apply the update of ``job`` (a ClientResult) now, recording its staleness; a
-        message rejected by :func:`receive` is counted as lost (returns False), and so is one
-        whose step a weighing rule cannot take (weights summing to 0: warned, θ stays)."""
+        message rejected by :func:`receive` is counted as lost (returns False). A step a
+        weighing rule cannot take (weights summing to 0) is skipped (warned, θ stays) and
+        counted as a server step, as in a synchronous round."""
         result, _ = receive(result, self.state, self.algorithm, self.faults,
                             f"client {job.client} (job {job.job})", self.concurrency)
         if result is None:
@@ -171,11 +172,12 @@ class AsyncServer:
         try:
             self.state = self.algorithm.server_update(self.state, up,
                                                       self.context(self.arrivals))
-        except ZeroWeightsError as e:  # nothing to average: this arrival changes nothing
+        except ZeroWeightsError as e:
+            # nothing to average: skipped and counted as a synchronous round is (a run of
+            # clients without examples would otherwise draw jobs forever)
             warnings.warn(f"{where}: {e}; its server step is skipped (θ stays)",
                           RuntimeWarning, stacklevel=2)
-            self.lost(job, time)
-            return False
+            self.state = skipped_step(old)
         bad = self.faults.server_step(where, old.theta, self.state.theta, up)
         if bad:  # θ is not finite: warn, record, stop (see :func:`drive`)
             self.diverged = self.faults.diverged(where, bad)
