@@ -108,7 +108,9 @@ def clean_stale_writes(folder: str | Path, recursive: bool = True,
                            else [(folder, None, os.listdir(folder))]):
         for name in files:
             f = Path(root) / name
-            mine = targets is None or any(name.startswith(f".{t}.") for t in targets)
+            # exactly ".{target}.{8 random}.tmp" (for "a", not a write of "a.json")
+            mine = targets is None or any(
+                name.startswith(f".{t}.") and len(name) == len(t) + 14 for t in targets)
             if mine and _STALE.match(name) and not f.is_symlink() and f.is_file():
                 with contextlib.suppress(FileNotFoundError):
                     f.unlink()

@@ -38,11 +38,17 @@ def _evaluator(data):
 
 def _cmd_evaluate(args) -> int:
     from partialfl.build import allow_code
-    from partialfl.pipeline.run_files import refuse_run_file
-    from partialfl.pipeline.runs import evaluate_runs, evaluation_table, to_json
+    from partialfl.pipeline.run_files import refuse_foreign, refuse_run_file
+    from partialfl.pipeline.runs import (
+        evaluate_runs,
+        evaluation_table,
+        is_evaluation_json,
+        to_json,
+    )
 
-    if args.json not in (None, "-"):
-        refuse_run_file(Path(args.json), "--json")  # before the evaluation's work
+    if args.json not in (None, "-"):  # before the evaluation's work
+        refuse_run_file(Path(args.json), "--json")
+        refuse_foreign(Path(args.json), "--json", is_evaluation_json)
     with allow_code(args.allow_code or None):
         results = evaluate_runs(args.run, _evaluator(args.data), args.data_dir,
                                 finetune_epochs=args.finetune_epochs,

@@ -27,6 +27,7 @@ import contextlib
 import fnmatch
 import os
 import shutil
+from collections.abc import Callable
 from pathlib import Path
 
 from partialfl import io as pio
@@ -150,8 +151,9 @@ def refuse_run_file(path: Path, option: str) -> None:
     a run: one its ``run_files.json`` lists, every entry but the user's of a run still
     going (``preexisting.json``, no ``run_files.json``), or a run's, study's or
     reproduction's record itself — a command's output (``option``) never replaces a run's
-    model, metrics, report or record."""
-    path = Path(os.path.abspath(path))
+    model, metrics, report or record. ``path`` is resolved as the write will reach it (links
+    followed, then ``..``)."""
+    path = Path(path).resolve()
     for folder in path.parents:
         entry = path.relative_to(folder).parts[0]
         ours = set(_names(folder / RUN_FILES) or []) | {m for m in RECORDS
@@ -162,6 +164,17 @@ def refuse_run_file(path: Path, option: str) -> None:
         if entry in ours:
             raise FileExistsError(f"{option} {path}: a file of the run in {folder} "
                                   f"({entry}); choose another path")
+
+
+def refuse_foreign(path: Path, option: str, ours: Callable[[Path], bool]) -> None:
+    """FileExistsError (one line) when ``path`` exists but is not an earlier output of the
+    same command (``ours(path)`` false): a command's output (``option``) replaces only its
+    own file, never a user's or another command's (a closed-form run's summary, a
+    reproduction's results, a study's comparison …)."""
+    if os.path.lexists(path) and not (path.is_file() and ours(path)):
+        raise FileExistsError(f"{option} {path}: the file exists and is not an earlier "
+                              f"output of this command, which would replace it; choose "
+                              "another path (or remove it)")
 
 
 def record_end(out: Path) -> None:

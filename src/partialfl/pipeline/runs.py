@@ -151,3 +151,21 @@ def to_json(results: dict[str, dict[str, Any]]) -> str:
                         "per_client": dict(zip(ids, _plain(ev.per_client)))}
         out[label] = run
     return json.dumps(out, indent=2, default=_plain)
+
+
+#: the keys of every run's entry in :func:`to_json`'s output
+_JSON_KEYS = frozenset({"num_clients", "split", "diverged", "test"})
+
+
+def is_evaluation_json(path: Path) -> bool:
+    """Whether the file ``path`` holds what :func:`to_json` writes (an earlier ``partialfl
+    evaluate --json FILE``, which a rerun may replace)."""
+    try:
+        if path.stat().st_size > 1 << 28:
+            return False
+        d = json.loads(path.read_text())
+    except (OSError, ValueError):
+        return False
+    return isinstance(d, dict) and bool(d) and all(
+        isinstance(r, dict) and _JSON_KEYS <= r.keys() for r in d.values())
+

@@ -231,15 +231,19 @@ def run_study(config: str | Path, out: str | Path, *, seeds: Sequence[int],
 
 def _check_kept(run_dir: Path, config, sets, device) -> None:
     """FileExistsError (one line) when the finished run in ``run_dir`` ran another spec than
-    the study's ``config`` with ``sets`` gives it: an interrupted study is completed only by
+    the study's ``config`` with ``sets`` gives it (compared as a resume compares them:
+    :meth:`~partialfl.spec.run.RunSpec.identity`): an interrupted study is completed only by
     its own configuration."""
     import json
 
     from partialfl.pipeline.train import load_run_spec
 
-    want = json.loads(json.dumps(load_run_spec(config, sets, device=device).to_dict()))
+    def plain(spec) -> dict:  # what a resume compares: not the logging, device or name
+        return json.loads(json.dumps(spec.identity()))
+
+    want = plain(load_run_spec(config, sets, device=device))
     try:
-        have = pio.read_json(run_dir / "spec.json")
+        have = plain(load_run_spec(data=pio.read_json(run_dir / "spec.json")))
     except (OSError, ValueError):
         have = None
     if have is not None and have != want:
