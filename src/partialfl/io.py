@@ -104,13 +104,13 @@ def clean_stale_writes(folder: str | Path, recursive: bool = True,
     ``targets``: only those of writes to these file names (a command cleaning its own files
     in a folder others may write to). Symbolic links are neither followed nor removed."""
     gone = []
+    want = None if targets is None else set(targets)
     for root, _, files in (os.walk(folder) if recursive
                            else [(folder, None, os.listdir(folder))]):
         for name in files:
             f = Path(root) / name
-            # exactly ".{target}.{8 random}.tmp" (for "a", not a write of "a.json")
-            mine = targets is None or any(
-                name.startswith(f".{t}.") and len(name) == len(t) + 14 for t in targets)
+            # ".{target}.{8 random}.tmp": the target exactly (for "a", not a write of "a.json")
+            mine = want is None or name[1:-13] in want
             if mine and _STALE.match(name) and not f.is_symlink() and f.is_file():
                 with contextlib.suppress(FileNotFoundError):
                     f.unlink()

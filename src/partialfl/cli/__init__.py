@@ -79,6 +79,9 @@ def main(argv: list[str] | None = None) -> int:
         print(f"partialfl: error: {e}", file=sys.stderr)
         return 2
     except RuntimeError as e:  # a Flower run that failed: its cause, in one line
+        if str(e).startswith("Symlink loop from "):  # Path.resolve() before Python 3.13: a
+            print(f"partialfl: error: {e}", file=sys.stderr)  # path the system refuses, as
+            return 2  # the OSError (ELOOP) above
         env, jobs = sys.modules.get("partialfl.flower.env"), sys.modules.get(
             "partialfl.pipeline.jobs")  # or a study's worker process that died
         if not ((env is not None and isinstance(e, env.FlowerRunError))

@@ -19,6 +19,8 @@ from __future__ import annotations
 
 import datetime as dt
 import ipaddress
+import os
+import re
 from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -71,6 +73,10 @@ class Credentials:
         return self.folder / f"supernode-{i}.pub"
 
 
+#: the names of the files :func:`generate` writes (any number of SuperNodes)
+_OWN = re.compile(r"ca\.crt|server\.(pem|key)|supernode-\d+\.(key|pub)")
+
+
 def _write_private(path: Path, data: bytes) -> None:
     pio.write_bytes(path, data, private=True)  # 0600 before the key has its name
 
@@ -97,8 +103,9 @@ def generate(folder: str | Path, num_nodes: int,
     from cryptography.x509.oid import ExtendedKeyUsageOID, NameOID
 
     creds = Credentials(Path(folder), check_num_nodes(num_nodes))
-    if creds.folder.is_dir():  # what a killed run of this command left (not sub-folders)
-        pio.clean_stale_writes(creds.folder, recursive=False)
+    if creds.folder.is_dir():  # what a killed run of this command left (its own files only)
+        pio.clean_stale_writes(creds.folder, recursive=False, targets={
+            n[1:-13] for n in os.listdir(creds.folder) if _OWN.fullmatch(n[1:-13])})
     now = dt.datetime.now(dt.UTC)
     start, end = now - dt.timedelta(minutes=5), now + dt.timedelta(days=VALID_DAYS)
 

@@ -96,7 +96,13 @@ def record_start(out: Path, name: str | None = None) -> None:
 def refuse_users_entries(out: Path, writes: tuple[str, ...], mark: str) -> None:
     """Before a command without a start record (a closed-form ``partialfl run``) writes the
     entries ``writes`` into ``out``: FileExistsError (one line) if one of them is there while
-    its ``mark`` (the first entry it writes) is not — a user's file it would replace."""
+    its ``mark`` (the first entry it writes) is not — a user's file it would replace — or
+    if ``out`` holds the record of another command's run, study or reproduction (whose
+    files it could replace under a name that matches ``mark``)."""
+    other = [r for r in RECORDS if os.path.lexists(out / r)]
+    if other:
+        raise FileExistsError(f"{out} holds the files of another command ({other[0]}): "
+                              "choose another --out")
     if (out / mark).exists():
         return  # an earlier run of the same command: its own files, rewritten
     for name in writes:
