@@ -142,7 +142,9 @@ def test_a_write_killed_in_a_run_folder_leaves_no_temp_file_after_the_resume(tmp
     """kill -9 during a write of the run's plot (`.base.png.<random>.tmp`, seen in 3 of 16
     kills of FedAlt runs) left the temporary file there for good: the checkpoint cleans its
     own temporary files only. Resuming into the folder removes every stale one of
-    :func:`partialfl.io.atomic_write` (sub-folders too); other files stay."""
+    :func:`partialfl.io.atomic_write` of the run's own files; other files stay (since round
+    62b a closed-form run cleans only its own three files' temporary files, not those of
+    sub-folders, which may be another command's live writes)."""
     from partialfl.cli import main
 
     cfg = tmp_path / "ls.toml"
@@ -152,8 +154,9 @@ def test_a_write_killed_in_a_run_folder_leaves_no_temp_file_after_the_resume(tmp
     out = tmp_path / "out"
     (out / "sub").mkdir(parents=True)
     (out / "ls.jsonl").write_text("")  # the log of the interrupted run
-    stale = [out / ".ls.png.k2x_9ab1.tmp", out / "sub" / ".summary.md.zz00yy11.tmp"]
-    keep = [out / "notes.tmp", out / ".hidden", out / "sub" / ".x.tmp"]
+    stale = [out / ".ls.png.k2x_9ab1.tmp", out / ".summary.md.zz00yy11.tmp"]
+    keep = [out / "notes.tmp", out / ".hidden", out / "sub" / ".x.tmp",
+            out / "sub" / ".summary.md.zz00yy11.tmp", out / ".eval.json.ab12cd34.tmp"]
     for f in stale + keep:
         f.write_text("partial")
     assert main(["run", str(cfg), "--out", str(out), "--no-progress"]) == 0
@@ -164,14 +167,17 @@ def test_a_write_killed_in_a_run_folder_leaves_no_temp_file_after_the_resume(tmp
 def test_a_folder_without_a_run_is_not_cleaned(tmp_path):
     """The clean-up touches only a folder that holds a run (``--out ~`` must not delete
     another program's temporary files)."""
+    from types import SimpleNamespace
+
     from partialfl.cli.run import _clean_interrupted
 
+    model = SimpleNamespace(name="ls", closed_form=False)
     other = tmp_path / ".bashrc.ab12cd34.tmp"
     other.write_text("x")
-    _clean_interrupted(tmp_path, "ls")
+    _clean_interrupted(tmp_path, model, False)
     assert other.exists()
-    (tmp_path / "spec.json").write_text("{}")
-    _clean_interrupted(tmp_path, "ls")
+    (tmp_path / "spec.json").write_text("{}")  # a model run's folder: its whole tree
+    _clean_interrupted(tmp_path, model, False)
     assert not other.exists()
 
 

@@ -4,6 +4,7 @@ process or on Flower."""
 from __future__ import annotations
 
 import math
+import os
 import sys
 from pathlib import Path
 
@@ -40,7 +41,7 @@ def _cmd_run(args) -> int:
         raise ConfigError("--seeds / --sweep run a model config in-process (not a closed-form "
                           "problem or --engine flower*)")
     if not args.dry_run:
-        _clean_interrupted(out_dir(args.out or Path("runs") / spec.name), spec.name)
+        _clean_interrupted(out_dir(args.out or Path("runs") / spec.name), spec, study)
     with allow_code(args.allow_code or None):
         if spec.closed_form:
             return _run_closed_form(args, spec)
@@ -49,19 +50,28 @@ def _cmd_run(args) -> int:
         return _run_model(args, spec)
 
 
-def _clean_interrupted(out: Path, name: str) -> None:
-    """Before a run resumes in ``out`` (a folder holding a run of ``name``: its record of the
-    files already there, spec, log or study — or only a killed write of the first of them),
-    remove the temporary files its killed writes left there (a kill -9 during a plot or
-    report write once left them for good; checkpoints clean their own)."""
+def _clean_interrupted(out: Path, spec, study: bool) -> None:
+    """Before a run resumes in ``out``, remove the temporary files its killed writes left
+    there (a kill -9 during a plot or report write once left them for good; checkpoints
+    clean their own) — only in a folder of this kind of run, by its marks: a model run's
+    (its record of the files already there, or its spec) or a study's record, the whole
+    tree; a closed-form run's log, only the temporary files of its own three files (its
+    folder may hold others' writes; one holding another command's record is refused later,
+    untouched)."""
     from partialfl import io as pio
 
     if not out.is_dir():
         return
-    from partialfl.pipeline.run_files import PREEXISTING
+    from partialfl.pipeline.run_files import PREEXISTING, RECORDS
 
-    marks = (PREEXISTING, "spec.json", f"{name}.jsonl", "study.json")
-    if any((out / f).is_file() or any(out.glob(f".{f}.*.tmp")) for f in marks):
+    def marked(*marks: str) -> bool:  # a mark, or only a killed write of it
+        return any((out / f).is_file() or any(out.glob(f".{f}.*.tmp")) for f in marks)
+
+    if spec.closed_form:
+        own = (f"{spec.name}.jsonl", f"{spec.name}.png", "summary.md")
+        if marked(own[0]) and not any(os.path.lexists(out / r) for r in RECORDS):
+            pio.clean_stale_writes(out, recursive=False, targets=own)
+    elif marked("study.json") if study else marked(PREEXISTING, "spec.json"):
         pio.clean_stale_writes(out)
 
 
