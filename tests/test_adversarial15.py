@@ -270,7 +270,8 @@ def test_a_huge_sweep_grid_is_refused_at_once(tmp_path, capsys):
     assert time.perf_counter() - t0 < 10
 
 
-@pytest.mark.parametrize("key", ["spec=x", "stage=pretrain", "init_from=/etc/hostname"])
+@pytest.mark.parametrize("key", ["spec=x", "stage=pretrain", "init_from=/etc/hostname",
+                                 "out-dir=elsewhere"])  # (out-dir: round 62a, was replaced)
 def test_a_flower_option_partialfl_sets_itself_is_one_line(tmp_path, capsys, key):
     cfg = tmp_path / "c.toml"
     cfg.write_text(LS.format(plugins=""))

@@ -83,9 +83,16 @@ def load_spec_plugins(plugins) -> None:
     load_plugins(plugins)
 
 
+#: the config folders :func:`config_folder_on_path` added (the processes partialfl starts for
+#: the run, such as a local federation's SuperNodes, get them on their PYTHONPATH too)
+CONFIG_FOLDERS: list[str] = []
+
+
 def config_folder_on_path(folder: Path | None) -> None:
     """Let ``module:callable`` references in a config find modules beside the config file."""
     if folder is not None:
         f = str(Path(folder).resolve())
+        if f not in CONFIG_FOLDERS:
+            CONFIG_FOLDERS.append(f)
         if f not in sys.path:
             sys.path.insert(0, f)

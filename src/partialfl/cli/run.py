@@ -119,10 +119,11 @@ def _flower_options(args) -> dict:
     if bad:
         raise ConfigError(f"--flower {bad[0]}: Flower's own keys are not tables (spec keys "
                           "go in --set)")
-    ours = [k for k in flower if k.replace("_", "-") in ("spec", "stage", "init-from", "set")]
-    if ours:  # --flower spec=… was a TypeError traceback
-        raise ConfigError(f"--flower {ours[0]}: partialfl sets this key itself from the config "
-                          "and its stages (spec keys go in --set)")
+    ours = [k for k in flower if k.replace("_", "-") in ("spec", "stage", "init-from", "set",
+                                                         "out-dir")]
+    if ours:  # --flower spec=… was a TypeError traceback; out-dir= was silently replaced
+        raise ConfigError(f"--flower {ours[0]}: partialfl sets this key itself from the config, "
+                          "its stages and --out (spec keys go in --set)")
     return {"engine": args.engine, "num_supernodes": args.supernodes,
             "superlink": args.superlink, "root_certificates": args.root_certificates,
             "progress": not args.no_progress, "flower": flower}

@@ -124,11 +124,11 @@ class LocalFederation:
         # the run repeats the in-process one (a node started elsewhere keeps its key secret)
         self.env[NOISE_KEY_ENV] = "seed"
         if allow_imports:  # the user's own spec names code: their own processes may import it
-            from partialfl.build import ALLOW_CODE_ENV
+            from partialfl.build.code import ALLOW_CODE_ENV, CONFIG_FOLDERS
 
             self.env[ALLOW_IMPORTS_ENV] = self.env[ALLOW_CODE_ENV] = "1"
-            self.env["PYTHONPATH"] = os.pathsep.join(p for p in (
-                os.getcwd(), os.environ.get("PYTHONPATH", "")) if p)
+            self.env["PYTHONPATH"] = os.pathsep.join(p for p in (  # (the config's folder
+                os.getcwd(), *CONFIG_FOLDERS, os.environ.get("PYTHONPATH", "")) if p)  # too)
 
     @property
     def description(self) -> str:

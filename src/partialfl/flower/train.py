@@ -34,7 +34,7 @@ from typing import Any
 
 from partialfl import io as pio
 from partialfl.flower.config import encode_spec
-from partialfl.flower.env import apply_flower_env, require_flower
+from partialfl.flower.env import FlowerRunError, apply_flower_env, require_flower
 from partialfl.pipeline.run_files import (
     record_start,
     refuse_linked_folders,
@@ -168,7 +168,7 @@ def run_flower_train(spec, out: str | Path, *, engine: str = "flower-sim",
         _check_engine(engine, superlink, root_certificates)
     spec = absolute_data_path(spec)  # the SuperNodes run in folders of their own
     run = build(spec)  # validates everything and loads the data before Flower starts
-    extra = dict(flower or {})
+    extra = _server_keys(flower)
     check_flower_run(run, extra, num_supernodes)
     eff = spec.effective()
     if dry_run:
@@ -226,6 +226,15 @@ def absolute_data_path(spec):
     return dataclasses.replace(spec, data=dataclasses.replace(d, path=path))
 
 
+def _server_keys(flower: dict[str, Any] | None) -> dict[str, Any]:
+    """The caller's Flower keys, a relative ``audit-dir`` made absolute against the working
+    folder (the ServerApp runs in a folder of its own, which a local federation deletes)."""
+    extra = dict(flower or {})
+    if extra.get("audit-dir"):
+        extra["audit-dir"] = str(Path(extra["audit-dir"]).expanduser().absolute())
+    return extra
+
+
 def _audit(flower: dict[str, Any], stage: str) -> dict[str, Any]:
     """Flower's keys for one stage: an ``audit-dir`` gets one subfolder per stage."""
     if flower.get("audit-dir"):
@@ -255,10 +264,13 @@ def _npz(path: Path, params) -> None:
 
 def _stage_files(folder: Path, tag: str, theta_name: str, rep: dict, identity: dict) -> None:
     """Where the pipeline keeps a finished stage: θ (stamped with the stage's ``identity``,
-    as the in-process stage writes it), its records and its budget."""
+    as the in-process stage writes it), its records and its budget. A diverged stage is
+    warned about (as in process); a stage 1 whose θ is not finite ends the run
+    (:class:`FlowerRunError`) without θ, which would mark it done."""
     import torch
 
     from partialfl.pipeline.files import save_stage
+    from partialfl.pipeline.stages import warn_diverged
 
     theta = {n: torch.from_numpy(v.copy()) for n, v in rep["theta"].items()}
     _records(folder / f"{tag}.jsonl", {"stage": tag}, rep["history"])
@@ -268,6 +280,9 @@ def _stage_files(folder: Path, tag: str, theta_name: str, rep: dict, identity: d
     for name in (f"{tag}_timing.json", "timing.json") if tag == "stage1" else (
             f"{tag}_timing.json",):
         pio.write_json(folder / name, timing, indent=1)
+    why = warn_diverged(theta, "stage 1" if tag == "stage1" else "stage 2", rep["history"])
+    if why and tag == "stage1":  # not kept as done: the nodes refuse a θ⁰ that is not finite
+        raise FlowerRunError(f"{why}; stage 2 cannot start from it")
     save_stage(folder / theta_name, theta, identity)
 
 
@@ -287,7 +302,8 @@ def run_flower_closed_form(spec, out: str | Path, *, engine: str = "flower-sim",
     if federation is None:
         _check_engine(engine, superlink, root_certificates)
     run = build(spec)
-    check_flower_run(run, dict(flower or {}), num_supernodes)
+    flower = _server_keys(flower)
+    check_flower_run(run, flower, num_supernodes)
     out = Path(out).expanduser().resolve()
     if out.is_dir():  # checked before the federation starts (as for a model run)
         refuse_linked_folders(out)  # the ServerApp writes (and deletes) in out/flower
@@ -299,7 +315,7 @@ def run_flower_closed_form(spec, out: str | Path, *, engine: str = "flower-sim",
     with _entered(fed):
         out.mkdir(parents=True, exist_ok=True)
         refuse_linked_folders(out)
-        rep = fed.run(stage_run_config(spec, **dict(flower or {})), timeout=timeout,
+        rep = fed.run(stage_run_config(spec, **flower), timeout=timeout,
                       out_dir=out / "flower", progress=spec.name if progress else None)
     history = [{**{k: v for k, v in h.items() if not k.startswith("eval_")},
                 "loss_gap": h["eval_loss_gap"]} for h in rep["history"] if "eval_loss_gap" in h]

@@ -224,7 +224,7 @@ def pretrain(cfg: RunSpec, task: Task, stage1_dir: Path, progress: bool | str = 
                      validation=cfg.validation is not None,
                      max_failure_fraction=cfg.max_failure_fraction)
     theta = _host(res.state.theta)
-    _check_finite(theta, "stage 1", res.history)
+    warn_diverged(theta, "stage 1", res.history)
     # the budget first, θ last: θ marks the stage done, so a kill between the two files
     # reruns the stage (resumed from its checkpoint) and writes both again (as in stage 2)
     write_json(stage1_dir / "timing.json", {"seconds": time.perf_counter() - t0,
@@ -275,7 +275,7 @@ def personalize(cfg: RunSpec, task: Task, theta1: Params, run_dir: Path,
                      validation=cfg.validation is not None,
                      max_failure_fraction=cfg.max_failure_fraction)
     theta = {n: v.detach().clone() for n, v in res.state.theta.items()}
-    _check_finite(theta, "stage 2", res.history)
+    warn_diverged(theta, "stage 2", res.history)
     if res.client_state is not None:
         save_stage(run_dir / CLIENT_STATE, _host(res.client_state), ident,
                    {"side": "client", "note": "client-side state: stays on the clients"})
@@ -474,16 +474,17 @@ def _check_stage2_folder(cfg: RunSpec, task: Task, run_dir: Path, s2dir: Path) -
     check_or_write_json(record, mine, "stage 2")
 
 
-def _check_finite(theta: Params, stage: str, history: list[dict] | None = None) -> None:
+def warn_diverged(theta: Params, stage: str, history: list[dict] | None = None) -> str:
     """A diverged stage is not hidden: warn when θ is not finite, or when the stage's last
     evaluation has a loss that is not finite (θ finite but blown up); a run whose final
     losses are not finite then says so and exits non-zero (``train_report.divergence_line``).
-    """
+    Returns the warning about a θ that is not finite ('' if θ is finite)."""
     bad = [n for n, v in theta.items() if not torch.isfinite(v).all()]
     if bad:
-        warnings.warn(f"{stage} diverged: θ has non-finite values in {bad[:4]}; lower the "
-                      "learning rates", RuntimeWarning, stacklevel=3)
-        return
+        why = (f"{stage} diverged: θ has non-finite values in {bad[:4]}; lower the "
+               "learning rates")
+        warnings.warn(why, RuntimeWarning, stacklevel=3)
+        return why
     last = next((r for r in reversed(history or []) if "test_loss" in r or "eval_loss" in r),
                 {})
     losses = [k for k in ("test_loss", "eval_loss") if isinstance(last.get(k), int | float)
@@ -491,10 +492,9 @@ def _check_finite(theta: Params, stage: str, history: list[dict] | None = None) 
     if losses:
         warnings.warn(f"{stage} diverged: its last {', '.join(losses)} is not finite (θ blew "
                       "up); lower the learning rates", RuntimeWarning, stacklevel=3)
-
-
+    return ""
 
 
 __all__ = ["PipelineResult", "Stage2", "finetune_and_evaluate", "personalize", "pretrain",
            "run_pipeline", "stage1_setup", "stage2_identity", "stage2_setup",
-           "validation_tasks"]
+           "validation_tasks", "warn_diverged"]
