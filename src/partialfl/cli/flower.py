@@ -7,6 +7,7 @@ import argparse
 from pathlib import Path
 
 from partialfl.cli.common import add_common, load_spec, out_dir
+from partialfl.cli.run import diverged_status
 from partialfl.config import ConfigError
 
 
@@ -28,8 +29,9 @@ def _cmd_flower_local(args) -> int:
     signal.signal(signal.SIGINT, signal.default_int_handler)  # also when started with `&`
     with allow_code(args.allow_code or None):
         print(run_local(spec, out, args.nodes, insecure=args.insecure, secagg=args.secagg,
-                        work_dir=args.work_dir, progress=not args.no_progress))
-    return 0
+                        work_dir=args.work_dir, progress=not args.no_progress,
+                        config=args.config, overwrite=args.overwrite))
+    return 0 if spec.closed_form else diverged_status(out)
 
 
 def _cmd_flower_credentials(args) -> int:
@@ -75,6 +77,9 @@ def add_commands(sub) -> None:
                    help="no TLS and no SuperNode authentication (testing only)")
     s.add_argument("--work-dir", help="keep the federation's files here (certificates, keys, "
                    "node data, logs); default: a temporary folder, removed afterwards")
+    s.add_argument("--overwrite", action="store_true",
+                   help="run again over a finished run in --out (deletes only the files that "
+                        "run wrote)")
     add_common(s)
     s.set_defaults(fn=_cmd_flower_local)
     s = fsub.add_parser("credentials", help="a CA, the SuperLink's TLS certificate and N "

@@ -172,7 +172,6 @@ def _run_closed_form(args, cfg) -> int:
 def _run_model(args, spec) -> int:
     from partialfl.pipeline.study import heartbeat
     from partialfl.pipeline.train import claim_out, format_plan, run_built, run_train
-    from partialfl.pipeline.train_report import divergence_line
 
     out = out_dir(args.out or Path("runs") / spec.name)
     if args.engine != "local":
@@ -181,7 +180,7 @@ def _run_model(args, spec) -> int:
         res = run_flower_train(spec, out, dry_run=args.dry_run, config=args.config,
                                overwrite=args.overwrite, **_flower_options(args))
         print(res)
-        return 0
+        return 0 if args.dry_run else diverged_status(out)
     run, _ = run_train(spec, dry_run=True)  # built: a bad config fails before any write
     print(format_plan(run.plan), flush=True)  # the plan first, then the (long) training
     if args.dry_run:
@@ -197,7 +196,17 @@ def _run_model(args, spec) -> int:
     if "new_clients" in metrics:
         print(f"new clients: test accuracy {100 * metrics['new_clients']['test_acc']:.2f}%")
     print(f"results written to {out}/ (report.md, metrics.json, *.jsonl, *.png)")
-    why = divergence_line(metrics)
+    return diverged_status(out, metrics)
+
+
+def diverged_status(out: Path, metrics: dict | None = None) -> int:
+    """A finished model run's exit status: 1 with a warning on stderr when it diverged
+    (:func:`~partialfl.pipeline.train_report.divergence_line` of its metrics, read from
+    ``out/metrics.json`` if not given), else 0 — whatever engine trained it."""
+    from partialfl import io as pio
+    from partialfl.pipeline.train_report import divergence_line
+
+    why = divergence_line(pio.read_json(out / "metrics.json") if metrics is None else metrics)
     if why:
         print(f"partialfl: warning: {why}", file=sys.stderr)
         return 1

@@ -127,8 +127,16 @@ class LocalFederation:
             from partialfl.build.code import ALLOW_CODE_ENV, CONFIG_FOLDERS
 
             self.env[ALLOW_IMPORTS_ENV] = self.env[ALLOW_CODE_ENV] = "1"
-            self.env["PYTHONPATH"] = os.pathsep.join(p for p in (  # (the config's folder
-                os.getcwd(), *CONFIG_FOLDERS, os.environ.get("PYTHONPATH", "")) if p)  # too)
+            folders = [os.getcwd(), *CONFIG_FOLDERS]  # (the config's folder too)
+            split = [f for f in folders if os.pathsep in f]
+            if split:  # PYTHONPATH would split it into folders the user never named
+                from partialfl.config import ConfigError
+
+                raise ConfigError(f"{split[0]}: the SuperNodes import the model from this "
+                                  f"folder, whose name holds {os.pathsep!r} (PYTHONPATH's "
+                                  "separator); rename it or run from another folder")
+            self.env["PYTHONPATH"] = os.pathsep.join(p for p in (
+                *folders, os.environ.get("PYTHONPATH", "")) if p)
 
     @property
     def description(self) -> str:

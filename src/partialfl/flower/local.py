@@ -79,10 +79,12 @@ def _np_dtype(a):
 
 def run_local(spec, out: str | Path, num_nodes: int, *, insecure: bool = False,
               secagg: bool = False, work_dir: str | Path | None = None, progress: bool = True,
-              timeout: float = 3600.0, flower: dict[str, Any] | None = None) -> str:
+              timeout: float = 3600.0, flower: dict[str, Any] | None = None,
+              config: str | Path | None = None, overwrite: bool = False) -> str:
     """Run ``spec`` on ``num_nodes`` live SuperNodes on this machine into ``out`` (see the
     module docstring); returns a summary. ``work_dir`` keeps the federation's files
-    (credentials, node stores, logs; default: a temporary folder, removed after)."""
+    (credentials, node stores, logs; default: a temporary folder, removed after);
+    ``config`` (the TOML file) and ``overwrite`` as for ``partialfl train``."""
     from partialfl.build import build
     from partialfl.flower.deployment import LocalFederation
     from partialfl.flower.env import apply_flower_env, require_flower
@@ -122,7 +124,8 @@ def run_local(spec, out: str | Path, num_nodes: int, *, insecure: bool = False,
                         f"results written to {Path(out).resolve()}/")
             return run_flower_train(spec, out, engine="flower", federation=fed,
                                     num_supernodes=num_nodes, progress=progress,
-                                    timeout=timeout, flower=extra)
+                                    timeout=timeout, flower=extra, config=config,
+                                    overwrite=overwrite)
     finally:
         if tmp:
             shutil.rmtree(tmp, ignore_errors=True)

@@ -229,7 +229,7 @@ def absolute_data_path(spec):
 def _server_keys(flower: dict[str, Any] | None) -> dict[str, Any]:
     """The caller's Flower keys, a relative ``audit-dir`` made absolute against the working
     folder (the ServerApp runs in a folder of its own, which a local federation deletes)."""
-    extra = dict(flower or {})
+    extra = {str(k).replace("_", "-"): v for k, v in (flower or {}).items()}  # both spellings
     if extra.get("audit-dir"):
         extra["audit-dir"] = str(Path(extra["audit-dir"]).expanduser().absolute())
     return extra
