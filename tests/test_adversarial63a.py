@@ -4,8 +4,12 @@ someone who did not write the fixes, against c9e6f11: round 62a's fixes — a re
 ``--flower out-dir=`` refused, the config's folder on a local federation's ``PYTHONPATH``
 (``build.code.CONFIG_FOLDERS``), a diverged Flower stage 1 ending the run in one line
 (``_stage_files``, ``pipeline.stages.warn_diverged``) —, then Flower's entry points as a
-careless user meets them). Each test below fails on that code because of the defect it
-names (``xfail(strict=True)`` until fixed).
+careless user meets them). Each test below failed on that code because of the defect it
+names, and passes since the fix: ``_server_keys`` takes both spellings of every key; a
+Flower run (``train --engine flower*``, ``flower local``) that diverged says so and exits 1
+(``cli.run.diverged_status``, as in process); ``flower local`` records the config
+(``source.json``) and takes ``--overwrite``; a local federation refuses a folder whose name
+holds ``os.pathsep`` instead of splitting it on ``PYTHONPATH``.
 
 * Area 5 (the audit of what the server learns) / careless user, round 62a's fix is
   partial: ``--flower audit_dir=aud`` (the underscore spelling, which every ``--flower``
@@ -122,9 +126,6 @@ def _needs_sim():
 
 
 @pytest.mark.slow
-@pytest.mark.xfail(strict=True, reason="--flower audit_dir=REL (underscore spelling) is not "
-                   "made absolute by flower.train._server_keys: the audit is written into "
-                   "the federation's temporary folder and lost")
 def test_a_relative_audit_dir_spelt_with_an_underscore_is_kept(tmp_path):
     """Found: exit 0, "results written to runs/ls/", no ``aud`` folder. Expected: the
     audit's messages in ``aud`` under the working folder (as ``audit-dir=aud`` since 62a),
@@ -159,8 +160,6 @@ def test_control_a_diverged_run_says_so_in_process(tmp_path):
 
 
 @pytest.mark.slow
-@pytest.mark.xfail(strict=True, reason="cli.run._run_model's Flower branch returns 0 without "
-                   "divergence_line: a diverged flower-sim run exits 0 and says nothing")
 def test_a_diverged_flower_run_says_so(tmp_path):
     """Found: exit 0, only the summary line ("flower-sim: test accuracy 50.00% …"), while
     ``metrics.json`` has ``test_loss`` = ``train_loss`` = inf. Expected: exit 1 and "the
@@ -173,9 +172,6 @@ def test_a_diverged_flower_run_says_so(tmp_path):
 
 
 @pytest.mark.slow
-@pytest.mark.xfail(strict=True, reason="flower local never records the config in source.json "
-                   "(cli.flower._cmd_flower_local / flower.local.run_local pass no config= to "
-                   "run_flower_train): evaluate --allow-code cannot import the model beside it")
 def test_a_flower_local_run_with_a_model_beside_the_config_can_be_evaluated(tmp_path):
     """Found: ``flower local`` trains (exit 0), then ``evaluate runs/fl --allow-code`` exits 2,
     "cannot import model module 'usermodels'". Expected: exit 0, as for the in-process run
@@ -196,9 +192,6 @@ def test_a_flower_local_run_with_a_model_beside_the_config_can_be_evaluated(tmp_
     assert q.returncode == 0, q.stderr[-800:]
 
 
-@pytest.mark.xfail(strict=True, reason="flower local's refusal of a finished run says 'pass "
-                   "--overwrite' (pipeline.train.claim_out), an option its parser does not "
-                   "have (cli.flower.add_commands)")
 def test_flower_local_accepts_the_overwrite_its_refusal_names():
     """Found: "unrecognized arguments: --overwrite". Expected: ``flower local`` takes the
     ``--overwrite`` that its "holds a finished run" refusal tells the user to pass."""
@@ -243,9 +236,6 @@ def test_control_in_process_imports_the_module_beside_the_config(tmp_path):
 
 @pytest.mark.slow
 @pytest.mark.skipif(sys.platform == "win32", reason="':' is not a folder-name character")
-@pytest.mark.xfail(strict=True, reason="LocalFederation joins CONFIG_FOLDERS into PYTHONPATH "
-                   "with os.pathsep: a config folder 'a:b' becomes 'a' and 'b', and the "
-                   "SuperNodes import a/usermodels.py, code the user never named")
 def test_flower_sim_runs_no_code_from_a_folder_the_user_did_not_name(tmp_path):
     """Found: exit 0 and two ``MARKER_*`` files (each virtual SuperNode imported
     ``a/usermodels.py``). Expected: no marker — the nodes import ``a:b/usermodels.py`` as
