@@ -98,15 +98,21 @@ _STALE = re.compile(r"^\..+\.[a-z0-9_]{8}\.tmp$")
 
 
 def clean_stale_writes(folder: str | Path, recursive: bool = True,
-                       targets: Collection[str] | None = None) -> list[Path]:
+                       targets: Collection[str] | None = None,
+                       skip: Collection[str] = ()) -> list[Path]:
     """Remove the temporary files that killed :func:`atomic_write` s left in ``folder`` (and,
     ``recursive``, its sub-folders; no process may be writing there); returns them.
     ``targets``: only those of writes to these file names (a command cleaning its own files
-    in a folder others may write to). Symbolic links are neither followed nor removed."""
+    in a folder others may write to); ``skip``: entries of ``folder`` left alone (the user's
+    own files and folders in a run folder). Symbolic links are neither followed nor
+    removed."""
     gone = []
     want = None if targets is None else set(targets)
-    for root, _, files in (os.walk(folder) if recursive
-                           else [(folder, None, os.listdir(folder))]):
+    for root, dirs, files in (os.walk(folder) if recursive
+                              else [(folder, [], os.listdir(folder))]):
+        if skip and Path(root) == Path(folder):
+            dirs[:] = [d for d in dirs if d not in skip]
+            files = [f for f in files if f not in skip]
         for name in files:
             f = Path(root) / name
             # ".{target}.{8 random}.tmp": the target exactly (for "a", not a write of "a.json")

@@ -53,16 +53,17 @@ def _cmd_run(args) -> int:
 def _clean_interrupted(out: Path, spec, study: bool) -> None:
     """Before a run resumes in ``out``, remove the temporary files its killed writes left
     there (a kill -9 during a plot or report write once left them for good; checkpoints
-    clean their own) — only in a folder of this kind of run, by its marks: a model run's
-    (its record of the files already there, or its spec) or a study's record, the whole
-    tree; a closed-form run's log, only the temporary files of its own three files (its
-    folder may hold others' writes; one holding another command's record is refused later,
-    untouched)."""
+    clean their own) — only in a folder of this kind of run, by its marks: an unfinished
+    model run's (its record of the files already there, or its spec), its tree but the
+    user's own entries (``preexisting.json``); a closed-form run's log, only the temporary
+    files of its own three files (its folder may hold others' writes; one holding another
+    command's record is refused later, untouched). A study cleans its folder once it has
+    accepted it (:func:`partialfl.pipeline.study.run_study`)."""
     from partialfl import io as pio
 
-    if not out.is_dir():
+    if study or not out.is_dir():
         return
-    from partialfl.pipeline.run_files import PREEXISTING, RECORDS
+    from partialfl.pipeline.run_files import PREEXISTING, RECORDS, RUN_FILES, user_entries
 
     def marked(*marks: str) -> bool:  # a mark, or only a killed write of it
         return any((out / f).is_file() or any(out.glob(f".{f}.*.tmp")) for f in marks)
@@ -71,8 +72,9 @@ def _clean_interrupted(out: Path, spec, study: bool) -> None:
         own = (f"{spec.name}.jsonl", f"{spec.name}.png", "summary.md")
         if marked(own[0]) and not any(os.path.lexists(out / r) for r in RECORDS):
             pio.clean_stale_writes(out, recursive=False, targets=own)
-    elif marked("study.json") if study else marked(PREEXISTING, "spec.json"):
-        pio.clean_stale_writes(out)
+    elif marked(PREEXISTING, "spec.json") and not (out / RUN_FILES).exists():
+        # (a finished run has nothing to resume: its rerun is refused, or --overwrite
+        pio.clean_stale_writes(out, skip=user_entries(out))  # deletes only its files)
 
 
 def _run_study(args, spec) -> int:

@@ -315,6 +315,9 @@ def run_flower_closed_form(spec, out: str | Path, *, engine: str = "flower-sim",
     with _entered(fed):
         out.mkdir(parents=True, exist_ok=True)
         refuse_linked_folders(out)
+        log = out / f"{spec.name}.jsonl"  # first, as in process: the mark that the folder's
+        if not log.exists():  # flower/ is this run's (a killed run is run again there)
+            pio.write_text(log, "")
         rep = fed.run(stage_run_config(spec, **flower), timeout=timeout,
                       out_dir=out / "flower", progress=spec.name if progress else None)
     history = [{**{k: v for k, v in h.items() if not k.startswith("eval_")},

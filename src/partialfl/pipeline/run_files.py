@@ -212,6 +212,12 @@ def remove_run(out: Path) -> None:
                 p.unlink()
 
 
+def user_entries(out: Path) -> list[str]:
+    """The user's own entries in the run folder ``out`` (``preexisting.json``; none if it
+    is absent): what no command of the run may touch."""
+    return _names(out / PREEXISTING) or []
+
+
 def _names(path: Path) -> list[str] | None:
     """The plain entry names of the JSON file ``path`` (``{"names": [...]}``); None if it is
     absent or not that."""

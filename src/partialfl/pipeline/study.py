@@ -217,6 +217,7 @@ def run_study(config: str | Path, out: str | Path, *, seeds: Sequence[int],
     if out.exists():  # a run folder (or one below it) that is a link: writes would leave out
         refuse_linked_folders(out)
     write_index(out, config, seeds, sweep, runs)
+    pio.clean_stale_writes(out)  # this study's own folder: what its killed writes left
     todo = [{"config": str(config), "sets": run_sets(r, sets), "out": str(out / r["folder"]),
              "label": r["folder"], "device": device, "allow_code": allow_code,
              "overwrite": overwrite} for r in runs if r not in kept]
