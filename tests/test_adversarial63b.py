@@ -173,15 +173,6 @@ _FLOWER = ("run", "ls.toml", "--engine", "flower-sim", "--supernodes", "2", "--o
 
 
 @pytest.mark.slow
-def test_control_a_flower_closed_form_rerun_into_its_folder_runs(tmp_path):
-    (tmp_path / "ls.toml").write_text(_LS)
-    for _ in range(2):
-        p = _cli(tmp_path, *_FLOWER)
-        assert p.returncode == 0, p.stderr[-400:]
-    assert (tmp_path / "F" / "ls.jsonl").is_file()
-
-
-@pytest.mark.slow
 def test_a_killed_flower_closed_form_run_can_be_run_again(tmp_path):
     (tmp_path / "ls.toml").write_text(_LS)
     (tmp_path / "kill.py").write_text(_KILL_BEFORE_LOG)
