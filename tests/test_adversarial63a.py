@@ -96,6 +96,7 @@ from __future__ import annotations
 import subprocess
 import sys
 import textwrap
+from pathlib import Path
 
 import pytest
 from _adv_cli import env
@@ -165,25 +166,52 @@ def test_a_diverged_flower_run_says_so(tmp_path):
     assert "the run diverged" in p.stderr
 
 
-@pytest.mark.slow
-def test_a_flower_local_run_with_a_model_beside_the_config_can_be_evaluated(tmp_path):
-    """Found: ``flower local`` trains (exit 0), then ``evaluate runs/fl --allow-code`` exits 2,
-    "cannot import model module 'usermodels'". Expected: exit 0, as for the in-process run
-    (``source.json`` names the config)."""
+def test_a_flower_local_run_with_a_model_beside_the_config_can_be_evaluated(tmp_path,
+                                                                           monkeypatch):
+    """Found (end to end, two minutes of live processes): ``flower local proj/cfg.toml
+    --allow-code`` trained (exit 0), then ``evaluate runs/fl --allow-code`` exited 2,
+    "cannot import model module 'usermodels'": the command never handed its config to the
+    run, so no ``source.json`` named it. Expected: the config (and ``--overwrite``) reach
+    :func:`~partialfl.flower.train.run_flower_train`, which records ``source.json`` as for
+    the other engines — checked where they are handed over, the federation a stand-in."""
     pytest.importorskip("flwr", reason="flwr is not installed")
+    import partialfl.build.code as code
+    import partialfl.cli.flower as cli_flower
+    import partialfl.flower.deployment as deployment
+    import partialfl.flower.train as flower_train
+    from partialfl.cli import main
+
+    class Federation:  # what run_local starts, without processes
+        description = "stand-in"
+
+        def __init__(self, *args, **kwargs) -> None:
+            pass
+
+        def __enter__(self):
+            return self
+
+        def __exit__(self, *exc) -> bool:
+            return False
+
+    seen: dict = {}
+    monkeypatch.setattr(deployment, "LocalFederation", Federation)
+    monkeypatch.setattr(flower_train, "run_flower_train",
+                        lambda spec, out, **kw: seen.update(kw) or "trained")
+    monkeypatch.setattr(cli_flower, "diverged_status", lambda out: 0, raising=False)
+    monkeypatch.setattr(code, "CONFIG_FOLDERS", [])  # (this test's folder stays its own)
+    monkeypatch.setattr(sys, "path", list(sys.path))
+    monkeypatch.chdir(tmp_path)
     (tmp_path / "proj").mkdir()
-    (tmp_path / "proj" / "usermodels.py").write_text(TINY_MODEL)
-    tiny_toml(tmp_path / "proj" / "cfg.toml", "usermodels:tiny",
+    (tmp_path / "proj" / "advmodels63a.py").write_text(TINY_MODEL)
+    tiny_toml(tmp_path / "proj" / "cfg.toml", "advmodels63a:tiny",
               client_folder(tmp_path / "data"))
-    p = subprocess.run([sys.executable, "-m", "partialfl", "flower", "local", "proj/cfg.toml",
-                        "--allow-code", "--insecure", "--nodes", "2", "--out", "runs/fl",
-                        "--no-progress"], cwd=tmp_path, env=env(None), capture_output=True,
-                       text=True, timeout=170)
-    assert p.returncode == 0, p.stderr[-800:]
-    q = subprocess.run([sys.executable, "-m", "partialfl", "evaluate", "runs/fl",
-                        "--allow-code"], cwd=tmp_path, env=env(None), capture_output=True,
-                       text=True, timeout=170)
-    assert q.returncode == 0, q.stderr[-800:]
+    try:
+        assert main(["flower", "local", "proj/cfg.toml", "--allow-code", "--insecure",
+                     "--nodes", "2", "--out", "runs/fl", "--no-progress", "--overwrite"]) == 0
+    finally:
+        sys.modules.pop("advmodels63a", None)
+    assert Path(seen["config"]).resolve() == (tmp_path / "proj" / "cfg.toml").resolve()
+    assert seen["overwrite"] is True
 
 
 def test_flower_local_accepts_the_overwrite_its_refusal_names():
