@@ -80,16 +80,13 @@ update's client-state row is not committed: ``receive`` then ``result.updates.co
 from __future__ import annotations
 
 import os
-import subprocess
-import sys
 
 import pytest
-from _adv_cli import env
+from _adv_cli import cli
 
 
-def _cli(cwd, *args, timeout: float = 170):
-    return subprocess.run([sys.executable, "-m", "partialfl", *args], cwd=cwd, env=env(None),
-                          capture_output=True, text=True, timeout=timeout)
+def _cli(cwd, *args, timeout: float = 170):  # (no data folder, the code opt-in cleared)
+    return cli(cwd, None, *args, timeout=timeout)
 
 
 @pytest.fixture(scope="module")

@@ -81,16 +81,13 @@ from __future__ import annotations
 
 import importlib.util
 import os
-import subprocess
-import sys
 
 import pytest
-from _adv_cli import env
+from _adv_cli import cli
 
 
-def _cli(cwd, *args, timeout: float = 170):
-    return subprocess.run([sys.executable, "-m", "partialfl", *args], cwd=cwd, env=env(None),
-                          capture_output=True, text=True, timeout=timeout)
+def _cli(cwd, *args, timeout: float = 170):  # (no data folder, the code opt-in cleared)
+    return cli(cwd, None, *args, timeout=timeout)
 
 
 _LS = """name = "ls"

@@ -58,11 +58,9 @@ keyed by inode/size/mtime/ctime; (read) ``check_delta`` (NaN, bool, ≥ 0.5 refu
 from __future__ import annotations
 
 import json
-import subprocess
-import sys
 
 import pytest
-from _adv_cli import env
+from _adv_cli import cli
 
 _LS = """name = "ls"
 [problem]
@@ -80,9 +78,8 @@ client = { name = "gd", tau = 3 }
 """
 
 
-def _cli(cwd, *args, timeout: float = 170):
-    return subprocess.run([sys.executable, "-m", "partialfl", *args], cwd=cwd, env=env(None),
-                          capture_output=True, text=True, timeout=timeout)
+def _cli(cwd, *args, timeout: float = 170):  # (no data folder, the code opt-in cleared)
+    return cli(cwd, None, *args, timeout=timeout)
 
 
 @pytest.fixture

@@ -74,12 +74,11 @@ import subprocess
 import sys
 
 import pytest
-from _adv_cli import _KILL_AT, env
+from _adv_cli import _KILL_AT, cli, env
 
 
-def _cli(cwd, *args, timeout: float = 170):
-    return subprocess.run([sys.executable, "-m", "partialfl", *args], cwd=cwd, env=env(None),
-                          capture_output=True, text=True, timeout=timeout)
+def _cli(cwd, *args, timeout: float = 170):  # (no data folder, the code opt-in cleared)
+    return cli(cwd, None, *args, timeout=timeout)
 
 
 def _killed(cwd, tail, *args):
