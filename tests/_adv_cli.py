@@ -36,6 +36,42 @@ def femnist_toml(name: str = "ow", *, stages: str = '["personalize"]', lr: objec
             "[logging]\ntensorboard = false\nprogress = false\n")
 
 
+# the paper's least-squares problem (Example 1): 8 clients, 3 FFGG rounds of full
+# participation with 3 local GD steps — a closed-form run in well under a second
+LS_TOML = """name = "ls"
+[problem]
+name = "least-squares"
+num_clients = 8
+n = 200
+d_theta = 5
+d_w = 3
+[method]
+algorithm = "ffgg"
+[personalize]
+rounds = 3
+clients_per_round = 0
+client = { name = "gd", tau = 3 }
+"""
+
+# a smaller one for the Flower engines: 4 clients, 2 rounds of 3 CG steps from w = 0
+LS_SMALL_TOML = """name = "ls"
+seed = 3
+[problem]
+name = "least-squares"
+num_clients = 4
+n = 50
+d_theta = 4
+d_w = 2
+seed = 3
+[method]
+algorithm = "ffgg"
+w_init = "zero"
+[personalize]
+rounds = 2
+client = { name = "cg", tau = 3 }
+"""
+
+
 def env(data_dir, **extra) -> dict[str, str]:
     """This environment with ``src`` first, ``PARTIALFL_DATA_DIR`` (unless ``data_dir`` is
     None) and ``extra``; the code opt-in removed."""
@@ -82,3 +118,32 @@ def killed(cwd: Path, data_dir, call: str, tail: str, *args: str):
     return subprocess.run([sys.executable, str(cwd / "kill_at.py"), *args], cwd=cwd,
                           env=env(data_dir, KILL_CALL=call, KILL_PATH=tail),
                           capture_output=True, text=True, timeout=170)
+
+
+def trained_user_run(root: Path) -> Path:
+    """``root`` holding a user's model module, 6 clients' data, ``a.toml`` and the finished
+    ``partialfl train`` run ``runs/a`` (rounds 59b/60b attack what it wrote)."""
+    from _user_project import TINY_MODEL, client_folder, tiny_toml
+
+    (root / "usermodels.py").write_text(TINY_MODEL)
+    data = client_folder(root / "data", clients=6)
+    cfg = tiny_toml(root / "a.toml", "usermodels:tiny", data, name="a")
+    p = cli(root, None, "train", str(cfg), "--allow-code", "--out", str(root / "runs" / "a"))
+    assert p.returncode == 0, p.stderr[-600:]
+    return root
+
+
+def copy_run(root: Path, name: str) -> Path:
+    """A fresh copy ``runs/NAME`` of :func:`trained_user_run`'s ``runs/a``."""
+    import shutil
+
+    run = root / "runs" / name
+    shutil.rmtree(run, ignore_errors=True)
+    shutil.copytree(root / "runs" / "a", run)
+    return run
+
+
+def evaluate_json(root: Path, run: Path, target: str):
+    """``partialfl evaluate runs/RUN --json TARGET`` in ``root``."""
+    return cli(root, None, "evaluate", f"runs/{run.name}", "--allow-code", "--no-progress",
+               "--json", target)

@@ -169,7 +169,7 @@ import subprocess
 import sys
 
 import pytest
-from _adv_cli import env
+from _adv_cli import copy_run, env, evaluate_json, trained_user_run
 
 
 def _cli(cwd, *args, timeout: float = 170):
@@ -180,35 +180,15 @@ def _cli(cwd, *args, timeout: float = 170):
 # ----------------------------------------------------------------------------- area 4/8
 @pytest.fixture(scope="module")
 def trained(tmp_path_factory):
-    from _user_project import TINY_MODEL, client_folder, tiny_toml
-
-    root = tmp_path_factory.mktemp("ev59b")
-    (root / "usermodels.py").write_text(TINY_MODEL)
-    data = client_folder(root / "data", clients=6)
-    cfg = tiny_toml(root / "a.toml", "usermodels:tiny", data, name="a")
-    p = _cli(root, "train", str(cfg), "--allow-code", "--out", str(root / "runs" / "a"))
-    assert p.returncode == 0, p.stderr[-600:]
-    return root
+    return trained_user_run(tmp_path_factory.mktemp("ev59b"))
 
 
-def _copy(root, name):
-    import shutil
-
-    run = root / "runs" / name
-    shutil.rmtree(run, ignore_errors=True)
-    shutil.copytree(root / "runs" / "a", run)
-    return run
-
-
-def _evaluate_json(root, run, target):
-    return _cli(root, "evaluate", f"runs/{run.name}", "--allow-code", "--no-progress",
-                "--json", target)
 
 
 def test_control_evaluate_json_refuses_the_model(trained):
-    run = _copy(trained, "c0")
+    run = copy_run(trained, "c0")
     model = (run / "deploy.safetensors").read_bytes()
-    p = _evaluate_json(trained, run, f"runs/{run.name}/deploy.safetensors")
+    p = evaluate_json(trained, run, f"runs/{run.name}/deploy.safetensors")
     assert p.returncode == 2 and (run / "deploy.safetensors").read_bytes() == model
 
 
@@ -216,30 +196,30 @@ def test_evaluate_json_never_replaces_the_runs_record(trained):
     """Found: exit 0, "metrics written to runs/c1/run_files.json"; then ``--json
     runs/c1/deploy.safetensors`` exit 0, the model replaced. Expected: one line, exit 2, the
     record kept."""
-    run = _copy(trained, "c1")
+    run = copy_run(trained, "c1")
     record = (run / "run_files.json").read_bytes()
     model = (run / "deploy.safetensors").read_bytes()
-    p = _evaluate_json(trained, run, f"runs/{run.name}/run_files.json")
+    p = evaluate_json(trained, run, f"runs/{run.name}/run_files.json")
     kept = (run / "run_files.json").read_bytes() == record
-    then = _evaluate_json(trained, run, f"runs/{run.name}/deploy.safetensors")
+    then = evaluate_json(trained, run, f"runs/{run.name}/deploy.safetensors")
     model_kept = (run / "deploy.safetensors").read_bytes() == model
     assert p.returncode == 2 and kept and model_kept, \
         (p.returncode, kept, then.returncode, model_kept, p.stdout.strip()[-100:])
 
 
 def test_control_a_path_through_an_existing_sub_folder_is_refused(trained):
-    run = _copy(trained, "c2")
+    run = copy_run(trained, "c2")
     metrics = (run / "metrics.json").read_bytes()
-    p = _evaluate_json(trained, run, f"runs/{run.name}/stage1/../metrics.json")
+    p = evaluate_json(trained, run, f"runs/{run.name}/stage1/../metrics.json")
     assert p.returncode == 2 and (run / "metrics.json").read_bytes() == metrics
 
 
 def test_evaluate_json_through_a_new_folder_and_dotdot_keeps_the_model(trained):
     """Found: exit 0, "metrics written to runs/c3/nope/../deploy.safetensors", the model
     replaced by the JSON, ``runs/c3/nope`` created. Expected: one line, exit 2, model kept."""
-    run = _copy(trained, "c3")
+    run = copy_run(trained, "c3")
     model = (run / "deploy.safetensors").read_bytes()
-    p = _evaluate_json(trained, run, f"runs/{run.name}/nope/../deploy.safetensors")
+    p = evaluate_json(trained, run, f"runs/{run.name}/nope/../deploy.safetensors")
     kept = (run / "deploy.safetensors").read_bytes() == model
     assert p.returncode == 2 and kept, (p.returncode, kept, p.stdout.strip()[-100:])
 
@@ -342,7 +322,7 @@ def test_a_rerun_report_cleans_its_killed_writes_temporary_file(trained, name):
     and keeps it. Expected: the rerun removes it."""
     from _adv_cli import killed
 
-    run = _copy(trained, f"r-{name.split('.')[0]}")
+    run = copy_run(trained, f"r-{name.split('.')[0]}")
     r = killed(trained, None, "replace", f"/{run.name}/{name}", "report", f"runs/{run.name}")
     assert r.returncode == -9, (r.returncode, r.stderr[-300:])
     assert list(run.glob(f".{name}.*.tmp"))  # the killed write's
@@ -357,7 +337,7 @@ def test_a_rerun_compare_cleans_its_killed_record_write(trained):
     Expected: removed."""
     from _adv_cli import killed
 
-    run = _copy(trained, "cmp-rec")
+    run = copy_run(trained, "cmp-rec")
     r = killed(trained, None, "replace", f"/{run.name}/run_files.json", "compare",
                f"runs/{run.name}")
     assert r.returncode == -9, (r.returncode, r.stderr[-300:])
@@ -373,7 +353,7 @@ def test_a_rerun_evaluate_json_cleans_its_killed_writes_temporary_file(trained, 
     """Found: ``.ev.json.XXXXXXXX.tmp`` kept after the rerun (exit 0). Expected: removed."""
     from _adv_cli import killed
 
-    run = _copy(trained, f"e-{inside}")
+    run = copy_run(trained, f"e-{inside}")
     target = f"runs/{run.name}/ev.json" if inside else f"evout-{inside}/ev.json"
     (trained / target).parent.mkdir(exist_ok=True)
     args = ("evaluate", f"runs/{run.name}", "--allow-code", "--no-progress", "--json", target)

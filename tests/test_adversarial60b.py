@@ -82,7 +82,7 @@ from __future__ import annotations
 import os
 
 import pytest
-from _adv_cli import cli
+from _adv_cli import LS_TOML, cli, copy_run, evaluate_json, trained_user_run
 
 
 def _cli(cwd, *args, timeout: float = 170):  # (no data folder, the code opt-in cleared)
@@ -91,82 +91,48 @@ def _cli(cwd, *args, timeout: float = 170):  # (no data folder, the code opt-in 
 
 @pytest.fixture(scope="module")
 def trained(tmp_path_factory):
-    from _user_project import TINY_MODEL, client_folder, tiny_toml
-
-    root = tmp_path_factory.mktemp("ev60b")
-    (root / "usermodels.py").write_text(TINY_MODEL)
-    data = client_folder(root / "data", clients=6)
-    cfg = tiny_toml(root / "a.toml", "usermodels:tiny", data, name="a")
-    p = _cli(root, "train", str(cfg), "--allow-code", "--out", str(root / "runs" / "a"))
-    assert p.returncode == 0, p.stderr[-600:]
-    return root
+    return trained_user_run(tmp_path_factory.mktemp("ev60b"))
 
 
-def _copy(root, name):
-    import shutil
-
-    run = root / "runs" / name
-    shutil.rmtree(run, ignore_errors=True)
-    shutil.copytree(root / "runs" / "a", run)
-    return run
-
-
-def _evaluate_json(root, run, target):
-    return _cli(root, "evaluate", f"runs/{run.name}", "--allow-code", "--no-progress",
-                "--json", target)
 
 
 def test_control_dotdot_through_the_runs_own_sub_folder_is_refused(trained):
-    run = _copy(trained, "c0")
+    run = copy_run(trained, "c0")
     model = (run / "deploy.safetensors").read_bytes()
-    p = _evaluate_json(trained, run, f"runs/{run.name}/stage1/../deploy.safetensors")
+    p = evaluate_json(trained, run, f"runs/{run.name}/stage1/../deploy.safetensors")
     assert p.returncode == 2 and (run / "deploy.safetensors").read_bytes() == model
 
 
 def test_control_a_link_to_the_run_folder_is_refused(trained):
-    run = _copy(trained, "c1")
+    run = copy_run(trained, "c1")
     metrics = (run / "metrics.json").read_bytes()
     link = trained / "to-c1"
     if not link.is_symlink():
         os.symlink(run, link)
-    p = _evaluate_json(trained, run, "to-c1/metrics.json")
+    p = evaluate_json(trained, run, "to-c1/metrics.json")
     assert p.returncode == 2 and (run / "metrics.json").read_bytes() == metrics
 
 
 def test_evaluate_json_through_a_link_and_dotdot_keeps_the_model(trained):
     """Found: exit 0, "metrics written to latest/../deploy.safetensors", the run's
     ``deploy.safetensors`` replaced by the JSON. Expected: one line, exit 2, model kept."""
-    run = _copy(trained, "c2")
+    run = copy_run(trained, "c2")
     model = (run / "deploy.safetensors").read_bytes()
     link = trained / "latest"
     if not link.is_symlink():
         os.symlink(run / "stage1", link)  # a user's shortcut into the run
-    p = _evaluate_json(trained, run, "latest/../deploy.safetensors")
+    p = evaluate_json(trained, run, "latest/../deploy.safetensors")
     kept = (run / "deploy.safetensors").read_bytes() == model
     assert p.returncode == 2 and kept, (p.returncode, kept, p.stdout.strip()[-100:])
 
 
 # ----------------------------------------------------------------------------- area 8
-_LS = """name = "ls"
-[problem]
-name = "least-squares"
-num_clients = 8
-n = 200
-d_theta = 5
-d_w = 3
-[method]
-algorithm = "ffgg"
-[personalize]
-rounds = 3
-clients_per_round = 0
-client = { name = "gd", tau = 3 }
-"""
 
 
 @pytest.fixture(scope="module")
 def others(trained):
     """A closed-form run (``cf/``) and a reproduction (``R/``) beside the trained run."""
-    (trained / "ls.toml").write_text(_LS)
+    (trained / "ls.toml").write_text(LS_TOML)
     p = _cli(trained, "run", "ls.toml", "--out", "cf", "--no-progress")
     assert p.returncode == 0, p.stderr[-400:]
     p = _cli(trained, "reproduce", "ls-tau", "--quick", "--out", "R", "--no-progress")
@@ -181,7 +147,7 @@ def others(trained):
 
 def test_control_a_reproductions_record_is_refused(others):
     rec = (others / "R" / "reproduction.json").read_bytes()
-    p = _evaluate_json(others, others / "runs" / "a", "R/reproduction.json")
+    p = evaluate_json(others, others / "runs" / "a", "R/reproduction.json")
     assert p.returncode == 2 and (others / "R" / "reproduction.json").read_bytes() == rec
 
 
@@ -191,7 +157,7 @@ def test_evaluate_json_never_replaces_another_commands_results(others, target):
     """Found: exit 0, "metrics written to cf/summary.md" (each target), the file replaced
     by the evaluation's JSON. Expected: one line, exit 2, the file kept."""
     before = (others / target).read_bytes()
-    p = _evaluate_json(others, others / "runs" / "a", target)
+    p = evaluate_json(others, others / "runs" / "a", target)
     kept = (others / target).read_bytes() == before
     if not kept:  # the next parametrization finds the folder as it was
         (others / target).write_bytes(before)

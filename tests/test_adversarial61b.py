@@ -83,27 +83,13 @@ import importlib.util
 import os
 
 import pytest
-from _adv_cli import cli
+from _adv_cli import LS_TOML, cli
 
 
 def _cli(cwd, *args, timeout: float = 170):  # (no data folder, the code opt-in cleared)
     return cli(cwd, None, *args, timeout=timeout)
 
 
-_LS = """name = "ls"
-[problem]
-name = "least-squares"
-num_clients = 8
-n = 200
-d_theta = 5
-d_w = 3
-[method]
-algorithm = "ffgg"
-[personalize]
-rounds = 3
-clients_per_round = 0
-client = { name = "gd", tau = 3 }
-"""
 
 
 @pytest.fixture(scope="module")
@@ -116,7 +102,7 @@ def root(tmp_path_factory):
     (root / "usermodels.py").write_text(TINY_MODEL)
     data = client_folder(root / "data", clients=6)
     tiny_toml(root / "a.toml", "usermodels:tiny", data, name="a")
-    (root / "ls.toml").write_text(_LS)
+    (root / "ls.toml").write_text(LS_TOML)
     p = _cli(root, "train", "a.toml", "--allow-code", "--out", "runs/a", "--no-progress")
     assert p.returncode == 0, p.stderr[-600:]
     p = _cli(root, "reproduce", "ls-tau", "--quick", "--out", "R", "--no-progress")

@@ -81,35 +81,16 @@ from __future__ import annotations
 
 import subprocess
 import sys
-import textwrap
 
 import pytest
-from _adv_cli import env
+from _adv_cli import LS_SMALL_TOML, env
 from _user_project import TINY_MODEL, client_folder, tiny_toml
-
-LS_TOML = textwrap.dedent("""
-    name = "ls"
-    seed = 3
-    [problem]
-    name = "least-squares"
-    num_clients = 4
-    n = 50
-    d_theta = 4
-    d_w = 2
-    seed = 3
-    [method]
-    algorithm = "ffgg"
-    w_init = "zero"
-    [personalize]
-    rounds = 2
-    client = { name = "cg", tau = 3 }
-    """)
 
 
 def _run_with_audit(tmp_path, audit: str):
     pytest.importorskip("flwr", reason="flwr is not installed")
     pytest.importorskip("ray", reason="Flower's simulation engine needs ray")
-    (tmp_path / "ls.toml").write_text(LS_TOML)
+    (tmp_path / "ls.toml").write_text(LS_SMALL_TOML)
     return subprocess.run([sys.executable, "-m", "partialfl", "run", "ls.toml", "--engine",
                            "flower-sim", "--supernodes", "2", "--flower", f"audit-dir={audit}",
                            "--out", "runs/ls", "--no-progress"], cwd=tmp_path,

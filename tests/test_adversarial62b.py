@@ -60,22 +60,7 @@ from __future__ import annotations
 import json
 
 import pytest
-from _adv_cli import cli
-
-_LS = """name = "ls"
-[problem]
-name = "least-squares"
-num_clients = 8
-n = 200
-d_theta = 5
-d_w = 3
-[method]
-algorithm = "ffgg"
-[personalize]
-rounds = 3
-clients_per_round = 0
-client = { name = "gd", tau = 3 }
-"""
+from _adv_cli import LS_TOML, cli
 
 
 def _cli(cwd, *args, timeout: float = 170):  # (no data folder, the code opt-in cleared)
@@ -84,7 +69,7 @@ def _cli(cwd, *args, timeout: float = 170):  # (no data folder, the code opt-in 
 
 @pytest.fixture
 def root(tmp_path):
-    (tmp_path / "ls.toml").write_text(_LS)
+    (tmp_path / "ls.toml").write_text(LS_TOML)
     return tmp_path
 
 

@@ -95,30 +95,11 @@ from __future__ import annotations
 
 import subprocess
 import sys
-import textwrap
 from pathlib import Path
 
 import pytest
 from _adv_cli import env
 from _user_project import TINY_MODEL, client_folder, tiny_toml
-
-LS_TOML = textwrap.dedent("""
-    name = "ls"
-    seed = 3
-    [problem]
-    name = "least-squares"
-    num_clients = 4
-    n = 50
-    d_theta = 4
-    d_w = 2
-    seed = 3
-    [method]
-    algorithm = "ffgg"
-    w_init = "zero"
-    [personalize]
-    rounds = 2
-    client = { name = "cg", tau = 3 }
-    """)
 
 
 def _needs_sim():

@@ -74,7 +74,7 @@ import subprocess
 import sys
 
 import pytest
-from _adv_cli import _KILL_AT, cli, env
+from _adv_cli import _KILL_AT, LS_TOML, cli, env
 
 
 def _cli(cwd, *args, timeout: float = 170):  # (no data folder, the code opt-in cleared)
@@ -142,20 +142,6 @@ def test_a_resumed_train_keeps_the_users_files(project):
 
 
 # ----------------------------------------------------------------------------- area 4
-_LS = """name = "ls"
-[problem]
-name = "least-squares"
-num_clients = 8
-n = 200
-d_theta = 5
-d_w = 3
-[method]
-algorithm = "ffgg"
-[personalize]
-rounds = 3
-clients_per_round = 0
-client = { name = "gd", tau = 3 }
-"""
 
 # the CLI killed (SIGKILL) once the federation has ended: the ServerApp has written
 # OUT/flower/{result.json, metrics.jsonl, theta.npz}, ls.jsonl is not written yet
@@ -173,7 +159,7 @@ _FLOWER = ("run", "ls.toml", "--engine", "flower-sim", "--supernodes", "2", "--o
 
 @pytest.mark.slow
 def test_a_killed_flower_closed_form_run_can_be_run_again(tmp_path):
-    (tmp_path / "ls.toml").write_text(_LS)
+    (tmp_path / "ls.toml").write_text(LS_TOML)
     (tmp_path / "kill.py").write_text(_KILL_BEFORE_LOG)
     p = subprocess.run([sys.executable, str(tmp_path / "kill.py"), *_FLOWER], cwd=tmp_path,
                        env=env(None), capture_output=True, text=True, timeout=170)
