@@ -120,9 +120,13 @@ def test_a_relative_audit_dir_spelt_with_an_underscore_is_kept(tmp_path, monkeyp
 
 
 def _diverging_train(tmp_path, *engine: str):
-    (tmp_path / "usermodels.py").write_text(TINY_MODEL)
-    tiny_toml(tmp_path / "cfg.toml", "usermodels:tiny", client_folder(tmp_path / "data"))
-    return subprocess.run([sys.executable, "-m", "partialfl", "train", "cfg.toml",
+    """A user's model beside its config in ``proj/`` (round 62a's case: the Flower engines
+    must import it from there), fine-tuned with a learning rate that overflows."""
+    (tmp_path / "proj").mkdir()
+    (tmp_path / "proj" / "usermodels.py").write_text(TINY_MODEL)
+    tiny_toml(tmp_path / "proj" / "cfg.toml", "usermodels:tiny",
+              client_folder(tmp_path / "data"))
+    return subprocess.run([sys.executable, "-m", "partialfl", "train", "proj/cfg.toml",
                            "--allow-code", *engine, "--set", "finetune.lr=3e38", "--out",
                            "runs/t", "--no-progress"], cwd=tmp_path, env=env(None),
                           capture_output=True, text=True, timeout=170)
@@ -139,7 +143,9 @@ def test_control_a_diverged_run_says_so_in_process(tmp_path):
 def test_a_diverged_flower_run_says_so(tmp_path):
     """Found: exit 0, only the summary line ("flower-sim: test accuracy 50.00% …"), while
     ``metrics.json`` has ``test_loss`` = ``train_loss`` = inf. Expected: exit 1 and "the
-    run diverged" on stderr, as in process."""
+    run diverged" on stderr, as in process. The model lives beside the config, so the
+    same run also holds round 62a's fix (stages 1 and 2 on Flower import it: metrics.json
+    exists only after they finished) — one Flower start for both checks."""
     _needs_sim()
     p = _diverging_train(tmp_path, "--engine", "flower-sim")
     assert (tmp_path / "runs" / "t" / "metrics.json").is_file(), p.stderr[-800:]
