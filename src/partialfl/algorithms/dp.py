@@ -87,44 +87,26 @@ def _int(x, name: str) -> int:
 
 @dataclass(frozen=True)
 class DPOptions:
-    """Client-level DP of θ (see the module docstring for the mechanism).
-
-    Attributes:
-        clip_norm: C, the clip norm of each client's update (the initial C with adaptive
-            clipping). None: no clipping — no guarantee (ε = ∞), only with noise 0.
-        noise_multiplier: z, noise std / C on the sum (central) or on each update (local).
-        target_epsilon: the ε to meet after ``rounds`` rounds (z is solved for when
-            ``noise_multiplier`` is None, else checked). ∞: no noise.
-        delta: δ of the (ε, δ) guarantee; None: 1/M.
-        rounds: the rounds the budget covers (needed with ``target_epsilon``); a run may not
-            go beyond it.
-        clients_per_round: k, the expected cohort size (Poisson rate k/M); None: all clients.
-        sampling: ``poisson`` (add/remove one client) or ``fixed`` (k of M without
-            replacement; replace one client).
-        mode: ``central`` (the server noises the sum) or ``local`` (each client noises its own
-            update).
-        accountant: ``rdp`` (default) or ``pld`` (tighter, Poisson only, slower).
-        adaptive_clipping: follow the ``target_quantile`` of the update norms (central only).
-        target_quantile: γ, the fraction of updates left unclipped.
-        clip_lr: η_C, the geometric step of the clip norm.
-        clip_count_std: σ_b, the noise std of the unclipped count; None: k/20.
-    """
+    """Client-level DP of θ (see the module docstring for the mechanism); each option's
+    help below is its meaning (listed in ``docs/config.md``)."""
 
     clip_norm: float | None = option(1.0, "C: each client's update clipped to this norm (None: no "
                                      "clipping, only with noise 0)")
     noise_multiplier: float | None = option(None, "z: noise std / C (None: solved for "
                                             "target_epsilon)")
     target_epsilon: float | None = option(None, "the ε to meet after rounds (z solved for it, or "
-                                          "checked)")
+                                          "checked; inf: no noise)")
     delta: float | None = option(None, "δ of the (ε, δ) guarantee (None: 1/M)")
-    rounds: int | None = option(None, "the rounds the budget covers (None: the stage's rounds)")
+    rounds: int | None = option(None, "the rounds the budget covers; a stage may not run "
+                                "more (None: the stage's rounds)")
     clients_per_round: int | None = option(None, "k, the expected cohort size (None: the stage's, "
                                            "or all)")
     sampling: str = option("poisson", "poisson (add/remove one client) or fixed (k of M; replace "
                            "one)")
     mode: str = option("central", "central (the server noises the sum) or local (each client "
                        "noises)")
-    accountant: str = option("rdp", "rdp or pld (dp-accounting)")
+    accountant: str = option("rdp", "rdp or pld (dp-accounting; pld: tighter, poisson "
+                             "only)")
     adaptive_clipping: bool = option(False, "follow the target_quantile of the update norms "
                                      "(central)")
     target_quantile: float = option(0.5, "γ: the fraction of updates left unclipped")
@@ -496,4 +478,15 @@ def _dp(opts: DPOptions, ctx: WrapperContext) -> DifferentiallyPrivate:
         fill["rounds"] = ctx.rounds
     if opts.clients_per_round is None and ctx.clients_per_round:
         fill["clients_per_round"] = ctx.clients_per_round
-    return DifferentiallyPrivate(ctx.base, replace(opts, **fill) if fill else opts)
+    dp = DifferentiallyPrivate(ctx.base, replace(opts, **fill) if fill else opts)
+    o = dp.options  # what the run would refuse at round `rounds` or at sampling, refused now
+    if ctx.rounds and o.rounds is not None and ctx.rounds > o.rounds:
+        raise PrivacyBudgetError(f"DP budget covers rounds={o.rounds}; the stage runs "
+                                 f"{ctx.rounds} rounds (raise the DP option rounds)")
+    if ctx.clients_per_round and ctx.clients_per_round != o.clients_per_round:
+        raise ValueError(f"DP samples its own cohorts (clients_per_round={o.clients_per_round}"
+                         f" in its options); the stage asks clients_per_round="
+                         f"{ctx.clients_per_round}: leave it unset")
+    if ctx.num_clients:
+        dp.plan(ctx.num_clients)  # a target it cannot meet: refused before any round
+    return dp

@@ -110,7 +110,8 @@ class FedRepOptions:
     """The personal head and FedRep's local schedule."""
 
     layers: int = option(1, "the last `layers` layer(s) are personal")
-    head_epochs: int = option(10, "epochs on the head w_m with θ fixed")
+    head_epochs: int = option(10, "epochs on the head w_m with θ fixed (client gd: "
+                              "full-gradient steps)")
     body_epochs: int = option(1, "then epochs on the body θ with w_m fixed")
 
     def __post_init__(self) -> None:
@@ -126,10 +127,14 @@ class FedRepOptions:
 def _fedrep(opts: FedRepOptions, ctx: AlgorithmContext) -> Algorithm:
     """FedRep: the head first (``head_epochs``, θ fixed), then the body (``body_epochs``,
     w_m fixed) (FedAlt)."""
-    local = ctx.trainer()
-    head = dataclasses.replace(local, epochs=opts.head_epochs, steps=None)
-    body = dataclasses.replace(local, epochs=opts.body_epochs, steps=None)
-    return _named(FedAlt(head, local_theta=body, **_common(ctx)), "fedrep")
+    def passes(epochs: int):  # a gd client's epoch: one full-gradient step
+        local = ctx.trainer()
+        if "epochs" in {f.name for f in dataclasses.fields(local)}:
+            return dataclasses.replace(local, epochs=epochs, steps=None)
+        return ctx.trainer(steps=epochs)
+
+    return _named(FedAlt(passes(opts.head_epochs), local_theta=passes(opts.body_epochs),
+                         **_common(ctx)), "fedrep")
 
 
 # -- LG-FedAvg -----------------------------------------------------------------------------
