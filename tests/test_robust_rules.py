@@ -170,11 +170,13 @@ def test_gram_distances_are_exact_enough_and_outlier_safe():
     ref = ((X[:, None] - X[None]) ** 2).sum(2)
     np.testing.assert_allclose(D, ref, rtol=1e-9, atol=1e-9 * ref.max())
     Y = rand(8, 5, 4)
-    Y[0] = 1e300  # centre is never the outlier; nothing overflows
+    Y[0] = 1e300  # centre is never the outlier; nothing overflows, nothing underflows
     G, s = gram(Y)
-    assert s == 1e300 and np.isfinite(sq_dists(G)).all()
+    D = sq_dists(G)
+    assert np.isfinite(D).all() and 1e50 < s < 1e51  # √(1e100·mid · mid), mid = median ‖·‖∞
     ref = ((Y[1:, None] - Y[None, 1:]) ** 2).sum(2)
-    np.testing.assert_allclose(sq_dists(G)[1:, 1:], ref / s / s, rtol=1e-6, atol=1e-300)
+    np.testing.assert_allclose(D[1:, 1:], ref / s / s, rtol=1e-9)  # no atol: none underflow
+    assert D[0, 1:].min() > 1e150 * D[1:, 1:].max()  # the outlier stays the farthest by far
 
 
 # ------------------------------------------------------------------- every rule

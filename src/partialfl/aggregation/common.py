@@ -26,6 +26,8 @@ from partialfl import arrays
 
 #: columns per block of the Gram computation (a block of 25 rows is ~6.5 MB of float64)
 _BLOCK = 1 << 15
+#: rows beyond this factor times the median row's ‖·‖∞ are shrunk to it for distances
+_RANGE = 1e100
 #: columns per block of the row sums of :func:`mean_rows` (L2-sized)
 _BLOCK_MEAN = 1 << 14
 #: rows at least this long get their sums of squares from one BLAS dot each
@@ -242,30 +244,63 @@ def safe_mean(X: np.ndarray, axis: int = 0) -> np.ndarray:
     return (X / X.shape[axis]).sum(axis)
 
 
+def _row_linf(X: np.ndarray) -> np.ndarray:
+    """max_j |X_ij| for every row, one column block at a time."""
+    linf = np.zeros(len(X))
+    for j in range(0, X.shape[1], _BLOCK):
+        np.maximum(linf, np.abs(X[:, j : j + _BLOCK]).max(1), out=linf)
+    return linf
+
+
+def _tame_factors(linf: np.ndarray) -> np.ndarray | None:
+    """Per-row factors that shrink every row whose ‖·‖∞ exceeds ``_RANGE`` × the median
+    row's to that size (direction kept); None when no row does."""
+    cap = float(np.median(linf)) * _RANGE
+    if not 0.0 < cap < math.inf or linf.max() <= cap:
+        return None
+    return np.minimum(1.0, cap / np.maximum(linf, cap))
+
+
+def tame(X: np.ndarray) -> np.ndarray:
+    """``X`` with every row beyond ``_RANGE`` (1e100) times the median row's ‖·‖∞ shrunk
+    radially to that size — a clip no honest update meets (an honest majority puts the
+    median among the honest rows), after which the squared distances of all rows fit in
+    float64 together: a row 1e200 away no longer makes the honest rows' differences
+    underflow to 0 (what the distance rules compare). ``X`` itself when no row is beyond."""
+    f = _tame_factors(_row_linf(X))
+    return X if f is None else X * f[:, None]
+
+
 def gram(X: np.ndarray) -> tuple[np.ndarray, float]:
-    """``(G, s)``: G_ij = ⟨x_i − c, x_j − c⟩ / s² with c the input of smallest ‖·‖∞; s = 1
-    unless the entries are so large (> 1e100) or small (< 1e-100) that squares could overflow
-    or underflow, then s = max_i ‖x_i‖∞ (every scaled entry is ≤ 2).
+    """``(G, s)``: G_ij = ⟨x_i − c, x_j − c⟩ / s² over the rows of :func:`tame` (``X``) with
+    c the input of smallest ‖·‖∞; s = 1 unless the entries are so large (> 1e100) or small
+    (< 1e-100) that squares could overflow or underflow, then s = √(top · mid), top and mid
+    the largest and the median row ‖·‖∞ (within 1e100 of each other after taming), so
+    both scaled sizes square within float64's range (s = top if mid is 0).
 
     Centring at an input keeps the formula ‖x_i − x_j‖² = G_ii + G_jj − 2G_ij accurate where
     the inputs share a large offset; choosing the input of smallest ‖·‖∞ means an outlier
     (e.g. 1e30) never becomes the centre. One ``[k, b] @ [b, k]`` product per block of b
     columns: O(k²d) flops in BLAS and O(kb) extra memory (no ``[k, d]`` copy)."""
     k, d = X.shape
-    linf = np.zeros(k)
-    for j in range(0, d, _BLOCK):
-        np.maximum(linf, np.abs(X[:, j : j + _BLOCK]).max(1), out=linf)
-    c = X[int(np.argmin(linf))]
-    top = float(linf.max())
+    linf = _row_linf(X)
+    f = _tame_factors(linf)
+    if f is not None:
+        linf = linf * f
+    c = X[int(np.argmin(linf))]  # never shrunk: its ‖·‖∞ is at most the median's
+    top, mid = float(linf.max()), float(np.median(linf))
     if top == 0.0:
         return np.zeros((k, k)), 1.0
-    s = 1.0 if 1e-100 <= top <= 1e100 else top
+    s = 1.0 if 1e-100 <= top <= 1e100 else (math.sqrt(top) * math.sqrt(mid) or top)
     G = np.zeros((k, k))
     for j in range(0, d, _BLOCK):
+        B = X[:, j : j + _BLOCK]
+        if f is not None:
+            B = B * f[:, None]
         if s == 1.0:
-            B = X[:, j : j + _BLOCK] - c[j : j + _BLOCK]
+            B = B - c[j : j + _BLOCK]
         else:  # divide first: x − c may overflow near 1e308
-            B = X[:, j : j + _BLOCK] / s - c[j : j + _BLOCK] / s
+            B = B / s - c[j : j + _BLOCK] / s
         G += B @ B.T
     return (G + G.T) / 2, s
 

@@ -15,6 +15,7 @@ from partialfl.aggregation.common import (
     positive_total,
     prepare,
     sq_dists,
+    tame,
     to_numpy,
 )
 from partialfl.aggregation.compose import AggregatorOptions, register_rule
@@ -66,6 +67,7 @@ class GeometricMedian:
         runs on the Gram matrix; should float64 cancellation there stall it (e.g. inputs
         spread over many orders of magnitude), it continues with exact distances in ℝ^d."""
         X, a, _ = prepare(vectors, weights, "geometric median")
+        X = tame(X)  # (a row 1e100 beyond the median one pulls as a unit vector either way)
         a = positive_total(a, "geometric median") if self.weighted else np.ones(len(X))
         if not 1e-150 < a.max() < 1e150:  # the minimiser does not change with the scale of a
             a = a / a.max()
@@ -75,9 +77,10 @@ class GeometricMedian:
         alpha = np.zeros(len(X))
         alpha[j0] = 1.0
         scale = float(np.median(D[j0]))
-        if scale <= 1e-12 * max(float(np.sqrt(np.diag(G).max())), np.finfo(np.float64).tiny):
-            # At least half of the inputs coincide with the medoid: their mass outweighs the
-            # pull of all others (unweighted), so that point is the geometric median.
+        on = D[j0] <= 1e-7 * np.sqrt(np.maximum(G[j0, j0], np.diag(G)))  # G's precision
+        if 2 * a[on].sum() >= a.sum():
+            # Inputs holding half of the mass coincide with the medoid: their pull outweighs
+            # that of all others, so that point is the geometric median.
             return X[j0].copy(), 0, 0.0
         nu = self.nu * scale
         alpha, it, resid, done = self._iterate(_GramGeometry(G, D), a, alpha, nu, scale,

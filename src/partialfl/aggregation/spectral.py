@@ -20,6 +20,7 @@ from partialfl.aggregation.common import (
     mean_rows,
     prepare,
     subsets,
+    tame,
 )
 from partialfl.aggregation.compose import AggregatorOptions, register_rule
 from partialfl.aggregation.protection import check, check_flag
@@ -85,6 +86,7 @@ class CAF:
 
     def __call__(self, vectors, weights=None):
         X, _, restore = prepare(vectors, weights, "caf")
+        X = tame(X)  # the weights are of the tamed rows: combine those
         c = self.weights(gram(X)[0], self.tolerated(len(X)))
         return restore((c / c.sum()) @ X)
 

@@ -262,8 +262,8 @@ def deployed_split(run_dir: Path, cfg: RunSpec, model_fn, split_fn) -> tuple:
         raise pio.FileFormatError(f"{run_dir / DEPLOY} does not fit the model: {e}") from None
     own = dict(split.model.named_parameters())
     _check_group(run_dir / DEPLOY, "model", groups["model"], split.model.state_dict())
-    _check_group(run_dir / DEPLOY, "theta", groups["theta"],
-                 {n: own[n] for n in split.global_names})
+    theta = _check_group(run_dir / DEPLOY, "theta", groups["theta"],
+                         {n: own[n] for n in split.global_names})
     if groups["w_pretrained"]:  # w_pre: personal parameters, and the normalization
         # running statistics the problem keeps as client state (when saved)
         from partialfl.problems.model.modules import running_stat_modules
@@ -271,18 +271,21 @@ def deployed_split(run_dir: Path, cfg: RunSpec, model_fn, split_fn) -> tuple:
         want = {n: own[n] for n in split.personal_names}
         want.update({n: v for n, v in running_stat_modules(split.model)[1].items()
                      if n in groups["w_pretrained"]})
-        _check_group(run_dir / DEPLOY, "w_pretrained", groups["w_pretrained"], want)
-    return split, groups["theta"], groups["w_pretrained"] or None
+        w_pre = _check_group(run_dir / DEPLOY, "w_pretrained", groups["w_pretrained"], want)
+        return split, theta, w_pre
+    return split, theta, None
 
 
 def _check_group(path: Path, group: str, got: Mapping[str, Any], want: Mapping[str, Any]
-                 ) -> None:
-    """``got`` has exactly ``want``'s names and shapes, and finite values in their dtypes (a
-    θ lacking a name once ended ``partialfl evaluate`` in a KeyError traceback; a NaN θ
-    scored as a model)."""
+                 ) -> dict[str, Any]:
+    """``got`` cast to ``want``'s dtypes, after checking that it has exactly ``want``'s names
+    and shapes, floats where they are, and finite values once cast (a θ lacking a name once
+    ended ``partialfl evaluate`` in a KeyError traceback; a NaN θ scored as a model; a
+    float64 θ for a float32 model was a dtype traceback)."""
     if got.keys() != want.keys():
         diff = sorted(set(got) ^ set(want))[:3]
         raise pio.FileFormatError(f"{path}: {group}/ does not fit the model's split ({diff})")
+    out: dict[str, Any] = {}
     for n, v in got.items():
         if tuple(v.shape) != tuple(want[n].shape):
             raise pio.FileFormatError(f"{path}: {group}/{n} has shape {tuple(v.shape)}, the "
@@ -290,9 +293,11 @@ def _check_group(path: Path, group: str, got: Mapping[str, Any], want: Mapping[s
         if v.is_floating_point() != want[n].is_floating_point():
             raise pio.FileFormatError(f"{path}: {group}/{n} is {v.dtype}, the model "
                                       f"{want[n].dtype}")
-        c = v.to(want[n].dtype)
+        out[n] = c = v.to(want[n].dtype)
         if c.is_floating_point() and not bool(c.isfinite().all()):
-            raise pio.FileFormatError(f"{path}: {group}/{n} is not all finite")
+            raise pio.FileFormatError(f"{path}: {group}/{n} is not all finite in "
+                                      f"{want[n].dtype}")
+    return out
 
 
 __all__ = ["CLIENT_STATE", "DEPLOY", "THETA1", "THETA2", "check_or_write_json",

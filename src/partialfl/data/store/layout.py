@@ -34,6 +34,20 @@ X_KINDS, Y_KINDS, META_KINDS = "biuf", "iu", "biufcSU"
 as_numpy = to_numpy  # a numpy view or copy of an array or (detached, host) tensor
 
 
+#: the largest input a reader returns (inputs are float32)
+F32_MAX = float(np.finfo(np.float32).max)
+
+
+def x_scale_problem(xd: np.dtype, xs: float) -> str | None:
+    """Why float32 ``x · x_scale`` could overflow for some input of dtype ``xd`` (what the
+    readers return), or None."""
+    top = 1.0 if xd.kind == "b" else float(
+        np.iinfo(xd).max if xd.kind in "iu" else np.finfo(xd).max)
+    if top * xs <= F32_MAX:
+        return None
+    return f"x_scale overflows float32 for {xd.str} inputs (x · x_scale must stay finite)"
+
+
 class StoreError(DataFormatError):
     """A client store (or client-state store) is missing, truncated, corrupt or of another
     version; the message names the file."""
@@ -292,12 +306,9 @@ def read_header(root: Path) -> Header:
     xs = h.get("x_scale")
     if xs is not None and (type(xs) not in (int, float) or not math.isfinite(xs) or xs <= 0):
         raise _bad(hp, "x_scale must be null or a positive finite number", xs)
-    if xs is not None:  # readers return float32 x · x_scale: finite for every stored x
-        xd = fields["train_x"].dtype
-        top = float(np.iinfo(xd).max if xd.kind in "iu" else np.finfo(xd).max)
-        if not top * xs <= float(np.finfo(np.float32).max):
-            raise _bad(hp, f"x_scale overflows float32 for {xd.str} inputs (x · x_scale must "
-                           "stay finite)", xs)
+    why = None if xs is None else x_scale_problem(fields["train_x"].dtype, xs)
+    if why is not None:
+        raise _bad(hp, why, xs)
     desc = h.get("description", "")
     if not isinstance(desc, str):
         raise _bad(hp, "description must be a string", desc)

@@ -24,6 +24,7 @@ from typing import Any
 import numpy as np
 
 from partialfl.data.store.layout import (
+    F32_MAX,
     FIELDS,
     SPLITS,
     StoreError,
@@ -206,6 +207,10 @@ class ClientStore:
         if field.endswith("_y"):
             lo, hi = 0, self.num_classes - 1
         elif a.dtype.kind == "f":
+            if a.dtype.itemsize > 4 and a.size and not np.abs(a).max() <= F32_MAX:
+                big = ~(np.abs(a) <= F32_MAX)  # (NaN included)
+                self._corrupt(field, idx, big, "a value beyond float32's range, which the "
+                              "readers return", "")
             with np.errstate(over="ignore", invalid="ignore"):
                 if math.isfinite(float(np.add.reduce(a, axis=None))):
                     return  # fast path: a NaN or inf makes the sum non-finite
@@ -223,7 +228,8 @@ class ClientStore:
             return
         self._corrupt(field, idx, (a < lo) | (a > hi), f"a value outside {lo}..{hi}")
 
-    def _corrupt(self, field: str, idx: np.ndarray, bad: np.ndarray, what: str) -> None:
+    def _corrupt(self, field: str, idx: np.ndarray, bad: np.ndarray, what: str,
+                 why: str = " (the file changed after it was opened and checked: corrupt "
+                 "store)") -> None:
         row = int(idx.reshape(-1)[np.flatnonzero(bad.reshape(idx.size, -1).any(axis=1))[0]])
-        raise StoreError(f"{self.path / f'{field}.bin'}: row {row} holds {what} (the file "
-                         "changed after it was opened and checked: corrupt store)")
+        raise StoreError(f"{self.path / f'{field}.bin'}: row {row} holds {what}{why}")

@@ -26,6 +26,7 @@ import numpy as np
 
 from partialfl.data.federated import FederatedDataset
 from partialfl.data.store.layout import (
+    F32_MAX,
     FIELDS,
     HEADER,
     SPLITS,
@@ -37,6 +38,7 @@ from partialfl.data.store.layout import (
     fsync_dir,
     header_crc,
     split_meta,
+    x_scale_problem,
 )
 from partialfl.data.store.verify import SIDECAR
 from partialfl.io import open_regular
@@ -269,6 +271,12 @@ class StoreWriter:
                              f"labels outside 0..{self.num_classes - 1}")
         if x.dtype.kind == "f" and x.size and not np.isfinite(x).all():
             raise ValueError(f"client {owner(~np.isfinite(x))!r}: {s}_x has non-finite values")
+        if x.dtype.kind == "f" and x.dtype.itemsize > 4 and x.size and np.abs(x).max() > F32_MAX:
+            raise ValueError(f"client {owner(np.abs(x) > F32_MAX)!r}: {s}_x has values beyond "
+                             "float32's range (readers return float32 inputs)")
+        why = None if self.x_scale is None else x_scale_problem(x.dtype, self.x_scale)
+        if why is not None:
+            raise ValueError(f"{why}; got x_scale={self.x_scale!r}")
 
     def close(self) -> Path:
         """Finish: write offsets, ids, meta and ``header.json``, fsync, rename into place."""
