@@ -273,10 +273,11 @@ def tame(X: np.ndarray) -> np.ndarray:
 
 def gram(X: np.ndarray) -> tuple[np.ndarray, float]:
     """``(G, s)``: G_ij = ⟨x_i − c, x_j − c⟩ / s² over the rows of :func:`tame` (``X``) with
-    c the input of smallest ‖·‖∞; s = 1 unless the entries are so large (> 1e100) or small
-    (< 1e-100) that squares could overflow or underflow, then s = √(top · mid), top and mid
-    the largest and the median row ‖·‖∞ (within 1e100 of each other after taming), so
-    both scaled sizes square within float64's range (s = top if mid is 0).
+    c the input of smallest ‖·‖∞; s = 1 unless the largest row is so large (> 1e100) or the
+    median row so small (< 1e-100) that squares could overflow or underflow, then
+    s = √(top · mid), top and mid the largest and the median row ‖·‖∞ (within 1e100 of each
+    other after taming), so both scaled sizes square within float64's range (s = top if
+    mid is 0).
 
     Centring at an input keeps the formula ‖x_i − x_j‖² = G_ii + G_jj − 2G_ij accurate where
     the inputs share a large offset; choosing the input of smallest ‖·‖∞ means an outlier
@@ -291,7 +292,8 @@ def gram(X: np.ndarray) -> tuple[np.ndarray, float]:
     top, mid = float(linf.max()), float(np.median(linf))
     if top == 0.0:
         return np.zeros((k, k)), 1.0
-    s = 1.0 if 1e-100 <= top <= 1e100 else (math.sqrt(top) * math.sqrt(mid) or top)
+    low = mid if mid > 0.0 else top  # (a zero median row: the largest one decides)
+    s = 1.0 if 1e-100 <= low and top <= 1e100 else (math.sqrt(top) * math.sqrt(mid) or top)
     G = np.zeros((k, k))
     for j in range(0, d, _BLOCK):
         B = X[:, j : j + _BLOCK]

@@ -37,8 +37,9 @@ class GeometricMedian:
     smoothing ν = ``nu`` · median_i ‖z⁰ − x_i‖ is relative to the spread of the inputs, so the
     rule is exactly scale-equivariant. When an iterate comes close to an input x_j, the
     subgradient condition of x_j is checked and x_j returned if it is the minimiser (Weiszfeld
-    converges only sublinearly to a median that sits on an input). Reaching ``max_iter`` first
-    raises a RuntimeWarning. ``weighted=False`` uses a_i = 1.
+    converges only sublinearly to a median that sits on an input), else the iterate steps off
+    x_j by Vardi and Zhang's modified step (the medoid start is such an input). Reaching
+    ``max_iter`` first raises a RuntimeWarning. ``weighted=False`` uses a_i = 1.
     """
 
     nu: float = 1e-8
@@ -104,12 +105,23 @@ class GeometricMedian:
         total = a.sum()
         r = geo.dists(alpha)
         resid = math.inf
+        left: set[int] = set()  # inputs found not optimal and stepped off
         for it in range(1, max_iter + 1):
             j = int(np.argmin(r))
-            if r[j] <= 1e-3 * scale and self._optimal_at_input(geo, a, j, nu):
-                alpha = np.zeros(len(a))
-                alpha[j] = 1.0
-                return alpha, it, 0.0, True
+            if r[j] <= 1e-3 * scale and j not in left:
+                c, R, A = self._pull(geo, a, j, nu)
+                if R <= A:
+                    alpha = np.zeros(len(a))
+                    alpha[j] = 1.0
+                    return alpha, it, 0.0, True
+                # Vardi & Zhang (2000): off a non-optimal input along the pull of the others,
+                # z = (A/R) x_j + (1 − A/R) T̃, T̃ = Σ c_i x_i / Σ c — a descent step, where
+                # the smoothed step would stay at x_j (its weight a_j/ν dominates).
+                alpha = (1.0 - A / R) * c / c.sum()
+                alpha[j] += A / R
+                left.add(j)
+                r = geo.dists(alpha)
+                continue
             beta = a / np.maximum(nu, r)
             new = beta / beta.sum()
             # Residual at z (before the step): Σβ_i (z − x_i) = Σβ · (z − z_new).
@@ -121,18 +133,19 @@ class GeometricMedian:
         return alpha, max_iter, resid, False
 
     @staticmethod
-    def _optimal_at_input(geo, a, j: int, nu: float) -> bool:
-        """Is the input x_j itself the minimiser? 0 ∈ ∂g(x_j) iff
-        ‖Σ_{i ∉ C} a_i (x_j − x_i)/‖x_j − x_i‖‖ ≤ Σ_{i ∈ C} a_i for the inputs C that
-        coincide with x_j (within ν or the geometry's precision)."""
+    def _pull(geo, a, j: int, nu: float) -> tuple[np.ndarray, float, float]:
+        """``(c, R, A)`` at the input x_j: c_i = a_i/‖x_j − x_i‖ for the inputs i ∉ C, the
+        norm R = ‖Σ_{i ∉ C} c_i (x_i − x_j)‖ of the others' pull and the mass A of the
+        inputs C that coincide with x_j (within ν or the geometry's precision). x_j is the
+        minimiser iff 0 ∈ ∂g(x_j) iff R ≤ A."""
         d = geo.row(j)
         on = d <= np.maximum(nu, geo.precision(j))
         if on.all():
-            return True
+            return np.zeros(len(a)), 0.0, float(a.sum())
         c = np.where(on, 0.0, a / np.where(on, 1.0, d))
         v = -c
         v[j] += c.sum()
-        return geo.norm(v) <= a[on].sum()
+        return c, geo.norm(v), float(a[on].sum())
 
     def __call__(self, vectors, weights=None):
         arr, restore = to_numpy(vectors)

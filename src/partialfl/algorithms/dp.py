@@ -469,10 +469,13 @@ class DifferentiallyPrivate(AlgorithmWrapper):
 
 
 @register("wrapper", "dp", options=DPOptions, block="privacy")
-def _dp(opts: DPOptions, ctx: WrapperContext) -> DifferentiallyPrivate:
+def _dp(opts: DPOptions, ctx: WrapperContext) -> Algorithm:
     """Client-level differential privacy of θ: each client's update clipped, Gaussian noise
     on the aggregate (central) or on each update (local), ε from dp-accounting; personal
-    parameters never clipped, noised or sent."""
+    parameters never clipped, noised or sent. A stage of 0 rounds (skipped) releases nothing:
+    it is left unwrapped, so neither the plan nor the cohort of its table is checked."""
+    if ctx.rounds == 0:
+        return ctx.base
     fill = {}
     if opts.rounds is None and ctx.rounds:
         fill["rounds"] = ctx.rounds
