@@ -4,8 +4,10 @@ against db1c7f0: ``algorithms.dp._dp`` resolving the DP plan at build — the st
 and cohort filled in and checked —, ``presets._fedrep`` with gd clients, and
 ``pipeline.files._check_group`` casting a deployed θ). Each test below (but the controls)
 failed on that code because of the defect it names, and passes since the fix: a stage of 0
-rounds (skipped, or not among ``stages``) releases nothing and is left without the DP
-wrapper, so neither its plan nor its table's cohort is checked (``algorithms.dp._dp``).
+rounds (skipped, or not among ``stages``) releases nothing: its DP wrapper is *idle* (since
+round 66a: it plans nothing, checks no cohort and refuses every round; its nodes still
+withhold what a private node withholds) (``algorithms.dp._dp``; ``runtime.sync.run_sync``
+samples no cohort for 0 rounds).
 
 * Area 8/5 (a valid private run refused, and the dry run disagreeing with the run), the
   recipe docs/dp.md gives "to spend the budget in one stage only" — run the private stage

@@ -255,19 +255,16 @@ def _gaussian(tree: Params, rng: np.random.Generator, std: float) -> Params:
 
 
 class DifferentiallyPrivate(AlgorithmWrapper):
-    """``base`` with client-level DP of θ (see the module docstring).
-
-    Args:
-        base: a plain algorithm with uniform weighting, the mean aggregator and the default
-            server step (FFGG, LocalFFGG, FedAvg, FedAlt, FedSim, Ditto).
-        options: :class:`DPOptions`.
-    """
+    """``base`` — a plain algorithm with uniform weighting, the mean aggregator and the
+    default server step (FFGG, LocalFFGG, FedAvg, FedAlt, FedSim, Ditto) — with client-level
+    DP of θ under ``options`` (see the module docstring). ``idle``: a stage of 0 rounds,
+    which plans nothing and refuses every round (its nodes still behave as private ones)."""
 
     #: the server step reads the updates only through their mean and their number (with
     #: ``server_metrics`` empty, i.e. fixed clipping: secure aggregation can carry them)
     mean_only = True
 
-    def __init__(self, base: Algorithm, options: DPOptions) -> None:
+    def __init__(self, base: Algorithm, options: DPOptions, idle: bool = False) -> None:
         if isinstance(base, AlgorithmWrapper):  # a configuration's combination: a value
             # error, so a spec gets one line (a TypeError once escaped as a traceback)
             raise ValueError(f"DP wraps a plain algorithm, not the wrapper "
@@ -289,7 +286,7 @@ class DifferentiallyPrivate(AlgorithmWrapper):
                              "has its own server step (e.g. Scaffold's control variates)")
         if base.pseudo_gradient not in ("gradient", "delta"):
             raise ValueError(f"unknown pseudo_gradient {base.pseudo_gradient!r}")
-        self.options = options
+        self.options, self.idle = options, idle
         self.name = f"dp-{base.name}"
         self.client_metrics = tuple(getattr(base, "client_metrics", ()))
         self.server_metrics = (*getattr(base, "server_metrics", ()),
@@ -316,7 +313,8 @@ class DifferentiallyPrivate(AlgorithmWrapper):
     def init(self, problem, theta0: Params) -> ServerState:
         """The base state, after resolving the plan (a config that cannot meet its target
         raises here, before any round); the state records M and the clip norm."""
-        self.plan(problem.num_clients)
+        if not self.idle:
+            self.plan(problem.num_clients)
         state = self.base.init(problem, theta0)
         state.extra[NUM_CLIENTS] = int(problem.num_clients)
         if self.options.clip_norm is not None:
@@ -329,19 +327,19 @@ class DifferentiallyPrivate(AlgorithmWrapper):
         """Round ``round_``'s cohort under the options' sampling (what the accountant
         assumes). ``clients_per_round`` (the runtime's) must be None or the options' k; a
         round past the budget's ``rounds`` raises :class:`PrivacyBudgetError`."""
+        self.check_budget(round_)
         k = self.plan(num_clients).mechanism.clients_per_round
         if clients_per_round is not None and clients_per_round != k:
             raise ValueError(f"DP samples its own cohorts (clients_per_round={k} in its "
                              f"options); the run asked clients_per_round={clients_per_round}: "
                              "leave it unset")
-        self.check_budget(round_)
         return draw_cohort(self.options.sampling, seed, round_, num_clients, k)
 
     def check_budget(self, round_: int) -> None:
         """Refuse a round past the budget's ``rounds`` (:class:`PrivacyBudgetError`): asked
         by the sampling and by every client update, so a client (a SuperNode asked by an
         untrusted server) never releases more rounds than the accountant counts."""
-        rounds = self.options.rounds
+        rounds = 0 if self.idle else self.options.rounds
         if rounds is not None and round_ >= rounds:
             raise PrivacyBudgetError(f"DP budget covers rounds={rounds}; round {round_} would "
                                      "spend more privacy (raise the DP option rounds)")
@@ -445,7 +443,10 @@ class DifferentiallyPrivate(AlgorithmWrapper):
         return epsilon(plan.mechanism, rounds, plan.delta, self.options.accountant)
 
     def round_metrics(self, state: ServerState) -> dict:
-        """The privacy entries of a metric record: ε spent so far, δ, z and C."""
+        """The privacy entries of a metric record: ε spent so far, δ, z and C (none for an
+        idle stage: it released nothing)."""
+        if self.idle:
+            return {}
         M = state.extra[NUM_CLIENTS]
         plan = self.plan(M)
         clip = self._clip(state)
@@ -469,13 +470,13 @@ class DifferentiallyPrivate(AlgorithmWrapper):
 
 
 @register("wrapper", "dp", options=DPOptions, block="privacy")
-def _dp(opts: DPOptions, ctx: WrapperContext) -> Algorithm:
+def _dp(opts: DPOptions, ctx: WrapperContext) -> DifferentiallyPrivate:
     """Client-level differential privacy of θ: each client's update clipped, Gaussian noise
     on the aggregate (central) or on each update (local), ε from dp-accounting; personal
     parameters never clipped, noised or sent. A stage of 0 rounds (skipped) releases nothing:
-    it is left unwrapped, so neither the plan nor the cohort of its table is checked."""
+    neither its plan nor its table's cohort is checked (``idle``)."""
     if ctx.rounds == 0:
-        return ctx.base
+        return DifferentiallyPrivate(ctx.base, opts, idle=True)
     fill = {}
     if opts.rounds is None and ctx.rounds:
         fill["rounds"] = ctx.rounds

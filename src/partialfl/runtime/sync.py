@@ -287,7 +287,8 @@ def run_sync(run: Run) -> RunResult:
     # hooks of algorithms that sample their own cohorts and release a step every round (DP)
     sample = getattr(algorithm, "sample_cohort", sample_cohort)
     skip = getattr(algorithm, "server_update_empty", None)
-    sample(seed, 0, M, k)  # validate early
+    if rounds:
+        sample(seed, 0, M, k)  # validate early (a 0-round run samples nothing)
     mode = run.executor.mode
     transport = mode if isinstance(mode, SyncTransport) else InProcess(mode)
     getattr(mode, "new_run", lambda: None)()  # a reused worker pool checks its problem copy
