@@ -93,19 +93,20 @@ def cli(cwd: Path, data_dir, *args: str, timeout: float = 170.0):
 # process)
 _KILL_AT = """\
 import os, signal, sys
-what, tail = os.environ["KILL_CALL"], os.environ["KILL_PATH"]
-def hooked(real, arg):
-    def f(p, *a, **k):
-        if os.path.abspath(str(p if arg == 0 else a[0])).endswith(tail):
-            os.kill(os.getpid(), signal.SIGKILL)
-        return real(p, *a, **k)
-    return f
-if what == "unlink":
-    os.unlink = hooked(os.unlink, 0)
-elif what == "replace":
-    os.replace = hooked(os.replace, 1)
-import partialfl.cli as cli
-sys.exit(cli.main(sys.argv[1:]))
+if __name__ == "__main__":  # (not in the spawned workers that re-import this file)
+    what, tail = os.environ["KILL_CALL"], os.environ["KILL_PATH"]
+    def hooked(real, arg):
+        def f(p, *a, **k):
+            if os.path.abspath(str(p if arg == 0 else a[0])).endswith(tail):
+                os.kill(os.getpid(), signal.SIGKILL)
+            return real(p, *a, **k)
+        return f
+    if what == "unlink":
+        os.unlink = hooked(os.unlink, 0)
+    elif what == "replace":
+        os.replace = hooked(os.replace, 1)
+    import partialfl.cli as cli
+    sys.exit(cli.main(sys.argv[1:]))
 """
 
 

@@ -131,6 +131,8 @@ def claim_folder(out: Path, marker: str, owner: str) -> None:
                                   "--out")
         refuse_linked_folders(out)  # (a received folder: its files would go elsewhere)
         pio.clean_stale_writes(out)
+    elif out.is_dir():  # empty, or only the marker's killed first write: that one removed
+        pio.clean_stale_writes(out, recursive=False, targets=[marker])
     out.mkdir(parents=True, exist_ok=True)
     pio.write_json(out / marker, {"owner": owner})
 

@@ -389,7 +389,7 @@ class WorkerPool:
             if (self.pending[w] and self.task_timeout is not None
                     and now - self.since[w] > self.task_timeout):
                 self._kill(w)
-                return self._died(w, f"its task ran longer than {self.task_timeout} s "
+                return self._died(w, f"ran its task longer than {self.task_timeout} s "
                                      "(killed)")
         return None
 

@@ -40,10 +40,16 @@ F32_MAX = float(np.finfo(np.float32).max)
 
 def x_scale_problem(xd: np.dtype, xs: float) -> str | None:
     """Why float32 ``x · x_scale`` could overflow for some input of dtype ``xd`` (what the
-    readers return), or None."""
-    top = 1.0 if xd.kind == "b" else float(
-        np.iinfo(xd).max if xd.kind in "iu" else np.finfo(xd).max)
-    if top * xs <= F32_MAX:
+    readers return), or None: the largest |x| (a signed integer's minimum, a float's max)
+    times ``x_scale``, with a margin of 2⁻²⁰ for the float32 roundings of x, x_scale and
+    their product."""
+    if xd.kind == "b":
+        top = 1.0
+    elif xd.kind in "iu":
+        top = float(max(np.iinfo(xd).max, -int(np.iinfo(xd).min)))
+    else:
+        top = float(np.finfo(xd).max)
+    if top * xs * (1 + 2.0 ** -20) <= F32_MAX:
         return None
     return f"x_scale overflows float32 for {xd.str} inputs (x · x_scale must stay finite)"
 
