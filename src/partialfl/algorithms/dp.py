@@ -340,6 +340,8 @@ class DifferentiallyPrivate(AlgorithmWrapper):
         by the sampling and by every client update, so a client (a SuperNode asked by an
         untrusted server) never releases more rounds than the accountant counts."""
         rounds = 0 if self.idle else self.options.rounds
+        if round_ < 0:  # (not left to the cohort draw's own check of its purpose path)
+            raise PrivacyBudgetError(f"DP budget covers rounds 0, 1, …; round {round_} is none")
         if rounds is not None and round_ >= rounds:
             raise PrivacyBudgetError(f"DP budget covers rounds={rounds}; round {round_} would "
                                      "spend more privacy (raise the DP option rounds)")

@@ -4,6 +4,7 @@ is within the DP budget — asked before the node computes or records anything."
 
 from __future__ import annotations
 
+import math
 from collections.abc import Iterator
 
 from partialfl.algorithms.dp import DifferentiallyPrivate
@@ -27,9 +28,12 @@ def local_dp(algorithm) -> DifferentiallyPrivate | None:
 def local_noise_multiplier(algorithm, num_clients: int) -> float:
     """The noise multiplier z of the local-DP noise ``algorithm``'s clients add to their
     updates (0.0 when no wrapper in its chain is local DP): what a SuperNode's floor
-    (``dp-min-noise``) checks."""
+    (``dp-min-noise``) checks; ∞ for an idle wrapper (a stage of 0 rounds: it releases
+    nothing, so any floor is met — and it has no plan to read z from)."""
     alg = local_dp(algorithm)
-    return 0.0 if alg is None else float(alg.plan(num_clients).update_noise)
+    if alg is None:
+        return 0.0
+    return math.inf if alg.idle else float(alg.plan(num_clients).update_noise)
 
 
 def check_round(algorithm, round_: int) -> None:
