@@ -95,9 +95,14 @@ def _coerce(value: Any, tp, where: str):
             raise ConfigError(f"{where}: expected a list, got {value!r}")
         (inner, *rest) = typing.get_args(tp) or (Any,)
         return tuple(_coerce(v, inner, f"{where}[{i}]") for i, v in enumerate(value))
-    if dataclasses.is_dataclass(tp):
+    if dataclasses.is_dataclass(tp) or origin in (dict, Mapping):
         if not isinstance(value, Mapping):
             raise ConfigError(f"{where}: expected a table, got {value!r}")
+        if not dataclasses.is_dataclass(tp):  # a table of keyword arguments: string keys
+            bad = next((k for k in value if not isinstance(k, str)), None)
+            if bad is not None:
+                raise ConfigError(f"{where}: keys must be strings, got {bad!r}")
+            return dict(value)
         return from_dict(tp, value, where)
     if tp is Any:
         return value

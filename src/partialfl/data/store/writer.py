@@ -16,6 +16,7 @@ from __future__ import annotations
 import contextlib
 import json
 import os
+import re
 import shutil
 import uuid
 from collections.abc import Iterable, Iterator, Sequence
@@ -91,7 +92,10 @@ def clean_stale(path: str | Path) -> list[Path]:
     done = []
     if not path.parent.is_dir():
         return done
-    left = sorted(p for p in path.parent.iterdir() if p.name.startswith(f".{path.name}.")
+    # exactly the names a writer gives them (".NAME.tmp-PID-HEX12", ".NAME.old-PID-HEX12";
+    # older writers: no PID): a user's ".NAME.old-backup/" beside the store is not a writer's
+    own = re.compile(rf"\.{re.escape(path.name)}\.(tmp|old)-([0-9]+-)?[0-9a-f]{{12}}")
+    left = sorted(p for p in path.parent.iterdir() if own.fullmatch(p.name)
                   and p.is_dir() and not p.is_symlink() and not _writer_alive(p))
     for p in left:
         if p.name.startswith(f".{path.name}.tmp-"):
