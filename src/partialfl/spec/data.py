@@ -27,6 +27,9 @@ class ModelSpec:
     def __post_init__(self) -> None:
         if ":" not in self.name:
             entry("model", self.name.replace("-", "_"), "model.name")
+            if "name" in self.options:  # (it would replace the model the spec names)
+                raise ConfigError(f"model.options: 'name' is not an option of a registered "
+                                  f"model; the model is model.name ({self.name!r})")
 
 
 @dataclass(frozen=True)
@@ -59,6 +62,9 @@ class DataSpec(_Spec):
         self._components("data")
         e = entry("dataset", self.source, "data.source")
         object.__setattr__(self, "source", e.name)
+        if "name" in self.options:  # (it would replace the source the spec names)
+            raise ConfigError(f"data.options: 'name' is not an option of a source; the "
+                              f"source is data.source ({self.source!r})")
         if self.num_clients is not None and self.num_clients < 1:
             raise ConfigError(f"data.num_clients must be >= 1, got {self.num_clients}")
         if self.holdout < 0:
