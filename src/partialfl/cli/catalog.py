@@ -68,7 +68,10 @@ def _cmd_reproduce(args) -> int:
 
     # the user's files in --out are never replaced; a rerun resumes (its temp files cleaned)
     fresh = not out.exists()
-    claim_folder(out, "reproduction.json", f"reproduce {args.name}")
+    # (what decides which result files it writes: a rerun under others would mix them)
+    chosen = {"quick": bool(args.quick), "seeds": list(args.seeds or []), **{
+        k: extra[k] for k in ("folds", "plateau", "corpus", "task") if k in extra}}
+    claim_folder(out, "reproduction.json", f"reproduce {args.name}", chosen)
     try:
         summary = fn(out, quick=args.quick, seeds=args.seeds, data_dir=args.data_dir,
                      progress=not args.no_progress, **extra)

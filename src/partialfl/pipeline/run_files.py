@@ -112,29 +112,37 @@ def refuse_users_entries(out: Path, writes: tuple[str, ...], mark: str) -> None:
                                   "it: move it (or choose another --out)")
 
 
-def claim_folder(out: Path, marker: str, owner: str) -> None:
+def claim_folder(out: Path, marker: str, owner: str, options: dict | None = None) -> None:
     """A command that fills a whole folder (a reproduction) claims ``out``: new or empty, or
-    holding its ``marker`` (a JSON file naming the ``owner``) from an earlier start, whose
-    killed writes' temporary files are then removed (a folder linked below it refused); else
-    FileExistsError (one line) — the user's files, or another command's, which its files
-    would replace or mix with. Writes the marker."""
+    holding its ``marker`` (a JSON file naming the ``owner`` and the ``options`` that decide
+    which results it writes) from an earlier start with the same options, whose killed
+    writes' temporary files are then removed (a folder linked below it refused); else
+    FileExistsError (one line) — the user's files, another command's, or its own under other
+    options (their results would lie beside the new ones, under no summary). Writes the
+    marker."""
     if out.is_dir() and any(not (p.name.startswith(f".{marker}.") and p.name.endswith(".tmp"))
                             for p in out.iterdir()):  # (a killed first write of the marker)
         try:
-            who = pio.read_json(out / marker).get("owner")
+            held = pio.read_json(out / marker)
+            who, before = held.get("owner"), held.get("options", options)
         except (OSError, ValueError, AttributeError):
-            who = None
+            who = before = None
         if who != owner:
             what = f"the output of {who!r}" if isinstance(who, str) else "files that are not its"
             raise FileExistsError(f"{out} holds {what}; {owner} writes into a new or empty "
                                   "folder, or its own from an earlier start: choose another "
                                   "--out")
+        if before != options:
+            raise FileExistsError(f"{out} holds {owner} with other options ({before} here, "
+                                  f"{options} now): rerun with the same options, or choose "
+                                  "another --out")
         refuse_linked_folders(out)  # (a received folder: its files would go elsewhere)
         pio.clean_stale_writes(out)
     elif out.is_dir():  # empty, or only the marker's killed first write: that one removed
         pio.clean_stale_writes(out, recursive=False, targets=[marker])
     out.mkdir(parents=True, exist_ok=True)
-    pio.write_json(out / marker, {"owner": owner})
+    pio.write_json(out / marker, {"owner": owner} if options is None
+                   else {"owner": owner, "options": options})
 
 
 def record_added(out: Path, name: str) -> None:

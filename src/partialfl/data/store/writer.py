@@ -333,9 +333,11 @@ class StoreWriter:
             os.fsync(f.fileno())
 
     def _swap(self) -> None:
-        self._unlock()
+        # the lock file goes while the lock is still held: a writer starting now finds no lock
+        # file and asks whether this process lives (it did remove a live, unlocked folder)
         with contextlib.suppress(FileNotFoundError):
             os.unlink(self.tmp / LOCK)
+        self._unlock()
         fsync_dir(self.tmp)
         old = None
         if self.path.exists() or self.path.is_symlink():
