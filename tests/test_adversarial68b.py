@@ -2,11 +2,11 @@
 someone who did not write the fixes, against 3af7a6d: round 67b's ``clean_stale`` matching a
 writer's names exactly and ``config._coerce`` for ``dict[...]`` keys, then wide —
 concurrent store writers, reproductions rerun into their own folder with other options).
-Each test below (but the controls) failed on that code because of the defect it names, and passes since the fix:
-a store writer removes its lock file while it still holds the lock (``StoreWriter._swap``:
-a writer starting in between then asks whether its process lives); a reproduction records
-the options that decide its result files in ``reproduction.json`` and a rerun under other
-options is refused in one line (``run_files.claim_folder``, ``cli.catalog``).
+Each test below (but the controls) failed on that code because of the defect it names, and
+passes since the fix: a store writer removes its lock file while it still holds the lock
+(``StoreWriter._swap``: a writer starting in between then asks whether its process lives); a
+reproduction records the options that decide its result files in ``reproduction.json`` and a
+rerun under other options is refused in one line (``run_files.claim_folder``, ``cli.catalog``).
 
 * Area 7 (a store writer deleting what is not a dead writer's), two writers into the same
   destination at once: :meth:`partialfl.data.store.writer.StoreWriter._swap` first RELEASES
