@@ -140,9 +140,22 @@ def _flag(v: Any, what: str) -> bool:
     raise ConfigError(f"{what}: got {v!r}; expected true or false")
 
 
+#: the keys of a SuperNode's ``--node-config`` (Flower's partition keys, then the node's own)
+NODE_KEYS = ("partition-id", "num-partitions", "data", "allow-imports", "eval-min-clients",
+             "dp-noise-key", "dp-min-noise", "dp-ledger", "dp-max-releases")
+
+
 def node_options(node_config: Mapping[str, Any],
                  environ: Mapping[str, str] | None = None) -> NodeOptions:
-    """The options of a SuperNode from its ``--node-config`` and environment."""
+    """The options of a SuperNode from its ``--node-config`` and environment; an unknown key
+    is refused (a misspelt floor, e.g. ``dp_min_noise``, would otherwise be dropped)."""
+    from partialfl.config import did_you_mean
+
+    unknown = sorted(set(node_config) - set(NODE_KEYS))
+    if unknown:
+        raise ConfigError(f"node-config: unknown key {unknown[0]!r}"
+                          f"{did_you_mean(unknown[0], NODE_KEYS)}; allowed: "
+                          f"{', '.join(NODE_KEYS)}")
     env = os.environ if environ is None else environ
     part, nparts = node_partition(node_config)
     allow = _flag(node_config.get("allow-imports", False), "node-config 'allow-imports'") or \

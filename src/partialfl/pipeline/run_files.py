@@ -124,7 +124,7 @@ def claim_folder(out: Path, marker: str, owner: str, options: dict | None = None
                             for p in out.iterdir()):  # (a killed first write of the marker)
         try:
             held = pio.read_json(out / marker)
-            who, before = held.get("owner"), held.get("options", options)
+            who, before = held.get("owner"), held.get("options")
         except (OSError, ValueError, AttributeError):
             who = before = None
         if who != owner:
@@ -133,9 +133,9 @@ def claim_folder(out: Path, marker: str, owner: str, options: dict | None = None
                                   "folder, or its own from an earlier start: choose another "
                                   "--out")
         if before != options:
-            raise FileExistsError(f"{out} holds {owner} with other options ({before} here, "
-                                  f"{options} now): rerun with the same options, or choose "
-                                  "another --out")
+            here = "options it did not record" if before is None else f"other options ({before})"
+            raise FileExistsError(f"{out} holds {owner} with {here}; this run's are {options}: "
+                                  "rerun with the same options, or choose another --out")
         refuse_linked_folders(out)  # (a received folder: its files would go elsewhere)
         pio.clean_stale_writes(out)
     elif out.is_dir():  # empty, or only the marker's killed first write: that one removed

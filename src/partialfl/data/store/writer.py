@@ -66,7 +66,8 @@ def _pid_alive(pid: int) -> bool:
 
 def _writer_alive(folder: Path) -> bool:
     """Whether the writer that made ``folder`` (``.<name>.tmp-<pid>-<hex>``) still runs: its
-    lock is held (or, before it took the lock, its process exists)."""
+    lock is held (or, before it took the lock or once it removed the lock file to swap its
+    store in, its process exists)."""
     lock = folder / LOCK
     if fcntl is not None and lock.is_file():
         try:
@@ -75,11 +76,13 @@ def _writer_alive(folder: Path) -> bool:
             return True
         try:
             fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            swapping = os.fstat(fd).st_nlink == 0  # removed since we opened it, then unlocked
         except OSError:
             return True  # held: a live writer
         finally:
             os.close(fd)
-        return False
+        if not swapping:
+            return False
     pid = folder.name.rsplit("-", 2)[-2] if folder.name.count("-") >= 2 else ""
     return pid.isdigit() and _pid_alive(int(pid))
 
